@@ -1,0 +1,279 @@
+"""The patch catalogue: ``patches/series.toml`` and ``patches/<id>/patch.toml``.
+
+Modelled on quilt's series (the order patches apply in), Spack's
+version-ranged patches (PEP 440 specifiers mapped to diff files) and
+vllm-ascend's per-patch record (Why / Upstream / Remove-When).
+
+Each patch has *variants* (one unified diff per vLLM code family) and
+*decisions* (releases where the patch is ``upstream`` or ``not-applicable``,
+each with content evidence so that untested versions are decided by content,
+not by number). Every tested release must map to exactly one of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from patchkit.errors import PatchkitError
+from patchkit.hunks import FilePatch, parse_diff
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PATCHES_DIR_ENV = "PATCHKIT_PATCHES_DIR"
+DECISION_STATES = ("upstream", "not-applicable")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A regular expression that must match in a vLLM file (content check)."""
+
+    file: str
+    pattern: str
+
+    def found_in(self, text: str) -> bool:
+        return re.search(self.pattern, text, re.MULTILINE) is not None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One unified diff for one code family of vLLM."""
+
+    name: str
+    diff_path: Path
+    versions: SpecifierSet
+
+    @cached_property
+    def diff_bytes(self) -> bytes:
+        try:
+            return self.diff_path.read_bytes()
+        except OSError as exc:
+            raise PatchkitError(f"{self.diff_path}: cannot read the diff: {exc.strerror}") from None
+
+    @cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.diff_bytes).hexdigest()
+
+    @cached_property
+    def files(self) -> tuple[FilePatch, ...]:
+        text = self.diff_bytes.decode("utf-8", errors="replace")
+        return tuple(parse_diff(text, str(self.diff_path)))
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(f.path for f in self.files)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Releases where the patch is upstream or not applicable, and the proof."""
+
+    state: str
+    versions: SpecifierSet
+    reason: str
+    evidence: tuple[Evidence, ...]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A known problem that the patch does not fix, warned about by status."""
+
+    versions: SpecifierSet
+    message: str
+    evidence: tuple[Evidence, ...] = ()
+
+
+@dataclass(frozen=True)
+class Override:
+    """A setting that can replace the patched code path (checked by `doctor`)."""
+
+    env: str
+    versions: SpecifierSet
+    detail: str
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    title: str
+    why: str
+    upstream: tuple[str, ...]
+    remove_when: str
+    variants: tuple[Variant, ...]
+    decisions: tuple[Decision, ...]
+    notices: tuple[Notice, ...] = ()
+    runtime_gate: str = ""
+    overridden_by: Override | None = None
+    covers: str = ""
+    root: Path = field(default=Path("."), compare=False)
+
+    def expected_for(self, version: Version | None) -> Variant | Decision | None:
+        """The variant or decision the catalogue lists for this version."""
+        if version is None:
+            return None
+        for entry in (*self.variants, *self.decisions):
+            if entry.versions.contains(version, prereleases=True):
+                return entry
+        return None
+
+    def variant(self, name: str) -> Variant | None:
+        return next((v for v in self.variants if v.name == name), None)
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    root: Path
+    patches: tuple[Patch, ...]
+    tested_releases: tuple[str, ...]
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(p.id for p in self.patches)
+
+    def get(self, patch_id: str) -> Patch:
+        for patch in self.patches:
+            if patch.id == patch_id:
+                return patch
+        raise PatchkitError(f"unknown patch {patch_id!r}; known: {', '.join(self.ids)}")
+
+    def is_tested(self, version: Version | None) -> bool:
+        return version is not None and str(version) in self.tested_releases
+
+    @property
+    def tested_span(self) -> str:
+        return f"{self.tested_releases[0]} to {self.tested_releases[-1]}"
+
+
+def default_root() -> Path:
+    """The catalogue shipped with patchkit, unless PATCHKIT_PATCHES_DIR names another."""
+    override = os.environ.get(PATCHES_DIR_ENV)
+    if override:
+        return Path(override)
+    here = Path(__file__).resolve().parent
+    installed = here / "patches"  # a wheel install carries patches/ inside the package
+    return installed if installed.is_dir() else here.parent / "patches"
+
+
+def load_catalogue(root: Path | None = None) -> Catalogue:
+    root = Path(root) if root is not None else default_root()
+    series_file = root / "series.toml"
+    series = _read_toml(series_file)
+    ids = _require(series, "series", series_file, list)
+    releases = tuple(_require(series, "tested_releases", series_file, list))
+    patches = tuple(_load_patch(root / patch_id, patch_id) for patch_id in ids)
+    return Catalogue(root=root, patches=patches, tested_releases=releases)
+
+
+def _load_patch(directory: Path, patch_id: str) -> Patch:
+    meta_file = directory / "patch.toml"
+    meta = _read_toml(meta_file)
+    if meta.get("id") != patch_id:
+        raise PatchkitError(f"{meta_file}: id must be {patch_id!r} (the series entry)")
+    variants = tuple(
+        Variant(
+            name=_require(v, "name", meta_file, str),
+            diff_path=directory / _require(v, "diff", meta_file, str),
+            versions=_specifier(v, meta_file),
+        )
+        for v in meta.get("variants", [])
+    )
+    decisions = tuple(
+        Decision(
+            state=_decision_state(d, meta_file),
+            versions=_specifier(d, meta_file),
+            reason=_require(d, "reason", meta_file, str),
+            evidence=_evidence(d, meta_file),
+        )
+        for d in meta.get("decisions", [])
+    )
+    notices = tuple(
+        Notice(
+            versions=_specifier(n, meta_file),
+            message=_require(n, "message", meta_file, str),
+            evidence=_evidence(n, meta_file, required=False),
+        )
+        for n in meta.get("notices", [])
+    )
+    return Patch(
+        id=patch_id,
+        title=_require(meta, "title", meta_file, str),
+        why=_require(meta, "why", meta_file, str).strip(),
+        upstream=tuple(_require(meta, "upstream", meta_file, list)),
+        remove_when=_require(meta, "remove_when", meta_file, str).strip(),
+        variants=variants,
+        decisions=decisions,
+        notices=notices,
+        runtime_gate=meta.get("runtime_gate", "").strip(),
+        overridden_by=_override(meta.get("overridden_by"), meta_file),
+        covers=meta.get("covers", "").strip(),
+        root=directory,
+    )
+
+
+def _override(table: dict | None, origin: Path) -> Override | None:
+    if table is None:
+        return None
+    return Override(
+        env=_require(table, "env", origin, str),
+        versions=_specifier(table, origin),
+        detail=_require(table, "detail", origin, str).strip(),
+    )
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise PatchkitError(f"{path}: cannot read the patch catalogue: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PatchkitError(f"{path}: invalid TOML: {exc}") from None
+
+
+def _require(table: dict, key: str, origin: Path, kind: type):
+    value = table.get(key)
+    if not isinstance(value, kind) or not value:
+        raise PatchkitError(f"{origin}: missing or empty {key!r} ({kind.__name__} expected)")
+    return value
+
+
+def _specifier(table: dict, origin: Path) -> SpecifierSet:
+    text = _require(table, "versions", origin, str)
+    try:
+        return SpecifierSet(text)
+    except InvalidSpecifier:
+        raise PatchkitError(f"{origin}: invalid version specifier {text!r}") from None
+
+
+def _decision_state(table: dict, origin: Path) -> str:
+    state = _require(table, "state", origin, str)
+    if state not in DECISION_STATES:
+        raise PatchkitError(f"{origin}: state {state!r} is not one of {DECISION_STATES}")
+    return state
+
+
+def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidence, ...]:
+    items = table.get("evidence", [])
+    if required and not items:
+        raise PatchkitError(f"{origin}: a decision needs content evidence (file + pattern)")
+    evidence = []
+    for item in items:
+        file = _require(item, "file", origin, str)
+        pattern = _require(item, "pattern", origin, str)
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise PatchkitError(f"{origin}: evidence pattern {pattern!r}: {exc}") from None
+        evidence.append(Evidence(file=file, pattern=pattern))
+    return tuple(evidence)

@@ -1,0 +1,146 @@
+"""The command line: list, status, apply, revert, fetch.
+
+Exit status: 0 success (including "nothing to do"), 1 failure (and then
+nothing changed on disk), 2 usage error. User errors print one line, no
+traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from patchkit import operations, report
+from patchkit.catalogue import load_catalogue
+from patchkit.errors import PatchkitError
+from patchkit.tree import locate
+
+TARGET_HELP = (
+    "Directory that contains vllm/ (site-packages, dist-packages or a vLLM checkout). "
+    "Default: the vLLM importable by this Python (found without importing it)."
+)
+
+
+def user_errors(func):
+    """Turn PatchkitError into one line on stderr (and JSON on stdout) and exit 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except PatchkitError as exc:
+            if kwargs.get("as_json"):
+                report.emit_json({"ok": False, "error": str(exc)})
+            click.echo(f"patchkit: error: {exc}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def target_options(func):
+    func = click.option("--target", type=click.Path(file_okay=False), help=TARGET_HELP)(func)
+    func = click.option(
+        "--vllm-version",
+        envvar="PATCHKIT_VLLM_VERSION",
+        help="Override the detected vLLM version (odd builds); also PATCHKIT_VLLM_VERSION.",
+    )(func)
+    return func
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+only_option = click.option(
+    "--only", multiple=True, metavar="ID", help="Limit to this patch (repeatable)."
+)
+caches_option = click.option(
+    "--clear-caches",
+    is_flag=True,
+    help="Also clear vLLM's torch.compile cache and Triton's kernel cache.",
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="patchkit")
+def main() -> None:
+    """Repair installed vLLM trees with versioned, verified, reversible patches."""
+
+
+@main.command("list")
+@json_option
+@user_errors
+def list_patches(as_json: bool) -> None:
+    """Print the patch catalogue: ids, version ranges, why, upstream, remove-when."""
+    catalogue = load_catalogue()
+    if as_json:
+        report.emit_json(report.catalogue_json(catalogue))
+    else:
+        report.render_catalogue(catalogue)
+
+
+@main.command()
+@target_options
+@json_option
+@user_errors
+def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
+    """Show each patch's state on the tree (reads files only)."""
+    tree = locate(target, vllm_version)
+    result = operations.status(tree, load_catalogue())
+    if as_json:
+        data = result.to_json()
+        report.emit_json(
+            {
+                "vllm": data["vllm"],
+                "patches": [
+                    {k: p[k] for k in ("id", "state", "reason", "variant", "files", "warnings")}
+                    for p in data["patches"]
+                ],
+                "warnings": data["warnings"],
+            }
+        )
+    else:
+        report.render_run(result)
+
+
+@main.command()
+@target_options
+@only_option
+@click.option("--dry-run", is_flag=True, help="Check everything, write nothing.")
+@click.option("--strict", is_flag=True, help="Treat every warning as a failure.")
+@caches_option
+@json_option
+@user_errors
+def apply(target, vllm_version, only, dry_run, strict, clear_caches, as_json) -> None:
+    """Apply the patches this vLLM needs (idempotent; all or nothing)."""
+    tree = locate(target, vllm_version)
+    result = operations.apply(tree, load_catalogue(), only, dry_run, strict, clear_caches)
+    report.emit_json(result.to_json()) if as_json else report.render_run(result)
+
+
+@main.command()
+@target_options
+@only_option
+@click.option("--force", is_flag=True, help="Restore originals even over later edits.")
+@caches_option
+@json_option
+@user_errors
+def revert(target, vllm_version, only, force, clear_caches, as_json) -> None:
+    """Undo applied patches; the tree becomes byte-identical to before."""
+    tree = locate(target, vllm_version)
+    result = operations.revert(tree, load_catalogue(), only, force, clear_caches)
+    report.emit_json(result.to_json()) if as_json else report.render_run(result)
+
+
+@main.command()
+@click.argument("version")
+@click.option("--dest", type=click.Path(file_okay=False), help="Unpack here instead of the cache.")
+@user_errors
+def fetch(version: str, dest: str | None) -> None:
+    """Download vLLM VERSION's wheel and print the directory of its unpacked tree."""
+    from patchkit.fetch import fetch as fetch_tree
+
+    click.echo(str(fetch_tree(version, dest)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

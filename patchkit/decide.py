@@ -1,0 +1,262 @@
+"""Decide each patch's state on a tree, by content first and by version second.
+
+States:
+
+* ``needed``         - a variant's pristine side matches; applying is safe.
+* ``applied``        - patchkit's patched text is there.
+* ``upstream``       - this release already has the fix (content evidence).
+* ``not-applicable`` - this release's design makes the patch meaningless.
+* ``conflict``       - neither pristine nor patched: a fork, a hand edit, a
+  half-applied patch, or a file that differs from the wheel's RECORD.
+
+The version only orders the search (the variant listed for it is tried
+first) and decides whether to warn that the release is untested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from patchkit.catalogue import Catalogue, Decision, Patch, Variant
+from patchkit.errors import HunkMismatch
+from patchkit.hunks import Placement, apply_file_patch
+from patchkit.state import PatchRecord, State
+from patchkit.transaction import FileChange
+from patchkit.tree import VllmTree, sha256_bytes
+
+NEEDED = "needed"
+APPLIED = "applied"
+UPSTREAM = "upstream"
+NOT_APPLICABLE = "not-applicable"
+CONFLICT = "conflict"
+
+
+@dataclass
+class Assessment:
+    """One patch's state on one tree, and what applying it would write."""
+
+    patch: Patch
+    state: str
+    reason: str = ""
+    variant: Variant | None = None
+    files: tuple[str, ...] = ()
+    placements: list[Placement] = field(default_factory=list)
+    changes: list[FileChange] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    record: PatchRecord | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.patch.id,
+            "state": self.state,
+            "reason": self.reason or None,
+            "variant": self.variant.name if self.variant else None,
+            "files": list(self.files),
+            "warnings": self.warnings,
+        }
+
+
+class TreeFiles:
+    """Reads each file of the tree once per run."""
+
+    def __init__(self, tree: VllmTree):
+        self.tree = tree
+        self._cache: dict[str, bytes | None] = {}
+
+    def data(self, relpath: str) -> bytes | None:
+        if relpath not in self._cache:
+            try:
+                self._cache[relpath] = self.tree.path(relpath).read_bytes()
+            except FileNotFoundError:
+                self._cache[relpath] = None
+        return self._cache[relpath]
+
+    def text(self, relpath: str) -> str | None:
+        data = self.data(relpath)
+        return None if data is None else data.decode("utf-8", errors="surrogateescape")
+
+    def sha256(self, relpath: str) -> str | None:
+        data = self.data(relpath)
+        return None if data is None else sha256_bytes(data)
+
+
+def assess(patch: Patch, tree: VllmTree, state: State, catalogue: Catalogue) -> Assessment:
+    return assess_with(patch, tree, state, catalogue, TreeFiles(tree))
+
+
+def assess_with(
+    patch: Patch, tree: VllmTree, state: State, catalogue: Catalogue, files: TreeFiles
+) -> Assessment:
+    version = tree.parsed_version
+    expected = patch.expected_for(version)
+    result = (
+        _from_record(patch, state.patches.get(patch.id), files)
+        or _from_decisions(patch, expected, files)
+        or _from_variants(patch, expected, tree, files)
+    )
+    if not catalogue.is_tested(version):
+        result.warnings.insert(
+            0,
+            f"vLLM {tree.version} is not a tested release ({catalogue.tested_span}); "
+            "decided by content",
+        )
+    result.warnings.extend(_notices(patch, tree, files))
+    return result
+
+
+def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> Assessment | None:
+    """Trust our own record when the files still carry the hashes it wrote."""
+    if record is None:
+        return None
+    paths = tuple(f.path for f in record.files)
+    current = {f.path: files.sha256(f.path) for f in record.files}
+    if all(current[f.path] == f.post_sha256 for f in record.files):
+        variant = patch.variant(record.variant)
+        result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
+        if variant is None or variant.sha256 != record.patch_sha256:
+            result.warnings.append(
+                f"{patch.id}: the patch file changed since it was applied; run "
+                f"`patchkit revert --only {patch.id}` then `patchkit apply --only {patch.id}`"
+            )
+        return result
+    if all(current[f.path] == f.pre_sha256 for f in record.files):
+        return None  # vLLM was reinstalled over a patched tree: the record is stale
+    edited = next(f.path for f in record.files if current[f.path] != f.post_sha256)
+    return Assessment(
+        patch,
+        CONFLICT,
+        reason=(
+            f"{edited} was edited after patchkit applied {patch.id}; "
+            f"`patchkit revert --only {patch.id} --force` restores the original"
+        ),
+        files=paths,
+        record=record,
+    )
+
+
+def _from_decisions(
+    patch: Patch, expected: Variant | Decision | None, files: TreeFiles
+) -> Assessment | None:
+    ordered = sorted(patch.decisions, key=lambda d: d is not expected)
+    for decision in ordered:
+        if all(e.found_in(files.text(e.file) or "") for e in decision.evidence):
+            evidence_files = tuple(dict.fromkeys(e.file for e in decision.evidence))
+            return Assessment(patch, decision.state, reason=decision.reason, files=evidence_files)
+    return None
+
+
+def _from_variants(
+    patch: Patch, expected: Variant | Decision | None, tree: VllmTree, files: TreeFiles
+) -> Assessment:
+    ordered = sorted(patch.variants, key=lambda v: v is not expected)
+    for variant in ordered:
+        attempt = _try_variant(variant, files, reverse=False)
+        if attempt is not None:
+            result = _needed(patch, variant, attempt, tree, files)
+            if isinstance(expected, Variant) and variant is not expected:
+                result.warnings.append(
+                    f"{patch.id}: content matches variant {variant.name}, not "
+                    f"{expected.name} listed for vLLM {tree.version}"
+                )
+            if isinstance(expected, Decision):
+                result.warnings.append(
+                    f"{patch.id}: the catalogue lists vLLM {tree.version} as {expected.state}, "
+                    "but its evidence is not in this tree"
+                )
+            return result
+    for variant in ordered:
+        if _try_variant(variant, files, reverse=True) is not None:
+            return Assessment(
+                patch,
+                APPLIED,
+                reason=(
+                    "the patched text is present but patchkit has no record of applying it "
+                    "(applied by hand, or .patchkit/ was removed); revert reverse-applies the diff"
+                ),
+                variant=variant,
+                files=variant.paths,
+            )
+    return _conflict(patch, expected, files)
+
+
+def _try_variant(
+    variant: Variant, files: TreeFiles, reverse: bool
+) -> tuple[dict[str, str | None], list[Placement]] | None:
+    """New texts and placements if every hunk of the variant applies, else None."""
+    new_texts: dict[str, str | None] = {}
+    placements: list[Placement] = []
+    try:
+        for file_patch in variant.files:
+            fp = file_patch.reversed() if reverse else file_patch
+            new_text, where = apply_file_patch(files.text(fp.path), fp)
+            new_texts[fp.path] = new_text
+            placements.extend(where)
+    except HunkMismatch:
+        return None
+    return new_texts, placements
+
+
+def _needed(
+    patch: Patch,
+    variant: Variant,
+    attempt: tuple[dict[str, str | None], list[Placement]],
+    tree: VllmTree,
+    files: TreeFiles,
+) -> Assessment:
+    new_texts, placements = attempt
+    for path in new_texts:
+        recorded = tree.record.get(path)
+        if recorded is not None and files.sha256(path) != recorded:
+            return Assessment(
+                patch,
+                CONFLICT,
+                reason=(
+                    f"{path} differs from the sha256 in vLLM {tree.version}'s RECORD "
+                    "(edited, or not the wheel's file); reinstall vLLM "
+                    f"(pip install --force-reinstall --no-deps vllm=={tree.version}) to patch it"
+                ),
+                variant=variant,
+                files=variant.paths,
+            )
+    changes = [
+        FileChange(
+            path,
+            files.data(path),
+            None if text is None else text.encode("utf-8", errors="surrogateescape"),
+        )
+        for path, text in new_texts.items()
+    ]
+    return Assessment(
+        patch, NEEDED, variant=variant, files=variant.paths, placements=placements, changes=changes
+    )
+
+
+def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
+    variant = expected if isinstance(expected, Variant) else patch.variants[0]
+    detail = "no variant matches"
+    try:
+        for file_patch in variant.files:
+            apply_file_patch(files.text(file_patch.path), file_patch)
+    except HunkMismatch as exc:
+        detail = str(exc)
+    return Assessment(
+        patch,
+        CONFLICT,
+        reason=(
+            f"variant {variant.name}: {detail}; the file is neither the pristine text "
+            f"this patch expects nor its patched text"
+        ),
+        variant=variant,
+        files=variant.paths,
+    )
+
+
+def _notices(patch: Patch, tree: VllmTree, files: TreeFiles) -> list[str]:
+    version = tree.parsed_version
+    found = []
+    for notice in patch.notices:
+        in_range = version is not None and notice.versions.contains(version, prereleases=True)
+        has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
+        if has_evidence and (in_range or (version is None and notice.evidence)):
+            found.append(f"{patch.id}: {notice.message}")
+    return found

@@ -1,0 +1,98 @@
+"""``patchkit fetch VERSION``: a pristine vLLM release tree from its PyPI wheel.
+
+pip (as a subprocess) downloads the x86_64 wheel; its Python files and its
+``vllm-VERSION.dist-info/`` (with the RECORD of sha256 hashes) are unpacked
+into an install-like directory, so ``--target`` sees exactly what
+``pip install`` would have put in site-packages. Compiled extensions are
+left out: patches touch Python files only, and the tree stays small. The
+wheel is deleted after unpacking; the tree is the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from patchkit.errors import PatchkitError
+
+CACHE_ENV = "PATCHKIT_CACHE_DIR"
+MARKER = ".patchkit-fetched"
+# vLLM wheels are cp38-abi3 manylinux x86_64; 0.21.0 is tagged manylinux_2_39.
+PLATFORMS = ["manylinux2014_x86_64"] + [
+    f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)
+]
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "patchkit"
+
+
+def fetch(version: str, dest: Path | None = None) -> Path:
+    """Return a directory holding vllm/ and its dist-info for ``version``."""
+    try:
+        Version(version)
+    except InvalidVersion:
+        raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)") from None
+    dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
+    if (dest / MARKER).is_file():
+        return dest
+    if dest.exists() and any(dest.iterdir()):
+        raise PatchkitError(
+            f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".vllm-{version}-", dir=dest.parent) as tmp:
+        wheel = _download(version, Path(tmp))
+        staging = Path(tmp) / "tree"
+        _unpack(wheel, staging)
+        (staging / MARKER).write_text(f"{wheel.name}\n")
+        if dest.exists():
+            dest.rmdir()
+        os.replace(staging, dest)
+    return dest
+
+
+def _download(version: str, directory: Path) -> Path:
+    command = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        "--only-binary", ":all:", "--python-version", "3.12", "--implementation", "cp",
+        *[arg for platform in PLATFORMS for arg in ("--platform", platform)],
+        "--dest", str(directory), f"vllm=={version}",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(directory.glob("vllm-*.whl"))
+    if result.returncode != 0 or not wheels:
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
+        detail = lines[-1].strip() if lines else f"pip exited {result.returncode}"
+        raise PatchkitError(f"fetch: pip could not download vllm=={version}: {detail}")
+    return wheels[0]
+
+
+def _unpack(wheel: Path, staging: Path) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.infolist():
+                if _wanted(member.filename):
+                    archive.extract(member, staging)
+    except zipfile.BadZipFile:
+        raise PatchkitError(f"fetch: {wheel.name} is not a valid wheel") from None
+    if not (staging / "vllm" / "__init__.py").is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        raise PatchkitError(f"fetch: {wheel.name} holds no vllm/ package")
+
+
+def _wanted(name: str) -> bool:
+    top = name.split("/", 1)[0]
+    if top.endswith(".dist-info"):
+        return True
+    return top == "vllm" and name.endswith((".py", ".pyi"))

@@ -1,0 +1,297 @@
+"""apply and revert: assess every selected patch, then write all of it or none.
+
+Nothing is written until every selected patch has been checked: a conflict,
+or any warning under ``--strict``, stops the run with the tree untouched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from patchkit import bytecode
+from patchkit.catalogue import Catalogue, Patch
+from patchkit.decide import APPLIED, CONFLICT, NEEDED, Assessment, TreeFiles, assess_with
+from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.hunks import apply_file_patch
+from patchkit.state import FileRecord, PatchRecord, State, load_state, state_dir, tidy
+from patchkit.transaction import FileChange, TreeLock, commit, interrupted, recover
+from patchkit.tree import VllmTree, sha256_bytes
+
+
+@dataclass
+class Outcome:
+    """What a run did (or would do) with one patch."""
+
+    assessment: Assessment
+    action: str  # applied, would-apply, already-applied, skipped, reverted, not-applied
+
+    def to_json(self) -> dict:
+        data = self.assessment.to_json()
+        data["action"] = self.action
+        data["hunks"] = [
+            {"file": p.path, "hunk": p.hunk, "line": p.line, "offset": p.offset}
+            for p in self.assessment.placements
+        ]
+        return data
+
+
+@dataclass
+class RunReport:
+    command: str
+    tree: VllmTree
+    outcomes: list[Outcome] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    bytecode_removed: list[str] = field(default_factory=list)
+    caches_removed: list[dict] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "command": self.command,
+            "vllm": self.tree.describe(),
+            "dry_run": self.dry_run,
+            "patches": [o.to_json() for o in self.outcomes],
+            "warnings": self.warnings,
+            "notes": self.notes,
+            "bytecode_removed": self.bytecode_removed,
+            "caches_removed": self.caches_removed,
+        }
+
+
+def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
+    """The patches named by --only (all when empty), in series order."""
+    for patch_id in only:
+        catalogue.get(patch_id)  # raises on an unknown id
+    return [p for p in catalogue.patches if not only or p.id in only]
+
+
+def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
+    """Assess every patch; reads files only."""
+    state = load_state(tree.root)
+    report = RunReport("status", tree)
+    if interrupted(state):
+        report.warnings.append(
+            "an earlier patchkit run was interrupted while writing; the next "
+            "`patchkit apply` or `patchkit revert` rolls it back"
+        )
+    files = TreeFiles(tree)
+    for patch in catalogue.patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        report.outcomes.append(Outcome(assessment, assessment.state))
+        report.warnings.extend(assessment.warnings)
+    return report
+
+
+def apply(
+    tree: VllmTree,
+    catalogue: Catalogue,
+    only: tuple[str, ...] = (),
+    dry_run: bool = False,
+    strict: bool = False,
+    clear_caches: bool = False,
+) -> RunReport:
+    report = RunReport("apply", tree, dry_run=dry_run)
+    patches = select(catalogue, only)
+    if dry_run:
+        return _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
+    with TreeLock(state_dir(tree.root)):
+        state = load_state(tree.root)
+        report.notes.extend(recover(tree.root, state))
+        state = load_state(tree.root)
+        _plan_apply(report, tree, catalogue, patches, only, strict, state)
+        needed = [o.assessment for o in report.outcomes if o.action == "applied"]
+        if needed:
+            _commit_apply(tree, state, needed)
+            paths = [c.path for a in needed for c in a.changes]
+            report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+    tidy(tree.root)
+    if clear_caches:
+        report.caches_removed = bytecode.clear_caches()
+    return report
+
+
+def _plan_apply(
+    report: RunReport,
+    tree: VllmTree,
+    catalogue: Catalogue,
+    patches: list[Patch],
+    only: tuple[str, ...],
+    strict: bool,
+    state: State,
+) -> RunReport:
+    files = TreeFiles(tree)
+    if report.dry_run and interrupted(state):
+        report.warnings.append("an interrupted run will be rolled back first by a real apply")
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        report.warnings.extend(assessment.warnings)
+        if assessment.state == CONFLICT:
+            raise PatchkitError(
+                f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
+                f"(apply the others with --only)"
+            )
+        action = {
+            NEEDED: "would-apply" if report.dry_run else "applied",
+            APPLIED: "already-applied",
+        }
+        report.outcomes.append(Outcome(assessment, action.get(assessment.state, "skipped")))
+        if patch.id in only and assessment.state not in (NEEDED, APPLIED):
+            report.warnings.append(
+                f"{patch.id} was asked for with --only but is not applied: "
+                f"{assessment.state} ({assessment.reason})"
+            )
+    _fail_if_strict(report, strict)
+    return report
+
+
+def _fail_if_strict(report: RunReport, strict: bool) -> None:
+    if strict and report.warnings:
+        count = len(report.warnings)
+        raise PatchkitError(
+            f"--strict: {report.warnings[0]}"
+            + (f" (and {count - 1} more warnings)" if count > 1 else "")
+            + "; nothing was changed"
+        )
+
+
+def _commit_apply(tree: VllmTree, state: State, needed: list[Assessment]) -> None:
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    backups = {}
+    for assessment in needed:
+        patch_id = assessment.patch.id
+        records = []
+        for change in assessment.changes:
+            backup = None
+            if change.before is not None:
+                backup = f"backups/{patch_id}/{change.path}"
+                backups[state.directory / backup] = change.before
+            records.append(
+                FileRecord(
+                    path=change.path,
+                    pre_sha256=_sha(change.before),
+                    post_sha256=_sha(change.after),
+                    backup=backup,
+                )
+            )
+        state.patches[patch_id] = PatchRecord(
+            id=patch_id,
+            patch_sha256=assessment.variant.sha256,
+            variant=assessment.variant.name,
+            applied_at=now,
+            files=records,
+        )
+    state.vllm_version = tree.version
+    changes = [c for a in needed for c in a.changes]
+    commit(tree.root, state, changes, backups)
+
+
+def revert(
+    tree: VllmTree,
+    catalogue: Catalogue,
+    only: tuple[str, ...] = (),
+    force: bool = False,
+    clear_caches: bool = False,
+) -> RunReport:
+    report = RunReport("revert", tree)
+    patches = list(reversed(select(catalogue, only)))
+    with TreeLock(state_dir(tree.root)):
+        state = load_state(tree.root)
+        report.notes.extend(recover(tree.root, state))
+        state = load_state(tree.root)
+        files = TreeFiles(tree)
+        changes: list[FileChange] = []
+        for patch in patches:
+            assessment = assess_with(patch, tree, state, catalogue, files)
+            report.warnings.extend(assessment.warnings)
+            patch_changes = _revert_changes(assessment, state, files, force)
+            if patch_changes is None:
+                report.outcomes.append(Outcome(assessment, "not-applied"))
+                if patch.id in only:
+                    report.warnings.append(f"{patch.id} is not applied ({assessment.state})")
+                continue
+            changes.extend(patch_changes)
+            state.patches.pop(patch.id, None)
+            report.outcomes.append(Outcome(assessment, "reverted"))
+        if changes:
+            commit(tree.root, state, changes, backups={})
+            report.bytecode_removed = bytecode.remove_bytecode(tree.root, [c.path for c in changes])
+        _drop_backups(state, [o.assessment.patch.id for o in report.outcomes])
+    tidy(tree.root)
+    if clear_caches:
+        report.caches_removed = bytecode.clear_caches()
+    return report
+
+
+def _revert_changes(
+    assessment: Assessment, state: State, files: TreeFiles, force: bool
+) -> list[FileChange] | None:
+    """The writes that undo one patch; None when it is not applied."""
+    record = assessment.record
+    if assessment.state == CONFLICT and record is not None:
+        if not force:
+            raise PatchkitError(
+                f"{assessment.patch.id}: {assessment.reason.split(';')[0]}; revert refuses "
+                "to overwrite those edits (use --force to restore the original anyway); "
+                "nothing was changed"
+            )
+        return [_restore_from_backup(f, state, files, assessment) for f in record.files]
+    if assessment.state != APPLIED:
+        return None
+    if record is not None:
+        return [_restore_from_backup(f, state, files, assessment) for f in record.files]
+    return _reverse_apply(assessment, files)
+
+
+def _restore_from_backup(
+    record: FileRecord, state: State, files: TreeFiles, assessment: Assessment
+) -> FileChange:
+    current = files.data(record.path)
+    if record.pre_sha256 is None:
+        return FileChange(record.path, current, None)  # the patch created it
+    backup = state.directory / record.backup if record.backup else None
+    original = backup.read_bytes() if backup and backup.is_file() else None
+    if original is not None and _sha(original) == record.pre_sha256:
+        return FileChange(record.path, current, original)
+    rebuilt = _reverse_one(assessment, record.path, files)
+    if rebuilt is None or _sha(rebuilt) != record.pre_sha256:
+        raise PatchkitError(
+            f"{assessment.patch.id}: the backup of {record.path} is missing or damaged and "
+            "reverse-applying the diff does not give the original back; reinstall vLLM "
+            f"(pip install --force-reinstall --no-deps vllm=={state.vllm_version}); "
+            "nothing was changed"
+        )
+    return FileChange(record.path, current, rebuilt)
+
+
+def _reverse_apply(assessment: Assessment, files: TreeFiles) -> list[FileChange]:
+    changes = []
+    for path in assessment.variant.paths:
+        rebuilt = _reverse_one(assessment, path, files)
+        changes.append(FileChange(path, files.data(path), rebuilt))
+    return changes
+
+
+def _reverse_one(assessment: Assessment, path: str, files: TreeFiles) -> bytes | None:
+    """The file with the variant's hunks for ``path`` undone; None if they do not match."""
+    variant = assessment.variant
+    file_patch = next((f for f in variant.files if f.path == path), None) if variant else None
+    if file_patch is None:
+        return None
+    try:
+        text, _ = apply_file_patch(files.text(path), file_patch.reversed())
+    except HunkMismatch:
+        return None
+    return None if text is None else text.encode("utf-8", errors="surrogateescape")
+
+
+def _drop_backups(state: State, patch_ids: list[str]) -> None:
+    for patch_id in patch_ids:
+        if patch_id not in state.patches:
+            shutil.rmtree(state.directory / "backups" / patch_id, ignore_errors=True)
+
+
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)
