@@ -39,6 +39,17 @@ def user_errors(func):
     return wrapper
 
 
+def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
+    """An unknown --only id is a usage error (exit 2), caught before any work."""
+    for patch_id in only:
+        if patch_id not in catalogue.ids:
+            raise click.BadParameter(
+                f"unknown patch {patch_id!r}; known: {', '.join(catalogue.ids)}",
+                param_hint="--only",
+            )
+    return only
+
+
 def target_options(func):
     func = click.option("--target", type=click.Path(file_okay=False), help=TARGET_HELP)(func)
     func = click.option(
@@ -112,8 +123,10 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
 @user_errors
 def apply(target, vllm_version, only, dry_run, strict, clear_caches, as_json) -> None:
     """Apply the patches this vLLM needs (idempotent; all or nothing)."""
+    catalogue = load_catalogue()
+    only = check_only(only, catalogue)
     tree = locate(target, vllm_version)
-    result = operations.apply(tree, load_catalogue(), only, dry_run, strict, clear_caches)
+    result = operations.apply(tree, catalogue, only, dry_run, strict, clear_caches)
     report.emit_json(result.to_json()) if as_json else report.render_run(result)
 
 
@@ -126,8 +139,10 @@ def apply(target, vllm_version, only, dry_run, strict, clear_caches, as_json) ->
 @user_errors
 def revert(target, vllm_version, only, force, clear_caches, as_json) -> None:
     """Undo applied patches; the tree becomes byte-identical to before."""
+    catalogue = load_catalogue()
+    only = check_only(only, catalogue)
     tree = locate(target, vllm_version)
-    result = operations.revert(tree, load_catalogue(), only, force, clear_caches)
+    result = operations.revert(tree, catalogue, only, force, clear_caches)
     report.emit_json(result.to_json()) if as_json else report.render_run(result)
 
 

@@ -1,0 +1,76 @@
+"""Shared fixtures: pristine vLLM release trees from the real PyPI wheels.
+
+Trees come from ``patchkit fetch`` (cached under ~/.cache/patchkit, or
+PATCHKIT_CACHE_DIR); each test gets its own copy, so the cache stays pristine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from patchkit.catalogue import load_catalogue
+from patchkit.cli import main
+from patchkit.fetch import fetch
+
+REPO = Path(__file__).resolve().parent.parent
+CATALOGUE = load_catalogue()
+RELEASES = CATALOGUE.tested_releases
+
+
+def release_tree(version: str) -> Path:
+    """The cached pristine tree of a release (downloaded on first use)."""
+    return fetch(version)
+
+
+def copy_tree(version: str, dest: Path) -> Path:
+    shutil.copytree(release_tree(version), dest, symlinks=True)
+    return dest
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under root, to prove a tree is byte-identical."""
+    digests = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def run_cli(*args: str, env: dict | None = None):
+    """Run patchkit in-process; result has exit_code, stdout and stderr."""
+    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+def run_subprocess(*args: str, env: dict | None = None, code: str | None = None):
+    """Run patchkit in a child Python; ``code`` runs first (to inject faults)."""
+    prelude = (code or "") + "\nfrom patchkit.cli import main\nmain()\n"
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", prelude, *args], capture_output=True, text=True, env=full_env
+    )
+
+
+@pytest.fixture
+def tree_0260(tmp_path: Path) -> Path:
+    return copy_tree("0.26.0", tmp_path / "site-packages")
+
+
+@pytest.fixture
+def two_file_catalogue(tmp_path: Path) -> Path:
+    """A catalogue with a test patch that touches two real vLLM 0.26.0 files.
+
+    The real patches each touch one file; crash and rollback tests need a run
+    that writes two. The diff is made here from the real files.
+    """
+    from tests.helpers import make_catalogue
+
+    return make_catalogue(tmp_path / "catalogue", release_tree("0.26.0"))

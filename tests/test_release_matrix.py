@@ -1,0 +1,153 @@
+"""Every tested release, from its real PyPI wheel: decision, apply, compile, re-apply, revert.
+
+The expected decisions below are written out by hand from the surveyed facts
+(shared VLLM-RELEASES.md, re-checked against the wheels), not derived from the
+catalogue, so a wrong catalogue entry fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import py_compile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RELEASES, copy_tree, run_cli, snapshot
+
+EXPAND_BLOCK_N = {
+    **{v: ("needed", "block-k-16") for v in ("0.17.0", "0.17.1")},
+    **{
+        v: ("needed", "block-k-32")
+        for v in (
+            "0.18.0",
+            "0.18.1",
+            "0.19.0",
+            "0.19.1",
+            "0.20.0",
+            "0.20.1",
+            "0.20.2",
+            "0.21.0",
+            "0.22.0",
+            "0.22.1",
+            "0.23.0",
+            "0.24.0",
+            "0.25.0",
+            "0.25.1",
+            "0.26.0",
+            "0.27.0",
+            "0.27.1",
+            "0.28.0",
+            "0.29.0",
+            "0.30.0",
+            "0.31.0",
+            "0.32.0",
+        )
+    },  # fmt: skip
+    "0.33.0": ("upstream", None),
+}
+EXPECTED = {"expand-block-n": EXPAND_BLOCK_N}
+
+
+def test_every_listed_release_is_in_the_expectations():
+    assert sorted(RELEASES) == sorted(EXPAND_BLOCK_N)
+    assert len(RELEASES) == 25
+
+
+def status_json(root: Path) -> dict:
+    result = run_cli("status", "--target", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_release(version: str, tmp_path: Path):
+    root = copy_tree(version, tmp_path / "site-packages")
+    pristine = snapshot(root)
+
+    status = status_json(root)
+    assert status["vllm"] == {"version": version, "path": str(root), "source": "metadata"}
+    states = {p["id"]: (p["state"], p["variant"]) for p in status["patches"]}
+    for patch_id, table in EXPECTED.items():
+        assert states[patch_id] == table[version]
+    assert status["warnings"] == []
+
+    dry = run_cli("apply", "--target", str(root), "--dry-run", "--json")
+    assert dry.exit_code == 0, dry.output
+    assert snapshot(root) == pristine
+
+    applied = run_cli("apply", "--target", str(root), "--json")
+    assert applied.exit_code == 0, applied.output
+    report = json.loads(applied.stdout)
+    changed = sorted(k for k, v in snapshot(root).items() if pristine.get(k) != v)
+    touched = sorted(f for p in report["patches"] if p["action"] == "applied" for f in p["files"])
+    needed = [i for i, (state, _) in states.items() if state == "needed"]
+    assert sorted(p["id"] for p in report["patches"] if p["action"] == "applied") == sorted(needed)
+    assert [c for c in changed if not c.startswith(".patchkit/")] == touched
+    for relpath in touched:
+        py_compile.compile(str(root / relpath), doraise=True, cfile=str(tmp_path / "check.pyc"))
+
+    after_apply = snapshot(root)
+    again = run_cli("apply", "--target", str(root), "--json")
+    assert again.exit_code == 0, again.output
+    assert {p["action"] for p in json.loads(again.stdout)["patches"]} <= {
+        "already-applied",
+        "skipped",
+    }
+    assert snapshot(root) == after_apply
+    assert {p["state"] for p in status_json(root)["patches"]} <= {"applied", "upstream"}
+
+    reverted = run_cli("revert", "--target", str(root))
+    assert reverted.exit_code == 0, reverted.output
+    assert snapshot(root) == pristine
+
+
+def expand_block_n_expression(source: str) -> ast.expr:
+    """The "block_n" value of the single/multi-slice expand default config."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == "block_n"
+                    and "num_slices" in ast.unparse(value)
+                ):
+                    return value
+    raise AssertionError("no expand block_n entry found")
+
+
+class FakePlatform:
+    def __init__(self, cuda: bool, capability: int | None):
+        self.cuda, self.capability = cuda, capability
+
+    def is_cuda(self) -> bool:
+        return self.cuda
+
+    def is_device_capability(self, capability: int) -> bool:
+        return self.capability == capability
+
+
+@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])
+def test_patched_block_n_is_32_on_sm90_only(version: str, tmp_path: Path):
+    """Evaluate the patched expression from the real patched file on fake platforms."""
+    root = copy_tree(version, tmp_path / "site-packages")
+    relpath = "vllm/lora/ops/triton_ops/utils.py"
+    before = expand_block_n_expression((root / relpath).read_text())
+    assert run_cli("apply", "--target", str(root)).exit_code == 0
+    after = compile(
+        ast.Expression(expand_block_n_expression((root / relpath).read_text())), "", "eval"
+    )
+    cases = {
+        (True, 90): (32, 64),  # Hopper: single slice 32, several slices unchanged
+        (True, 100): (128, 64),  # Blackwell
+        (True, 80): (128, 64),  # Ampere
+        (False, 90): (128, 64),  # ROCm gfx90a reports 9.0 too
+        (False, None): (128, 64),  # CPU
+    }
+    for (cuda, capability), (single, multi) in cases.items():
+        scope = {"current_platform": FakePlatform(cuda, capability)}
+        assert eval(after, {**scope, "num_slices": 1}) == single
+        assert eval(after, {**scope, "num_slices": 2}) == multi
+    unpatched = compile(ast.Expression(before), "", "eval")
+    assert eval(unpatched, {"num_slices": 1}) == 128
