@@ -243,15 +243,25 @@ def _check_end_of_file(parsed: _Text, hunk: Hunk, found: int, path: str) -> None
 
 
 def _why_no_match(parsed: _Text, hunk: Hunk, expected: int) -> str:
-    """Describe the first line that differs at the hunk's stated place."""
+    """Describe the first differing line at the closest near-match of the hunk."""
+    best, best_score = expected, -1
+    for start in range(max(len(parsed.lines) - len(hunk.old) + 1, 1)):
+        score = sum(
+            1 for i, want in enumerate(hunk.old) if start + i < len(parsed.lines)
+            and parsed.lines[start + i] == want
+        )  # fmt: skip
+        if score > best_score or (
+            score == best_score and abs(start - expected) < abs(best - expected)
+        ):
+            best, best_score = start, score
     for i, want in enumerate(hunk.old):
-        line_no = expected + i
+        line_no = best + i
         have = parsed.lines[line_no] if line_no < len(parsed.lines) else None
         if have != want:
             got = "end of file" if have is None else repr(_clip(have))
             return (
-                f"does not match anywhere in the file; at line {line_no + 1} it "
-                f"expects {_clip(want)!r} but finds {got}"
+                f"does not match anywhere in the file; closest at line {best + 1}, "
+                f"where line {line_no + 1} should be {_clip(want)!r} but is {got}"
             )
     return "does not match anywhere in the file (it overlaps the hunk before it)"
 

@@ -97,17 +97,19 @@ def apply(
     patches = select(catalogue, only)
     if dry_run:
         return _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
-    with TreeLock(state_dir(tree.root)):
-        state = load_state(tree.root)
-        report.notes.extend(recover(tree.root, state))
-        state = load_state(tree.root)
-        _plan_apply(report, tree, catalogue, patches, only, strict, state)
-        needed = [o.assessment for o in report.outcomes if o.action == "applied"]
-        if needed:
-            _commit_apply(tree, state, needed)
-            paths = [c.path for a in needed for c in a.changes]
-            report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
-    tidy(tree.root)
+    with TreeLock(state_dir(tree.root)) as lock:
+        try:
+            state = load_state(tree.root)
+            report.notes.extend(recover(tree.root, state))
+            state = load_state(tree.root)
+            _plan_apply(report, tree, catalogue, patches, only, strict, state)
+            needed = [o.assessment for o in report.outcomes if o.action == "applied"]
+            if needed:
+                _commit_apply(tree, state, needed)
+                paths = [c.path for a in needed for c in a.changes]
+                report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+        finally:
+            tidy(tree.root, lock)
     if clear_caches:
         report.caches_removed = bytecode.clear_caches()
     return report
@@ -197,32 +199,45 @@ def revert(
 ) -> RunReport:
     report = RunReport("revert", tree)
     patches = list(reversed(select(catalogue, only)))
-    with TreeLock(state_dir(tree.root)):
-        state = load_state(tree.root)
-        report.notes.extend(recover(tree.root, state))
-        state = load_state(tree.root)
-        files = TreeFiles(tree)
-        changes: list[FileChange] = []
-        for patch in patches:
-            assessment = assess_with(patch, tree, state, catalogue, files)
-            report.warnings.extend(assessment.warnings)
-            patch_changes = _revert_changes(assessment, state, files, force)
-            if patch_changes is None:
-                report.outcomes.append(Outcome(assessment, "not-applied"))
-                if patch.id in only:
-                    report.warnings.append(f"{patch.id} is not applied ({assessment.state})")
-                continue
-            changes.extend(patch_changes)
-            state.patches.pop(patch.id, None)
-            report.outcomes.append(Outcome(assessment, "reverted"))
-        if changes:
-            commit(tree.root, state, changes, backups={})
-            report.bytecode_removed = bytecode.remove_bytecode(tree.root, [c.path for c in changes])
-        _drop_backups(state, [o.assessment.patch.id for o in report.outcomes])
-    tidy(tree.root)
+    with TreeLock(state_dir(tree.root)) as lock:
+        try:
+            _revert_locked(report, tree, catalogue, patches, only, force)
+        finally:
+            tidy(tree.root, lock)
     if clear_caches:
         report.caches_removed = bytecode.clear_caches()
     return report
+
+
+def _revert_locked(
+    report: RunReport,
+    tree: VllmTree,
+    catalogue: Catalogue,
+    patches: list[Patch],
+    only: tuple[str, ...],
+    force: bool,
+) -> None:
+    state = load_state(tree.root)
+    report.notes.extend(recover(tree.root, state))
+    state = load_state(tree.root)
+    files = TreeFiles(tree)
+    changes: list[FileChange] = []
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        report.warnings.extend(assessment.warnings)
+        patch_changes = _revert_changes(assessment, state, files, force)
+        if patch_changes is None:
+            report.outcomes.append(Outcome(assessment, "not-applied"))
+            if patch.id in only:
+                report.warnings.append(f"{patch.id} is not applied ({assessment.state})")
+            continue
+        changes.extend(patch_changes)
+        state.patches.pop(patch.id, None)
+        report.outcomes.append(Outcome(assessment, "reverted"))
+    if changes:
+        commit(tree.root, state, changes, backups={})
+        report.bytecode_removed = bytecode.remove_bytecode(tree.root, [c.path for c in changes])
+    _drop_backups(state, [o.assessment.patch.id for o in report.outcomes])
 
 
 def _revert_changes(

@@ -89,11 +89,19 @@ def load_state(root: Path) -> State:
     return state
 
 
-def tidy(root: Path) -> None:
-    """Remove ``.patchkit/`` once it records nothing, so a reverted tree is as before."""
+def tidy(root: Path, lock) -> None:
+    """Remove ``.patchkit/`` once it records nothing, so a reverted tree is as before.
+
+    Called while holding ``lock``; the lock file goes last, and TreeLock notices
+    when a waiter's lock file was unlinked under it.
+    """
     directory = state_dir(root)
-    if not directory.is_dir() or (directory / "txn").exists():
+    if not directory.is_dir() or (directory / "txn").exists() or load_state(root).patches:
         return
-    if load_state(root).patches:
-        return
-    shutil.rmtree(directory, ignore_errors=True)
+    (directory / "state.json").unlink(missing_ok=True)
+    shutil.rmtree(directory / "backups", ignore_errors=True)
+    lock.release_and_remove()
+    try:
+        directory.rmdir()
+    except OSError:
+        pass  # something else lives there; leave it

@@ -67,7 +67,13 @@ class TreeLock:
         while True:
             try:
                 fcntl.flock(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
+                if self._still_linked():
+                    return self
+                # The holder before us removed the lock file (tidy); lock the new one.
+                self._handle.close()
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(self.path, "a+")
+                continue
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     self._handle.close()
@@ -76,6 +82,16 @@ class TreeLock:
                         "let it finish, then run the command again"
                     ) from None
                 time.sleep(0.05)
+
+    def _still_linked(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def release_and_remove(self) -> None:
+        """Unlink the lock file while holding it (the tree's .patchkit/ is going away)."""
+        remove_if_present(self.path)
 
     def __exit__(self, *exc_info) -> None:
         fcntl.flock(self._handle, fcntl.LOCK_UN)

@@ -1,0 +1,291 @@
+"""Failure paths on real vLLM trees: each must exit non-zero and leave the tree byte-identical."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from patchkit.state import state_dir
+from patchkit.transaction import TreeLock
+from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
+from tests.helpers import FILES, MARK, make_catalogue
+
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+BLOCK_N_LINE = '"block_n": 64 if num_slices > 1 else 128,'
+
+
+def test_drifted_file_differs_from_record(tree_0260: Path):
+    """An edit elsewhere in the file still lets the hunk apply, but RECORD catches it."""
+    path = tree_0260 / UTILS
+    path.write_text(path.read_text() + "# local edit\n")
+    before = snapshot(tree_0260)
+    result = run_cli("apply", "--target", str(tree_0260))
+    assert result.exit_code == 1
+    assert "expand-block-n: conflict" in result.stderr
+    assert UTILS in result.stderr and "RECORD" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert snapshot(tree_0260) == before
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert status["patches"][0]["state"] == "conflict"
+
+
+def test_drifted_hunk_without_record_names_the_hunk(tree_0260: Path):
+    """A checkout has no RECORD: the hunk context is the check, and the message names it."""
+    shutil.rmtree(next(tree_0260.glob("vllm-*.dist-info")))
+    path = tree_0260 / UTILS
+    path.write_text(path.read_text().replace(BLOCK_N_LINE, '"block_n": 256,'))
+    before = snapshot(tree_0260)
+    result = run_cli("apply", "--target", str(tree_0260))
+    assert result.exit_code == 1
+    message = result.stderr.strip()
+    assert f"{UTILS}: hunk #1 (@@ -251,7 +251,18 @@)" in message
+    assert "block_n" in message and "nothing was changed" in message
+    assert snapshot(tree_0260) == before
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert status["vllm"]["source"] == "file" and status["vllm"]["version"] == "0.26.0"
+
+
+def test_malformed_patch_file(tree_0260: Path, tmp_path: Path):
+    catalogue = make_catalogue(
+        tmp_path / "cat",
+        release_tree("0.26.0"),
+        diff_text="--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n",
+    )
+    before = snapshot(tree_0260)
+    result = run_cli(
+        "apply", "--target", str(tree_0260), env={"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    )
+    assert result.exit_code == 1
+    assert "two-files.diff: malformed unified diff" in result.stderr
+    assert "Traceback" not in result.output
+    assert snapshot(tree_0260) == before
+
+
+def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, monkeypatch):
+    """The second file cannot be written: the first is restored, exit 1."""
+    import patchkit.transaction as transaction
+
+    real_write = transaction._write
+    calls = []
+
+    def failing_write(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(transaction, "_write", failing_write)
+    before = snapshot(tree_0260)
+    result = run_cli(
+        "apply", "--target", str(tree_0260), env={"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+    )
+    assert result.exit_code == 1
+    assert "Permission denied" in result.stderr and "restored, nothing changed" in result.stderr
+    assert len(calls) == 2
+    assert snapshot(tree_0260) == before
+
+
+CRASH_ON_SECOND_WRITE = """
+import os, patchkit.transaction as t
+_real, _n = t._write, []
+def _crash(path, data):
+    _n.append(path)
+    if len(_n) == 2:
+        os._exit(137)  # killed between the two file writes
+    _real(path, data)
+t._write = _crash
+"""
+
+
+def test_crash_between_writes_is_rolled_back_by_next_apply(tree_0260, two_file_catalogue):
+    env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+    pristine = snapshot(tree_0260)
+    crashed = run_subprocess(
+        "apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE
+    )
+    assert crashed.returncode == 137
+    first, second = (tree_0260 / f for f in FILES)
+    assert MARK in first.read_text() and MARK not in second.read_text()  # half-applied
+
+    status = run_cli("status", "--target", str(tree_0260), env=env)
+    assert "interrupted" in status.stderr
+
+    recovered = run_cli("apply", "--target", str(tree_0260), env=env)
+    assert recovered.exit_code == 0, recovered.output
+    assert f"rolled back an interrupted run: restored {FILES[0]}" in recovered.stdout
+    assert MARK in first.read_text() and MARK in second.read_text()
+    assert run_cli("revert", "--target", str(tree_0260), env=env).exit_code == 0
+    assert snapshot(tree_0260) == pristine
+
+
+def test_crash_between_writes_is_rolled_back_by_revert(tree_0260, two_file_catalogue):
+    env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+    pristine = snapshot(tree_0260)
+    run_subprocess("apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
+    result = run_cli("revert", "--target", str(tree_0260), env=env)
+    assert result.exit_code == 0, result.output
+    assert "rolled back an interrupted run" in result.stdout
+    assert snapshot(tree_0260) == pristine
+
+
+SLOW_COMMIT = """
+import time, patchkit.operations as o
+_real = o.commit
+def _slow(*a, **k):
+    time.sleep(1.5)
+    _real(*a, **k)
+o.commit = _slow
+"""
+
+
+def test_two_concurrent_applies(tree_0260: Path):
+    """The second run waits for the lock, then finds the patch applied."""
+    command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli import main\nmain()\n"]
+    args = ["apply", "--target", str(tree_0260), "--json"]
+    first = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.7)  # the first run is inside its lock, sleeping before the commit
+    second = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
+    outputs = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0]
+    actions = [o["patches"][0]["action"] for o in outputs]
+    assert actions == ["applied", "already-applied"]
+    state = json.loads((state_dir(tree_0260) / "state.json").read_text())
+    assert [p["id"] for p in state["patches"]] == ["expand-block-n"]
+
+
+def test_lock_timeout_is_a_clear_error(tree_0260: Path):
+    before = snapshot(tree_0260)
+    with TreeLock(state_dir(tree_0260)):
+        result = run_subprocess(
+            "apply", "--target", str(tree_0260), env={"PATCHKIT_LOCK_TIMEOUT": "0.3"}
+        )
+    assert result.returncode == 1
+    assert "another patchkit run holds" in result.stderr
+    shutil.rmtree(state_dir(tree_0260))  # the lock file this test made
+    assert snapshot(tree_0260) == before
+
+
+def test_missing_vllm(tmp_path: Path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli("status", "--target", str(empty))
+    assert result.exit_code == 1
+    assert "no vllm/ package there" in result.stderr
+    # No --target and no vLLM importable by this interpreter (isolated, no site-packages).
+    child = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", "import sys; sys.path[:0] = sys.argv[1:2]; "
+         "from patchkit.cli import main; sys.argv = ['patchkit', 'status']; main()",
+         str(Path(__file__).resolve().parent.parent)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert child.returncode in (1,), child.stderr
+    assert "vLLM is not installed for this Python" in child.stderr or "No module" in child.stderr
+
+
+def set_version(root: Path, version: str) -> None:
+    metadata = next(root.glob("vllm-*.dist-info")) / "METADATA"
+    text = metadata.read_text()
+    metadata.write_text(text.replace("Version: 0.26.0", f"Version: {version}", 1))
+
+
+def test_unknown_version_with_matching_content_works_and_warns(tree_0260: Path):
+    set_version(tree_0260, "0.30.1rc1.dev630+g18f8f9602")
+    before = snapshot(tree_0260)
+    strict = run_cli("apply", "--target", str(tree_0260), "--strict")
+    assert strict.exit_code == 1
+    assert "--strict: vLLM 0.30.1rc1.dev630+g18f8f9602 is not a tested release" in strict.stderr
+    assert snapshot(tree_0260) == before
+
+    result = run_cli("apply", "--target", str(tree_0260), "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["vllm"]["version"] == "0.30.1rc1.dev630+g18f8f9602"
+    assert report["patches"][0]["action"] == "applied"
+    assert any("not a tested release" in w for w in report["warnings"])
+
+
+def test_unknown_version_with_other_content_is_a_conflict(tree_0260: Path):
+    set_version(tree_0260, "0.40.0")
+    shutil.rmtree(next(tree_0260.glob("vllm-*.dist-info")) / "RECORD", ignore_errors=True)
+    (next(tree_0260.glob("vllm-*.dist-info")) / "RECORD").unlink(missing_ok=True)
+    path = tree_0260 / UTILS
+    path.write_text(path.read_text().replace(BLOCK_N_LINE, '"block_n": select_block_n(),'))
+    before = snapshot(tree_0260)
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert status["patches"][0]["state"] == "conflict"
+    assert "hunk #1" in status["patches"][0]["reason"]
+    result = run_cli("apply", "--target", str(tree_0260))
+    assert result.exit_code == 1 and "conflict" in result.stderr
+    assert snapshot(tree_0260) == before
+
+
+def test_edited_after_patching_revert_refuses_then_force(tree_0260: Path):
+    pristine = snapshot(tree_0260)
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    path = tree_0260 / UTILS
+    path.write_text(path.read_text() + "# edited after patching\n")
+    edited = snapshot(tree_0260)
+    refused = run_cli("revert", "--target", str(tree_0260))
+    assert refused.exit_code == 1
+    assert "edited after patchkit applied expand-block-n" in refused.stderr
+    assert "--force" in refused.stderr
+    assert snapshot(tree_0260) == edited
+    forced = run_cli("revert", "--target", str(tree_0260), "--force")
+    assert forced.exit_code == 0, forced.output
+    assert snapshot(tree_0260) == pristine
+
+
+def test_revert_without_backup_reverse_applies(tree_0260: Path):
+    pristine = snapshot(tree_0260)
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    shutil.rmtree(state_dir(tree_0260))  # state and backups lost
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert status["patches"][0]["state"] == "applied"
+    assert "no record" in status["patches"][0]["reason"]
+    assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
+    assert snapshot(tree_0260) == pristine
+
+
+def test_reinstalled_tree_makes_the_record_stale(tree_0260: Path):
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    shutil.copy2(release_tree("0.26.0") / UTILS, tree_0260 / UTILS)  # pip reinstall
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert status["patches"][0]["state"] == "needed"
+    again = run_cli("apply", "--target", str(tree_0260), "--json")
+    assert json.loads(again.stdout)["patches"][0]["action"] == "applied"
+
+
+def test_changed_patch_file_is_reported(tree_0260: Path, two_file_catalogue: Path):
+    env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+    assert run_cli("apply", "--target", str(tree_0260), env=env).exit_code == 0
+    diff = two_file_catalogue / "two-files" / "two-files.diff"
+    diff.write_text(diff.read_text().replace("@@ -", "@@ -", 1) + "\n")
+    after_apply = snapshot(tree_0260)
+    result = run_cli("apply", "--target", str(tree_0260), env=env)
+    assert result.exit_code == 0
+    assert "the patch file changed since it was applied" in result.stderr
+    assert "patchkit revert --only two-files" in result.stderr
+    strict = run_cli("apply", "--target", str(tree_0260), "--strict", env=env)
+    assert strict.exit_code == 1
+    assert snapshot(tree_0260) == after_apply
+
+
+def test_only_unknown_id_is_a_usage_error(tree_0260: Path):
+    result = run_cli("apply", "--target", str(tree_0260), "--only", "no-such-patch")
+    assert result.exit_code == 2
+    assert "unknown patch 'no-such-patch'" in result.output
+
+
+def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
+    root = copy_tree("0.33.0", tmp_path / "sp")
+    before = snapshot(root)
+    result = run_cli("apply", "--target", str(root), "--only", "expand-block-n")
+    assert result.exit_code == 0
+    assert "asked for with --only but is not applied: upstream" in result.stderr
+    strict = run_cli("apply", "--target", str(root), "--only", "expand-block-n", "--strict")
+    assert strict.exit_code == 1
+    assert snapshot(root) == before
