@@ -198,7 +198,9 @@ def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | Non
         expected = max(hunk.source_start - 1, 0) + shift
         found = _locate(parsed.lines, hunk.old, expected, lower)
         if found is None:
-            raise HunkMismatch(path, hunk.index, hunk.header, _why_no_match(parsed, hunk, expected))
+            raise HunkMismatch(
+                path, hunk.index, hunk.header, _why_no_match(parsed, hunk, expected, shift)
+            )
         _check_end_of_file(parsed, hunk, found, path)
         end = found + len(hunk.old)
         if end == len(parsed.lines):
@@ -242,8 +244,11 @@ def _check_end_of_file(parsed: _Text, hunk: Hunk, found: int, path: str) -> None
         )
 
 
-def _why_no_match(parsed: _Text, hunk: Hunk, expected: int) -> str:
-    """Describe the first differing line at the closest near-match of the hunk."""
+def _why_no_match(parsed: _Text, hunk: Hunk, expected: int, shift: int) -> str:
+    """Describe the first differing line at the closest near-match of the hunk.
+
+    Line numbers are the original file's (``shift``: lines added by earlier hunks).
+    """
     best, best_score = expected, -1
     for start in range(max(len(parsed.lines) - len(hunk.old) + 1, 1)):
         score = sum(
@@ -260,8 +265,8 @@ def _why_no_match(parsed: _Text, hunk: Hunk, expected: int) -> str:
         if have != want:
             got = "end of file" if have is None else repr(_clip(have))
             return (
-                f"does not match anywhere in the file; closest at line {best + 1}, "
-                f"where line {line_no + 1} should be {_clip(want)!r} but is {got}"
+                f"does not match anywhere in the file; closest at line {best + 1 - shift}, "
+                f"where line {line_no + 1 - shift} should be {_clip(want)!r} but is {got}"
             )
     return "does not match anywhere in the file (it overlaps the hunk before it)"
 
