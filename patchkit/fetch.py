@@ -45,6 +45,12 @@ def fetch(version: str, dest: Path | None = None) -> Path:
         raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)") from None
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
     if (dest / MARKER).is_file():
+        if (dest / ".patchkit").exists():
+            print(
+                f"note: {dest} has patchkit changes applied "
+                f"(`patchkit revert --target {dest}` undoes them)",
+                file=sys.stderr,
+            )
         return dest
     if dest.exists() and any(dest.iterdir()):
         raise PatchkitError(

@@ -1,7 +1,9 @@
 """Shared fixtures: pristine vLLM release trees from the real PyPI wheels.
 
-Trees come from ``patchkit fetch`` (cached under ~/.cache/patchkit, or
-PATCHKIT_CACHE_DIR); each test gets its own copy, so the cache stays pristine.
+Trees come from ``patchkit fetch`` into a cache of the tests' own
+(PATCHKIT_TEST_CACHE, default ~/.cache/patchkit-tests), kept apart from the
+cache that `patchkit fetch` fills for people, whose trees may be patched by
+hand; each test gets its own copy, so the cache stays pristine.
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ CATALOGUE = load_catalogue()
 RELEASES = CATALOGUE.tested_releases
 
 
+TEST_CACHE = Path(os.environ.get("PATCHKIT_TEST_CACHE", Path.home() / ".cache/patchkit-tests"))
+
+
 def release_tree(version: str) -> Path:
     """The cached pristine tree of a release (downloaded on first use)."""
-    return fetch(version)
+    tree = fetch(version, TEST_CACHE / f"vllm-{version}")
+    assert not (tree / ".patchkit").exists(), f"{tree} has been patched; delete it"
+    return tree
 
 
 def copy_tree(version: str, dest: Path) -> Path:
