@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from patchkit import operations, report
+from patchkit import forkmode, operations, report
 from patchkit.catalogue import load_catalogue
 from patchkit.errors import PatchkitError
 from patchkit.tree import locate
@@ -64,6 +64,9 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 only_option = click.option(
     "--only", multiple=True, metavar="ID", help="Limit to this patch (repeatable)."
 )
+allow_dirty_option = click.option(
+    "--allow-dirty", is_flag=True, help="Fork mode: work on a checkout with uncommitted changes."
+)
 caches_option = click.option(
     "--clear-caches",
     is_flag=True,
@@ -97,6 +100,8 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
     """Show each patch's state on the tree (reads files only)."""
     tree = locate(target, vllm_version)
     result = operations.status(tree, load_catalogue())
+    if forkmode.is_fork(tree):
+        forkmode.annotate_status(tree, result)
     if as_json:
         data = result.to_json()
         report.emit_json(
@@ -119,14 +124,26 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Check everything, write nothing.")
 @click.option("--strict", is_flag=True, help="Treat every warning as a failure.")
 @caches_option
+@click.option("--branch", help="Fork mode: branch for the patch commits (patchkit/vllm-VERSION).")
+@allow_dirty_option
 @json_option
 @user_errors
-def apply(target, vllm_version, only, dry_run, strict, clear_caches, as_json) -> None:
-    """Apply the patches this vLLM needs (idempotent; all or nothing)."""
+def apply(
+    target, vllm_version, only, dry_run, strict, clear_caches, branch, allow_dirty, as_json
+) -> None:
+    """Apply the patches this vLLM needs (idempotent; all or nothing).
+
+    On a vLLM git checkout each applied patch becomes a commit on a branch.
+    """
     catalogue = load_catalogue()
     only = check_only(only, catalogue)
     tree = locate(target, vllm_version)
-    result = operations.apply(tree, catalogue, only, dry_run, strict, clear_caches)
+    if forkmode.is_fork(tree):
+        result = forkmode.apply(
+            tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_dirty
+        )
+    else:
+        result = operations.apply(tree, catalogue, only, dry_run, strict, clear_caches)
     report.emit_json(result.to_json()) if as_json else report.render_run(result)
 
 
@@ -135,14 +152,21 @@ def apply(target, vllm_version, only, dry_run, strict, clear_caches, as_json) ->
 @only_option
 @click.option("--force", is_flag=True, help="Restore originals even over later edits.")
 @caches_option
+@allow_dirty_option
 @json_option
 @user_errors
-def revert(target, vllm_version, only, force, clear_caches, as_json) -> None:
-    """Undo applied patches; the tree becomes byte-identical to before."""
+def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json) -> None:
+    """Undo applied patches; the tree becomes byte-identical to before.
+
+    On a vLLM git checkout each reverted patch gets a revert commit.
+    """
     catalogue = load_catalogue()
     only = check_only(only, catalogue)
     tree = locate(target, vllm_version)
-    result = operations.revert(tree, catalogue, only, force, clear_caches)
+    if forkmode.is_fork(tree):
+        result = forkmode.revert(tree, catalogue, only, force, clear_caches, allow_dirty)
+    else:
+        result = operations.revert(tree, catalogue, only, force, clear_caches)
     report.emit_json(result.to_json()) if as_json else report.render_run(result)
 
 

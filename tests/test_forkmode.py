@@ -1,0 +1,109 @@
+"""Fork mode on a real vLLM 0.26.0 tree committed to git, tagged v0.26.0, with local commits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import release_tree, run_cli
+
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+IDENTITY = ["-c", "user.name=Fork Dev", "-c", "user.email=dev@example.invalid"]
+
+
+def git(root: Path, *args: str) -> str:
+    result = subprocess.run(["git", *IDENTITY, *args], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """vllm/ of the real 0.26.0 wheel, committed, tagged v0.26.0, plus one local commit."""
+    root = tmp_path / "vllm-fork"
+    root.mkdir()
+    shutil.copytree(release_tree("0.26.0") / "vllm", root / "vllm")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "vLLM 0.26.0")
+    git(root, "tag", "v0.26.0")
+    (root / "FORK.md").write_text("our fork\n")
+    git(root, "add", "FORK.md")
+    git(root, "commit", "-qm", "fork: unrelated local change")
+    return root
+
+
+def test_status_apply_status_revert_on_a_fork(checkout: Path):
+    start = git(checkout, "rev-parse", "HEAD")
+    status = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
+    assert status["vllm"]["source"] == "git"
+    assert status["vllm"]["version"].startswith("0.26.0+1.g")
+    assert status["patches"][0]["state"] == "needed"
+
+    applied = run_cli("apply", "--target", str(checkout))
+    assert applied.exit_code == 0, applied.output
+    assert git(checkout, "branch", "--show-current") == "patchkit/vllm-0.26.0"
+    assert git(checkout, "rev-parse", "HEAD~1") == start
+    message = git(checkout, "log", "-1", "--format=%B")
+    for part in ("block_n 32", "Why:", "https://github.com/vllm-project/vllm/issues/48590",
+                 "Remove-When:", "Patchkit-Patch: expand-block-n"):  # fmt: skip
+        assert part in message
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD") == UTILS
+    assert git(checkout, "status", "--porcelain") == ""  # .patchkit/ is excluded
+
+    again = run_cli("apply", "--target", str(checkout))
+    assert again.exit_code == 0 and "already-applied" in again.stdout
+    assert git(checkout, "rev-list", "--count", "HEAD") == "3"
+
+    shutil.rmtree(checkout / ".patchkit")  # a fresh clone of the fork branch has no state
+    from_git = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
+    head = git(checkout, "rev-parse", "HEAD")
+    assert from_git["patches"][0]["state"] == "applied"
+    assert from_git["patches"][0]["reason"] == f"applied in commit {head[:12]} (git history)"
+
+    reverted = run_cli("revert", "--target", str(checkout))
+    assert reverted.exit_code == 0, reverted.output
+    assert "Revert patchkit expand-block-n" in git(checkout, "log", "-1", "--format=%s")
+    assert git(checkout, "diff", start, "HEAD") == ""  # content back to the starting commit
+    assert git(checkout, "status", "--porcelain") == ""
+
+
+def test_local_commit_in_the_patched_region_is_a_conflict(checkout: Path):
+    path = checkout / UTILS
+    path.write_text(path.read_text().replace("else 128,", "else 256,  # fork tuning", 1))
+    git(checkout, "commit", "-qam", "fork: tune expand block_n")
+    head = git(checkout, "rev-parse", "HEAD")
+    result = run_cli("apply", "--target", str(checkout))
+    assert result.exit_code == 1
+    assert "conflict" in result.stderr and "hunk #1" in result.stderr
+    assert git(checkout, "rev-parse", "HEAD") == head
+    assert git(checkout, "branch", "--list") == "* main"
+    assert git(checkout, "status", "--porcelain") == ""
+
+
+def test_dirty_checkout_is_refused_unless_allowed(checkout: Path):
+    (checkout / "FORK.md").write_text("work in progress\n")
+    head = git(checkout, "rev-parse", "HEAD")
+    refused = run_cli("apply", "--target", str(checkout))
+    assert refused.exit_code == 1
+    assert "uncommitted changes (FORK.md)" in refused.stderr and "--allow-dirty" in refused.stderr
+    assert git(checkout, "rev-parse", "HEAD") == head and not (checkout / ".patchkit").exists()
+
+    allowed = run_cli("apply", "--target", str(checkout), "--allow-dirty", "--branch", "fixes")
+    assert allowed.exit_code == 0, allowed.output
+    assert git(checkout, "branch", "--show-current") == "fixes"
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD") == UTILS  # WIP not swept in
+    assert git(checkout, "status", "--porcelain") == "M FORK.md"
+
+
+def test_version_from_version_file_without_tags(tmp_path: Path):
+    root = tmp_path / "untagged"
+    root.mkdir()
+    shutil.copytree(release_tree("0.26.0") / "vllm", root / "vllm")
+    git(root, "init", "-q")
+    status = json.loads(run_cli("status", "--target", str(root), "--json").stdout)
+    assert status["vllm"] == {"version": "0.26.0", "path": str(root), "source": "file"}
