@@ -1,0 +1,81 @@
+"""docker/Dockerfile's own RUN lines, run against an image-like layout (no Docker engine here).
+
+The "image": a fresh virtual environment standing in for the image's system
+Python, whose site-packages holds the real vLLM 0.26.0 wheel's files with
+their dist-info and RECORD; patchkit is installed the way the Dockerfile
+installs it (pip from the copied build context, dependencies from the index).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, release_tree, snapshot
+from tests.dockerfile_runner import ImageRunner, parse, stage
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> tuple[ImageRunner, Path]:
+    root = tmp_path_factory.mktemp("image")
+    python = root / "usr" / "local"
+    subprocess.run([sys.executable, "-m", "venv", str(python)], check=True)
+    site = next(python.glob("lib/python3*/site-packages"))
+    pristine = release_tree("0.26.0")
+    shutil.copytree(pristine / "vllm", site / "vllm")
+    dist_info = next(pristine.glob("vllm-*.dist-info"))
+    shutil.copytree(dist_info, site / dist_info.name)
+    return ImageRunner(context=REPO, image_root=root, python_bin=python / "bin"), site
+
+
+def test_dockerfile_stages():
+    stages = parse(DOCKERFILE)
+    assert stages[0].base == "vllm/vllm-openai:${VLLM_TAG}"
+    runs = [args for kind, args in stage(stages, "patched").instructions if kind == "RUN"]
+    assert "patchkit apply --strict" in runs
+    assert any("patchkit status --json" in r for r in runs)
+    assert ("RUN", "patchkit verify") in stage(stages, "verify").instructions
+    assert stages[-1].base == "patched"  # the default target is the patched image
+
+
+def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
+    runner, site = image
+    patched = stage(parse(DOCKERFILE), "patched")
+    pristine = snapshot(site / "vllm")
+
+    first = runner.build(patched)
+    assert [r.returncode for r in first] == [0, 0, 0], first[-1].stderr
+    assert "expand-block-n  applied" in first[1].stdout
+    status = json.loads((runner.image_root / "etc/patchkit/status.json").read_text())
+    assert status["vllm"]["version"] == "0.26.0" and status["vllm"]["source"] == "metadata"
+    assert status["vllm"]["path"] == str(site)
+    assert {p["id"]: p["state"] for p in status["patches"]} == {"expand-block-n": "applied"}
+    changed = [k for k, v in snapshot(site / "vllm").items() if pristine.get(k) != v]
+    assert changed == [UTILS.removeprefix("vllm/")]
+
+    after_first = snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()
+    second = runner.build(patched, only="RUN")  # patchkit itself is reinstalled too
+    assert [r.returncode for r in second] == [0, 0, 0]
+    assert "already-applied" in second[1].stdout
+    assert (snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()) == after_first
+
+    # A drifted image: revert, then someone's edit to the target file.
+    revert = runner.run("patchkit revert")
+    assert revert.returncode == 0, revert.stderr
+    path = site / UTILS
+    path.write_text(path.read_text().replace("else 128,", "else 64,", 1))
+    drifted = snapshot(site / "vllm")
+    third = runner.build(patched, only="RUN")
+    assert third[-1].returncode == 1  # the apply line fails the build
+    message = third[-1].stderr.strip()
+    assert message.startswith("patchkit: error: expand-block-n: conflict:")
+    assert UTILS in message and "nothing was changed" in message and "\n" not in message
+    assert snapshot(site / "vllm") == drifted and not (site / ".patchkit").exists()
