@@ -7,6 +7,7 @@ or any warning under ``--strict``, stops the run with the tree untouched.
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -61,6 +62,17 @@ class RunReport:
         }
 
 
+@contextmanager
+def _locked(tree: VllmTree, report: RunReport):
+    """Lock the tree, roll back an interrupted run, yield the state; tidy on the way out."""
+    with TreeLock(state_dir(tree.root)) as lock:
+        try:
+            report.notes.extend(recover(tree.root, load_state(tree.root)))
+            yield load_state(tree.root)
+        finally:
+            tidy(tree.root, lock)
+
+
 def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
     """The patches named by --only (all when empty), in series order."""
     for patch_id in only:
@@ -97,19 +109,13 @@ def apply(
     patches = select(catalogue, only)
     if dry_run:
         return _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
-    with TreeLock(state_dir(tree.root)) as lock:
-        try:
-            state = load_state(tree.root)
-            report.notes.extend(recover(tree.root, state))
-            state = load_state(tree.root)
-            _plan_apply(report, tree, catalogue, patches, only, strict, state)
-            needed = [o.assessment for o in report.outcomes if o.action == "applied"]
-            if needed:
-                _commit_apply(tree, state, needed)
-                paths = [c.path for a in needed for c in a.changes]
-                report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
-        finally:
-            tidy(tree.root, lock)
+    with _locked(tree, report) as state:
+        _plan_apply(report, tree, catalogue, patches, only, strict, state)
+        needed = [o.assessment for o in report.outcomes if o.action == "applied"]
+        if needed:
+            _commit_apply(tree, state, needed)
+            paths = [c.path for a in needed for c in a.changes]
+            report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
     if clear_caches:
         report.caches_removed = bytecode.clear_caches()
     return report
@@ -199,11 +205,8 @@ def revert(
 ) -> RunReport:
     report = RunReport("revert", tree)
     patches = list(reversed(select(catalogue, only)))
-    with TreeLock(state_dir(tree.root)) as lock:
-        try:
-            _revert_locked(report, tree, catalogue, patches, only, force)
-        finally:
-            tidy(tree.root, lock)
+    with _locked(tree, report) as state:
+        _revert_locked(report, tree, catalogue, patches, only, force, state)
     if clear_caches:
         report.caches_removed = bytecode.clear_caches()
     return report
@@ -216,10 +219,8 @@ def _revert_locked(
     patches: list[Patch],
     only: tuple[str, ...],
     force: bool,
+    state: State,
 ) -> None:
-    state = load_state(tree.root)
-    report.notes.extend(recover(tree.root, state))
-    state = load_state(tree.root)
     files = TreeFiles(tree)
     changes: list[FileChange] = []
     for patch in patches:
