@@ -294,3 +294,17 @@ def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
     strict = run_cli("apply", "--target", str(root), "--only", "expand-block-n", "--strict")
     assert strict.exit_code == 1
     assert snapshot(root) == before
+
+
+REPORT_IMPORTS = """
+import atexit, sys
+atexit.register(lambda: print("IMPORTED:", sorted(
+    m for m in ("vllm", "torch", "git", "triton") if m in sys.modules), file=sys.stderr))
+"""
+
+
+def test_status_imports_neither_vllm_nor_torch(tree_0260: Path):
+    """status must work on GPU-less build machines and stay fast: files only."""
+    result = run_subprocess("status", "--target", str(tree_0260), code=REPORT_IMPORTS)
+    assert result.returncode == 0, result.stderr
+    assert "IMPORTED: []" in result.stderr
