@@ -41,12 +41,10 @@ def user_errors(func):
 
 def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
     """An unknown --only id is a usage error (exit 2), caught before any work."""
-    for patch_id in only:
-        if patch_id not in catalogue.ids:
-            raise click.BadParameter(
-                f"unknown patch {patch_id!r}; known: {', '.join(catalogue.ids)}",
-                param_hint="--only",
-            )
+    try:
+        operations.select(catalogue, only)
+    except PatchkitError as exc:
+        raise click.BadParameter(str(exc), param_hint="--only") from None
     return only
 
 

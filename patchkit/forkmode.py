@@ -50,7 +50,6 @@ class Checkout:
     def __post_init__(self) -> None:
         import git  # gitpython, only needed here
 
-        self.git = git
         self.repo = git.Repo(self.tree.root)
 
     # -- checks -------------------------------------------------------------

@@ -100,7 +100,7 @@ def tidy(root: Path, lock) -> None:
         return
     (directory / "state.json").unlink(missing_ok=True)
     shutil.rmtree(directory / "backups", ignore_errors=True)
-    lock.release_and_remove()
+    lock.unlink_file()
     try:
         directory.rmdir()
     except OSError:

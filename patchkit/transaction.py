@@ -54,7 +54,7 @@ class TreeLock:
         self.timeout = float(os.environ.get(LOCK_TIMEOUT_ENV, "60"))
         self._handle = None
 
-    def __enter__(self) -> TreeLock:
+    def _open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handle = open(self.path, "a+")
@@ -63,6 +63,9 @@ class TreeLock:
                 f"cannot write to {self.path.parent}: {exc.strerror}; run patchkit as "
                 "the user that owns the vLLM install (root in a Docker image)"
             ) from None
+
+    def __enter__(self) -> TreeLock:
+        self._open()
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -71,8 +74,7 @@ class TreeLock:
                     return self
                 # The holder before us removed the lock file (tidy); lock the new one.
                 self._handle.close()
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._handle = open(self.path, "a+")
+                self._open()
                 continue
             except BlockingIOError:
                 if time.monotonic() >= deadline:
@@ -89,8 +91,8 @@ class TreeLock:
         except FileNotFoundError:
             return False
 
-    def release_and_remove(self) -> None:
-        """Unlink the lock file while holding it (the tree's .patchkit/ is going away)."""
+    def unlink_file(self) -> None:
+        """Unlink the lock file while still holding it (the tree's .patchkit/ is going away)."""
         remove_if_present(self.path)
 
     def __exit__(self, *exc_info) -> None:
