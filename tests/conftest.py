@@ -9,6 +9,7 @@ hand; each test gets its own copy, so the cache stays pristine.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from packaging.version import Version
 
-from patchkit.catalogue import load_catalogue
+from patchkit.catalogue import Variant, load_catalogue
 from patchkit.cli import main
 from patchkit.fetch import fetch
+from patchkit.hunks import apply_file_patch
 
 REPO = Path(__file__).resolve().parent.parent
 CATALOGUE = load_catalogue()
@@ -40,6 +43,32 @@ def release_tree(version: str) -> Path:
 def copy_tree(version: str, dest: Path) -> Path:
     shutil.copytree(release_tree(version), dest, symlinks=True)
     return dest
+
+
+def patched_text(version: str, patch_id: str, relpath: str) -> str:
+    """One file of a release as the catalogue's variant for it would leave it.
+
+    Applied in memory with patchkit's own engine, so a test can read (or import)
+    the patched code of every release without copying whole trees.
+    """
+    variant = CATALOGUE.get(patch_id).expected_for(Version(version))
+    assert isinstance(variant, Variant), f"{patch_id} has no variant for {version}"
+    file_patch = next(f for f in variant.files if f.path == relpath)
+    source = release_tree(version) / relpath
+    text = None if file_patch.creates else source.read_text()
+    new_text, _ = apply_file_patch(text, file_patch)
+    return new_text
+
+
+def load_module(name: str, text: str, tmp_path: Path):
+    """Import Python source as a standalone module (for files that import only torch)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # torch.compile looks functions' modules up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def snapshot(root: Path) -> dict[str, str]:

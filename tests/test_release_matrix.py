@@ -47,11 +47,19 @@ EXPAND_BLOCK_N = {
     },  # fmt: skip
     "0.33.0": ("upstream", None),
 }
-EXPECTED = {"expand-block-n": EXPAND_BLOCK_N}
+MATMUL_ADD_LORA_LINEAR = {
+    **{v: ("needed", "torch-ops") for v in EXPAND_BLOCK_N if v != "0.33.0"},
+    "0.33.0": ("upstream", None),
+}
+EXPECTED = {
+    "expand-block-n": EXPAND_BLOCK_N,
+    "matmul-add-lora-linear": MATMUL_ADD_LORA_LINEAR,
+}
 
 
 def test_every_listed_release_is_in_the_expectations():
-    assert sorted(RELEASES) == sorted(EXPAND_BLOCK_N)
+    for table in EXPECTED.values():
+        assert sorted(RELEASES) == sorted(table)
     assert len(RELEASES) == 25
 
 
