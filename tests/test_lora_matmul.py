@@ -25,9 +25,19 @@ WRAPPER = "vllm/lora/punica_wrapper/punica_gpu.py"
 PATCHED_RELEASES = [
     v for v in RELEASES if isinstance(CATALOGUE.get(PATCH).expected_for(Version(v)), Variant)
 ]
-# Kernel metadata the Triton ops take after token_lora_mapping; the torch path
-# ignores it, so placeholders stand in for it.
-META = (None,) * 6
+
+
+def meta(mapping: torch.Tensor, max_loras: int) -> tuple:
+    """The kernel metadata after token_lora_mapping, as vLLM's LoRAKernelMeta builds it.
+
+    The torch path reads only the active LoRA ids (sorted, -1 padded to
+    max_loras + 1); the other entries serve the Triton launch.
+    """
+    active = torch.unique(mapping)
+    lora_ids = torch.full((max_loras + 1,), -1, dtype=active.dtype)
+    lora_ids[: active.numel()] = active
+    cpu_flag = torch.tensor([bool((mapping == -1).all())])
+    return (None, None, None, lora_ids, cpu_flag, torch.tensor([max_loras + 1]))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +57,10 @@ class Case:
         # Loaded adapters sit in random slots with random ranks <= max_rank;
         # rows and columns beyond an adapter's rank are zero, as vLLM pads them.
         self.slots = rnd.sample(range(max_loras), adapters)
-        self.rank = {slot: rnd.choice([r for r in (8, 16, 32, 64, 128) if r <= max_rank])
-                     for slot in self.slots}  # fmt: skip
+        self.rank = {
+            slot: rnd.choice([r for r in (8, 16, 32, 64, 128) if r <= max_rank])
+            for slot in self.slots
+        }
         self.a = [torch.zeros(max_loras, 1, max_rank, self.hidden, dtype=dtype) for _ in widths]
         self.b = [torch.zeros(max_loras, 1, w, max_rank, dtype=dtype) for w in widths]
         for a, b, w in zip(self.a, self.b, widths, strict=True):
@@ -59,6 +71,9 @@ class Case:
         self.mapping = torch.tensor([rnd.choice(choices) for _ in range(tokens)])
         self.mapping[0] = -1  # always at least one row without LoRA
         self.y = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
+
+    def meta(self) -> tuple:
+        return meta(self.mapping, self.a[0].size(0))
 
     def reference(self, scale: float) -> torch.Tensor:
         """The LoRA delta, float64, token by token: scale * x @ A[slot].T @ B[slot].T."""
@@ -78,9 +93,9 @@ def add_lora_linear(ops, case: Case, y: torch.Tensor, scale: float, add_inputs: 
     """What PunicaWrapperGPU.add_lora_linear does with the ops rebound to torch."""
     rank = case.b[0].size(-1)
     buffer = torch.empty(len(case.widths), case.x.size(0), rank, dtype=torch.float32)
-    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *META, scale)
+    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *case.meta(), scale)
     ops.torch_lora_expand(
-        buffer, case.b, y, case.mapping, *META, offset_start=0, add_inputs=add_inputs
+        buffer, case.b, y, case.mapping, *case.meta(), offset_start=0, add_inputs=add_inputs
     )
     return y
 
@@ -134,6 +149,24 @@ def test_no_adapter_in_the_batch_gives_exactly_no_change(ops):
         assert same_bits(y, case.y)
 
 
+def test_a_batch_without_lora_ignores_the_stale_mapping(ops):
+    """vLLM leaves token_lora_mapping as the last LoRA batch wrote it when no token
+    has a LoRA (it only resets the active ids). Found by `patchkit verify` on an
+    H200: base requests after LoRA requests got the old adapter."""
+    case = Case(13, 30, 4, 3, (64, 32), 64, torch.bfloat16)
+    stale = case.mapping.clone()
+    case.mapping[:] = -1
+    no_lora_meta = case.meta()
+    case.mapping = stale  # what the op is handed: stale slots, no active ids
+    for add_inputs in (True, False):
+        y = case.y.clone()
+        buffer = torch.empty(2, 30, 64)
+        ops.torch_lora_shrink(case.x, case.a, buffer, stale, *no_lora_meta, 1.0)
+        assert torch.count_nonzero(buffer) == 0
+        ops.torch_lora_expand(buffer, case.b, y, stale, *no_lora_meta, add_inputs=add_inputs)
+        assert same_bits(y, case.y)
+
+
 def test_zero_weights_give_exactly_zero_delta(ops):
     case = Case(8, 25, 4, 3, (64, 32), 64, torch.bfloat16)
     for w in (*case.a, *case.b):
@@ -148,13 +181,14 @@ def test_shrink_output_is_written_not_added_and_offsets_are_honoured(ops):
     """Shrink overwrites its buffer (the Triton op zeroes it); expand starts at offset_start."""
     case = Case(9, 12, 2, 2, (16, 24), 16, torch.bfloat16)
     buffer = torch.full((2, 12, 16), float("nan"))
-    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *META, 1.0)
+    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *case.meta(), 1.0)
     assert torch.isfinite(buffer).all()
     assert torch.count_nonzero(buffer[:, case.mapping < 0]) == 0
     wide = torch.randn(12, 8 + 40 + 5).to(torch.bfloat16)
     before = wide.clone()
-    ops.torch_lora_expand(buffer, case.b, wide, case.mapping, *META, offset_start=8,
-                          add_inputs=True)  # fmt: skip
+    ops.torch_lora_expand(
+        buffer, case.b, wide, case.mapping, *case.meta(), offset_start=8, add_inputs=True
+    )
     assert same_bits(wide[:, :8], before[:, :8])
     assert same_bits(wide[:, 48:], before[:, 48:])
     expected = before[:, 8:48].double() + case.reference(1.0)
@@ -166,9 +200,10 @@ def test_logits_style_float32_output_and_model_dtype_input(ops):
     case = Case(10, 20, 3, 2, (48,), 32, torch.bfloat16)
     y32 = case.y.float()
     buffer = torch.empty(1, 20, 32)
-    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *META, 1.0)
-    ops.torch_lora_expand(buffer.to(torch.bfloat16), case.b, y32, case.mapping, *META,
-                          add_inputs=True)  # fmt: skip
+    ops.torch_lora_shrink(case.x, case.a, buffer, case.mapping, *case.meta(), 1.0)
+    ops.torch_lora_expand(
+        buffer.to(torch.bfloat16), case.b, y32, case.mapping, *case.meta(), add_inputs=True
+    )
     rows = case.mapping >= 0
     assert_close_to(y32[rows], (case.y.double() + case.reference(1.0))[rows], torch.bfloat16)
     assert torch.equal(y32[~rows], case.y.float()[~rows])
@@ -187,17 +222,19 @@ def test_runs_under_torch_compile_fullgraph_with_dynamic_token_count(ops):
     """No graph breaks (fullgraph) and the same numbers as eager, at two token counts."""
     torch._dynamo.reset()
 
-    def lora_linear(x, a0, a1, b0, b1, mapping, y):
+    def lora_linear(x, a0, a1, b0, b1, mapping, lora_ids, y):
+        kernel_meta = (None, None, None, lora_ids, None, None)
         buffer = torch.empty(2, x.size(0), a0.size(-2), dtype=torch.float32)
-        ops.torch_lora_shrink(x, [a0, a1], buffer, mapping, *META, 1.0)
-        ops.torch_lora_expand(buffer, [b0, b1], y, mapping, *META, offset_start=0,
-                              add_inputs=True)  # fmt: skip
+        ops.torch_lora_shrink(x, [a0, a1], buffer, mapping, *kernel_meta, 1.0)
+        ops.torch_lora_expand(
+            buffer, [b0, b1], y, mapping, *kernel_meta, offset_start=0, add_inputs=True
+        )
         return y
 
     compiled = torch.compile(lora_linear, fullgraph=True, dynamic=True)
     for tokens in (7, 19):
         case = Case(12 + tokens, tokens, 4, 3, (32, 16), 32, torch.bfloat16)
-        args = (case.x, *case.a, *case.b, case.mapping)
+        args = (case.x, *case.a, *case.b, case.mapping, case.meta()[3])
         eager = lora_linear(*args, case.y.clone())
         graph = compiled(*args, case.y.clone())
         assert_close_to(graph, eager.double(), torch.bfloat16)
