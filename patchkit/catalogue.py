@@ -74,6 +74,13 @@ class Variant:
     def paths(self) -> tuple[str, ...]:
         return tuple(f.path for f in self.files)
 
+    def file_patch(self, relpath: str) -> FilePatch:
+        """The hunks this variant has for one file."""
+        for file_patch in self.files:
+            if file_patch.path == relpath:
+                return file_patch
+        raise PatchkitError(f"{self.diff_path}: no hunks for {relpath}")
+
 
 @dataclass(frozen=True)
 class Decision:

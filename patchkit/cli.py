@@ -1,4 +1,4 @@
-"""The command line: list, status, apply, revert, fetch.
+"""The command line: list, status, apply, revert, fetch, verify, doctor.
 
 Exit status: 0 success (including "nothing to do"), 1 failure (and then
 nothing changed on disk), 2 usage error. User errors print one line, no
@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -177,6 +178,62 @@ def fetch(version: str, dest: str | None) -> None:
     from patchkit.fetch import fetch as fetch_tree
 
     click.echo(str(fetch_tree(version, dest)))
+
+
+@main.command()
+@click.option("--e2e", is_flag=True, help="Also serve a tiny Qwen3.5 + LoRA with vLLM (~5 min).")
+@click.option(
+    "--seed",
+    type=int,
+    envvar="PATCHKIT_VERIFY_SEED",
+    help="Seed for the random inputs (default: a fresh one each run).",
+)
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False),
+    help="Keep the e2e model, adapter and vLLM logs in this directory.",
+)
+@json_option
+@user_errors
+def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None:
+    """Prove on this GPU that the installed vLLM's LoRA path gives sound numbers.
+
+    Needs an NVIDIA GPU, torch and the vLLM that this Python imports. Exit 1
+    on any failed check.
+    """
+    from pathlib import Path
+
+    from patchkit import verify as verifying
+
+    if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    verifying.require_gpu()
+    tree = verifying.importable_tree()
+    result = verifying.run(tree, load_catalogue(), e2e, seed, Path(keep) if keep else None)
+    report.emit_json(result.to_json()) if as_json else verifying.render(result)
+    sys.exit(0 if result.ok else 1)
+
+
+@main.command()
+@target_options
+@json_option
+@user_errors
+def doctor(target: str | None, vllm_version: str | None, as_json: bool) -> None:
+    """Report GPU, Triton/ptxas, vLLM patch states, tuned configs and stale caches.
+
+    Needs no GPU and imports no vLLM. Ends with a verdict per known bug.
+    """
+    from patchkit import doctor as doctoring
+
+    try:
+        tree, tree_error = locate(target, vllm_version), ""
+    except PatchkitError as exc:
+        tree, tree_error = None, str(exc)
+    result = doctoring.run(tree, tree_error, load_catalogue())
+    if as_json:
+        report.emit_json(result.to_json())
+    else:
+        doctoring.render(result, click.echo)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -53,7 +53,7 @@ def patched_text(version: str, patch_id: str, relpath: str) -> str:
     """
     variant = CATALOGUE.get(patch_id).expected_for(Version(version))
     assert isinstance(variant, Variant), f"{patch_id} has no variant for {version}"
-    file_patch = next(f for f in variant.files if f.path == relpath)
+    file_patch = variant.file_patch(relpath)
     source = release_tree(version) / relpath
     text = None if file_patch.creates else source.read_text()
     new_text, _ = apply_file_patch(text, file_patch)

@@ -1,0 +1,437 @@
+"""End-to-end check for `patchkit verify --e2e`: a tiny Qwen3.5 hybrid under vLLM with LoRA.
+
+Everything is built locally, nothing is downloaded: a random Qwen3.5 model
+(3 Gated DeltaNet layers + 1 attention layer) made with transformers, a
+rank-64 PEFT adapter on the attention, GDN and MLP projections, and token-id
+prompts of about 50, 600 and 3000 tokens. transformers + PEFT in float32 give
+the reference prompt log-probabilities; vLLM serves the same model twice, in
+eager mode and with torch.compile + CUDA graphs, each in its own process
+(they start in parallel to stay inside the time budget).
+
+Random weights make greedy tokens a poor comparison (near-ties diverge), so
+the checks compare teacher-forced prompt log-probabilities instead.
+torch, transformers, peft and vllm are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPT_LENGTHS = (50, 600, 3000)
+VOCAB = 4096
+RANK = 64
+GENERATED = 16
+TARGET_MODULES = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
+    r"|gate_proj|up_proj|down_proj)"
+)
+# Teacher-forced prompt log-probabilities, vLLM (bf16) against transformers
+# (float32 from the same bf16 weights): mean and max absolute difference.
+LOGPROB_MEAN_TOL = 0.03
+LOGPROB_MAX_TOL = 0.3
+# LoRA must move the log-probabilities by clearly more than that noise.
+LORA_EFFECT_MIN = 0.1  # about a third of the effect the adapter is built with
+# The same request twice (before/after other requests) must agree within
+# run-to-run noise: the Triton shrink kernel sums split-k partials with
+# atomic adds (order not fixed), which moved a 50-token prompt's log-probs by
+# up to 8e-3 on the test H200. Carried-over GDN state or a stale adapter slot
+# moves them by about the LoRA effect (0.3 here).
+REPEAT_MAX_TOL = 0.05
+# A run of this many token-id-0 tokens is the "!!!!" symptom.
+ZERO_RUN = 3
+MODES = ("eager", "cudagraph")
+
+
+@dataclass
+class Check:
+    """One named pass/fail with the number that decided it."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class E2EResult:
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+
+def prompts(seed: int) -> dict[str, list[int]]:
+    """Token-id prompts; ids stay below the image/video special tokens (4090+)."""
+    rnd = random.Random(seed)
+    return {f"p{n}": [rnd.randrange(1, 4000) for _ in range(n)] for n in PROMPT_LENGTHS}
+
+
+def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
+    """Save a random tiny Qwen3.5 hybrid and a random rank-64 adapter under workdir."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=8192,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=1024)
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=4090,
+        video_token_id=4091,
+        vision_start_token_id=4092,
+        vision_end_token_id=4093,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    model_dir, adapter_dir = workdir / "model", workdir / "adapter"
+    model.save_pretrained(model_dir)
+    lora = LoraConfig(
+        r=RANK, lora_alpha=RANK, target_modules=TARGET_MODULES, init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # random but moderate: LoRA visible, logits sane
+                param.mul_(0.3)
+    peft_model.save_pretrained(adapter_dir)
+    return model_dir, adapter_dir
+
+
+def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int, device: str) -> dict:
+    """transformers + PEFT, float32: per prompt, base and LoRA log-probs of tokens 1..n-1."""
+    import torch
+    from peft import PeftModel
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device).eval()
+    out: dict = {"base": {}, "lora": {}}
+    with torch.no_grad():
+        for name, ids in prompts(seed).items():
+            out["base"][name] = _token_logprobs(model, ids, device)
+        peft_model = PeftModel.from_pretrained(model, adapter_dir).to(device).eval()
+        for name, ids in prompts(seed).items():
+            out["lora"][name] = _token_logprobs(peft_model, ids, device)
+    del model
+    return out
+
+
+def _token_logprobs(model, ids: list[int], device: str) -> list[float]:
+    import torch
+
+    tokens = torch.tensor([ids], device=device)
+    logits = model(input_ids=tokens).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, tokens[0, 1:, None]).squeeze(1).tolist()
+
+
+# ----- the vLLM side, run in a child process per mode -----
+
+
+def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Path) -> None:
+    """Run every request of the e2e plan through vllm.LLM and write what came back."""
+    os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"
+    import importlib.util
+
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    extra = {}
+    if importlib.util.find_spec("flashinfer") is None:  # pick kernels that need no FlashInfer
+        extra = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
+    started = time.monotonic()
+    llm = LLM(
+        model=str(model_dir),
+        enable_lora=True,
+        max_lora_rank=RANK,
+        max_loras=2,
+        enforce_eager=(mode == "eager"),
+        skip_tokenizer_init=True,
+        language_model_only=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=4096,
+        max_num_seqs=4,
+        max_num_batched_tokens=4096,
+        dtype="bfloat16",
+        seed=seed,
+        disable_log_stats=False,
+        **extra,
+    )
+    engine_seconds = time.monotonic() - started
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=0, logprobs=0)
+    lora = LoRARequest("patchkit-e2e", 1, str(adapter_dir))
+    texts = prompts(seed)
+
+    def run(name: str, adapter) -> dict:
+        [result] = llm.generate(
+            [{"prompt_token_ids": texts[name]}], params, lora_request=adapter, use_tqdm=False
+        )
+        return _collect(result, texts[name])
+
+    plan = [
+        ("base", "p50"),
+        ("base", "p600"),
+        ("base", "p3000"),
+        ("lora", "p50"),
+        ("lora", "p600"),
+        ("lora", "p3000"),
+        ("lora_after_long", "p50"),
+        ("base_after_lora", "p50"),
+        ("base_after_lora", "p600"),
+        ("base_after_lora", "p3000"),
+    ]
+    runs: dict = {}
+    for label, name in plan:
+        runs.setdefault(label, {})[name] = run(name, lora if label.startswith("lora") else None)
+    corrupted = sum(
+        getattr(m, "value", 0) or 0
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:corrupted_requests")
+    )
+    out_file.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "engine_seconds": engine_seconds,
+                "corrupted_requests": corrupted,
+                "runs": runs,
+            }
+        )
+    )
+
+
+def _collect(result, ids: list[int]) -> dict:
+    """Prompt log-probs of the actual prompt tokens, generated tokens and their log-probs."""
+    prompt = [
+        entry[tok].logprob for entry, tok in zip(result.prompt_logprobs[1:], ids[1:], strict=True)
+    ]
+    completion = result.outputs[0]
+    sampled = [
+        entry[tok].logprob
+        for entry, tok in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
+    return {
+        "prompt_logprobs": prompt,
+        "tokens": list(completion.token_ids),
+        "token_logprobs": sampled,
+    }
+
+
+def start_servers(
+    model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, modes=MODES
+) -> dict:
+    """Start one child process per mode; they share the GPU and start in parallel."""
+    children = {}
+    for mode in modes:
+        log = (workdir / f"vllm-{mode}.log").open("w")
+        children[mode] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "patchkit.e2e",
+                str(model_dir),
+                str(adapter_dir),
+                str(seed),
+                mode,
+                str(workdir / f"vllm-{mode}.json"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return children
+
+
+def wait_servers(children: dict, workdir: Path, timeout: float) -> dict:
+    """Each mode's results, or an error quoting its log's first error line."""
+    deadline = time.monotonic() + timeout
+    results = {}
+    for mode, child in children.items():
+        try:
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        out = workdir / f"vllm-{mode}.json"
+        if child.returncode == 0 and out.exists():
+            results[mode] = json.loads(out.read_text())
+        else:
+            results[mode] = {
+                "error": f"vLLM ({mode}) exited {child.returncode}: "
+                + _first_error(workdir / f"vllm-{mode}.log")
+            }
+    return results
+
+
+def _first_error(log: Path) -> str:
+    lines = log.read_text(errors="replace").strip().splitlines()
+    errors = [line.strip() for line in lines if "Error" in line and "Traceback" not in line]
+    return (errors[0] if errors else " | ".join(lines[-3:]))[:300]
+
+
+def serve_all(model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, timeout: float) -> dict:
+    """Both modes in parallel; a mode that failed then gets one run on its own.
+
+    Two engines starting side by side on one GPU can trip vLLM's memory
+    profiling (it fails when another process frees memory meanwhile); alone,
+    that cannot happen. The first error is kept in the result.
+    """
+    served = wait_servers(start_servers(model_dir, adapter_dir, seed, workdir), workdir, timeout)
+    for mode in [m for m in MODES if "error" in served[m]]:
+        first = served[mode]["error"]
+        alone = start_servers(model_dir, adapter_dir, seed, workdir, modes=(mode,))
+        served[mode] = wait_servers(alone, workdir, timeout)[mode]
+        served[mode]["first_attempt"] = first
+    return served
+
+
+def run_e2e(workdir: Path, seed: int, timeout: float = 420.0) -> tuple[E2EResult, dict]:
+    """Build, reference, serve in both modes, compare. Returns checks and raw numbers."""
+    started = time.monotonic()
+    model_dir, adapter_dir = build_model(workdir, seed)
+    # The reference runs first and keeps its memory until the end: vLLM's
+    # memory profiling fails if another process frees GPU memory meanwhile.
+    reference = reference_logprobs(model_dir, adapter_dir, seed, "cuda")
+    served = serve_all(model_dir, adapter_dir, seed, workdir, timeout)
+    result = E2EResult()
+    for mode in MODES:
+        result.checks.extend(compare(mode, served[mode], reference))
+    result.seconds = time.monotonic() - started
+    return result, {"reference": reference, "served": served}
+
+
+def compare(mode: str, served: dict, reference: dict) -> list[Check]:
+    """The e2e checks for one mode."""
+    if "error" in served:
+        return [Check(f"{mode}: vLLM ran", False, served["error"])]
+    runs = served["runs"]
+    checks = (
+        []
+        if "first_attempt" not in served
+        else [
+            Check(f"{mode}: engine started (second attempt, alone)", True, served["first_attempt"])
+        ]
+    )
+    checks += [
+        Check(
+            f"{mode}: vllm:corrupted_requests",
+            served["corrupted_requests"] == 0,
+            f"{served['corrupted_requests']} (VLLM_COMPUTE_NANS_IN_LOGITS=1)",
+        )
+    ]
+    every = [r for group in runs.values() for r in group.values()]
+    nan = sum(_count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
+    checks.append(Check(f"{mode}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
+    zero_runs = [len(r["tokens"]) for r in every if _zero_run(r["tokens"]) >= ZERO_RUN]
+    checks.append(
+        Check(
+            f"{mode}: no run of token id 0",
+            not zero_runs,
+            f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row",
+        )
+    )
+    for kind in ("base", "lora"):
+        for name in reference[kind]:
+            mean, worst = _diff(runs[kind][name]["prompt_logprobs"], reference[kind][name])
+            checks.append(
+                Check(
+                    f"{mode}: {kind} {name[1:]} tokens vs transformers",
+                    mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
+                    f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
+                    f"(<= {LOGPROB_MAX_TOL})",
+                )
+            )
+    effect = min(
+        _diff(runs["lora"][n]["prompt_logprobs"], runs["base"][n]["prompt_logprobs"])[0]
+        for n in runs["lora"]
+    )
+    checks.append(
+        Check(
+            f"{mode}: LoRA output differs from base",
+            effect >= LORA_EFFECT_MIN,
+            f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})",
+        )
+    )
+    carried = max(
+        _diff(runs["base_after_lora"][n]["prompt_logprobs"], runs["base"][n]["prompt_logprobs"])[1]
+        for n in runs["base_after_lora"]
+    )
+    same_tokens = all(
+        runs["base_after_lora"][n]["tokens"] == runs["base"][n]["tokens"]
+        for n in runs["base_after_lora"]
+    )
+    checks.append(
+        Check(
+            f"{mode}: base after LoRA equals base before",
+            carried <= REPEAT_MAX_TOL and same_tokens,
+            f"max |d logprob| {carried:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {same_tokens}",
+        )
+    )
+    short = _diff(
+        runs["lora_after_long"]["p50"]["prompt_logprobs"], runs["lora"]["p50"]["prompt_logprobs"]
+    )[1]
+    short_tokens = runs["lora_after_long"]["p50"]["tokens"] == runs["lora"]["p50"]["tokens"]
+    checks.append(
+        Check(
+            f"{mode}: short prompt after a long one unaffected",
+            short <= REPEAT_MAX_TOL and short_tokens,
+            f"max |d logprob| {short:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {short_tokens}",
+        )
+    )
+    return checks
+
+
+def _count_nan(values: list[float]) -> int:
+    return sum(1 for v in values if v != v)
+
+
+def _zero_run(tokens: list[int]) -> int:
+    longest = current = 0
+    for token in tokens:
+        current = current + 1 if token == 0 else 0
+        longest = max(longest, current)
+    return longest
+
+
+def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and max absolute difference (inf when lengths differ or a value is NaN)."""
+    if len(a) != len(b) or not a:
+        return float("inf"), float("inf")
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    if any(d != d for d in diffs):
+        return float("inf"), float("inf")
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+if __name__ == "__main__":  # the child process of start_servers
+    serve(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))

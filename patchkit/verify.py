@@ -1,0 +1,164 @@
+"""`patchkit verify`: prove on this machine's GPU that the installed vLLM's LoRA path is sound.
+
+It runs against the vLLM that this Python imports, patched or not, and says
+which patches are applied. Kernel checks always run; `--e2e` adds the tiny
+Qwen3.5 + LoRA serving run (patchkit.e2e). Exit 1 on any failed check that
+applies to this install. torch and vllm are imported only here, lazily, so
+the other commands never load them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from patchkit import operations
+from patchkit.catalogue import Catalogue
+from patchkit.errors import PatchkitError
+from patchkit.tree import VllmTree, locate
+
+
+@dataclass
+class VerifyReport:
+    environment: dict
+    patches: list[dict]
+    kernel: list = field(default_factory=list)
+    e2e: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        kernel_ok = all(k.ok for k in self.kernel if k.counts)
+        return kernel_ok and all(c.ok for c in self.e2e)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "environment": self.environment,
+            "patches": self.patches,
+            "kernel_checks": [asdict(k) for k in self.kernel],
+            "e2e_checks": [asdict(c) for c in self.e2e],
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def require_gpu():
+    """torch with a visible CUDA GPU, or a one-line error."""
+    try:
+        import torch
+    except ImportError:
+        raise PatchkitError(
+            "verify needs torch with CUDA (install patchkit[gpu] next to vLLM)"
+        ) from None
+    if not torch.cuda.is_available():
+        raise PatchkitError(
+            "verify needs an NVIDIA GPU and none is visible to torch "
+            "(torch.cuda.is_available() is False); run it on the GPU server"
+        )
+    return torch
+
+
+def importable_tree() -> VllmTree:
+    """The vLLM this Python imports (verify checks what actually runs)."""
+    try:
+        return locate(None)
+    except PatchkitError:
+        raise PatchkitError(
+            "verify checks the vLLM this Python imports, and there is none; "
+            "run it with the Python that serves vLLM"
+        ) from None
+
+
+def environment(torch, tree: VllmTree) -> dict:
+    import importlib.metadata
+
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    from patchkit.kernelcheck import installed_backend
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "torch": torch.__version__,
+        "triton": triton,
+        "vllm": tree.version,
+        "vllm_path": str(tree.root),
+        "lora_backend": installed_backend(),
+    }
+
+
+def run(
+    tree: VllmTree, catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None
+) -> VerifyReport:
+    started = time.monotonic()
+    torch = require_gpu()
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    patches = [
+        {k: o.to_json()[k] for k in ("id", "state", "variant")}
+        for o in operations.status(tree, catalogue).outcomes
+    ]
+    try:
+        from patchkit import kernelcheck
+
+        env = {**environment(torch, tree), "seed": seed}
+        report = VerifyReport(env, patches)
+        report.kernel = kernelcheck.trigger_cases(seed) + kernelcheck.wrapper_cases(seed)
+    except ImportError as exc:
+        raise PatchkitError(f"cannot import vLLM's LoRA code from {tree.root}: {exc}") from None
+    if e2e:
+        report.e2e = _run_e2e(seed, keep)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run_e2e(seed: int, keep: Path | None) -> list:
+    from patchkit import e2e
+
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        return e2e.run_e2e(keep, seed)[0].checks
+    with tempfile.TemporaryDirectory(prefix="patchkit-e2e-") as workdir:
+        return e2e.run_e2e(Path(workdir), seed)[0].checks
+
+
+def render(report: VerifyReport) -> None:
+    env = report.environment
+    click.echo(
+        f"GPU {env['gpu']} (sm {env['compute_capability']}), torch {env['torch']}, "
+        f"Triton {env['triton']}, vLLM {env['vllm']} at {env['vllm_path']}"
+    )
+    click.echo(f"LoRA ops in punica_gpu.py: {env['lora_backend']}; seed {env['seed']}")
+    for p in report.patches:
+        click.echo(f"  {p['id']:<24}{p['state']}")
+    click.echo("")
+    click.echo(f"{'kernel check':<72}{'result':<8}{'rel.err':>9}  note")
+    for k in report.kernel:
+        verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
+        note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
+        click.echo(f"{k.name:<72}{verdict:<8}{k.rel_error:>9.2e}  {note}")
+    if report.e2e:
+        click.echo("")
+        click.echo(f"{'end-to-end check':<60}{'result':<8}detail")
+        for c in report.e2e:
+            click.echo(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
+    click.echo("")
+    click.echo("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
+    failed = sum(1 for k in report.kernel if k.counts and not k.ok) + sum(
+        1 for c in report.e2e if not c.ok
+    )
+    verdict = "PASSED" if report.ok else f"FAILED ({failed} checks)"
+    click.echo(f"verify {verdict} in {report.seconds:.0f} s")
+
+
+def seed_from_env() -> int | None:
+    value = os.environ.get("PATCHKIT_VERIFY_SEED")
+    return int(value) if value else None

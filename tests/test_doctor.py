@@ -1,0 +1,150 @@
+"""`patchkit doctor` on real release trees: facts, findings and verdicts.
+
+The GPU and Triton's ptxas are stood in for by tiny executables on PATH /
+TRITON_PTXAS_PATH that print what the real tools print, so every verdict
+branch runs on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import py_compile
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli, run_subprocess
+from tests.test_failures import REPORT_IMPORTS
+
+NAN_BUG = "vLLM #48590"
+PARTIAL_BUG = "vLLM #47639"
+STALE = "stale bytecode"
+
+
+def executable(path: Path, output: str) -> Path:
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}\nEOF\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture
+def hopper(tmp_path: Path, monkeypatch) -> Path:
+    """nvidia-smi reporting an H200, Triton's ptxas reporting 12.8.93; empty caches."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    executable(bin_dir / "nvidia-smi", "NVIDIA H200, 9.0")
+    ptxas = executable(
+        tmp_path / "ptxas",
+        "ptxas: NVIDIA (R) Ptx optimizing assembler\nCuda compilation tools, release 12.8, "
+        "V12.8.93",
+    )
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(ptxas))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.delenv("PATCHKIT_LORA_BACKEND", raising=False)
+    return tmp_path
+
+
+def doctor(root: Path, **env) -> dict:
+    result = run_cli("doctor", "--target", str(root), "--json", env=env or None)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def verdict(report: dict, bug: str) -> dict:
+    return next(v for v in report["verdicts"] if v["bug"].startswith(bug))
+
+
+def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopper: Path):
+    report = doctor(tree_0260)
+    assert report["gpus"] == [{"name": "NVIDIA H200", "compute_capability": "9.0"}]
+    assert report["triton"]["ptxas_version"] == "12.8.93"
+    assert report["vllm"]["version"] == "0.26.0"
+    nan = verdict(report, NAN_BUG)
+    assert nan["status"] == "exposed" and nan["fix"] == "patchkit apply"
+    assert verdict(report, PARTIAL_BUG)["status"] == "exposed"  # 0.21-0.28
+
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    report = doctor(tree_0260)
+    assert {p["id"]: p["state"] for p in report["patches"]}["matmul-add-lora-linear"] == "applied"
+    assert verdict(report, NAN_BUG)["status"] == "protected"
+    assert "torch matmuls" in verdict(report, NAN_BUG)["reason"]
+    # With the Triton backend chosen, expand-block-n is what protects it.
+    triton = verdict(doctor(tree_0260, PATCHKIT_LORA_BACKEND="triton"), NAN_BUG)
+    assert triton["status"] == "protected" and "block_n 32" in triton["reason"]
+
+
+def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hopper: Path):
+    folder = hopper / "tuned"
+    folder.mkdir()
+    risky = {"1": {"1": {"4096": {"64": {"5120": {"block_n": 128, "num_stages": 2}}}}}}
+    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(json.dumps(risky))
+    (folder / "NVIDIA_H200_EXPAND_FALSE.json").write_text(json.dumps({"1": {"2": {}}}))
+    (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")  # not an expand file: ignored
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    report = doctor(tree_0260, VLLM_TUNED_CONFIG_FOLDER=str(folder), PATCHKIT_LORA_BACKEND="triton")
+    problems = {Path(c["file"]).name: c["problem"] for c in report["tuned_configs"]}
+    assert "replace the patched block_n 32" in problems["NVIDIA_H200_EXPAND_TRUE.json"]
+    assert "KeyError" in problems["NVIDIA_H200_EXPAND_FALSE.json"]
+    assert len(problems) == 2
+    assert verdict(report, NAN_BUG)["status"] == "exposed"
+
+
+def test_other_gpus_and_new_ptxas_are_not_affected(tree_0260: Path, hopper: Path):
+    executable(hopper / "bin" / "nvidia-smi", "NVIDIA A100-SXM4-80GB, 8.0")
+    assert verdict(doctor(tree_0260), NAN_BUG)["status"] == "not affected"
+    executable(hopper / "bin" / "nvidia-smi", "NVIDIA H200, 9.0")
+    executable(hopper / "ptxas", "Cuda compilation tools, release 13.3, V13.3.51")
+    report = doctor(tree_0260)
+    assert report["triton"]["ptxas_version"] == "13.3.51"
+    assert verdict(report, NAN_BUG)["status"] == "not affected"
+
+
+def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper: Path):
+    module = tree_0260 / "vllm/lora/punica_wrapper/punica_gpu.py"
+    cache_entry = hopper / "vllm-cache" / "torch_compile_cache" / "abc123"
+    cache_entry.mkdir(parents=True)
+    os.utime(cache_entry, (time.time() - 3600, time.time() - 3600))
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    # A .pyc built from the unpatched source, left behind (as an image layer would).
+    pyc = module.parent / "__pycache__" / "punica_gpu.cpython-311.pyc"
+    pyc.parent.mkdir(exist_ok=True)
+    original = module.read_text()
+    module.write_text(original.replace("lora_shrink = torch_lora_shrink", "pass"))
+    py_compile.compile(str(module), cfile=str(pyc))
+    module.write_text(original)
+    report = doctor(tree_0260)
+    assert [Path(s.split(" ")[0]).name for s in report["stale_bytecode"]] == [pyc.name]
+    assert report["old_caches"][0]["entries"] == 1
+    stale = verdict(report, STALE)
+    assert stale["status"] == "exposed" and "--clear-caches" in stale["fix"]
+
+    py_compile.compile(
+        str(module), cfile=str(pyc), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+    )
+    assert "unchecked" in doctor(tree_0260)["stale_bytecode"][0]
+    py_compile.compile(str(module), cfile=str(pyc))  # fresh, timestamp-checked: fine
+    assert doctor(tree_0260)["stale_bytecode"] == []
+
+
+def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
+    from tests.conftest import copy_tree
+
+    old = copy_tree("0.17.0", tmp_path / "v17")
+    report = doctor(old)
+    assert verdict(report, "vLLM #35286")["status"] == "exposed"
+    assert verdict(report, PARTIAL_BUG)["status"] == "not affected"
+    new = copy_tree("0.29.0", tmp_path / "v29")
+    assert "in_proj_z-only" in verdict(doctor(new), PARTIAL_BUG)["reason"]
+
+
+def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
+    result = run_subprocess("doctor", "--target", str(tmp_path), code=REPORT_IMPORTS)
+    assert result.returncode == 0, result.stderr
+    assert "vLLM: " in result.stdout and "no vllm/ package" in result.stdout.lower()
+    assert "IMPORTED: []" in result.stderr

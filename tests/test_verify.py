@@ -1,0 +1,143 @@
+"""`patchkit verify`: its refusal without a GPU, and the judging logic it applies.
+
+The judging code (kernelcheck._judge, e2e.compare) runs here on the CPU with
+crafted numbers, so each failure it must catch is shown to be caught. The
+real run needs a CUDA GPU and vLLM; its output on the test H200 is in
+docs/h200-2026-11-29/.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from patchkit import e2e, kernelcheck
+from tests.conftest import run_cli, run_subprocess
+
+torch = pytest.importorskip("torch", reason="verify's checks need torch (the test extra)")
+has_gpu_and_vllm = torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
+    result = run_subprocess("verify")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "patchkit: error: verify needs an NVIDIA GPU and none is visible to torch "
+        "(torch.cuda.is_available() is False); run it on the GPU server"
+    ]
+    as_json = run_cli("verify", "--json")
+    assert as_json.exit_code == 1
+    assert json.loads(as_json.stdout)["ok"] is False
+
+
+@pytest.mark.skipif(
+    not has_gpu_and_vllm, reason="needs a CUDA GPU and vLLM: run `patchkit verify` on a GPU host"
+)
+def test_verify_kernel_checks_pass_on_this_gpu():
+    result = run_subprocess("verify", "--json")
+    assert result.returncode == 0, result.stdout[-2000:]
+
+
+# ----- kernelcheck._judge: rows with and without LoRA -----
+
+
+def judged_case(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, rank, width = 12, 16, 4, 8
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    a = [torch.randn(2, 1, rank, hidden, generator=gen).bfloat16() / 4]
+    b = [torch.randn(2, 1, width, rank, generator=gen).bfloat16() / 2]
+    y = torch.randn(tokens, width, generator=gen).bfloat16()
+    slots = torch.tensor([-1, 0, 1, 0, -1, 1, 1, 0, -1, 0, 1, 0])
+    out = y.double().clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            out[t] += (x[t].double() @ a[0][slot, 0].double().T) @ b[0][slot, 0].double().T
+    return out.bfloat16(), y, x, a, b, (width,), slots
+
+
+def test_judge_passes_a_correct_result():
+    result = kernelcheck._judge("case", *judged_case())
+    assert result.ok and result.nonfinite == 0 and result.rel_error < kernelcheck.BF16_REL_TOL
+
+
+def test_judge_fails_a_changed_row_without_lora_even_by_one_bit():
+    out, y, *rest = judged_case()
+    out[0] = y[0]
+    out[0, 3] = torch.nextafter(y[0, 3].float(), torch.tensor(math.inf)).bfloat16()
+    if torch.equal(out[0], y[0]):  # the bf16 rounding kept it: flip the sign instead
+        out[0, 3] = -y[0, 3]
+    result = kernelcheck._judge("case", out, y, *rest)
+    assert not result.ok and "CHANGED" in result.detail
+
+
+def test_judge_fails_nan_and_wrong_values():
+    out, *rest = judged_case()
+    nan = out.clone()
+    nan[1, 0] = float("nan")
+    assert not kernelcheck._judge("case", nan, *rest).ok
+    wrong = out.clone()
+    wrong[2] *= 1.5
+    result = kernelcheck._judge("case", wrong, *rest)
+    assert not result.ok and result.rel_error > kernelcheck.BF16_REL_TOL
+
+
+# ----- e2e.compare: every end-to-end failure it must catch -----
+
+
+def served(mode_noise=0.0):
+    """A served result that matches a reference exactly, and that reference."""
+    reference = {"base": {}, "lora": {}}
+    runs = {k: {} for k in ("base", "lora", "lora_after_long", "base_after_lora")}
+    for n in e2e.PROMPT_LENGTHS:
+        name = f"p{n}"
+        base = [-8.3 + 0.01 * (i % 7) for i in range(n - 1)]
+        lora = [v - 0.3 for v in base]
+        reference["base"][name], reference["lora"][name] = base, lora
+        for label, values in (("base", base), ("lora", lora), ("base_after_lora", base)):
+            runs[label][name] = {"prompt_logprobs": list(values), "tokens": [5, 6, 7],
+                                 "token_logprobs": [-1.0, -1.0, -1.0]}  # fmt: skip
+    runs["lora_after_long"]["p50"] = copy.deepcopy(runs["lora"]["p50"])
+    return {"mode": "eager", "corrupted_requests": 0, "runs": runs}, reference
+
+
+def failing(checks) -> list[str]:
+    return [c.name for c in checks if not c.ok]
+
+
+def test_compare_passes_a_clean_run():
+    result, reference = served()
+    assert failing(e2e.compare("eager", result, reference)) == []
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda r: r["runs"]["lora"]["p600"]["prompt_logprobs"].__setitem__(3, math.nan),
+         "eager: no NaN log-probabilities"),
+        (lambda r: r["runs"]["lora"]["p3000"].__setitem__("tokens", [0, 0, 0, 0]),
+         "eager: no run of token id 0"),
+        (lambda r: r.__setitem__("corrupted_requests", 2), "eager: vllm:corrupted_requests"),
+        (lambda r: r["runs"]["lora"].update(copy.deepcopy(r["runs"]["base"])),
+         "eager: LoRA output differs from base"),
+        (lambda r: r["runs"]["base_after_lora"].update(copy.deepcopy(r["runs"]["lora"])),
+         "eager: base after LoRA equals base before"),
+        (lambda r: r["runs"]["lora_after_long"]["p50"].__setitem__("tokens", [9, 9, 9]),
+         "eager: short prompt after a long one unaffected"),
+        (lambda r: r["runs"]["base"]["p600"]["prompt_logprobs"].__setitem__(0, -9.0),
+         "eager: base 600 tokens vs transformers"),
+    ],
+)  # fmt: skip
+def test_compare_catches(damage, expected):
+    result, reference = served()
+    damage(result)
+    assert expected in failing(e2e.compare("eager", result, reference))
+
+
+def test_compare_reports_an_engine_that_did_not_run():
+    checks = e2e.compare("cudagraph", {"error": "vLLM (cudagraph) exited 1: boom"}, {})
+    assert [(c.name, c.ok) for c in checks] == [("cudagraph: vLLM ran", False)]
