@@ -107,10 +107,22 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
             {
                 "vllm": data["vllm"],
                 "patches": [
-                    {k: p[k] for k in ("id", "state", "reason", "variant", "files", "warnings")}
+                    {
+                        k: p[k]
+                        for k in (
+                            "id",
+                            "state",
+                            "reason",
+                            "variant",
+                            "files",
+                            "warnings",
+                            "notices",
+                        )
+                    }
                     for p in data["patches"]
                 ],
                 "warnings": data["warnings"],
+                "notices": data["notices"],
             }
         )
     else:

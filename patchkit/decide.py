@@ -43,6 +43,9 @@ class Assessment:
     placements: list[Placement] = field(default_factory=list)
     changes: list[FileChange] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Known upstream bugs this patch does not fix but a user of this release
+    # should know about; shown by every command, never a failure (not --strict).
+    notices: list[str] = field(default_factory=list)
     record: PatchRecord | None = None
 
     def to_json(self) -> dict:
@@ -53,6 +56,7 @@ class Assessment:
             "variant": self.variant.name if self.variant else None,
             "files": list(self.files),
             "warnings": self.warnings,
+            "notices": self.notices,
         }
 
 
@@ -100,7 +104,7 @@ def assess_with(
             f"vLLM {tree.version} is not a tested release ({catalogue.tested_span}); "
             "decided by content",
         )
-    result.warnings.extend(_notices(patch, tree, files))
+    result.notices.extend(_notices(patch, tree, files))
     return result
 
 

@@ -44,6 +44,7 @@ class RunReport:
     tree: VllmTree
     outcomes: list[Outcome] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # known bugs; never fail --strict
     notes: list[str] = field(default_factory=list)
     bytecode_removed: list[str] = field(default_factory=list)
     caches_removed: list[dict] = field(default_factory=list)
@@ -56,6 +57,7 @@ class RunReport:
             "dry_run": self.dry_run,
             "patches": [o.to_json() for o in self.outcomes],
             "warnings": self.warnings,
+            "notices": self.notices,
             "notes": self.notes,
             "bytecode_removed": self.bytecode_removed,
             "caches_removed": self.caches_removed,
@@ -94,6 +96,7 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.outcomes.append(Outcome(assessment, assessment.state))
         report.warnings.extend(assessment.warnings)
+        report.notices.extend(assessment.notices)
     return report
 
 
@@ -136,6 +139,7 @@ def _plan_apply(
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.warnings.extend(assessment.warnings)
+        report.notices.extend(assessment.notices)
         if assessment.state == CONFLICT:
             raise PatchkitError(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
@@ -226,6 +230,7 @@ def _revert_locked(
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.warnings.extend(assessment.warnings)
+        report.notices.extend(assessment.notices)
         patch_changes = _revert_changes(assessment, state, files, force)
         if patch_changes is None:
             report.outcomes.append(Outcome(assessment, "not-applied"))

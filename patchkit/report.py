@@ -44,6 +44,8 @@ def render_run(report: RunReport) -> None:
         )
     if report.dry_run:
         click.echo("dry run: nothing was written")
+    for notice in report.notices:
+        click.echo(f"known issue: {notice}", err=True)
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
 
