@@ -9,6 +9,7 @@ installs it (pip from the copied build context, dependencies from the index).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -53,13 +54,24 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
 
     first = runner.build(patched)
     assert [r.returncode for r in first] == [0, 0, 0], first[-1].stderr
-    assert "expand-block-n  applied" in first[1].stdout
+    assert re.search(r"expand-block-n\s+applied", first[1].stdout)
+    assert re.search(r"matmul-add-lora-linear\s+applied", first[1].stdout)
     status = json.loads((runner.image_root / "etc/patchkit/status.json").read_text())
     assert status["vllm"]["version"] == "0.26.0" and status["vllm"]["source"] == "metadata"
     assert status["vllm"]["path"] == str(site)
-    assert {p["id"]: p["state"] for p in status["patches"]} == {"expand-block-n": "applied"}
-    changed = [k for k, v in snapshot(site / "vllm").items() if pristine.get(k) != v]
-    assert changed == [UTILS.removeprefix("vllm/")]
+    assert {p["id"]: p["state"] for p in status["patches"]} == {
+        "expand-block-n": "applied",
+        "matmul-add-lora-linear": "applied",
+        "split-in-proj-qkvz": "not-applicable",
+    }
+    changed = sorted(k for k, v in snapshot(site / "vllm").items() if pristine.get(k) != v)
+    assert changed == sorted(
+        [
+            UTILS.removeprefix("vllm/"),
+            "lora/punica_wrapper/punica_gpu.py",
+            "lora/punica_wrapper/patchkit_lora_matmul.py",
+        ]
+    )
 
     after_first = snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()
     second = runner.build(patched, only="RUN")  # patchkit itself is reinstalled too

@@ -47,27 +47,36 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
     applied = run_cli("apply", "--target", str(checkout))
     assert applied.exit_code == 0, applied.output
     assert git(checkout, "branch", "--show-current") == "patchkit/vllm-0.26.0"
-    assert git(checkout, "rev-parse", "HEAD~1") == start
-    message = git(checkout, "log", "-1", "--format=%B")
+    # One commit per applied patch, in series order.
+    assert git(checkout, "rev-parse", "HEAD~2") == start
+    message = git(checkout, "log", "-1", "--format=%B", "HEAD~1")
     for part in ("block_n 32", "Why:", "https://github.com/vllm-project/vllm/issues/48590",
                  "Remove-When:", "Patchkit-Patch: expand-block-n"):  # fmt: skip
         assert part in message
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD") == UTILS
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD~1") == UTILS
+    assert "Patchkit-Patch: matmul-add-lora-linear" in git(checkout, "log", "-1", "--format=%B")
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD").splitlines() == [
+        "vllm/lora/punica_wrapper/patchkit_lora_matmul.py",
+        "vllm/lora/punica_wrapper/punica_gpu.py",
+    ]
     assert git(checkout, "status", "--porcelain") == ""  # .patchkit/ is excluded
 
     again = run_cli("apply", "--target", str(checkout))
     assert again.exit_code == 0 and "already-applied" in again.stdout
-    assert git(checkout, "rev-list", "--count", "HEAD") == "3"
+    assert git(checkout, "rev-list", "--count", "HEAD") == "4"
 
     shutil.rmtree(checkout / ".patchkit")  # a fresh clone of the fork branch has no state
     from_git = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
-    head = git(checkout, "rev-parse", "HEAD")
+    block_n_commit = git(checkout, "rev-parse", "HEAD~1")
     assert from_git["patches"][0]["state"] == "applied"
-    assert from_git["patches"][0]["reason"] == f"applied in commit {head[:12]} (git history)"
+    assert from_git["patches"][0]["reason"] == (
+        f"applied in commit {block_n_commit[:12]} (git history)"
+    )
 
     reverted = run_cli("revert", "--target", str(checkout))
     assert reverted.exit_code == 0, reverted.output
-    assert "Revert patchkit expand-block-n" in git(checkout, "log", "-1", "--format=%s")
+    reverts = [s.split(":")[0] for s in git(checkout, "log", "-2", "--format=%s").splitlines()]
+    assert reverts == ["Revert patchkit expand-block-n", "Revert patchkit matmul-add-lora-linear"]
     assert git(checkout, "diff", start, "HEAD") == ""  # content back to the starting commit
     assert git(checkout, "status", "--porcelain") == ""
 
@@ -96,7 +105,8 @@ def test_dirty_checkout_is_refused_unless_allowed(checkout: Path):
     allowed = run_cli("apply", "--target", str(checkout), "--allow-dirty", "--branch", "fixes")
     assert allowed.exit_code == 0, allowed.output
     assert git(checkout, "branch", "--show-current") == "fixes"
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD") == UTILS  # WIP not swept in
+    for commit in ("HEAD", "HEAD~1"):  # the WIP file is not swept into a patch commit
+        assert "FORK.md" not in git(checkout, "show", "--name-only", "--format=", commit)
     assert git(checkout, "status", "--porcelain") == "M FORK.md"
 
 

@@ -51,9 +51,21 @@ MATMUL_ADD_LORA_LINEAR = {
     **{v: ("needed", "torch-ops") for v in EXPAND_BLOCK_N if v != "0.33.0"},
     "0.33.0": ("upstream", None),
 }
+SPLIT_IN_PROJ_QKVZ = {
+    **{v: ("needed", "backport-36976") for v in ("0.17.0", "0.17.1", "0.18.0", "0.18.1")},
+    **{v: ("upstream", None) for v in ("0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2")},
+    **{v: ("not-applicable", None) for v in EXPAND_BLOCK_N if v >= "0.21.0"},
+}
 EXPECTED = {
     "expand-block-n": EXPAND_BLOCK_N,
     "matmul-add-lora-linear": MATMUL_ADD_LORA_LINEAR,
+    "split-in-proj-qkvz": SPLIT_IN_PROJ_QKVZ,
+}
+# Known upstream bugs `status` must mention (notices, not warnings).
+NOTICES = {
+    **{v: "#38927" for v in ("0.19.0", "0.19.1")},
+    **{v: "#47639" for v in EXPAND_BLOCK_N if "0.21.0" <= v < "0.29.0"},
+    **{v: "#57851" for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")},
 }
 
 
@@ -80,6 +92,9 @@ def test_release(version: str, tmp_path: Path):
     for patch_id, table in EXPECTED.items():
         assert states[patch_id] == table[version]
     assert status["warnings"] == []
+    expected_notice = NOTICES.get(version)
+    assert len(status["notices"]) == (1 if expected_notice else 0), status["notices"]
+    assert expected_notice is None or expected_notice in status["notices"][0]
 
     dry = run_cli("apply", "--target", str(root), "--dry-run", "--json")
     assert dry.exit_code == 0, dry.output
@@ -104,7 +119,11 @@ def test_release(version: str, tmp_path: Path):
         "skipped",
     }
     assert snapshot(root) == after_apply
-    assert {p["state"] for p in status_json(root)["patches"]} <= {"applied", "upstream"}
+    assert {p["state"] for p in status_json(root)["patches"]} <= {
+        "applied",
+        "upstream",
+        "not-applicable",
+    }
 
     reverted = run_cli("revert", "--target", str(root))
     assert reverted.exit_code == 0, reverted.output
