@@ -140,11 +140,11 @@ def render(report: VerifyReport) -> None:
     for p in report.patches:
         click.echo(f"  {p['id']:<24}{p['state']}")
     click.echo("")
-    click.echo(f"{'kernel check':<72}{'result':<8}{'rel.err':>9}  note")
+    click.echo(f"{'kernel check':<84}{'result':<8}{'rel.err':>9}  note")
     for k in report.kernel:
         verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
         note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
-        click.echo(f"{k.name:<72}{verdict:<8}{k.rel_error:>9.2e}  {note}")
+        click.echo(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
     if report.e2e:
         click.echo("")
         click.echo(f"{'end-to-end check':<60}{'result':<8}detail")
