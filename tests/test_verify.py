@@ -25,10 +25,12 @@ has_gpu_and_vllm = torch.cuda.is_available() and __import__("importlib").util.fi
 def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
     result = run_subprocess("verify")
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
+    # torch itself may warn on import (e.g. without numpy); ours is one line, last.
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
         "patchkit: error: verify needs an NVIDIA GPU and none is visible to torch "
         "(torch.cuda.is_available() is False); run it on the GPU server"
-    ]
+    )
     as_json = run_cli("verify", "--json")
     assert as_json.exit_code == 1
     assert json.loads(as_json.stdout)["ok"] is False
