@@ -32,7 +32,7 @@ MATMUL, BLOCK_N, SPLIT = "matmul-add-lora-linear", "expand-block-n", "split-in-p
 @dataclass
 class Verdict:
     bug: str
-    status: str  # exposed, protected, not affected
+    status: str  # exposed, protected, not affected, unknown (no vLLM found)
     reason: str
     fix: str = ""
 
@@ -243,6 +243,8 @@ def _nan_verdict(report: DoctorReport, states: dict) -> Verdict:
 def _split_verdict(states: dict, version: Version | None) -> Verdict:
     bug = "vLLM #35286: Qwen3.5/3.6 with --enable-lora fails at start (in_proj_qkvz)"
     state = states.get(SPLIT)
+    if version is None and not states:
+        return Verdict(bug, "unknown", "no vLLM found to judge by")
     if state == "applied":
         return Verdict(bug, "protected", "in_proj_qkvz is split under LoRA (split-in-proj-qkvz)")
     if state == "needed":
@@ -261,7 +263,9 @@ def _split_verdict(states: dict, version: Version | None) -> Verdict:
 def _partial_adapter_verdict(version: Version | None) -> Verdict:
     bug = "vLLM #47639 / #57851: adapter with only in_proj_qkv or only in_proj_z crashes"
     fix = "ship adapters that target both in_proj_qkv and in_proj_z (patchkit cannot fix this)"
-    if version is None or version < Version("0.21.0"):
+    if version is None:
+        return Verdict(bug, "unknown", "no vLLM version to judge by")
+    if version < Version("0.21.0"):
         return Verdict(bug, "not affected", "this vLLM keeps in_proj_qkv and in_proj_z apart")
     if version < Version("0.29.0"):
         return Verdict(bug, "exposed", "expand_packed_lora fails for either module alone", fix)

@@ -148,3 +148,4 @@ def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert "vLLM: " in result.stdout and "no vllm/ package" in result.stdout.lower()
     assert "IMPORTED: []" in result.stderr
+    assert "[unknown] vLLM #35286" in result.stdout and "[unknown] vLLM #47639" in result.stdout
