@@ -50,6 +50,11 @@ class RunReport:
     caches_removed: list[dict] = field(default_factory=list)
     dry_run: bool = False
 
+    def take_findings(self, assessment: Assessment) -> None:
+        """Carry an assessment's warnings and known-bug notices into the report."""
+        self.warnings.extend(assessment.warnings)
+        self.notices.extend(assessment.notices)
+
     def to_json(self) -> dict:
         return {
             "command": self.command,
@@ -95,8 +100,7 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
     for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.outcomes.append(Outcome(assessment, assessment.state))
-        report.warnings.extend(assessment.warnings)
-        report.notices.extend(assessment.notices)
+        report.take_findings(assessment)
     return report
 
 
@@ -138,8 +142,7 @@ def _plan_apply(
         report.warnings.append("an interrupted run will be rolled back first by a real apply")
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
-        report.warnings.extend(assessment.warnings)
-        report.notices.extend(assessment.notices)
+        report.take_findings(assessment)
         if assessment.state == CONFLICT:
             raise PatchkitError(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
@@ -229,8 +232,7 @@ def _revert_locked(
     changes: list[FileChange] = []
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
-        report.warnings.extend(assessment.warnings)
-        report.notices.extend(assessment.notices)
+        report.take_findings(assessment)
         patch_changes = _revert_changes(assessment, state, files, force)
         if patch_changes is None:
             report.outcomes.append(Outcome(assessment, "not-applied"))
