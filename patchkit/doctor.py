@@ -293,7 +293,6 @@ def run(tree: VllmTree | None, tree_error: str, catalogue: Catalogue) -> DoctorR
     report.gpus, report.gpu_note = gpus()
     report.triton = triton_facts()
     report.tuned_configs = tuned_configs(os.environ.get("VLLM_TUNED_CONFIG_FOLDER"))
-    report.old_caches = []
     if tree is None:
         report.vllm = {"error": tree_error}
         report.verdicts = verdicts(report, None)

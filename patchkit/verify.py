@@ -9,7 +9,6 @@ the other commands never load them.
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 import time
@@ -96,11 +95,11 @@ def environment(torch, tree: VllmTree) -> dict:
     }
 
 
-def run(
-    tree: VllmTree, catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None
-) -> VerifyReport:
+def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) -> VerifyReport:
+    """The GPU comes first (its absence is the likelier error), then the importable vLLM."""
     started = time.monotonic()
     torch = require_gpu()
+    tree = importable_tree()
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     patches = [
         {k: o.to_json()[k] for k in ("id", "state", "variant")}
@@ -125,9 +124,9 @@ def _run_e2e(seed: int, keep: Path | None) -> list:
 
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
-        return e2e.run_e2e(keep, seed)[0].checks
+        return e2e.run_e2e(keep, seed)
     with tempfile.TemporaryDirectory(prefix="patchkit-e2e-") as workdir:
-        return e2e.run_e2e(Path(workdir), seed)[0].checks
+        return e2e.run_e2e(Path(workdir), seed)
 
 
 def render(report: VerifyReport) -> None:
@@ -157,8 +156,3 @@ def render(report: VerifyReport) -> None:
     )
     verdict = "PASSED" if report.ok else f"FAILED ({failed} checks)"
     click.echo(f"verify {verdict} in {report.seconds:.0f} s")
-
-
-def seed_from_env() -> int | None:
-    value = os.environ.get("PATCHKIT_VERIFY_SEED")
-    return int(value) if value else None
