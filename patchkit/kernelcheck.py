@@ -17,9 +17,13 @@ are imported inside functions only.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
+import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 # bf16 keeps 8 significant bits (unit roundoff 2**-8 ~ 3.9e-3). The LoRA path
 # rounds the shrink result, the expand result and the sum with y; allowing
@@ -161,7 +165,7 @@ def wrapper_cases(seed: int) -> list[KernelResult]:
     backend = installed_backend()
     results = []
     for name in ("torch", "triton"):
-        ops = _ops(name)
+        ops = lora_ops(name)
         if ops is None:
             results.append(
                 KernelResult(
@@ -189,7 +193,8 @@ def wrapper_cases(seed: int) -> list[KernelResult]:
     return results
 
 
-def _ops(name: str):
+def lora_ops(name: str):
+    """vLLM's Triton lora_shrink/lora_expand, or the installed torch ones (None if absent)."""
     if name == "triton":
         triton_ops = importlib.import_module("vllm.lora.ops.triton_ops")
         return triton_ops.lora_shrink, triton_ops.lora_expand
@@ -275,3 +280,24 @@ def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
         "bit-identical" if untouched else "CHANGED"
     )
     return KernelResult(name, ok, error, nonfinite, detail)
+
+
+def torch_ops_from_catalogue(version: str):
+    """The patch's torch ops, built in memory, for a tree where the patch is not applied."""
+    from packaging.version import Version
+
+    from patchkit.catalogue import Variant, load_catalogue
+    from patchkit.hunks import apply_file_patch
+
+    variant = load_catalogue().get("matmul-add-lora-linear").expected_for(Version(version))
+    if not isinstance(variant, Variant):
+        return None
+    relpath = TORCH_OPS.replace(".", "/") + ".py"
+    text, _ = apply_file_patch(None, variant.file_patch(relpath))
+    path = Path(tempfile.mkdtemp()) / "patchkit_lora_matmul.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("patchkit_lora_matmul", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.torch_lora_shrink, module.torch_lora_expand

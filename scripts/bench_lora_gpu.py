@@ -132,30 +132,6 @@ def compiled_torch_path(torch, torch_ops):
     return _COMPILED["fn"]
 
 
-def torch_ops_from_catalogue(version: str):
-    """The patch's torch ops, built in memory, for a tree where the patch is not applied."""
-    import importlib.util
-    import tempfile
-
-    from packaging.version import Version
-
-    from patchkit.catalogue import Variant, load_catalogue
-    from patchkit.hunks import apply_file_patch
-
-    variant = load_catalogue().get("matmul-add-lora-linear").expected_for(Version(version))
-    if not isinstance(variant, Variant):
-        return None
-    relpath = kernelcheck.TORCH_OPS.replace(".", "/") + ".py"
-    text, _ = apply_file_patch(None, variant.file_patch(relpath))
-    path = Path(tempfile.mkdtemp()) / "patchkit_lora_matmul.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("patchkit_lora_matmul", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.torch_lora_shrink, module.torch_lora_expand
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="Also write the results here.")
@@ -166,8 +142,10 @@ def main() -> int:
     import vllm
 
     punica = importlib.import_module(kernelcheck.PUNICA)
-    triton_ops = kernelcheck._ops("triton")
-    torch_ops = kernelcheck._ops("torch") or torch_ops_from_catalogue(vllm.__version__)
+    triton_ops = kernelcheck.lora_ops("triton")
+    torch_ops = kernelcheck.lora_ops("torch") or kernelcheck.torch_ops_from_catalogue(
+        vllm.__version__
+    )
     bw = bandwidth(torch, triton)
     rows = []
     for rank in RANKS:

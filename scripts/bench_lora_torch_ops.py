@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CASES = [(1, 4, 64), (16, 4, 64), (4096, 4, 64), (16384, 4, 64), (16384, 1, 64)]
@@ -43,7 +42,8 @@ def graph_us(torch, triton, fn, args) -> float:
 def main() -> int:
     import torch
     import triton
-    from bench_lora_gpu import torch_ops_from_catalogue
+
+    from patchkit.kernelcheck import torch_ops_from_catalogue
 
     shrink, expand = torch_ops_from_catalogue("0.26.0")
 
