@@ -294,10 +294,16 @@ def torch_ops_from_catalogue(version: str):
         return None
     relpath = TORCH_OPS.replace(".", "/") + ".py"
     text, _ = apply_file_patch(None, variant.file_patch(relpath))
-    path = Path(tempfile.mkdtemp()) / "patchkit_lora_matmul.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("patchkit_lora_matmul", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = module_from_source("patchkit_lora_matmul", text, Path(tempfile.mkdtemp()))
     return module.torch_lora_shrink, module.torch_lora_expand
+
+
+def module_from_source(name: str, text: str, directory: Path):
+    """Import Python source as a standalone module (files that import only torch)."""
+    path = directory / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # torch.compile looks functions' modules up by name
+    spec.loader.exec_module(module)
+    return module

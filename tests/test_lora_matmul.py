@@ -15,7 +15,8 @@ import pytest
 from packaging.version import Version
 
 from patchkit.catalogue import Variant
-from tests.conftest import CATALOGUE, RELEASES, load_module, patched_text
+from patchkit.kernelcheck import module_from_source
+from tests.conftest import CATALOGUE, RELEASES, patched_text
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
@@ -43,7 +44,7 @@ def meta(mapping: torch.Tensor, max_loras: int) -> tuple:
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
     text = patched_text("0.26.0", PATCH, MODULE)
-    return load_module("patchkit_lora_matmul", text, tmp_path_factory.mktemp("mod"))
+    return module_from_source("patchkit_lora_matmul", text, tmp_path_factory.mktemp("mod"))
 
 
 class Case:
@@ -245,10 +246,10 @@ def test_backend_switch_is_read_from_the_environment(monkeypatch, tmp_path):
     text = patched_text("0.26.0", PATCH, MODULE)
     for value, expected in (("", "torch"), ("torch", "torch"), (" Triton ", "triton")):
         monkeypatch.setenv("PATCHKIT_LORA_BACKEND", value)
-        assert load_module(f"m{len(value)}", text, tmp_path).LORA_BACKEND == expected
+        assert module_from_source(f"m{len(value)}", text, tmp_path).LORA_BACKEND == expected
     monkeypatch.setenv("PATCHKIT_LORA_BACKEND", "cuda")
     with pytest.raises(ValueError, match="PATCHKIT_LORA_BACKEND='cuda'"):
-        load_module("bad", text, tmp_path)
+        module_from_source("bad", text, tmp_path)
 
 
 def module_level_rebinding(tree: ast.Module) -> dict[str, str]:
