@@ -1,8 +1,10 @@
 """The command line: list, status, apply, revert, fetch, verify, doctor.
 
 Exit status: 0 success (including "nothing to do"), 1 failure (and then
-nothing changed on disk), 2 usage error. User errors print one line, no
-traceback.
+nothing changed on disk), 2 usage error, 3 an unexpected internal error (a
+bug: one line and a hint; PATCHKIT_DEBUG=1 shows the traceback), 130
+interrupted (Ctrl-C). Every failure prints one line on stderr, and with
+``--json`` also ``{"ok": false, "error": ...}`` on stdout.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 
 import click
+from packaging.version import InvalidVersion, Version
 
 from patchkit import forkmode, operations, report
 from patchkit.catalogue import load_catalogue
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, os_error_line
 from patchkit.tree import locate
 
 TARGET_HELP = (
@@ -24,20 +28,95 @@ TARGET_HELP = (
 )
 
 
+DEBUG_ENV = "PATCHKIT_DEBUG"
+EXIT_FAILURE, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+
+def fail(message: str, code: int, as_json: bool) -> None:
+    """One line on stderr (and the JSON error object on stdout), then exit ``code``."""
+    if as_json:
+        report.emit_json({"ok": False, "error": message, "exit_code": code})
+    click.echo(f"patchkit: error: {message}", err=True)
+    sys.exit(code)
+
+
 def user_errors(func):
-    """Turn PatchkitError into one line on stderr (and JSON on stdout) and exit 1."""
+    """Map every way a command can end badly onto one line and an exit status.
+
+    PatchkitError and OSError (full disk, permissions, path too long) are the
+    user's to act on: exit 1. Ctrl-C: exit 130; the tree is as before, or is
+    rolled back by the next run. Anything else is a bug in patchkit: exit 3,
+    with the traceback only when PATCHKIT_DEBUG=1.
+    """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
         try:
             return func(*args, **kwargs)
         except PatchkitError as exc:
-            if kwargs.get("as_json"):
-                report.emit_json({"ok": False, "error": str(exc)})
-            click.echo(f"patchkit: error: {exc}", err=True)
-            sys.exit(1)
+            fail(str(exc), EXIT_FAILURE, as_json)
+        except OSError as exc:
+            fail(os_error_line(exc, "accessing"), EXIT_FAILURE, as_json)
+        except (click.ClickException, click.exceptions.Exit):
+            raise  # usage errors: PatchkitGroup prints them, exit 2
+        except KeyboardInterrupt:
+            fail(
+                "interrupted; whatever was written is rolled back (now, or by the next "
+                "`patchkit apply` or `patchkit revert`); `patchkit status` shows the tree",
+                EXIT_INTERRUPTED,
+                as_json,
+            )
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV) == "1":
+                traceback.print_exc()
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            fail(
+                f"internal error {type(exc).__name__}: {detail} (a bug in patchkit; rerun with "
+                f"{DEBUG_ENV}=1 for the traceback and report it)",
+                EXIT_BUG,
+                as_json,
+            )
 
     return wrapper
+
+
+class PatchkitGroup(click.Group):
+    """A click group whose usage errors honour --json and whose Ctrl-C exits 130."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        try:
+            extra.pop("standalone_mode", None)
+            result = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            if "--json" in args:
+                report.emit_json({"ok": False, "error": exc.format_message(), "exit_code": 2})
+            exc.show()
+            sys.exit(EXIT_USAGE)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("patchkit: error: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def check_target(ctx, param, value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise click.BadParameter("is empty; pass the directory that contains vllm/", ctx, param)
+    return value
+
+
+def check_version(ctx, param, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        Version(value)
+    except InvalidVersion:
+        raise click.BadParameter(f"{value!r} is not a PEP 440 version (e.g. 0.26.0)") from None
+    return value
 
 
 def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
@@ -50,10 +129,13 @@ def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
 
 
 def target_options(func):
-    func = click.option("--target", type=click.Path(file_okay=False), help=TARGET_HELP)(func)
+    func = click.option(
+        "--target", type=click.Path(file_okay=False), callback=check_target, help=TARGET_HELP
+    )(func)
     func = click.option(
         "--vllm-version",
         envvar="PATCHKIT_VLLM_VERSION",
+        callback=check_version,
         help="Override the detected vLLM version (odd builds); also PATCHKIT_VLLM_VERSION.",
     )(func)
     return func
@@ -73,7 +155,7 @@ caches_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PatchkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="patchkit")
 def main() -> None:
     """Repair installed vLLM trees with versioned, verified, reversible patches."""
@@ -184,12 +266,18 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 @main.command()
 @click.argument("version")
 @click.option("--dest", type=click.Path(file_okay=False), help="Unpack here instead of the cache.")
+@json_option
 @user_errors
-def fetch(version: str, dest: str | None) -> None:
-    """Download vLLM VERSION's wheel and print the directory of its unpacked tree."""
+def fetch(version: str, dest: str | None, as_json: bool) -> None:
+    """Download vLLM VERSION's wheel and print the directory of its unpacked tree.
+
+    Shows pip's progress on a terminal; quiet with --json or when stderr is not one.
+    """
     from patchkit.fetch import fetch as fetch_tree
 
-    click.echo(str(fetch_tree(version, dest)))
+    progress = not as_json and sys.stderr.isatty()
+    path = fetch_tree(version, dest, progress=progress)
+    report.emit_json({"ok": True, "path": str(path)}) if as_json else click.echo(str(path))
 
 
 @main.command()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from patchkit.catalogue import Catalogue, Decision, Patch, Variant
 from patchkit.errors import HunkMismatch
 from patchkit.hunks import Placement, apply_file_patch
+from patchkit.safepath import inside
 from patchkit.state import PatchRecord, State
 from patchkit.transaction import FileChange
 from patchkit.tree import VllmTree, sha256_bytes
@@ -69,8 +70,9 @@ class TreeFiles:
 
     def data(self, relpath: str) -> bytes | None:
         if relpath not in self._cache:
+            path = inside(self.tree.root, relpath, "the catalogue")
             try:
-                self._cache[relpath] = self.tree.path(relpath).read_bytes()
+                self._cache[relpath] = path.read_bytes()
             except FileNotFoundError:
                 self._cache[relpath] = None
         return self._cache[relpath]
@@ -82,10 +84,6 @@ class TreeFiles:
     def sha256(self, relpath: str) -> str | None:
         data = self.data(relpath)
         return None if data is None else sha256_bytes(data)
-
-
-def assess(patch: Patch, tree: VllmTree, state: State, catalogue: Catalogue) -> Assessment:
-    return assess_with(patch, tree, state, catalogue, TreeFiles(tree))
 
 
 def assess_with(

@@ -21,7 +21,8 @@ from pathlib import Path
 from packaging.version import Version
 
 from patchkit import operations
-from patchkit.bytecode import bytecode_files, cache_dirs
+from patchkit.bytecode import bytecode_files
+from patchkit.caches import cache_dirs
 from patchkit.catalogue import Catalogue, Variant
 from patchkit.tree import VllmTree
 
@@ -186,7 +187,7 @@ def old_caches(patched_at: float | None) -> list[dict]:
         return []
     found = []
     for cache in cache_dirs():
-        if not cache.path.is_dir():
+        if cache.path is None or not cache.path.is_dir():
             continue
         older = [e for e in cache.path.iterdir() if e.stat().st_mtime < patched_at]
         if older:

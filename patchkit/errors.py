@@ -19,3 +19,27 @@ class HunkMismatch(PatchkitError):
         self.header = header
         self.detail = detail
         super().__init__(f"{path}: hunk #{hunk_index} ({header}) {detail}")
+
+
+def os_error_line(exc: OSError, doing: str) -> str:
+    """One line for an OSError while ``doing`` something: what, where, and advice that fits.
+
+    Full disks, over-long paths, read-only file systems and missing
+    permissions each get their own next step, instead of one generic hint.
+    """
+    import errno
+
+    where = exc.filename or "the tree"
+    advice = {
+        errno.ENOSPC: "no space left on the device; free some space and run the command again",
+        errno.EDQUOT: "the disk quota is exhausted; free some space and run the command again",
+        errno.ENAMETOOLONG: "the path is longer than this file system allows; use a shorter "
+        "--target path",
+        errno.EROFS: "the file system is read-only; patch the image at build time, or remount "
+        "it writable",
+        errno.EACCES: "permission denied; run patchkit as the user that owns the vLLM install "
+        "(root in a Docker image)",
+        errno.EPERM: "operation not permitted; run patchkit as the user that owns the vLLM "
+        "install (root in a Docker image)",
+    }.get(exc.errno, exc.strerror or str(exc))
+    return f"{doing} {where} failed: {advice}"

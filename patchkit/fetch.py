@@ -6,12 +6,20 @@ into an install-like directory, so ``--target`` sees exactly what
 ``pip install`` would have put in site-packages. Compiled extensions are
 left out: patches touch Python files only, and the tree stays small. The
 wheel is deleted after unpacking; the tree is the cache.
+
+A killed fetch must not leave work behind: pip runs with a parent-death
+signal (Linux), so it dies with patchkit, and the staging directory carries
+patchkit's pid in its name, so the next fetch removes those of dead runs.
+On a terminal pip's progress bar shows on stderr; elsewhere pip is quiet.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +45,7 @@ def cache_root() -> Path:
     return base / "patchkit"
 
 
-def fetch(version: str, dest: Path | None = None) -> Path:
+def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
     """Return a directory holding vllm/ and its dist-info for ``version``."""
     try:
         Version(version)
@@ -57,8 +65,10 @@ def fetch(version: str, dest: Path | None = None) -> Path:
             f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".vllm-{version}-", dir=dest.parent) as tmp:
-        wheel = _download(version, Path(tmp))
+    remove_stale_staging(dest.parent)
+    prefix = f".vllm-{version}-pid{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
+        wheel = _download(version, Path(tmp), progress)
         staging = Path(tmp) / "tree"
         _unpack(wheel, staging)
         (staging / MARKER).write_text(f"{wheel.name}\n")
@@ -68,17 +78,59 @@ def fetch(version: str, dest: Path | None = None) -> Path:
     return dest
 
 
-def _download(version: str, directory: Path) -> Path:
+STAGING = re.compile(r"\.vllm-.+-pid(\d+)-[^/]+")
+
+
+def remove_stale_staging(directory: Path) -> list[Path]:
+    """Delete staging directories of fetches whose process is gone (killed runs)."""
+    removed = []
+    for entry in directory.iterdir():
+        match = STAGING.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the pip child: get SIGKILL when patchkit dies (prctl PR_SET_PDEATHSIG, Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed fetch may leave pip running until its download ends
+
+
+def _download(version: str, directory: Path, progress: bool = False) -> Path:
+    if progress:
+        print(f"downloading vllm=={version} with pip (about 300 MB)...", file=sys.stderr)
+    verbosity = ["--progress-bar", "on"] if progress else ["--quiet"]
     command = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        sys.executable, "-m", "pip", "download", *verbosity, "--no-deps",
         "--only-binary", ":all:", "--python-version", "3.12", "--implementation", "cp",
         *[arg for platform in PLATFORMS for arg in ("--platform", platform)],
         "--dest", str(directory), f"vllm=={version}",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(
+        command,
+        stdout=sys.stderr if progress else subprocess.PIPE,
+        stderr=None if progress else subprocess.PIPE,
+        text=True,
+        preexec_fn=_die_with_parent,
+    )
     wheels = sorted(directory.glob("vllm-*.whl"))
     if result.returncode != 0 or not wheels:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
+        stderr = result.stderr or ""
+        lines = [ln for ln in stderr.splitlines() if ln.strip() and "is ignored" not in ln]
         detail = lines[-1].strip() if lines else f"pip exited {result.returncode}"
         raise PatchkitError(f"fetch: pip could not download vllm=={version}: {detail}")
     return wheels[0]

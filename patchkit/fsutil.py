@@ -6,17 +6,30 @@ import os
 import shutil
 from pathlib import Path
 
+TMP_SUFFIX = ".patchkit-tmp"
+
+
+def tmp_sibling(path: Path) -> Path:
+    """The temporary file that :func:`write_atomic` uses for ``path``."""
+    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+
 
 def write_atomic(path: Path, data: bytes, like: Path | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file and os.replace.
 
     ``like``: copy the permission bits of this file (the one being replaced),
-    so a patched module keeps the mode pip gave it.
+    so a patched module keeps the mode pip gave it. The temporary file is
+    created fresh (O_EXCL, O_NOFOLLOW): a link planted under its name is
+    removed, never written through.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.patchkit-tmp")
+    tmp = tmp_sibling(path)
+    remove_if_present(tmp)
     try:
-        with open(tmp, "wb") as handle:
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+        with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

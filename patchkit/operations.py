@@ -11,13 +11,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from patchkit import bytecode
+from patchkit import bytecode, caches
 from patchkit.catalogue import Catalogue, Patch
 from patchkit.decide import APPLIED, CONFLICT, NEEDED, Assessment, TreeFiles, assess_with
 from patchkit.errors import HunkMismatch, PatchkitError
 from patchkit.hunks import apply_file_patch
-from patchkit.state import FileRecord, PatchRecord, State, load_state, state_dir, tidy
-from patchkit.transaction import FileChange, TreeLock, commit, interrupted, recover
+from patchkit.safepath import inside
+from patchkit.state import (
+    FileRecord,
+    PatchRecord,
+    State,
+    backup_path,
+    load_state,
+    state_dir,
+    sweep,
+    tidy,
+)
+from patchkit.transaction import (
+    FileChange,
+    LockUnavailable,
+    TreeLock,
+    commit,
+    interrupted,
+    recover,
+)
 from patchkit.tree import VllmTree, sha256_bytes
 
 
@@ -52,8 +69,12 @@ class RunReport:
 
     def take_findings(self, assessment: Assessment) -> None:
         """Carry an assessment's warnings and known-bug notices into the report."""
-        self.warnings.extend(assessment.warnings)
-        self.notices.extend(assessment.notices)
+        for line in assessment.warnings:
+            if line not in self.warnings:  # e.g. "untested release", once, not per patch
+                self.warnings.append(line)
+        for line in assessment.notices:
+            if line not in self.notices:
+                self.notices.append(line)
 
     def to_json(self) -> dict:
         return {
@@ -75,7 +96,9 @@ def _locked(tree: VllmTree, report: RunReport):
     with TreeLock(state_dir(tree.root)) as lock:
         try:
             report.notes.extend(recover(tree.root, load_state(tree.root)))
-            yield load_state(tree.root)
+            state = load_state(tree.root)
+            sweep(state)
+            yield state
         finally:
             tidy(tree.root, lock)
 
@@ -116,16 +139,30 @@ def apply(
     patches = select(catalogue, only)
     if dry_run:
         return _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
-    with _locked(tree, report) as state:
-        _plan_apply(report, tree, catalogue, patches, only, strict, state)
-        needed = [o.assessment for o in report.outcomes if o.action == "applied"]
-        if needed:
-            _commit_apply(tree, state, needed)
-            paths = [c.path for a in needed for c in a.changes]
-            report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+    try:
+        with _locked(tree, report) as state:
+            _plan_apply(report, tree, catalogue, patches, only, strict, state)
+            needed = [o.assessment for o in report.outcomes if o.action == "applied"]
+            if needed:
+                _commit_apply(tree, state, needed)
+                paths = [c.path for a in needed for c in a.changes]
+                report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+    except LockUnavailable as exc:
+        report = RunReport("apply", tree)
+        _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
+        _nothing_to_write(report, exc, ("applied",))
     if clear_caches:
-        report.caches_removed = bytecode.clear_caches()
+        report.caches_removed = caches.clear_caches(tree.root)
     return report
+
+
+def _nothing_to_write(report: RunReport, exc: LockUnavailable, writing: tuple[str, ...]) -> None:
+    """On a tree patchkit cannot write, succeed only if the run would write nothing."""
+    if interrupted(load_state(report.tree.root)) or any(
+        o.action in writing for o in report.outcomes
+    ):
+        raise PatchkitError(f"{exc}; nothing was changed") from None
+    report.notes.append("the tree is not writable, and nothing needed writing")
 
 
 def _plan_apply(
@@ -181,8 +218,8 @@ def _commit_apply(tree: VllmTree, state: State, needed: list[Assessment]) -> Non
         for change in assessment.changes:
             backup = None
             if change.before is not None:
-                backup = f"backups/{patch_id}/{change.path}"
-                backups[state.directory / backup] = change.before
+                backup = backup_path(patch_id, change.path)
+                backups[backup] = change.before
             records.append(
                 FileRecord(
                     path=change.path,
@@ -212,10 +249,18 @@ def revert(
 ) -> RunReport:
     report = RunReport("revert", tree)
     patches = list(reversed(select(catalogue, only)))
-    with _locked(tree, report) as state:
-        _revert_locked(report, tree, catalogue, patches, only, force, state)
+    try:
+        with _locked(tree, report) as state:
+            _revert_locked(report, tree, catalogue, patches, only, force, state)
+    except LockUnavailable as exc:
+        report = status(tree, catalogue)
+        report.command = "revert"
+        report.outcomes = [o for o in report.outcomes if not only or o.assessment.patch.id in only]
+        _nothing_to_write(report, exc, (APPLIED, CONFLICT))
+        for outcome in report.outcomes:
+            outcome.action = "not-applied"
     if clear_caches:
-        report.caches_removed = bytecode.clear_caches()
+        report.caches_removed = caches.clear_caches(tree.root)
     return report
 
 
@@ -274,8 +319,8 @@ def _restore_from_backup(
     current = files.data(record.path)
     if record.pre_sha256 is None:
         return FileChange(record.path, current, None)  # the patch created it
-    backup = state.directory / record.backup if record.backup else None
-    original = backup.read_bytes() if backup and backup.is_file() else None
+    backup = inside(state.directory, record.backup, str(state.path), top=None)
+    original = backup.read_bytes() if backup.is_file() else None
     if original is not None and _sha(original) == record.pre_sha256:
         return FileChange(record.path, current, original)
     rebuilt = _reverse_one(assessment, record.path, files)

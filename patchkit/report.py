@@ -38,10 +38,13 @@ def render_run(report: RunReport) -> None:
     for pyc in report.bytecode_removed:
         click.echo(f"removed bytecode: {pyc}")
     for cache in report.caches_removed:
-        click.echo(
-            f"cleared {cache['name']}: {cache['path']} "
-            f"({cache['files']} files, {cache['bytes']} bytes)"
-        )
+        if cache["removed"]:
+            click.echo(
+                f"cleared {cache['name']}: {cache['path']} "
+                f"({cache['files']} files, {cache['bytes']} bytes)"
+            )
+        else:
+            click.echo(f"left {cache['name']} alone: {cache['reason']}", err=True)
     if report.dry_run:
         click.echo("dry run: nothing was written")
     for notice in report.notices:
@@ -53,6 +56,7 @@ def render_run(report: RunReport) -> None:
 def render_catalogue(catalogue: Catalogue) -> None:
     for patch in catalogue.patches:
         click.echo(f"{patch.id}: {patch.title}")
+        click.echo(f"    why: {' '.join(patch.why.split())}")
         for variant in patch.variants:
             click.echo(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
         for decision in patch.decisions:

@@ -9,20 +9,31 @@ next to the code it describes, like quilt's ``.pc/``:
 * ``lock``        - taken by apply/revert so two runs never interleave;
 * ``txn/``        - only while a run is writing: the journal that lets the
   next run roll an interrupted one back.
+
+Anyone who can write the tree can write ``state.json``, so it is validated
+field by field before anything acts on it: a file path must stay under
+``vllm/``, a backup path must be the one patchkit itself would have chosen,
+and nothing under ``.patchkit/`` may be a symbolic link. A state file that
+fails is reported with its path and never acted on.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
-from patchkit.fsutil import write_atomic
+from patchkit.fsutil import TMP_SUFFIX
+from patchkit.safepath import checked_relpath, no_links_below
 
 STATE_DIR = ".patchkit"
 FORMAT = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PATCH_ID = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
 @dataclass
@@ -60,8 +71,10 @@ class State:
         }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
-    def save(self) -> None:
-        write_atomic(self.path, self.to_bytes())
+
+def backup_path(patch_id: str, relpath: str) -> str:
+    """Where a patch's original of ``relpath`` lives, relative to ``.patchkit/``."""
+    return f"backups/{patch_id}/{relpath}"
 
 
 def state_dir(root: Path) -> Path:
@@ -69,24 +82,105 @@ def state_dir(root: Path) -> Path:
 
 
 def load_state(root: Path) -> State:
+    """The validated state of ``root``; an empty State when nothing is recorded."""
     directory = state_dir(root)
+    no_links_below(directory)
     state = State(directory)
     if not state.path.is_file():
         return state
     try:
         data = json.loads(state.path.read_text(encoding="utf-8"))
-        if data.get("format") != FORMAT:
-            raise ValueError(f"unknown format {data.get('format')!r}")
-        for raw in data["patches"]:
-            files = [FileRecord(**f) for f in raw.pop("files")]
-            state.patches[raw["id"]] = PatchRecord(files=files, **raw)
-        state.vllm_version = data.get("vllm_version")
-    except (ValueError, KeyError, TypeError) as exc:
+        state.vllm_version, patches = _parse(data)
+    except (ValueError, UnicodeDecodeError) as exc:
         raise PatchkitError(
-            f"{state.path}: unreadable state file ({exc}); move it aside and run "
-            "`patchkit status` (patches are then recognised by content)"
+            f"{state.path}: invalid state file ({exc}); it was not acted on. If vLLM's files "
+            f"are pristine, delete {directory} and run `patchkit status` (patches are then "
+            "recognised by content)"
         ) from None
+    state.patches = {p.id: p for p in patches}
     return state
+
+
+def _parse(data: object) -> tuple[str | None, list[PatchRecord]]:
+    """Check every field of a decoded state file; ValueError names the first bad one."""
+    _require(isinstance(data, dict), "top level is not an object")
+    _require(set(data) == {"format", "vllm_version", "patches"}, "unexpected keys")
+    _require(data["format"] == FORMAT, f"unknown format {data['format']!r}")
+    _require(_is_str_or_none(data["vllm_version"]), "vllm_version is not a string")
+    _require(isinstance(data["patches"], list), "patches is not a list")
+    records = [_parse_patch(raw) for raw in data["patches"]]
+    ids = [r.id for r in records]
+    _require(len(ids) == len(set(ids)), "a patch is recorded twice")
+    return data["vllm_version"], records
+
+
+def _parse_patch(raw: object) -> PatchRecord:
+    keys = {"id", "patch_sha256", "variant", "applied_at", "files"}
+    _require(isinstance(raw, dict) and set(raw) == keys, "a patch entry has the wrong keys")
+    _require(isinstance(raw["id"], str) and _PATCH_ID.fullmatch(raw["id"]), "bad patch id")
+    patch_id = raw["id"]
+    _require(_is_sha(raw["patch_sha256"]), f"{patch_id}: patch_sha256 is not a sha256")
+    _require(isinstance(raw["variant"], str), f"{patch_id}: variant is not a string")
+    _require(isinstance(raw["applied_at"], str), f"{patch_id}: applied_at is not a string")
+    _require(isinstance(raw["files"], list) and raw["files"], f"{patch_id}: files is empty")
+    files = [_parse_file(patch_id, f) for f in raw["files"]]
+    return PatchRecord(patch_id, raw["patch_sha256"], raw["variant"], raw["applied_at"], files)
+
+
+def _parse_file(patch_id: str, raw: object) -> FileRecord:
+    keys = {"path", "pre_sha256", "post_sha256", "backup"}
+    _require(isinstance(raw, dict) and set(raw) == keys, f"{patch_id}: a file entry is malformed")
+    try:
+        path = checked_relpath(raw["path"], f"{patch_id}: file")
+    except PatchkitError as exc:
+        raise ValueError(str(exc)) from None
+    pre, post, backup = raw["pre_sha256"], raw["post_sha256"], raw["backup"]
+    _require(pre is None or _is_sha(pre), f"{patch_id}: {path}: pre_sha256 is not a sha256")
+    _require(post is None or _is_sha(post), f"{patch_id}: {path}: post_sha256 is not a sha256")
+    expected_backup = None if pre is None else backup_path(patch_id, path)
+    _require(backup == expected_backup, f"{patch_id}: {path}: backup {backup!r} is not its own")
+    return FileRecord(path, pre, post, backup)
+
+
+def _require(condition: object, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_sha(value: object) -> bool:
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
+def _is_str_or_none(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def sweep(state: State) -> None:
+    """Remove what an interrupted run can leave in ``.patchkit/`` besides the journal.
+
+    Temporary files of atomic writes, and backups of patches the state does
+    not record (written before a run's journal, then killed). Called under
+    the lock, after recovery, so the directory holds exactly what the state
+    describes.
+    """
+    directory = state.directory
+    if not directory.is_dir():
+        return
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            if name.endswith(TMP_SUFFIX):
+                os.unlink(os.path.join(dirpath, name))
+    backups = directory / "backups"
+    if not backups.is_dir():
+        return
+    wanted = {r.backup for p in state.patches.values() for r in p.files if r.backup}
+    for dirpath, _, names in os.walk(backups, topdown=False):
+        for name in names:
+            path = Path(dirpath) / name
+            if str(path.relative_to(directory)) not in wanted:
+                path.unlink()
+        if dirpath != str(backups) and not os.listdir(dirpath):
+            os.rmdir(dirpath)
 
 
 def tidy(root: Path, lock) -> None:
@@ -96,10 +190,15 @@ def tidy(root: Path, lock) -> None:
     when a waiter's lock file was unlinked under it.
     """
     directory = state_dir(root)
-    if not directory.is_dir() or (directory / "txn").exists() or load_state(root).patches:
+    if not directory.is_dir() or (directory / "txn" / "journal.json").exists():
+        return
+    state = load_state(root)
+    sweep(state)
+    if state.patches:
         return
     (directory / "state.json").unlink(missing_ok=True)
     shutil.rmtree(directory / "backups", ignore_errors=True)
+    shutil.rmtree(directory / "txn", ignore_errors=True)
     lock.unlink_file()
     try:
         directory.rmdir()

@@ -46,15 +46,6 @@ class VllmTree:
     def path(self, relpath: str) -> Path:
         return self.root / relpath
 
-    def read_text(self, relpath: str) -> str | None:
-        """The file's text, or None if it does not exist."""
-        try:
-            return self.path(relpath).read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            return None
-        except UnicodeDecodeError:
-            raise PatchkitError(f"{self.path(relpath)}: not UTF-8 text") from None
-
     def describe(self) -> dict:
         return {"version": self.version, "path": str(self.root), "source": self.source}
 
