@@ -200,12 +200,15 @@ def old_caches(patched_at: float | None) -> list[dict]:
 
 def verdicts(report: DoctorReport, version: Version | None) -> list[Verdict]:
     states = {p["id"]: p["state"] for p in report.patches}
-    return [
+    found = [
         _nan_verdict(report, states),
         _split_verdict(states, version),
         _partial_adapter_verdict(version),
         _stale_verdict(report),
     ]
+    if "error" in report.vllm:  # no vLLM tree: nothing to judge a bug of vLLM by
+        return [Verdict(v.bug, "unknown", "no vLLM found to judge by") for v in found]
+    return found
 
 
 def _nan_verdict(report: DoctorReport, states: dict) -> Verdict:

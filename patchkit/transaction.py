@@ -63,20 +63,21 @@ class TreeLock:
         self.path = directory / "lock"
         self.timeout = _lock_timeout()
         self._handle = None
+        self._created: list[Path] = []  # what this lock made, undone if the run fails
 
     def _open(self) -> None:
         directory = self.path.parent
         no_links_below(directory)
-        created = False
         try:
             if not directory.is_dir():
                 directory.mkdir()
-                created = True
+                self._created.append(directory)
+            if not os.path.lexists(self.path):
+                self._created.insert(0, self.path)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             self._handle = os.fdopen(fd, "a+")
         except OSError as exc:
-            if created:
-                _rmdir_if_empty(directory)
+            self._undo_created()
             line = os_error_line(exc, "creating the lock")
             if exc.errno in _UNWRITABLE:
                 raise LockUnavailable(line) from None
@@ -113,9 +114,19 @@ class TreeLock:
         """Unlink the lock file while still holding it (the tree's .patchkit/ is going away)."""
         remove_if_present(self.path)
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is not None:  # a failed run leaves no lock file or directory it made
+            self._undo_created()
         fcntl.flock(self._handle, fcntl.LOCK_UN)
         self._handle.close()
+
+    def _undo_created(self) -> None:
+        for path in self._created:
+            if path == self.path:
+                remove_if_present(path)
+            else:
+                _rmdir_if_empty(path)
+        self._created = []
 
 
 def _lock_timeout() -> float:
