@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from patchkit.safepath import UnsafePath, inside
+
 
 def bytecode_files(root: Path, relpath: str) -> list[Path]:
     """Every .pyc compiled from ``root/relpath``, whichever Python built it."""
@@ -29,10 +31,20 @@ def bytecode_files(root: Path, relpath: str) -> list[Path]:
 
 
 def remove_bytecode(root: Path, relpaths: list[str]) -> list[str]:
-    """Delete the bytecode of each touched module; returns what was removed."""
+    """Delete the bytecode of each touched module inside the tree; returns what was removed.
+
+    A ``__pycache__`` that is a symbolic link, and bytecode under
+    ``sys.pycache_prefix`` (outside the tree), are left alone: patchkit
+    deletes nothing outside the tree. The interpreter checks those by the
+    source's mtime and size, which a patch changes.
+    """
     removed = []
     for relpath in relpaths:
         for pyc in bytecode_files(root, relpath):
+            try:
+                inside(root, str(pyc.relative_to(root)), "bytecode")
+            except (ValueError, UnsafePath):
+                continue
             pyc.unlink(missing_ok=True)
             removed.append(str(pyc))
     return removed

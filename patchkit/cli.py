@@ -62,8 +62,9 @@ def user_errors(func):
             raise  # usage errors: PatchkitGroup prints them, exit 2
         except KeyboardInterrupt:
             fail(
-                "interrupted; whatever was written is rolled back (now, or by the next "
-                "`patchkit apply` or `patchkit revert`); `patchkit status` shows the tree",
+                "interrupted; the vLLM files are as before or fully patched (a run cut "
+                "off mid-write is rolled back by the next `patchkit apply` or `patchkit "
+                "revert`); `patchkit status` shows which",
                 EXIT_INTERRUPTED,
                 as_json,
             )

@@ -52,6 +52,8 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
     except InvalidVersion:
         raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)") from None
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
+    if dest.parent.is_dir():
+        remove_stale_staging(dest.parent)
     if (dest / MARKER).is_file():
         if (dest / ".patchkit").exists():
             print(
@@ -65,7 +67,6 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
             f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(dest.parent)
     prefix = f".vllm-{version}-pid{os.getpid()}-"
     with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
         wheel = _download(version, Path(tmp), progress)

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -402,3 +403,70 @@ def test_an_over_long_path_gives_one_line_and_changes_nothing(tmp_path):
     assert "longer than this file system allows" in line
     assert not (tree / ".patchkit").exists()
     assert snapshot(tree) == snapshot(slim_tree(tmp_path / "fresh"))
+
+
+def test_a_symlinked_pycache_is_not_followed(site):
+    tree, victim = site
+    target = tree / "vllm/lora/ops/triton_ops/__pycache__"
+    (victim / "utils.cpython-312.pyc").write_bytes(b"not ours")
+    target.symlink_to(victim)
+    result = run_cli("apply", "--target", str(tree), "--json")
+    assert result.exit_code == 0, result.output
+    assert (victim / "utils.cpython-312.pyc").read_bytes() == b"not ours"
+    assert json.loads(result.stdout)["bytecode_removed"] == []
+
+
+# ----- fetch: progress, JSON, killed fetches -----
+
+
+def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
+    from patchkit.fetch import MARKER
+
+    cache = tmp_path / "cache"
+    tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
+    assert (tree / MARKER).is_file()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = cache / "trees" / f".vllm-0.27.0-pid{dead.pid}-abc123"
+    (stale / "tree" / "vllm").mkdir(parents=True)
+    alive = cache / "trees" / f".vllm-0.28.0-pid{os.getpid()}-def456"
+    alive.mkdir()
+    result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
+    assert result.stderr == ""  # quiet in --json and without a terminal
+    assert not stale.exists() and alive.is_dir()
+
+
+def test_pip_dies_with_a_killed_fetch(tmp_path):
+    """The download child gets the parent-death signal: SIGKILL of patchkit ends it too."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "from patchkit.fetch import _die_with_parent\n"
+            "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "time.sleep(60)\n",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    for _ in range(100):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            return  # a zombie waiting for init to reap it: dead
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("the download child outlived the killed fetch")
