@@ -19,6 +19,7 @@ import unidiff
 from unidiff.constants import LINE_TYPE_NO_NEWLINE
 
 from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.safepath import checked_relpath
 
 DEV_NULL = "/dev/null"
 
@@ -113,10 +114,7 @@ def _strip_prefix(name: str, origin: str) -> str:
     parts = PurePosixPath(name).parts
     if len(parts) < 2 or parts[0] not in ("a", "b"):
         raise PatchkitError(f"{origin}: path {name!r} is not of the form a/vllm/... or b/vllm/...")
-    rel = PurePosixPath(*parts[1:])
-    if rel.is_absolute() or ".." in rel.parts:
-        raise PatchkitError(f"{origin}: path {name!r} leaves the target tree")
-    return str(rel)
+    return checked_relpath("/".join(parts[1:]), f"{origin}: {name}")
 
 
 def _convert_hunk(index: int, hunk: unidiff.Hunk) -> Hunk:

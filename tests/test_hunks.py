@@ -109,7 +109,9 @@ def test_no_newline_at_end_of_file():
     [
         ("--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n", "malformed unified diff"),
         ("just text\n", "no file changes"),
-        ("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n", "leaves the target"),
+        ("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n", "leaves the vLLM tree"),
+        ("--- a/vllm/../x\n+++ b/vllm/../x\n@@ -1 +1 @@\n-a\n+b\n", "leaves the vLLM tree"),
+        ("--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n", "is not under vllm/"),
         ("--- x.py\n+++ x.py\n@@ -1 +1 @@\n-a\n+b\n", "not of the form a/vllm"),
         ("--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1,0 +1,1 @@\n+b\n", "no context lines"),
     ],
