@@ -470,3 +470,21 @@ def test_pip_dies_with_a_killed_fetch(tmp_path):
         time.sleep(0.05)
     os.kill(child, 9)
     pytest.fail("the download child outlived the killed fetch")
+
+
+def test_a_really_read_only_file_system(small_tmpfs):
+    """On a tmpfs remounted read-only: a patched tree is a no-op, a pristine one says read-only."""
+    from tests.test_write_points import slim_tree
+
+    patched = slim_tree(small_tmpfs / "patched")
+    pristine = slim_tree(small_tmpfs / "pristine")
+    applied(patched)
+    remount = ["mount", "-o", "remount,ro", str(small_tmpfs)]
+    assert subprocess.run(remount, capture_output=True).returncode == 0
+    before = snapshot(small_tmpfs)
+    result = run_cli("apply", "--target", str(patched))
+    assert result.exit_code == 0, result.output
+    assert "nothing needed writing" in result.output
+    line = one_line_failure(run_cli("apply", "--target", str(pristine)))
+    assert "read-only" in line and "owns" not in line
+    assert snapshot(small_tmpfs) == before
