@@ -315,9 +315,15 @@ def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None
 
 @main.command()
 @target_options
+@click.option(
+    "--kernels",
+    is_flag=True,
+    help="Also compile vLLM's LoRA Triton kernels for sm_90 (no GPU needed) and scan "
+    "their SASS for the wgmma register race.",
+)
 @json_option
 @user_errors
-def doctor(target: str | None, vllm_version: str | None, as_json: bool) -> None:
+def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json: bool) -> None:
     """Report GPU, Triton/ptxas, vLLM patch states, tuned configs and stale caches.
 
     Needs no GPU and imports no vLLM. Ends with a verdict per known bug.
@@ -328,7 +334,7 @@ def doctor(target: str | None, vllm_version: str | None, as_json: bool) -> None:
         tree, tree_error = locate(target, vllm_version), ""
     except PatchkitError as exc:
         tree, tree_error = None, str(exc)
-    result = doctoring.run(tree, tree_error, load_catalogue())
+    result = doctoring.run(tree, tree_error, load_catalogue(), kernels=kernels)
     if as_json:
         report.emit_json(result.to_json())
     else:

@@ -2,7 +2,9 @@
 
 Reads files and runs `nvidia-smi` and Triton's `ptxas --version`; imports
 neither vLLM nor torch nor Triton, so it works in image builds and on
-machines without GPUs. Ends with a verdict per known bug.
+machines without GPUs. Ends with a verdict per known bug. ``--kernels``
+also imports Triton to compile vLLM's LoRA kernels for sm_90
+(:mod:`patchkit.kernelscan`); the #48590 verdict then rests on their SASS.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class DoctorReport:
     tuned_configs: list[dict] = field(default_factory=list)
     stale_bytecode: list[str] = field(default_factory=list)
     old_caches: list[dict] = field(default_factory=list)
+    kernels: dict = field(default_factory=dict)  # the --kernels scan, when asked for
     verdicts: list[Verdict] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -218,7 +221,9 @@ def _nan_verdict(report: DoctorReport, states: dict) -> Verdict:
     ptxas = report.triton.get("ptxas_version")
     if report.gpus and not hopper:
         return Verdict(bug, "not affected", "no sm_90 GPU here (the bug needs Hopper's wgmma)")
-    if ptxas and tuple(int(p) for p in ptxas.split(".")[:2]) >= PTXAS_FIXED:
+    if report.kernels and not report.kernels.get("error"):
+        return _nan_verdict_from_scan(bug, report, states)
+    if _fixed_ptxas(ptxas):
         return Verdict(bug, "not affected", f"Triton's ptxas {ptxas} is 13.3 or newer")
     if states.get(BLOCK_N) == "upstream":
         return Verdict(bug, "not affected", "fixed in this vLLM (num_stages 1 on sm_90)")
@@ -242,6 +247,82 @@ def _nan_verdict(report: DoctorReport, states: dict) -> Verdict:
         f"Triton LoRA kernels with ptxas {ptxas or 'unknown'} < 13.3 on {where}",
         fix,
     )
+
+
+def _nan_verdict_from_scan(bug: str, report: DoctorReport, states: dict) -> Verdict:
+    """#48590 judged by the compiled kernels: a hazard this install runs, or none."""
+    scan = report.kernels
+    ptxas = f"ptxas {scan['ptxas_version']} ({scan['ptxas']})"
+    cases = scan["cases"]
+    called = [c for c in cases if c["called"] and c["verdict"] == "hazard"]
+    errors = [c for c in cases if c["called"] and c["verdict"] == "error"]
+    if called:
+        tuned = [c for c in called if c["source"].startswith("tuned")]
+        first = (tuned or called)[0]
+        where = first["hazards"][0]
+        return Verdict(
+            bug,
+            "exposed",
+            f"kernel scan: {len(called)} config(s) this install runs overwrite the A registers "
+            f"of an in-flight wgmma, e.g. {first['label']}: {where['instruction']} at "
+            f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}",
+            _scan_fix(first, states),
+        )
+    idle = [c for c in cases if not c["called"] and c["verdict"] == "hazard"]
+    also = (
+        f"; hazard only in configs not run here, e.g. {idle[0]['label']} "
+        f"({idle[0]['why_not_called']})"
+        if idle
+        else ""
+    )
+    unknown = f"; {len(errors)} config(s) failed to compile (see the scan)" if errors else ""
+    runs = sum(1 for c in cases if c["called"])
+    if runs == 0:
+        reason = next((c["why_not_called"] for c in cases), "no Triton LoRA kernel runs")
+        return Verdict(bug, "protected", f"kernel scan: {reason}{also}")
+    evidence = f"kernel scan: no overwrite in the {runs} config(s) this install runs, {ptxas}"
+    if _fixed_ptxas(scan["ptxas_version"]):
+        evidence += f" (a ptxas from {'.'.join(map(str, PTXAS_FIXED))} on keeps wgmma registers)"
+    patched = any(states.get(p) == "applied" for p in (BLOCK_N, MATMUL))
+    status = "protected" if patched else "not affected"
+    return Verdict(bug, "unknown" if errors else status, evidence + also + unknown)
+
+
+def _fixed_ptxas(version: str | None) -> bool:
+    try:
+        return tuple(int(p) for p in (version or "").split(".")[:2]) >= PTXAS_FIXED
+    except ValueError:
+        return False
+
+
+def _scan_fix(case: dict, states: dict) -> str:
+    if case["source"].startswith("tuned"):
+        return f"remove or retune {case['source'][len('tuned: ') :]} (block_n 32 or num_stages 1)"
+    if states.get(BLOCK_N) == "needed" or states.get(MATMUL) == "needed":
+        return "patchkit apply"
+    return (
+        "PATCHKIT_LORA_BACKEND=torch (matmul-add-lora-linear), or TRITON_PTXAS_PATH "
+        "pointing at a ptxas >= 13.3"
+    )
+
+
+def called_here(states: dict):
+    """Which scanned kernel configs this install runs, from its patches and environment."""
+    backend = os.environ.get("PATCHKIT_LORA_BACKEND", "torch").strip().lower() or "torch"
+    torch_path = states.get(MATMUL) == "applied" and backend == "torch"
+    dual = os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0")
+    no_pdl = os.environ.get("VLLM_LORA_DISABLE_PDL", "0").strip() not in ("", "0")
+
+    def called(case) -> tuple[bool, str]:
+        if torch_path:
+            return False, "the torch path replaces the Triton LoRA ops (matmul-add-lora-linear)"
+        if case.path == "dual-stream" and not (dual and not no_pdl):
+            return False, "dual-stream LoRA with PDL is off (VLLM_LORA_ENABLE_DUAL_STREAM)"
+        if case.path == "dual-stream-no-pdl" and not (dual and no_pdl):
+            return False, "dual-stream LoRA without PDL is off (VLLM_LORA_DISABLE_PDL)"
+        return True, ""
+
+    return called
 
 
 def _split_verdict(states: dict, version: Version | None) -> Verdict:
@@ -292,7 +373,9 @@ def _stale_verdict(report: DoctorReport) -> Verdict:
 # ----- the whole report -----
 
 
-def run(tree: VllmTree | None, tree_error: str, catalogue: Catalogue) -> DoctorReport:
+def run(
+    tree: VllmTree | None, tree_error: str, catalogue: Catalogue, kernels: bool = False
+) -> DoctorReport:
     report = DoctorReport()
     report.gpus, report.gpu_note = gpus()
     report.triton = triton_facts()
@@ -311,8 +394,20 @@ def run(tree: VllmTree | None, tree_error: str, catalogue: Catalogue) -> DoctorR
     applied = [f for p in report.patches if p["state"] == "applied" for f in p["files"]]
     mtimes = [tree.path(f).stat().st_mtime for f in applied if tree.path(f).exists()]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
+    if kernels:
+        report.kernels = scan_kernels(tree, report)
     report.verdicts = verdicts(report, tree.parsed_version)
     return report
+
+
+def scan_kernels(tree: VllmTree, report: DoctorReport) -> dict:
+    """Run the --kernels scan for this tree, as this machine's GPU (or an H200) would."""
+    from patchkit import kernelscan
+
+    states = {p["id"]: p["state"] for p in report.patches}
+    hopper = [g["name"] for g in report.gpus if g["compute_capability"] == "9.0"]
+    result = kernelscan.scan(tree, hopper[0] if hopper else "NVIDIA H200", called_here(states))
+    return result.to_json()
 
 
 def _paths(patch, tree: VllmTree) -> tuple[str, ...]:
@@ -345,7 +440,29 @@ def render(report: DoctorReport, echo) -> None:
         echo(f"stale bytecode: {pyc}")
     for c in report.old_caches:
         echo(f"{c['name']} {c['path']}: {c['entries']} entries older than the patch")
+    render_kernels(report.kernels, echo)
     echo("")
     for v in report.verdicts:
         echo(f"[{v.status}] {v.bug}")
         echo(f"    {v.reason}" + (f"; fix: {v.fix}" if v.fix and v.status == "exposed" else ""))
+
+
+def render_kernels(scan: dict, echo) -> None:
+    if not scan:
+        return
+    if scan.get("error"):
+        echo(f"kernel scan: {scan['error']}")
+        return
+    echo(
+        f"kernel scan (sm_90, Triton {scan['triton']}, ptxas {scan['ptxas_version']}, "
+        f"{scan['disassembler']}; {len(scan['cases'])} configs in {scan['seconds']} s):"
+    )
+    for case in scan["cases"]:
+        runs = "runs here" if case["called"] else f"not run: {case['why_not_called']}"
+        detail = case["error"] or (
+            f"{len(case['hazards'])} overwrite(s), first {case['hazards'][0]['instruction']} "
+            f"at {case['hazards'][0]['address']}"
+            if case["hazards"]
+            else ""
+        )
+        echo(f"  [{case['verdict']}] {case['label']}; {runs}" + (f"; {detail}" if detail else ""))

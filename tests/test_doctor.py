@@ -149,3 +149,54 @@ def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
     assert "vLLM: " in result.stdout and "no vllm/ package" in result.stdout.lower()
     assert "IMPORTED: []" in result.stderr
     assert "[unknown] vLLM #35286" in result.stdout and "[unknown] vLLM #47639" in result.stdout
+
+
+def scan_case(verdict: str, called: bool = True, source: str = "get_lora_op_configs") -> dict:
+    hazards = [{"address": "0x44e0", "instruction": "LDS.64 R90, [R140]", "wgmma": "0x46f0"}]
+    return {
+        "verdict": verdict,
+        "called": called,
+        "why_not_called": "" if called else "dual-stream LoRA with PDL is off",
+        "label": f"expand 1 slice(s) ({source})",
+        "source": source,
+        "hazards": hazards if verdict == "hazard" else [],
+    }
+
+
+@pytest.mark.parametrize(
+    "cases, ptxas, states, status, words",
+    [
+        ([scan_case("hazard")], "12.8.93", {}, "exposed", "LDS.64 R90"),
+        (
+            [scan_case("clean")],
+            "12.8.93",
+            {"expand-block-n": "applied"},
+            "protected",
+            "no overwrite",
+        ),
+        ([scan_case("clean")], "13.3.33", {}, "not affected", "from 13.3 on"),
+        (
+            [scan_case("clean"), scan_case("hazard", called=False)],
+            "12.8.93",
+            {},
+            "not affected",
+            "not run here",
+        ),
+        ([scan_case("clean"), scan_case("error")], "12.8.93", {}, "unknown", "failed to compile"),
+        (
+            [scan_case("hazard", source="tuned: X_EXPAND.json")],
+            "12.8.93",
+            {"expand-block-n": "applied"},
+            "exposed",
+            "tuned",
+        ),
+    ],
+)
+def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, words):
+    from patchkit.doctor import DoctorReport, _nan_verdict
+
+    report = DoctorReport(gpus=[{"name": "NVIDIA H200", "compute_capability": "9.0"}])
+    report.kernels = {"ptxas": "/x/ptxas", "ptxas_version": ptxas, "cases": cases, "error": ""}
+    verdict = _nan_verdict(report, states)
+    assert verdict.status == status and "kernel scan" in verdict.reason
+    assert words in verdict.reason + verdict.fix
