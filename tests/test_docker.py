@@ -34,6 +34,9 @@ def image(tmp_path_factory) -> tuple[ImageRunner, Path]:
     shutil.copytree(pristine / "vllm", site / "vllm")
     dist_info = next(pristine.glob("vllm-*.dist-info"))
     shutil.copytree(dist_info, site / dist_info.name)
+    from tests.test_kernelscan import triton_site
+
+    (site / "triton.pth").write_text(f"{triton_site()}\n")  # the image's own Triton
     return ImageRunner(context=REPO, image_root=root, python_bin=python / "bin"), site
 
 
@@ -43,6 +46,7 @@ def test_dockerfile_stages():
     runs = [args for kind, args in stage(stages, "patched").instructions if kind == "RUN"]
     assert "patchkit apply --strict" in runs
     assert any("patchkit status --json" in r for r in runs)
+    assert any("patchkit doctor --kernels --json" in r for r in runs)
     assert ("RUN", "patchkit verify") in stage(stages, "verify").instructions
     assert stages[-1].base == "patched"  # the default target is the patched image
 
@@ -53,7 +57,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
     pristine = snapshot(site / "vllm")
 
     first = runner.build(patched)
-    assert [r.returncode for r in first] == [0, 0, 0], first[-1].stderr
+    assert [r.returncode for r in first] == [0, 0, 0, 0], first[-1].stderr
     assert re.search(r"expand-block-n\s+applied", first[1].stdout)
     assert re.search(r"matmul-add-lora-linear\s+applied", first[1].stdout)
     status = json.loads((runner.image_root / "etc/patchkit/status.json").read_text())
@@ -74,8 +78,13 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
     )
 
     after_first = snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()
+    doctor = json.loads((runner.image_root / "etc/patchkit/doctor-kernels.json").read_text())
+    assert doctor["kernels"]["cases"] and not doctor["kernels"]["error"]
+    nan = next(v for v in doctor["verdicts"] if v["bug"].startswith("vLLM #48590"))
+    assert nan["status"] == "protected" and "torch path" in nan["reason"]
+
     second = runner.build(patched, only="RUN")  # patchkit itself is reinstalled too
-    assert [r.returncode for r in second] == [0, 0, 0]
+    assert [r.returncode for r in second] == [0, 0, 0, 0]
     assert "already-applied" in second[1].stdout
     assert (snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()) == after_first
 

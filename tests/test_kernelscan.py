@@ -63,6 +63,7 @@ def scan_env(tmp_path_factory) -> dict:
     env.pop("PATCHKIT_LORA_BACKEND", None)
     env["PYTHONPATH"] = f"{triton_site()}{os.pathsep}{REPO}"
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    env["PATCHKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("patchkit-cache"))  # SASS cache
     return env
 
 
