@@ -21,7 +21,7 @@ from patchkit.catalogue import Catalogue, Decision, Patch, Variant
 from patchkit.errors import HunkMismatch
 from patchkit.hunks import Placement, apply_file_patch
 from patchkit.safepath import inside
-from patchkit.state import PatchRecord, State
+from patchkit.state import FileRecord, PatchRecord, State
 from patchkit.transaction import FileChange
 from patchkit.tree import VllmTree, sha256_bytes
 
@@ -62,20 +62,38 @@ class Assessment:
 
 
 class TreeFiles:
-    """Reads each file of the tree once per run."""
+    """The tree's files as a run sees them: read once, with the run's own edits on top.
 
-    def __init__(self, tree: VllmTree):
+    Patches stack (quilt's model): patch N is assessed on the tree as patches
+    1..N-1 leave it. ``overlay`` puts a patch's result in place before the
+    next patch is assessed; ``state`` and ``order`` (the series) say which
+    applied patches already touch each file, in which order.
+    """
+
+    def __init__(self, tree: VllmTree, state: State | None = None, order: tuple[str, ...] = ()):
         self.tree = tree
-        self._cache: dict[str, bytes | None] = {}
+        self.state = state
+        self.order = order
+        self._disk: dict[str, bytes | None] = {}
+        self._overlay: dict[str, bytes | None] = {}
 
     def data(self, relpath: str) -> bytes | None:
-        if relpath not in self._cache:
+        if relpath in self._overlay:
+            return self._overlay[relpath]
+        return self.disk(relpath)
+
+    def disk(self, relpath: str) -> bytes | None:
+        """The file as it is on disk, before this run's edits."""
+        if relpath not in self._disk:
             path = inside(self.tree.root, relpath, "the catalogue")
             try:
-                self._cache[relpath] = path.read_bytes()
+                self._disk[relpath] = path.read_bytes()
             except FileNotFoundError:
-                self._cache[relpath] = None
-        return self._cache[relpath]
+                self._disk[relpath] = None
+        return self._disk[relpath]
+
+    def overlay(self, relpath: str, data: bytes | None) -> None:
+        self._overlay[relpath] = data
 
     def text(self, relpath: str) -> str | None:
         data = self.data(relpath)
@@ -83,6 +101,27 @@ class TreeFiles:
 
     def sha256(self, relpath: str) -> str | None:
         data = self.data(relpath)
+        return None if data is None else sha256_bytes(data)
+
+    def chain(self, relpath: str) -> list[tuple[str, FileRecord]]:
+        """(patch id, record) of each applied patch touching ``relpath``, in series order."""
+        if self.state is None:
+            return []
+        ids = list(self.order) + sorted(set(self.state.patches) - set(self.order))
+        return [
+            (patch_id, record)
+            for patch_id in ids
+            if patch_id in self.state.patches
+            for record in self.state.patches[patch_id].files
+            if record.path == relpath
+        ]
+
+    def base_sha256(self, relpath: str) -> str | None:
+        """The file before any patch: what the wheel's RECORD describes."""
+        chain = self.chain(relpath)
+        if chain:
+            return chain[0][1].pre_sha256
+        data = self.disk(relpath)
         return None if data is None else sha256_bytes(data)
 
 
@@ -107,12 +146,18 @@ def assess_with(
 
 
 def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> Assessment | None:
-    """Trust our own record when the files still carry the hashes it wrote."""
+    """Trust our own record when the files still carry the hashes the stack of records wrote.
+
+    For each file, the applied patches touching it form a chain in series
+    order (each one's ``pre`` is the one below's ``post``); the file must
+    hold the top one's ``post``. A file back at the bottom one's ``pre``
+    means vLLM was reinstalled: the record is stale and content decides.
+    """
     if record is None:
         return None
     paths = tuple(f.path for f in record.files)
-    current = {f.path: files.sha256(f.path) for f in record.files}
-    if all(current[f.path] == f.post_sha256 for f in record.files):
+    findings = [chain_finding(files, f.path) for f in record.files]
+    if all(kind == "applied" for kind, _ in findings):
         variant = patch.variant(record.variant)
         result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
         if variant is None or variant.sha256 != record.patch_sha256:
@@ -121,19 +166,39 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
                 f"`patchkit revert --only {patch.id}` then `patchkit apply --only {patch.id}`"
             )
         return result
-    if all(current[f.path] == f.pre_sha256 for f in record.files):
+    if all(kind == "stale" for kind, _ in findings):
         return None  # vLLM was reinstalled over a patched tree: the record is stale
-    edited = next(f.path for f in record.files if current[f.path] != f.post_sha256)
+    edited, top = next(
+        (f.path, top) for f, (kind, top) in zip(record.files, findings, strict=True)
+        if kind == "edited"
+    )  # fmt: skip
     return Assessment(
         patch,
         CONFLICT,
         reason=(
-            f"{edited} was edited after patchkit applied {patch.id}; "
-            f"`patchkit revert --only {patch.id} --force` restores the original"
+            f"{edited} was edited after patchkit applied {top}; "
+            f"`patchkit revert --only {top} --force` restores the original"
         ),
         files=paths,
         record=record,
     )
+
+
+def chain_finding(files: TreeFiles, relpath: str) -> tuple[str, str]:
+    """(applied | stale | edited, the top patch) for one file's chain of records."""
+    chain = files.chain(relpath)
+    current = files.sha256(relpath)
+    top_id, top = chain[-1]
+    linked = all(
+        below.post_sha256 == above.pre_sha256
+        for (_, below), (_, above) in zip(chain, chain[1:], strict=False)
+    )
+    if linked and current == top.post_sha256:
+        return "applied", top_id
+    on_disk = files.disk(relpath)
+    if (None if on_disk is None else sha256_bytes(on_disk)) == chain[0][1].pre_sha256:
+        return "stale", top_id  # the file on disk is back to before the whole stack
+    return "edited", top_id
 
 
 def _from_decisions(
@@ -208,7 +273,7 @@ def _needed(
     new_texts, placements = attempt
     for path in new_texts:
         recorded = tree.record.get(path)
-        if recorded is not None and files.sha256(path) != recorded:
+        if recorded is not None and files.base_sha256(path) != recorded:
             return Assessment(
                 patch,
                 CONFLICT,

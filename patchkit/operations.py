@@ -13,7 +13,15 @@ from datetime import datetime, timezone
 
 from patchkit import bytecode, caches
 from patchkit.catalogue import Catalogue, Patch
-from patchkit.decide import APPLIED, CONFLICT, NEEDED, Assessment, TreeFiles, assess_with
+from patchkit.decide import (
+    APPLIED,
+    CONFLICT,
+    NEEDED,
+    Assessment,
+    TreeFiles,
+    assess_with,
+    chain_finding,
+)
 from patchkit.errors import HunkMismatch, PatchkitError
 from patchkit.hunks import apply_file_patch
 from patchkit.safepath import inside
@@ -119,12 +127,49 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
             "an earlier patchkit run was interrupted while writing; the next "
             "`patchkit apply` or `patchkit revert` rolls it back"
         )
-    files = TreeFiles(tree)
+    files = tree_files(tree, state, catalogue)
     for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
+        stack(files, assessment)  # what apply would see for the next patch
         report.outcomes.append(Outcome(assessment, assessment.state))
         report.take_findings(assessment)
     return report
+
+
+def tree_files(tree: VllmTree, state: State, catalogue: Catalogue) -> TreeFiles:
+    return TreeFiles(tree, state, tuple(p.id for p in catalogue.patches))
+
+
+def stack(files: TreeFiles, assessment: Assessment) -> None:
+    """Put a needed patch's result in place, so the next patch is assessed on top of it."""
+    if assessment.state == NEEDED:
+        for change in assessment.changes:
+            files.overlay(change.path, change.after)
+
+
+def merged(changes: list[FileChange]) -> list[FileChange]:
+    """One write per file: the first change's before, the last change's after."""
+    by_path: dict[str, FileChange] = {}
+    for change in changes:
+        first = by_path.get(change.path, change)
+        by_path[change.path] = FileChange(change.path, first.before, change.after)
+    return list(by_path.values())
+
+
+def _later_on_same_files(
+    patch: Patch, paths: tuple[str, ...], files: TreeFiles
+) -> tuple[str, str] | None:
+    """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
+
+    A stale record (vLLM reinstalled under it) does not count: nothing of it is there.
+    """
+    later = files.order[files.order.index(patch.id) + 1 :] if patch.id in files.order else ()
+    for other in later:
+        record = files.state.patches.get(other)
+        for path in (f.path for f in record.files) if record else ():
+            if path in paths and chain_finding(files, path)[0] != "stale":
+                return other, path
+    return None
 
 
 def apply(
@@ -174,7 +219,7 @@ def _plan_apply(
     strict: bool,
     state: State,
 ) -> RunReport:
-    files = TreeFiles(tree)
+    files = tree_files(tree, state, catalogue)
     if report.dry_run and interrupted(state):
         report.warnings.append("an interrupted run will be rolled back first by a real apply")
     for patch in patches:
@@ -185,6 +230,15 @@ def _plan_apply(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
                 f"(apply the others with --only)"
             )
+        if assessment.state == NEEDED:
+            above = _later_on_same_files(patch, assessment.variant.paths, files)
+            if above is not None:
+                raise PatchkitError(
+                    f"{patch.id}: {above[0]}, later in the series, is applied and also changes "
+                    f"{above[1]}; patches stack in series order, so revert it first "
+                    f"(patchkit revert --only {above[0]}), then apply both; nothing was changed"
+                )
+            stack(files, assessment)
         action = {
             NEEDED: "would-apply" if report.dry_run else "applied",
             APPLIED: "already-applied",
@@ -236,7 +290,7 @@ def _commit_apply(tree: VllmTree, state: State, needed: list[Assessment]) -> Non
             files=records,
         )
     state.vllm_version = tree.version
-    changes = [c for a in needed for c in a.changes]
+    changes = merged([c for a in needed for c in a.changes])
     commit(tree.root, state, changes, backups)
 
 
@@ -273,9 +327,9 @@ def _revert_locked(
     force: bool,
     state: State,
 ) -> None:
-    files = TreeFiles(tree)
+    files = tree_files(tree, state, catalogue)
     changes: list[FileChange] = []
-    for patch in patches:
+    for patch in patches:  # last in the series first: a stack comes off from the top
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.take_findings(assessment)
         patch_changes = _revert_changes(assessment, state, files, force)
@@ -284,10 +338,20 @@ def _revert_locked(
             if patch.id in only:
                 report.warnings.append(f"{patch.id} is not applied ({assessment.state})")
             continue
+        above = _later_on_same_files(patch, assessment.files, files)
+        if above is not None:
+            raise PatchkitError(
+                f"{patch.id}: {above[0]} is applied on top of it in {above[1]}; revert "
+                f"{above[0]} first (patchkit revert --only {above[0]} --only {patch.id}); "
+                "nothing was changed"
+            )
+        for change in patch_changes:
+            files.overlay(change.path, change.after)
         changes.extend(patch_changes)
         state.patches.pop(patch.id, None)
         report.outcomes.append(Outcome(assessment, "reverted"))
     if changes:
+        changes = merged(changes)
         commit(tree.root, state, changes, backups={})
         report.bytecode_removed = bytecode.remove_bytecode(tree.root, [c.path for c in changes])
     _drop_backups(state, [o.assessment.patch.id for o in report.outcomes])
