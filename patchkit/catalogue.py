@@ -25,6 +25,7 @@ from packaging.version import Version
 
 from patchkit.errors import PatchkitError
 from patchkit.hunks import FilePatch, parse_diff
+from patchkit.safepath import checked_relpath
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -178,8 +179,44 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
     series = _read_toml(series_file)
     ids = _require(series, "series", series_file, list)
     releases = tuple(_require(series, "tested_releases", series_file, list))
+    for release in releases:
+        if not isinstance(release, str) or not _is_version(release):
+            raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
+    if len(set(ids)) != len(ids):
+        raise PatchkitError(f"{series_file}: series lists a patch twice")
     patches = tuple(_load_patch(root / patch_id, patch_id) for patch_id in ids)
+    for patch in patches:
+        _check_decided_once(patch, releases)
     return Catalogue(root=root, patches=patches, tested_releases=releases)
+
+
+def _is_version(text: str) -> bool:
+    from packaging.version import InvalidVersion
+
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
+
+
+def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
+    """Every tested release maps to exactly one variant or decision of the patch."""
+    meta_file = patch.root / "patch.toml"
+    for release in releases:
+        version = Version(release)
+        matches = [
+            f"{type(e).__name__.lower()} {getattr(e, 'name', None) or getattr(e, 'state', '')} "
+            f"({e.versions})"
+            for e in (*patch.variants, *patch.decisions)
+            if e.versions.contains(version, prereleases=True)
+        ]
+        if len(matches) != 1:
+            found = ", ".join(matches) or "none"
+            raise PatchkitError(
+                f"{meta_file}: variants/decisions: tested release {release} must be decided "
+                f"exactly once, found {found}"
+            )
 
 
 def _load_patch(directory: Path, patch_id: str) -> Patch:
@@ -212,6 +249,8 @@ def _load_patch(directory: Path, patch_id: str) -> Patch:
         )
         for n in meta.get("notices", [])
     )
+    for variant in variants:
+        _ = variant.files  # parse now: a broken diff or a path outside vllm/ fails the load
     return Patch(
         id=patch_id,
         title=_require(meta, "title", meta_file, str),
@@ -277,6 +316,7 @@ def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidenc
     evidence = []
     for item in items:
         file = _require(item, "file", origin, str)
+        checked_relpath(file, f"{origin}: evidence file")
         pattern = _require(item, "pattern", origin, str)
         try:
             re.compile(pattern)

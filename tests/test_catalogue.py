@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from packaging.version import Version
+import shutil
+from pathlib import Path
+
+import pytest
 
 from patchkit.catalogue import load_catalogue
+from patchkit.errors import PatchkitError
 from tests.conftest import run_cli
 
 CATALOGUE = load_catalogue()
@@ -17,31 +21,57 @@ def test_every_patch_has_why_upstream_remove_when():
         assert patch.remove_when, patch.id
 
 
-def test_every_tested_release_has_exactly_one_decision_per_patch():
-    for patch in CATALOGUE.patches:
-        for release in CATALOGUE.tested_releases:
-            version = Version(release)
-            matches = [
-                entry
-                for entry in (*patch.variants, *patch.decisions)
-                if entry.versions.contains(version)
-            ]
-            assert len(matches) == 1, (patch.id, release, matches)
-
-
 def test_variant_diffs_parse_and_stay_inside_vllm():
     for patch in CATALOGUE.patches:
         for variant in patch.variants:
             assert variant.paths and all(p.startswith("vllm/") for p in variant.paths)
 
 
-def test_patches_touch_disjoint_files():
-    """Backups and records are per patch; two patches on one file would fight over it."""
-    owner = {}
-    for patch in CATALOGUE.patches:
-        for path in {p for v in patch.variants for p in v.paths}:
-            assert path not in owner, (path, owner.get(path), patch.id)
-            owner[path] = patch.id
+def broken_catalogue(tmp_path: Path, edit) -> str:
+    """The shipped catalogue copied and edited by ``edit``; the load error (one line)."""
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, root)
+    edit(root)
+    with pytest.raises(PatchkitError) as caught:
+        load_catalogue(root)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def replace_in(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (path, old)
+    path.write_text(text.replace(old, new, 1))
+
+
+BLOCK_N = "expand-block-n/patch.toml"
+BROKEN = [
+    (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.19.0,<0.33.0"', "release 0.18.0 must be decided"),
+    (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.17.0,<0.33.0"', "found variant block-k-16"),
+    (BLOCK_N, 'versions = ">=0.33.0"', 'versions = "0.33+"', "invalid version specifier"),
+    (BLOCK_N, "pattern = 'is_device", "pattern = '(is_device", "evidence pattern"),
+    (BLOCK_N, 'file = "vllm/lora/ops', 'file = "../vllm/lora/ops', "evidence file: path"),
+    ("expand-block-n/block-k-32.diff", "+++ b/vllm/", "+++ b/../vllm/", "leaves the vLLM tree"),
+    ("series.toml", '"0.26.0", "0.27.0"', '"0.26.0", "latest"', "'latest' is not a version"),
+]
+
+
+@pytest.mark.parametrize("file, old, new, expected", BROKEN)
+def test_a_broken_catalogue_fails_to_load_naming_file_and_key(tmp_path, file, old, new, expected):
+    message = broken_catalogue(tmp_path, lambda root: replace_in(root / file, old, new))
+    assert file.split("/")[-1] in message and expected in message, message
+
+
+def test_a_notice_needs_a_version_range(tmp_path):
+    def drop_range(root):
+        path = root / "split-in-proj-qkvz/patch.toml"
+        text = path.read_text()
+        start = text.index("[[notices]]")
+        line = next(ln for ln in text[start:].splitlines() if ln.startswith("versions"))
+        path.write_text(text[:start] + text[start:].replace(line + "\n", "", 1))
+
+    assert "missing or empty 'versions'" in broken_catalogue(tmp_path, drop_range)
 
 
 def test_expand_block_n_records_its_config_override():
