@@ -95,20 +95,60 @@ class Decision:
 
 @dataclass(frozen=True)
 class Notice:
-    """A known problem that the patch does not fix, warned about by status."""
+    """A known problem that the patch does not fix, warned about by status.
+
+    ``fixed_by``: the id of a patch that fixes it; once that patch is
+    applied, the notice is not shown.
+    """
 
     versions: SpecifierSet
     message: str
     evidence: tuple[Evidence, ...] = ()
+    fixed_by: str = ""
 
 
 @dataclass(frozen=True)
 class Override:
-    """A setting that can replace the patched code path (checked by `doctor`)."""
+    """A setting that can replace the patched code path (checked by `doctor`).
+
+    ``check`` names the doctor check that looks at it (``tuned-lora-configs``).
+    """
 
     env: str
     versions: SpecifierSet
     detail: str
+    check: str = ""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What ``doctor`` needs to judge the bug(s) a patch addresses, declared by the patch.
+
+    Patches that address the same bug must declare the same facts (checked
+    when the catalogue loads), so a bug is judged once, from data.
+    """
+
+    bugs: tuple[str, ...]  # "vllm#48590"
+    title: str
+    affected: SpecifierSet  # vLLM versions with the bug
+    fix: str  # the command that fixes it
+    protects: str  # the verdict's reason when this patch is applied and in effect
+    needs_compute_capability: str = ""  # e.g. "9.0": other GPUs are not affected
+    fixed_by_ptxas: str = ""  # e.g. "13.3": Triton's ptxas from this version on fixes it
+    kernel_scan: bool = False  # `doctor --kernels` evidence decides the verdict
+    replaces_kernels: bool = False  # applied and on, no scanned Triton kernel runs
+    disabled_by_env: str = ""  # a variable that turns this patch's protection off ...
+    disabled_values: tuple[str, ...] = ()  # ... when set to one of these (lower case)
+
+    @property
+    def label(self) -> str:
+        """'vLLM #47639 / #57851: title'."""
+        numbers = " / ".join("#" + b.split("#", 1)[1] for b in self.bugs)
+        return f"vLLM {numbers}: {self.title}"
+
+    def facts(self) -> tuple:
+        return (self.bugs, self.title, str(self.affected), self.fix,
+                self.needs_compute_capability, self.fixed_by_ptxas, self.kernel_scan)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,6 +164,7 @@ class Patch:
     runtime_gate: str = ""
     overridden_by: Override | None = None
     covers: str = ""
+    diagnosis: Diagnosis | None = None
     root: Path = field(default=Path("."), compare=False)
 
     def expected_for(self, version: Version | None) -> Variant | Decision | None:
@@ -187,7 +228,29 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
     patches = tuple(_load_patch(root / patch_id, patch_id) for patch_id in ids)
     for patch in patches:
         _check_decided_once(patch, releases)
+        for notice in patch.notices:
+            if notice.fixed_by and notice.fixed_by not in ids:
+                raise PatchkitError(
+                    f"{patch.root / 'patch.toml'}: notices.fixed_by: {notice.fixed_by!r} is "
+                    "not in the series"
+                )
+    _check_shared_diagnoses(patches)
     return Catalogue(root=root, patches=patches, tested_releases=releases)
+
+
+def _check_shared_diagnoses(patches: tuple[Patch, ...]) -> None:
+    """Patches that address the same bug declare the same facts about it."""
+    seen: dict[str, tuple[Patch, tuple]] = {}
+    for patch in patches:
+        if patch.diagnosis is None:
+            continue
+        for bug in patch.diagnosis.bugs:
+            first = seen.setdefault(bug, (patch, patch.diagnosis.facts()))
+            if first[1] != patch.diagnosis.facts():
+                raise PatchkitError(
+                    f"{patch.root / 'patch.toml'}: diagnosis of {bug} differs from "
+                    f"{first[0].id}'s (bugs, title, affected, fix and conditions must agree)"
+                )
 
 
 def _is_version(text: str) -> bool:
@@ -246,6 +309,7 @@ def _load_patch(directory: Path, patch_id: str) -> Patch:
             versions=_specifier(n, meta_file),
             message=_require(n, "message", meta_file, str),
             evidence=_evidence(n, meta_file, required=False),
+            fixed_by=n.get("fixed_by", ""),
         )
         for n in meta.get("notices", [])
     )
@@ -263,7 +327,30 @@ def _load_patch(directory: Path, patch_id: str) -> Patch:
         runtime_gate=meta.get("runtime_gate", "").strip(),
         overridden_by=_override(meta.get("overridden_by"), meta_file),
         covers=meta.get("covers", "").strip(),
+        diagnosis=_diagnosis(meta.get("diagnosis"), meta_file),
         root=directory,
+    )
+
+
+def _diagnosis(table: dict | None, origin: Path) -> Diagnosis | None:
+    if table is None:
+        return None
+    bugs = tuple(_require(table, "bugs", origin, list))
+    if not all(isinstance(b, str) and re.fullmatch(r"[a-z-]+#\d+", b) for b in bugs):
+        raise PatchkitError(f"{origin}: diagnosis.bugs: ids look like 'vllm#48590', got {bugs}")
+    disabled = table.get("disabled_by", {})
+    return Diagnosis(
+        bugs=bugs,
+        title=_require(table, "title", origin, str),
+        affected=_specifier({"versions": table.get("affected")}, origin),
+        fix=_require(table, "fix", origin, str),
+        protects=_require(table, "protects", origin, str),
+        needs_compute_capability=table.get("needs_compute_capability", ""),
+        fixed_by_ptxas=table.get("fixed_by_ptxas", ""),
+        kernel_scan=bool(table.get("kernel_scan", False)),
+        replaces_kernels=bool(table.get("replaces_kernels", False)),
+        disabled_by_env=disabled.get("env", ""),
+        disabled_values=tuple(v.lower() for v in disabled.get("values", [])),
     )
 
 
@@ -274,6 +361,7 @@ def _override(table: dict | None, origin: Path) -> Override | None:
         env=_require(table, "env", origin, str),
         versions=_specifier(table, origin),
         detail=_require(table, "detail", origin, str).strip(),
+        check=table.get("check", ""),
     )
 
 

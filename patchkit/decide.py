@@ -324,6 +324,16 @@ def _notices(patch: Patch, tree: VllmTree, files: TreeFiles) -> list[str]:
     for notice in patch.notices:
         in_range = version is not None and notice.versions.contains(version, prereleases=True)
         has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
+        if notice.fixed_by and _applied(notice.fixed_by, files):
+            continue
         if has_evidence and (in_range or (version is None and notice.evidence)):
             found.append(f"{patch.id}: {notice.message}")
     return found
+
+
+def _applied(patch_id: str, files: TreeFiles) -> bool:
+    """Whether our record of ``patch_id`` still holds on the files (its fix is in place)."""
+    record = files.state.patches.get(patch_id) if files.state else None
+    return record is not None and all(
+        chain_finding(files, f.path)[0] == "applied" for f in record.files
+    )

@@ -25,11 +25,8 @@ from packaging.version import Version
 from patchkit import operations
 from patchkit.bytecode import bytecode_files
 from patchkit.caches import cache_dirs
-from patchkit.catalogue import Catalogue, Variant
+from patchkit.catalogue import Catalogue, Diagnosis, Patch, Variant
 from patchkit.tree import VllmTree
-
-PTXAS_FIXED = (13, 3)  # ptxas from CUDA 13.3 no longer reuses wgmma A registers early
-MATMUL, BLOCK_N, SPLIT = "matmul-add-lora-linear", "expand-block-n", "split-in-proj-qkvz"
 
 
 @dataclass
@@ -47,7 +44,8 @@ class DoctorReport:
     triton: dict = field(default_factory=dict)
     vllm: dict = field(default_factory=dict)
     patches: list[dict] = field(default_factory=list)
-    tuned_configs: list[dict] = field(default_factory=list)
+    tuned_configs: list[dict] = field(default_factory=list)  # every override check's findings
+    overrides: dict[str, list[dict]] = field(default_factory=dict)  # the same, per patch id
     stale_bytecode: list[str] = field(default_factory=list)
     old_caches: list[dict] = field(default_factory=list)
     kernels: dict = field(default_factory=dict)  # the --kernels scan, when asked for
@@ -151,6 +149,21 @@ def tuned_configs(folder: str | None) -> list[dict]:
     return found
 
 
+OVERRIDE_CHECKS = {"tuned-lora-configs": tuned_configs}
+
+
+def override_findings(catalogue: Catalogue) -> dict[str, list[dict]]:
+    """For each patch with an ``[overridden_by]`` check: what its setting does here."""
+    found = {}
+    for patch in catalogue.patches:
+        override = patch.overridden_by
+        if override is not None and override.check in OVERRIDE_CHECKS:
+            findings = OVERRIDE_CHECKS[override.check](os.environ.get(override.env))
+            if findings:
+                found[patch.id] = findings
+    return found
+
+
 def _leaves(node) -> list[dict]:
     if isinstance(node, dict) and "block_n" in node:
         return [node]
@@ -201,56 +214,104 @@ def old_caches(patched_at: float | None) -> list[dict]:
 # ----- verdicts -----
 
 
-def verdicts(report: DoctorReport, version: Version | None) -> list[Verdict]:
+def verdicts(report: DoctorReport, version: Version | None, catalogue: Catalogue) -> list[Verdict]:
+    """One verdict per bug that the catalogue's patches declare, then the stale-code check."""
     states = {p["id"]: p["state"] for p in report.patches}
-    found = [
-        _nan_verdict(report, states),
-        _split_verdict(states, version),
-        _partial_adapter_verdict(version),
-        _stale_verdict(report),
-    ]
+    found = [bug_verdict(report, version, states, group) for group in bug_groups(catalogue)]
+    found.append(_stale_verdict(report))
     if "error" in report.vllm:  # no vLLM tree: nothing to judge a bug of vLLM by
         return [Verdict(v.bug, "unknown", "no vLLM found to judge by") for v in found]
     return found
 
 
-def _nan_verdict(report: DoctorReport, states: dict) -> Verdict:
-    bug = "vLLM #48590: NaN from LoRA expand on sm_90, output '!!!!!!'"
-    fix = "patchkit apply"
-    hopper = [g for g in report.gpus if g["compute_capability"] == "9.0"]
+def bug_groups(catalogue: Catalogue) -> list[list[Patch]]:
+    """The patches of each declared bug, in series order; bugs in order of first mention."""
+    groups: dict[tuple[str, ...], list[Patch]] = {}
+    for patch in catalogue.patches:
+        if patch.diagnosis is not None:
+            groups.setdefault(patch.diagnosis.bugs, []).append(patch)
+    return list(groups.values())
+
+
+def bug_verdict(
+    report: DoctorReport, version: Version | None, states: dict, patches: list[Patch]
+) -> Verdict:
+    """Judge one bug from its patches' declared diagnosis and this machine's facts."""
+    d = patches[0].diagnosis
+    if version is None:
+        return Verdict(d.label, "unknown", "no vLLM version to judge by")
+    if not d.affected.contains(version, prereleases=True):
+        return Verdict(d.label, "not affected", f"vLLM {version} is not in {d.affected}")
+    unaffected = _machine_unaffected(report, d)
+    if unaffected:
+        return Verdict(d.label, "not affected", unaffected)
+    if d.kernel_scan and report.kernels and not report.kernels.get("error"):
+        return _scan_verdict(d, report, states, patches)
+    upstream = [p.id for p in patches if states.get(p.id) == "upstream"]
+    if upstream:
+        return Verdict(d.label, "not affected", f"fixed in this vLLM ({upstream[0]}: upstream)")
+    off, overridden, active = [], [], []
+    for patch in (p for p in patches if states.get(p.id) == "applied"):
+        disabled, replaced = _disabled(patch), _overridden(report, patch)
+        if disabled:
+            off.append(disabled)
+        elif replaced:
+            overridden.append(replaced)
+        else:
+            active.append(patch.diagnosis.protects)
+    if active:
+        return Verdict(d.label, "protected", "; ".join(active))
+    if overridden:
+        return Verdict(d.label, "exposed", overridden[0][0], overridden[0][1])
+    conflicts = [p.id for p in patches if states.get(p.id) == "conflict"]
+    why = f"{', '.join(conflicts)} in conflict" if conflicts else "no patch for it is applied"
+    return Verdict(d.label, "exposed", "; ".join([why, *off]), d.fix)
+
+
+def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> str:
+    """Why this machine cannot hit the bug (its GPUs, its ptxas); '' if it can."""
+    cc = d.needs_compute_capability
+    if cc and report.gpus and not any(g["compute_capability"] == cc for g in report.gpus):
+        return f"no GPU of compute capability {cc} here"
     ptxas = report.triton.get("ptxas_version")
-    if report.gpus and not hopper:
-        return Verdict(bug, "not affected", "no sm_90 GPU here (the bug needs Hopper's wgmma)")
-    if report.kernels and not report.kernels.get("error"):
-        return _nan_verdict_from_scan(bug, report, states)
-    if _fixed_ptxas(ptxas):
-        return Verdict(bug, "not affected", f"Triton's ptxas {ptxas} is 13.3 or newer")
-    if states.get(BLOCK_N) == "upstream":
-        return Verdict(bug, "not affected", "fixed in this vLLM (num_stages 1 on sm_90)")
-    where = "an sm_90 GPU" if hopper else "an sm_90 GPU, if this runs on one"
-    backend = os.environ.get("PATCHKIT_LORA_BACKEND", "torch").strip().lower() or "torch"
-    if states.get(MATMUL) == "applied" and backend == "torch":
-        return Verdict(bug, "protected", "LoRA runs as torch matmuls (matmul-add-lora-linear)")
-    if states.get(BLOCK_N) == "applied" and not report.tuned_configs:
-        return Verdict(bug, "protected", "expand uses block_n 32 on sm_90 (expand-block-n)")
-    if states.get(BLOCK_N) == "applied":
-        return Verdict(
-            bug,
-            "exposed",
-            "a tuned expand config replaces the patched block_n 32",
-            "remove the VLLM_TUNED_CONFIG_FOLDER files listed above, or unset "
-            "PATCHKIT_LORA_BACKEND=triton",
-        )
-    return Verdict(
-        bug,
-        "exposed",
-        f"Triton LoRA kernels with ptxas {ptxas or 'unknown'} < 13.3 on {where}",
-        fix,
+    if d.fixed_by_ptxas and _at_least(ptxas, d.fixed_by_ptxas):
+        return f"Triton's ptxas {ptxas} is {d.fixed_by_ptxas} or newer"
+    return ""
+
+
+def _disabled(patch: Patch) -> str:
+    """Why an applied patch's protection is switched off by its runtime setting; '' if not."""
+    d = patch.diagnosis
+    value = os.environ.get(d.disabled_by_env, "").strip().lower() if d.disabled_by_env else ""
+    return f"{patch.id} is off ({d.disabled_by_env}={value})" if value in d.disabled_values else ""
+
+
+def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
+    """(reason, fix) when a setting replaces the patched code path, per the patch's check."""
+    override = patch.overridden_by
+    if override is None or override.check not in OVERRIDE_CHECKS:
+        return None
+    found = report.overrides.get(patch.id, [])
+    if not found:
+        return None
+    return (
+        f"{override.env} replaces what {patch.id} patched: {found[0]['problem']}",
+        f"fix or remove the {override.env} files listed above",
     )
 
 
-def _nan_verdict_from_scan(bug: str, report: DoctorReport, states: dict) -> Verdict:
-    """#48590 judged by the compiled kernels: a hazard this install runs, or none."""
+def _at_least(version: str | None, threshold: str) -> bool:
+    try:
+        have = tuple(int(p) for p in (version or "").split(".")[:2])
+        return have >= tuple(int(p) for p in threshold.split(".")[:2])
+    except ValueError:
+        return False
+
+
+def _scan_verdict(
+    d: Diagnosis, report: DoctorReport, states: dict, patches: list[Patch]
+) -> Verdict:
+    """The bug judged by the compiled kernels: a hazard this install runs, or none."""
     scan = report.kernels
     ptxas = f"ptxas {scan['ptxas_version']} ({scan['ptxas']})"
     cases = scan["cases"]
@@ -261,12 +322,12 @@ def _nan_verdict_from_scan(bug: str, report: DoctorReport, states: dict) -> Verd
         first = (tuned or called)[0]
         where = first["hazards"][0]
         return Verdict(
-            bug,
+            d.label,
             "exposed",
             f"kernel scan: {len(called)} config(s) this install runs overwrite the A registers "
             f"of an in-flight wgmma, e.g. {first['label']}: {where['instruction']} at "
             f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}",
-            _scan_fix(first, states),
+            _scan_fix(first, d, states, patches),
         )
     idle = [c for c in cases if not c["called"] and c["verdict"] == "hazard"]
     also = (
@@ -279,82 +340,46 @@ def _nan_verdict_from_scan(bug: str, report: DoctorReport, states: dict) -> Verd
     runs = sum(1 for c in cases if c["called"])
     if runs == 0:
         reason = next((c["why_not_called"] for c in cases), "no Triton LoRA kernel runs")
-        return Verdict(bug, "protected", f"kernel scan: {reason}{also}")
+        return Verdict(d.label, "protected", f"kernel scan: {reason}{also}")
     evidence = f"kernel scan: no overwrite in the {runs} config(s) this install runs, {ptxas}"
-    if _fixed_ptxas(scan["ptxas_version"]):
-        evidence += f" (a ptxas from {'.'.join(map(str, PTXAS_FIXED))} on keeps wgmma registers)"
-    patched = any(states.get(p) == "applied" for p in (BLOCK_N, MATMUL))
+    if d.fixed_by_ptxas and _at_least(scan["ptxas_version"], d.fixed_by_ptxas):
+        evidence += f" (a ptxas from {d.fixed_by_ptxas} on keeps wgmma registers)"
+    patched = any(states.get(p.id) == "applied" for p in patches)
     status = "protected" if patched else "not affected"
-    return Verdict(bug, "unknown" if errors else status, evidence + also + unknown)
+    return Verdict(d.label, "unknown" if errors else status, evidence + also + unknown)
 
 
-def _fixed_ptxas(version: str | None) -> bool:
-    try:
-        return tuple(int(p) for p in (version or "").split(".")[:2]) >= PTXAS_FIXED
-    except ValueError:
-        return False
-
-
-def _scan_fix(case: dict, states: dict) -> str:
+def _scan_fix(case: dict, d: Diagnosis, states: dict, patches: list[Patch]) -> str:
     if case["source"].startswith("tuned"):
         return f"remove or retune {case['source'][len('tuned: ') :]} (block_n 32 or num_stages 1)"
-    if states.get(BLOCK_N) == "needed" or states.get(MATMUL) == "needed":
-        return "patchkit apply"
-    return (
-        "PATCHKIT_LORA_BACKEND=torch (matmul-add-lora-linear), or TRITON_PTXAS_PATH "
-        "pointing at a ptxas >= 13.3"
+    overrides = [p.overridden_by.env for p in patches if p.overridden_by]
+    if any(os.environ.get(env) for env in overrides):
+        return f"the config comes from {overrides[0]}: retune it (block_n 32 or 1 stage)"
+    if any(states.get(p.id) == "needed" for p in patches):
+        return d.fix
+    switches = [f"{p.diagnosis.disabled_by_env} unset ({p.id})" for p in patches if _disabled(p)]
+    ptxas = (
+        f"TRITON_PTXAS_PATH pointing at a ptxas >= {d.fixed_by_ptxas}" if d.fixed_by_ptxas else ""
     )
+    return ", or ".join(filter(None, [*switches, ptxas])) or d.fix
 
 
-def called_here(states: dict):
+def called_here(states: dict, catalogue: Catalogue):
     """Which scanned kernel configs this install runs, from its patches and environment."""
-    backend = os.environ.get("PATCHKIT_LORA_BACKEND", "torch").strip().lower() or "torch"
-    torch_path = states.get(MATMUL) == "applied" and backend == "torch"
-    dual = os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0")
-    no_pdl = os.environ.get("VLLM_LORA_DISABLE_PDL", "0").strip() not in ("", "0")
+    from patchkit.kernelscan import path_runs
+
+    replacing = [
+        p for p in catalogue.patches
+        if p.diagnosis and p.diagnosis.replaces_kernels and states.get(p.id) == "applied"
+        and not _disabled(p)
+    ]  # fmt: skip
 
     def called(case) -> tuple[bool, str]:
-        if torch_path:
-            return False, "the torch path replaces the Triton LoRA ops (matmul-add-lora-linear)"
-        if case.path == "dual-stream" and not (dual and not no_pdl):
-            return False, "dual-stream LoRA with PDL is off (VLLM_LORA_ENABLE_DUAL_STREAM)"
-        if case.path == "dual-stream-no-pdl" and not (dual and no_pdl):
-            return False, "dual-stream LoRA without PDL is off (VLLM_LORA_DISABLE_PDL)"
-        return True, ""
+        if replacing:
+            return False, replacing[0].diagnosis.protects
+        return path_runs(case.path)
 
     return called
-
-
-def _split_verdict(states: dict, version: Version | None) -> Verdict:
-    bug = "vLLM #35286: Qwen3.5/3.6 with --enable-lora fails at start (in_proj_qkvz)"
-    state = states.get(SPLIT)
-    if version is None and not states:
-        return Verdict(bug, "unknown", "no vLLM found to judge by")
-    if state == "applied":
-        return Verdict(bug, "protected", "in_proj_qkvz is split under LoRA (split-in-proj-qkvz)")
-    if state == "needed":
-        return Verdict(
-            bug, "exposed", "this vLLM fuses in_proj_qkvz with no LoRA handling", "patchkit apply"
-        )
-    if state in ("upstream", "not-applicable"):
-        return Verdict(bug, "not affected", f"{SPLIT} is {state} for vLLM {version}")
-    return Verdict(
-        bug,
-        "exposed" if state == "conflict" else "not affected",
-        f"{SPLIT} is {state or 'not in the catalogue'}",
-    )
-
-
-def _partial_adapter_verdict(version: Version | None) -> Verdict:
-    bug = "vLLM #47639 / #57851: adapter with only in_proj_qkv or only in_proj_z crashes"
-    fix = "ship adapters that target both in_proj_qkv and in_proj_z (patchkit cannot fix this)"
-    if version is None:
-        return Verdict(bug, "unknown", "no vLLM version to judge by")
-    if version < Version("0.21.0"):
-        return Verdict(bug, "not affected", "this vLLM keeps in_proj_qkv and in_proj_z apart")
-    if version < Version("0.29.0"):
-        return Verdict(bug, "exposed", "expand_packed_lora fails for either module alone", fix)
-    return Verdict(bug, "exposed", "an in_proj_z-only adapter still raises (PR #57851 open)", fix)
 
 
 def _stale_verdict(report: DoctorReport) -> Verdict:
@@ -379,10 +404,15 @@ def run(
     report = DoctorReport()
     report.gpus, report.gpu_note = gpus()
     report.triton = triton_facts()
-    report.tuned_configs = tuned_configs(os.environ.get("VLLM_TUNED_CONFIG_FOLDER"))
+    report.triton["fixed_from"] = next(
+        (p.diagnosis.fixed_by_ptxas for p in catalogue.patches
+         if p.diagnosis and p.diagnosis.fixed_by_ptxas), None,
+    )  # fmt: skip
+    report.overrides = override_findings(catalogue)
+    report.tuned_configs = [f for found in report.overrides.values() for f in found]
     if tree is None:
         report.vllm = {"error": tree_error}
-        report.verdicts = verdicts(report, None)
+        report.verdicts = verdicts(report, None, catalogue)
         return report
     report.vllm = tree.describe()
     status = operations.status(tree, catalogue)
@@ -395,18 +425,19 @@ def run(
     mtimes = [tree.path(f).stat().st_mtime for f in applied if tree.path(f).exists()]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
     if kernels:
-        report.kernels = scan_kernels(tree, report)
-    report.verdicts = verdicts(report, tree.parsed_version)
+        report.kernels = scan_kernels(tree, report, catalogue)
+    report.verdicts = verdicts(report, tree.parsed_version, catalogue)
     return report
 
 
-def scan_kernels(tree: VllmTree, report: DoctorReport) -> dict:
+def scan_kernels(tree: VllmTree, report: DoctorReport, catalogue: Catalogue) -> dict:
     """Run the --kernels scan for this tree, as this machine's GPU (or an H200) would."""
     from patchkit import kernelscan
 
     states = {p["id"]: p["state"] for p in report.patches}
     hopper = [g["name"] for g in report.gpus if g["compute_capability"] == "9.0"]
-    result = kernelscan.scan(tree, hopper[0] if hopper else "NVIDIA H200", called_here(states))
+    called = called_here(states, catalogue)
+    result = kernelscan.scan(tree, hopper[0] if hopper else "NVIDIA H200", called)
     return result.to_json()
 
 
@@ -426,7 +457,7 @@ def render(report: DoctorReport, echo) -> None:
     where = f" ({t['ptxas_source']}: {t['ptxas']})" if t.get("ptxas") else ""
     echo(
         f"Triton {t.get('version') or 'not installed'}; ptxas for sm_90: {ptxas}{where}; "
-        f"fixed from {'.'.join(map(str, PTXAS_FIXED))}"
+        + (f"; fixed from {t['fixed_from']}" if t.get("fixed_from") else "")
     )
     if "error" in report.vllm:
         echo(f"vLLM: {report.vllm['error']}")

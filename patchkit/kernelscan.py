@@ -56,6 +56,17 @@ PATHS = {
 }
 
 
+def path_runs(path: str) -> tuple[bool, str]:
+    """Whether vLLM reaches lora_expand by ``path`` in this environment, and why not."""
+    dual = os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0").strip() not in ("", "0")
+    no_pdl = os.environ.get("VLLM_LORA_DISABLE_PDL", "0").strip() not in ("", "0")
+    if path == "dual-stream" and not (dual and not no_pdl):
+        return False, "dual-stream LoRA with PDL is off (VLLM_LORA_ENABLE_DUAL_STREAM)"
+    if path == "dual-stream-no-pdl" and not (dual and no_pdl):
+        return False, "dual-stream LoRA without PDL is off (VLLM_LORA_DISABLE_PDL)"
+    return True, ""
+
+
 class ScanUnavailable(Exception):
     """Triton (or its disassembler) is missing: the scan cannot run here."""
 

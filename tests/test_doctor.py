@@ -140,7 +140,11 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     assert verdict(report, "vLLM #35286")["status"] == "exposed"
     assert verdict(report, PARTIAL_BUG)["status"] == "not affected"
     new = copy_tree("0.29.0", tmp_path / "v29")
-    assert "in_proj_z-only" in verdict(doctor(new), PARTIAL_BUG)["reason"]
+    partial = verdict(doctor(new), PARTIAL_BUG)
+    assert partial["status"] == "exposed" and partial["fix"] == "patchkit apply"
+    assert run_cli("apply", "--target", str(new), "--only", "partial-gdn-adapter").exit_code == 0
+    partial = verdict(doctor(new), PARTIAL_BUG)
+    assert partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]
 
 
 def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
@@ -193,10 +197,15 @@ def scan_case(verdict: str, called: bool = True, source: str = "get_lora_op_conf
     ],
 )
 def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, words):
-    from patchkit.doctor import DoctorReport, _nan_verdict
+    from packaging.version import Version
+
+    from patchkit.catalogue import load_catalogue
+    from patchkit.doctor import DoctorReport, bug_groups, bug_verdict
 
     report = DoctorReport(gpus=[{"name": "NVIDIA H200", "compute_capability": "9.0"}])
     report.kernels = {"ptxas": "/x/ptxas", "ptxas_version": ptxas, "cases": cases, "error": ""}
-    verdict = _nan_verdict(report, states)
+    nan_patches = bug_groups(load_catalogue())[0]
+    assert nan_patches[0].diagnosis.bugs == ("vllm#48590",)
+    verdict = bug_verdict(report, Version("0.26.0"), states, nan_patches)
     assert verdict.status == status and "kernel scan" in verdict.reason
     assert words in verdict.reason + verdict.fix

@@ -158,7 +158,11 @@ def test_two_concurrent_applies(tree_0260: Path):
     actions = [o["patches"][0]["action"] for o in outputs]
     assert actions == ["applied", "already-applied"]
     state = json.loads((state_dir(tree_0260) / "state.json").read_text())
-    assert [p["id"] for p in state["patches"]] == ["expand-block-n", "matmul-add-lora-linear"]
+    assert [p["id"] for p in state["patches"]] == [
+        "expand-block-n",
+        "matmul-add-lora-linear",
+        "partial-gdn-adapter",
+    ]
 
 
 def test_lock_timeout_is_a_clear_error(tree_0260: Path):

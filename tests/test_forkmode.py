@@ -48,26 +48,29 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
     assert applied.exit_code == 0, applied.output
     assert git(checkout, "branch", "--show-current") == "patchkit/vllm-0.26.0"
     # One commit per applied patch, in series order.
-    assert git(checkout, "rev-parse", "HEAD~2") == start
-    message = git(checkout, "log", "-1", "--format=%B", "HEAD~1")
+    assert git(checkout, "rev-parse", "HEAD~3") == start
+    message = git(checkout, "log", "-1", "--format=%B", "HEAD~2")
     for part in ("block_n 32", "Why:", "https://github.com/vllm-project/vllm/issues/48590",
                  "Remove-When:", "Patchkit-Patch: expand-block-n"):  # fmt: skip
         assert part in message
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD~1") == UTILS
-    assert "Patchkit-Patch: matmul-add-lora-linear" in git(checkout, "log", "-1", "--format=%B")
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD").splitlines() == [
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD~2") == UTILS
+    assert "Patchkit-Patch: matmul-add-lora-linear" in git(
+        checkout, "log", "-1", "--format=%B", "HEAD~1"
+    )
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD~1").splitlines() == [
         "vllm/lora/punica_wrapper/patchkit_lora_matmul.py",
         "vllm/lora/punica_wrapper/punica_gpu.py",
     ]
+    assert "Patchkit-Patch: partial-gdn-adapter" in git(checkout, "log", "-1", "--format=%B")
     assert git(checkout, "status", "--porcelain") == ""  # .patchkit/ is excluded
 
     again = run_cli("apply", "--target", str(checkout))
     assert again.exit_code == 0 and "already-applied" in again.stdout
-    assert git(checkout, "rev-list", "--count", "HEAD") == "4"
+    assert git(checkout, "rev-list", "--count", "HEAD") == "5"
 
     shutil.rmtree(checkout / ".patchkit")  # a fresh clone of the fork branch has no state
     from_git = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
-    block_n_commit = git(checkout, "rev-parse", "HEAD~1")
+    block_n_commit = git(checkout, "rev-parse", "HEAD~2")
     assert from_git["patches"][0]["state"] == "applied"
     assert from_git["patches"][0]["reason"] == (
         f"applied in commit {block_n_commit[:12]} (git history)"
@@ -75,8 +78,12 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
 
     reverted = run_cli("revert", "--target", str(checkout))
     assert reverted.exit_code == 0, reverted.output
-    reverts = [s.split(":")[0] for s in git(checkout, "log", "-2", "--format=%s").splitlines()]
-    assert reverts == ["Revert patchkit expand-block-n", "Revert patchkit matmul-add-lora-linear"]
+    reverts = [s.split(":")[0] for s in git(checkout, "log", "-3", "--format=%s").splitlines()]
+    assert reverts == [
+        "Revert patchkit expand-block-n",
+        "Revert patchkit matmul-add-lora-linear",
+        "Revert patchkit partial-gdn-adapter",
+    ]
     assert git(checkout, "diff", start, "HEAD") == ""  # content back to the starting commit
     assert git(checkout, "status", "--porcelain") == ""
 

@@ -148,7 +148,7 @@ def test_the_torch_path_runs_no_triton_lora_kernel(scan_env, tmp_path):
     assert single_slice_fp32_expand(report)["verdict"] == "hazard"  # compiled, but not run
     assert not any(c["called"] for c in report["kernels"]["cases"])
     verdict = nan_verdict(report)
-    assert verdict["status"] == "protected" and "torch path" in verdict["reason"]
+    assert verdict["status"] == "protected" and "torch matmuls" in verdict["reason"]
     triton_backend = doctor_kernels(tree, scan_env, PATCHKIT_LORA_BACKEND="triton")
     assert nan_verdict(triton_backend)["status"] == "exposed"
 
