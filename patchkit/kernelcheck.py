@@ -20,7 +20,6 @@ import importlib
 import importlib.util
 import math
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,22 +279,6 @@ def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
         "bit-identical" if untouched else "CHANGED"
     )
     return KernelResult(name, ok, error, nonfinite, detail)
-
-
-def torch_ops_from_catalogue(version: str):
-    """The patch's torch ops, built in memory, for a tree where the patch is not applied."""
-    from packaging.version import Version
-
-    from patchkit.catalogue import Variant, load_catalogue
-    from patchkit.hunks import apply_file_patch
-
-    variant = load_catalogue().get("matmul-add-lora-linear").expected_for(Version(version))
-    if not isinstance(variant, Variant):
-        return None
-    relpath = TORCH_OPS.replace(".", "/") + ".py"
-    text, _ = apply_file_patch(None, variant.file_patch(relpath))
-    module = module_from_source("patchkit_lora_matmul", text, Path(tempfile.mkdtemp()))
-    return module.torch_lora_shrink, module.torch_lora_expand
 
 
 def module_from_source(name: str, text: str, directory: Path):

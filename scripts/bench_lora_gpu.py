@@ -26,6 +26,9 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from catalogue_ops import torch_ops_from_catalogue  # noqa: E402
 
 from patchkit import kernelcheck  # noqa: E402
 
@@ -143,9 +146,7 @@ def main() -> int:
 
     punica = importlib.import_module(kernelcheck.PUNICA)
     triton_ops = kernelcheck.lora_ops("triton")
-    torch_ops = kernelcheck.lora_ops("torch") or kernelcheck.torch_ops_from_catalogue(
-        vllm.__version__
-    )
+    torch_ops = kernelcheck.lora_ops("torch") or torch_ops_from_catalogue(vllm.__version__)
     bw = bandwidth(torch, triton)
     rows = []
     for rank in RANKS:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CASES = [(1, 4, 64), (16, 4, 64), (4096, 4, 64), (16384, 4, 64), (16384, 1, 64)]
 HIDDEN = 5120
@@ -42,8 +43,7 @@ def graph_us(torch, triton, fn, args) -> float:
 def main() -> int:
     import torch
     import triton
-
-    from patchkit.kernelcheck import torch_ops_from_catalogue
+    from catalogue_ops import torch_ops_from_catalogue
 
     shrink, expand = torch_ops_from_catalogue("0.26.0")
 
