@@ -32,6 +32,14 @@ TARGET_MODULES = (
     r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
     r"|gate_proj|up_proj|down_proj)"
 )
+# Adapters that train one member of the fused GDN in_proj_qkvz only (vLLM
+# #47639 / #57851): each is served on one prompt and checked like the full one.
+PARTIAL_ADAPTERS = {
+    "lora_qkv": r".*language_model.*\.in_proj_qkv",
+    "lora_z": r".*language_model.*\.in_proj_z",
+}
+PARTIAL_PROMPT = "p600"
+PARTIAL_EFFECT_MIN = 0.01  # one projection of three GDN layers: a smaller, still clear effect
 # Teacher-forced prompt log-probabilities, vLLM (bf16) against transformers
 # (float32 from the same bf16 weights): mean and max absolute difference.
 LOGPROB_MEAN_TOL = 0.03
@@ -115,7 +123,21 @@ def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
             if "lora_B" in name:  # random but moderate: LoRA visible, logits sane
                 param.mul_(0.3)
     peft_model.save_pretrained(adapter_dir)
+    for kind, target in PARTIAL_ADAPTERS.items():
+        base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16)
+        config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=target, init_lora_weights=False)
+        partial = get_peft_model(base, config)
+        with torch.no_grad():
+            for name, param in partial.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(0.3)
+        partial.save_pretrained(partial_dir(adapter_dir, kind))
     return model_dir, adapter_dir
+
+
+def partial_dir(adapter_dir: Path, kind: str) -> Path:
+    """Where the partial adapter ``kind`` is saved, beside the full one."""
+    return adapter_dir.parent / f"adapter-{kind}"
 
 
 def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int, device: str) -> dict:
@@ -133,6 +155,13 @@ def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int, device: st
         peft_model = PeftModel.from_pretrained(model, adapter_dir).to(device).eval()
         for name, ids in prompts(seed).items():
             out["lora"][name] = _token_logprobs(peft_model, ids, device)
+        for kind in PARTIAL_ADAPTERS:  # each on a fresh base: PEFT wraps the model in place
+            base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+            partial = PeftModel.from_pretrained(base, partial_dir(adapter_dir, kind))
+            partial.to(device).eval()
+            ids = prompts(seed)[PARTIAL_PROMPT]
+            out[kind] = {PARTIAL_PROMPT: _token_logprobs(partial, ids, device)}
+            del base, partial
     del model
     return out
 
@@ -204,6 +233,12 @@ def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Pa
     runs: dict = {}
     for label, name in plan:
         runs.setdefault(label, {})[name] = run(name, lora if label.startswith("lora") else None)
+    for number, kind in enumerate(PARTIAL_ADAPTERS, start=2):  # last: they may not load
+        request = LoRARequest(f"patchkit-e2e-{kind}", number, str(partial_dir(adapter_dir, kind)))
+        try:
+            runs[kind] = {PARTIAL_PROMPT: run(PARTIAL_PROMPT, request)}
+        except Exception as exc:  # the bug this checks: the adapter does not load
+            runs[kind] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     corrupted = sum(
         getattr(m, "value", 0) or 0
         for m in llm.get_metrics()
@@ -334,7 +369,7 @@ def compare(mode: str, served: dict, reference: dict) -> list[Check]:
             f"{served['corrupted_requests']} (VLLM_COMPUTE_NANS_IN_LOGITS=1)",
         )
     ]
-    every = [r for group in runs.values() for r in group.values()]
+    every = [r for group in runs.values() for r in group.values() if isinstance(r, dict)]
     nan = sum(_count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
     checks.append(Check(f"{mode}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
     zero_runs = [len(r["tokens"]) for r in every if _zero_run(r["tokens"]) >= ZERO_RUN]
@@ -382,6 +417,7 @@ def compare(mode: str, served: dict, reference: dict) -> list[Check]:
             f"max |d logprob| {carried:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {same_tokens}",
         )
     )
+    checks += _partial_checks(mode, runs, reference)
     short = _diff(
         runs["lora_after_long"]["p50"]["prompt_logprobs"], runs["lora"]["p50"]["prompt_logprobs"]
     )[1]
@@ -393,6 +429,35 @@ def compare(mode: str, served: dict, reference: dict) -> list[Check]:
             f"max |d logprob| {short:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {short_tokens}",
         )
     )
+    return checks
+
+
+def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
+    """Each partial GDN adapter: it loads, matches transformers + PEFT, and changes the output."""
+    checks = []
+    for kind in PARTIAL_ADAPTERS:
+        served = runs.get(kind, {"error": "not run"})
+        if "error" in served:
+            checks.append(Check(f"{mode}: {kind} adapter served", False, served["error"]))
+            continue
+        values = served[PARTIAL_PROMPT]["prompt_logprobs"]
+        mean, worst = _diff(values, reference[kind][PARTIAL_PROMPT])
+        checks.append(
+            Check(
+                f"{mode}: {kind} adapter vs transformers",
+                mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
+                f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
+                f"(<= {LOGPROB_MAX_TOL})",
+            )
+        )
+        effect = _diff(values, runs["base"][PARTIAL_PROMPT]["prompt_logprobs"])[0]
+        checks.append(
+            Check(
+                f"{mode}: {kind} adapter differs from base",
+                effect >= PARTIAL_EFFECT_MIN,
+                f"mean |LoRA - base| {effect:.4f} (>= {PARTIAL_EFFECT_MIN})",
+            )
+        )
     return checks
 
 

@@ -192,6 +192,8 @@ def apply(
                 _commit_apply(tree, state, needed)
                 paths = [c.path for a in needed for c in a.changes]
                 report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+                remaining = status(tree, catalogue).notices  # known issues this run fixed go
+                report.notices = [n for n in report.notices if n in remaining]
     except LockUnavailable as exc:
         report = RunReport("apply", tree)
         _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))

@@ -104,6 +104,11 @@ def served(mode_noise=0.0):
             runs[label][name] = {"prompt_logprobs": list(values), "tokens": [5, 6, 7],
                                  "token_logprobs": [-1.0, -1.0, -1.0]}  # fmt: skip
     runs["lora_after_long"]["p50"] = copy.deepcopy(runs["lora"]["p50"])
+    for kind in e2e.PARTIAL_ADAPTERS:
+        partial = [v - 0.05 for v in reference["base"][e2e.PARTIAL_PROMPT]]
+        reference[kind] = {e2e.PARTIAL_PROMPT: partial}
+        runs[kind] = {e2e.PARTIAL_PROMPT: {"prompt_logprobs": list(partial), "tokens": [5],
+                                           "token_logprobs": [-1.0]}}  # fmt: skip
     return {"mode": "eager", "corrupted_requests": 0, "runs": runs}, reference
 
 
@@ -132,6 +137,12 @@ def test_compare_passes_a_clean_run():
          "eager: short prompt after a long one unaffected"),
         (lambda r: r["runs"]["base"]["p600"]["prompt_logprobs"].__setitem__(0, -9.0),
          "eager: base 600 tokens vs transformers"),
+        (lambda r: r["runs"].__setitem__("lora_z", {"error": "ValueError: Cannot determine"}),
+         "eager: lora_z adapter served"),
+        (lambda r: r["runs"]["lora_qkv"]["p600"]["prompt_logprobs"].__setitem__(2, -9.0),
+         "eager: lora_qkv adapter vs transformers"),
+        (lambda r: r["runs"]["lora_z"].update(copy.deepcopy(r["runs"]["base"])),
+         "eager: lora_z adapter differs from base"),
     ],
 )  # fmt: skip
 def test_compare_catches(damage, expected):
