@@ -168,10 +168,24 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
         return result
     if all(kind == "stale" for kind, _ in findings):
         return None  # vLLM was reinstalled over a patched tree: the record is stale
-    edited, top = next(
-        (f.path, top) for f, (kind, top) in zip(record.files, findings, strict=True)
-        if kind == "edited"
+    # Some file edited, or some back to its original while others still carry the
+    # patch (a partial reinstall): either way, not a state patchkit left.
+    edited, (kind, top) = next(
+        (f.path, found) for f, found in zip(record.files, findings, strict=True)
+        if found[0] != "applied"
     )  # fmt: skip
+    if kind == "stale":
+        return Assessment(
+            patch,
+            CONFLICT,
+            reason=(
+                f"{edited} is back to its original while the rest of {patch.id} is applied "
+                f"(vLLM partly reinstalled?); `patchkit revert --only {top} --force` restores "
+                "the original"
+            ),
+            files=paths,
+            record=record,
+        )
     return Assessment(
         patch,
         CONFLICT,

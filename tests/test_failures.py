@@ -313,3 +313,23 @@ def test_status_imports_neither_vllm_nor_torch(tree_0260: Path):
     result = run_subprocess("status", "--target", str(tree_0260), code=REPORT_IMPORTS)
     assert result.returncode == 0, result.stderr
     assert "IMPORTED: []" in result.stderr
+
+
+def test_a_partial_reinstall_is_a_conflict_and_force_reverts_it(tree_0260: Path):
+    """Seen on the test H200: vLLM's files unpacked again over a patched tree.
+
+    punica_gpu.py is back to the wheel's, the new patchkit_lora_matmul.py is still
+    there: neither applied nor pristine. status says so in one line (no crash),
+    revert refuses, --force gives the pristine tree back.
+    """
+    pristine = snapshot(tree_0260)
+    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    punica = "vllm/lora/punica_wrapper/punica_gpu.py"
+    (tree_0260 / punica).write_bytes((release_tree("0.26.0") / punica).read_bytes())
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
+    assert matmul["state"] == "conflict" and "partly reinstalled" in matmul["reason"]
+    refused = run_cli("revert", "--target", str(tree_0260))
+    assert refused.exit_code == 1 and "--force" in refused.stderr
+    assert run_cli("revert", "--target", str(tree_0260), "--force").exit_code == 0
+    assert snapshot(tree_0260) == pristine
