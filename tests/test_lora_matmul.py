@@ -16,7 +16,7 @@ from packaging.version import Version
 
 from patchkit.catalogue import Variant
 from patchkit.kernelcheck import module_from_source
-from tests.conftest import CATALOGUE, RELEASES, patched_text
+from tests.conftest import CATALOGUE, RELEASES, patched_text, release_tree
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
@@ -281,3 +281,42 @@ def test_every_triton_lora_call_in_the_wrapper_goes_through_the_rebound_names(ve
     direct = [c for c in calls if isinstance(c.func, ast.Name) and c.func.id in ops]
     via_attribute = [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in ops]
     assert len(direct) >= 5 and via_attribute == []
+
+
+# ----- the backend switch is part of vLLM's torch.compile cache key (issue 10, item 3) -----
+
+
+@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])
+def test_the_backend_is_part_of_vllms_compile_cache_key(version, tmp_path, monkeypatch):
+    """vLLM's real envs.compile_factors() gives each backend its own key, once the
+    patched module is imported (as punica_gpu imports it before vLLM compiles)."""
+    import hashlib
+    import json
+    import sys
+    import types
+
+    envs_source = (release_tree(version) / "vllm/envs.py").read_text()
+    vllm = types.ModuleType("vllm")
+    vllm.__path__ = []
+    config, utils = types.ModuleType("vllm.config"), types.ModuleType("vllm.config.utils")
+    utils.normalize_value = lambda value: value  # vLLM's canonicalisation, not needed here
+    envs = types.ModuleType("vllm.envs")
+    vllm.envs, vllm.config, config.utils = envs, config, utils
+    for name, module in {"vllm": vllm, "vllm.envs": envs, "vllm.config": config,
+                         "vllm.config.utils": utils}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    exec(compile(envs_source, f"vllm-{version}/vllm/envs.py", "exec"), envs.__dict__)
+
+    def key() -> str:
+        factors = envs.compile_factors()
+        return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()
+
+    monkeypatch.setenv("PATCHKIT_LORA_BACKEND", "torch")
+    before = key()
+    text = patched_text(version, PATCH, MODULE)
+    module_from_source(f"patchkit_lora_matmul_key_{version.replace('.', '_')}", text, tmp_path)
+    torch_key = key()
+    assert envs.compile_factors()["PATCHKIT_LORA_BACKEND"] == "torch"
+    monkeypatch.setenv("PATCHKIT_LORA_BACKEND", "triton")
+    triton_key = key()
+    assert len({before, torch_key, triton_key}) == 3
