@@ -175,24 +175,14 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
         if found[0] != "applied"
     )  # fmt: skip
     if kind == "stale":
-        return Assessment(
-            patch,
-            CONFLICT,
-            reason=(
-                f"{edited} is back to its original while the rest of {patch.id} is applied "
-                f"(vLLM partly reinstalled?); `patchkit revert --only {top} --force` restores "
-                "the original"
-            ),
-            files=paths,
-            record=record,
-        )
+        what = f"{edited} is back to its original while the rest of {patch.id} is applied "
+        what += "(vLLM partly reinstalled?)"
+    else:
+        what = f"{edited} was edited after patchkit applied {top}"
     return Assessment(
         patch,
         CONFLICT,
-        reason=(
-            f"{edited} was edited after patchkit applied {top}; "
-            f"`patchkit revert --only {top} --force` restores the original"
-        ),
+        reason=f"{what}; `patchkit revert --only {top} --force` restores the original",
         files=paths,
         record=record,
     )

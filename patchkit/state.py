@@ -119,7 +119,7 @@ def _parse_patch(raw: object) -> PatchRecord:
     _require(isinstance(raw, dict) and set(raw) == keys, "a patch entry has the wrong keys")
     _require(isinstance(raw["id"], str) and _PATCH_ID.fullmatch(raw["id"]), "bad patch id")
     patch_id = raw["id"]
-    _require(_is_sha(raw["patch_sha256"]), f"{patch_id}: patch_sha256 is not a sha256")
+    _require(is_sha256(raw["patch_sha256"]), f"{patch_id}: patch_sha256 is not a sha256")
     _require(isinstance(raw["variant"], str), f"{patch_id}: variant is not a string")
     _require(isinstance(raw["applied_at"], str), f"{patch_id}: applied_at is not a string")
     _require(isinstance(raw["files"], list) and raw["files"], f"{patch_id}: files is empty")
@@ -135,8 +135,8 @@ def _parse_file(patch_id: str, raw: object) -> FileRecord:
     except PatchkitError as exc:
         raise ValueError(str(exc)) from None
     pre, post, backup = raw["pre_sha256"], raw["post_sha256"], raw["backup"]
-    _require(pre is None or _is_sha(pre), f"{patch_id}: {path}: pre_sha256 is not a sha256")
-    _require(post is None or _is_sha(post), f"{patch_id}: {path}: post_sha256 is not a sha256")
+    _require(pre is None or is_sha256(pre), f"{patch_id}: {path}: pre_sha256 is not a sha256")
+    _require(post is None or is_sha256(post), f"{patch_id}: {path}: post_sha256 is not a sha256")
     expected_backup = None if pre is None else backup_path(patch_id, path)
     _require(backup == expected_backup, f"{patch_id}: {path}: backup {backup!r} is not its own")
     return FileRecord(path, pre, post, backup)
@@ -147,7 +147,8 @@ def _require(condition: object, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_sha(value: object) -> bool:
+def is_sha256(value: object) -> bool:
+    """A lower-case hex sha256, as state.json and the journal store them."""
     return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 

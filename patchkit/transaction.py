@@ -33,7 +33,7 @@ from pathlib import Path
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fsutil import read_or_none, remove_if_present, tmp_sibling, write_atomic
 from patchkit.safepath import checked_relpath, inside, no_links_below
-from patchkit.state import State
+from patchkit.state import State, is_sha256
 from patchkit.tree import sha256_bytes, sha256_file
 
 LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
@@ -264,11 +264,11 @@ def _read_journal(path: Path) -> tuple[str, list[_JournalEntry]]:
                 raise ValueError("a file entry is malformed")
             checked_relpath(raw["path"], f"{path}")
             for key in ("before", "after"):
-                if raw[key] is not None and not (isinstance(raw[key], str) and len(raw[key]) == 64):
+                if raw[key] is not None and not is_sha256(raw[key]):
                     raise ValueError(f"{raw['path']}: {key} is not a sha256")
             entries.append(_JournalEntry(raw["path"], raw["before"], raw["after"]))
-        if not isinstance(data["state_sha256"], str):
-            raise ValueError("state_sha256 is not a string")
+        if not is_sha256(data["state_sha256"]):
+            raise ValueError("state_sha256 is not a sha256")
     except (ValueError, TypeError, UnicodeDecodeError, PatchkitError) as exc:
         raise PatchkitError(
             f"{path}: invalid journal ({exc}); it was not acted on. Reinstall vLLM "
