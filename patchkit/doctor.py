@@ -26,6 +26,7 @@ from patchkit import operations
 from patchkit.bytecode import bytecode_files
 from patchkit.caches import cache_dirs
 from patchkit.catalogue import Catalogue, Diagnosis, Patch, Variant
+from patchkit.kernelscan import leaf_configs
 from patchkit.tree import VllmTree
 
 
@@ -133,7 +134,7 @@ def tuned_configs(folder: str | None) -> list[dict]:
                 continue
             risky = [
                 c
-                for c in _leaves(by_slices["1"])
+                for c in leaf_configs(by_slices["1"])
                 if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2
             ]
             if risky:
@@ -162,14 +163,6 @@ def override_findings(catalogue: Catalogue) -> dict[str, list[dict]]:
             if findings:
                 found[patch.id] = findings
     return found
-
-
-def _leaves(node) -> list[dict]:
-    if isinstance(node, dict) and "block_n" in node:
-        return [node]
-    if isinstance(node, dict):
-        return [leaf for child in node.values() for leaf in _leaves(child)]
-    return []
 
 
 def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:

@@ -93,9 +93,9 @@ class Case:
     def label(self) -> str:
         c = self.config
         path = f", {self.path}" if self.path else ""
-        if not c:
-            return f"{self.op} {self.slices} slice(s), {self.input_dtype} input{path}" + (
-                f" ({self.source})"
+        if not c:  # a config vLLM could not compute
+            return (
+                f"{self.op} {self.slices} slice(s), {self.input_dtype} input{path} ({self.source})"
             )
         return (
             f"{self.op} {self.slices} slice(s), {self.input_dtype} input, {self.model_dtype} "
@@ -117,16 +117,12 @@ class ScanReport:
     disassembler: str = ""
     seconds: float = 0.0
     cases: list[Case] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
     error: str = ""
 
     def to_json(self) -> dict:
         data = {k: v for k, v in self.__dict__.items() if k != "cases"}
         data["cases"] = [c.to_json() for c in self.cases]
         return data
-
-    def hazards(self, called_only: bool = True) -> list[Case]:
-        return [c for c in self.cases if c.verdict == "hazard" and (c.called or not called_only)]
 
 
 # ----- the stand-in vLLM that the tree's config code is evaluated against -----
@@ -404,35 +400,51 @@ def tuned_cases(folder: str | None) -> list[Case]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # doctor's tuned-config check reports unreadable files
-        for slices, leaf in _leaves(data):
-            config = {
-                "BLOCK_M": leaf["block_m"], "BLOCK_N": leaf["block_n"],
-                "BLOCK_K": leaf["block_k"], "num_warps": leaf.get("num_warps", 4),
-                "num_stages": leaf.get("num_stages", 2), "num_ctas": leaf.get("num_ctas", 1),
-                "EVEN_K": (RANK if op == "expand" else HIDDEN) % leaf["block_k"] == 0,
-            }  # fmt: skip
-            if op == "shrink":
-                config["SPLIT_K"] = leaf.get("split_k", 1)
-                config["GROUP_SIZE_M"] = leaf.get("group_size_m", 8)
-            else:
-                config["CAST_TYPE"] = True
-            path_name = "add" if add_inputs else "dual-stream"
-            input_dtype = "fp32" if op == "expand" else "bf16"
-            case = Case(op, slices, input_dtype, "bf16", path_name if op == "expand" else "",
-                        config, f"tuned: {path.name}")  # fmt: skip
+        path_name = ("add" if add_inputs else "dual-stream") if op == "expand" else ""
+        input_dtype = "fp32" if op == "expand" else "bf16"
+        for _, num_slices, leaf in config_leaves(data):
+            slices = int(num_slices) if str(num_slices).isdigit() else 1
+            case = Case(op, slices, input_dtype, "bf16", path_name, {}, f"tuned: {path.name}")
+            try:
+                case.config = _tuned_config(op, leaf)
+            except (KeyError, TypeError, ZeroDivisionError) as exc:
+                case.verdict = "error"
+                case.error = f"tuned config {leaf} is incomplete ({exc!r}): vLLM fails on it too"
             cases.setdefault(_key(case), case)
     return list(cases.values())
 
 
-def _leaves(data, depth: int = 0, slices: int = 1):
-    """(num_slices, config) for each leaf of config_data[max_loras][num_slices][m][k][n]."""
-    if isinstance(data, dict) and "block_m" in data:
-        yield slices, data
-        return
-    if isinstance(data, dict):
-        for key, value in data.items():
-            next_slices = int(key) if depth == 1 and str(key).isdigit() else slices
-            yield from _leaves(value, depth + 1, next_slices)
+def _tuned_config(op: str, leaf: dict) -> dict:
+    """A tuned leaf as the kernel launch reads it (the keys vLLM's op takes from it)."""
+    config = {
+        "BLOCK_M": leaf["block_m"], "BLOCK_N": leaf["block_n"], "BLOCK_K": leaf["block_k"],
+        "num_warps": leaf.get("num_warps", 4), "num_stages": leaf.get("num_stages", 2),
+        "num_ctas": leaf.get("num_ctas", 1),
+        "EVEN_K": (RANK if op == "expand" else HIDDEN) % leaf["block_k"] == 0,
+    }  # fmt: skip
+    if op == "shrink":
+        config["SPLIT_K"] = leaf.get("split_k", 1)
+        config["GROUP_SIZE_M"] = leaf.get("group_size_m", 8)
+    else:
+        config["CAST_TYPE"] = True
+    return config
+
+
+def config_leaves(data):
+    """(max_loras, num_slices, leaf) of vLLM's config_data[max_loras][num_slices][m][k][n]."""
+    for max_loras, by_slices in data.items() if isinstance(data, dict) else ():
+        for num_slices, subtree in by_slices.items() if isinstance(by_slices, dict) else ():
+            for leaf in leaf_configs(subtree):
+                yield max_loras, num_slices, leaf
+
+
+def leaf_configs(node) -> list[dict]:
+    """The kernel configs (dicts with a block_n) anywhere below ``node``."""
+    if isinstance(node, dict) and "block_n" in node:
+        return [node]
+    if isinstance(node, dict):
+        return [leaf for child in node.values() for leaf in leaf_configs(child)]
+    return []
 
 
 def _key(case: Case) -> str:
