@@ -449,7 +449,7 @@ def render(report: DoctorReport, echo) -> None:
     ptxas = t.get("ptxas_version") or "unknown"
     where = f" ({t['ptxas_source']}: {t['ptxas']})" if t.get("ptxas") else ""
     echo(
-        f"Triton {t.get('version') or 'not installed'}; ptxas for sm_90: {ptxas}{where}; "
+        f"Triton {t.get('version') or 'not installed'}; ptxas for sm_90: {ptxas}{where}"
         + (f"; fixed from {t['fixed_from']}" if t.get("fixed_from") else "")
     )
     if "error" in report.vllm:
