@@ -306,12 +306,9 @@ def effective_config(
     try:
         exec(code, {"__builtins__": builtins.__dict__}, scope)  # noqa: S102
     except Exception:  # host code this stand-in cannot follow: the config as looked up
-        scope = _Locals(
-            BLOCK_M=kernel_config["block_m"], BLOCK_N=kernel_config["block_n"],
-            BLOCK_K=kernel_config["block_k"], SPLIT_K=kernel_config.get("split_k", 1),
-            CAST_TYPE=input_dtype != model_dtype,
-            EVEN_K=(RANK if op == "expand" else HIDDEN) % kernel_config["block_k"] == 0,
-        )  # fmt: skip
+        config = _launch_config(op, kernel_config)
+        config["CAST_TYPE"] = input_dtype != model_dtype
+        return config
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_CTAS", "NUM_STAGES", "EVEN_K",
              "CAST_TYPE", "SPLIT_K", "GROUP_SIZE_M")  # fmt: skip
     found = {n: dict.get(scope, n) for n in names if n in scope}
@@ -319,8 +316,6 @@ def effective_config(
     config["num_warps"] = found.get("NUM_WARPS", kernel_config.get("num_warps", 4))
     config["num_stages"] = found.get("NUM_STAGES", kernel_config.get("num_stages", 2))
     config["num_ctas"] = found.get("NUM_CTAS", kernel_config.get("num_ctas", 1))
-    if kernel_config.get("max_nreg"):
-        config["maxnreg"] = kernel_config["max_nreg"]
     return config
 
 
@@ -406,7 +401,7 @@ def tuned_cases(folder: str | None) -> list[Case]:
             slices = int(num_slices) if str(num_slices).isdigit() else 1
             case = Case(op, slices, input_dtype, "bf16", path_name, {}, f"tuned: {path.name}")
             try:
-                case.config = _tuned_config(op, leaf)
+                case.config = _launch_config(op, leaf)
             except (KeyError, TypeError, ZeroDivisionError) as exc:
                 case.verdict = "error"
                 case.error = f"tuned config {leaf} is incomplete ({exc!r}): vLLM fails on it too"
@@ -414,8 +409,11 @@ def tuned_cases(folder: str | None) -> list[Case]:
     return list(cases.values())
 
 
-def _tuned_config(op: str, leaf: dict) -> dict:
-    """A tuned leaf as the kernel launch reads it (the keys vLLM's op takes from it)."""
+def _launch_config(op: str, leaf: dict) -> dict:
+    """A vLLM config dict (a tuned leaf, or a looked-up default) as the launch reads it.
+
+    No release passes ``max_nreg`` to the launch, so neither does the scan.
+    """
     config = {
         "BLOCK_M": leaf["block_m"], "BLOCK_N": leaf["block_n"], "BLOCK_K": leaf["block_k"],
         "num_warps": leaf.get("num_warps", 4), "num_stages": leaf.get("num_stages", 2),
@@ -549,8 +547,7 @@ def _compile(triton, kernel, case: Case) -> bytes:
     signature, constants, divisible = _signature(case, params)
     names = [p.name for p in params]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    options = {k: case.config[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
-               if k in case.config}  # fmt: skip
+    options = {k: case.config[k] for k in ("num_warps", "num_stages", "num_ctas")}
     source = ASTSource(kernel, signature, constants, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["cubin"]
