@@ -26,6 +26,7 @@ from packaging.version import Version
 from patchkit.errors import PatchkitError
 from patchkit.hunks import FilePatch, parse_diff
 from patchkit.safepath import checked_relpath
+from patchkit.tree import is_version
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -221,7 +222,7 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
     ids = _require(series, "series", series_file, list)
     releases = tuple(_require(series, "tested_releases", series_file, list))
     for release in releases:
-        if not isinstance(release, str) or not _is_version(release):
+        if not isinstance(release, str) or not is_version(release):
             raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
     if len(set(ids)) != len(ids):
         raise PatchkitError(f"{series_file}: series lists a patch twice")
@@ -251,16 +252,6 @@ def _check_shared_diagnoses(patches: tuple[Patch, ...]) -> None:
                     f"{patch.root / 'patch.toml'}: diagnosis of {bug} differs from "
                     f"{first[0].id}'s (bugs, title, affected, fix and conditions must agree)"
                 )
-
-
-def _is_version(text: str) -> bool:
-    from packaging.version import InvalidVersion
-
-    try:
-        Version(text)
-    except InvalidVersion:
-        return False
-    return True
 
 
 def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:

@@ -15,12 +15,11 @@ import sys
 import traceback
 
 import click
-from packaging.version import InvalidVersion, Version
 
 from patchkit import forkmode, operations, report
 from patchkit.catalogue import load_catalogue
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.tree import locate
+from patchkit.tree import is_version, locate
 
 TARGET_HELP = (
     "Directory that contains vllm/ (site-packages, dist-packages or a vLLM checkout). "
@@ -111,12 +110,8 @@ def check_target(ctx, param, value: str | None) -> str | None:
 
 
 def check_version(ctx, param, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        Version(value)
-    except InvalidVersion:
-        raise click.BadParameter(f"{value!r} is not a PEP 440 version (e.g. 0.26.0)") from None
+    if value is not None and not is_version(value):
+        raise click.BadParameter(f"{value!r} is not a PEP 440 version (e.g. 0.26.0)")
     return value
 
 

@@ -26,9 +26,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
-
 from patchkit.errors import PatchkitError
+from patchkit.tree import is_version
 
 CACHE_ENV = "PATCHKIT_CACHE_DIR"
 MARKER = ".patchkit-fetched"
@@ -47,10 +46,8 @@ def cache_root() -> Path:
 
 def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
     """Return a directory holding vllm/ and its dist-info for ``version``."""
-    try:
-        Version(version)
-    except InvalidVersion:
-        raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)") from None
+    if not is_version(version):
+        raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)")
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
     if dest.parent.is_dir():
         remove_stale_staging(dest.parent)

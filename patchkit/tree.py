@@ -50,6 +50,15 @@ class VllmTree:
         return {"version": self.version, "path": str(self.root), "source": self.source}
 
 
+def is_version(text: object) -> bool:
+    """Whether ``text`` is a PEP 440 version (0.26.0, 0.26.0+cu130)."""
+    try:
+        Version(text)
+    except (InvalidVersion, TypeError):
+        return False
+    return True
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
