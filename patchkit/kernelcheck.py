@@ -159,49 +159,69 @@ def _random_lora(gen, tokens: int, hidden: int, rank: int, width: int):
 
 
 def wrapper_cases(seed: int) -> list[KernelResult]:
-    """PunicaWrapperGPU.add_lora_linear with several adapters, under both backends."""
-    punica = importlib.import_module(PUNICA)
+    """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends."""
     backend = installed_backend()
     results = []
     for name in ("torch", "triton"):
-        ops = lora_ops(name)
-        if ops is None:
+        if name == "torch" and backend != "torch":
             results.append(
                 KernelResult(
                     f"add_lora_linear [{name}]",
                     True,
                     0.0,
                     0,
-                    "the torch ops are not installed (patch not applied)",
+                    "the torch path is not installed (patch not applied)",
                     counts=False,
                 )
             )
             continue
-        saved = punica.lora_shrink, punica.lora_expand
-        punica.lora_shrink, punica.lora_expand = ops
-        try:
-            for result in _wrapper_run(seed, name):
-                result.counts = name == backend
-                if not result.counts:
-                    result.detail = (result.detail + "; " if result.detail else "") + (
-                        "not the backend this install runs"
-                    )
-                results.append(result)
-        finally:
-            punica.lora_shrink, punica.lora_expand = saved
+        for result in _wrapper_run(seed, name):
+            result.counts = name == backend
+            if not result.counts:
+                result.detail = (result.detail + "; " if result.detail else "") + (
+                    "not the backend this install runs"
+                )
+            results.append(result)
     return results
 
 
-def lora_ops(name: str):
-    """vLLM's Triton lora_shrink/lora_expand, or the installed torch ones (None if absent)."""
-    if name == "triton":
-        triton_ops = importlib.import_module("vllm.lora.ops.triton_ops")
-        return triton_ops.lora_shrink, triton_ops.lora_expand
-    try:
-        torch_ops = importlib.import_module(TORCH_OPS)
-    except ImportError:
-        return None
-    return torch_ops.torch_lora_shrink, torch_ops.torch_lora_expand
+def lora_linear_call(wrapper, backend: str, a: list, b: list):
+    """A function (y, x, scale, slices) running add_lora_linear on one backend.
+
+    torch: the patched wrapper's own add_lora_linear, on copies of the weights
+    laid out as the patch lays out a layer's (patchkit_adopt_layer). triton:
+    what vLLM's unpatched add_lora_linear does, an fp32 buffer, lora_shrink
+    and lora_expand, whatever the module names are bound to.
+    """
+    import torch
+
+    if backend == "torch":
+        import types
+
+        layer = types.SimpleNamespace(
+            lora_a_stacked=tuple(t.clone() for t in a),
+            lora_b_stacked=tuple(t.clone() for t in b),
+            set_lora=lambda *args: None,
+        )
+        wrapper.patchkit_adopt_layer(layer)
+
+        def call(y, x, scale, slices):
+            wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, scale, slices)
+
+        return call
+    triton_ops = importlib.import_module("vllm.lora.ops.triton_ops")
+    config = wrapper.lora_config
+
+    def call(y, x, scale, slices):
+        meta = wrapper.token_mapping_meta.meta_args(
+            x.size(0), getattr(config, "specialize_active_lora", False)
+        )
+        rank = b[0].size(-1)
+        buffer = torch.empty((len(slices), x.size(0), rank), dtype=torch.float32, device=x.device)
+        triton_ops.lora_shrink(x, tuple(a), buffer, *meta, scale)
+        triton_ops.lora_expand(buffer, tuple(b), y, *meta, offset_start=0, add_inputs=True)
+
+    return call
 
 
 def _wrapper_run(seed: int, backend: str) -> list[KernelResult]:
@@ -251,7 +271,7 @@ def _wrapper_run(seed: int, backend: str) -> list[KernelResult]:
                 4096,
             )
             out = y.clone()
-            wrapper.add_lora_linear(out, x, tuple(a), tuple(b), 1.0, widths)
+            lora_linear_call(wrapper, backend, a, b)(out, x, 1.0, widths)
             torch.cuda.synchronize()
             slots = torch.tensor([i - 1 for i in mapping], device="cuda")
             results.append(_judge(case, out, y, x, a, b, widths, slots))
