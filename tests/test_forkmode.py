@@ -58,6 +58,7 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
         checkout, "log", "-1", "--format=%B", "HEAD~1"
     )
     assert git(checkout, "show", "--name-only", "--format=", "HEAD~1").splitlines() == [
+        "vllm/lora/layers/base.py",
         "vllm/lora/punica_wrapper/patchkit_lora_matmul.py",
         "vllm/lora/punica_wrapper/punica_gpu.py",
     ]

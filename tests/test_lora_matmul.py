@@ -152,20 +152,26 @@ def test_no_adapter_in_the_batch_gives_exactly_no_change(ops):
 
 def test_a_batch_without_lora_ignores_the_stale_mapping(ops):
     """vLLM leaves token_lora_mapping as the last LoRA batch wrote it when no token
-    has a LoRA (it only resets the active ids). Found by `patchkit verify` on an
-    H200: base requests after LoRA requests got the old adapter."""
+    has a LoRA (it only resets the active ids and raises the CPU flag). Found by
+    `patchkit verify` on an H200: base requests after LoRA requests got the old
+    adapter. With the flag up the ops return at once, as the Triton ops do; a
+    graph captured with LoRA runs them with the flag down (cudagraph_specialize_lora
+    off), and the active ids alone must then keep every row unchanged."""
     case = Case(13, 30, 4, 3, (64, 32), 64, torch.bfloat16)
     stale = case.mapping.clone()
     case.mapping[:] = -1
-    no_lora_meta = case.meta()
+    flag_up = case.meta()
+    flag_down = (*flag_up[:4], torch.tensor([False]), *flag_up[5:])
     case.mapping = stale  # what the op is handed: stale slots, no active ids
-    for add_inputs in (True, False):
-        y = case.y.clone()
-        buffer = torch.empty(2, 30, 64)
-        ops.torch_lora_shrink(case.x, case.a, buffer, stale, *no_lora_meta, 1.0)
-        assert torch.count_nonzero(buffer) == 0
-        ops.torch_lora_expand(buffer, case.b, y, stale, *no_lora_meta, add_inputs=add_inputs)
-        assert same_bits(y, case.y)
+    for meta in (flag_up, flag_down):
+        for add_inputs in (True, False):
+            y = case.y.clone()
+            buffer = torch.zeros(2, 30, 64)
+            ops.torch_lora_shrink(case.x, case.a, buffer, stale, *meta, 1.0)
+            assert torch.count_nonzero(buffer) == 0
+            buffer.fill_(1.0)  # whatever the buffer holds, no row takes it
+            ops.torch_lora_expand(buffer, case.b, y, stale, *meta, add_inputs=add_inputs)
+            assert same_bits(y, case.y)
 
 
 def test_zero_weights_give_exactly_zero_delta(ops):
@@ -224,7 +230,7 @@ def test_runs_under_torch_compile_fullgraph_with_dynamic_token_count(ops):
     torch._dynamo.reset()
 
     def lora_linear(x, a0, a1, b0, b1, mapping, lora_ids, y):
-        kernel_meta = (None, None, None, lora_ids, None, None)
+        kernel_meta = (None, None, None, lora_ids, torch.tensor([False]), None)
         buffer = torch.empty(2, x.size(0), a0.size(-2), dtype=torch.float32)
         ops.torch_lora_shrink(x, [a0, a1], buffer, mapping, *kernel_meta, 1.0)
         ops.torch_lora_expand(

@@ -1,0 +1,341 @@
+"""The torch LoRA path through vLLM's real PunicaWrapperGPU, on CPU, in every patched release.
+
+Issue 10: the add_lora_linear a layer calls (replaced by the patch), the
+calls that keep vLLM's own methods (add_shrink/add_expand, i.e. _mcp_apply;
+add_lora_embedding; add_lora_logits), the once-per-batch slot masks, the
+weight layout kept in step with vLLM's real set_lora/reset_lora, NaN
+containment and the step aside under VLLM_BATCH_INVARIANT. References are
+float64, token by token, from the adapters' own weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+from packaging.version import Version
+
+from tests.conftest import CATALOGUE, RELEASES
+from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, make_wrapper, update
+
+torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
+
+from patchkit.catalogue import Variant  # noqa: E402
+
+PATCHED = [
+    v for v in RELEASES if isinstance(CATALOGUE.get(PATCH).expected_for(Version(v)), Variant)
+]
+FAMILIES = ["0.17.0", "0.19.1", "0.20.0", "0.22.0", "0.26.0", "0.30.0", "0.31.0", "0.32.0"]
+HIDDEN, RANK, SLOTS = 96, 16, 4
+
+
+@pytest.fixture
+def wrapper_module(request, tmp_path, monkeypatch):
+    version = request.param
+    with installed(version, tmp_path, monkeypatch):
+        module = load_wrapper_module(version, tmp_path)
+        yield version, module
+
+
+def adapter(seed: int, widths, rank: int):
+    """One adapter's per-slice A (rank, hidden) and B (width, rank), as vLLM passes them."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [(torch.randn(rank, HIDDEN, generator=gen) / 10).to(torch.bfloat16) for _ in widths]
+    b = [(torch.randn(w, rank, generator=gen) / 10).to(torch.bfloat16) for w in widths]
+    return a, b
+
+
+def reference(x, slots, adapters, widths, scale=1.0):
+    """float64 delta, token by token: scale * x_t @ A[slot].T @ B[slot].T."""
+    delta = torch.zeros(x.size(0), sum(widths), dtype=torch.float64)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        a, b = adapters[slot]
+        offset = 0
+        for a_s, b_s, w in zip(a, b, widths, strict=True):
+            delta[t, offset : offset + w] = (
+                x[t].double() @ a_s.double().T * scale
+            ) @ b_s.double().T
+            offset += w
+    return delta
+
+
+def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23, seed=0):
+    """A wrapper, a layer attached to it (set_mapping), adapters loaded, a batch mapped."""
+    wrapper = make_wrapper(punica_gpu, SLOTS)
+    layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
+    layer.set_mapping(wrapper)
+    rnd = random.Random(seed)
+    adapters = {}
+    for slot in loaded:
+        rank = rnd.choice([4, 8, RANK])
+        adapters[slot] = adapter(seed * 10 + slot, widths, rank)
+        layer.load(slot, *adapters[slot])
+    slots = [rnd.choice([-1, *loaded]) for _ in range(tokens)]
+    slots[0] = -1
+    update(wrapper, punica_gpu, slots, SLOTS)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    y = torch.randn(tokens, sum(widths), generator=gen).to(torch.bfloat16)
+    return wrapper, layer, adapters, slots, x, y
+
+
+def assert_close(result, expected, tolerance=2e-2):
+    error = (result.double() - expected).abs().max().item()
+    assert error <= tolerance * expected.abs().max().item(), error
+
+
+def same_bits(a, b) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("wrapper_module", PATCHED, indirect=True)
+def test_add_lora_linear_through_the_real_wrapper(wrapper_module):
+    version, punica_gpu = wrapper_module
+    for widths in ((80,), (64, 32, 48)):
+        wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths)
+        before = y.clone()
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        rows = torch.tensor(slots) >= 0
+        expected = before.double() + reference(x, slots, adapters, widths)
+        assert_close(y[rows], expected[rows])
+        assert same_bits(y[~rows], before[~rows])
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.26.0", "0.32.0"], indirect=True)
+def test_dual_stream_writes_lora_rows_and_leaves_the_others(wrapper_module):
+    """add_inputs=False (0.20+ dual stream): LoRA rows get the delta alone."""
+    version, punica_gpu = wrapper_module
+    widths = (64, 32)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths)
+    before = y.clone()
+    wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 0.5, widths,
+                            add_inputs=False)  # fmt: skip
+    rows = torch.tensor(slots) >= 0
+    assert_close(y[rows], reference(x, slots, adapters, widths, 0.5)[rows])
+    assert same_bits(y[~rows], before[~rows])
+
+
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_weights_are_laid_out_once_in_vllms_own_tensors(wrapper_module):
+    """set_mapping moves B rank-major and the slices' A into one storage: no copy per
+    call, no memory added, and vLLM's real set_lora/reset_lora write into that layout."""
+    version, punica_gpu = wrapper_module
+    ops = punica_gpu.torch_lora_shrink.__globals__
+    widths = (64, 32, 48)
+    wrapper, layer, adapters, *_ = setup(version, punica_gpu, widths)
+    a_all = ops["stacked_a"](list(layer.lora_a_stacked))
+    assert a_all.data_ptr() == layer.lora_a_stacked[0].data_ptr()
+    assert layer.lora_a_stacked[0].untyped_storage().nbytes() == sum(
+        a.numel() * a.element_size() for a in layer.lora_a_stacked)  # fmt: skip
+    for s, b in enumerate(layer.lora_b_stacked):
+        assert b.shape == (SLOTS, 1, widths[s], RANK)
+        assert b.untyped_storage().nbytes() == b.numel() * b.element_size()
+        view = ops["stacked_b"](b)
+        assert view.data_ptr() == b.data_ptr()
+        for slot, (_, b_adapter) in adapters.items():
+            rank = b_adapter[s].size(1)
+            assert torch.equal(view[slot * RANK : slot * RANK + rank], b_adapter[s].T)
+    layer.reset_lora(2)
+    assert ops["stacked_b"](layer.lora_b_stacked[0])[2 * RANK : 3 * RANK].count_nonzero() == 0
+    assert not ops["_FALLBACKS"]
+
+
+def direct_children(prof, op_name: str) -> list[str]:
+    """aten ops called directly inside each call of op_name, in order."""
+    return [
+        child.name
+        for event in prof.events()
+        if event.name == op_name
+        for child in event.cpu_children
+    ]
+
+
+VIEWS = {
+    "aten::view",
+    "aten::as_strided",
+    "aten::t",
+    "aten::transpose",
+    "aten::slice",
+    "aten::select",
+    "aten::unsqueeze",
+    "aten::expand",
+    "aten::reshape",
+    "aten::alias",
+    "aten::item",
+}  # fmt: skip  (item: the no-LoRA flag, a CPU tensor)
+
+
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_one_call_is_a_gemm_a_mask_and_one_addmm_per_slice(wrapper_module):
+    """The batch-only work (slot masks) ran in update_metadata; a layer's call does none."""
+    version, punica_gpu = wrapper_module
+    widths = (64, 32, 48)
+    wrapper, layer, _, _, x, y = setup(version, punica_gpu, widths)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+    work = [n for n in direct_children(prof, "patchkit_lora::add_lora_linear") if n not in VIEWS]
+    assert work == [
+        "aten::mm",
+        "aten::masked_fill_",
+        "aten::addmm_",
+        "aten::addmm_",
+        "aten::addmm_",
+    ]
+
+
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_a_batch_without_lora_runs_nothing_and_changes_nothing(wrapper_module):
+    version, punica_gpu = wrapper_module
+    widths = (64, 32)
+    wrapper, layer, _, slots, x, y = setup(version, punica_gpu, widths)
+    update(wrapper, punica_gpu, [-1] * len(slots), SLOTS)
+    before = y.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+    assert direct_children(prof, "patchkit_lora::add_lora_linear") == ["aten::item"]  # the flag
+    assert same_bits(y, before)
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+def test_a_graph_captured_with_lora_replayed_for_a_batch_without(wrapper_module):
+    """With cudagraph_specialize_lora off, vLLM replays the graph captured with LoRA
+    for a batch without: the kernels run on the stale token_lora_mapping that vLLM
+    leaves, and the masks (filled, not read from it) keep y unchanged."""
+    version, punica_gpu = wrapper_module
+    ops = punica_gpu.torch_lora_shrink.__globals__
+    widths = (64, 32)
+    wrapper, layer, _, slots, x, y = setup(version, punica_gpu, widths)
+    update(wrapper, punica_gpu, [-1] * len(slots), SLOTS)
+    stale = wrapper.token_mapping_meta.token_lora_mapping[: len(slots)]
+    assert (stale >= 0).any()  # vLLM did not rewrite it
+    before = y.clone()
+    masks = wrapper.patchkit_token_masks
+    ops["_linear"](y, x, list(layer.lora_a_stacked), list(layer.lora_b_stacked), masks.not_own,
+                   masks.no_lora, torch.tensor([False]), 1.0, True)  # fmt: skip
+    assert same_bits(y, before)
+
+
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_a_bad_adapter_reaches_only_its_own_rows(wrapper_module, caplog):
+    """inf in one slot's B, NaN in another's A: the other rows are as without them
+    (rows without LoRA bit for bit), the bad adapters' rows are NaN; loading a good
+    adapter into the slot again clears it."""
+    version, punica_gpu = wrapper_module
+    widths = (64, 32)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, loaded=(0, 1, 2, 3))
+    bad_b = adapter(91, widths, 8)
+    bad_b[1][1][3, 2] = float("inf")
+    bad_a = adapter(92, widths, 8)
+    bad_a[0][0][1, 5] = float("nan")
+    with caplog.at_level(logging.WARNING):
+        layer.load(1, *bad_b)
+        layer.load(3, *bad_a)
+    assert "slot 1 has non-finite B weights" in caplog.text
+    slots = [-1, 0, 1, 2, 3, -1, 2, 1, 0, 3, -1]
+    update(wrapper, punica_gpu, slots, SLOTS)
+    x, y = x[: len(slots)], y[: len(slots)]
+    for call in ("linear", "shrink+expand"):
+        out = y.clone()
+        if call == "linear":
+            wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        else:
+            buffer = torch.empty(len(widths), len(slots), RANK)
+            wrapper.add_shrink(buffer, x, layer.lora_a_stacked, 1.0)
+            wrapper.add_expand(out, buffer, layer.lora_b_stacked, widths, add_inputs=True)
+        good = [t for t, s in enumerate(slots) if s in (0, 2)]
+        expected = y.double() + reference(x, slots, adapters, widths)
+        assert_close(out[good], expected[good])
+        none = [t for t, s in enumerate(slots) if s == -1]
+        assert same_bits(out[none], y[none])
+        for bad in (1, 3):
+            assert not torch.isfinite(out[[t for t, s in enumerate(slots) if s == bad]]).all()
+    layer.load(1, *adapters[1])
+    out = y.clone()
+    wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+    rows = [t for t, s in enumerate(slots) if s == 1]
+    assert_close(out[rows], (y.double() + reference(x, slots, adapters, widths))[rows])
+
+
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_shrink_then_expand_as_mcp_apply_uses_the_batch_masks(wrapper_module):
+    """_mcp_apply's add_shrink -> add_expand (vLLM's own methods) on the rebound ops:
+    the same result, and no per-layer mask work (no comparison ops inside)."""
+    version, punica_gpu = wrapper_module
+    widths = (64, 32, 48)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths)
+    before = y.clone()
+    buffer = torch.empty(len(widths), x.size(0), RANK)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        wrapper.add_shrink(buffer, x, layer.lora_a_stacked, 1.0)
+        wrapper.add_expand(y, buffer, layer.lora_b_stacked, widths, add_inputs=True)
+    rows = torch.tensor(slots) >= 0
+    assert_close(y[rows], (before.double() + reference(x, slots, adapters, widths))[rows])
+    assert same_bits(y[~rows], before[~rows])
+    inside = direct_children(prof, "patchkit_lora::lora_shrink")
+    inside += direct_children(prof, "patchkit_lora::lora_expand")
+    assert not {"aten::eq", "aten::ne", "aten::arange", "aten::any"} & set(inside)
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+def test_embedding_and_logits_through_the_real_wrapper(wrapper_module):
+    version, punica_gpu = wrapper_module
+    wrapper = make_wrapper(punica_gpu, SLOTS)
+    slots = [-1, 0, 2, 2, -1, 3]
+    update(wrapper, punica_gpu, slots, SLOTS)
+    gen = torch.Generator().manual_seed(5)
+    b = (torch.randn(SLOTS, 1, 40, RANK, generator=gen) / 10).to(torch.bfloat16)
+    a = (torch.randn(SLOTS, 1, RANK, HIDDEN, generator=gen) / 10).to(torch.bfloat16)
+    x = torch.randn(len(slots), RANK, generator=gen).to(torch.bfloat16)
+    y = torch.randn(len(slots), 40, generator=gen).to(torch.bfloat16)
+    out = y.clone()
+    wrapper.add_lora_embedding(out, x, b, add_inputs=True)
+    for t, s in enumerate(slots):
+        expected = y[t].double() + (x[t].double() @ b[s, 0].double().T if s >= 0 else 0)
+        assert_close(out[t : t + 1], expected.unsqueeze(0))
+    hidden = torch.randn(len(slots), HIDDEN, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(len(slots), 40, generator=gen).float()
+    out = logits.clone()
+    wrapper.add_lora_logits(out, hidden, a, b, 1.0)
+    for t, s in enumerate(slots):
+        delta = hidden[t].double() @ a[s, 0].double().T @ b[s, 0].double().T if s >= 0 else 0
+        assert_close(out[t : t + 1], (logits[t].double() + delta).unsqueeze(0))
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.26.0"], indirect=True)
+def test_the_wrapper_call_compiles_fullgraph_with_a_dynamic_token_count(wrapper_module):
+    version, punica_gpu = wrapper_module
+    torch._dynamo.reset()
+    widths = (64, 32)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, tokens=30)
+
+    def forward(x, y):
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        return y
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    for tokens in (9, 30):
+        eager = forward(x[:tokens], y[:tokens].clone())
+        graph = compiled(x[:tokens], y[:tokens].clone())
+        assert same_bits(graph, eager)
+
+
+@pytest.mark.parametrize("version", ["0.19.1", "0.26.0", "0.32.0"])
+def test_batch_invariant_mode_keeps_vllms_triton_path(version, tmp_path, monkeypatch, caplog):
+    """VLLM_BATCH_INVARIANT=1: one log line, the wrapper and the op names are vLLM's,
+    and layers are not re-laid out."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with installed(version, tmp_path, monkeypatch), caplog.at_level(logging.WARNING):
+        punica_gpu = load_wrapper_module(version, tmp_path)
+        wrapper = make_wrapper(punica_gpu, SLOTS)
+        layer = Layer(version, (64,), SLOTS, RANK, HIDDEN)
+        layer.set_mapping(wrapper)
+        update(wrapper, punica_gpu, [0, 1, -1], SLOTS)
+        with pytest.raises(AssertionError, match="the Triton op lora_shrink was reached"):
+            y, x = torch.zeros(3, 64), torch.zeros(3, HIDDEN)
+            wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, (64,))
+    assert punica_gpu.LORA_BACKEND == "triton"
+    assert layer.lora_b_stacked[0].is_contiguous()
+    assert [r.message.count("VLLM_BATCH_INVARIANT") for r in caplog.records] == [1]
