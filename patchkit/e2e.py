@@ -189,6 +189,12 @@ def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Pa
     extra = {}
     if importlib.util.find_spec("flashinfer") is None:  # pick kernels that need no FlashInfer
         extra = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
+        # 0.22's sampler imports FlashInfer unless told not to (seen on the test H200).
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if importlib.util.find_spec("deep_gemm") is None:
+        # 0.22 warms DeepGEMM up at start and stops if it is missing; the test
+        # model is bf16 and never uses it (seen on the test H200).
+        os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
     started = time.monotonic()
     llm = LLM(
         model=str(model_dir),
