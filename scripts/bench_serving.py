@@ -297,34 +297,37 @@ def yield_partial(work: Path, results: dict) -> None:
 
 
 def table(results: dict, meta: dict) -> str:
-    """Markdown: median tok/s of the counted rounds, and % of unpatched."""
+    """Markdown: median tok/s of the counted rounds; in brackets the median, over
+    rounds, of each configuration's ratio to unpatched in the same round (drift
+    over time cancels within a round)."""
     counted = [r for r in results["rounds"] if r["round"] > 0]
     configs = list(results["configs"])
     lines = [
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}; "
         f"median of {meta['rounds']} rounds after a warm-up round; tok/s "
-        "(decode: output tokens, prefill: prompt tokens), % of unpatched in brackets",
+        "(decode: output tokens, prefill: prompt tokens); in brackets the median of the "
+        "per-round ratios to unpatched",
         "",
         "| workload | " + " | ".join(configs) + " |",
         "|---|" + "---|" * len(configs),
     ]
     for workload in WORKLOADS:
-        medians = {}
-        for name in configs:
-            values = [
-                r["tok_s"] for r in counted if r["config"] == name and r["workload"] == workload
-            ]
-            medians[name] = statistics.median(values) if values else None
-        base = medians.get("unpatched")
+        by_round = {}
+        for r in counted:
+            if r["workload"] == workload:
+                by_round.setdefault(r["round"], {})[r["config"]] = r["tok_s"]
         cells = []
         for name in configs:
-            value = medians[name]
-            if value is None:
+            values = [row[name] for row in by_round.values() if name in row]
+            ratios = [row[name] / row["unpatched"] for row in by_round.values()
+                      if name in row and row.get("unpatched")]  # fmt: skip
+            if not values:
                 cells.append("n/a")
-            elif base and name != "unpatched":
-                cells.append(f"{value:.0f} ({100 * value / base:.1f} %)")
+            elif name != "unpatched" and ratios:
+                cells.append(f"{statistics.median(values):.0f} "
+                             f"({100 * statistics.median(ratios):.1f} %)")  # fmt: skip
             else:
-                cells.append(f"{value:.0f}")
+                cells.append(f"{statistics.median(values):.0f}")
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
