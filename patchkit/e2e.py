@@ -72,37 +72,42 @@ def prompts(seed: int) -> dict[str, list[int]]:
     return {f"p{n}": [rnd.randrange(1, 4000) for _ in range(n)] for n in PROMPT_LENGTHS}
 
 
-def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
-    """Save a random tiny Qwen3.5 hybrid and a random rank-64 adapter under workdir."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+TINY_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_position_embeddings=8192,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
 
-    torch.manual_seed(seed)
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        max_position_embeddings=8192,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-    )
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=1024)
-    config = Qwen3_5Config(
+
+def qwen35_config(**text):
+    """A Qwen3.5 hybrid (transformers' Qwen3_5Config): TINY_TEXT with `text` over it.
+
+    The vision tower is one tiny layer; vLLM serves the text model only
+    (language_model_only). Loads in transformers 5.17 and vLLM 0.22-0.26.
+    """
+    from transformers import Qwen3_5Config
+
+    text = {**TINY_TEXT, **text}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=text["hidden_size"])  # fmt: skip
+    return Qwen3_5Config(
         text_config=text,
         vision_config=vision,
         image_token_id=4090,
@@ -111,6 +116,16 @@ def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
         vision_end_token_id=4093,
         tie_word_embeddings=False,
     )
+
+
+def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
+    """Save a random tiny Qwen3.5 hybrid and a random rank-64 adapter under workdir."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = qwen35_config()
     model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     model_dir, adapter_dir = workdir / "model", workdir / "adapter"
     model.save_pretrained(model_dir)

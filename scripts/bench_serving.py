@@ -44,32 +44,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from patchkit.e2e import TARGET_MODULES, qwen35_config  # noqa: E402
+
 RANK, ADAPTERS, MAX_SEQS = 64, 4, 64
-TEXT = dict(
-    vocab_size=4096,
+# Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
+WIDTHS = dict(
     hidden_size=5120,
     intermediate_size=17408,
     num_hidden_layers=8,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
     num_attention_heads=24,
     num_key_value_heads=4,
-    head_dim=256,
     linear_num_key_heads=16,
     linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    max_position_embeddings=8192,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
-)
-TARGETS = (
-    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
-    r"|gate_proj|up_proj|down_proj)"
 )
 WORKLOADS = {
     "decode_b64_lora": dict(n=64, prompt=128, out=256, lora=True),
@@ -86,33 +75,20 @@ MARK = "PATCHKIT_BENCH "
 
 
 def build(directory: Path) -> None:
-    """Save the cut model and 4 random rank-64 adapters (built on the GPU, saved bf16)."""
+    """Save the cut model (bf16) and 4 random rank-64 adapters, built on the GPU."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
-    config = Qwen3_5Config(
-        text_config=TEXT,
-        vision_config=dict(
-            depth=1,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=TEXT["hidden_size"],
-        ),  # fmt: skip
-        image_token_id=4090,
-        video_token_id=4091,
-        vision_start_token_id=4092,
-        vision_end_token_id=4093,
-        tie_word_embeddings=False,
-    )
+    config = qwen35_config(**WIDTHS)
     with torch.device("cuda"):
         model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(directory / "model")
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     peft_model = get_peft_model(
-        model, LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, init_lora_weights=False)
+        model,
+        LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGET_MODULES, init_lora_weights=False),
     )
     for number in range(ADAPTERS):
         with torch.no_grad():
