@@ -263,6 +263,7 @@ def _wrapper_run(seed: int, backend: str) -> list[KernelResult]:
         x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         y = torch.randn(tokens, sum(widths), generator=gen, device="cuda").to(torch.bfloat16)
         label = f"add_lora_linear [{backend}] {len(widths)} slice(s), 3 adapters + empty slot"
+        call = lora_linear_call(wrapper, backend, a, b)
         for mapping, case in ((ids, label), ([0] * tokens, f"{label}, no LoRA in the batch")):
             wrapper.update_metadata(
                 LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=True),
@@ -271,7 +272,7 @@ def _wrapper_run(seed: int, backend: str) -> list[KernelResult]:
                 4096,
             )
             out = y.clone()
-            lora_linear_call(wrapper, backend, a, b)(out, x, 1.0, widths)
+            call(out, x, 1.0, widths)
             torch.cuda.synchronize()
             slots = torch.tensor([i - 1 for i in mapping], device="cuda")
             results.append(_judge(case, out, y, x, a, b, widths, slots))
