@@ -11,13 +11,11 @@ missing member passed as None as vLLM's PackedLoRALayerWeights.pack does.
 
 from __future__ import annotations
 
-import ast
-import textwrap
-
 import pytest
 import torch
 
 from tests.conftest import patched_text, release_tree
+from tests.punica_harness import methods
 
 RELPATH = "vllm/lora/layers/column_parallel_linear.py"
 CLASS = "MergedColumnParallelLinearWithLoRA"
@@ -25,30 +23,15 @@ SIZES = [8, 8, 16, 16]  # Q, K, V, Z output slices (key, key, value, value)
 RANK, HIDDEN, SLOTS = 4, 12, 2
 
 
-def methods(source: str) -> dict:
-    """The class's set_lora / expand_packed_lora / helper, compiled from the real source."""
-    tree = ast.parse(source)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS)
-    lines = source.splitlines()
-    namespace = {"torch": torch}
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name in (
-            "set_lora",
-            "expand_packed_lora",
-            "_patchkit_slices_after",
-        ):
-            code = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-            exec(compile(code, f"{RELPATH}:{node.name}", "exec"), namespace)
-    return namespace
+METHODS = ("set_lora", "expand_packed_lora", "_patchkit_slices_after")
 
 
 class GdnLayer:
     """What set_lora touches on a 4-slice in_proj_qkvz LoRA layer, tp_size 1."""
 
     def __init__(self, source: str):
-        for name, function in methods(source).items():
-            if callable(function) and name != "torch":
-                setattr(self, name, function.__get__(self))
+        for name, function in methods(source, RELPATH, CLASS, METHODS).items():
+            setattr(self, name, function.__get__(self))
         self.n_slices, self.output_sizes, self.tp_size = 4, SIZES, 1
         self.lora_a_stacked = tuple(torch.zeros(SLOTS, 1, RANK, HIDDEN) for _ in SIZES)
         self.lora_b_stacked = tuple(torch.zeros(SLOTS, 1, size, RANK) for size in SIZES)
