@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from patchkit import kernelcheck  # noqa: E402
 
 HIDDEN = 5120
-LAYERS = {"1x5120": (5120,), "2x17408": (17408, 17408), "3x12288/1024/1024": (12288, 1024, 1024)}
+LAYERS = ((5120,), (17408, 17408), (12288, 1024, 1024))  # output slice widths
 RANKS = (64, 128)
 ADAPTERS = (1, 4)
 TOKENS = (1, 16, 256, 4096, 16384)
@@ -67,8 +67,7 @@ def case(torch, triton, widths, rank, adapters, tokens) -> dict:
     b = [randn(MAX_LORAS, 1, w, rank, scale=rank**-0.5) for w in widths]
     x = randn(tokens, HIDDEN, scale=1.0)
     y = randn(tokens, sum(widths), scale=1.0)
-    row = {"layer": f"{len(widths)}x" if len(widths) > 1 else "1x", "widths": list(widths),
-           "rank": rank, "adapters": adapters, "tokens": tokens}  # fmt: skip
+    row = {"widths": list(widths), "rank": rank, "adapters": adapters, "tokens": tokens}
     variants = {
         "triton-default": ("triton", {"block_n": 128, "num_stages": 2}),
         "triton-bn32": ("triton", {"block_n": 32}),
@@ -136,7 +135,7 @@ def main() -> int:
             "apply matmul-add-lora-linear first (and leave PATCHKIT_LORA_BACKEND unset)"
         )
     rows = []
-    for widths in LAYERS.values():
+    for widths in LAYERS:
         for rank in RANKS:
             for adapters in ADAPTERS:
                 for tokens in TOKENS:
