@@ -205,7 +205,6 @@ class Engine:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
             cwd=ROOT,
         )  # fmt: skip
-        self.start_s: float | None = None
 
     def read(self, deadline: float) -> dict:
         """The next message of the engine; its other output goes to the log."""
@@ -262,13 +261,14 @@ def run(work: Path, site: Path, rounds: int, deadline_s: float) -> dict:
             results["rounds"] = [r for r in results["rounds"] if r["round"] != round_]
             break
         round_times.append(time.monotonic() - began)
-        yield_partial(work, results)
+        save_partial(work, results)
     for engine in engines.values():
         engine.stop()
     return results
 
 
-def yield_partial(work: Path, results: dict) -> None:
+def save_partial(work: Path, results: dict) -> None:
+    """results.json after each round, so a run cut short keeps its finished rounds."""
     (work / "results.json").write_text(json.dumps(results, indent=1))
 
 
