@@ -122,6 +122,26 @@ class Override:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """An environment variable that turns a patch's protection off at run time.
+
+    Off when its value (stripped, lower case) is one of `values`, or, with
+    `unless`, when it is anything but those: VLLM_BATCH_INVARIANT counts as
+    set for any value but empty or 0, PATCHKIT_LORA_BACKEND only for triton.
+    """
+
+    env: str
+    values: tuple[str, ...] = ()
+    unless: tuple[str, ...] | None = None
+
+    def turned_off(self, environ) -> str:
+        """The value that turns the protection off here, or '' if it does not."""
+        value = environ.get(self.env, "").strip().lower()
+        off = value not in self.unless if self.unless is not None else value in self.values
+        return value if off else ""
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """What ``doctor`` needs to judge the bug(s) a patch addresses, declared by the patch.
 
@@ -138,8 +158,7 @@ class Diagnosis:
     fixed_by_ptxas: str = ""  # e.g. "13.3": Triton's ptxas from this version on fixes it
     kernel_scan: bool = False  # `doctor --kernels` evidence decides the verdict
     replaces_kernels: bool = False  # applied and on, no scanned Triton kernel runs
-    disabled_by_env: str = ""  # a variable that turns this patch's protection off ...
-    disabled_values: tuple[str, ...] = ()  # ... when set to one of these (lower case)
+    disabled_by: tuple[Switch, ...] = ()  # settings that turn this patch's protection off
 
     @property
     def label(self) -> str:
@@ -329,7 +348,6 @@ def _diagnosis(table: dict | None, origin: Path) -> Diagnosis | None:
     bugs = tuple(_require(table, "bugs", origin, list))
     if not all(isinstance(b, str) and re.fullmatch(r"[a-z-]+#\d+", b) for b in bugs):
         raise PatchkitError(f"{origin}: diagnosis.bugs: ids look like 'vllm#48590', got {bugs}")
-    disabled = table.get("disabled_by", {})
     return Diagnosis(
         bugs=bugs,
         title=_require(table, "title", origin, str),
@@ -340,9 +358,25 @@ def _diagnosis(table: dict | None, origin: Path) -> Diagnosis | None:
         fixed_by_ptxas=table.get("fixed_by_ptxas", ""),
         kernel_scan=bool(table.get("kernel_scan", False)),
         replaces_kernels=bool(table.get("replaces_kernels", False)),
-        disabled_by_env=disabled.get("env", ""),
-        disabled_values=tuple(v.lower() for v in disabled.get("values", [])),
+        disabled_by=_switches(table.get("disabled_by", []), origin),
     )
+
+
+def _switches(tables, origin: Path) -> tuple[Switch, ...]:
+    """`disabled_by`: one { env, values | unless } table or a list of them."""
+    tables = [tables] if isinstance(tables, dict) else tables
+    found = []
+    for table in tables:
+        if not isinstance(table, dict) or not isinstance(table.get("env"), str):
+            raise PatchkitError(f"{origin}: diagnosis.disabled_by: each entry needs env = '...'")
+        if ("values" in table) == ("unless" in table):
+            raise PatchkitError(
+                f"{origin}: diagnosis.disabled_by {table['env']}: give values or unless, not both"
+            )
+        lower = tuple(str(v).strip().lower() for v in table.get("values", table.get("unless")))
+        unless = lower if "unless" in table else None
+        found.append(Switch(table["env"], () if unless is not None else lower, unless))
+    return tuple(found)
 
 
 def _override(table: dict | None, origin: Path) -> Override | None:

@@ -273,10 +273,15 @@ def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> str:
 
 
 def _disabled(patch: Patch) -> str:
-    """Why an applied patch's protection is switched off by its runtime setting; '' if not."""
-    d = patch.diagnosis
-    value = os.environ.get(d.disabled_by_env, "").strip().lower() if d.disabled_by_env else ""
-    return f"{patch.id} is off ({d.disabled_by_env}={value})" if value in d.disabled_values else ""
+    """Why an applied patch's protection is switched off by its runtime settings; '' if not."""
+    offs = _switched_off(patch)
+    return f"{patch.id} is off ({', '.join(f'{s.env}={v}' for s, v in offs)})" if offs else ""
+
+
+def _switched_off(patch: Patch) -> list:
+    """(switch, value) for each of the patch's settings that turns it off here."""
+    found = [(s, s.turned_off(os.environ)) for s in patch.diagnosis.disabled_by]
+    return [(s, value) for s, value in found if value]
 
 
 def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
@@ -350,7 +355,7 @@ def _scan_fix(case: dict, d: Diagnosis, states: dict, patches: list[Patch]) -> s
         return f"the config comes from {overrides[0]}: retune it (block_n 32 or 1 stage)"
     if any(states.get(p.id) == "needed" for p in patches):
         return d.fix
-    switches = [f"{p.diagnosis.disabled_by_env} unset ({p.id})" for p in patches if _disabled(p)]
+    switches = [f"{s.env} unset ({p.id})" for p in patches for s, _ in _switched_off(p)]
     ptxas = (
         f"TRITON_PTXAS_PATH pointing at a ptxas >= {d.fixed_by_ptxas}" if d.fixed_by_ptxas else ""
     )

@@ -46,6 +46,7 @@ def replace_in(path: Path, old: str, new: str) -> None:
 
 
 BLOCK_N = "expand-block-n/patch.toml"
+MATMUL = "matmul-add-lora-linear/patch.toml"
 BROKEN = [
     (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.19.0,<0.33.0"', "release 0.18.0 must be decided"),
     (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.17.0,<0.33.0"', "found variant block-k-16"),
@@ -54,6 +55,8 @@ BROKEN = [
     (BLOCK_N, 'file = "vllm/lora/ops', 'file = "../vllm/lora/ops', "evidence file: path"),
     ("expand-block-n/block-k-32.diff", "+++ b/vllm/", "+++ b/../vllm/", "leaves the vLLM tree"),
     ("series.toml", '"0.26.0", "0.27.0"', '"0.26.0", "latest"', "'latest' is not a version"),
+    (MATMUL, 'unless = ["", "0"]', 'unless = ["0"], values = ["1"]', "values or unless, not both"),
+    (MATMUL, '{ env = "VLLM_BATCH_INVARIANT",', '{ name = "VLLM_BATCH_INVARIANT",', "needs env"),
 ]
 
 

@@ -47,6 +47,7 @@ def hopper(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     monkeypatch.delenv("PATCHKIT_LORA_BACKEND", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     return tmp_path
 
 
@@ -77,6 +78,22 @@ def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopp
     # With the Triton backend chosen, expand-block-n is what protects it.
     triton = verdict(doctor(tree_0260, PATCHKIT_LORA_BACKEND="triton"), NAN_BUG)
     assert triton["status"] == "protected" and "block_n 32" in triton["reason"]
+    # Batch invariance keeps vLLM's Triton kernels too (any value but empty or 0).
+    for value in ("1", "true"):
+        invariant = verdict(doctor(tree_0260, VLLM_BATCH_INVARIANT=value), NAN_BUG)
+        assert invariant["status"] == "protected" and "block_n 32" in invariant["reason"]
+    torch_path = verdict(doctor(tree_0260, VLLM_BATCH_INVARIANT="0"), NAN_BUG)
+    assert "torch matmuls" in torch_path["reason"]
+
+
+def test_a_setting_that_turns_the_only_fix_off_is_named(tree_0260: Path, hopper: Path):
+    only = ["--only", "matmul-add-lora-linear"]
+    assert run_cli("apply", "--target", str(tree_0260), *only).exit_code == 0
+    assert verdict(doctor(tree_0260), NAN_BUG)["status"] == "protected"
+    for env, value in (("VLLM_BATCH_INVARIANT", "1"), ("PATCHKIT_LORA_BACKEND", "triton")):
+        off = verdict(doctor(tree_0260, **{env: value}), NAN_BUG)
+        assert off["status"] == "exposed", off
+        assert f"matmul-add-lora-linear is off ({env}={value})" in off["reason"]
 
 
 def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hopper: Path):
