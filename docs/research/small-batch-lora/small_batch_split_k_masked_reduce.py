@@ -1,0 +1,86 @@
+"""Torch-only: split-K shrink whose reduction is a batched GEMM that also applies the slot mask."""
+
+import json, os
+import torch
+
+dev = "cuda"
+H, OUT, L = 5120, 5120, 4
+
+
+def graph_time(fn, iters=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(15):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / iters)
+    ts.sort()
+    return round(ts[len(ts) // 2], 2)
+
+
+res = {}
+for r in (64, 128):
+    for T in (1, 4, 16, 64, 256, 1024):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        A = torch.randn(L * r, H, device=dev, dtype=torch.bfloat16) / 70
+        B = torch.randn(L * r, OUT, device=dev, dtype=torch.bfloat16) / 10
+        y = torch.zeros(T, OUT, device=dev, dtype=torch.bfloat16)
+        slot = torch.arange(T, device=dev, dtype=torch.int32) % (L + 1) - 1  # -1 and all slots
+        not_own = slot.unsqueeze(1) != torch.arange(L, device=dev, dtype=torch.int32)
+        m3 = not_own.view(T, L, 1)
+        ref = (
+            torch.mm(x.double(), A.double().t()).view(T, L, r).masked_fill(m3, 0).view(T, -1)
+            @ B.double()
+        )
+
+        def cur():
+            h = torch.mm(x, A.t()).view(T, L, r).masked_fill_(m3, 0.0)
+            y.addmm_(h.view(T, L * r), B)
+
+        row = {"cur": graph_time(cur)}
+        y.zero_()
+        cur()
+        torch.cuda.synchronize()
+        row["cur_err"] = float((y.double() - ref).norm() / ref.norm())
+        for k in (4, 8, 16):
+            xs = x.view(T, k, H // k).transpose(0, 1)
+            As = A.view(L * r, k, H // k).permute(1, 2, 0)
+            P = torch.empty(k, T, L * r, device=dev, dtype=torch.bfloat16)
+            W = (~not_own).to(torch.bfloat16).view(T * L, 1, 1).expand(T * L, 1, k).contiguous()
+            Pv = P.as_strided((T * L, k, r), (r, T * L * r, 1))
+            S = torch.empty(T * L, 1, r, device=dev, dtype=torch.bfloat16)
+
+            def mulmask(xs=xs, As=As, P=P, W=W, Pv=Pv, S=S):
+                torch.bmm(xs, As, out=P)
+                torch.bmm(W, Pv, out=S)
+                y.addmm_(S.view(T, L * r), B)
+
+            row[f"k{k}"] = graph_time(mulmask)
+            y.zero_()
+            mulmask()
+            torch.cuda.synchronize()
+            row[f"k{k}_err"] = float((y.double() - ref).norm() / ref.norm())
+            row[f"k{k}_reduce_only"] = graph_time(lambda W=W, Pv=Pv, S=S: torch.bmm(W, Pv, out=S))
+        res[f"r{r}_T{T}"] = row
+        print(
+            r,
+            T,
+            {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()},
+            flush=True,
+        )
+json.dump(res, open(os.environ.get("OUT", "/tmp") + "/micro3.json", "w"), indent=1)
