@@ -28,13 +28,22 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR            model + adapters (transformers, peft)
-  python scripts/bench_serving.py run DIR --site /opt/site [--rounds 3] [--deadline 480]
-        [--json FILE] [--markdown FILE]
+  python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
+        [--keep] [--json FILE] [--markdown FILE]
+  python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--keep] [...]
+
+Each engine is its own session (setsid) and takes its commands from a FIFO
+under DIR/engines/, so with --keep the engines stay up after `run` ends and
+`more`, in a later command, measures further rounds on them: the cold start
+(about 4 minutes for six engines) is paid once. Each measurement also
+records the engine's CPU seconds and the guest's stolen CPU seconds
+(/proc/stat), to tell a slow host from a slow configuration.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import random
@@ -70,7 +79,6 @@ WORKLOADS = {
     "prefill_lora": dict(n=16, prompt=4096, out=1, lora=True),
     "prefill_base": dict(n=16, prompt=4096, out=1, lora=False),
 }
-MARK = "PATCHKIT_BENCH "
 WARMUP_OUT = 32  # round 0 loads the adapters at the counted rounds' batch shapes, briefly
 
 
@@ -132,17 +140,22 @@ def make_sites(site: Path, work: Path) -> dict[str, dict]:
     return sites
 
 
-# ----- the engine, one per configuration (a child process) -----
+# ----- the engine, one per configuration (a detached process) -----
 
 
-def worker(model: Path, adapters: list[Path]) -> None:
-    """Start an engine, say so, then run the workloads named on stdin, one per line."""
+def worker(work: Path, name: str) -> None:
+    """Start an engine, say so, then run each workload written to its mailbox.
+
+    The mailbox is a FIFO (`<name>.in`, one JSON command a line) and an
+    append-only file of answers (`<name>.out`), so that the engine outlives
+    the `run` that started it: a later `more` writes to the same FIFO.
+    """
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     started = time.monotonic()
     llm = LLM(
-        model=str(model),
+        model=str(work / "model"),
         enable_lora=True,
         max_lora_rank=RANK,
         max_loras=ADAPTERS,
@@ -160,11 +173,28 @@ def worker(model: Path, adapters: list[Path]) -> None:
         dtype="bfloat16",
         seed=0,
     )
+    adapters = [work / f"adapter-{n}" for n in range(ADAPTERS)]
     requests = [LoRARequest(f"a{n}", n + 1, str(path)) for n, path in enumerate(adapters)]
-    say({"ready": True, "start_s": time.monotonic() - started})
-    for line in sys.stdin:
-        command = json.loads(line)
-        say(run_workload(llm, SamplingParams, requests, command["workload"], command["round"]))
+    mailbox = Mailbox(work, name)
+    mailbox.answer({"ready": True, "start_s": time.monotonic() - started})
+    for command in mailbox.commands():
+        if command.get("stop"):
+            break
+        result = run_workload(llm, SamplingParams, requests, command["workload"], command["round"])
+        mailbox.answer({"id": command["id"], **result})
+
+
+def host_cpu() -> dict:
+    """This process's CPU seconds and the whole guest's stolen seconds (/proc/stat), so a
+    slow measurement can be told apart from a host that took the CPU away."""
+    times = os.times()
+    steal = 0.0
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        steal = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        pass
+    return {"cpu_s": times.user + times.system, "steal_s": steal}
 
 
 def run_workload(llm, sampling_params, requests, name: str, round_: int) -> dict:
@@ -179,81 +209,173 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int) -> dict
     lora = None
     if spec["lora"]:
         lora = [requests[(round_ + i) % len(requests)] for i in range(spec["n"])]
+    before = host_cpu()
     started = time.perf_counter()
     results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     seconds = time.perf_counter() - started
+    after = host_cpu()
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     counted = spec["n"] * spec["prompt"] if spec["out"] == 1 else generated
     return {"workload": name, "round": round_, "seconds": seconds, "tok_s": counted / seconds,
-            "generated": generated}  # fmt: skip
+            "generated": generated, "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "steal_s": after["steal_s"] - before["steal_s"]}  # fmt: skip
 
 
-def say(message: dict) -> None:
-    print(MARK + json.dumps(message), flush=True)
+class Mailbox:
+    """The files an engine and the runs that talk to it share, under DIR/engines/."""
 
+    def __init__(self, work: Path, name: str):
+        folder = work / "engines"
+        stem = name.replace(":", "-").replace("+", "-")
+        self.inbox, self.outbox = folder / f"{stem}.in", folder / f"{stem}.out"
+        self.log = folder / f"{stem}.log"
 
-# ----- run: start the engines, interleave the workloads -----
+    def create(self) -> None:
+        self.inbox.parent.mkdir(parents=True, exist_ok=True)
+        for path in (self.inbox, self.outbox):
+            path.unlink(missing_ok=True)
+        os.mkfifo(self.inbox)
+        self.outbox.touch()
+
+    def commands(self):
+        """Commands, across writers: at a writer's end (EOF) wait for the next one."""
+        while True:
+            with self.inbox.open() as inbox:
+                for line in inbox:
+                    yield json.loads(line)
+
+    def answer(self, message: dict) -> None:
+        with self.outbox.open("a") as outbox:
+            outbox.write(json.dumps(message) + "\n")
+
+    def answers(self) -> list[dict]:
+        return [json.loads(line) for line in self.outbox.read_text().splitlines() if line]
 
 
 class Engine:
-    def __init__(self, name: str, config: dict, work: Path, base_path: str):
-        self.name = name
+    """The run's handle on one engine: its process id and its mailbox."""
+
+    def __init__(self, name: str, work: Path, pid: int):
+        self.name, self.pid = name, pid
+        self.mailbox = Mailbox(work, name)
+        self.writer = None
+
+    @classmethod
+    def start(cls, name: str, config: dict, work: Path, base_path: str) -> Engine:
         cache = work / "cache" / name.replace(":", "-").replace("+", "-")
         shutil.rmtree(cache, ignore_errors=True)  # a fresh torch.compile cache per config
         cache.mkdir(parents=True)
         env = dict(os.environ, **config["env"], VLLM_CACHE_ROOT=str(cache), PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([config["site"], base_path])
-        self.log = (work / f"engine-{name.replace(':', '-')}.log").open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "worker", str(work)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-            cwd=ROOT,
-        )  # fmt: skip
+        mailbox = Mailbox(work, name)
+        mailbox.create()
+        with mailbox.log.open("w") as log:
+            process = subprocess.Popen(
+                [sys.executable, __file__, "worker", str(work), name],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=ROOT, start_new_session=True,  # lives on after this run, for `more`
+            )  # fmt: skip
+        return cls(name, work, process.pid)
 
-    def read(self, deadline: float) -> dict:
-        """The next message of the engine; its other output goes to the log."""
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return False
+        return not Path(f"/proc/{self.pid}/status").read_text().count("State:\tZ")
+
+    def wait_for(self, match, deadline: float) -> dict:
         while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine {self.name} exited; see {self.log.name}")
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-            self.log.write(line)
+            found = [m for m in self.mailbox.answers() if match(m)]
+            if found:
+                return found[-1]
+            if not self.alive():
+                raise RuntimeError(f"engine {self.name} exited; see {self.mailbox.log}")
+            time.sleep(0.05)
         raise TimeoutError(f"engine {self.name}: no answer in time")
 
+    def send(self, command: dict, deadline: float) -> None:
+        if self.writer is None:
+            self.writer = self._open_inbox(deadline)
+        self.writer.write(json.dumps(command) + "\n")
+        self.writer.flush()
+
+    def _open_inbox(self, deadline: float):
+        """The FIFO's write end, once the engine reads it (an engine that died never will)."""
+        while True:
+            try:
+                fd = os.open(self.mailbox.inbox, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
+                    raise
+                if not self.alive() or time.monotonic() > deadline:
+                    message = f"engine {self.name} does not read {self.mailbox.inbox}"
+                    raise RuntimeError(message) from exc
+                time.sleep(0.05)
+                continue
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "w")
+
     def ask(self, workload: str, round_: int, deadline: float) -> dict:
-        self.process.stdin.write(json.dumps({"workload": workload, "round": round_}) + "\n")
-        self.process.stdin.flush()
-        return self.read(deadline)
+        ident = f"{workload}-{round_}-{time.time_ns()}"
+        self.send({"id": ident, "workload": workload, "round": round_}, deadline)
+        answer = self.wait_for(lambda m: m.get("id") == ident, deadline)
+        return {k: v for k, v in answer.items() if k != "id"}
 
     def stop(self) -> None:
-        if not self.process.stdin.closed:
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        """Ask the engine to exit (it shuts vLLM down on its own)."""
+        if self.alive():
+            self.send({"stop": True}, time.monotonic() + 10)
+        if self.writer is not None:
+            self.writer.close()
 
 
-def run(work: Path, site: Path, rounds: int, deadline_s: float) -> dict:
-    started = time.monotonic()
-    deadline = started + deadline_s
+def start(work: Path, site: Path, deadline: float) -> dict:
+    """Patch the trees, start one engine per configuration, wait until all are ready."""
     configs = make_sites(site, work)
     base_path = os.environ.get("PYTHONPATH", "")
-    engines = {name: Engine(name, config, work, base_path) for name, config in configs.items()}
-    results: dict = {"configs": configs, "rounds": [], "start_s": {}, "errors": {}}
-    for name, engine in list(engines.items()):
+    engines = {
+        name: Engine.start(name, config, work, base_path) for name, config in configs.items()
+    }
+    results: dict = {"configs": configs, "rounds": [], "start_s": {}, "errors": {},
+                     "pids": {name: e.pid for name, e in engines.items()}}  # fmt: skip
+    for name, engine in engines.items():
         try:
-            results["start_s"][name] = engine.read(deadline)["start_s"]
+            results["start_s"][name] = engine.wait_for(lambda m: m.get("ready"), deadline)[
+                "start_s"
+            ]
         except (RuntimeError, TimeoutError) as exc:
             results["errors"][name] = str(exc)
-            engine.process.kill()
+    save_partial(work, results)
+    return results
+
+
+def attach(work: Path) -> tuple[dict, dict[str, Engine]]:
+    """The results so far and the engines still serving, from DIR/results.json."""
+    results = json.loads((work / "results.json").read_text())
+    engines = {name: Engine(name, work, pid) for name, pid in results["pids"].items()
+               if name not in results["errors"]}  # fmt: skip
+    for name, engine in list(engines.items()):
+        if not engine.alive():
+            results["errors"][name] = f"engine {name} is gone (pid {engine.pid})"
             del engines[name]
-    round_times = []
-    for round_ in range(rounds + 1 if engines else 0):
+    return results, engines
+
+
+def measure(work: Path, results: dict, engines: dict[str, Engine], rounds: int, deadline: float):
+    """Rounds after those already in results, one engine at a time, rotating the order.
+
+    Stops before a round that would not finish by the deadline, judged by the
+    slowest counted round (the warm-up round 0 is shorter).
+    """
+    done = [r["round"] for r in results["rounds"]]
+    first = max(done) + 1 if done else 0
+    round_times = results.setdefault("round_s", [])
+    for round_ in range(first, rounds + 1 if engines else 0):
         began = time.monotonic()
-        if round_ > 1 and began + 1.2 * max(round_times[1:]) > deadline:
-            break  # judged by the counted rounds: the warm-up round is shorter
+        counted = round_times[1:] or round_times
+        if round_ > 1 and counted and began + 1.2 * max(counted) > deadline:
+            break
         order = list(engines)
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         try:
@@ -267,11 +389,6 @@ def run(work: Path, site: Path, rounds: int, deadline_s: float) -> dict:
             break
         round_times.append(time.monotonic() - began)
         save_partial(work, results)
-    for engine in engines.values():
-        engine.process.stdin.close()  # all at once: each then shuts down on its own
-    for engine in engines.values():
-        engine.stop()
-    return results
 
 
 def save_partial(work: Path, results: dict) -> None:
@@ -322,36 +439,53 @@ def main() -> int:
     sub.add_parser("build").add_argument("dir", type=Path)
     work = sub.add_parser("worker")
     work.add_argument("dir", type=Path)
-    go = sub.add_parser("run")
-    go.add_argument("dir", type=Path)
+    work.add_argument("name")
+    go = sub.add_parser("run", help="start the engines and measure")
+    more = sub.add_parser("more", help="measure more rounds on the engines a run kept")
+    for step in (go, more):
+        step.add_argument("dir", type=Path)
+        step.add_argument("--rounds", type=int, default=6, help="counted rounds in all, at most")
+        step.add_argument("--deadline", type=float, default=480.0, help="seconds for this step")
+        step.add_argument("--keep", action="store_true", help="leave the engines up for `more`")
+        step.add_argument("--json", type=Path)
+        step.add_argument("--markdown", type=Path)
     go.add_argument("--site", type=Path, required=True, help="the directory holding vllm/")
-    go.add_argument("--rounds", type=int, default=6, help="counted rounds at most")
-    go.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole run")
-    go.add_argument("--json", type=Path)
-    go.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     if args.step == "build":
         build(args.dir)
-    elif args.step == "worker":
-        worker(args.dir / "model", [args.dir / f"adapter-{n}" for n in range(ADAPTERS)])
-    else:
-        results = run(args.dir, args.site, args.rounds, args.deadline)
-        import torch
-        import vllm
-
-        counted = {r["round"] for r in results["rounds"] if r["round"] > 0}
-        meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-                "vllm": vllm.__version__, "torch": torch.__version__, "rounds": len(counted),
-                "command": " ".join(sys.argv)}  # fmt: skip
-        results["meta"] = meta
-        text = table(results, meta)
-        print(text)
-        print(json.dumps({"start_s": results["start_s"], "errors": results["errors"]}))
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
-        if args.markdown:
-            args.markdown.write_text(text + "\n")
+        return 0
+    if args.step == "worker":
+        worker(args.dir, args.name)
+        return 0
+    deadline = time.monotonic() + args.deadline
+    if args.step == "run":
+        start(args.dir, args.site, deadline)
+    results, engines = attach(args.dir)
+    measure(args.dir, results, engines, args.rounds, deadline)
+    if not args.keep:
+        for engine in engines.values():
+            engine.stop()
+    report(results, args)
     return 0
+
+
+def report(results: dict, args) -> None:
+    import torch
+    import vllm
+
+    counted = {r["round"] for r in results["rounds"] if r["round"] > 0}
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+            "vllm": vllm.__version__, "torch": torch.__version__, "rounds": len(counted),
+            "command": " ".join(sys.argv)}  # fmt: skip
+    results["meta"] = meta
+    save_partial(args.dir, results)
+    text = table(results, meta)
+    print(text)
+    print(json.dumps({"start_s": results["start_s"], "errors": results["errors"]}))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
 
 
 if __name__ == "__main__":
