@@ -1,57 +1,24 @@
 """Torch-only: split-K shrink whose reduction is a batched GEMM that also applies the slot mask."""
 
-import json, os
+import json
+import os
+
 import torch
+from graph_timer import graph_us as graph_time
+from graph_timer import lora_operands, shipped_path
 
 dev = "cuda"
 H, OUT, L = 5120, 5120, 4
 
 
-def graph_time(fn, iters=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / iters)
-    ts.sort()
-    return round(ts[len(ts) // 2], 2)
-
-
 res = {}
 for r in (64, 128):
     for T in (1, 4, 16, 64, 256, 1024):
-        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        A = torch.randn(L * r, H, device=dev, dtype=torch.bfloat16) / 70
-        B = torch.randn(L * r, OUT, device=dev, dtype=torch.bfloat16) / 10
-        y = torch.zeros(T, OUT, device=dev, dtype=torch.bfloat16)
+        x, A, B, y = lora_operands(T, r)
         slot = torch.arange(T, device=dev, dtype=torch.int32) % (L + 1) - 1  # -1 and all slots
         not_own = slot.unsqueeze(1) != torch.arange(L, device=dev, dtype=torch.int32)
         m3 = not_own.view(T, L, 1)
-        ref = (
-            torch.mm(x.double(), A.double().t()).view(T, L, r).masked_fill(m3, 0).view(T, -1)
-            @ B.double()
-        )
-
-        def cur():
-            h = torch.mm(x, A.t()).view(T, L, r).masked_fill_(m3, 0.0)
-            y.addmm_(h.view(T, L * r), B)
-
+        cur, ref = shipped_path(x, A, B, y, not_own)
         row = {"cur": graph_time(cur)}
         y.zero_()
         cur()

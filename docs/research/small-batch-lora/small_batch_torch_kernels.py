@@ -1,48 +1,22 @@
 """Torch-only: where the 1-slice add_lora_linear time goes at small token counts (no vLLM)."""
 
-import json, os, sys
+import json
+import os
+
 import torch
-from torch.profiler import profile, ProfilerActivity
+from graph_timer import graph_us as graph_time
+from graph_timer import lora_operands
+from torch.profiler import ProfilerActivity, profile
 
 dev = "cuda"
 H, OUT, L = 5120, 5120, 4
 res = {}
 
 
-def graph_time(fn, iters=200):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / 20)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 for r in (64, 128):
     for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        A = torch.randn(L * r, H, device=dev, dtype=torch.bfloat16) / 70
-        A1 = A[:r].clone()
-        B = torch.randn(L * r, OUT, device=dev, dtype=torch.bfloat16) / 10
-        B1 = B[:r].clone()
-        y = torch.zeros(T, OUT, device=dev, dtype=torch.bfloat16)
+        x, A, B, y = lora_operands(T, r)
+        A1, B1 = A[:r].clone(), B[:r].clone()
         mapping = torch.zeros(T, dtype=torch.int32, device=dev)
         not_own = mapping.unsqueeze(1) != torch.arange(L, device=dev, dtype=torch.int32)
         m3 = not_own.view(T, L, 1)
