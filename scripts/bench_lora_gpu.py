@@ -16,7 +16,8 @@ adapters (tokens spread round-robin); 1 to 16384 tokens. Targets (torch over
 triton-default): <= 1.25 at 1-256 tokens with one slice, <= 1.5 with 2-3
 slices, <= 0.75 at >= 4096 tokens.
 
-  python scripts/bench_lora_gpu.py [--json FILE] [--markdown FILE]
+  python scripts/bench_lora_gpu.py [--json FILE] [--markdown FILE] [--slices 1 2 3]
+        [--tokens 1 16 256 4096 16384]
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--slices", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3),
+                        help="only the layers with these slice counts")  # fmt: skip
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="token counts")
     args = parser.parse_args()
 
     import torch
@@ -135,10 +139,10 @@ def main() -> int:
             "apply matmul-add-lora-linear first (and leave PATCHKIT_LORA_BACKEND unset)"
         )
     rows = []
-    for widths in LAYERS:
+    for widths in (w for w in LAYERS if len(w) in args.slices):
         for rank in RANKS:
             for adapters in ADAPTERS:
-                for tokens in TOKENS:
+                for tokens in args.tokens:
                     row = case(torch, triton, widths, rank, adapters, tokens)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
