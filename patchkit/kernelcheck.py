@@ -19,10 +19,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 # bf16 keeps 8 significant bits (unit roundoff 2**-8 ~ 3.9e-3). The LoRA path
 # rounds the shrink result, the expand result and the sum with y; allowing
@@ -300,14 +298,3 @@ def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
         "bit-identical" if untouched else "CHANGED"
     )
     return KernelResult(name, ok, error, nonfinite, detail)
-
-
-def module_from_source(name: str, text: str, directory: Path):
-    """Import Python source as a standalone module (files that import only torch)."""
-    path = directory / f"{name}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # torch.compile looks functions' modules up by name
-    spec.loader.exec_module(module)
-    return module

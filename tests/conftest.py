@@ -9,6 +9,7 @@ hand; each test gets its own copy, so the cache stays pristine.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -57,6 +58,17 @@ def patched_text(version: str, patch_id: str, relpath: str) -> str:
     text = None if file_patch.creates else source.read_text()
     new_text, _ = apply_file_patch(text, file_patch)
     return new_text
+
+
+def module_from_source(name: str, text: str, directory: Path):
+    """Import Python source as a standalone module (files that import only torch)."""
+    path = directory / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # torch.compile looks functions' modules up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -15,8 +15,7 @@ import pytest
 from packaging.version import Version
 
 from patchkit.catalogue import Variant
-from patchkit.kernelcheck import module_from_source
-from tests.conftest import CATALOGUE, RELEASES, patched_text, release_tree
+from tests.conftest import CATALOGUE, RELEASES, module_from_source, patched_text, release_tree
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
