@@ -71,6 +71,23 @@ def module_from_source(name: str, text: str, directory: Path):
     return module
 
 
+LORA_TOLERANCE = {"torch.bfloat16": 2e-2, "torch.float16": 3e-3}  # max error / max |ref|
+
+
+def assert_close_to(result, expected, dtype) -> None:
+    """Max error within LORA_TOLERANCE[dtype] of the largest expected magnitude."""
+    error = (result.double() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert error <= LORA_TOLERANCE[str(dtype)] * scale, (error, scale)
+
+
+def same_bits(a, b) -> bool:
+    """Equal bit for bit (16-bit tensors), -0.0 and NaN payloads included."""
+    import torch
+
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """sha256 of every file under root, to prove a tree is byte-identical."""
     digests = {}

@@ -15,7 +15,15 @@ import pytest
 from packaging.version import Version
 
 from patchkit.catalogue import Variant
-from tests.conftest import CATALOGUE, RELEASES, module_from_source, patched_text, release_tree
+from tests.conftest import (
+    CATALOGUE,
+    RELEASES,
+    assert_close_to,
+    module_from_source,
+    patched_text,
+    release_tree,
+    same_bits,
+)
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
@@ -98,20 +106,6 @@ def add_lora_linear(ops, case: Case, y: torch.Tensor, scale: float, add_inputs: 
         buffer, case.b, y, case.mapping, *case.meta(), offset_start=0, add_inputs=add_inputs
     )
     return y
-
-
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
-
-
-def assert_close_to(result: torch.Tensor, expected: torch.Tensor, dtype) -> None:
-    """Max error within TOLERANCE[dtype] of the largest expected magnitude."""
-    error = (result.double() - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert error <= TOLERANCE[dtype] * scale, (error, scale)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 CASES = [

@@ -16,7 +16,7 @@ import random
 import pytest
 from packaging.version import Version
 
-from tests.conftest import CATALOGUE, RELEASES
+from tests.conftest import CATALOGUE, RELEASES, assert_close_to, same_bits
 from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, make_wrapper, update
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
@@ -82,13 +82,9 @@ def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23,
     return wrapper, layer, adapters, slots, x, y
 
 
-def assert_close(result, expected, tolerance=2e-2):
-    error = (result.double() - expected).abs().max().item()
-    assert error <= tolerance * expected.abs().max().item(), error
-
-
-def same_bits(a, b) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+def assert_close(result, expected):
+    """bf16 results against a float64 reference (the weights here are bf16)."""
+    assert_close_to(result, expected, torch.bfloat16)
 
 
 @pytest.mark.parametrize("wrapper_module", PATCHED, indirect=True)
