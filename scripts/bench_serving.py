@@ -112,6 +112,11 @@ def build(directory: Path) -> None:
 # ----- sites: one vLLM tree per configuration -----
 
 
+def stem(config: str) -> str:
+    """A configuration's name as a file name (its site, cache and mailbox)."""
+    return config.replace(":", "-").replace("+", "-")
+
+
 def patchkit(*args: str, target: Path) -> dict:
     command = [sys.executable, "-m", "patchkit.cli", *args, "--target", str(target), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -127,7 +132,7 @@ def make_sites(site: Path, work: Path) -> dict[str, dict]:
     configs = {"unpatched": [], **{f"only:{p}": [p] for p in needed}, "default": needed}
     sites = {}
     for name, patches in configs.items():
-        target = work / "sites" / name.replace(":", "-")
+        target = work / "sites" / stem(name)
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
         for entry in site.iterdir():
@@ -226,9 +231,8 @@ class Mailbox:
 
     def __init__(self, work: Path, name: str):
         folder = work / "engines"
-        stem = name.replace(":", "-").replace("+", "-")
-        self.inbox, self.outbox = folder / f"{stem}.in", folder / f"{stem}.out"
-        self.log = folder / f"{stem}.log"
+        self.inbox, self.outbox = folder / f"{stem(name)}.in", folder / f"{stem(name)}.out"
+        self.log = folder / f"{stem(name)}.log"
 
     def create(self) -> None:
         self.inbox.parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +266,7 @@ class Engine:
 
     @classmethod
     def start(cls, name: str, config: dict, work: Path, base_path: str) -> Engine:
-        cache = work / "cache" / name.replace(":", "-").replace("+", "-")
+        cache = work / "cache" / stem(name)
         shutil.rmtree(cache, ignore_errors=True)  # a fresh torch.compile cache per config
         cache.mkdir(parents=True)
         env = dict(os.environ, **config["env"], VLLM_CACHE_ROOT=str(cache), PYTHONUNBUFFERED="1")
@@ -282,7 +286,10 @@ class Engine:
             os.kill(self.pid, 0)
         except OSError:
             return False
-        return not Path(f"/proc/{self.pid}/status").read_text().count("State:\tZ")
+        try:  # a child of this run that exited stays a zombie until reaped
+            return "State:\tZ" not in Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return False
 
     def wait_for(self, match, deadline: float) -> dict:
         while time.monotonic() < deadline:
