@@ -200,6 +200,7 @@ def lora_linear_call(wrapper, backend: str, a: list, b: list):
             lora_a_stacked=tuple(t.clone() for t in a),
             lora_b_stacked=tuple(t.clone() for t in b),
             set_lora=lambda *args: None,
+            reset_lora=lambda *args: None,
         )
         wrapper.patchkit_adopt_layer(layer)
 

@@ -64,7 +64,7 @@ def reference(x, slots, adapters, widths, scale=1.0):
 
 def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23, seed=0):
     """A wrapper, a layer attached to it (set_mapping), adapters loaded, a batch mapped."""
-    wrapper = make_wrapper(punica_gpu, SLOTS)
+    wrapper = make_wrapper(punica_gpu, SLOTS, max_tokens=max(256, tokens))
     layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
     layer.set_mapping(wrapper)
     rnd = random.Random(seed)
@@ -74,7 +74,7 @@ def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23,
         adapters[slot] = adapter(seed * 10 + slot, widths, rank)
         layer.load(slot, *adapters[slot])
     slots = [rnd.choice([-1, *loaded]) for _ in range(tokens)]
-    slots[0] = -1
+    slots[0] = -1 if tokens > 1 else loaded[0]  # a row without LoRA, unless it is alone
     update(wrapper, punica_gpu, slots, SLOTS)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
@@ -96,6 +96,26 @@ def test_add_lora_linear_through_the_real_wrapper(wrapper_module):
         wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
         rows = torch.tensor(slots) >= 0
         expected = before.double() + reference(x, slots, adapters, widths)
+        assert_close(y[rows], expected[rows])
+        assert same_bits(y[~rows], before[~rows])
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.22.0", "0.26.0", "0.32.0"], indirect=True)
+def test_one_slice_at_every_token_count_either_side_of_the_split(wrapper_module):
+    """One slice: the split shrink up to SPLIT_K_MAX_TOKENS (8 parts to 64 tokens, 4
+    beyond), the single GEMM above; the same results either way."""
+    version, punica_gpu = wrapper_module
+    ops = punica_gpu.torch_lora_shrink.__globals__
+    for tokens in (1, 2, 64, 65, 256, 257, 300):
+        wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, (80,), tokens=tokens,
+                                                      seed=tokens)  # fmt: skip
+        masks = wrapper.patchkit_token_masks
+        split = ops["_splits"](x, list(layer.lora_a_stacked), masks.reduce_weights[x.dtype])
+        assert split == (tokens <= ops["SPLIT_K_MAX_TOKENS"]), tokens
+        before = y.clone()
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 0.5, (80,))
+        rows = torch.tensor(slots) >= 0
+        expected = before.double() + reference(x, slots, adapters, (80,), 0.5)
         assert_close(y[rows], expected[rows])
         assert same_bits(y[~rows], before[~rows])
 
@@ -154,6 +174,7 @@ VIEWS = {
     "aten::as_strided",
     "aten::t",
     "aten::transpose",
+    "aten::permute",
     "aten::slice",
     "aten::select",
     "aten::unsqueeze",
@@ -164,22 +185,24 @@ VIEWS = {
 }  # fmt: skip  (item: the no-LoRA flag, a CPU tensor)
 
 
+CALL_KERNELS = [
+    # (slices, tokens): the ops of one add_lora_linear call
+    ((64, 32, 48), 23, ["aten::mm", "aten::mul_", "aten::addmm_", "aten::addmm_", "aten::addmm_"]),
+    ((64,), 23, ["aten::bmm", "aten::bmm", "aten::addmm_"]),  # split shrink, masked reduce
+    ((64,), 300, ["aten::mm", "aten::mul_", "aten::addmm_"]),
+]
+
+
 @pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
-def test_one_call_is_a_gemm_a_mask_and_one_addmm_per_slice(wrapper_module):
-    """The batch-only work (slot masks) ran in update_metadata; a layer's call does none."""
+def test_one_call_is_a_gemm_the_slot_weights_and_one_addmm_per_slice(wrapper_module):
+    """The batch-only work (slot weights) ran in update_metadata; a layer's call does none."""
     version, punica_gpu = wrapper_module
-    widths = (64, 32, 48)
-    wrapper, layer, _, _, x, y = setup(version, punica_gpu, widths)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
-    work = [n for n in direct_children(prof, "patchkit_lora::add_lora_linear") if n not in VIEWS]
-    assert work == [
-        "aten::mm",
-        "aten::masked_fill_",
-        "aten::addmm_",
-        "aten::addmm_",
-        "aten::addmm_",
-    ]
+    for widths, tokens, expected in CALL_KERNELS:
+        wrapper, layer, _, _, x, y = setup(version, punica_gpu, widths, tokens=tokens)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        calls = direct_children(prof, "patchkit_lora::add_lora_linear")
+        assert [n for n in calls if n not in VIEWS] == expected, (widths, tokens)
 
 
 @pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
@@ -209,50 +232,66 @@ def test_a_graph_captured_with_lora_replayed_for_a_batch_without(wrapper_module)
     assert (stale >= 0).any()  # vLLM did not rewrite it
     before = y.clone()
     masks = wrapper.patchkit_token_masks
-    ops["_linear"](y, x, list(layer.lora_a_stacked), list(layer.lora_b_stacked), masks.not_own,
-                   masks.no_lora, torch.tensor([False]), 1.0, True)  # fmt: skip
-    assert same_bits(y, before)
+    for widths_used in (widths, widths[:1]):  # the split one-slice call too
+        ops["_linear"](y, x, list(layer.lora_a_stacked[: len(widths_used)]),
+                       list(layer.lora_b_stacked[: len(widths_used)]), masks.weights[x.dtype],
+                       masks.reduce_weights[x.dtype], masks.no_lora, torch.tensor([False]), 1.0,
+                       True)  # fmt: skip
+        assert same_bits(y, before)
+
+
+def with_lora(call, wrapper, layer, x, y, widths):
+    """y plus the layer's LoRA: add_lora_linear, or add_shrink then add_expand (_mcp_apply)."""
+    out = y.clone()
+    if call == "linear":
+        wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+    else:
+        buffer = torch.empty(len(widths), x.size(0), RANK)
+        wrapper.add_shrink(buffer, x, layer.lora_a_stacked, 1.0)
+        wrapper.add_expand(out, buffer, layer.lora_b_stacked, widths, add_inputs=True)
+    return out
 
 
 @pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
 def test_a_bad_adapter_reaches_only_its_own_rows(wrapper_module, caplog):
     """inf in one slot's B, NaN in another's A: the other rows are as without them
-    (rows without LoRA bit for bit), the bad adapters' rows are NaN; loading a good
-    adapter into the slot again clears it."""
+    (rows without LoRA bit for bit), the bad adapters' rows are NaN, in every way a
+    layer's LoRA is computed; loading a good adapter into the slot again, or removing
+    the bad one, clears it."""
     version, punica_gpu = wrapper_module
-    widths = (64, 32)
-    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, loaded=(0, 1, 2, 3))
-    bad_b = adapter(91, widths, 8)
-    bad_b[1][1][3, 2] = float("inf")
-    bad_a = adapter(92, widths, 8)
-    bad_a[0][0][1, 5] = float("nan")
-    with caplog.at_level(logging.WARNING):
-        layer.load(1, *bad_b)
-        layer.load(3, *bad_a)
-    assert "slot 1 has non-finite B weights" in caplog.text
     slots = [-1, 0, 1, 2, 3, -1, 2, 1, 0, 3, -1]
-    update(wrapper, punica_gpu, slots, SLOTS)
-    x, y = x[: len(slots)], y[: len(slots)]
-    for call in ("linear", "shrink+expand"):
-        out = y.clone()
-        if call == "linear":
-            wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
-        else:
-            buffer = torch.empty(len(widths), len(slots), RANK)
-            wrapper.add_shrink(buffer, x, layer.lora_a_stacked, 1.0)
-            wrapper.add_expand(out, buffer, layer.lora_b_stacked, widths, add_inputs=True)
-        good = [t for t, s in enumerate(slots) if s in (0, 2)]
+    for widths in ((64, 32), (64,)):  # one slice: the split shrink
+        caplog.clear()
+        wrapper, layer, adapters, _, x, y = setup(version, punica_gpu, widths, loaded=(0, 1, 2, 3))
+        bad_b = adapter(91, widths, 8)
+        bad_b[1][-1][3, 2] = float("inf")
+        bad_a = adapter(92, widths, 8)
+        bad_a[0][0][1, 5] = float("nan")
+        with caplog.at_level(logging.WARNING):
+            layer.load(1, *bad_b)
+            layer.load(3, *bad_a)
+        for slot in (1, 3):
+            assert f"slot {slot} has non-finite weights" in caplog.text
+        update(wrapper, punica_gpu, slots, SLOTS)
+        x, y = x[: len(slots)], y[: len(slots)]
         expected = y.double() + reference(x, slots, adapters, widths)
-        assert_close(out[good], expected[good])
-        none = [t for t, s in enumerate(slots) if s == -1]
-        assert same_bits(out[none], y[none])
-        for bad in (1, 3):
-            assert not torch.isfinite(out[[t for t, s in enumerate(slots) if s == bad]]).all()
-    layer.load(1, *adapters[1])
-    out = y.clone()
-    wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
-    rows = [t for t, s in enumerate(slots) if s == 1]
-    assert_close(out[rows], (y.double() + reference(x, slots, adapters, widths))[rows])
+        for call in ("linear", "shrink+expand"):
+            out = with_lora(call, wrapper, layer, x, y, widths)
+            good = [t for t, s in enumerate(slots) if s in (0, 2)]
+            assert_close(out[good], expected[good])
+            none = [t for t, s in enumerate(slots) if s == -1]
+            assert same_bits(out[none], y[none])
+            for bad in (1, 3):
+                assert not torch.isfinite(out[[t for t, s in enumerate(slots) if s == bad]]).all()
+        layer.load(1, *adapters[1])
+        layer.reset_lora(3)
+        update(wrapper, punica_gpu, slots, SLOTS)
+        out = with_lora("linear", wrapper, layer, x, y, widths)
+        assert torch.isfinite(out).all()
+        rows = [t for t, s in enumerate(slots) if s == 1]
+        assert_close(out[rows], expected[rows])
+        three = [t for t, s in enumerate(slots) if s == 3]
+        assert same_bits(out[three], y[three])  # an empty slot: no delta
 
 
 @pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
