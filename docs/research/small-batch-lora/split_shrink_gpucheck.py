@@ -1,8 +1,13 @@
 """GPU check of the branch's torch path on its own (no vLLM): results vs float64,
 bad-adapter containment, CUDA-graph replay timings of split vs single-GEMM shrink."""
 
-import importlib.util, json, os, sys, types
+import importlib.util
+import json
+import os
+import types
+
 import torch
+from graph_timer import graph_us
 
 lines = open("patches/matmul-add-lora-linear/torch-ops.diff").read().split("\n")
 i = lines.index("--- /dev/null")
@@ -16,32 +21,6 @@ m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
 dev, H, OUT, L = "cuda", 5120, 5120, 4
 out = {}
-
-
-def graph_us(fn, iters=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / iters)
-    ts.sort()
-    return round(ts[len(ts) // 2], 2)
 
 
 for r in (64, 128):
