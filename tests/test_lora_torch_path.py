@@ -120,6 +120,28 @@ def test_one_slice_at_every_token_count_either_side_of_the_split(wrapper_module)
         assert same_bits(y[~rows], before[~rows])
 
 
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0"], indirect=True)
+def test_a_layer_attached_after_a_batch_was_mapped_gets_that_batchs_weights(wrapper_module):
+    """The slot weights of a dtype are kept from the first layer of that dtype on; one
+    attached after update_metadata (as verify's kernel check and the benchmark do)
+    finds them filled for the batch already mapped."""
+    version, punica_gpu = wrapper_module
+    wrapper = make_wrapper(punica_gpu, SLOTS)
+    slots = [-1, 0, 1, 0, 1, -1, 0]
+    update(wrapper, punica_gpu, slots, SLOTS)
+    layer = Layer(version, (80,), SLOTS, RANK, HIDDEN)
+    layer.set_mapping(wrapper)
+    adapters = {slot: adapter(slot, (80,), RANK) for slot in (0, 1)}
+    for slot, weights in adapters.items():
+        layer.load(slot, *weights)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(len(slots), HIDDEN, generator=gen).to(torch.bfloat16)
+    y = torch.zeros(len(slots), 80, dtype=torch.bfloat16)
+    wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, (80,))
+    rows = torch.tensor(slots) >= 0
+    assert_close(y[rows], reference(x, slots, adapters, (80,))[rows])
+
+
 @pytest.mark.parametrize("wrapper_module", ["0.26.0", "0.32.0"], indirect=True)
 def test_dual_stream_writes_lora_rows_and_leaves_the_others(wrapper_module):
     """add_inputs=False (0.20+ dual stream): LoRA rows get the delta alone."""
