@@ -14,8 +14,9 @@ patched file) and its own empty compile cache:
   default+triton       the same tree, PATCHKIT_LORA_BACKEND=triton
 
 All engines start together and stay up; the workloads then run one engine
-at a time, configurations in a new order each round, so drift over time
-falls on all of them alike. Round 0 warms up (adapter loads, Triton JIT; the
+at a time, configurations in a new order each round and each twice, the
+second pass mirrored (A B C C B A), so drift over time falls on all of them
+alike; a configuration's two legs are pooled. Round 0 warms up (adapter loads, Triton JIT; the
 same batch shapes, 32 tokens out) and is not counted; the table gives the
 median of the rounds after it, as many as fit the deadline, judged by the
 time of the counted rounds.
@@ -29,7 +30,7 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR            model + adapters (transformers, peft)
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
-        [--keep] [--json FILE] [--markdown FILE]
+        [--configs default ...] [--keep] [--json FILE] [--markdown FILE]
   python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--keep] [...]
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
@@ -125,11 +126,30 @@ def patchkit(*args: str, target: Path) -> dict:
     return json.loads(done.stdout)
 
 
-def make_sites(site: Path, work: Path) -> dict[str, dict]:
-    """{config: {"site": path, "env": {...}}}: hard-linked copies of the vLLM tree, patched."""
+def config_patches(site: Path) -> dict[str, list[str]]:
+    """{config: the patches its tree gets}, for every configuration this release has."""
     status = patchkit("status", target=site)
     needed = [p["id"] for p in status["patches"] if p["state"] == "needed"]
-    configs = {"unpatched": [], **{f"only:{p}": [p] for p in needed}, "default": needed}
+    return {"unpatched": [], **{f"only:{p}": [p] for p in needed}, "default": needed}
+
+
+def make_sites(site: Path, work: Path, wanted: list[str] | None) -> dict[str, dict]:
+    """{config: {"site": path, "env": {...}}}: hard-linked copies of the vLLM tree, patched.
+
+    `wanted` narrows the run to some configurations (unpatched is always one:
+    every ratio is to it); None keeps them all.
+    """
+    configs = config_patches(site)
+    known = [*configs, "default+triton"]
+    if wanted is not None:
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            raise SystemExit(f"unknown configuration {', '.join(unknown)}; "
+                             f"this release has: {', '.join(known)}")  # fmt: skip
+        keep = {"unpatched", *wanted}
+        if "default+triton" in keep:
+            keep.add("default")  # the same tree
+        configs = {name: patches for name, patches in configs.items() if name in keep}
     sites = {}
     for name, patches in configs.items():
         target = work / "sites" / stem(name)
@@ -141,7 +161,10 @@ def make_sites(site: Path, work: Path) -> dict[str, dict]:
         if patches:
             patchkit("apply", *[a for p in patches for a in ("--only", p)], target=target)
         sites[name] = {"site": str(target), "patches": patches, "env": {}}
-    sites["default+triton"] = {**sites["default"], "env": {"PATCHKIT_LORA_BACKEND": "triton"}}
+    if wanted is None or "default+triton" in wanted:
+        sites["default+triton"] = {**sites["default"], "env": {"PATCHKIT_LORA_BACKEND": "triton"}}
+    if wanted is not None and "default" not in wanted:
+        del sites["default"]
     return sites
 
 
@@ -337,9 +360,9 @@ class Engine:
             self.writer.close()
 
 
-def start(work: Path, site: Path, deadline: float) -> dict:
+def start(work: Path, site: Path, wanted: list[str] | None, deadline: float) -> dict:
     """Patch the trees, start one engine per configuration, wait until all are ready."""
-    configs = make_sites(site, work)
+    configs = make_sites(site, work, wanted)
     base_path = os.environ.get("PYTHONPATH", "")
     engines = {
         name: Engine.start(name, config, work, base_path) for name, config in configs.items()
@@ -387,15 +410,34 @@ def measure(work: Path, results: dict, engines: dict[str, Engine], rounds: int, 
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         try:
             for workload in WORKLOADS:
-                for name in order:
+                for leg, name in mirrored(order):
                     result = engines[name].ask(workload, round_, deadline)
-                    results["rounds"].append({"config": name, **result})
+                    results["rounds"].append({"config": name, "leg": leg, **result})
         except (RuntimeError, TimeoutError) as exc:  # keep what was measured
             results["errors"]["run"] = f"round {round_}: {exc}"
             results["rounds"] = [r for r in results["rounds"] if r["round"] != round_]
             break
         round_times.append(time.monotonic() - began)
         save_partial(work, results)
+
+
+def mirrored(order: list[str]) -> list[tuple[int, str]]:
+    """Each configuration twice, the second pass in reverse (A B C C B A): a host that
+    speeds up or slows down during the workload weighs on every configuration alike."""
+    return [(0, name) for name in order] + [(1, name) for name in reversed(order)]
+
+
+def per_round(counted: list[dict], workload: str) -> dict[int, dict[str, float]]:
+    """{round: {config: tok/s}} for one workload, a configuration's legs pooled
+    (tokens over seconds)."""
+    tokens: dict = {}
+    for r in counted:
+        if r["workload"] == workload:
+            cell = tokens.setdefault(r["round"], {}).setdefault(r["config"], [0.0, 0.0])
+            cell[0] += r["tok_s"] * r["seconds"]
+            cell[1] += r["seconds"]
+    return {round_: {name: t / s for name, (t, s) in row.items()}
+            for round_, row in tokens.items()}  # fmt: skip
 
 
 def save_partial(work: Path, results: dict) -> None:
@@ -419,10 +461,7 @@ def table(results: dict, meta: dict) -> str:
         "|---|" + "---|" * len(configs),
     ]
     for workload in WORKLOADS:
-        by_round = {}
-        for r in counted:
-            if r["workload"] == workload:
-                by_round.setdefault(r["round"], {})[r["config"]] = r["tok_s"]
+        by_round = per_round(counted, workload)
         cells = []
         for name in configs:
             values = [row[name] for row in by_round.values() if name in row]
@@ -437,6 +476,10 @@ def table(results: dict, meta: dict) -> str:
             else:
                 cells.append(f"{statistics.median(values):.0f}")
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    stolen = [r.get("steal_s", 0.0) for r in counted]
+    lines += ["", f"Stolen CPU (guest, /proc/stat) during the {len(counted)} counted "
+              f"measurements: {sum(stolen):.1f} s in all, "
+              f"some in {sum(x > 0 for x in stolen)}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -457,7 +500,12 @@ def main() -> int:
         step.add_argument("--json", type=Path)
         step.add_argument("--markdown", type=Path)
     go.add_argument("--site", type=Path, required=True, help="the directory holding vllm/")
+    go.add_argument("--configs", nargs="+", metavar="NAME",
+                    help="only these configurations beside unpatched (default: all)")  # fmt: skip
     args = parser.parse_args()
+    args.dir = args.dir.resolve()  # patchkit runs from the repository root
+    if args.step == "run":
+        args.site = args.site.resolve()
     if args.step == "build":
         build(args.dir)
         return 0
@@ -466,7 +514,7 @@ def main() -> int:
         return 0
     deadline = time.monotonic() + args.deadline
     if args.step == "run":
-        start(args.dir, args.site, deadline)
+        start(args.dir, args.site, args.configs, deadline)
     results, engines = attach(args.dir)
     measure(args.dir, results, engines, args.rounds, deadline)
     if not args.keep:
