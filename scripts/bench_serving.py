@@ -32,6 +32,7 @@ Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
         [--configs default ...] [--keep] [--json FILE] [--markdown FILE]
   python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--keep] [...]
+  python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
 under DIR/engines/, so with --keep the engines stay up after `run` ends and
@@ -476,11 +477,51 @@ def table(results: dict, meta: dict) -> str:
             else:
                 cells.append(f"{statistics.median(values):.0f}")
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    lines += ["", *leg_table(counted, configs)]
     stolen = [r.get("steal_s", 0.0) for r in counted]
     lines += ["", f"Stolen CPU (guest, /proc/stat) during the {len(counted)} counted "
               f"measurements: {sum(stolen):.1f} s in all, "
               f"some in {sum(x > 0 for x in stolen)}."]  # fmt: skip
     return "\n".join(lines)
+
+
+def leg_table(counted: list[dict], configs: list[str]) -> list[str]:
+    """Markdown: each configuration's slowest, median and fastest single leg, as % of
+    unpatched's same statistic.
+
+    Why beside the per-round ratios: where a host puts single measurements on
+    two speed levels at random (decode on the test H200's guest), a ratio of
+    two legs compares levels as often as configurations; the extremes and the
+    median of many legs each compare like with like.
+    """
+    lines = [
+        "Single legs (each configuration measured twice a round): slowest / median / "
+        "fastest tok/s, and each as % of unpatched's",
+        "",
+        "| workload | " + " | ".join(configs) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
+    for workload in WORKLOADS:
+        stats = {}
+        for name in configs:
+            legs = sorted(r["tok_s"] for r in counted
+                          if r["workload"] == workload and r["config"] == name)  # fmt: skip
+            if legs:
+                stats[name] = (legs[0], statistics.median(legs), legs[-1])
+        base = stats.get("unpatched")
+        cells = []
+        for name in configs:
+            if name not in stats:
+                cells.append("n/a")
+                continue
+            values = " / ".join(f"{v:.0f}" for v in stats[name])
+            if name != "unpatched" and base:
+                pairs = zip(stats[name], base, strict=True)
+                shares = " / ".join(f"{100 * v / b:.0f}" for v, b in pairs)
+                values += f" ({shares} %)"
+            cells.append(values)
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> int:
@@ -499,10 +540,20 @@ def main() -> int:
         step.add_argument("--keep", action="store_true", help="leave the engines up for `more`")
         step.add_argument("--json", type=Path)
         step.add_argument("--markdown", type=Path)
+    again = sub.add_parser("table", help="print the tables of a results file again")
+    again.add_argument("results", type=Path, help="the --json file (or DIR/results.json)")
+    again.add_argument("--markdown", type=Path)
     go.add_argument("--site", type=Path, required=True, help="the directory holding vllm/")
     go.add_argument("--configs", nargs="+", metavar="NAME",
                     help="only these configurations beside unpatched (default: all)")  # fmt: skip
     args = parser.parse_args()
+    if args.step == "table":
+        results = json.loads(args.results.read_text())
+        text = table(results, results["meta"])
+        print(text)
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        return 0
     args.dir = args.dir.resolve()  # patchkit runs from the repository root
     if args.step == "run":
         args.site = args.site.resolve()
