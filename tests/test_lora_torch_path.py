@@ -240,6 +240,43 @@ def test_a_batch_without_lora_runs_nothing_and_changes_nothing(wrapper_module):
     assert same_bits(y, before)
 
 
+# What updating the slot masks launches.
+WRITES = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::where", "aten::eq", "aten::any"}
+WRITES |= {"aten::logical_not_"}
+
+
+def mask_writes(masks, num_tokens: int) -> list[str]:
+    """The writing ops of one SlotMasks.update (what update_metadata adds per batch)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        masks.update(num_tokens)
+    return [e.name for e in prof.events() if e.name in WRITES]
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.22.0", "0.26.0", "0.32.0"], indirect=True)
+def test_base_traffic_launches_nothing_per_batch(wrapper_module):
+    """A batch without LoRA clears the rows the last LoRA batches wrote, once; the
+    batches without LoRA after it launch nothing, as vLLM's Triton path does not.
+    Rows a larger LoRA batch wrote earlier are cleared too (a padded graph reads them)."""
+    version, punica_gpu = wrapper_module
+    wrapper, layer, _, slots, x, y = setup(version, punica_gpu, (64, 32), tokens=40)
+    masks = wrapper.patchkit_token_masks
+    update(wrapper, punica_gpu, [0, 2, -1], SLOTS)  # a smaller LoRA batch after 40 tokens
+    wrapper.token_mapping_meta.no_lora_flag_cpu.fill_(True)  # the next batch has no LoRA
+    assert mask_writes(masks, 5)  # clears what the LoRA batches wrote
+    rows = masks.no_lora.size(0)
+    assert masks.no_lora.all() and all(not w.any() for w in masks.weights.values())
+    assert all(not w.any() for w in masks.reduce_weights.values())
+    for tokens in (5, 40, rows):
+        assert mask_writes(masks, tokens) == []
+    update(wrapper, punica_gpu, [-1, 1], SLOTS)  # LoRA again: written, then cleared once
+    assert masks.weights[x.dtype][1, 1] == 1 and not masks.no_lora[1]
+    update(wrapper, punica_gpu, [-1] * 3, SLOTS)
+    assert masks.no_lora.all() and not masks.weights[x.dtype].any()
+    before = y.clone()
+    wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, (64, 32))
+    assert same_bits(y, before)
+
+
 @pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
 def test_a_graph_captured_with_lora_replayed_for_a_batch_without(wrapper_module):
     """With cudagraph_specialize_lora off, vLLM replays the graph captured with LoRA
