@@ -55,6 +55,8 @@ def user_errors(func):
             return func(*args, **kwargs)
         except PatchkitError as exc:
             fail(str(exc), EXIT_FAILURE, as_json)
+        except BrokenPipeError:
+            stdout_closed()
         except OSError as exc:
             fail(os_error_line(exc, "accessing"), EXIT_FAILURE, as_json)
         except (click.ClickException, click.exceptions.Exit):
@@ -79,6 +81,18 @@ def user_errors(func):
             )
 
     return wrapper
+
+
+def stdout_closed() -> None:
+    """The reader of stdout went away (`patchkit apply | head`): say so, not that the
+    tree failed; the command had done its work or stopped where status shows."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    click.echo(
+        "patchkit: error: stdout closed before the report was written (broken pipe); "
+        "`patchkit status` shows the tree",
+        err=True,
+    )
+    sys.exit(EXIT_FAILURE)
 
 
 class PatchkitGroup(click.Group):

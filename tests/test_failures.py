@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -333,3 +334,22 @@ def test_a_partial_reinstall_is_a_conflict_and_force_reverts_it(tree_0260: Path)
     assert refused.exit_code == 1 and "--force" in refused.stderr
     assert run_cli("revert", "--target", str(tree_0260), "--force").exit_code == 0
     assert snapshot(tree_0260) == pristine
+
+
+def test_stdout_closed_early_is_not_blamed_on_the_tree(tree_0260: Path):
+    """`patchkit apply | head`: the reader leaves before the report. The apply stands,
+    and the one line says what happened (it used to say "accessing the tree failed")."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: the report's first write fails with EPIPE
+    command = [sys.executable, "-m", "patchkit.cli", "apply", "--target", str(tree_0260)]
+    try:
+        done = subprocess.run(command, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "patchkit: error: stdout closed before the report was written (broken pipe); "
+        "`patchkit status` shows the tree"
+    ]
+    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert {p["state"] for p in status["patches"] if p["state"] != "not-applicable"} == {"applied"}
