@@ -446,21 +446,25 @@ def save_partial(work: Path, results: dict) -> None:
     (work / "results.json").write_text(json.dumps(results, indent=1))
 
 
+def table_head(caption: str, configs: list[str]) -> list[str]:
+    """A caption, then a markdown table's header: a workload column, one per configuration."""
+    return [caption, "", "| workload | " + " | ".join(configs) + " |",
+            "|---|" + "---|" * len(configs)]  # fmt: skip
+
+
 def table(results: dict, meta: dict) -> str:
     """Markdown: median tok/s of the counted rounds; in brackets the median, over
     rounds, of each configuration's ratio to unpatched in the same round (drift
     over time cancels within a round)."""
     counted = [r for r in results["rounds"] if r["round"] > 0]
     configs = list(results["configs"])
-    lines = [
+    lines = table_head(
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}; "
         f"median of {meta['rounds']} rounds after a warm-up round; tok/s "
         "(decode: output tokens, prefill: prompt tokens); in brackets the median of the "
         "per-round ratios to unpatched and their range",
-        "",
-        "| workload | " + " | ".join(configs) + " |",
-        "|---|" + "---|" * len(configs),
-    ]
+        configs,
+    )
     for workload in WORKLOADS:
         by_round = per_round(counted, workload)
         cells = []
@@ -494,13 +498,11 @@ def leg_table(counted: list[dict], configs: list[str]) -> list[str]:
     two legs compares levels as often as configurations; the extremes and the
     median of many legs each compare like with like.
     """
-    lines = [
+    lines = table_head(
         "Single legs (each configuration measured twice a round): slowest / median / "
         "fastest tok/s, and each as % of unpatched's",
-        "",
-        "| workload | " + " | ".join(configs) + " |",
-        "|---|" + "---|" * len(configs),
-    ]
+        configs,
+    )
     for workload in WORKLOADS:
         stats = {}
         for name in configs:
