@@ -9,7 +9,6 @@ OLD.diff / NEW.diff: patches/matmul-add-lora-linear/torch-ops.diff of two
 commits (NEW defaults to the working tree's). Writes $OUT/base-traffic.json.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -17,20 +16,9 @@ import time
 import types
 
 import torch
+from graph_timer import module_from_diff
 
 DEV, HIDDEN, WIDTHS, SLOTS, RANK, ROWS = "cuda", 5120, (5120, 1024), 4, 64, 8192
-
-
-def module_from_diff(path: str, name: str):
-    lines = open(path).read().split("\n")
-    start = lines.index("--- /dev/null")
-    source = "\n".join(line[1:] for line in lines[start + 3 :] if line.startswith("+")) + "\n"
-    file = f"/tmp/{name}.py"
-    open(file, "w").write(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def setup(m):

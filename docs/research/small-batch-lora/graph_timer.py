@@ -1,4 +1,7 @@
-"""The CUDA-graph replay timer the small-batch LoRA measurements share."""
+"""What the small-batch LoRA measurements share: the CUDA-graph replay timer, the
+operands and the first shipped path, the error of a call, and the patched module."""
+
+import importlib.util
 
 import torch
 
@@ -54,3 +57,25 @@ def shipped_path(x, a, b, y, not_own):
     shrunk = torch.mm(x.double(), a.double().t()).view(tokens, slots, rank)
     reference = shrunk.masked_fill(masked, 0).view(tokens, -1) @ b.double()
     return call, reference
+
+
+def relative_error(call, y, reference) -> float:
+    """||y - reference|| / ||reference|| after one call into a zeroed y."""
+    y.zero_()
+    call()
+    torch.cuda.synchronize()
+    return float((y.double() - reference).norm() / reference.norm())
+
+
+def module_from_diff(path: str, name: str):
+    """The torch path's module, imported on its own from the new-file section of a
+    torch-ops.diff (patches/matmul-add-lora-linear/, or one of an older commit)."""
+    lines = open(path).read().split("\n")
+    start = lines.index("--- /dev/null")
+    source = "\n".join(line[1:] for line in lines[start + 3 :] if line.startswith("+")) + "\n"
+    file = f"/tmp/{name}.py"
+    open(file, "w").write(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

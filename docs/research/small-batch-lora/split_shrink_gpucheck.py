@@ -1,24 +1,14 @@
 """GPU check of the branch's torch path on its own (no vLLM): results vs float64,
 bad-adapter containment, CUDA-graph replay timings of split vs single-GEMM shrink."""
 
-import importlib.util
 import json
 import os
 import types
 
 import torch
-from graph_timer import graph_us
+from graph_timer import graph_us, module_from_diff
 
-lines = open("patches/matmul-add-lora-linear/torch-ops.diff").read().split("\n")
-i = lines.index("--- /dev/null")
-src = "\n".join(l[1:] for l in lines[i + 3 :] if l.startswith("+")) + "\n"
-os.makedirs("/tmp/pk", exist_ok=True)
-open("/tmp/pk/patchkit_lora_matmul.py", "w").write(src)
-spec = importlib.util.spec_from_file_location(
-    "patchkit_lora_matmul", "/tmp/pk/patchkit_lora_matmul.py"
-)
-m = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(m)
+m = module_from_diff("patches/matmul-add-lora-linear/torch-ops.diff", "patchkit_lora_matmul")
 dev, H, OUT, L = "cuda", 5120, 5120, 4
 out = {}
 
