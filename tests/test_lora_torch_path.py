@@ -240,9 +240,15 @@ def test_a_batch_without_lora_runs_nothing_and_changes_nothing(wrapper_module):
     assert same_bits(y, before)
 
 
-# What updating the slot masks launches.
-WRITES = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::where", "aten::eq", "aten::any"}
-WRITES |= {"aten::logical_not_"}
+WRITES = {  # what updating the slot masks launches
+    "aten::fill_",
+    "aten::zero_",
+    "aten::copy_",
+    "aten::where",
+    "aten::eq",
+    "aten::any",
+    "aten::logical_not_",
+}
 
 
 def mask_writes(masks, num_tokens: int) -> list[str]:
