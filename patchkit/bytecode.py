@@ -5,46 +5,61 @@ both, or hash-based .pyc files built with ``--invalidation-mode
 unchecked-hash`` (common in images), would keep running the old code. So
 every touched module's bytecode is deleted, for every interpreter tag.
 (vLLM's and Triton's compile caches: ``caches.py``.)
+
+Bytecode is removed after the patches are committed, so a failure here (a
+root-owned ``__pycache__``) is a warning in the report, never a rollback.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-from patchkit.safepath import UnsafePath, inside
+from patchkit.safepath import Root, UnsafePath
 
 
-def bytecode_files(root: Path, relpath: str) -> list[Path]:
-    """Every .pyc compiled from ``root/relpath``, whichever Python built it."""
-    source = root / relpath
-    if source.suffix != ".py":
+def bytecode_paths(fs: Root, relpath: str) -> list[str]:
+    """Every .pyc inside the tree compiled from ``relpath``, whichever Python built it.
+
+    A ``__pycache__`` that is a symbolic link is not looked into; bytecode
+    under ``sys.pycache_prefix`` lies outside the tree and is left alone (the
+    interpreter checks it by the source's mtime and size, which a patch
+    changes).
+    """
+    directory, _, name = relpath.rpartition("/")
+    if not name.endswith(".py"):
         return []
-    found = list((source.parent / "__pycache__").glob(f"{source.stem}.*.pyc"))
-    legacy = source.with_suffix(".pyc")
-    if legacy.is_file():
+    stem = name[: -len(".py")]
+    cache = f"{directory}/__pycache__"
+    try:
+        names = fs.names(cache, "bytecode")
+    except UnsafePath:
+        names = []
+    found = [f"{cache}/{n}" for n in names if n.startswith(f"{stem}.") and n.endswith(".pyc")]
+    legacy = f"{directory}/{stem}.pyc"
+    if fs.lstat(legacy, "bytecode") is not None:
         found.append(legacy)
-    if sys.pycache_prefix:
-        prefixed = Path(sys.pycache_prefix) / source.resolve().parent.relative_to("/")
-        found.extend(prefixed.glob(f"{source.stem}.*.pyc"))
     return sorted(found)
 
 
-def remove_bytecode(root: Path, relpaths: list[str]) -> list[str]:
-    """Delete the bytecode of each touched module inside the tree; returns what was removed.
-
-    A ``__pycache__`` that is a symbolic link, and bytecode under
-    ``sys.pycache_prefix`` (outside the tree), are left alone: patchkit
-    deletes nothing outside the tree. The interpreter checks those by the
-    source's mtime and size, which a patch changes.
-    """
-    removed = []
+def remove_bytecode(fs: Root, relpaths: list[str]) -> tuple[list[str], list[str]]:
+    """Delete the bytecode of each touched module; (what was removed, what could not be)."""
+    removed, problems = [], []
     for relpath in relpaths:
-        for pyc in bytecode_files(root, relpath):
+        try:
+            found = bytecode_paths(fs, relpath)
+        except OSError as exc:
+            problems.append(_problem(fs, relpath, exc))
+            continue
+        for pyc in found:
             try:
-                inside(root, str(pyc.relative_to(root)), "bytecode")
-            except (ValueError, UnsafePath):
-                continue
-            pyc.unlink(missing_ok=True)
-            removed.append(str(pyc))
-    return removed
+                if fs.unlink(pyc, "bytecode"):
+                    removed.append(str(fs.full(pyc)))
+            except (OSError, UnsafePath) as exc:
+                problems.append(_problem(fs, pyc, exc))
+    return removed, problems
+
+
+def _problem(fs: Root, relpath: str, exc: Exception) -> str:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return (
+        f"the patches are in place, but stale bytecode {fs.full(relpath)} could not be "
+        f"removed ({why}); delete it by hand (or run patchkit as the owner of the files)"
+    )

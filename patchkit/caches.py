@@ -4,44 +4,57 @@ Both can hold code built from the unpatched sources, so ``--clear-caches``
 removes them. Their locations come from the environment
 (``VLLM_CACHE_ROOT``, ``TRITON_CACHE_DIR``, ...), which makes them hostile
 input: ``TRITON_CACHE_DIR=`` once resolved to the working directory and
-deleted it. So a cache is cleared only when it is a real directory at an
-absolute path, holds nothing that the user or the vLLM tree needs (it is not
-``/``, the home directory, or an ancestor of the working directory, the tree
-or patchkit's own cache), and every entry in it has the layout that vLLM or
-Triton write. Otherwise it is left alone, and the report says why.
+deleted it. So a cache is cleared only when
+
+* it is an absolute path without ``.``/``..``, and no component of it, from
+  ``/`` down, is a symbolic link (it is opened that way, one component at a
+  time, and everything after goes through that descriptor);
+* it holds nothing that the user or the vLLM tree needs: it is not ``/``,
+  the home directory, or an ancestor of the working directory, the tree or
+  patchkit's own cache, nor inside the tree;
+* every entry in it has the layout that vLLM or Triton write, and no
+  directory in it is another mount (a bind mount under a kernel-hash name is
+  someone's data): removal never crosses a mount point or follows a link.
+
+Otherwise it is left alone, and the report says why. A cache that is not
+there is reported as such, not as cleared.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.errors import PatchkitError, os_error_line
+from patchkit.safepath import Root, Usage, mount_id, mount_points_below, remove_entry
 
-def _triton_entry(entry: Path) -> bool:
+_HASH = re.compile(r"[A-Z2-7]{52}|[0-9a-f]{64}")
+
+
+def _triton_entry(fs: Root, name: str, mode: int) -> bool:
     """Triton's FileCacheManager: one directory per kernel key (base32 or hex sha256)."""
-    return entry.is_dir() and re.fullmatch(r"[A-Z2-7]{52}|[0-9a-f]{64}", entry.name) is not None
+    return stat.S_ISDIR(mode) and _HASH.fullmatch(name) is not None
 
 
-def _vllm_entry(entry: Path) -> bool:
+def _vllm_entry(fs: Root, name: str, mode: int) -> bool:
     """vLLM: ``<10 hex>/rank_*`` per compiled config, and ``torch_aot_compile/<sha256>``."""
-    if not entry.is_dir():
+    if not stat.S_ISDIR(mode):
         return False
-    if entry.name == "torch_aot_compile":
-        return all(re.fullmatch(r"[0-9a-f]{64}", e.name) for e in entry.iterdir())
-    return re.fullmatch(r"[0-9a-f]{10}", entry.name) is not None
+    if name == "torch_aot_compile":
+        return all(re.fullmatch(r"[0-9a-f]{64}", n) for n in fs.names(name, "cache"))
+    return re.fullmatch(r"[0-9a-f]{10}", name) is not None
 
 
 @dataclass(frozen=True)
 class CacheDir:
     name: str
     path: Path | None  # None when the environment gives no usable path
-    source: str  # how it was found, for messages
-    is_entry: Callable[[Path], bool]
+    source: str  # how it was found, for messages: "TRITON_CACHE_DIR='...'" or "default"
+    is_entry: Callable[[Root, str, int], bool]
 
 
 def cache_dirs() -> list[CacheDir]:
@@ -79,64 +92,99 @@ def cache_dirs() -> list[CacheDir]:
     ]
 
 
-def refusal(cache: CacheDir, protected: list[Path], tree_root: Path) -> str | None:
-    """Why ``cache`` must be left alone, or None when it is safe to clear."""
-    if cache.path is None:
-        return f"{cache.source} is not an absolute path"
+def refusal(cache: CacheDir, fs: Root, protected: list[Path], tree_root: Path) -> str | None:
+    """Why the opened cache ``fs`` must be left alone, or None when it is safe to clear."""
     path = cache.path
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        return f"{path} is a symbolic link"
-    if not stat.S_ISDIR(mode):
-        return f"{path} is not a directory"
-    real = path.resolve()
+    here = os.fstat(fs.fd)
     for keep in [Path("/"), Path.home(), *protected]:
-        keep = keep.resolve()
-        if real == keep or real in keep.parents:
-            return f"{path} holds {keep}"
-    if tree_root.resolve() in real.parents:
+        held = _ancestor_ids(keep)
+        if (here.st_dev, here.st_ino) in held:
+            return f"{path} holds {held[(here.st_dev, here.st_ino)]}"
+    root = tree_root.resolve()
+    if root == path or root in path.parents:
         return f"{path} is inside the vLLM tree {tree_root}"
-    entries = list(path.iterdir())
-    if not entries:
-        return None
-    foreign = next((e for e in entries if e.is_symlink() or not cache.is_entry(e)), None)
-    if foreign is not None:
-        return f"{path} holds {foreign.name!r}, which is not part of the {cache.name}'s layout"
+    for name in fs.names("", "cache"):
+        found = fs.lstat(name, "cache")
+        if found is None:
+            continue
+        if stat.S_ISLNK(found.st_mode) or not cache.is_entry(fs, name, found.st_mode):
+            return f"{path} holds {name!r}, which is not part of the {cache.name}'s layout"
+    mounted = mount_points_below(fs.fd, path)
+    if mounted:
+        return f"{mounted} is a mount point inside the {cache.name}; patchkit never crosses one"
     return None
 
 
+def _ancestor_ids(path: Path) -> dict[tuple[int, int], Path]:
+    """(st_dev, st_ino) of ``path`` (resolved) and each directory above it."""
+    found = {}
+    for directory in [path.resolve(), *path.resolve().parents]:
+        try:
+            info = os.stat(directory)
+        except OSError:
+            continue
+        found[(info.st_dev, info.st_ino)] = path
+    return found
+
+
 def clear_caches(tree_root: Path) -> list[dict]:
-    """Clear each cache that passes :func:`refusal`; report what went or why not."""
+    """Clear each cache that passes :func:`refusal`; report what went, or why not."""
     from patchkit.fetch import cache_root
 
     protected = [Path.cwd(), tree_root, cache_root()]
-    report = []
-    for cache in cache_dirs():
-        entry = {"name": cache.name, "path": str(cache.path or cache.source)}
-        if cache.path is None or os.path.lexists(cache.path):
-            why = refusal(cache, protected, tree_root)
-        else:
-            why = None
-        if why is not None:
-            report.append({**entry, "removed": False, "files": 0, "bytes": 0, "reason": why})
-            continue
-        files = size = 0
-        if cache.path.is_dir():
-            for child in list(cache.path.iterdir()):
-                child_files, child_size = _usage(child)
-                shutil.rmtree(child)
-                files, size = files + child_files, size + child_size
-        report.append({**entry, "removed": True, "files": files, "bytes": size, "reason": None})
-    return report
+    return [_clear_one(cache, protected, tree_root) for cache in cache_dirs()]
 
 
-def _usage(path: Path) -> tuple[int, int]:
-    files = size = 0
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            try:
-                size += os.lstat(os.path.join(dirpath, name)).st_size
-                files += 1
-            except OSError:
-                pass
-    return files, size
+def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> dict:
+    entry = {"name": cache.name, "path": str(cache.path or cache.source)}
+
+    def result(state: str, usage: Usage | None = None, reason: str | None = None) -> dict:
+        usage, removed = usage or Usage(), state == "cleared"
+        return {**entry, "state": state, "removed": removed, "files": usage.files,
+                "bytes": usage.bytes, "reason": reason}  # fmt: skip
+
+    if cache.path is None:
+        return result("left-alone", reason=f"{cache.source} is not an absolute path")
+    try:
+        fs = Root.open_absolute(cache.path, cache.source)
+    except FileNotFoundError:
+        return result("absent", reason=f"{cache.path} does not exist (nothing to clear)")
+    except PatchkitError as exc:
+        return result("left-alone", reason=str(exc))
+    except OSError as exc:
+        return result("left-alone", reason=_os_reason(exc, "opening", cache))
+    with fs:
+        try:
+            why = refusal(cache, fs, protected, tree_root)
+            if why is not None:
+                return result("left-alone", reason=why)
+            return result("cleared", _remove_entries(fs))
+        except PatchkitError as exc:
+            return result("left-alone", reason=f"{exc} (partly cleared)")
+        except OSError as exc:
+            return result("left-alone", reason=_os_reason(exc, "clearing", cache))
+
+
+def _os_reason(exc: OSError, doing: str, cache: CacheDir) -> str:
+    variable = cache.source.split("=")[0] if "=" in cache.source else "HOME (the default)"
+    return os_error_line(exc, f"{doing} the {cache.name} ({cache.source}):", too_long=variable)
+
+
+def _remove_entries(fs: Root) -> Usage:
+    mount = mount_id(fs.fd)
+    usage = Usage()
+    for name in fs.names("", "cache"):
+        usage = usage + remove_entry(fs.fd, name, mount, fs.full(name))
+    return usage
+
+
+def cache_entries(cache: CacheDir) -> list[tuple[str, float]]:
+    """(name, mtime) of each entry of a cache, read without following links; [] if unusable."""
+    if cache.path is None:
+        return []
+    try:
+        with Root.open_absolute(cache.path, cache.source) as fs:
+            found = [(name, fs.lstat(name, "cache")) for name in fs.names("", "cache")]
+    except (OSError, PatchkitError):
+        return []
+    return [(name, info.st_mtime) for name, info in found if info is not None]

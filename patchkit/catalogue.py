@@ -199,6 +199,19 @@ class Patch:
     def variant(self, name: str) -> Variant | None:
         return next((v for v in self.variants if v.name == name), None)
 
+    @cached_property
+    def file_kinds(self) -> dict[str, set[str]]:
+        """Each path any diff of this patch touches, and how: creates, changes, deletes.
+
+        A state or journal entry is acted on only for these paths, so a forged
+        entry cannot make patchkit delete or overwrite any other file.
+        """
+        kinds: dict[str, set[str]] = {}
+        for variant in self.variants:
+            for file_patch in variant.files:
+                kinds.setdefault(file_patch.path, set()).add(file_patch.kind)
+        return kinds
+
 
 @dataclass(frozen=True)
 class Catalogue:
@@ -209,6 +222,11 @@ class Catalogue:
     @property
     def ids(self) -> tuple[str, ...]:
         return tuple(p.id for p in self.patches)
+
+    def file_kinds(self, patch_id: str) -> dict[str, set[str]] | None:
+        """Patch.file_kinds of a patch in the catalogue; None for an id it does not have."""
+        patch = next((p for p in self.patches if p.id == patch_id), None)
+        return None if patch is None else patch.file_kinds
 
     def get(self, patch_id: str) -> Patch:
         for patch in self.patches:

@@ -16,7 +16,7 @@ import traceback
 
 import click
 
-from patchkit import forkmode, operations, report
+from patchkit import forkmode, operations, report, signals
 from patchkit.catalogue import load_catalogue
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.tree import is_version, locate
@@ -39,22 +39,40 @@ def fail(message: str, code: int, as_json: bool) -> None:
     sys.exit(code)
 
 
+# What an interrupted command leaves behind, by command. Writes happen with
+# Ctrl-C and SIGTERM held (patchkit.signals), so a write step is never split.
+INTERRUPTED = {
+    "apply": "interrupted; patchkit finished the step it was in, so each patch is fully "
+    "applied or not at all (`patchkit status` shows which; `patchkit revert` undoes them)",
+    "revert": "interrupted; patchkit finished the step it was in, so each patch is fully "
+    "reverted or still applied (`patchkit status` shows which; run `patchkit revert` again)",
+    "fetch": "interrupted; nothing was unpacked into the destination (its staging directory "
+    "is removed, or by the next `patchkit fetch`)",
+    "verify": "interrupted; verify writes nothing into the vLLM tree",
+}
+
+
+def interrupted_message(command: str) -> str:
+    return INTERRUPTED.get(command, f"interrupted; `patchkit {command}` changes nothing")
+
+
 def user_errors(func):
     """Map every way a command can end badly onto one line and an exit status.
 
     PatchkitError and OSError (full disk, permissions, path too long) are the
-    user's to act on: exit 1. Ctrl-C: exit 130; the tree is as before, or is
-    rolled back by the next run. Anything else is a bug in patchkit: exit 3,
-    with the traceback only when PATCHKIT_DEBUG=1.
+    user's to act on: exit 1. Ctrl-C: exit 130, SIGTERM 143, SIGHUP 129, with
+    this command's own message (what it left behind). Anything else is a bug
+    in patchkit: exit 3, with the traceback only when PATCHKIT_DEBUG=1.
     """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
+        command = click.get_current_context().info_name
         try:
             return func(*args, **kwargs)
         except PatchkitError as exc:
-            fail(str(exc), EXIT_FAILURE, as_json)
+            fail(str(exc), getattr(exc, "exit_code", EXIT_FAILURE), as_json)
         except BrokenPipeError:
             stdout_closed()
         except OSError as exc:
@@ -62,13 +80,9 @@ def user_errors(func):
         except (click.ClickException, click.exceptions.Exit):
             raise  # usage errors: PatchkitGroup prints them, exit 2
         except KeyboardInterrupt:
-            fail(
-                "interrupted; the vLLM files are as before or fully patched (a run cut "
-                "off mid-write is rolled back by the next `patchkit apply` or `patchkit "
-                "revert`); `patchkit status` shows which",
-                EXIT_INTERRUPTED,
-                as_json,
-            )
+            fail(interrupted_message(command), EXIT_INTERRUPTED, as_json)
+        except signals.Terminated as exc:
+            fail(f"{exc} received; {interrupted_message(command)}", exc.exit_code, as_json)
         except Exception as exc:
             if os.environ.get(DEBUG_ENV) == "1":
                 traceback.print_exc()
@@ -100,6 +114,7 @@ class PatchkitGroup(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):
         args = list(sys.argv[1:] if args is None else args)
+        signals.install()
         try:
             extra.pop("standalone_mode", None)
             result = super().main(args, prog_name, standalone_mode=False, **extra)
@@ -112,8 +127,11 @@ class PatchkitGroup(click.Group):
             exc.show()
             sys.exit(exc.exit_code)
         except (click.Abort, KeyboardInterrupt):
-            click.echo("patchkit: error: interrupted", err=True)
+            click.echo("patchkit: error: interrupted; nothing was done", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except signals.Terminated as exc:
+            click.echo(f"patchkit: error: {exc} received; nothing was done", err=True)
+            sys.exit(exc.exit_code)
         sys.exit(result if isinstance(result, int) else 0)
 
 
@@ -197,6 +215,7 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
         data = result.to_json()
         report.emit_json(
             {
+                "ok": True,
                 "vllm": data["vllm"],
                 "patches": [
                     {
@@ -215,6 +234,7 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
                 ],
                 "warnings": data["warnings"],
                 "notices": data["notices"],
+                "notes": data["notes"],
             }
         )
     else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from patchkit.catalogue import Catalogue, Decision, Patch, Variant
 from patchkit.errors import HunkMismatch
 from patchkit.hunks import Placement, apply_file_patch
-from patchkit.safepath import inside
+from patchkit.safepath import checked_relpath
 from patchkit.state import FileRecord, PatchRecord, State
 from patchkit.transaction import FileChange
 from patchkit.tree import VllmTree, sha256_bytes
@@ -30,6 +30,10 @@ APPLIED = "applied"
 UPSTREAM = "upstream"
 NOT_APPLICABLE = "not-applicable"
 CONFLICT = "conflict"
+# What one file's chain of records finds on disk (chain_finding).
+STALE = "stale"
+EDITED = "edited"
+FOREIGN = "foreign"
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Assessment:
     # should know about; shown by every command, never a failure (not --strict).
     notices: list[str] = field(default_factory=list)
     record: PatchRecord | None = None
+    stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
 
     def to_json(self) -> dict:
         return {
@@ -67,7 +72,9 @@ class TreeFiles:
     Patches stack (quilt's model): patch N is assessed on the tree as patches
     1..N-1 leave it. ``overlay`` puts a patch's result in place before the
     next patch is assessed; ``state`` and ``order`` (the series) say which
-    applied patches already touch each file, in which order.
+    applied patches already touch each file, in which order. Files are read
+    through the tree's open root (:class:`patchkit.safepath.Root`), so a link
+    or a FIFO in place of a file is refused, never followed or waited on.
     """
 
     def __init__(self, tree: VllmTree, state: State | None = None, order: tuple[str, ...] = ()):
@@ -85,11 +92,8 @@ class TreeFiles:
     def disk(self, relpath: str) -> bytes | None:
         """The file as it is on disk, before this run's edits."""
         if relpath not in self._disk:
-            path = inside(self.tree.root, relpath, "the catalogue")
-            try:
-                self._disk[relpath] = path.read_bytes()
-            except FileNotFoundError:
-                self._disk[relpath] = None
+            checked_relpath(relpath, "the catalogue")
+            self._disk[relpath] = self.tree.fs.read(relpath, "the catalogue")
         return self._disk[relpath]
 
     def overlay(self, relpath: str, data: bytes | None) -> None:
@@ -117,9 +121,12 @@ class TreeFiles:
         ]
 
     def base_sha256(self, relpath: str) -> str | None:
-        """The file before any patch: what the wheel's RECORD describes."""
+        """The file before any patch: what the wheel's RECORD describes.
+
+        A chain of stale records (vLLM reinstalled since) says nothing about it.
+        """
         chain = self.chain(relpath)
-        if chain:
+        if chain and chain_finding(self, relpath)[0] != STALE:
             return chain[0][1].pre_sha256
         data = self.disk(relpath)
         return None if data is None else sha256_bytes(data)
@@ -130,11 +137,14 @@ def assess_with(
 ) -> Assessment:
     version = tree.parsed_version
     expected = patch.expected_for(version)
+    record = state.patches.get(patch.id)
     result = (
-        _from_record(patch, state.patches.get(patch.id), files)
+        _from_record(patch, record, files)
         or _from_decisions(patch, expected, files)
         or _from_variants(patch, expected, tree, files)
     )
+    if record is not None and result.record is None:
+        result.record, result.stale_record = record, True
     if not catalogue.is_tested(version):
         result.warnings.insert(
             0,
@@ -150,14 +160,16 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
 
     For each file, the applied patches touching it form a chain in series
     order (each one's ``pre`` is the one below's ``post``); the file must
-    hold the top one's ``post``. A file back at the bottom one's ``pre``
-    means vLLM was reinstalled: the record is stale and content decides.
+    hold the top one's ``post``. A record whose every file is back at its
+    ``pre``, or is now another release's own file, is stale (vLLM was
+    reinstalled): content decides, and the next apply or revert drops it.
     """
     if record is None:
         return None
     paths = tuple(f.path for f in record.files)
     findings = [chain_finding(files, f.path) for f in record.files]
-    if all(kind == "applied" for kind, _ in findings):
+    kinds = {kind for kind, _ in findings}
+    if kinds == {APPLIED}:
         variant = patch.variant(record.variant)
         result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
         if variant is None or variant.sha256 != record.patch_sha256:
@@ -166,43 +178,106 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
                 f"`patchkit revert --only {patch.id}` then `patchkit apply --only {patch.id}`"
             )
         return result
-    if all(kind == "stale" for kind, _ in findings):
-        return None  # vLLM was reinstalled over a patched tree: the record is stale
-    # Some file edited, or some back to its original while others still carry the
-    # patch (a partial reinstall): either way, not a state patchkit left.
-    edited, (kind, top) = next(
-        (f.path, found) for f, found in zip(record.files, findings, strict=True)
-        if found[0] != "applied"
-    )  # fmt: skip
-    if kind == "stale":
-        what = f"{edited} is back to its original while the rest of {patch.id} is applied "
-        what += "(vLLM partly reinstalled?)"
-    else:
-        what = f"{edited} was edited after patchkit applied {top}"
+    if kinds == {STALE}:
+        return None
     return Assessment(
-        patch,
-        CONFLICT,
-        reason=f"{what}; `patchkit revert --only {top} --force` restores the original",
-        files=paths,
+        patch, CONFLICT, reason=_record_conflict(patch, record, findings, files), files=paths,
         record=record,
-    )
+    )  # fmt: skip
+
+
+def _record_conflict(
+    patch: Patch, record: PatchRecord, findings: list[tuple[str, str]], files: TreeFiles
+) -> str:
+    """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
+    by_kind: dict[str, tuple[str, str]] = {}
+    for entry, (kind, top) in zip(record.files, findings, strict=True):
+        by_kind.setdefault(kind, (entry.path, top))
+    tree = files.tree
+    if FOREIGN in by_kind:
+        path, top = by_kind[FOREIGN]
+        return (
+            f"{path} is neither what {top} wrote nor vLLM {tree.version}'s own file (RECORD), "
+            f"and its backup is another release's file; reinstall vLLM (pip install "
+            f"--force-reinstall --no-deps vllm=={tree.version}), then `patchkit revert` drops "
+            "the old record"
+        )
+    if EDITED in by_kind:
+        path, top = by_kind[EDITED]
+        refusal = force_refusal(files, path)
+        if refusal:
+            return f"{path} was edited after patchkit applied {top}; {refusal}"
+        return (
+            f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
+            "--force` restores the original"
+        )
+    path, top = by_kind[STALE]
+    rest = ", ".join(
+        entry.path for entry, (kind, _) in zip(record.files, findings, strict=True)
+        if kind == APPLIED
+    )  # fmt: skip
+    recorded = files.state.vllm_version if files.state else None
+    if recorded not in (None, tree.version):
+        what = (
+            f"vLLM was reinstalled ({tree.version} now, {recorded} when {patch.id} was "
+            f"applied) and {path} is that release's file"
+        )
+    else:
+        what = (
+            f"{path} is back to its original (or is gone) while the rest of {patch.id} is "
+            "applied (vLLM partly reinstalled, or a file patchkit created was deleted)"
+        )
+    return f"{what}; `patchkit revert --only {top}` removes the rest ({rest})"
 
 
 def chain_finding(files: TreeFiles, relpath: str) -> tuple[str, str]:
-    """(applied | stale | edited, the top patch) for one file's chain of records."""
+    """(applied | stale | edited | foreign, the top patch) for one file's chain of records.
+
+    ``stale``: the file on disk is back to before the whole stack, or it is
+    now the installed release's own file (its RECORD hash) while the stack was
+    made on another one. ``foreign``: the RECORD names another release's file
+    than the stack was made on, and the file is neither: no backup may go there.
+    """
     chain = files.chain(relpath)
     current = files.sha256(relpath)
     top_id, top = chain[-1]
+    bottom = chain[0][1].pre_sha256
+    recorded = files.tree.record.get(relpath)
+    if recorded is not None and recorded != bottom:
+        return (STALE if current == recorded else FOREIGN), top_id
     linked = all(
         below.post_sha256 == above.pre_sha256
         for (_, below), (_, above) in zip(chain, chain[1:], strict=False)
     )
     if linked and current == top.post_sha256:
-        return "applied", top_id
+        return APPLIED, top_id
     on_disk = files.disk(relpath)
-    if (None if on_disk is None else sha256_bytes(on_disk)) == chain[0][1].pre_sha256:
-        return "stale", top_id  # the file on disk is back to before the whole stack
-    return "edited", top_id
+    if (None if on_disk is None else sha256_bytes(on_disk)) == bottom:
+        return STALE, top_id
+    return EDITED, top_id
+
+
+def force_refusal(files: TreeFiles, relpath: str) -> str:
+    """Why ``--force`` may not restore the original of an edited file; '' when it may.
+
+    The backup (or, for a created file, its absence) belongs to the release
+    the patch was applied to. It may go over the file only if that is the
+    installed release: the RECORD lists the backup's hash for this path, or,
+    without a RECORD entry, the tree still reports the version the state
+    recorded.
+    """
+    tree, state = files.tree, files.state
+    bottom = files.chain(relpath)[0][1].pre_sha256
+    recorded = tree.record.get(relpath)
+    if recorded is not None:
+        return "" if recorded == bottom else "its backup is not this release's file"
+    if state is not None and state.vllm_version not in (None, tree.version):
+        return (
+            f"the patch was applied to vLLM {state.vllm_version} and this tree reports "
+            f"{tree.version}, so its backup may be another release's file; reinstall vLLM "
+            "and delete .patchkit/"
+        )
+    return ""
 
 
 def _from_decisions(
@@ -294,6 +369,7 @@ def _needed(
             path,
             files.data(path),
             None if text is None else text.encode("utf-8", errors="surrogateescape"),
+            (patch.id,),
         )
         for path, text in new_texts.items()
     ]
@@ -339,5 +415,5 @@ def _applied(patch_id: str, files: TreeFiles) -> bool:
     """Whether our record of ``patch_id`` still holds on the files (its fix is in place)."""
     record = files.state.patches.get(patch_id) if files.state else None
     return record is not None and all(
-        chain_finding(files, f.path)[0] == "applied" for f in record.files
+        chain_finding(files, f.path)[0] == APPLIED for f in record.files
     )

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -23,9 +23,11 @@ from pathlib import Path
 from packaging.version import Version
 
 from patchkit import operations
-from patchkit.bytecode import bytecode_files
-from patchkit.caches import cache_dirs
+from patchkit.bytecode import bytecode_paths
+from patchkit.caches import cache_dirs, cache_entries
 from patchkit.catalogue import Catalogue, Diagnosis, Patch, Variant
+from patchkit.errors import PatchkitError
+from patchkit.fsutil import read_json_file
 from patchkit.kernelscan import leaf_configs
 from patchkit.tree import VllmTree
 
@@ -116,9 +118,12 @@ def tuned_configs(folder: str | None) -> list[dict]:
     found = []
     for path in sorted(Path(folder).glob("*_EXPAND_*.json")):
         try:
-            data = json.loads(path.read_text())
+            data = read_json_file(path)
         except (OSError, ValueError) as exc:
             found.append({"file": str(path), "problem": f"unreadable: {exc}"})
+            continue
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            found.append({"file": str(path), "problem": "not a {max_loras: {num_slices: ...}}"})
             continue
         for max_loras, by_slices in data.items():
             if "1" not in by_slices:
@@ -169,12 +174,16 @@ def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
     """.pyc files that do not match their source as Python would check them."""
     stale = []
     for relpath in relpaths:
-        source = tree.path(relpath)
-        if not source.is_file():
+        info = tree.fs.lstat(relpath, "doctor")
+        if info is None or not stat.S_ISREG(info.st_mode):
             continue
-        stat = source.stat()
-        for pyc in bytecode_files(tree.root, relpath):
-            header = pyc.read_bytes()[:16]
+        for pyc_relpath in bytecode_paths(tree.fs, relpath):
+            pyc = tree.fs.full(pyc_relpath)
+            try:
+                header = (tree.fs.read(pyc_relpath, "doctor") or b"")[:16]
+            except PatchkitError as exc:
+                stale.append(f"{pyc} (unreadable: {exc})")
+                continue
             if len(header) < 16:
                 stale.append(f"{pyc} (truncated)")
                 continue
@@ -182,10 +191,10 @@ def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
             if flags & 1 and not flags & 2:
                 stale.append(f"{pyc} (hash-based, unchecked: never re-validated)")
             elif flags & 1:
-                source_hash = importlib.util.source_hash(source.read_bytes())
+                source_hash = importlib.util.source_hash(tree.fs.read(relpath, "doctor") or b"")
                 if header[8:16] != source_hash:
                     stale.append(f"{pyc} (hash differs from source)")
-            elif mtime != int(stat.st_mtime) & 0xFFFFFFFF or size != stat.st_size & 0xFFFFFFFF:
+            elif mtime != int(info.st_mtime) & 0xFFFFFFFF or size != info.st_size & 0xFFFFFFFF:
                 stale.append(f"{pyc} (built from another version of the source)")
     return stale
 
@@ -196,9 +205,7 @@ def old_caches(patched_at: float | None) -> list[dict]:
         return []
     found = []
     for cache in cache_dirs():
-        if cache.path is None or not cache.path.is_dir():
-            continue
-        older = [e for e in cache.path.iterdir() if e.stat().st_mtime < patched_at]
+        older = [name for name, mtime in cache_entries(cache) if mtime < patched_at]
         if older:
             found.append({"name": cache.name, "path": str(cache.path), "entries": len(older)})
     return found
@@ -420,7 +427,8 @@ def run(
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)
     applied = [f for p in report.patches if p["state"] == "applied" for f in p["files"]]
-    mtimes = [tree.path(f).stat().st_mtime for f in applied if tree.path(f).exists()]
+    infos = [tree.fs.lstat(f, "doctor") for f in applied]
+    mtimes = [info.st_mtime for info in infos if info is not None]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
     if kernels:
         report.kernels = scan_kernels(tree, report, catalogue)

@@ -21,11 +21,13 @@ class HunkMismatch(PatchkitError):
         super().__init__(f"{path}: hunk #{hunk_index} ({header}) {detail}")
 
 
-def os_error_line(exc: OSError, doing: str) -> str:
+def os_error_line(exc: OSError, doing: str, too_long: str = "--target path") -> str:
     """One line for an OSError while ``doing`` something: what, where, and advice that fits.
 
     Full disks, over-long paths, read-only file systems and missing
     permissions each get their own next step, instead of one generic hint.
+    ``too_long`` names what to shorten when a path is too long (the option
+    or variable the path came from).
     """
     import errno
 
@@ -33,8 +35,8 @@ def os_error_line(exc: OSError, doing: str) -> str:
     advice = {
         errno.ENOSPC: "no space left on the device; free some space and run the command again",
         errno.EDQUOT: "the disk quota is exhausted; free some space and run the command again",
-        errno.ENAMETOOLONG: "the path is longer than this file system allows; use a shorter "
-        "--target path",
+        errno.ENAMETOOLONG: "the path (or one of its names) is longer than this file system "
+        f"allows; use a shorter {too_long}",
         errno.EROFS: "the file system is read-only; patch the image at build time, or remount "
         "it writable",
         errno.EACCES: "permission denied; run patchkit as the user that owns the vLLM install "

@@ -8,18 +8,20 @@ left out: patches touch Python files only, and the tree stays small. The
 wheel is deleted after unpacking; the tree is the cache.
 
 A killed fetch must not leave work behind: pip runs with a parent-death
-signal (Linux), so it dies with patchkit, and the staging directory carries
-patchkit's pid in its name, so the next fetch removes those of dead runs.
+signal (Linux), so it dies with patchkit, and the staging directory holds a
+marker file patchkit writes first (its pid and the process's start time), so
+the next fetch removes the staging directories of dead runs, and only
+those: a directory is never recognised by its name.
 On a terminal pip's progress bar shows on stderr; elsewhere pip is quiet.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
-import re
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,10 +29,13 @@ import zipfile
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
+from patchkit.safepath import Root, UnsafePath, mount_id, remove_entry
+from patchkit.signals import held
 from patchkit.tree import is_version
 
 CACHE_ENV = "PATCHKIT_CACHE_DIR"
 MARKER = ".patchkit-fetched"
+STAGING_MARKER = ".patchkit-staging"
 # vLLM wheels are cp38-abi3 manylinux x86_64; 0.21.0 is tagged manylinux_2_39.
 PLATFORMS = ["manylinux2014_x86_64"] + [
     f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)
@@ -64,40 +69,80 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
             f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".vllm-{version}-pid{os.getpid()}-"
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
-        wheel = _download(version, Path(tmp), progress)
-        staging = Path(tmp) / "tree"
+    with held():  # a staging directory is never left without its marker
+        tmp = Path(tempfile.mkdtemp(prefix=f".vllm-{version}-", dir=dest.parent))
+        (tmp / STAGING_MARKER).write_text(json.dumps(_this_process()))
+    try:
+        wheel = _download(version, tmp, progress)
+        staging = tmp / "tree"
         _unpack(wheel, staging)
         (staging / MARKER).write_text(f"{wheel.name}\n")
         if dest.exists():
             dest.rmdir()
         os.replace(staging, dest)
+    finally:
+        _remove_staging(dest.parent, tmp.name)
     return dest
 
 
-STAGING = re.compile(r"\.vllm-.+-pid(\d+)-[^/]+")
+def _this_process() -> dict:
+    return {"pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[19]
+    except (OSError, IndexError):
+        return None
 
 
 def remove_stale_staging(directory: Path) -> list[Path]:
-    """Delete staging directories of fetches whose process is gone (killed runs)."""
+    """Delete the staging directories of fetches whose process is gone (killed runs).
+
+    A staging directory is one holding patchkit's marker file; its name does
+    not matter, so a user's directory that looks like one is never touched.
+    """
     removed = []
-    for entry in directory.iterdir():
-        match = STAGING.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[1])):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+    with Root.open(directory) as fs:
+        for name in fs.names("", "fetch"):
+            if _is_dead_staging(fs, name):
+                _remove_staging(directory, name)
+                removed.append(directory / name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _is_dead_staging(fs: Root, name: str) -> bool:
+    found = fs.lstat(name, "fetch")
+    if found is None or not stat.S_ISDIR(found.st_mode):
+        return False
+    try:
+        marker = json.loads(fs.read(f"{name}/{STAGING_MARKER}", "fetch") or b"null")
+    except (ValueError, RecursionError, UnsafePath, OSError):
+        return False
+    if not isinstance(marker, dict) or not isinstance(marker.get("pid"), int):
+        return False
+    return not _alive(marker["pid"], marker.get("start"))
+
+
+def _remove_staging(directory: Path, name: str) -> None:
+    """Remove one staging directory without following links or leaving its mount."""
+    try:
+        with Root.open(directory) as fs:
+            remove_entry(fs.fd, name, mount_id(fs.fd), directory / name)
+    except (OSError, UnsafePath):
+        pass  # left for the next fetch, which finds it by its marker
+
+
+def _alive(pid: int, start: str | None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return start is None or _start_time(pid) in (None, start)
 
 
 def _die_with_parent() -> None:
@@ -143,7 +188,6 @@ def _unpack(wheel: Path, staging: Path) -> None:
     except zipfile.BadZipFile:
         raise PatchkitError(f"fetch: {wheel.name} is not a valid wheel") from None
     if not (staging / "vllm" / "__init__.py").is_file():
-        shutil.rmtree(staging, ignore_errors=True)
         raise PatchkitError(f"fetch: {wheel.name} holds no vllm/ package")
 
 

@@ -1,56 +1,58 @@
-"""Small filesystem primitives that never leave a half-written file behind."""
+"""Reading settings files and writing patchkit's own cache, without hanging or half-writing.
+
+(Files of a vLLM tree go through :class:`patchkit.safepath.Root` instead.)
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import stat
+import tempfile
 from pathlib import Path
 
-TMP_SUFFIX = ".patchkit-tmp"
+from patchkit.safepath import kind_of
+
+MAX_SETTINGS_BYTES = 1 << 20
 
 
-def tmp_sibling(path: Path) -> Path:
-    """The temporary file that :func:`write_atomic` uses for ``path``."""
-    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+def read_json_file(path: Path) -> object:
+    """A settings file's JSON; ValueError unless it is a regular file of sane size and depth.
 
-
-def write_atomic(path: Path, data: bytes, like: Path | None = None) -> None:
-    """Write ``data`` to ``path`` through a temporary file and os.replace.
-
-    ``like``: copy the permission bits of this file (the one being replaced),
-    so a patched module keeps the mode pip gave it. The temporary file is
-    created fresh (O_EXCL, O_NOFOLLOW): a link planted under its name is
-    removed, never written through.
+    The type is checked before the open and again on the descriptor, so a
+    FIFO or a device named like a config file is refused instead of waited on.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_sibling(path)
-    remove_if_present(tmp)
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        raw = handle.read(MAX_SETTINGS_BYTES + 1)
+    return decode_json(raw, MAX_SETTINGS_BYTES)
+
+
+def decode_json(raw: bytes, limit: int) -> object:
+    """JSON from bytes; ValueError (never RecursionError) for anything too big, deep or odd."""
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit} bytes")
     try:
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+
+
+def write_cache_file(path: Path, data: bytes) -> None:
+    """Write a file of patchkit's own cache atomically (a unique temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if like is not None and like.exists():
-            shutil.copymode(like, tmp)
         os.replace(tmp, path)
     except BaseException:
-        remove_if_present(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def remove_if_present(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def read_or_none(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None

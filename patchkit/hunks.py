@@ -58,6 +58,11 @@ class FilePatch:
     creates: bool = False
     deletes: bool = False
 
+    @property
+    def kind(self) -> str:
+        """creates, deletes or changes: what applying it does to the file."""
+        return "creates" if self.creates else "deletes" if self.deletes else "changes"
+
     def reversed(self) -> FilePatch:
         return FilePatch(
             path=self.path,

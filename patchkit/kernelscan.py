@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit import sass
-from patchkit.fsutil import write_atomic
+from patchkit.fsutil import read_json_file, write_cache_file
 from patchkit.tree import VllmTree
 
 OPS_DIR = "vllm/lora/ops/triton_ops"
@@ -392,7 +392,7 @@ def tuned_cases(folder: str | None) -> list[Case]:
             continue
         add_inputs = not name.endswith("_FALSE")
         try:
-            data = json.loads(path.read_text())
+            data = read_json_file(path)
         except (OSError, ValueError):
             continue  # doctor's tuned-config check reports unreadable files
         path_name = ("add" if add_inputs else "dual-stream") if op == "expand" else ""
@@ -657,7 +657,7 @@ def _listing(cubin: bytes | None, disassemble: list[str], tmp: Path, n: int) -> 
     ).stdout
     if "HGMMA" in listing or "EXIT" in listing:  # a real listing: keep it
         try:
-            write_atomic(cached, listing.encode("utf-8"))
+            write_cache_file(cached, listing.encode("utf-8"))
         except OSError:
             pass  # a read-only cache only costs time
     return listing

@@ -2,36 +2,47 @@
 
 Nothing is written until every selected patch has been checked: a conflict,
 or any warning under ``--strict``, stops the run with the tree untouched.
+While a run holds the tree's lock, Ctrl-C and SIGTERM are held
+(:mod:`patchkit.signals`): they take effect when the run has finished the
+step it was in, never between a write and its record.
+
+What a run may restore is decided per file (:func:`patchkit.decide.chain_finding`):
+a backup goes only over the bytes its patch left there, or, with
+``--force``, over an edited file of the same release; never over a file of
+another release. Records that no longer describe the files (vLLM was
+reinstalled) are dropped, not acted on.
 """
 
 from __future__ import annotations
 
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from patchkit import bytecode, caches
+from patchkit import bytecode, caches, signals
 from patchkit.catalogue import Catalogue, Patch
 from patchkit.decide import (
     APPLIED,
     CONFLICT,
+    EDITED,
+    FOREIGN,
     NEEDED,
+    STALE,
     Assessment,
     TreeFiles,
     assess_with,
     chain_finding,
+    force_refusal,
 )
 from patchkit.errors import HunkMismatch, PatchkitError
 from patchkit.hunks import apply_file_patch
-from patchkit.safepath import inside
 from patchkit.state import (
+    STATE_DIR,
     FileRecord,
     PatchRecord,
     State,
     backup_path,
     load_state,
-    state_dir,
     sweep,
     tidy,
 )
@@ -86,6 +97,7 @@ class RunReport:
 
     def to_json(self) -> dict:
         return {
+            "ok": True,
             "command": self.command,
             "vllm": self.tree.describe(),
             "dry_run": self.dry_run,
@@ -98,17 +110,22 @@ class RunReport:
         }
 
 
+def state_of(tree: VllmTree, catalogue: Catalogue) -> State:
+    """The tree's state, each entry checked against the diffs of the patch it names."""
+    return load_state(tree.fs, catalogue.file_kinds)
+
+
 @contextmanager
-def _locked(tree: VllmTree, report: RunReport):
-    """Lock the tree, roll back an interrupted run, yield the state; tidy on the way out."""
-    with TreeLock(state_dir(tree.root)) as lock:
+def _locked(tree: VllmTree, report: RunReport, catalogue: Catalogue):
+    """Lock the tree, hold signals, roll back an interrupted run, yield the state; tidy."""
+    with TreeLock(tree.fs) as lock, signals.held():
         try:
-            report.notes.extend(recover(tree.root, load_state(tree.root)))
-            state = load_state(tree.root)
+            report.notes.extend(recover(tree.fs, catalogue.file_kinds))
+            state = state_of(tree, catalogue)
             sweep(state)
             yield state
         finally:
-            tidy(tree.root, lock)
+            tidy(tree.fs, lock)
 
 
 def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
@@ -120,9 +137,9 @@ def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
 
 def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
     """Assess every patch; reads files only."""
-    state = load_state(tree.root)
+    state = state_of(tree, catalogue)
     report = RunReport("status", tree)
-    if interrupted(state):
+    if interrupted(tree.fs):
         report.warnings.append(
             "an earlier patchkit run was interrupted while writing; the next "
             "`patchkit apply` or `patchkit revert` rolls it back"
@@ -130,14 +147,24 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
     files = tree_files(tree, state, catalogue)
     for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
-        stack(files, assessment)  # what apply would see for the next patch
+        if assessment.state == NEEDED:
+            above = later_on_same_files(patch, assessment.variant.paths, files)
+            if above is not None:
+                assessment.reason = (
+                    f"{above[0]}, later in the series, is applied on {above[1]}: revert it "
+                    "first (patches stack in series order)"
+                )
+            else:
+                stack(files, assessment)  # what apply would see for the next patch
         report.outcomes.append(Outcome(assessment, assessment.state))
         report.take_findings(assessment)
+        _note_stale(report, assessment)
+    report.warnings.extend(_unknown_warnings(state, catalogue, tree))
     return report
 
 
 def tree_files(tree: VllmTree, state: State, catalogue: Catalogue) -> TreeFiles:
-    return TreeFiles(tree, state, tuple(p.id for p in catalogue.patches))
+    return TreeFiles(tree, state, catalogue.ids)
 
 
 def stack(files: TreeFiles, assessment: Assessment) -> None:
@@ -148,15 +175,16 @@ def stack(files: TreeFiles, assessment: Assessment) -> None:
 
 
 def merged(changes: list[FileChange]) -> list[FileChange]:
-    """One write per file: the first change's before, the last change's after."""
+    """One write per file: the first change's before, the last change's after, every patch."""
     by_path: dict[str, FileChange] = {}
     for change in changes:
         first = by_path.get(change.path, change)
-        by_path[change.path] = FileChange(change.path, first.before, change.after)
-    return list(by_path.values())
+        patches = tuple(dict.fromkeys(first.patches + change.patches))
+        by_path[change.path] = FileChange(change.path, first.before, change.after, patches)
+    return [c for c in by_path.values() if c.before != c.after]
 
 
-def _later_on_same_files(
+def later_on_same_files(
     patch: Patch, paths: tuple[str, ...], files: TreeFiles
 ) -> tuple[str, str] | None:
     """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
@@ -167,9 +195,64 @@ def _later_on_same_files(
     for other in later:
         record = files.state.patches.get(other)
         for path in (f.path for f in record.files) if record else ():
-            if path in paths and chain_finding(files, path)[0] != "stale":
+            if path in paths and chain_finding(files, path)[0] != STALE:
                 return other, path
     return None
+
+
+def _note_stale(report: RunReport, assessment: Assessment) -> None:
+    if assessment.stale_record:
+        report.notes.append(
+            f"{assessment.patch.id}: state.json's record of it no longer matches the files "
+            "(vLLM was reinstalled); the next apply or revert drops it"
+        )
+
+
+def _unknown_records(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[str, bool]:
+    """Recorded patches this catalogue lacks: id -> whether all its files are stale on disk."""
+    files = tree_files(tree, state, catalogue)
+    return {
+        patch_id: _record_is_stale(state, patch_id, files)
+        for patch_id in state.patches
+        if patch_id not in catalogue.ids
+    }
+
+
+def _unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[str]:
+    return [
+        _unknown_line(state, patch_id)
+        for patch_id, stale in _unknown_records(state, catalogue, tree).items()
+        if not stale
+    ]
+
+
+def _unknown_line(state: State, patch_id: str) -> str:
+    paths = ", ".join(f.path for f in state.patches[patch_id].files)
+    return (
+        f"{state.path} records patch {patch_id!r}, which this patchkit does not know; its "
+        f"files ({paths}) still hold what it wrote and were left alone: revert it with the "
+        "patchkit that applied it, or reinstall vLLM (pip install --force-reinstall "
+        f"--no-deps vllm) and delete {state.directory}"
+    )
+
+
+def _drop_stale(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[str]) -> list[str]:
+    """Forget records that describe nothing on disk any more; returns the notes to print.
+
+    Judged on the files as they are on disk (a fresh view, without this
+    run's planned writes).
+    """
+    files = tree_files(tree, state, catalogue)
+    unknown = _unknown_records(state, catalogue, tree)
+    stale = [i for i in ids if i in state.patches and _record_is_stale(state, i, files)]
+    stale += [i for i, is_stale in unknown.items() if is_stale]
+    for patch_id in stale:
+        state.patches.pop(patch_id)
+    return [f"dropped the stale record of {i} (vLLM was reinstalled since)" for i in stale]
+
+
+def _record_is_stale(state: State, patch_id: str, files: TreeFiles) -> bool:
+    return all(chain_finding(files, f.path)[0] == STALE for f in state.patches[patch_id].files)
 
 
 def apply(
@@ -183,31 +266,39 @@ def apply(
     report = RunReport("apply", tree, dry_run=dry_run)
     patches = select(catalogue, only)
     if dry_run:
-        return _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
+        state = state_of(tree, catalogue)
+        return _plan_apply(report, tree, catalogue, patches, only, strict, state)
     try:
-        with _locked(tree, report) as state:
+        with _locked(tree, report, catalogue) as state:
             _plan_apply(report, tree, catalogue, patches, only, strict, state)
             needed = [o.assessment for o in report.outcomes if o.action == "applied"]
-            if needed:
+            stale_notes = _drop_stale(state, catalogue, tree, [p.id for p in patches])
+            if needed or stale_notes:
                 _commit_apply(tree, state, needed)
-                paths = [c.path for a in needed for c in a.changes]
-                report.bytecode_removed = bytecode.remove_bytecode(tree.root, paths)
+                report.notes.extend(stale_notes)
+            if needed:
+                _remove_bytecode(report, tree, [c.path for a in needed for c in a.changes])
                 remaining = status(tree, catalogue).notices  # known issues this run fixed go
                 report.notices = [n for n in report.notices if n in remaining]
     except LockUnavailable as exc:
         report = RunReport("apply", tree)
-        _plan_apply(report, tree, catalogue, patches, only, strict, load_state(tree.root))
+        _plan_apply(report, tree, catalogue, patches, only, strict, state_of(tree, catalogue))
         _nothing_to_write(report, exc, ("applied",))
     if clear_caches:
         report.caches_removed = caches.clear_caches(tree.root)
     return report
 
 
+def _remove_bytecode(report: RunReport, tree: VllmTree, paths: list[str]) -> None:
+    """After the commit: stale bytecode goes; a failure here is a warning, not a rollback."""
+    removed, problems = bytecode.remove_bytecode(tree.fs, paths)
+    report.bytecode_removed = removed
+    report.warnings.extend(problems)
+
+
 def _nothing_to_write(report: RunReport, exc: LockUnavailable, writing: tuple[str, ...]) -> None:
     """On a tree patchkit cannot write, succeed only if the run would write nothing."""
-    if interrupted(load_state(report.tree.root)) or any(
-        o.action in writing for o in report.outcomes
-    ):
+    if interrupted(report.tree.fs) or any(o.action in writing for o in report.outcomes):
         raise PatchkitError(f"{exc}; nothing was changed") from None
     report.notes.append("the tree is not writable, and nothing needed writing")
 
@@ -222,18 +313,19 @@ def _plan_apply(
     state: State,
 ) -> RunReport:
     files = tree_files(tree, state, catalogue)
-    if report.dry_run and interrupted(state):
+    if report.dry_run and interrupted(tree.fs):
         report.warnings.append("an interrupted run will be rolled back first by a real apply")
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.take_findings(assessment)
+        _note_stale(report, assessment)
         if assessment.state == CONFLICT:
             raise PatchkitError(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
                 f"(apply the others with --only)"
             )
         if assessment.state == NEEDED:
-            above = _later_on_same_files(patch, assessment.variant.paths, files)
+            above = later_on_same_files(patch, assessment.variant.paths, files)
             if above is not None:
                 raise PatchkitError(
                     f"{patch.id}: {above[0]}, later in the series, is applied and also changes "
@@ -251,6 +343,7 @@ def _plan_apply(
                 f"{patch.id} was asked for with --only but is not applied: "
                 f"{assessment.state} ({assessment.reason})"
             )
+    report.warnings.extend(_unknown_warnings(state, catalogue, tree))
     _fail_if_strict(report, strict)
     return report
 
@@ -291,9 +384,10 @@ def _commit_apply(tree: VllmTree, state: State, needed: list[Assessment]) -> Non
             applied_at=now,
             files=records,
         )
-    state.vllm_version = tree.version
+    if needed:
+        state.vllm_version = tree.version
     changes = merged([c for a in needed for c in a.changes])
-    commit(tree.root, state, changes, backups)
+    commit(state, changes, backups)
 
 
 def revert(
@@ -306,7 +400,7 @@ def revert(
     report = RunReport("revert", tree)
     patches = list(reversed(select(catalogue, only)))
     try:
-        with _locked(tree, report) as state:
+        with _locked(tree, report, catalogue) as state:
             _revert_locked(report, tree, catalogue, patches, only, force, state)
     except LockUnavailable as exc:
         report = status(tree, catalogue)
@@ -329,18 +423,23 @@ def _revert_locked(
     force: bool,
     state: State,
 ) -> None:
+    unknown = [i for i, stale in _unknown_records(state, catalogue, tree).items() if not stale]
+    if unknown and not only:
+        raise PatchkitError(f"{_unknown_line(state, unknown[0])}; nothing was changed")
+    stale_notes = _drop_stale(state, catalogue, tree, [p.id for p in patches])
     files = tree_files(tree, state, catalogue)
     changes: list[FileChange] = []
     for patch in patches:  # last in the series first: a stack comes off from the top
         assessment = assess_with(patch, tree, state, catalogue, files)
         report.take_findings(assessment)
-        patch_changes = _revert_changes(assessment, state, files, force)
+        patch_changes = _revert_changes(assessment, files, force)
         if patch_changes is None:
             report.outcomes.append(Outcome(assessment, "not-applied"))
             if patch.id in only:
                 report.warnings.append(f"{patch.id} is not applied ({assessment.state})")
             continue
-        above = _later_on_same_files(patch, assessment.files, files)
+        paths = tuple(c.path for c in patch_changes)
+        above = later_on_same_files(patch, paths, files)
         if above is not None:
             raise PatchkitError(
                 f"{patch.id}: {above[0]} is applied on top of it in {above[1]}; revert "
@@ -352,59 +451,81 @@ def _revert_locked(
         changes.extend(patch_changes)
         state.patches.pop(patch.id, None)
         report.outcomes.append(Outcome(assessment, "reverted"))
-    if changes:
-        changes = merged(changes)
-        commit(tree.root, state, changes, backups={})
-        report.bytecode_removed = bytecode.remove_bytecode(tree.root, [c.path for c in changes])
+    changes = merged(changes)
+    reverted = [o.assessment.patch.id for o in report.outcomes if o.action == "reverted"]
+    if changes or reverted or stale_notes:
+        commit(state, changes, backups={})
+        report.notes.extend(stale_notes)
+        _remove_bytecode(report, tree, [c.path for c in changes])
     _drop_backups(state, [o.assessment.patch.id for o in report.outcomes])
 
 
 def _revert_changes(
-    assessment: Assessment, state: State, files: TreeFiles, force: bool
+    assessment: Assessment, files: TreeFiles, force: bool
 ) -> list[FileChange] | None:
     """The writes that undo one patch; None when it is not applied."""
     record = assessment.record
-    if assessment.state == CONFLICT and record is not None:
-        if not force:
-            raise PatchkitError(
-                f"{assessment.patch.id}: {assessment.reason.split(';')[0]}; revert refuses "
-                "to overwrite those edits (use --force to restore the original anyway); "
-                "nothing was changed"
-            )
-        return [_restore_from_backup(f, state, files, assessment) for f in record.files]
-    if assessment.state != APPLIED:
+    if record is None or assessment.stale_record:
+        if assessment.state == APPLIED:  # applied by hand or without .patchkit/: by content
+            return _reverse_apply(assessment, files)
         return None
-    if record is not None:
-        return [_restore_from_backup(f, state, files, assessment) for f in record.files]
-    return _reverse_apply(assessment, files)
+    changes = []
+    for entry in record.files:
+        kind, top = chain_finding(files, entry.path)
+        if kind == STALE:
+            continue  # back to its original already (or a created file that is gone)
+        if kind == FOREIGN:
+            raise PatchkitError(
+                f"{assessment.patch.id}: conflict: {assessment.reason}; nothing was changed"
+            )
+        if kind == EDITED:
+            _check_force(assessment, files, entry.path, force)
+        changes.append(_restore(entry, files, assessment))
+    return changes
 
 
-def _restore_from_backup(
-    record: FileRecord, state: State, files: TreeFiles, assessment: Assessment
-) -> FileChange:
+def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: bool) -> None:
+    """An edited file is restored only with --force, and only to its own release's original."""
+    patch_id = assessment.patch.id
+    if not force:
+        raise PatchkitError(
+            f"{patch_id}: {assessment.reason.split(';')[0]}; revert refuses to overwrite those "
+            "edits (use --force to restore the original anyway); nothing was changed"
+        )
+    refusal = force_refusal(files, path)
+    if refusal:
+        raise PatchkitError(
+            f"{patch_id}: {files.tree.fs.full(path)} was edited and {refusal}; --force never "
+            "restores a file of another release; nothing was changed"
+        )
+
+
+def _restore(record: FileRecord, files: TreeFiles, assessment: Assessment) -> FileChange:
+    """The write that puts one file back to before the patch (from its backup, or rebuilt)."""
     current = files.data(record.path)
+    patch_id = assessment.patch.id
     if record.pre_sha256 is None:
-        return FileChange(record.path, current, None)  # the patch created it
-    backup = inside(state.directory, record.backup, str(state.path), top=None)
-    original = backup.read_bytes() if backup.is_file() else None
+        return FileChange(record.path, current, None, (patch_id,))  # the patch created it
+    backup = f"{STATE_DIR}/{record.backup}"
+    original = files.tree.fs.read(backup, str(files.state.path))
     if original is not None and _sha(original) == record.pre_sha256:
-        return FileChange(record.path, current, original)
+        return FileChange(record.path, current, original, (patch_id,))
     rebuilt = _reverse_one(assessment, record.path, files)
     if rebuilt is None or _sha(rebuilt) != record.pre_sha256:
         raise PatchkitError(
-            f"{assessment.patch.id}: the backup of {record.path} is missing or damaged and "
+            f"{patch_id}: the backup of {record.path} is missing or damaged and "
             "reverse-applying the diff does not give the original back; reinstall vLLM "
-            f"(pip install --force-reinstall --no-deps vllm=={state.vllm_version}); "
+            f"(pip install --force-reinstall --no-deps vllm=={files.state.vllm_version}); "
             "nothing was changed"
         )
-    return FileChange(record.path, current, rebuilt)
+    return FileChange(record.path, current, rebuilt, (patch_id,))
 
 
 def _reverse_apply(assessment: Assessment, files: TreeFiles) -> list[FileChange]:
     changes = []
     for path in assessment.variant.paths:
         rebuilt = _reverse_one(assessment, path, files)
-        changes.append(FileChange(path, files.data(path), rebuilt))
+        changes.append(FileChange(path, files.data(path), rebuilt, (assessment.patch.id,)))
     return changes
 
 
@@ -424,7 +545,7 @@ def _reverse_one(assessment: Assessment, path: str, files: TreeFiles) -> bytes |
 def _drop_backups(state: State, patch_ids: list[str]) -> None:
     for patch_id in patch_ids:
         if patch_id not in state.patches:
-            shutil.rmtree(state.directory / "backups" / patch_id, ignore_errors=True)
+            state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
 
 
 def _sha(data: bytes | None) -> str | None:

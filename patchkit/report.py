@@ -38,11 +38,13 @@ def render_run(report: RunReport) -> None:
     for pyc in report.bytecode_removed:
         click.echo(f"removed bytecode: {pyc}")
     for cache in report.caches_removed:
-        if cache["removed"]:
+        if cache["state"] == "cleared":
             click.echo(
                 f"cleared {cache['name']}: {cache['path']} "
                 f"({cache['files']} files, {cache['bytes']} bytes)"
             )
+        elif cache["state"] == "absent":
+            click.echo(f"no {cache['name']} at {cache['path']}: nothing to clear")
         else:
             click.echo(f"left {cache['name']} alone: {cache['reason']}", err=True)
     if report.dry_run:

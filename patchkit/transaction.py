@@ -3,17 +3,21 @@
 A run that changes files goes through :func:`commit`:
 
 1. the original of every file is copied to ``.patchkit/txn/orig/`` and the
-   journal (``txn/journal.json``: each file's sha256 before and after, and the
-   sha256 of the state file the run will write) is written atomically;
-2. each file is written through a temporary file and ``os.replace``;
+   journal (``txn/journal.json``: each file's sha256 before and after, the
+   patches that change it, and the sha256 of the state file the run will
+   write) is written atomically;
+2. each file is written through a temporary file and ``renameat``;
 3. the state file is written atomically (this is the commit point);
 4. ``txn/`` is removed.
 
 If a step fails inside the process, the files already written are restored
-from ``txn/orig`` before the error is reported. If the process dies (kill -9,
-power loss), the journal stays behind and the next ``apply`` or ``revert``
-calls :func:`recover` first: before the commit point it restores the
-originals, after it only removes the journal.
+from memory before the error is reported. Ctrl-C and SIGTERM are held while
+the run holds the lock (:mod:`patchkit.signals`), so they never fall between
+a write and the record of it. If the process dies (kill -9, power loss), the
+journal stays behind and the next ``apply`` or ``revert`` calls
+:func:`recover` first: before the commit point it restores the originals,
+after it only removes the journal. A journal entry is acted on only when a
+diff of the patches it names creates, changes or deletes that file.
 
 :class:`TreeLock` (``fcntl.flock`` on ``.patchkit/lock``) keeps two runs on
 the same tree from interleaving; a second run waits for the first.
@@ -25,28 +29,37 @@ import errno
 import fcntl
 import json
 import os
-import shutil
+import stat
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.fsutil import read_or_none, remove_if_present, tmp_sibling, write_atomic
-from patchkit.safepath import checked_relpath, inside, no_links_below
-from patchkit.state import State, is_sha256
-from patchkit.tree import sha256_bytes, sha256_file
+from patchkit.safepath import Root, UnsafePath, checked_relpath
+from patchkit.state import (
+    STATE_DIR,
+    STATE_FILE,
+    TXN_DIR,
+    State,
+    check_no_links,
+    is_sha256,
+    load_json,
+)
+from patchkit.tree import sha256_bytes
 
 LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
+LOCK_FILE = f"{STATE_DIR}/lock"
+JOURNAL = f"{TXN_DIR}/journal.json"
 _UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass(frozen=True)
 class FileChange:
-    """One file's content before and after (None: absent)."""
+    """One file's content before and after (None: absent), and the patches that change it."""
 
     path: str  # relative to the tree root
     before: bytes | None
     after: bytes | None
+    patches: tuple[str, ...] = ()
 
 
 class LockUnavailable(PatchkitError):
@@ -59,25 +72,38 @@ class LockUnavailable(PatchkitError):
 class TreeLock:
     """An exclusive lock on one tree, waited for up to PATCHKIT_LOCK_TIMEOUT s (60)."""
 
-    def __init__(self, directory: Path):
-        self.path = directory / "lock"
+    def __init__(self, fs: Root):
+        self.fs = fs
         self.timeout = _lock_timeout()
-        self._handle = None
-        self._created: list[Path] = []  # what this lock made, undone if the run fails
+        self._fd = -1
+        self._made: list[str] = []  # lock file and directory this lock made: undone on failure
+
+    @property
+    def path(self):
+        return self.fs.full(LOCK_FILE)
 
     def _open(self) -> None:
-        directory = self.path.parent
-        no_links_below(directory)
+        check_no_links(self.fs)
         try:
-            if not directory.is_dir():
-                directory.mkdir()
-                self._created.append(directory)
-            if not os.path.lexists(self.path):
-                self._created.insert(0, self.path)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            self._handle = os.fdopen(fd, "a+")
+            if self.fs.lstat(STATE_DIR, "lock") is None:
+                self._made.append(STATE_DIR)
+            if self.fs.lstat(LOCK_FILE, "lock") is None:
+                self._made.insert(0, LOCK_FILE)
+            with self.fs.directory(STATE_DIR, "lock", create=True) as directory:
+                fd = os.open(
+                    "lock",
+                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=directory,
+                )
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise UnsafePath(f"{self.path} is not a regular file; remove it")
+            self._fd = fd
         except OSError as exc:
             self._undo_created()
+            if exc.errno == errno.ELOOP:
+                raise UnsafePath(f"{self.path} is a symbolic link; remove it") from None
             line = os_error_line(exc, "creating the lock")
             if exc.errno in _UNWRITABLE:
                 raise LockUnavailable(line) from None
@@ -88,16 +114,16 @@ class TreeLock:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                fcntl.flock(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self._still_linked():
                     return self
                 # The holder before us removed the lock file (tidy); lock the new one.
-                self._handle.close()
+                self._close()
                 self._open()
                 continue
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    self._handle.close()
+                    self._close()
                     raise PatchkitError(
                         f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
                         "let it finish, then run the command again"
@@ -105,28 +131,30 @@ class TreeLock:
                 time.sleep(0.05)
 
     def _still_linked(self) -> bool:
-        try:
-            return os.stat(self.path).st_ino == os.fstat(self._handle.fileno()).st_ino
-        except FileNotFoundError:
-            return False
+        found = self.fs.lstat(LOCK_FILE, "lock")
+        return found is not None and found.st_ino == os.fstat(self._fd).st_ino
 
     def unlink_file(self) -> None:
         """Unlink the lock file while still holding it (the tree's .patchkit/ is going away)."""
-        remove_if_present(self.path)
+        self.fs.unlink(LOCK_FILE, "lock")
 
     def __exit__(self, exc_type, *exc_info) -> None:
         if exc_type is not None:  # a failed run leaves no lock file or directory it made
             self._undo_created()
-        fcntl.flock(self._handle, fcntl.LOCK_UN)
-        self._handle.close()
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = -1
 
     def _undo_created(self) -> None:
-        for path in self._created:
-            if path == self.path:
-                remove_if_present(path)
+        for relpath in self._made:
+            if relpath == LOCK_FILE:
+                self.fs.unlink(LOCK_FILE, "lock")
             else:
-                _rmdir_if_empty(path)
-        self._created = []
+                self.fs.rmdir(relpath, "lock")  # only if empty
+        self._made = []
 
 
 def _lock_timeout() -> float:
@@ -137,112 +165,102 @@ def _lock_timeout() -> float:
         raise PatchkitError(f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
 
 
-def _rmdir_if_empty(directory: Path) -> None:
-    try:
-        directory.rmdir()
-    except OSError:
-        pass
-
-
-def _txn_dir(state: State) -> Path:
-    return state.directory / "txn"
-
-
-def interrupted(state: State) -> bool:
+def interrupted(fs: Root) -> bool:
     """True when an earlier run died while writing (its journal is still there)."""
-    return (_txn_dir(state) / "journal.json").is_file()
+    return fs.lstat(JOURNAL, "journal") is not None
 
 
-def commit(
-    root: Path,
-    state: State,
-    changes: list[FileChange],
-    backups: dict[str, bytes],
-) -> None:
+def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -> None:
     """Write ``backups`` (paths relative to ``.patchkit/``), then ``changes``, then ``state``.
 
-    All or nothing: on any failure (a full disk, a permission error, Ctrl-C)
-    the files already written are restored, this run's backups and journal
-    are removed, and the tree is as before. If even the restore fails, the
-    journal stays and the next run rolls back.
+    All or nothing: on any failure (a full disk, a permission error, a file
+    changed under the run) the files already written are restored, this
+    run's backups and journal are removed, and the tree is as before. If even
+    the restore fails, the journal stays and the next run rolls back.
     """
-    txn = _txn_dir(state)
+    fs = state.fs
     new_state = state.to_bytes()
-    stored: list[Path] = []
+    stored: list[str] = []
     written: list[FileChange] = []
     try:
-        shutil.rmtree(txn, ignore_errors=True)  # leftovers of a run that died before its journal
+        fs.remove_tree(TXN_DIR, "journal")  # leftovers of a run that died before its journal
         for change in changes:
             if change.before is not None:
-                _store(state, f"txn/orig/{change.path}", change.before, stored)
+                _store(fs, f"{TXN_DIR}/orig/{change.path}", change.before, stored)
         for relpath, data in backups.items():
-            _store(state, relpath, data, stored)
-        _store(state, "txn/journal.json", _journal(changes, new_state), stored)
+            _store(fs, f"{STATE_DIR}/{relpath}", data, stored)
+        _store(fs, JOURNAL, _journal(changes, new_state), stored)
         for change in changes:
-            _write(inside(root, change.path, "apply"), change.after)
-            written.append(change)
-        write_atomic(state.path, new_state)
+            _expect(fs, change)
+            written.append(change)  # recorded first: an undo of an unwritten file is a no-op
+            _write(fs, change.path, change.after)
+        fs.write(STATE_FILE, new_state, "state")
     except BaseException as exc:
-        _undo(root, txn, written, stored)
+        _undo(fs, written, stored)
         if isinstance(exc, OSError):
             raise PatchkitError(
                 f"{os_error_line(exc, 'writing')}; the {len(written)} file(s) already "
                 "written were restored, nothing changed"
             ) from None
         raise
-    shutil.rmtree(txn, ignore_errors=True)
+    fs.remove_tree(TXN_DIR, "journal")
 
 
-def _store(state: State, relpath: str, data: bytes, stored: list[Path]) -> None:
+def _expect(fs: Root, change: FileChange) -> None:
+    """The file must still be what the run assessed; someone else may have written it since."""
+    current = fs.read(change.path, "apply")
+    if _sha(current) != _sha(change.before):
+        raise PatchkitError(
+            f"{fs.full(change.path)} changed while patchkit was running; nothing was changed "
+            "(run the command again)"
+        )
+
+
+def _store(fs: Root, relpath: str, data: bytes, stored: list[str]) -> None:
     """Write one of patchkit's own files under ``.patchkit/`` and remember it for undo."""
-    path = inside(state.directory, relpath, str(state.directory), top=None)
-    stored.append(path)
-    write_atomic(path, data)
+    checked_relpath(relpath, str(fs.full(STATE_DIR)), top=STATE_DIR)
+    stored.append(relpath)
+    fs.write(relpath, data, "state")
 
 
 def _journal(changes: list[FileChange], new_state: bytes) -> bytes:
-    def digest(data: bytes | None) -> str | None:
-        return None if data is None else sha256_bytes(data)
-
     journal = {
         "state_sha256": sha256_bytes(new_state),
         "files": [
-            {"path": c.path, "before": digest(c.before), "after": digest(c.after)} for c in changes
+            {
+                "path": c.path,
+                "before": _sha(c.before),
+                "after": _sha(c.after),
+                "patches": list(c.patches),
+            }
+            for c in changes
         ],
     }
     return json.dumps(journal, indent=2).encode()
 
 
-def _undo(root: Path, txn: Path, written: list[FileChange], stored: list[Path]) -> None:
+def _undo(fs: Root, written: list[FileChange], stored: list[str]) -> None:
     """Put the tree back after a failed commit; keep the journal if that fails."""
     try:
-        _restore(root, written)
+        for change in reversed(written):
+            fs.unlink_tmp(change.path, "rollback")
+            _write(fs, change.path, change.before)
     except BaseException as exc:
         raise PatchkitError(
             f"restoring the tree after a failed write failed too ({exc}); the next "
             "`patchkit apply` or `patchkit revert` rolls the run back from its journal"
         ) from None
-    for path in stored:
-        remove_if_present(path)
-        remove_if_present(tmp_sibling(path))
-    shutil.rmtree(txn, ignore_errors=True)
+    for relpath in stored:
+        fs.unlink(relpath, "rollback")
+        fs.unlink_tmp(relpath, "rollback")
+    fs.remove_tree(TXN_DIR, "rollback")
 
 
-def _write(path: Path, data: bytes | None) -> None:
+def _write(fs: Root, relpath: str, data: bytes | None) -> None:
     if data is None:
-        path.unlink()
+        fs.unlink(relpath, "apply")
     else:
-        write_atomic(path, data, like=path)
-
-
-def _restore(root: Path, changes: list[FileChange]) -> None:
-    for change in reversed(changes):
-        path = inside(root, change.path, "rollback")
-        remove_if_present(tmp_sibling(path))
-        if change.before is None:
-            remove_if_present(path)
-        else:
-            write_atomic(path, change.before, like=path)
+        fs.write(relpath, data, "apply")
 
 
 @dataclass(frozen=True)
@@ -252,24 +270,19 @@ class _JournalEntry:
     after: str | None
 
 
-def _read_journal(path: Path) -> tuple[str, list[_JournalEntry]]:
-    """The journal, validated like the state file: paths under vllm/, sha256 values."""
+def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
+    """The journal, validated like the state file and against the diffs of its patches."""
+    path = fs.full(JOURNAL)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(fs, JOURNAL, "journal")
         if not isinstance(data, dict) or set(data) != {"state_sha256", "files"}:
             raise ValueError("wrong keys")
-        entries = []
-        for raw in data["files"]:
-            if not isinstance(raw, dict) or set(raw) != {"path", "before", "after"}:
-                raise ValueError("a file entry is malformed")
-            checked_relpath(raw["path"], f"{path}")
-            for key in ("before", "after"):
-                if raw[key] is not None and not is_sha256(raw[key]):
-                    raise ValueError(f"{raw['path']}: {key} is not a sha256")
-            entries.append(_JournalEntry(raw["path"], raw["before"], raw["after"]))
+        if not isinstance(data["files"], list):
+            raise ValueError("files is not a list")
+        entries = [_journal_entry(raw, str(path), file_kinds) for raw in data["files"]]
         if not is_sha256(data["state_sha256"]):
             raise ValueError("state_sha256 is not a sha256")
-    except (ValueError, TypeError, UnicodeDecodeError, PatchkitError) as exc:
+    except (ValueError, TypeError, UnsafePath) as exc:
         raise PatchkitError(
             f"{path}: invalid journal ({exc}); it was not acted on. Reinstall vLLM "
             f"(pip install --force-reinstall --no-deps vllm), then delete {path.parent}"
@@ -277,45 +290,65 @@ def _read_journal(path: Path) -> tuple[str, list[_JournalEntry]]:
     return data["state_sha256"], entries
 
 
-def recover(root: Path, state: State) -> list[str]:
+def _journal_entry(raw: object, origin: str, file_kinds) -> _JournalEntry:
+    keys = {"path", "before", "after", "patches"}
+    if not isinstance(raw, dict) or set(raw) != keys or not isinstance(raw["patches"], list):
+        raise ValueError("a file entry is malformed")
+    path = checked_relpath(raw["path"], origin)
+    for key in ("before", "after"):
+        if raw[key] is not None and not is_sha256(raw[key]):
+            raise ValueError(f"{path}: {key} is not a sha256")
+    kinds: set[str] = set()
+    for patch_id in raw["patches"]:
+        known = file_kinds(patch_id) if isinstance(patch_id, str) else None
+        if known is None:
+            raise ValueError(f"{path}: names {str(patch_id)[:40]!r}, a patch this patchkit lacks")
+        kinds |= known.get(path, set())
+    if not kinds:
+        raise ValueError(f"{path}: no diff of the patches it names touches that file")
+    if None in (raw["before"], raw["after"]) and not kinds & {"creates", "deletes"}:
+        raise ValueError(f"{path}: absent before or after, but no diff creates or deletes it")
+    return _JournalEntry(path, raw["before"], raw["after"])
+
+
+def recover(fs: Root, file_kinds) -> list[str]:
     """Finish or undo a run that died mid-write; returns what was done."""
-    txn = _txn_dir(state)
-    journal_path = txn / "journal.json"
-    if not journal_path.is_file():
-        if txn.exists():  # died before its journal: the tree was not touched yet
-            shutil.rmtree(txn)
+    if not interrupted(fs):
+        if fs.lstat(TXN_DIR, "journal") is not None:  # died before its journal: untouched
+            fs.remove_tree(TXN_DIR, "journal")
         return []
-    state_sha, entries = _read_journal(journal_path)
-    paths = {e.path: inside(root, e.path, str(journal_path)) for e in entries}
-    for path in paths.values():
-        remove_if_present(tmp_sibling(path))
-    if sha256_file(state.path) == state_sha:
-        shutil.rmtree(txn)
+    state_sha, entries = _read_journal(fs, file_kinds)
+    for entry in entries:
+        fs.unlink_tmp(entry.path, "rollback")
+    if _sha(fs.read(STATE_FILE, "state")) == state_sha:
+        fs.remove_tree(TXN_DIR, "journal")
         return ["an interrupted run had already committed; removed its journal"]
     restored = []
     for entry in entries:
-        path = paths[entry.path]
-        current = sha256_file(path)
+        current = _sha(fs.read(entry.path, "rollback"))
         if current == entry.before:
             continue
         if current != entry.after:
             raise PatchkitError(
-                f"{path}: changed after an interrupted patchkit run, so it cannot be "
-                f"rolled back safely; reinstall vLLM, then delete {txn}"
+                f"{fs.full(entry.path)}: changed after an interrupted patchkit run, so it "
+                f"cannot be rolled back safely; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
             )
         if entry.before is None:
-            remove_if_present(path)
+            fs.unlink(entry.path, "rollback")
         else:
-            orig = inside(txn, f"orig/{entry.path}", str(journal_path), top=None)
-            original = read_or_none(orig)
+            original = fs.read(f"{TXN_DIR}/orig/{entry.path}", "journal")
             if original is None or sha256_bytes(original) != entry.before:
                 raise PatchkitError(
-                    f"{txn}: the journal's copy of {entry.path} is missing or damaged; "
-                    f"reinstall vLLM, then delete {txn}"
+                    f"{fs.full(TXN_DIR)}: the journal's copy of {entry.path} is missing or "
+                    f"damaged; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
                 )
-            write_atomic(path, original, like=path)
+            fs.write(entry.path, original, "rollback")
         restored.append(entry.path)
-    shutil.rmtree(txn)
+    fs.remove_tree(TXN_DIR, "journal")
     return [f"rolled back an interrupted run: restored {p}" for p in restored] or [
         "an interrupted run had changed nothing; removed its journal"
     ]
+
+
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)

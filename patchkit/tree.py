@@ -9,9 +9,11 @@ fail on a build machine), so everything here reads files only.
 from __future__ import annotations
 
 import base64
+import binascii
 import csv
 import hashlib
 import importlib.util
+import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,8 +23,11 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from patchkit.errors import PatchkitError
+from patchkit.safepath import Root
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
+MAX_VERSION_LENGTH = 200  # PEP 440 sets none; 5,000 digits overflow int() on the way
+MAX_METADATA_BYTES = 64 << 20
 
 
 @dataclass
@@ -34,6 +39,7 @@ class VllmTree:
     source: str  # metadata | git | file | override | unknown
     record: dict[str, str] = field(default_factory=dict)  # relpath -> sha256 hex
     git_root: Path | None = None
+    fs: Root | None = field(default=None, repr=False, compare=False)  # root, held open
 
     @property
     def parsed_version(self) -> Version | None:
@@ -51,10 +57,12 @@ class VllmTree:
 
 
 def is_version(text: object) -> bool:
-    """Whether ``text`` is a PEP 440 version (0.26.0, 0.26.0+cu130)."""
+    """Whether ``text`` is a PEP 440 version (0.26.0, 0.26.0+cu130) of a sane length."""
+    if not isinstance(text, str) or len(text) > MAX_VERSION_LENGTH:
+        return False
     try:
         Version(text)
-    except (InvalidVersion, TypeError):
+    except (InvalidVersion, ValueError):
         return False
     return True
 
@@ -63,18 +71,13 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: Path) -> str | None:
-    try:
-        return sha256_bytes(path.read_bytes())
-    except FileNotFoundError:
-        return None
-
-
 def locate(target: str | None, version_override: str | None = None) -> VllmTree:
     """The tree at ``target``, or the vLLM importable by this interpreter."""
     root = _target_root(Path(target)) if target else _importable_root()
     override = version_override or os.environ.get(VERSION_ENV)
-    tree = _detect(root)
+    fs = Root.open(root)
+    tree = _detect(root, fs)
+    tree.fs = fs
     if override:
         tree.version, tree.source = override, "override"
     return tree
@@ -108,65 +111,107 @@ def _importable_root() -> Path:
     return package_dir.parent.resolve()
 
 
-def _detect(root: Path) -> VllmTree:
-    dist_info = _dist_info(root)
+def _detect(root: Path, fs: Root) -> VllmTree:
+    dist_info = _dist_info(root, fs)
     if dist_info is not None:
-        version = _metadata_version(dist_info)
-        return VllmTree(root, version, "metadata", _read_record(dist_info))
+        version = _metadata_version(fs, dist_info)
+        return VllmTree(root, version, "metadata", _read_record(fs, dist_info))
     git_root = _git_root(root)
     if git_root is not None:
         described = _git_version(git_root)
         if described:
             return VllmTree(root, described, "git", git_root=git_root)
-    from_file = _version_file(root)
+    from_file = _version_file(fs)
     if from_file:
         return VllmTree(root, from_file, "file", git_root=git_root)
     return VllmTree(root, "unknown", "unknown", git_root=git_root)
 
 
-def _dist_info(root: Path) -> Path | None:
+def _dist_info(root: Path, fs: Root) -> str | None:
     """The vllm-*.dist-info whose RECORD lists vllm/__init__.py."""
-    candidates = sorted(root.glob("vllm-*.dist-info"))
-    owning = [d for d in candidates if _lists_vllm(d)]
+    candidates = [n for n in fs.names("", "dist-info") if re.fullmatch(r"vllm-.*\.dist-info", n)]
+    owning = [name for name in candidates if _lists_vllm(fs, name)]
     if len(owning) > 1:
-        names = ", ".join(d.name for d in owning)
         raise PatchkitError(
-            f"{root}: several vLLM installs claim vllm/ ({names}); remove the stale "
-            "dist-info or reinstall vLLM"
+            f"{root}: several vLLM installs claim vllm/ ({', '.join(owning)}); remove the "
+            "stale dist-info or reinstall vLLM"
         )
     return owning[0] if owning else None
 
 
-def _lists_vllm(dist_info: Path) -> bool:
-    record = dist_info / "RECORD"
-    if not record.is_file():
-        return (dist_info / "METADATA").is_file()
-    with open(record, encoding="utf-8", newline="") as handle:
-        return any(row and row[0] == "vllm/__init__.py" for row in csv.reader(handle))
+def _metadata_text(fs: Root, relpath: str) -> str | None:
+    """A dist-info file as text; PatchkitError naming it when it is not sane text."""
+    data = fs.read(relpath, "dist-info")
+    if data is None:
+        return None
+    if len(data) > MAX_METADATA_BYTES:
+        raise PatchkitError(f"{fs.full(relpath)}: larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchkitError(
+            f"{fs.full(relpath)}: not UTF-8 (byte {exc.start}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)"
+        ) from None
 
 
-def _metadata_version(dist_info: Path) -> str:
-    with open(dist_info / "METADATA", encoding="utf-8") as handle:
-        headers = HeaderParser().parse(handle)
-    version = headers.get("Version")
+def _lists_vllm(fs: Root, dist_info: str) -> bool:
+    text = _metadata_text(fs, f"{dist_info}/RECORD")
+    if text is None:
+        return fs.lstat(f"{dist_info}/METADATA", "dist-info") is not None
+    return any(row and row[0] == "vllm/__init__.py" for row in _record_rows(fs, dist_info, text))
+
+
+def _record_rows(fs: Root, dist_info: str, text: str) -> list[list[str]]:
+    try:
+        return list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise PatchkitError(
+            f"{fs.full(dist_info)}/RECORD: not a valid RECORD ({exc}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)"
+        ) from None
+
+
+def _metadata_version(fs: Root, dist_info: str) -> str:
+    relpath = f"{dist_info}/METADATA"
+    text = _metadata_text(fs, relpath)
+    version = HeaderParser().parsestr(text).get("Version") if text is not None else None
     if not version:
-        raise PatchkitError(f"{dist_info / 'METADATA'}: no Version header")
-    return version.strip()
+        raise PatchkitError(f"{fs.full(relpath)}: no Version header")
+    version = version.strip()
+    if not is_version(version):
+        raise PatchkitError(
+            f"{fs.full(relpath)}: Version {version[:40]!r} is not a PEP 440 version; pass "
+            "--vllm-version"
+        )
+    return version
 
 
-def _read_record(dist_info: Path) -> dict[str, str]:
+def _read_record(fs: Root, dist_info: str) -> dict[str, str]:
     """RECORD rows as relpath -> sha256 hex; rows without a hash are skipped."""
-    record = dist_info / "RECORD"
-    if not record.is_file():
+    text = _metadata_text(fs, f"{dist_info}/RECORD")
+    if text is None:
         return {}
     hashes = {}
-    with open(record, encoding="utf-8", newline="") as handle:
-        for row in csv.reader(handle):
-            if len(row) >= 2 and row[1].startswith("sha256="):
-                digest = row[1][len("sha256=") :]
-                padded = digest + "=" * (-len(digest) % 4)
-                hashes[row[0]] = base64.urlsafe_b64decode(padded).hex()
+    for row in _record_rows(fs, dist_info, text):
+        if len(row) >= 2 and row[1].startswith("sha256="):
+            hashes[row[0]] = _record_digest(fs, dist_info, row)
     return hashes
+
+
+def _record_digest(fs: Root, dist_info: str, row: list[str]) -> str:
+    """A RECORD hash (urlsafe base64, unpadded) as hex; PatchkitError when it is no sha256."""
+    digest = row[1][len("sha256=") :]
+    try:
+        raw = base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise PatchkitError(
+            f"{fs.full(dist_info)}/RECORD: {row[0][:80]}: {row[1][:60]!r} is not a sha256; "
+            "reinstall vLLM (pip install --force-reinstall --no-deps vllm)"
+        )
+    return raw.hex()
 
 
 def _git_root(root: Path) -> Path | None:
@@ -191,13 +236,13 @@ def _git_version(git_root: Path) -> str | None:
     return base if distance == "0" else f"{base}+{distance}.g{sha}"
 
 
-def _version_file(root: Path) -> str | None:
-    path = root / "vllm" / "_version.py"
-    if not path.is_file():
+def _version_file(fs: Root) -> str | None:
+    text = _metadata_text(fs, "vllm/_version.py")
+    if text is None:
         return None
     match = re.search(
         r"^(?:__version__|version)\s*=\s*(?:\w+\s*=\s*)?['\"]([^'\"]+)['\"]",
-        path.read_text(encoding="utf-8"),
+        text,
         re.MULTILINE,
     )
-    return match.group(1) if match else None
+    return match.group(1) if match and is_version(match.group(1)) else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.state import state_dir
+from patchkit.safepath import Root
 from patchkit.transaction import TreeLock
 from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
 from tests.helpers import FILES, MARK, make_catalogue
@@ -76,11 +76,11 @@ def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, mon
     real_write = transaction._write
     calls = []
 
-    def failing_write(path, data):
+    def failing_write(fs, path, data):
         calls.append(path)
         if len(calls) == 2:
             raise PermissionError(13, "Permission denied", str(path))
-        real_write(path, data)
+        real_write(fs, path, data)
 
     monkeypatch.setattr(transaction, "_write", failing_write)
     before = snapshot(tree_0260)
@@ -90,18 +90,18 @@ def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, mon
     assert result.exit_code == 1
     assert "permission denied" in result.stderr.lower()
     assert "restored, nothing changed" in result.stderr
-    assert len(calls) == 2
+    assert calls[:2] == list(FILES)  # the second write failed; then the undo writes
     assert snapshot(tree_0260) == before
 
 
 CRASH_ON_SECOND_WRITE = """
 import os, patchkit.transaction as t
 _real, _n = t._write, []
-def _crash(path, data):
+def _crash(fs, path, data):
     _n.append(path)
     if len(_n) == 2:
         os._exit(137)  # killed between the two file writes
-    _real(path, data)
+    _real(fs, path, data)
 t._write = _crash
 """
 
@@ -158,7 +158,7 @@ def test_two_concurrent_applies(tree_0260: Path):
     assert [first.returncode, second.returncode] == [0, 0]
     actions = [o["patches"][0]["action"] for o in outputs]
     assert actions == ["applied", "already-applied"]
-    state = json.loads((state_dir(tree_0260) / "state.json").read_text())
+    state = json.loads(((tree_0260 / ".patchkit") / "state.json").read_text())
     assert [p["id"] for p in state["patches"]] == [
         "expand-block-n",
         "matmul-add-lora-linear",
@@ -168,13 +168,13 @@ def test_two_concurrent_applies(tree_0260: Path):
 
 def test_lock_timeout_is_a_clear_error(tree_0260: Path):
     before = snapshot(tree_0260)
-    with TreeLock(state_dir(tree_0260)):
+    with Root.open(tree_0260) as fs, TreeLock(fs):
         result = run_subprocess(
             "apply", "--target", str(tree_0260), env={"PATCHKIT_LOCK_TIMEOUT": "0.3"}
         )
     assert result.returncode == 1
     assert "another patchkit run holds" in result.stderr
-    shutil.rmtree(state_dir(tree_0260))  # the lock file this test made
+    shutil.rmtree(tree_0260 / ".patchkit")  # the lock file this test made
     assert snapshot(tree_0260) == before
 
 
@@ -253,7 +253,7 @@ def test_edited_after_patching_revert_refuses_then_force(tree_0260: Path):
 def test_revert_without_backup_reverse_applies(tree_0260: Path):
     pristine = snapshot(tree_0260)
     assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
-    shutil.rmtree(state_dir(tree_0260))  # state and backups lost
+    shutil.rmtree(tree_0260 / ".patchkit")  # state and backups lost
     status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "applied"
     assert "no record" in status["patches"][0]["reason"]
@@ -316,12 +316,14 @@ def test_status_imports_neither_vllm_nor_torch(tree_0260: Path):
     assert "IMPORTED: []" in result.stderr
 
 
-def test_a_partial_reinstall_is_a_conflict_and_force_reverts_it(tree_0260: Path):
+def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(tree_0260: Path):
     """Seen on the test H200: vLLM's files unpacked again over a patched tree.
 
     punica_gpu.py is back to the wheel's, the new patchkit_lora_matmul.py is still
-    there: neither applied nor pristine. status says so in one line (no crash),
-    revert refuses, --force gives the pristine tree back.
+    there: neither applied nor pristine. status says so in one line (no crash) and
+    names the way out; a plain revert gives the pristine tree back: it deletes only
+    the file patchkit created, whose bytes are still what it wrote (issue 18: no
+    --force needed for what is safe).
     """
     pristine = snapshot(tree_0260)
     assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
@@ -330,9 +332,8 @@ def test_a_partial_reinstall_is_a_conflict_and_force_reverts_it(tree_0260: Path)
     status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
     matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
     assert matmul["state"] == "conflict" and "partly reinstalled" in matmul["reason"]
-    refused = run_cli("revert", "--target", str(tree_0260))
-    assert refused.exit_code == 1 and "--force" in refused.stderr
-    assert run_cli("revert", "--target", str(tree_0260), "--force").exit_code == 0
+    assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]
+    assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
     assert snapshot(tree_0260) == pristine
 
 

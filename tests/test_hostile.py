@@ -259,7 +259,7 @@ def read_only_lock(monkeypatch):
     real_open = os.open
 
     def refusing_open(path, flags, *args, **kwargs):
-        if str(path).endswith("/.patchkit/lock") and flags & os.O_CREAT:
+        if str(path) == "lock" and "dir_fd" in kwargs and flags & os.O_CREAT:
             raise OSError(errno.EROFS, "Read-only file system", str(path))
         return real_open(path, flags, *args, **kwargs)
 
@@ -377,8 +377,13 @@ def test_a_full_disk_gives_one_line_and_changes_nothing(small_tmpfs):
     assert snapshot(tree) == before and not (tree / ".patchkit").exists()
 
 
-def test_an_over_long_path_gives_one_line_and_changes_nothing(tmp_path):
-    """A tree whose root path is ~4,020 characters: files below it pass PATH_MAX (4,096)."""
+def test_an_over_long_path_is_walked_by_descriptors(tmp_path):
+    """A tree whose root path is ~4,020 characters: files below it pass PATH_MAX (4,096).
+
+    patchkit opens the root once and reaches every file from that descriptor
+    (issue 18), so the depth of the tree's own path no longer matters: apply
+    and revert work there, and revert gives the pristine files back.
+    """
     from tests.test_write_points import slim_tree
 
     tree = slim_tree(tmp_path / "t")
@@ -395,12 +400,14 @@ def test_an_over_long_path_gives_one_line_and_changes_nothing(tmp_path):
             fd = new_fd
         os.rename(tree, "t", dst_dir_fd=fd)
         deep = Path(tmp_path, *parts, "t")
-        result = run_cli("apply", "--target", str(deep))
+        applied_deep = run_cli("apply", "--target", str(deep))
+        reverted_deep = run_cli("revert", "--target", str(deep))
         os.rename("t", tree, src_dir_fd=fd)
     finally:
         os.close(fd)
-    line = one_line_failure(result)
-    assert "longer than this file system allows" in line
+    assert applied_deep.exit_code == 0, applied_deep.output
+    assert "applied" in applied_deep.stdout
+    assert reverted_deep.exit_code == 0, reverted_deep.output
     assert not (tree / ".patchkit").exists()
     assert snapshot(tree) == snapshot(slim_tree(tmp_path / "fresh"))
 
@@ -420,22 +427,30 @@ def test_a_symlinked_pycache_is_not_followed(site):
 
 
 def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
-    from patchkit.fetch import MARKER
+    """Staging of a dead fetch goes; a live one stays; so does a directory that only
+    looks like one by its name (issue 18: recognised by patchkit's marker, not a pattern)."""
+    from patchkit.fetch import MARKER, STAGING_MARKER
 
     cache = tmp_path / "cache"
     tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
     assert (tree / MARKER).is_file()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = cache / "trees" / f".vllm-0.27.0-pid{dead.pid}-abc123"
+    stale = cache / "trees" / ".vllm-0.27.0-abc123"
     (stale / "tree" / "vllm").mkdir(parents=True)
-    alive = cache / "trees" / f".vllm-0.28.0-pid{os.getpid()}-def456"
+    (stale / STAGING_MARKER).write_text(json.dumps({"pid": dead.pid, "start": "1"}))
+    alive = cache / "trees" / ".vllm-0.28.0-def456"
     alive.mkdir()
+    (alive / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "start": None}))
+    lookalike = cache / "trees" / f".vllm-notes-pid{dead.pid}-x"
+    lookalike.mkdir()
+    (lookalike / "mine.txt").write_text("mine\n")
     result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
     assert result.stderr == ""  # quiet in --json and without a terminal
     assert not stale.exists() and alive.is_dir()
+    assert (lookalike / "mine.txt").read_text() == "mine\n"
 
 
 def test_pip_dies_with_a_killed_fetch(tmp_path):

@@ -130,13 +130,13 @@ def test_a_reinstalled_vllm_under_a_stale_stack_is_decided_by_content(pair):
 
 
 CRASH_AT_STATE_WRITE = """
-import os, patchkit.transaction as t
-_real = t.write_atomic
-def _crash(path, data, like=None):
-    if path.name == "state.json":
+import os, patchkit.safepath as s
+_real = s.Root.write
+def _crash(self, relpath, data, origin):
+    if relpath.endswith("state.json"):
         os._exit(137)  # killed after the file write, before the commit point
-    _real(path, data, like)
-t.write_atomic = _crash
+    _real(self, relpath, data, origin)
+s.Root.write = _crash
 """
 
 
