@@ -20,13 +20,17 @@ silent edits. So on a checkout patchkit
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.catalogue import Patch
 from patchkit.errors import PatchkitError
+from patchkit.safepath import Root
+from patchkit.signals import Terminated, held
 from patchkit.state import STATE_DIR
 from patchkit.tree import VllmTree
 
@@ -64,6 +68,26 @@ class Checkout:
             f"{', ...' if len(changed) > 3 else ''}); commit or stash them, or pass --allow-dirty"
         )
 
+    def check_identity(self) -> None:
+        """Commits need a name and an email; say how to set them before anything changes."""
+        for who in ("GIT_AUTHOR_IDENT", "GIT_COMMITTER_IDENT"):
+            try:
+                self.repo.git.var(who)
+            except Exception as exc:  # GitCommandError: git cannot tell who commits
+                raise PatchkitError(
+                    f"fork mode commits each patch, but git has no identity here "
+                    f"({_git_message(exc)}); set one: git config user.name 'Your Name' && "
+                    "git config user.email you@example.com (or --global); nothing was changed"
+                ) from None
+
+    def check_branch_name(self, name: str) -> None:
+        try:
+            self.repo.git.check_ref_format("--branch", name)
+        except Exception:
+            raise UsageProblem(
+                f"--branch {name!r} is not a valid git branch name (git check-ref-format)"
+            ) from None
+
     def exclude_state_dir(self) -> None:
         exclude = Path(self.repo.git_dir) / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)
@@ -74,39 +98,35 @@ class Checkout:
                 handle.write(f"{line}\n")
 
     # -- branch -------------------------------------------------------------
+    def switch_to(self, name: str) -> None:
+        """Make ``name`` the current branch without touching the work tree.
+
+        A new branch starts at HEAD; an existing one is used only if it is the
+        current branch or points at HEAD's commit (switching to another commit
+        would change the files under the plan that was just checked).
+        """
+        head = self.repo.head.commit.hexsha
+        existing = next((h for h in self.repo.heads if h.name == name), None)
+        if existing is None:
+            self.repo.git.branch(name, head)
+        elif existing.commit.hexsha != head:
+            if self.current_branch() == name:
+                return
+            raise PatchkitError(
+                f"branch {name} exists and points at another commit than HEAD; switch to it "
+                f"first (git switch {name}) and run the command there, or pass another "
+                "--branch; nothing was changed"
+            )
+        self.repo.git.symbolic_ref("HEAD", f"refs/heads/{name}")
+
     def current_branch(self) -> str | None:
         return None if self.repo.head.is_detached else self.repo.active_branch.name
-
-    @contextmanager
-    def on_branch(self, name: str):
-        """Switch to ``name`` (created from HEAD if new); switch back if the body fails."""
-        start_branch = self.current_branch()
-        start_commit = self.repo.head.commit.hexsha
-        created = name not in [h.name for h in self.repo.heads]
-        if created:
-            self.repo.git.checkout("-b", name)
-        elif start_branch != name:
-            self.repo.git.checkout(name)
-        try:
-            yield
-        except BaseException:
-            self.repo.git.checkout(start_branch or start_commit)
-            if created:
-                self.repo.git.branch("-D", name)
-            raise
 
     # -- commits ------------------------------------------------------------
     def commit(self, patch: Patch, files: list[str], action: str) -> str:
         self.repo.git.add("--", *files)
-        message = commit_message(patch, action)
-        self.repo.git.commit("-m", message, *self._identity_args(), "--", *files)
+        self.repo.git.commit("-m", commit_message(patch, action), "--", *files)
         return self.repo.head.commit.hexsha
-
-    def _identity_args(self) -> list[str]:
-        reader = self.repo.config_reader()
-        if reader.has_option("user", "name") and reader.has_option("user", "email"):
-            return []
-        return ["--author", "patchkit <patchkit@localhost>"]
 
     def patch_commits(self) -> dict[str, tuple[str, str]]:
         """For each patch id: (action, commit sha) of the latest patchkit commit."""
@@ -121,6 +141,108 @@ class Checkout:
             if patch_id and action and patch_id not in latest:
                 latest[patch_id] = (action, sha)
         return latest
+
+
+@dataclass
+class Snapshot:
+    """Everything fork mode may change, as it was: refs, index, exclude file, tree files.
+
+    On any failure after the first change, :meth:`restore` puts each back
+    byte for byte (patchkit's own ``.patchkit/`` included), so the checkout
+    is exactly as before: the branch, the index and the work tree.
+    """
+
+    checkout: Checkout
+    head_ref: str | None  # refs/heads/main, or None when HEAD is detached
+    head_sha: str
+    refs: dict[str, str | None]  # branch ref -> sha before (None: did not exist)
+    index: bytes | None
+    exclude: bytes | None
+    files: dict[str, bytes | None]  # tree-relative path -> bytes before (None: absent)
+
+    @classmethod
+    def take(cls, checkout: Checkout, branch: str, paths: list[str]) -> Snapshot:
+        repo, fs = checkout.repo, checkout.tree.fs
+        head_ref = None if repo.head.is_detached else repo.head.ref.path
+        refs = {}
+        for name in {branch, *([checkout.current_branch()] if head_ref else [])}:
+            head = next((h for h in repo.heads if h.name == name), None)
+            refs[f"refs/heads/{name}"] = head.commit.hexsha if head is not None else None
+        git_dir = Path(repo.git_dir)
+        files = {path: fs.read(path, "fork mode") for path in [*paths, *_state_files(fs)]}
+        return cls(
+            checkout, head_ref, repo.head.commit.hexsha, refs,
+            _read(git_dir / "index"), _read(git_dir / "info" / "exclude"), files,
+        )  # fmt: skip
+
+    def restore(self) -> None:
+        repo, fs = self.checkout.repo, self.checkout.tree.fs
+        if self.head_ref:
+            repo.git.symbolic_ref("HEAD", self.head_ref)
+        else:
+            repo.git.update_ref("--no-deref", "HEAD", self.head_sha)
+        for ref, sha in self.refs.items():
+            if sha is None:
+                repo.git.update_ref("-d", ref)
+            else:
+                repo.git.update_ref(ref, sha)
+        git_dir = Path(repo.git_dir)
+        _write_back(git_dir / "index", self.index)
+        _write_back(git_dir / "info" / "exclude", self.exclude)
+        for path in _state_files(fs):
+            if path not in self.files:
+                fs.unlink(path, "fork mode")
+        for path, data in self.files.items():
+            if data is None:
+                fs.unlink(path, "fork mode")
+            else:
+                fs.write(path, data, "fork mode")
+        if not any(p.startswith(f"{STATE_DIR}/") for p in self.files):
+            fs.remove_tree(STATE_DIR, "fork mode")
+
+
+def _state_files(fs: Root, relpath: str = STATE_DIR) -> list[str]:
+    """Every file under .patchkit/ but the lock (which belongs to whichever run holds it)."""
+    found = []
+    for name in fs.names(relpath, "fork mode"):
+        child = f"{relpath}/{name}"
+        info = fs.lstat(child, "fork mode")
+        if info is not None and stat.S_ISDIR(info.st_mode):
+            found += _state_files(fs, child)
+        elif child != f"{STATE_DIR}/lock":
+            found.append(child)
+    return found
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _write_back(path: Path, data: bytes | None) -> None:
+    if data is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.patchkit-tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _git_message(exc: Exception) -> str:
+    """The useful line of a git failure (its stderr), not gitpython's whole repr."""
+    stderr = getattr(exc, "stderr", "") or str(exc)
+    lines = [ln.strip().strip("'") for ln in str(stderr).splitlines() if ln.strip()]
+    lines = [ln.removeprefix("stderr: ").strip("'").strip() for ln in lines]
+    useful = [ln for ln in lines if ln and not ln.startswith("hint:")]
+    return (useful[-1] if useful else type(exc).__name__)[:300]
+
+
+class UsageProblem(PatchkitError):
+    """A bad option value found where it is used (exit status 2, like click's)."""
+
+    exit_code = 2
 
 
 def commit_message(patch: Patch, action: str) -> str:
@@ -142,56 +264,81 @@ def _trailer(body: str, key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def default_branch(tree: VllmTree) -> str:
-    """patchkit/vllm-0.26.0 for a checkout of v0.26.0 with or without local commits."""
-    version = tree.parsed_version
-    return f"patchkit/vllm-{version if version is not None else 'unknown'}"
-
-
 def apply(tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_dirty):
-    """operations.apply on a checkout: on a branch, one commit per applied patch."""
+    """operations.apply on a checkout: on a branch, one commit per applied patch.
+
+    If anything fails after the first change (a commit refused by a hook, a
+    Ctrl-C), the snapshot taken before puts refs, index, work tree and
+    ``.patchkit/`` back exactly, and the error says what git said.
+    """
     from patchkit import operations
 
+    checkout = Checkout(tree)
+    name = branch or default_branch(tree)
+    checkout.check_branch_name(name)
     plan = operations.apply(tree, catalogue, only, dry_run=True, strict=strict)
     if dry_run:
         return plan
     if not any(o.action == "would-apply" for o in plan.outcomes):
         return operations.apply(tree, catalogue, only, False, strict, clear_caches)
-    checkout = Checkout(tree)
     checkout.check_clean(allow_dirty)
-    checkout.exclude_state_dir()
-    name = branch or default_branch(tree)
-    with checkout.on_branch(name):
+    checkout.check_identity()
+    paths = [c.path for o in plan.outcomes for c in o.assessment.changes]
+    snapshot = Snapshot.take(checkout, name, paths)
+    with _undone_on_failure(snapshot, "apply"):
+        checkout.exclude_state_dir()
+        checkout.switch_to(name)
         report = operations.apply(tree, catalogue, only, False, strict, clear_caches)
-        applied = [o.assessment for o in report.outcomes if o.action == "applied"]
-        try:
-            for assessment in applied:
-                sha = checkout.commit(assessment.patch, list(assessment.files), "apply")
-                report.notes.append(f"committed {assessment.patch.id} as {sha[:12]} on {name}")
-        except Exception as exc:
-            ids = tuple(a.patch.id for a in applied)
-            operations.revert(tree, catalogue, ids, force=True)
-            raise PatchkitError(
-                f"git commit failed ({str(exc).splitlines()[0]}); the patches were "
-                "reverted and the branch removed, nothing changed"
-            ) from None
+        for outcome in (o for o in report.outcomes if o.action == "applied"):
+            patch = outcome.assessment.patch
+            sha = checkout.commit(patch, list(outcome.assessment.files), "apply")
+            report.notes.append(f"committed {patch.id} as {sha[:12]} on {name}")
     return report
 
 
 def revert(tree, catalogue, only, force, clear_caches, allow_dirty):
-    """operations.revert on a checkout, then one revert commit per patch."""
+    """operations.revert on a checkout, then one revert commit per patch (undone on failure)."""
     from patchkit import operations
 
     checkout = Checkout(tree)
     checkout.check_clean(allow_dirty)
-    checkout.exclude_state_dir()
-    report = operations.revert(tree, catalogue, only, force, clear_caches)
-    for outcome in report.outcomes:
-        if outcome.action == "reverted":
+    status = operations.status(tree, catalogue)
+    touched = [o for o in status.outcomes if o.assessment.state in ("applied", "conflict")]
+    if touched:
+        checkout.check_identity()
+    paths = [path for o in touched for path in o.assessment.files]
+    snapshot = Snapshot.take(checkout, checkout.current_branch() or "HEAD", paths)
+    with _undone_on_failure(snapshot, "revert"):
+        checkout.exclude_state_dir()
+        report = operations.revert(tree, catalogue, only, force, clear_caches)
+        for outcome in (o for o in report.outcomes if o.action == "reverted"):
             patch = outcome.assessment.patch
             sha = checkout.commit(patch, list(outcome.assessment.files), "revert")
             report.notes.append(f"committed the revert of {patch.id} as {sha[:12]}")
     return report
+
+
+@contextmanager
+def _undone_on_failure(snapshot: Snapshot, command: str):
+    """Restore the snapshot (with signals held) if the body fails; say what git said."""
+    try:
+        yield
+    except BaseException as exc:
+        with held():
+            snapshot.restore()
+        if isinstance(exc, (KeyboardInterrupt, Terminated, PatchkitError)):
+            raise
+        raise PatchkitError(
+            f"fork mode {command}: git failed ({_git_message(exc)}); the branch, index and "
+            "work tree are as before, nothing changed (fix what git reports, e.g. a "
+            "pre-commit hook, and run the command again)"
+        ) from None
+
+
+def default_branch(tree: VllmTree) -> str:
+    """patchkit/vllm-0.26.0 for a checkout of v0.26.0 with or without local commits."""
+    version = tree.parsed_version
+    return f"patchkit/vllm-{version if version is not None else 'unknown'}"
 
 
 def annotate_status(tree, report) -> None:

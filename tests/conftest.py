@@ -127,3 +127,28 @@ def two_file_catalogue(tmp_path: Path) -> Path:
     from tests.helpers import make_catalogue
 
     return make_catalogue(tmp_path / "catalogue", release_tree("0.26.0"))
+
+
+GIT_IDENTITY = ["-c", "user.name=Fork Dev", "-c", "user.email=dev@example.invalid"]
+
+
+def git(root: Path, *args: str) -> str:
+    result = subprocess.run(["git", *GIT_IDENTITY, *args], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """vllm/ of the real 0.26.0 wheel, committed, tagged v0.26.0, plus one local commit."""
+    root = tmp_path / "vllm-fork"
+    root.mkdir()
+    shutil.copytree(release_tree("0.26.0") / "vllm", root / "vllm")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "vLLM 0.26.0")
+    git(root, "tag", "v0.26.0")
+    (root / "FORK.md").write_text("our fork\n")
+    git(root, "add", "FORK.md")
+    git(root, "commit", "-qm", "fork: unrelated local change")
+    return root
