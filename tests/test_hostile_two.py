@@ -1,0 +1,546 @@
+"""Hostile round two (issue 18): each reproduction of the attack report, as a test.
+
+Each test plants what an attacker, a bad environment or a reinstall would, on
+a copy of a real vLLM tree, and checks that patchkit never changes anything
+outside the tree, never loses the user's vLLM, never hangs and never prints a
+traceback. The numbers in the test names are the report's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, copy_tree, git, release_tree, run_cli, snapshot
+from tests.helpers import stacked_catalogue
+from tests.test_hostile import one_line_failure
+from tests.test_write_points import normalized, slim_tree
+
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+PUNICA = "vllm/lora/punica_wrapper/punica_gpu.py"
+CREATED = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def patchkit(*args: str, env: dict | None = None, timeout: float = 60, code: str = ""):
+    """patchkit in a child Python (a hang fails the test instead of stopping the suite)."""
+    prelude = code + "\nfrom patchkit.entry import main\nmain()\n"
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", prelude, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def one_line(result, code: int = 1) -> str:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [ln for ln in result.stderr.strip().splitlines() if not ln.startswith("known issue")]
+    assert len(lines) == 1 and lines[0].startswith("patchkit: error:"), result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def slim(tmp_path: Path) -> Path:
+    return slim_tree(tmp_path / "t")
+
+
+# ----- 2. a directory swapped for a link between the check and the write -----
+
+RENAME_EXCHANGE = 2
+
+# utils.py's temporary file is opened three times: for the journal's copy, the
+# backup, then the tree's own file, whose path was checked just before. The swap
+# goes between that check and that open.
+SWAP_AT_WRITE = r"""
+import ctypes, os, sys
+_libc = ctypes.CDLL(None, use_errno=True)
+_seen = []
+def _hook(event, args):
+    if event == "open" and str(args[0]).endswith(".utils.py.patchkit-tmp"):
+        _seen.append(1)
+        if len(_seen) != 3:
+            return
+        ops = {ops!r}
+        if _libc.renameat2(-100, (ops + "/triton_ops").encode(), -100,
+                           (ops + "/swapped").encode(), 2) != 0:
+            raise OSError(ctypes.get_errno(), "renameat2")
+sys.addaudithook(_hook)
+"""
+
+
+def test_2_a_directory_swapped_for_a_link_mid_write_never_redirects_it(tmp_path, slim):
+    victim = tmp_path / "V"
+    victim.mkdir()
+    (victim / "mine.txt").write_text("precious\n")
+    ops = slim / "vllm/lora/ops"
+    (ops / "swapped").symlink_to(victim)  # exchanged with triton_ops (renameat2) mid-write
+    before = snapshot(victim)
+    hook = SWAP_AT_WRITE.replace("{ops!r}", repr(str(ops)))
+    result = patchkit("apply", "--target", str(slim), code=hook)
+    assert (ops / "triton_ops").is_symlink(), "the swap did not happen"
+    assert snapshot(victim) == before, "a write went through the link"
+    assert "Traceback" not in result.stderr
+    # the write went where the walk had opened: the real directory, now named "swapped"
+    assert "block_n" in (ops / "swapped" / "utils.py").read_text()
+    assert (ops / "swapped" / "utils.py").read_bytes() != (
+        release_tree("0.26.0") / UTILS
+    ).read_bytes()
+
+
+# ----- 3 and 6. caches: mounts, links above the last component, absent caches -----
+
+
+def clear(tree: Path, home: Path, **env: str) -> dict:
+    full = {"HOME": str(home), "XDG_CACHE_HOME": "", **env}
+    result = patchkit("apply", "--target", str(tree), "--clear-caches", "--json", env=full)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["ok"] is True
+    return {c["name"].split()[0]: c for c in data["caches_removed"]}
+
+
+@pytest.fixture
+def bind_mount(tmp_path):
+    mounts = []
+
+    def mount(source: Path, target: Path) -> None:
+        done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.decode().strip()}")
+        mounts.append(target)
+
+    yield mount
+    for target in mounts:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_3_clear_caches_never_crosses_a_bind_mount(tmp_path, slim, bind_mount):
+    victim = tmp_path / "data"
+    (victim / "deep").mkdir(parents=True)
+    (victim / "deep" / "thesis.tex").write_text("years of work\n")
+    cache = tmp_path / "triton"
+    hashed = cache / ("A" * 52)
+    hashed.mkdir(parents=True)
+    bind_mount(victim, hashed)
+    (cache / ("B" * 52)).mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    triton = clear(slim, home, TRITON_CACHE_DIR=str(cache))["Triton"]
+    assert triton["removed"] is False and "mount point" in triton["reason"], triton
+    assert (victim / "deep" / "thesis.tex").read_text() == "years of work\n"
+    assert (cache / ("B" * 52)).is_dir()  # refused as a whole: nothing was removed
+
+
+def test_6_cache_links_above_the_last_component_are_not_followed(tmp_path, slim):
+    real = tmp_path / "real"
+    kernel = real / "cache" / ("C" * 52) / "k.cubin"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"k")
+    (tmp_path / "up").symlink_to(real)  # TRITON_CACHE_DIR=<tmp>/up/cache: a link above it
+    vllm_real = tmp_path / "vllm-real" / "torch_compile_cache" / ("d" * 10)
+    vllm_real.mkdir(parents=True)
+    (vllm_real / "graph").write_bytes(b"g")
+    (tmp_path / "vllm-link").symlink_to(tmp_path / "vllm-real")  # VLLM_CACHE_ROOT a link
+    home = tmp_path / "home"
+    home.mkdir()
+    found = clear(
+        slim,
+        home,
+        TRITON_CACHE_DIR=str(tmp_path / "up" / "cache"),
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm-link"),
+    )
+    for name in ("Triton", "vLLM"):
+        assert found[name]["removed"] is False and "symbolic link" in found[name]["reason"]
+    assert kernel.read_bytes() == b"k" and (vllm_real / "graph").read_bytes() == b"g"
+
+
+def test_6_an_absent_cache_is_not_reported_as_cleared(tmp_path, slim):
+    home = tmp_path / "home"
+    home.mkdir()
+    found = clear(slim, home, TRITON_CACHE_DIR=str(tmp_path / "nowhere"))
+    assert found["Triton"]["removed"] is False and found["Triton"]["state"] == "absent"
+    assert found["vLLM"]["state"] == "absent"
+
+
+# ----- 5. forged state and journal entries -----
+
+
+def test_5_a_forged_state_entry_for_a_file_no_diff_touches_is_refused(slim):
+    assert run_cli("apply", "--target", str(slim)).exit_code == 0
+    state_file = slim / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    init = slim / "vllm/__init__.py"
+    forged = {"path": "vllm/__init__.py", "pre_sha256": None, "post_sha256": sha(init),
+              "backup": None}  # fmt: skip
+    data["patches"][0]["files"].append(forged)
+    state_file.write_text(json.dumps(data))
+    before = snapshot(slim)
+    for command in ("revert", "apply", "status"):
+        line = one_line_failure(run_cli(command, "--target", str(slim)))
+        assert "not acted on" in line and "vllm/__init__.py" in line
+    assert snapshot(slim) == before and init.is_file()
+
+
+@pytest.mark.parametrize("names_patches", [False, True])
+def test_5_a_journal_entry_with_before_null_for_a_foreign_file_is_refused(slim, names_patches):
+    """``before: null`` means "the run created it": rolling back would delete the file."""
+    init = slim / "vllm/__init__.py"
+    txn = slim / ".patchkit" / "txn"
+    txn.mkdir(parents=True)
+    entry = {"path": "vllm/__init__.py", "before": None, "after": sha(init)}
+    if names_patches:
+        entry["patches"] = ["expand-block-n"]  # a real patch, whose diffs never touch it
+    (txn / "journal.json").write_text(json.dumps({"state_sha256": "0" * 64, "files": [entry]}))
+    before = snapshot(slim)
+    for command in ("apply", "revert"):
+        line = one_line_failure(run_cli(command, "--target", str(slim)))
+        assert "journal" in line and "not acted on" in line
+    assert snapshot(slim) == before and init.is_file()
+
+
+# ----- 7 and 11. reinstalls of another or the same release -----
+
+
+def reinstall(tree: Path, version: str) -> None:
+    """What pip does: remove the installed release's files (by its RECORD), unpack the other."""
+    for dist_info in tree.glob("vllm-*.dist-info"):
+        for line in (dist_info / "RECORD").read_text().splitlines():
+            (tree / line.split(",")[0]).unlink(missing_ok=True)
+        shutil.rmtree(dist_info)
+    source = release_tree(version)
+    shutil.copytree(source / "vllm", tree / "vllm", dirs_exist_ok=True)
+    for dist_info in source.glob("vllm-*.dist-info"):
+        shutil.copytree(dist_info, tree / dist_info.name)
+
+
+def test_7_after_a_reinstall_as_another_release_no_backup_goes_over_its_files(tmp_path):
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    assert run_cli("apply", "--target", str(tree)).exit_code == 0
+    reinstall(tree, "0.21.0")
+    pristine_0210 = release_tree("0.21.0") / UTILS
+    status = json.loads(run_cli("status", "--target", str(tree), "--json").stdout)
+    block_n = next(p for p in status["patches"] if p["id"] == "expand-block-n")
+    assert block_n["state"] == "needed"  # 0.21.0's own file: the 0.26.0 record is stale
+    assert "--force" not in json.dumps(status)
+    forced = run_cli("revert", "--target", str(tree), "--only", "expand-block-n", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert (tree / UTILS).read_bytes() == pristine_0210.read_bytes()
+    matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
+    assert matmul["state"] == "conflict" and "patchkit revert --only" in matmul["reason"]
+    assert run_cli("revert", "--target", str(tree)).exit_code == 0
+    assert not (tree / CREATED).exists() and not (tree / ".patchkit").exists()
+    fresh = copy_tree("0.21.0", tmp_path / "fresh")
+    assert snapshot(tree / "vllm") == snapshot(fresh / "vllm")
+
+
+def test_11_a_reinstall_of_the_same_release_leaves_no_state_behind(slim):
+    pristine = normalized(slim)
+    assert run_cli("apply", "--target", str(slim)).exit_code == 0
+    source = release_tree("0.26.0")
+    for relpath in (UTILS, PUNICA, "vllm/lora/layers/base.py",
+                    "vllm/lora/layers/column_parallel_linear.py"):  # fmt: skip
+        (slim / relpath).write_bytes((source / relpath).read_bytes())
+    (slim / CREATED).unlink()
+    result = run_cli("revert", "--target", str(slim))
+    assert result.exit_code == 0, result.output
+    assert "dropped the stale record" in result.stdout
+    assert not (slim / ".patchkit").exists()
+    assert normalized(slim) == pristine
+
+
+def test_11_an_unknown_patch_in_the_state_is_reported_not_acted_on(slim):
+    assert run_cli("apply", "--target", str(slim), "--only", "expand-block-n").exit_code == 0
+    state_file = slim / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    ghost = json.loads(json.dumps(data["patches"][0]))
+    ghost["id"] = "ghost"
+    ghost["files"][0]["backup"] = f"backups/ghost/{UTILS}"
+    data["patches"].append(ghost)  # claims utils.py, which still holds what it "wrote"
+    state_file.write_text(json.dumps(data))
+    status = run_cli("status", "--target", str(slim))
+    assert "'ghost', which this patchkit does not know" in status.stderr
+    before = snapshot(slim)
+    line = one_line_failure(run_cli("revert", "--target", str(slim)))
+    assert "'ghost'" in line and "nothing was changed" in line
+    assert snapshot(slim) == before
+
+
+def test_11_an_unknown_patch_whose_files_are_back_is_dropped(slim):
+    pristine = normalized(slim)
+    assert run_cli("apply", "--target", str(slim), "--only", "expand-block-n").exit_code == 0
+    state_file = slim / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    data["patches"][0]["id"] = "ghost"  # a patch a newer patchkit applied, since undone
+    data["patches"][0]["files"][0]["backup"] = f"backups/ghost/{UTILS}"
+    state_file.write_text(json.dumps(data))
+    (slim / UTILS).write_bytes((release_tree("0.26.0") / UTILS).read_bytes())
+    shutil.move(slim / ".patchkit/backups/expand-block-n", slim / ".patchkit/backups/ghost")
+    assert run_cli("revert", "--target", str(slim)).exit_code == 0
+    assert not (slim / ".patchkit").exists() and normalized(slim) == pristine
+
+
+def test_11_the_upper_patch_of_a_stack_alone_is_applied_not_edited(tmp_path):
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    catalogue = stacked_catalogue(tmp_path / "catalogue", release_tree("0.26.0"), independent=True)
+    env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    assert run_cli("apply", "--target", str(tree), "--only", "upper", env=env).exit_code == 0
+    status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
+    states = {p["id"]: (p["state"], p["reason"]) for p in status["patches"]}
+    assert states["upper"][0] == "applied", states
+    assert "revert it first" in states["lower"][1]
+
+
+# ----- 8. a file patchkit created, deleted by hand -----
+
+
+def test_8_a_deleted_created_file_is_no_dead_end(slim):
+    pristine = normalized(slim)
+    assert run_cli("apply", "--target", str(slim)).exit_code == 0
+    (slim / CREATED).unlink()
+    status = json.loads(run_cli("status", "--target", str(slim), "--json").stdout)
+    matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
+    assert (
+        matmul["state"] == "conflict" and "revert --only matmul-add-lora-linear" in matmul["reason"]
+    )
+    result = run_cli("revert", "--target", str(slim))
+    assert result.exit_code == 0, result.output
+    assert normalized(slim) == pristine
+
+
+# ----- 9. failures after the commit are warnings, with the patches applied -----
+
+
+def test_9_bytecode_that_cannot_be_removed_is_a_warning_after_the_commit(slim, monkeypatch):
+    pycache = slim / "vllm/lora/ops/triton_ops/__pycache__"
+    pycache.mkdir()
+    (pycache / "utils.cpython-312.pyc").write_bytes(b"stale")
+    real_unlink = os.unlink
+
+    def refusing(path, *args, **kwargs):
+        if str(path).endswith(".pyc"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refusing)
+    result = run_cli("apply", "--target", str(slim), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["ok"] is True
+    assert {p["action"] for p in data["patches"]} >= {"applied"}
+    assert any("utils.cpython-312.pyc could not be removed" in w for w in data["warnings"])
+
+
+def test_9_an_over_long_cache_name_names_the_variable(tmp_path, slim):
+    home = tmp_path / "home"
+    home.mkdir()
+    found = clear(slim, home, TRITON_CACHE_DIR=str(tmp_path / ("x" * 300)))
+    assert found["Triton"]["removed"] is False
+    assert "TRITON_CACHE_DIR" in found["Triton"]["reason"]
+    assert "--target" not in found["Triton"]["reason"]
+    assert (
+        json.loads(run_cli("status", "--target", str(slim), "--json").stdout)["patches"][0]["state"]
+        == "applied"
+    )
+
+
+# ----- 10. fork mode: exactly as before on any git failure -----
+
+GIT_ENV = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1"}
+IDENTITY = {
+    **GIT_ENV,
+    **{f"GIT_{who}_NAME": "Fork Dev" for who in ("AUTHOR", "COMMITTER")},
+    **{f"GIT_{who}_EMAIL": "dev@example.invalid" for who in ("AUTHOR", "COMMITTER")},
+}
+NO_IDENTITY = {
+    **GIT_ENV,
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "user.useConfigOnly",
+    "GIT_CONFIG_VALUE_0": "true",
+}
+
+
+def git_state(root: Path) -> tuple:
+    return (
+        git(root, "rev-parse", "HEAD"),
+        git(root, "branch", "--show-current"),
+        git(root, "branch", "--list"),
+        git(root, "status", "--porcelain", "--ignored"),
+        snapshot(root / "vllm"),
+        git(
+            root, "ls-files", "--stage"
+        ),  # the index's entries (git status refreshes its stat data)
+    )
+
+
+def test_10_fork_mode_without_a_git_identity_changes_nothing(checkout):
+    before = git_state(checkout)
+    line = one_line(patchkit("apply", "--target", str(checkout), env=NO_IDENTITY))
+    assert "user.name" in line and "user.email" in line and "nothing was changed" in line
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+def reject_commits(root: Path) -> None:
+    hook = root / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho 'policy: no commits on Fridays' >&2\nexit 1\n")
+    hook.chmod(0o755)
+
+
+def test_10_a_rejecting_pre_commit_hook_leaves_the_checkout_as_before(checkout):
+    reject_commits(checkout)
+    before = git_state(checkout)
+    line = one_line(patchkit("apply", "--target", str(checkout), env=IDENTITY))
+    assert "no commits on Fridays" in line and "as before" in line
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+def test_10_a_rejecting_hook_during_revert_leaves_the_checkout_as_before(checkout):
+    assert patchkit("apply", "--target", str(checkout), env=IDENTITY).returncode == 0
+    reject_commits(checkout)
+    before = git_state(checkout)
+    state = (checkout / ".patchkit" / "state.json").read_bytes()
+    line = one_line(patchkit("revert", "--target", str(checkout), env=IDENTITY))
+    assert "no commits on Fridays" in line
+    assert git_state(checkout) == before
+    assert (checkout / ".patchkit" / "state.json").read_bytes() == state
+
+
+def test_10_an_invalid_branch_name_is_a_usage_error(checkout):
+    before = git_state(checkout)
+    line = one_line(
+        patchkit("apply", "--target", str(checkout), "--branch", "bad..name", env=IDENTITY), code=2
+    )
+    assert "bad..name" in line
+    assert git_state(checkout) == before
+
+
+# ----- 12. no tracebacks, no exit 3 -----
+
+
+def test_12_a_5000_digit_version_is_a_usage_error(slim):
+    result = patchkit("status", "--target", str(slim), "--vllm-version", "1" * 5000, "--json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert json.loads(result.stdout)["ok"] is False
+
+
+INTERRUPT_AT_IMPORT = """
+import sys
+def _hook(event, args):
+    if event == "import" and args[0] == "click":
+        raise KeyboardInterrupt
+sys.addaudithook(_hook)
+"""
+
+
+def test_12_ctrl_c_while_starting_is_one_line(slim):
+    one_line(patchkit("status", "--target", str(slim), code=INTERRUPT_AT_IMPORT), code=130)
+
+
+def break_dist_info(tree: Path, how: str) -> None:
+    dist_info = next(tree.glob("vllm-*.dist-info"))
+    record, metadata = dist_info / "RECORD", dist_info / "METADATA"
+    if how == "short-hash":
+        lines = record.read_text().splitlines()
+        lines[0] = lines[0].split(",")[0] + ",sha256=a,1"
+        record.write_text("\n".join(lines) + "\n")
+    elif how == "record-not-utf8":
+        record.write_bytes(record.read_bytes() + b"vllm/\xff\xfe.py,sha256=x,1\n")
+    elif how == "metadata-not-utf8":
+        metadata.write_bytes(b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\nSummary: \xff\n")
+    elif how == "huge-field":
+        record.write_text(record.read_text() + "vllm/" + "x" * (128 * 1024 + 10) + ",,\n")
+    elif how == "long-version":
+        text = metadata.read_text().replace("Version: 0.26.0", "Version: " + "1" * 5000, 1)
+        metadata.write_text(text)
+
+
+@pytest.mark.parametrize(
+    "how", ["short-hash", "record-not-utf8", "metadata-not-utf8", "huge-field", "long-version"]
+)
+def test_12_a_broken_dist_info_is_one_line_naming_it(slim, how):
+    break_dist_info(slim, how)
+    before = snapshot(slim)
+    for command in ("status", "apply", "revert"):
+        line = one_line(patchkit(command, "--target", str(slim)))
+        assert "dist-info" in line, line
+    assert snapshot(slim) == before
+
+
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("where", ["state", "journal"])
+def test_12_deeply_nested_json_is_one_line(slim, where):
+    directory = slim / ".patchkit" / ("txn" if where == "journal" else "")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ("journal.json" if where == "journal" else "state.json")).write_text(NESTED)
+    before = snapshot(slim)
+    for command in ("apply", "revert"):
+        line = one_line(patchkit(command, "--target", str(slim)))
+        assert "nested too deeply" in line and "not acted on" in line
+    assert snapshot(slim) == before
+
+
+def test_12_a_deeply_nested_tuned_config_is_a_finding(tmp_path, slim):
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(NESTED)
+    result = patchkit("doctor", "--target", str(slim), "--json",
+                      env={"VLLM_TUNED_CONFIG_FOLDER": str(folder)})  # fmt: skip
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "nested too deeply" in result.stdout
+
+
+# ----- 13. FIFOs never hang a command -----
+
+
+def test_13_a_fifo_in_place_of_a_patched_file(slim):
+    (slim / UTILS).unlink()
+    os.mkfifo(slim / UTILS)
+    for command in ("status", "apply", "revert"):
+        line = one_line(patchkit(command, "--target", str(slim), timeout=30))
+        assert "a FIFO" in line and UTILS in line
+
+
+CRASH_AT_STATE = """
+import os, patchkit.safepath as s
+_real = s.Root.write
+def _crash(self, relpath, data, origin):
+    if relpath.endswith("state.json"):
+        os._exit(137)
+    _real(self, relpath, data, origin)
+s.Root.write = _crash
+"""
+
+
+def test_13_a_fifo_in_the_journal_copy(slim):
+    assert patchkit("apply", "--target", str(slim), code=CRASH_AT_STATE).returncode == 137
+    orig = slim / ".patchkit/txn/orig" / UTILS
+    orig.unlink()
+    os.mkfifo(orig)
+    for command in ("apply", "revert"):
+        line = one_line(patchkit(command, "--target", str(slim), timeout=30))
+        assert "a FIFO" in line
+
+
+def test_13_a_fifo_in_the_tuned_config_folder(tmp_path, slim):
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    os.mkfifo(folder / "NVIDIA_H200_EXPAND_TRUE.json")
+    result = patchkit("doctor", "--target", str(slim), "--json", timeout=30,
+                      env={"VLLM_TUNED_CONFIG_FOLDER": str(folder)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "a FIFO, not a regular file" in result.stdout

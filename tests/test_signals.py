@@ -1,0 +1,110 @@
+"""Signals at every write syscall of apply and revert (issue 18, item 1).
+
+strace's ``inject`` delivers SIGINT (or SIGTERM) to patchkit when it makes
+the N-th rename, unlink, write or fsync, for every N the run reaches. A
+signal acted on between a file's rename and the journal entry that records
+it once left vLLM importing a module that did not exist, with no way back.
+Now signals are held while a run changes the tree: each interrupted run
+exits 0, 130 or 143 with one line, and a plain ``revert`` afterwards gives
+the pristine tree back, ``.patchkit/`` and all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_write_points import normalized, slim_tree
+
+STRACE = shutil.which("strace")
+SYSCALLS = ("rename", "renameat", "renameat2", "unlink", "unlinkat", "write", "fsync", "fdatasync")
+PATCHKIT = [sys.executable, "-c", "from patchkit.entry import main; main()"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+
+pytestmark = pytest.mark.skipif(
+    STRACE is None or subprocess.run([STRACE, "-o", "/dev/null", "true"]).returncode != 0,
+    reason="strace is not installed or cannot trace here (apt-get install strace)",
+)
+
+
+def traced(args: list[str], strace_args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [STRACE, "-qq", *strace_args, *PATCHKIT, *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+
+
+def syscall_counts(tree: Path, command: str, log: Path) -> dict[str, int]:
+    """How often the run makes each of SYSCALLS (traced once, on a copy)."""
+    done = traced([command, "--target", str(tree)], ["-o", str(log), "-e", ",".join(SYSCALLS)])
+    assert done.returncode == 0, done.stderr
+    counts = dict.fromkeys(SYSCALLS, 0)
+    for line in log.read_text().splitlines():
+        name = line.split("(", 1)[0]
+        if name in counts:
+            counts[name] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("signal-refs")
+    pristine = slim_tree(base / "pristine")
+    patched = slim_tree(base / "patched")
+    done = subprocess.run([*PATCHKIT, "apply", "--target", str(patched)], env=ENV)
+    assert done.returncode == 0
+    return {"pristine": pristine, "patched": patched, "reference": normalized(pristine)}
+
+
+def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, signal: str,
+                 work: Path) -> tuple[int, str | None]:  # fmt: skip
+    """Deliver ``signal`` at the n-th ``syscall``, then revert: (exit status, problem or None)."""
+    tree = work / f"{command}-{syscall}-{n}-{signal}"
+    shutil.copytree(trees[start], tree, symlinks=True)
+    inject = ["-o", "/dev/null", "-e", f"trace={syscall}",
+              "-e", f"inject={syscall}:signal={signal}:when={n}"]  # fmt: skip
+    result = traced([command, "--target", str(tree)], inject)
+    expected = {"INT": 130, "TERM": 143}[signal]
+    problem = None
+    if result.returncode not in (0, expected) or "Traceback" in result.stderr:
+        problem = f"exit {result.returncode}: {result.stderr.strip()[-300:]}"
+    else:
+        clean = subprocess.run(
+            [*PATCHKIT, "revert", "--target", str(tree)], capture_output=True, text=True, env=ENV
+        )
+        if clean.returncode != 0:
+            problem = f"revert afterwards failed: {clean.stderr.strip()}"
+        elif normalized(tree) != trees["reference"]:
+            problem = "revert afterwards did not give the pristine tree back"
+    shutil.rmtree(tree)
+    where = f"{command}, {signal} at {syscall} #{n}"
+    return result.returncode, None if problem is None else f"{where}: {problem}"
+
+
+@pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
+def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command, start):
+    copy = tmp_path / "count"
+    shutil.copytree(trees[start], copy, symlinks=True)
+    counts = syscall_counts(copy, command, tmp_path / "log")
+    assert counts["write"] > 5 and counts["fsync"] > 2 and counts["renameat"] + counts["rename"] > 2
+    points = [(name, n, "INT") for name, total in counts.items() for n in range(1, total + 1)]
+    points += [(name, n, "TERM") for name in ("rename", "renameat") for n in
+               range(1, counts[name] + 1)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        results = list(
+            pool.map(lambda p: interrupt_at(trees, start, command, *p, tmp_path), points)
+        )
+    found = [problem for _, problem in results if problem]
+    assert not found, f"{len(found)} of {len(points)} points: " + "; ".join(found[:5])
+    codes = [code for code, _ in results]
+    assert codes.count(130) > len(points) // 2 and 143 in codes  # the signals did arrive
