@@ -1,6 +1,6 @@
 """The console script: Ctrl-C while patchkit is still importing ends with one line, too.
 
-``patchkit.cli`` imports click, packaging and the catalogue; a Ctrl-C during
+``patchkit.cli.main`` imports click, packaging and the catalogue; a Ctrl-C during
 those imports would otherwise print Python's traceback. This module imports
 nothing heavy before it can catch that.
 """
@@ -10,7 +10,7 @@ import sys
 
 def main() -> None:
     try:
-        from patchkit.cli import main as cli_main
+        from patchkit.cli.main import main as cli_main
     except KeyboardInterrupt:
         sys.stderr.write("patchkit: error: interrupted while starting; nothing was done\n")
         raise SystemExit(130) from None

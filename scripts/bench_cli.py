@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from patchkit.catalogue import load_catalogue
-from patchkit.fetch import fetch
-from patchkit.tree import locate
+from patchkit.catalogue.load import load_catalogue
+from patchkit.target.fetch import fetch
+from patchkit.target.tree import locate
 
 
 def timed(command: list[str], cwd: Path | None = None) -> float:

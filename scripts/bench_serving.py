@@ -59,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.e2e import TARGET_MODULES, qwen35_config  # noqa: E402
+from patchkit.proof.e2e import TARGET_MODULES, qwen35_config  # noqa: E402
 
 RANK, ADAPTERS, MAX_SEQS = 64, 4, 64
 # Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
@@ -120,7 +120,7 @@ def stem(config: str) -> str:
 
 
 def patchkit(*args: str, target: Path) -> dict:
-    command = [sys.executable, "-m", "patchkit.cli", *args, "--target", str(target), "--json"]
+    command = [sys.executable, "-m", "patchkit", *args, "--target", str(target), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"patchkit {' '.join(args)} on {target}: {done.stdout}{done.stderr}")

@@ -20,10 +20,10 @@ import pytest
 from click.testing import CliRunner
 from packaging.version import Version
 
-from patchkit.catalogue import Variant, load_catalogue
-from patchkit.cli import main
-from patchkit.fetch import fetch
-from patchkit.hunks import apply_file_patch
+from patchkit.catalogue.load import Variant, load_catalogue
+from patchkit.cli.main import main
+from patchkit.engine.hunks import apply_file_patch
+from patchkit.target.fetch import fetch
 
 REPO = Path(__file__).resolve().parent.parent
 CATALOGUE = load_catalogue()
@@ -105,7 +105,7 @@ def run_cli(*args: str, env: dict | None = None):
 
 def run_subprocess(*args: str, env: dict | None = None, code: str | None = None):
     """Run patchkit in a child Python; ``code`` runs first (to inject faults)."""
-    prelude = (code or "") + "\nfrom patchkit.cli import main\nmain()\n"
+    prelude = (code or "") + "\nfrom patchkit.cli.main import main\nmain()\n"
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", prelude, *args], capture_output=True, text=True, env=full_env

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.catalogue import load_catalogue
+from patchkit.catalogue.load import load_catalogue
 from patchkit.errors import PatchkitError
 from tests.conftest import run_cli
 

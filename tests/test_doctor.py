@@ -216,8 +216,8 @@ def scan_case(verdict: str, called: bool = True, source: str = "get_lora_op_conf
 def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, words):
     from packaging.version import Version
 
-    from patchkit.catalogue import load_catalogue
-    from patchkit.doctor import DoctorReport, bug_groups, bug_verdict
+    from patchkit.catalogue.load import load_catalogue
+    from patchkit.diagnosis.doctor import DoctorReport, bug_groups, bug_verdict
 
     report = DoctorReport(gpus=[{"name": "NVIDIA H200", "compute_capability": "9.0"}])
     report.kernels = {"ptxas": "/x/ptxas", "ptxas_version": ptxas, "cases": cases, "error": ""}

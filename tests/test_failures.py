@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.safepath import Root
-from patchkit.transaction import TreeLock
+from patchkit.engine.safepath import Root
+from patchkit.engine.transaction import TreeLock
 from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
 from tests.helpers import FILES, MARK, make_catalogue
 
@@ -71,7 +71,7 @@ def test_malformed_patch_file(tree_0260: Path, tmp_path: Path):
 
 def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, monkeypatch):
     """The second file cannot be written: the first is restored, exit 1."""
-    import patchkit.transaction as transaction
+    import patchkit.engine.transaction as transaction
 
     real_write = transaction._write
     calls = []
@@ -95,7 +95,7 @@ def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, mon
 
 
 CRASH_ON_SECOND_WRITE = """
-import os, patchkit.transaction as t
+import os, patchkit.engine.transaction as t
 _real, _n = t._write, []
 def _crash(fs, path, data):
     _n.append(path)
@@ -138,7 +138,7 @@ def test_crash_between_writes_is_rolled_back_by_revert(tree_0260, two_file_catal
 
 
 SLOW_COMMIT = """
-import time, patchkit.operations as o
+import time, patchkit.engine.operations as o
 _real = o.commit
 def _slow(*a, **k):
     time.sleep(1.5)
@@ -149,7 +149,7 @@ o.commit = _slow
 
 def test_two_concurrent_applies(tree_0260: Path):
     """The second run waits for the lock, then finds the patch applied."""
-    command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli import main\nmain()\n"]
+    command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli.main import main\nmain()\n"]
     args = ["apply", "--target", str(tree_0260), "--json"]
     first = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
     time.sleep(0.7)  # the first run is inside its lock, sleeping before the commit
@@ -342,7 +342,7 @@ def test_stdout_closed_early_is_not_blamed_on_the_tree(tree_0260: Path):
     and the one line says what happened (it used to say "accessing the tree failed")."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody reads: the report's first write fails with EPIPE
-    command = [sys.executable, "-m", "patchkit.cli", "apply", "--target", str(tree_0260)]
+    command = [sys.executable, "-m", "patchkit", "apply", "--target", str(tree_0260)]
     try:
         done = subprocess.run(command, stdout=write_end, stderr=subprocess.PIPE, text=True)
     finally:

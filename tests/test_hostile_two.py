@@ -516,7 +516,7 @@ def test_13_a_fifo_in_place_of_a_patched_file(slim):
 
 
 CRASH_AT_STATE = """
-import os, patchkit.safepath as s
+import os, patchkit.engine.safepath as s
 _real = s.Root.write
 def _crash(self, relpath, data, origin):
     if relpath.endswith("state.json"):

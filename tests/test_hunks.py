@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from patchkit.engine.hunks import apply_file_patch, parse_diff
 from patchkit.errors import HunkMismatch, PatchkitError
-from patchkit.hunks import apply_file_patch, parse_diff
 
 ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))
 DIFF = """--- a/vllm/x.py

@@ -72,7 +72,7 @@ def doctor_kernels(tree: Path, env: dict, **extra: str) -> dict:
         [
             sys.executable,
             "-m",
-            "patchkit.cli",
+            "patchkit.cli.main",
             "doctor",
             "--kernels",
             "--json",

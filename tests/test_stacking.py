@@ -130,7 +130,7 @@ def test_a_reinstalled_vllm_under_a_stale_stack_is_decided_by_content(pair):
 
 
 CRASH_AT_STATE_WRITE = """
-import os, patchkit.safepath as s
+import os, patchkit.engine.safepath as s
 _real = s.Root.write
 def _crash(self, relpath, data, origin):
     if relpath.endswith("state.json"):
@@ -157,7 +157,7 @@ def test_a_crash_mid_apply_of_the_pair_is_rolled_back(pair):
 def test_concurrent_runs_on_the_pair_serialise(pair):
     tree, env = pair
     pristine = snapshot(tree)
-    command = [sys.executable, "-m", "patchkit.cli", "apply", "--target", str(tree)]
+    command = [sys.executable, "-m", "patchkit", "apply", "--target", str(tree)]
     runs = [
         subprocess.Popen(command, env={**os.environ, **env}, text=True, stdout=PIPE, stderr=PIPE)
         for _ in range(4)

@@ -1,6 +1,6 @@
 """Reading settings files and writing patchkit's own cache, without hanging or half-writing.
 
-(Files of a vLLM tree go through :class:`patchkit.safepath.Root` instead.)
+(Files of a vLLM tree go through :class:`patchkit.engine.safepath.Root` instead.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from patchkit.safepath import kind_of
+from patchkit.engine.safepath import kind_of
 
 MAX_SETTINGS_BYTES = 1 << 20
 

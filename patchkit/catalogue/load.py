@@ -23,10 +23,10 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from patchkit.engine.hunks import FilePatch, parse_diff
+from patchkit.engine.safepath import checked_relpath
 from patchkit.errors import PatchkitError
-from patchkit.hunks import FilePatch, parse_diff
-from patchkit.safepath import checked_relpath
-from patchkit.tree import is_version
+from patchkit.target.tree import is_version
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -247,9 +247,9 @@ def default_root() -> Path:
     override = os.environ.get(PATCHES_DIR_ENV)
     if override:
         return Path(override)
-    here = Path(__file__).resolve().parent
-    installed = here / "patches"  # a wheel install carries patches/ inside the package
-    return installed if installed.is_dir() else here.parent / "patches"
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "patches"  # a wheel install carries patches/ inside the package
+    return installed if installed.is_dir() else package.parent / "patches"
 
 
 def load_catalogue(root: Path | None = None) -> Catalogue:

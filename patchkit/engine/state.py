@@ -27,9 +27,9 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from patchkit.engine.fsutil import decode_json
+from patchkit.engine.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
 from patchkit.errors import PatchkitError
-from patchkit.fsutil import decode_json
-from patchkit.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
 
 STATE_DIR = ".patchkit"
 STATE_FILE = f"{STATE_DIR}/state.json"

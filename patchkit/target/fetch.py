@@ -28,10 +28,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from patchkit.engine.safepath import Root, UnsafePath, mount_id, remove_entry
+from patchkit.engine.signals import held
 from patchkit.errors import PatchkitError
-from patchkit.safepath import Root, UnsafePath, mount_id, remove_entry
-from patchkit.signals import held
-from patchkit.tree import is_version
+from patchkit.target.tree import is_version
 
 CACHE_ENV = "PATCHKIT_CACHE_DIR"
 MARKER = ".patchkit-fetched"

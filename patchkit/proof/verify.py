@@ -2,7 +2,7 @@
 
 It runs against the vLLM that this Python imports, patched or not, and says
 which patches are applied. Kernel checks always run; `--e2e` adds the tiny
-Qwen3.5 + LoRA serving run (patchkit.e2e). Exit 1 on any failed check that
+Qwen3.5 + LoRA serving run (patchkit.proof.e2e). Exit 1 on any failed check that
 applies to this install. torch and vllm are imported only here, lazily, so
 the other commands never load them.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import click
 
-from patchkit import operations
-from patchkit.catalogue import Catalogue
+from patchkit.catalogue.load import Catalogue
+from patchkit.engine import operations
 from patchkit.errors import PatchkitError
-from patchkit.tree import VllmTree, locate
+from patchkit.target.tree import VllmTree, locate
 
 
 @dataclass
@@ -82,7 +82,7 @@ def environment(torch, tree: VllmTree) -> dict:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = None
-    from patchkit.kernelcheck import installed_backend
+    from patchkit.proof.kernelcheck import installed_backend
 
     return {
         "gpu": torch.cuda.get_device_name(),
@@ -106,7 +106,7 @@ def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) ->
         for o in operations.status(tree, catalogue).outcomes
     ]
     try:
-        from patchkit import kernelcheck
+        from patchkit.proof import kernelcheck
 
         env = {**environment(torch, tree), "seed": seed}
         report = VerifyReport(env, patches)
@@ -120,7 +120,7 @@ def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) ->
 
 
 def _run_e2e(seed: int, keep: Path | None) -> list:
-    from patchkit import e2e
+    from patchkit.proof import e2e
 
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)

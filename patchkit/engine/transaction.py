@@ -12,7 +12,7 @@ A run that changes files goes through :func:`commit`:
 
 If a step fails inside the process, the files already written are restored
 from memory before the error is reported. Ctrl-C and SIGTERM are held while
-the run holds the lock (:mod:`patchkit.signals`), so they never fall between
+the run holds the lock (:mod:`patchkit.engine.signals`), so they never fall between
 a write and the record of it. If the process dies (kill -9, power loss), the
 journal stays behind and the next ``apply`` or ``revert`` calls
 :func:`recover` first: before the commit point it restores the originals,
@@ -33,9 +33,8 @@ import stat
 import time
 from dataclasses import dataclass
 
-from patchkit.errors import PatchkitError, os_error_line
-from patchkit.safepath import Root, UnsafePath, checked_relpath
-from patchkit.state import (
+from patchkit.engine.safepath import Root, UnsafePath, checked_relpath
+from patchkit.engine.state import (
     STATE_DIR,
     STATE_FILE,
     TXN_DIR,
@@ -44,7 +43,8 @@ from patchkit.state import (
     is_sha256,
     load_json,
 )
-from patchkit.tree import sha256_bytes
+from patchkit.errors import PatchkitError, os_error_line
+from patchkit.target.tree import sha256_bytes
 
 LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
 LOCK_FILE = f"{STATE_DIR}/lock"

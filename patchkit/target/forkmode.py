@@ -27,12 +27,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.catalogue import Patch
+from patchkit.catalogue.load import Patch
+from patchkit.engine.safepath import Root
+from patchkit.engine.signals import Terminated, held
+from patchkit.engine.state import STATE_DIR
 from patchkit.errors import PatchkitError
-from patchkit.safepath import Root
-from patchkit.signals import Terminated, held
-from patchkit.state import STATE_DIR
-from patchkit.tree import VllmTree
+from patchkit.target.tree import VllmTree
 
 TRAILER_PATCH = "Patchkit-Patch"
 TRAILER_ACTION = "Patchkit-Action"
@@ -271,7 +271,7 @@ def apply(tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_di
     Ctrl-C), the snapshot taken before puts refs, index, work tree and
     ``.patchkit/`` back exactly, and the error says what git said.
     """
-    from patchkit import operations
+    from patchkit.engine import operations
 
     checkout = Checkout(tree)
     name = branch or default_branch(tree)
@@ -298,7 +298,7 @@ def apply(tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_di
 
 def revert(tree, catalogue, only, force, clear_caches, allow_dirty):
     """operations.revert on a checkout, then one revert commit per patch (undone on failure)."""
-    from patchkit import operations
+    from patchkit.engine import operations
 
     checkout = Checkout(tree)
     checkout.check_clean(allow_dirty)

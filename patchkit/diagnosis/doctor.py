@@ -4,7 +4,7 @@ Reads files and runs `nvidia-smi` and Triton's `ptxas --version`; imports
 neither vLLM nor torch nor Triton, so it works in image builds and on
 machines without GPUs. Ends with a verdict per known bug. ``--kernels``
 also imports Triton to compile vLLM's LoRA kernels for sm_90
-(:mod:`patchkit.kernelscan`); the #48590 verdict then rests on their SASS.
+(:mod:`patchkit.diagnosis.kernelscan`); the #48590 verdict then rests on their SASS.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from patchkit import operations
-from patchkit.bytecode import bytecode_paths
-from patchkit.caches import cache_dirs, cache_entries
-from patchkit.catalogue import Catalogue, Diagnosis, Patch, Variant
+from patchkit.catalogue.load import Catalogue, Diagnosis, Patch, Variant
+from patchkit.diagnosis.kernelscan import leaf_configs
+from patchkit.engine import operations
+from patchkit.engine.bytecode import bytecode_paths
+from patchkit.engine.fsutil import read_json_file
 from patchkit.errors import PatchkitError
-from patchkit.fsutil import read_json_file
-from patchkit.kernelscan import leaf_configs
-from patchkit.tree import VllmTree
+from patchkit.target.caches import cache_dirs, cache_entries
+from patchkit.target.tree import VllmTree
 
 
 @dataclass
@@ -371,7 +371,7 @@ def _scan_fix(case: dict, d: Diagnosis, states: dict, patches: list[Patch]) -> s
 
 def called_here(states: dict, catalogue: Catalogue):
     """Which scanned kernel configs this install runs, from its patches and environment."""
-    from patchkit.kernelscan import path_runs
+    from patchkit.diagnosis.kernelscan import path_runs
 
     replacing = [
         p for p in catalogue.patches
@@ -438,7 +438,7 @@ def run(
 
 def scan_kernels(tree: VllmTree, report: DoctorReport, catalogue: Catalogue) -> dict:
     """Run the --kernels scan for this tree, as this machine's GPU (or an H200) would."""
-    from patchkit import kernelscan
+    from patchkit.diagnosis import kernelscan
 
     states = {p["id"]: p["state"] for p in report.patches}
     hopper = [g["name"] for g in report.gpus if g["compute_capability"] == "9.0"]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from patchkit.engine.safepath import Root
 from patchkit.errors import PatchkitError
-from patchkit.safepath import Root
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
 MAX_VERSION_LENGTH = 200  # PEP 440 sets none; 5,000 digits overflow int() on the way

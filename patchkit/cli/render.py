@@ -6,8 +6,8 @@ import json
 
 import click
 
-from patchkit.catalogue import Catalogue
-from patchkit.operations import RunReport
+from patchkit.catalogue.load import Catalogue
+from patchkit.engine.operations import RunReport
 
 SOURCES = {
     "metadata": "dist-info metadata",

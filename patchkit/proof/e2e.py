@@ -305,7 +305,7 @@ def start_servers(
             [
                 sys.executable,
                 "-m",
-                "patchkit.e2e",
+                "patchkit.proof.e2e",
                 str(model_dir),
                 str(adapter_dir),
                 str(seed),

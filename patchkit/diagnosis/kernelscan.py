@@ -2,7 +2,7 @@
 
 On most GPUs the NaN of vLLM #48590 never fires, so a run cannot prove a
 fix. The machine code can: the race is a pattern that ptxas < 13.3 emits
-(see :mod:`patchkit.sass`). This module compiles vLLM's own
+(see :mod:`patchkit.diagnosis.sass`). This module compiles vLLM's own
 ``_lora_expand_kernel`` and ``_lora_shrink_kernel``, taken from the tree
 being examined (patchkit carries no copy of vLLM's code), with the
 installed Triton for ``GPUTarget("cuda", 90, 32)``. That needs no GPU and
@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit import sass
-from patchkit.fsutil import read_json_file, write_cache_file
-from patchkit.tree import VllmTree
+from patchkit.diagnosis import sass
+from patchkit.engine.fsutil import read_json_file, write_cache_file
+from patchkit.target.tree import VllmTree
 
 OPS_DIR = "vllm/lora/ops/triton_ops"
 HIDDEN, RANK = 5120, 64  # Qwen3.5-27B's hidden size; a common rank (config lookups only)
@@ -585,7 +585,7 @@ def scan(tree: VllmTree, gpu_name: str = "NVIDIA H200", called=None, select=None
     ``called(case)`` returns (runs here?, why not) for each case; ``select(case)``
     limits the cases compiled (tests use it to stay quick).
     """
-    from patchkit.doctor import ptxas_version
+    from patchkit.diagnosis.doctor import ptxas_version
 
     report = ScanReport()
     started = time.monotonic()
@@ -645,7 +645,7 @@ def _listing(cubin: bytes | None, disassemble: list[str], tmp: Path, n: int) -> 
     """The SASS of a cubin, from patchkit's cache when the same cubin was read before."""
     if cubin is None:
         return None
-    from patchkit.fetch import cache_root
+    from patchkit.target.fetch import cache_root
 
     cached = cache_root() / "sass" / f"{hashlib.sha256(cubin).hexdigest()}.sass"
     if cached.is_file():

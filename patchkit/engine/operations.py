@@ -3,10 +3,10 @@
 Nothing is written until every selected patch has been checked: a conflict,
 or any warning under ``--strict``, stops the run with the tree untouched.
 While a run holds the tree's lock, Ctrl-C and SIGTERM are held
-(:mod:`patchkit.signals`): they take effect when the run has finished the
+(:mod:`patchkit.engine.signals`): they take effect when the run has finished the
 step it was in, never between a write and its record.
 
-What a run may restore is decided per file (:func:`patchkit.decide.chain_finding`):
+What a run may restore is decided per file (:func:`patchkit.engine.decide.chain_finding`):
 a backup goes only over the bytes its patch left there, or, with
 ``--force``, over an edited file of the same release; never over a file of
 another release. Records that no longer describe the files (vLLM was
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from patchkit import bytecode, caches, signals
-from patchkit.catalogue import Catalogue, Patch
-from patchkit.decide import (
+from patchkit.catalogue.load import Catalogue, Patch
+from patchkit.engine import bytecode, signals
+from patchkit.engine.decide import (
     APPLIED,
     CONFLICT,
     EDITED,
@@ -34,9 +34,8 @@ from patchkit.decide import (
     chain_finding,
     force_refusal,
 )
-from patchkit.errors import HunkMismatch, PatchkitError
-from patchkit.hunks import apply_file_patch
-from patchkit.state import (
+from patchkit.engine.hunks import apply_file_patch
+from patchkit.engine.state import (
     STATE_DIR,
     FileRecord,
     PatchRecord,
@@ -46,7 +45,7 @@ from patchkit.state import (
     sweep,
     tidy,
 )
-from patchkit.transaction import (
+from patchkit.engine.transaction import (
     FileChange,
     LockUnavailable,
     TreeLock,
@@ -54,7 +53,9 @@ from patchkit.transaction import (
     interrupted,
     recover,
 )
-from patchkit.tree import VllmTree, sha256_bytes
+from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.target import caches
+from patchkit.target.tree import VllmTree, sha256_bytes
 
 
 @dataclass

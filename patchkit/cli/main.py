@@ -16,10 +16,12 @@ import traceback
 
 import click
 
-from patchkit import forkmode, operations, report, signals
-from patchkit.catalogue import load_catalogue
+from patchkit.catalogue.load import load_catalogue
+from patchkit.cli import render
+from patchkit.engine import operations, signals
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.tree import is_version, locate
+from patchkit.target import forkmode
+from patchkit.target.tree import is_version, locate
 
 TARGET_HELP = (
     "Directory that contains vllm/ (site-packages, dist-packages or a vLLM checkout). "
@@ -34,13 +36,13 @@ EXIT_FAILURE, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 def fail(message: str, code: int, as_json: bool) -> None:
     """One line on stderr (and the JSON error object on stdout), then exit ``code``."""
     if as_json:
-        report.emit_json({"ok": False, "error": message, "exit_code": code})
+        render.emit_json({"ok": False, "error": message, "exit_code": code})
     click.echo(f"patchkit: error: {message}", err=True)
     sys.exit(code)
 
 
 # What an interrupted command leaves behind, by command. Writes happen with
-# Ctrl-C and SIGTERM held (patchkit.signals), so a write step is never split.
+# Ctrl-C and SIGTERM held (patchkit.engine.signals), so a write step is never split.
 INTERRUPTED = {
     "apply": "interrupted; patchkit finished the step it was in, so each patch is fully "
     "applied or not at all (`patchkit status` shows which; `patchkit revert` undoes them)",
@@ -120,7 +122,7 @@ class PatchkitGroup(click.Group):
             result = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.UsageError as exc:
             if "--json" in args:
-                report.emit_json({"ok": False, "error": exc.format_message(), "exit_code": 2})
+                render.emit_json({"ok": False, "error": exc.format_message(), "exit_code": 2})
             exc.show()
             sys.exit(EXIT_USAGE)
         except click.ClickException as exc:
@@ -196,9 +198,9 @@ def list_patches(as_json: bool) -> None:
     """Print the patch catalogue: ids, version ranges, why, upstream, remove-when."""
     catalogue = load_catalogue()
     if as_json:
-        report.emit_json(report.catalogue_json(catalogue))
+        render.emit_json(render.catalogue_json(catalogue))
     else:
-        report.render_catalogue(catalogue)
+        render.render_catalogue(catalogue)
 
 
 @main.command()
@@ -213,7 +215,7 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
         forkmode.annotate_status(tree, result)
     if as_json:
         data = result.to_json()
-        report.emit_json(
+        render.emit_json(
             {
                 "ok": True,
                 "vllm": data["vllm"],
@@ -238,7 +240,7 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
             }
         )
     else:
-        report.render_run(result)
+        render.render_run(result)
 
 
 @main.command()
@@ -267,7 +269,7 @@ def apply(
         )
     else:
         result = operations.apply(tree, catalogue, only, dry_run, strict, clear_caches)
-    report.emit_json(result.to_json()) if as_json else report.render_run(result)
+    render.emit_json(result.to_json()) if as_json else render.render_run(result)
 
 
 @main.command()
@@ -290,7 +292,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
         result = forkmode.revert(tree, catalogue, only, force, clear_caches, allow_dirty)
     else:
         result = operations.revert(tree, catalogue, only, force, clear_caches)
-    report.emit_json(result.to_json()) if as_json else report.render_run(result)
+    render.emit_json(result.to_json()) if as_json else render.render_run(result)
 
 
 @main.command()
@@ -303,11 +305,11 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 
     Shows pip's progress on a terminal; quiet with --json or when stderr is not one.
     """
-    from patchkit.fetch import fetch as fetch_tree
+    from patchkit.target.fetch import fetch as fetch_tree
 
     progress = not as_json and sys.stderr.isatty()
     path = fetch_tree(version, dest, progress=progress)
-    report.emit_json({"ok": True, "path": str(path)}) if as_json else click.echo(str(path))
+    render.emit_json({"ok": True, "path": str(path)}) if as_json else click.echo(str(path))
 
 
 @main.command()
@@ -333,12 +335,12 @@ def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None
     """
     from pathlib import Path
 
-    from patchkit import verify as verifying
+    from patchkit.proof import verify as verifying
 
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     result = verifying.run(load_catalogue(), e2e, seed, Path(keep) if keep else None)
-    report.emit_json(result.to_json()) if as_json else verifying.render(result)
+    render.emit_json(result.to_json()) if as_json else verifying.render(result)
     sys.exit(0 if result.ok else 1)
 
 
@@ -357,7 +359,7 @@ def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json:
 
     Needs no GPU and imports no vLLM. Ends with a verdict per known bug.
     """
-    from patchkit import doctor as doctoring
+    from patchkit.diagnosis import doctor as doctoring
 
     try:
         tree, tree_error = locate(target, vllm_version), ""
@@ -365,7 +367,7 @@ def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json:
         tree, tree_error = None, str(exc)
     result = doctoring.run(tree, tree_error, load_catalogue(), kernels=kernels)
     if as_json:
-        report.emit_json(result.to_json())
+        render.emit_json(result.to_json())
     else:
         doctoring.render(result, click.echo)
 

@@ -12,7 +12,7 @@ root-owned ``__pycache__``) is a warning in the report, never a rollback.
 
 from __future__ import annotations
 
-from patchkit.safepath import Root, UnsafePath
+from patchkit.engine.safepath import Root, UnsafePath
 
 
 def bytecode_paths(fs: Root, relpath: str) -> list[str]:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.catalogue import Catalogue, Decision, Patch, Variant
+from patchkit.catalogue.load import Catalogue, Decision, Patch, Variant
+from patchkit.engine.hunks import Placement, apply_file_patch
+from patchkit.engine.safepath import checked_relpath
+from patchkit.engine.state import FileRecord, PatchRecord, State
+from patchkit.engine.transaction import FileChange
 from patchkit.errors import HunkMismatch
-from patchkit.hunks import Placement, apply_file_patch
-from patchkit.safepath import checked_relpath
-from patchkit.state import FileRecord, PatchRecord, State
-from patchkit.transaction import FileChange
-from patchkit.tree import VllmTree, sha256_bytes
+from patchkit.target.tree import VllmTree, sha256_bytes
 
 NEEDED = "needed"
 APPLIED = "applied"
@@ -73,7 +73,7 @@ class TreeFiles:
     1..N-1 leave it. ``overlay`` puts a patch's result in place before the
     next patch is assessed; ``state`` and ``order`` (the series) say which
     applied patches already touch each file, in which order. Files are read
-    through the tree's open root (:class:`patchkit.safepath.Root`), so a link
+    through the tree's open root (:class:`patchkit.engine.safepath.Root`), so a link
     or a FIFO in place of a file is refused, never followed or waited on.
     """
 

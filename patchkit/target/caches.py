@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.engine.safepath import Root, Usage, mount_id, mount_points_below, remove_entry
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.safepath import Root, Usage, mount_id, mount_points_below, remove_entry
 
 _HASH = re.compile(r"[A-Z2-7]{52}|[0-9a-f]{64}")
 
@@ -129,7 +129,7 @@ def _ancestor_ids(path: Path) -> dict[tuple[int, int], Path]:
 
 def clear_caches(tree_root: Path) -> list[dict]:
     """Clear each cache that passes :func:`refusal`; report what went, or why not."""
-    from patchkit.fetch import cache_root
+    from patchkit.target.fetch import cache_root
 
     protected = [Path.cwd(), tree_root, cache_root()]
     return [_clear_one(cache, protected, tree_root) for cache in cache_dirs()]

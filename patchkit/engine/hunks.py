@@ -18,8 +18,8 @@ from pathlib import PurePosixPath
 import unidiff
 from unidiff.constants import LINE_TYPE_NO_NEWLINE
 
+from patchkit.engine.safepath import checked_relpath
 from patchkit.errors import HunkMismatch, PatchkitError
-from patchkit.safepath import checked_relpath
 
 DEV_NULL = "/dev/null"
 
