@@ -10,6 +10,12 @@ class PatchkitError(Exception):
     """A failure the user can act on; printed as one line, exit status 1."""
 
 
+class UsageProblem(PatchkitError):
+    """A bad option value found where it is used: one line, exit status 2 like click's."""
+
+    exit_code = 2
+
+
 class HunkMismatch(PatchkitError):
     """A hunk's expected lines are not in the file (zero fuzz)."""
 

@@ -88,7 +88,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
 
     second = runner.build(patched, only="RUN")  # patchkit itself is reinstalled too
     assert [r.returncode for r in second] == [0, 0, 0, 0]
-    assert "already-applied" in second[1].stdout
+    assert "apply: nothing to do" in second[1].stdout
     assert (snapshot(site / "vllm"), (site / ".patchkit/state.json").read_bytes()) == after_first
 
     # A drifted image: revert, then someone's edit to the target file.

@@ -165,9 +165,9 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
 
 
 def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
-    result = run_subprocess("doctor", "--target", str(tmp_path), code=REPORT_IMPORTS)
+    result = run_subprocess("doctor", code=REPORT_IMPORTS)  # this Python has no vLLM
     assert result.returncode == 0, result.stderr
-    assert "vLLM: " in result.stdout and "no vllm/ package" in result.stdout.lower()
+    assert "vLLM: vLLM is not installed for this Python" in result.stdout
     assert "IMPORTED: []" in result.stderr
     assert "[unknown] vLLM #35286" in result.stdout and "[unknown] vLLM #47639" in result.stdout
 

@@ -156,8 +156,8 @@ def test_two_concurrent_applies(tree_0260: Path):
     second = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
     outputs = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0]
-    actions = [o["patches"][0]["action"] for o in outputs]
-    assert actions == ["applied", "already-applied"]
+    actions = [(o["patches"][0]["action"], o["patches"][0]["state"]) for o in outputs]
+    assert actions == [("applied", "applied"), ("none", "applied")]
     state = json.loads(((tree_0260 / ".patchkit") / "state.json").read_text())
     assert [p["id"] for p in state["patches"]] == [
         "expand-block-n",
@@ -178,13 +178,17 @@ def test_lock_timeout_is_a_clear_error(tree_0260: Path):
     assert snapshot(tree_0260) == before
 
 
-def test_missing_vllm(tmp_path: Path):
+@pytest.mark.parametrize("command", ["status", "apply", "revert", "doctor"])
+def test_a_wrong_target_is_the_same_usage_error_in_every_command(tmp_path: Path, command):
+    """Issue 21: a missing --target exited 2 in one command, 1 in another, 0 in doctor."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_cli("status", "--target", str(empty))
-    assert result.exit_code == 1
-    assert "no vllm/ package there" in result.stderr
-    assert run_cli("status", "--target", str(tmp_path / "nowhere")).exit_code == 1
+    for target, why in ((empty, "no vllm/ package there"), (tmp_path / "nowhere", "no such")):
+        result = run_cli(command, "--target", str(target), "--json")
+        assert result.exit_code == 2, (command, result.output)
+        line = result.stderr.strip()
+        assert why in line and "pass the directory that contains vllm/" in line
+        assert json.loads(result.stdout)["exit_code"] == 2
 
 
 @pytest.mark.skipif(

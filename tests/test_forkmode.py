@@ -40,7 +40,7 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
     assert git(checkout, "status", "--porcelain") == ""  # .patchkit/ is excluded
 
     again = run_cli("apply", "--target", str(checkout))
-    assert again.exit_code == 0 and "already-applied" in again.stdout
+    assert again.exit_code == 0 and "apply: nothing to do" in again.stdout
     assert git(checkout, "rev-list", "--count", "HEAD") == "5"
 
     shutil.rmtree(checkout / ".patchkit")  # a fresh clone of the fork branch has no state

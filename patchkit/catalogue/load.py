@@ -237,6 +237,10 @@ class Catalogue:
     def is_tested(self, version: Version | None) -> bool:
         return version is not None and str(version) in self.tested_releases
 
+    def predates(self, version: Version | None) -> bool:
+        """Whether ``version`` is older than every release the catalogue covers."""
+        return version is not None and version < min(Version(r) for r in self.tested_releases)
+
     @property
     def tested_span(self) -> str:
         return f"{self.tested_releases[0]} to {self.tested_releases[-1]}"

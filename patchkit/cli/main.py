@@ -19,6 +19,7 @@ import click
 from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import render
 from patchkit.engine import operations, signals
+from patchkit.engine.decide import RunOptions, select
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.target import forkmode
 from patchkit.target.tree import is_version, locate
@@ -152,7 +153,7 @@ def check_version(ctx, param, value: str | None) -> str | None:
 def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
     """An unknown --only id is a usage error (exit 2), caught before any work."""
     try:
-        operations.select(catalogue, only)
+        select(catalogue, only)
     except PatchkitError as exc:
         raise click.BadParameter(str(exc), param_hint="--only") from None
     return only
@@ -213,34 +214,11 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
     result = operations.status(tree, load_catalogue())
     if forkmode.is_fork(tree):
         forkmode.annotate_status(tree, result)
-    if as_json:
-        data = result.to_json()
-        render.emit_json(
-            {
-                "ok": True,
-                "vllm": data["vllm"],
-                "patches": [
-                    {
-                        k: p[k]
-                        for k in (
-                            "id",
-                            "state",
-                            "reason",
-                            "variant",
-                            "files",
-                            "warnings",
-                            "notices",
-                        )
-                    }
-                    for p in data["patches"]
-                ],
-                "warnings": data["warnings"],
-                "notices": data["notices"],
-                "notes": data["notes"],
-            }
-        )
-    else:
-        render.render_run(result)
+    show(result, as_json)
+
+
+def show(result: operations.RunReport, as_json: bool) -> None:
+    render.emit_json(render.run_json(result)) if as_json else render.render_run(result)
 
 
 @main.command()
@@ -261,15 +239,13 @@ def apply(
     On a vLLM git checkout each applied patch becomes a commit on a branch.
     """
     catalogue = load_catalogue()
-    only = check_only(only, catalogue)
+    options = RunOptions(check_only(only, catalogue), dry_run, strict, False, clear_caches)
     tree = locate(target, vllm_version)
     if forkmode.is_fork(tree):
-        result = forkmode.apply(
-            tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_dirty
-        )
+        result = forkmode.apply(tree, catalogue, options, branch, allow_dirty)
     else:
-        result = operations.apply(tree, catalogue, only, dry_run, strict, clear_caches)
-    render.emit_json(result.to_json()) if as_json else render.render_run(result)
+        result = operations.apply(tree, catalogue, options)
+    show(result, as_json)
 
 
 @main.command()
@@ -286,13 +262,13 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
     On a vLLM git checkout each reverted patch gets a revert commit.
     """
     catalogue = load_catalogue()
-    only = check_only(only, catalogue)
+    options = RunOptions(check_only(only, catalogue), force=force, clear_caches=clear_caches)
     tree = locate(target, vllm_version)
     if forkmode.is_fork(tree):
-        result = forkmode.revert(tree, catalogue, only, force, clear_caches, allow_dirty)
+        result = forkmode.revert(tree, catalogue, options, allow_dirty)
     else:
-        result = operations.revert(tree, catalogue, only, force, clear_caches)
-    render.emit_json(result.to_json()) if as_json else render.render_run(result)
+        result = operations.revert(tree, catalogue, options)
+    show(result, as_json)
 
 
 @main.command()
@@ -364,6 +340,8 @@ def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json:
     try:
         tree, tree_error = locate(target, vllm_version), ""
     except PatchkitError as exc:
+        if target is not None:  # a --target that is wrong fails as in every other command
+            raise
         tree, tree_error = None, str(exc)
     result = doctoring.run(tree, tree_error, load_catalogue(), kernels=kernels)
     if as_json:

@@ -1,13 +1,23 @@
-"""Render reports for people (aligned text) and for machines (--json)."""
+"""Render reports for people (aligned text) and for machines (--json).
+
+Objects become text and JSON here and nowhere else. A patch's state is
+written with the same word in every command (:mod:`patchkit.engine.vocabulary`);
+apply and revert add what the run did to it, and end with one summary line.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
+from collections import Counter
 
 import click
 
 from patchkit.catalogue.load import Catalogue
+from patchkit.engine.decide import Step
 from patchkit.engine.operations import RunReport
+from patchkit.engine.vocabulary import Action
 
 SOURCES = {
     "metadata": "dist-info metadata",
@@ -16,10 +26,15 @@ SOURCES = {
     "override": "--vllm-version / PATCHKIT_VLLM_VERSION",
     "unknown": "not found",
 }
+DONE = {Action.APPLIED: "applied now", Action.REVERTED: "reverted now",
+        Action.WOULD_APPLY: "would apply"}  # fmt: skip
 
 
 def emit_json(data: dict) -> None:
     click.echo(json.dumps(data, indent=2))
+
+
+# ----- status, apply, revert -----
 
 
 def render_run(report: RunReport) -> None:
@@ -27,17 +42,33 @@ def render_run(report: RunReport) -> None:
     click.echo(f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})")
     for note in report.notes:
         click.echo(f"note: {note}")
-    width = max((len(o.assessment.patch.id) for o in report.outcomes), default=0)
-    for outcome in report.outcomes:
-        a = outcome.assessment
-        detail = a.reason or (f"variant {a.variant.name}" if a.variant else "")
-        click.echo(f"  {a.patch.id:<{width}}  {outcome.action:<15}  {detail}")
-        for place in a.placements if outcome.action in ("applied", "would-apply") else []:
-            offset = f" (offset {place.offset:+d} lines)" if place.offset else ""
-            click.echo(f"      {place.path}: hunk #{place.hunk} at line {place.line}{offset}")
+    width = max((len(s.assessment.patch.id) for s in report.steps), default=0)
+    for step in report.steps:
+        _render_step(report, step, width)
     for pyc in report.bytecode_removed:
         click.echo(f"removed bytecode: {pyc}")
-    for cache in report.caches_removed:
+    _render_caches(report.caches_removed)
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(summary(report))
+
+
+def _render_step(report: RunReport, step: Step, width: int) -> None:
+    a = step.assessment
+    detail = a.reason or (f"variant {a.variant.name}" if a.variant else "")
+    if step.action in DONE:
+        detail = f"{DONE[step.action]}; {detail}" if detail else DONE[step.action]
+    click.echo(f"  {a.patch.id:<{width}}  {step.state_after:<15}  {detail}".rstrip())
+    if step.action in (Action.APPLIED, Action.WOULD_APPLY):
+        for place in a.placements:
+            offset = f" (offset {place.offset:+d} lines)" if place.offset else ""
+            click.echo(f"      {place.path}: hunk #{place.hunk} at line {place.line}{offset}")
+    for notice in report.notices(step):
+        click.echo(f"      known issue: {notice}")
+
+
+def _render_caches(caches: list[dict]) -> None:
+    for cache in caches:
         if cache["state"] == "cleared":
             click.echo(
                 f"cleared {cache['name']}: {cache['path']} "
@@ -47,29 +78,84 @@ def render_run(report: RunReport) -> None:
             click.echo(f"no {cache['name']} at {cache['path']}: nothing to clear")
         else:
             click.echo(f"left {cache['name']} alone: {cache['reason']}", err=True)
-    if report.dry_run:
-        click.echo("dry run: nothing was written")
-    for notice in report.notices:
-        click.echo(f"known issue: {notice}", err=True)
-    for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+
+
+def summary(report: RunReport) -> str:
+    """One line: what the run did, and the state of every patch it looked at after it."""
+    states = Counter(str(s.state_after) for s in report.steps)
+    now = ", ".join(f"{n} {state}" for state, n in states.items())
+    if report.command == "status":
+        return f"status: {now}"
+    actions = Counter(DONE[s.action] for s in report.steps if s.action in DONE)
+    did = ", ".join(f"{n} {what}" for what, n in actions.items()) or "nothing to do"
+    written = "; nothing was written" if report.options.dry_run else ""
+    removed = len(report.bytecode_removed)
+    pyc = f"; {removed} bytecode files removed" if removed else ""
+    return f"{report.command}: {did}{written}{pyc}; now {now}"
+
+
+def run_json(report: RunReport) -> dict:
+    """--json of status, apply and revert: each patch's state after the run and what it did."""
+    patches = [_step_json(report, s) for s in report.steps]
+    data = {
+        "ok": True,
+        "command": report.command,
+        "vllm": report.tree.describe(),
+        "patches": patches,
+        "warnings": report.warnings,
+        "notices": list(dict.fromkeys(n for p in patches for n in p["notices"])),
+        "notes": report.notes,
+        "summary": summary(report),
+    }
+    if report.command != "status":
+        data.update(
+            dry_run=report.options.dry_run,
+            bytecode_removed=report.bytecode_removed,
+            caches_removed=report.caches_removed,
+        )
+    return data
+
+
+def _step_json(report: RunReport, step: Step) -> dict:
+    data = step.assessment.to_json()
+    data["notices"] = report.notices(step)
+    data["state"] = str(step.state_after)
+    if report.command != "status":
+        data["state_before"] = str(step.assessment.state)
+        data["action"] = str(step.action)
+        data["hunks"] = [
+            {"file": p.path, "hunk": p.hunk, "line": p.line, "offset": p.offset}
+            for p in step.assessment.placements
+        ] if step.action in (Action.APPLIED, Action.WOULD_APPLY) else []  # fmt: skip
+    return data
+
+
+# ----- list -----
 
 
 def render_catalogue(catalogue: Catalogue) -> None:
+    width = min(shutil.get_terminal_size((100, 24)).columns, 100)
+
+    def wrapped(label: str, text: str) -> None:
+        click.echo(textwrap.fill(" ".join(text.split()), width, initial_indent=f"    {label}: ",
+                                 subsequent_indent=" " * 8, break_on_hyphens=False))  # fmt: skip
+
     for patch in catalogue.patches:
-        click.echo(f"{patch.id}: {patch.title}")
-        click.echo(f"    why: {' '.join(patch.why.split())}")
+        click.echo(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
+        wrapped("why", patch.why)
         for variant in patch.variants:
             click.echo(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
         for decision in patch.decisions:
-            click.echo(f"    {decision.versions}  {decision.state}: {decision.reason}")
-        click.echo(f"    upstream: {', '.join(patch.upstream)}")
-        click.echo(f"    remove when: {' '.join(patch.remove_when.split())}")
-    click.echo(f"tested releases: {', '.join(catalogue.tested_releases)}")
+            wrapped(f"{decision.versions}  {decision.state}", decision.reason)
+        wrapped("upstream", ", ".join(patch.upstream))
+        wrapped("remove when", patch.remove_when)
+    click.echo(textwrap.fill(f"tested releases: {', '.join(catalogue.tested_releases)}", width,
+                             subsequent_indent=" " * 4))  # fmt: skip
 
 
 def catalogue_json(catalogue: Catalogue) -> dict:
     return {
+        "ok": True,
         "tested_releases": list(catalogue.tested_releases),
         "patches": [
             {

@@ -422,7 +422,8 @@ def run(
     report.vllm = tree.describe()
     status = operations.status(tree, catalogue)
     report.patches = [
-        {k: o.to_json()[k] for k in ("id", "state", "variant", "files")} for o in status.outcomes
+        {k: s.assessment.to_json()[k] for k in ("id", "state", "variant", "files")}
+        for s in status.steps
     ]
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)

@@ -1,419 +1,395 @@
-"""Decide each patch's state on a tree, by content first and by version second.
+"""Plan a run: which patches apply or revert, with which writes, in both directions.
 
-States:
+:func:`plan` assesses the selected patches (:mod:`patchkit.engine.assess`)
+on the tree as the run would leave it, and returns one :class:`Plan`: per
+patch its state before, the action, the file writes; the records to drop;
+the warnings. Nothing is written here; :mod:`patchkit.engine.operations`
+executes the plan. A plan that cannot be carried out safely (a conflict, a
+patch under another, an edit without ``--force``) raises PatchkitError, so
+nothing is ever half-planned.
 
-* ``needed``         - a variant's pristine side matches; applying is safe.
-* ``applied``        - patchkit's patched text is there.
-* ``upstream``       - this release already has the fix (content evidence).
-* ``not-applicable`` - this release's design makes the patch meaningless.
-* ``conflict``       - neither pristine nor patched: a fork, a hand edit, a
-  half-applied patch, or a file that differs from the wheel's RECORD.
-
-The version only orders the search (the variant listed for it is tried
-first) and decides whether to warn that the release is untested.
+Patches stack in series order, as quilt's do: apply assesses patch N on the
+result of patches 1..N-1; revert takes them off from the top.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.catalogue.load import Catalogue, Decision, Patch, Variant
-from patchkit.engine.hunks import Placement, apply_file_patch
-from patchkit.engine.safepath import checked_relpath
-from patchkit.engine.state import FileRecord, PatchRecord, State
+from patchkit.catalogue.load import Catalogue, Patch
+from patchkit.engine.assess import (
+    Assessment,
+    TreeFiles,
+    assess_with,
+    chain_finding,
+    force_refusal,
+)
+from patchkit.engine.hunks import apply_file_patch
+from patchkit.engine.state import STATE_DIR, FileRecord, State
 from patchkit.engine.transaction import FileChange
-from patchkit.errors import HunkMismatch
+from patchkit.engine.vocabulary import Action, FileFinding, PatchState
+from patchkit.errors import HunkMismatch, PatchkitError
 from patchkit.target.tree import VllmTree, sha256_bytes
 
-NEEDED = "needed"
-APPLIED = "applied"
-UPSTREAM = "upstream"
-NOT_APPLICABLE = "not-applicable"
-CONFLICT = "conflict"
-# What one file's chain of records finds on disk (chain_finding).
-STALE = "stale"
-EDITED = "edited"
-FOREIGN = "foreign"
+APPLY, REVERT, STATUS = "apply", "revert", "status"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the user asked a run to do (the CLI's options, in one place)."""
+
+    only: tuple[str, ...] = ()
+    dry_run: bool = False
+    strict: bool = False
+    force: bool = False
+    clear_caches: bool = False
 
 
 @dataclass
-class Assessment:
-    """One patch's state on one tree, and what applying it would write."""
+class Step:
+    """One patch in a plan: its assessment before the run and what the run does to it."""
 
-    patch: Patch
-    state: str
-    reason: str = ""
-    variant: Variant | None = None
-    files: tuple[str, ...] = ()
-    placements: list[Placement] = field(default_factory=list)
+    assessment: Assessment
+    action: Action = Action.NONE
     changes: list[FileChange] = field(default_factory=list)
+    note: str = ""  # why a patch asked for with --only is left as it is
+
+    @property
+    def state_after(self) -> PatchState:
+        """The state status will report once the run is done."""
+        if self.action in (Action.APPLIED, Action.WOULD_APPLY):
+            return PatchState.APPLIED
+        if self.action == Action.REVERTED:
+            return PatchState.NEEDED
+        return self.assessment.state
+
+
+@dataclass
+class Plan:
+    command: str
+    steps: list[Step] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)  # records that describe nothing any more
     warnings: list[str] = field(default_factory=list)
-    # Known upstream bugs this patch does not fix but a user of this release
-    # should know about; shown by every command, never a failure (not --strict).
-    notices: list[str] = field(default_factory=list)
-    record: PatchRecord | None = None
-    stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
+    notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        return {
-            "id": self.patch.id,
-            "state": self.state,
-            "reason": self.reason or None,
-            "variant": self.variant.name if self.variant else None,
-            "files": list(self.files),
-            "warnings": self.warnings,
-            "notices": self.notices,
-        }
+    def writes(self) -> list[FileChange]:
+        """One write per file, merged in the order the changes were planned (revert: from
+        the top of the series down; ``steps`` are in series order for the report)."""
+        return merged([c for step in self.in_run_order() for c in step.changes])
 
+    def in_run_order(self) -> list[Step]:
+        return list(reversed(self.steps)) if self.command == REVERT else self.steps
 
-class TreeFiles:
-    """The tree's files as a run sees them: read once, with the run's own edits on top.
+    def acting(self, action: Action) -> list[Step]:
+        """The steps that do ``action``, in the order the run does them."""
+        return [s for s in self.in_run_order() if s.action == action]
 
-    Patches stack (quilt's model): patch N is assessed on the tree as patches
-    1..N-1 leave it. ``overlay`` puts a patch's result in place before the
-    next patch is assessed; ``state`` and ``order`` (the series) say which
-    applied patches already touch each file, in which order. Files are read
-    through the tree's open root (:class:`patchkit.engine.safepath.Root`), so a link
-    or a FIFO in place of a file is refused, never followed or waited on.
-    """
-
-    def __init__(self, tree: VllmTree, state: State | None = None, order: tuple[str, ...] = ()):
-        self.tree = tree
-        self.state = state
-        self.order = order
-        self._disk: dict[str, bytes | None] = {}
-        self._overlay: dict[str, bytes | None] = {}
-
-    def data(self, relpath: str) -> bytes | None:
-        if relpath in self._overlay:
-            return self._overlay[relpath]
-        return self.disk(relpath)
-
-    def disk(self, relpath: str) -> bytes | None:
-        """The file as it is on disk, before this run's edits."""
-        if relpath not in self._disk:
-            checked_relpath(relpath, "the catalogue")
-            self._disk[relpath] = self.tree.fs.read(relpath, "the catalogue")
-        return self._disk[relpath]
-
-    def overlay(self, relpath: str, data: bytes | None) -> None:
-        self._overlay[relpath] = data
-
-    def text(self, relpath: str) -> str | None:
-        data = self.data(relpath)
-        return None if data is None else data.decode("utf-8", errors="surrogateescape")
-
-    def sha256(self, relpath: str) -> str | None:
-        data = self.data(relpath)
-        return None if data is None else sha256_bytes(data)
-
-    def chain(self, relpath: str) -> list[tuple[str, FileRecord]]:
-        """(patch id, record) of each applied patch touching ``relpath``, in series order."""
-        if self.state is None:
-            return []
-        ids = list(self.order) + sorted(set(self.state.patches) - set(self.order))
-        return [
-            (patch_id, record)
-            for patch_id in ids
-            if patch_id in self.state.patches
-            for record in self.state.patches[patch_id].files
-            if record.path == relpath
-        ]
-
-    def base_sha256(self, relpath: str) -> str | None:
-        """The file before any patch: what the wheel's RECORD describes.
-
-        A chain of stale records (vLLM reinstalled since) says nothing about it.
-        """
-        chain = self.chain(relpath)
-        if chain and chain_finding(self, relpath)[0] != STALE:
-            return chain[0][1].pre_sha256
-        data = self.disk(relpath)
-        return None if data is None else sha256_bytes(data)
+    def warn(self, line: str) -> None:
+        if line not in self.warnings:  # e.g. "untested release", once, not per patch
+            self.warnings.append(line)
 
 
-def assess_with(
-    patch: Patch, tree: VllmTree, state: State, catalogue: Catalogue, files: TreeFiles
-) -> Assessment:
-    version = tree.parsed_version
-    expected = patch.expected_for(version)
-    record = state.patches.get(patch.id)
-    result = (
-        _from_record(patch, record, files)
-        or _from_decisions(patch, expected, files)
-        or _from_variants(patch, expected, tree, files)
-    )
-    if record is not None and result.record is None:
-        result.record, result.stale_record = record, True
-    if not catalogue.is_tested(version):
-        result.warnings.insert(
-            0,
-            f"vLLM {tree.version} is not a tested release ({catalogue.tested_span}); "
-            "decided by content",
-        )
-    result.notices.extend(_notices(patch, tree, files))
+def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
+    """The patches named by --only (all when empty), in series order."""
+    for patch_id in only:
+        catalogue.get(patch_id)  # raises on an unknown id
+    return [p for p in catalogue.patches if not only or p.id in only]
+
+
+def plan(
+    command: str, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> Plan:
+    """The plan for ``status``, ``apply`` or ``revert`` on this tree and state."""
+    result = Plan(command)
+    if command == REVERT:
+        _plan_revert(result, tree, catalogue, state, options)
+    else:
+        _plan_forward(result, tree, catalogue, state, options)
+    for line in unknown_warnings(state, catalogue, tree):
+        result.warn(line)
+    if command == APPLY and options.strict and result.warnings:
+        _fail_strict(result.warnings)
     return result
 
 
-def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> Assessment | None:
-    """Trust our own record when the files still carry the hashes the stack of records wrote.
-
-    For each file, the applied patches touching it form a chain in series
-    order (each one's ``pre`` is the one below's ``post``); the file must
-    hold the top one's ``post``. A record whose every file is back at its
-    ``pre``, or is now another release's own file, is stale (vLLM was
-    reinstalled): content decides, and the next apply or revert drops it.
-    """
-    if record is None:
-        return None
-    paths = tuple(f.path for f in record.files)
-    findings = [chain_finding(files, f.path) for f in record.files]
-    kinds = {kind for kind, _ in findings}
-    if kinds == {APPLIED}:
-        variant = patch.variant(record.variant)
-        result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
-        if variant is None or variant.sha256 != record.patch_sha256:
-            result.warnings.append(
-                f"{patch.id}: the patch file changed since it was applied; run "
-                f"`patchkit revert --only {patch.id}` then `patchkit apply --only {patch.id}`"
+def _plan_forward(
+    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> None:
+    """Status and apply: each patch on the result of those before it in the series."""
+    files = TreeFiles(tree, state, catalogue.ids)
+    patches = catalogue.patches if result.command == STATUS else select(catalogue, options.only)
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        step = Step(assessment)
+        result.steps.append(step)
+        _take_findings(result, assessment)
+        if result.command == STATUS:
+            _status_step(step, files)
+            continue
+        if assessment.state == PatchState.CONFLICT:
+            raise PatchkitError(
+                f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
+                "(apply the others with --only)"
             )
-        return result
-    if kinds == {STALE}:
-        return None
-    return Assessment(
-        patch, CONFLICT, reason=_record_conflict(patch, record, findings, files), files=paths,
-        record=record,
-    )  # fmt: skip
+        if assessment.state == PatchState.NEEDED:
+            _refuse_under_later(patch, assessment, files)
+            stack(files, assessment)
+            step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
+            step.changes = assessment.changes
+        elif patch.id in options.only and assessment.state != PatchState.APPLIED:
+            result.warn(
+                f"{patch.id} was asked for with --only but is not applied: "
+                f"{assessment.state} ({assessment.reason})"
+            )
+    if result.command == APPLY:
+        result.drop = stale_records(state, catalogue, tree, [s.assessment.patch.id for s in
+                                                             result.steps])  # fmt: skip
 
 
-def _record_conflict(
-    patch: Patch, record: PatchRecord, findings: list[tuple[str, str]], files: TreeFiles
-) -> str:
-    """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
-    by_kind: dict[str, tuple[str, str]] = {}
-    for entry, (kind, top) in zip(record.files, findings, strict=True):
-        by_kind.setdefault(kind, (entry.path, top))
-    tree = files.tree
-    if FOREIGN in by_kind:
-        path, top = by_kind[FOREIGN]
-        return (
-            f"{path} is neither what {top} wrote nor vLLM {tree.version}'s own file (RECORD), "
-            f"and its backup is another release's file; reinstall vLLM (pip install "
-            f"--force-reinstall --no-deps vllm=={tree.version}), then `patchkit revert` drops "
-            "the old record"
-        )
-    if EDITED in by_kind:
-        path, top = by_kind[EDITED]
-        refusal = force_refusal(files, path)
-        if refusal:
-            return f"{path} was edited after patchkit applied {top}; {refusal}"
-        return (
-            f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
-            "--force` restores the original"
-        )
-    path, top = by_kind[STALE]
-    rest = ", ".join(
-        entry.path for entry, (kind, _) in zip(record.files, findings, strict=True)
-        if kind == APPLIED
-    )  # fmt: skip
-    recorded = files.state.vllm_version if files.state else None
-    if recorded not in (None, tree.version):
-        what = (
-            f"vLLM was reinstalled ({tree.version} now, {recorded} when {patch.id} was "
-            f"applied) and {path} is that release's file"
-        )
+def _status_step(step: Step, files: TreeFiles) -> None:
+    """In status, a needed patch under an applied later one is said to be, not stacked."""
+    assessment = step.assessment
+    if assessment.state != PatchState.NEEDED:
+        return
+    above = later_on_same_files(assessment.patch, assessment.variant.paths, files)
+    if above is None:
+        stack(files, assessment)  # what apply would see for the next patch
     else:
-        what = (
-            f"{path} is back to its original (or is gone) while the rest of {patch.id} is "
-            "applied (vLLM partly reinstalled, or a file patchkit created was deleted)"
+        assessment.reason = (
+            f"{above[0]}, later in the series, is applied on {above[1]}: revert it "
+            "first (patches stack in series order)"
         )
-    return f"{what}; `patchkit revert --only {top}` removes the rest ({rest})"
 
 
-def chain_finding(files: TreeFiles, relpath: str) -> tuple[str, str]:
-    """(applied | stale | edited | foreign, the top patch) for one file's chain of records.
-
-    ``stale``: the file on disk is back to before the whole stack, or it is
-    now the installed release's own file (its RECORD hash) while the stack was
-    made on another one. ``foreign``: the RECORD names another release's file
-    than the stack was made on, and the file is neither: no backup may go there.
-    """
-    chain = files.chain(relpath)
-    current = files.sha256(relpath)
-    top_id, top = chain[-1]
-    bottom = chain[0][1].pre_sha256
-    recorded = files.tree.record.get(relpath)
-    if recorded is not None and recorded != bottom:
-        return (STALE if current == recorded else FOREIGN), top_id
-    linked = all(
-        below.post_sha256 == above.pre_sha256
-        for (_, below), (_, above) in zip(chain, chain[1:], strict=False)
-    )
-    if linked and current == top.post_sha256:
-        return APPLIED, top_id
-    on_disk = files.disk(relpath)
-    if (None if on_disk is None else sha256_bytes(on_disk)) == bottom:
-        return STALE, top_id
-    return EDITED, top_id
-
-
-def force_refusal(files: TreeFiles, relpath: str) -> str:
-    """Why ``--force`` may not restore the original of an edited file; '' when it may.
-
-    The backup (or, for a created file, its absence) belongs to the release
-    the patch was applied to. It may go over the file only if that is the
-    installed release: the RECORD lists the backup's hash for this path, or,
-    without a RECORD entry, the tree still reports the version the state
-    recorded.
-    """
-    tree, state = files.tree, files.state
-    bottom = files.chain(relpath)[0][1].pre_sha256
-    recorded = tree.record.get(relpath)
-    if recorded is not None:
-        return "" if recorded == bottom else "its backup is not this release's file"
-    if state is not None and state.vllm_version not in (None, tree.version):
-        return (
-            f"the patch was applied to vLLM {state.vllm_version} and this tree reports "
-            f"{tree.version}, so its backup may be another release's file; reinstall vLLM "
-            "and delete .patchkit/"
+def _refuse_under_later(patch: Patch, assessment: Assessment, files: TreeFiles) -> None:
+    above = later_on_same_files(patch, assessment.variant.paths, files)
+    if above is not None:
+        raise PatchkitError(
+            f"{patch.id}: {above[0]}, later in the series, is applied and also changes "
+            f"{above[1]}; patches stack in series order, so revert it first "
+            f"(patchkit revert --only {above[0]}), then apply both; nothing was changed"
         )
-    return ""
 
 
-def _from_decisions(
-    patch: Patch, expected: Variant | Decision | None, files: TreeFiles
-) -> Assessment | None:
-    ordered = sorted(patch.decisions, key=lambda d: d is not expected)
-    for decision in ordered:
-        if all(e.found_in(files.text(e.file) or "") for e in decision.evidence):
-            evidence_files = tuple(dict.fromkeys(e.file for e in decision.evidence))
-            return Assessment(patch, decision.state, reason=decision.reason, files=evidence_files)
+def _plan_revert(
+    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> None:
+    """Revert: from the top of the series down, each patch on the files as the ones above
+    it leave them."""
+    unknown = [i for i, stale in unknown_records(state, catalogue, tree).items() if not stale]
+    if unknown and not options.only:
+        raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
+    patches = list(reversed(select(catalogue, options.only)))
+    result.drop = stale_records(state, catalogue, tree, [p.id for p in patches])
+    for patch_id in result.drop:
+        state.patches.pop(patch_id, None)
+    files = TreeFiles(tree, state, catalogue.ids)
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        step = Step(assessment)
+        result.steps.insert(0, step)  # reported in series order
+        changes = revert_changes(assessment, files, options.force)
+        if changes is None:
+            if patch.id in options.only:
+                result.warn(f"{patch.id} is not applied ({assessment.state})")
+            continue
+        above = later_on_same_files(patch, tuple(c.path for c in changes), files)
+        if above is not None:
+            raise PatchkitError(
+                f"{patch.id}: {above[0]} is applied on top of it in {above[1]}; revert "
+                f"{above[0]} first (patchkit revert --only {above[0]} --only {patch.id}); "
+                "nothing was changed"
+            )
+        for change in changes:
+            files.overlay(change.path, change.after)
+        state.patches.pop(patch.id, None)
+        step.action, step.changes = Action.REVERTED, changes
+
+
+def _take_findings(result: Plan, assessment: Assessment) -> None:
+    for line in assessment.warnings:
+        result.warn(line)
+    if assessment.stale_record:
+        result.notes.append(
+            f"{assessment.patch.id}: state.json's record of it no longer matches the files "
+            "(vLLM was reinstalled); the next apply or revert drops it"
+        )
+
+
+def _fail_strict(warnings: list[str]) -> None:
+    more = f" (and {len(warnings) - 1} more warnings)" if len(warnings) > 1 else ""
+    raise PatchkitError(f"--strict: {warnings[0]}{more}; nothing was changed")
+
+
+# ----- stacking -----
+
+
+def stack(files: TreeFiles, assessment: Assessment) -> None:
+    """Put a needed patch's result in place, so the next patch is assessed on top of it."""
+    for change in assessment.changes:
+        files.overlay(change.path, change.after)
+
+
+def merged(changes: list[FileChange]) -> list[FileChange]:
+    """One write per file: the first change's before, the last change's after, every patch."""
+    by_path: dict[str, FileChange] = {}
+    for change in changes:
+        first = by_path.get(change.path, change)
+        patches = tuple(dict.fromkeys(first.patches + change.patches))
+        by_path[change.path] = FileChange(change.path, first.before, change.after, patches)
+    return [c for c in by_path.values() if c.before != c.after]
+
+
+def later_on_same_files(
+    patch: Patch, paths: tuple[str, ...], files: TreeFiles
+) -> tuple[str, str] | None:
+    """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
+
+    A stale record (vLLM reinstalled under it) does not count: nothing of it is there.
+    """
+    later = files.order[files.order.index(patch.id) + 1 :] if patch.id in files.order else ()
+    for other in later:
+        record = files.state.patches.get(other)
+        for path in (f.path for f in record.files) if record else ():
+            if path in paths and chain_finding(files, path)[0] != FileFinding.STALE:
+                return other, path
     return None
 
 
-def _from_variants(
-    patch: Patch, expected: Variant | Decision | None, tree: VllmTree, files: TreeFiles
-) -> Assessment:
-    ordered = sorted(patch.variants, key=lambda v: v is not expected)
-    for variant in ordered:
-        attempt = _try_variant(variant, files, reverse=False)
-        if attempt is not None:
-            result = _needed(patch, variant, attempt, tree, files)
-            if isinstance(expected, Variant) and variant is not expected:
-                result.warnings.append(
-                    f"{patch.id}: content matches variant {variant.name}, not "
-                    f"{expected.name} listed for vLLM {tree.version}"
-                )
-            if isinstance(expected, Decision):
-                result.warnings.append(
-                    f"{patch.id}: the catalogue lists vLLM {tree.version} as {expected.state}, "
-                    "but its evidence is not in this tree"
-                )
-            return result
-    for variant in ordered:
-        if _try_variant(variant, files, reverse=True) is not None:
-            return Assessment(
-                patch,
-                APPLIED,
-                reason=(
-                    "the patched text is present but patchkit has no record of applying it "
-                    "(applied by hand, or .patchkit/ was removed); revert reverse-applies the diff"
-                ),
-                variant=variant,
-                files=variant.paths,
+# ----- records that describe nothing, and records of patches this catalogue lacks -----
+
+
+def record_is_stale(state: State, patch_id: str, files: TreeFiles) -> bool:
+    return all(
+        chain_finding(files, f.path)[0] == FileFinding.STALE for f in state.patches[patch_id].files
+    )
+
+
+def unknown_records(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[str, bool]:
+    """Recorded patches this catalogue lacks: id -> whether all its files are stale on disk."""
+    files = TreeFiles(tree, state, catalogue.ids)
+    return {
+        patch_id: record_is_stale(state, patch_id, files)
+        for patch_id in state.patches
+        if patch_id not in catalogue.ids
+    }
+
+
+def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[str]:
+    records = unknown_records(state, catalogue, tree)
+    return [unknown_line(state, patch_id) for patch_id, stale in records.items() if not stale]
+
+
+def unknown_line(state: State, patch_id: str) -> str:
+    paths = ", ".join(f.path for f in state.patches[patch_id].files)
+    return (
+        f"{state.path} records patch {patch_id!r}, which this patchkit does not know; its "
+        f"files ({paths}) still hold what it wrote and were left alone: revert it with the "
+        "patchkit that applied it, or reinstall vLLM (pip install --force-reinstall "
+        f"--no-deps vllm) and delete {state.directory}"
+    )
+
+
+def stale_records(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[str]) -> list[str]:
+    """Records among ``ids`` (and of unknown patches) that describe nothing on disk any more.
+
+    Judged on the files as they are on disk (a fresh view, without planned writes).
+    """
+    files = TreeFiles(tree, state, catalogue.ids)
+    stale = [i for i in ids if i in state.patches and record_is_stale(state, i, files)]
+    unknown = unknown_records(state, catalogue, tree)
+    return stale + [i for i, is_stale in unknown.items() if is_stale]
+
+
+# ----- what undoes a patch -----
+
+
+def revert_changes(
+    assessment: Assessment, files: TreeFiles, force: bool
+) -> list[FileChange] | None:
+    """The writes that undo one patch; None when it is not applied.
+
+    Per file: one its patch left as it wrote it gets its original back; one
+    already back to its original (or a created file that is gone) is left;
+    an edited one only with ``--force`` and only to the original of the
+    release installed now; one of another release never.
+    """
+    record = assessment.record
+    if record is None or assessment.stale_record:
+        if assessment.state == PatchState.APPLIED:  # applied by hand, or without .patchkit/
+            return _reverse_apply(assessment, files)
+        return None
+    changes = []
+    for entry in record.files:
+        kind, _ = chain_finding(files, entry.path)
+        if kind == FileFinding.STALE:
+            continue
+        if kind == FileFinding.FOREIGN:
+            raise PatchkitError(
+                f"{assessment.patch.id}: conflict: {assessment.reason}; nothing was changed"
             )
-    return _conflict(patch, expected, files)
+        if kind == FileFinding.EDITED:
+            _check_force(assessment, files, entry.path, force)
+        changes.append(_restore(entry, files, assessment))
+    return changes
 
 
-def _try_variant(
-    variant: Variant, files: TreeFiles, reverse: bool
-) -> tuple[dict[str, str | None], list[Placement]] | None:
-    """New texts and placements if every hunk of the variant applies, else None."""
-    new_texts: dict[str, str | None] = {}
-    placements: list[Placement] = []
+def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: bool) -> None:
+    """An edited file is restored only with --force, and only to its own release's original."""
+    patch_id = assessment.patch.id
+    if not force:
+        raise PatchkitError(
+            f"{patch_id}: {assessment.reason.split(';')[0]}; revert refuses to overwrite those "
+            "edits (use --force to restore the original anyway); nothing was changed"
+        )
+    refusal = force_refusal(files, path)
+    if refusal:
+        raise PatchkitError(
+            f"{patch_id}: {files.tree.fs.full(path)} was edited and {refusal}; --force never "
+            "restores a file of another release; nothing was changed"
+        )
+
+
+def _restore(record: FileRecord, files: TreeFiles, assessment: Assessment) -> FileChange:
+    """The write that puts one file back to before the patch (from its backup, or rebuilt)."""
+    current = files.data(record.path)
+    patch_id = assessment.patch.id
+    if record.pre_sha256 is None:
+        return FileChange(record.path, current, None, (patch_id,))  # the patch created it
+    original = files.tree.fs.read(f"{STATE_DIR}/{record.backup}", str(files.state.path))
+    if original is not None and _sha(original) == record.pre_sha256:
+        return FileChange(record.path, current, original, (patch_id,))
+    rebuilt = _reverse_one(assessment, record.path, files)
+    if rebuilt is None or _sha(rebuilt) != record.pre_sha256:
+        raise PatchkitError(
+            f"{patch_id}: the backup of {record.path} is missing or damaged and "
+            "reverse-applying the diff does not give the original back; reinstall vLLM "
+            f"(pip install --force-reinstall --no-deps vllm=={files.state.vllm_version}); "
+            "nothing was changed"
+        )
+    return FileChange(record.path, current, rebuilt, (patch_id,))
+
+
+def _reverse_apply(assessment: Assessment, files: TreeFiles) -> list[FileChange]:
+    changes = []
+    for path in assessment.variant.paths:
+        rebuilt = _reverse_one(assessment, path, files)
+        changes.append(FileChange(path, files.data(path), rebuilt, (assessment.patch.id,)))
+    return changes
+
+
+def _reverse_one(assessment: Assessment, path: str, files: TreeFiles) -> bytes | None:
+    """The file with the variant's hunks for ``path`` undone; None if they do not match."""
+    variant = assessment.variant
+    file_patch = next((f for f in variant.files if f.path == path), None) if variant else None
+    if file_patch is None:
+        return None
     try:
-        for file_patch in variant.files:
-            fp = file_patch.reversed() if reverse else file_patch
-            new_text, where = apply_file_patch(files.text(fp.path), fp)
-            new_texts[fp.path] = new_text
-            placements.extend(where)
+        text, _ = apply_file_patch(files.text(path), file_patch.reversed())
     except HunkMismatch:
         return None
-    return new_texts, placements
+    return None if text is None else text.encode("utf-8", errors="surrogateescape")
 
 
-def _needed(
-    patch: Patch,
-    variant: Variant,
-    attempt: tuple[dict[str, str | None], list[Placement]],
-    tree: VllmTree,
-    files: TreeFiles,
-) -> Assessment:
-    new_texts, placements = attempt
-    for path in new_texts:
-        recorded = tree.record.get(path)
-        if recorded is not None and files.base_sha256(path) != recorded:
-            return Assessment(
-                patch,
-                CONFLICT,
-                reason=(
-                    f"{path} differs from the sha256 in vLLM {tree.version}'s RECORD "
-                    "(edited, or not the wheel's file); reinstall vLLM "
-                    f"(pip install --force-reinstall --no-deps vllm=={tree.version}) to patch it"
-                ),
-                variant=variant,
-                files=variant.paths,
-            )
-    changes = [
-        FileChange(
-            path,
-            files.data(path),
-            None if text is None else text.encode("utf-8", errors="surrogateescape"),
-            (patch.id,),
-        )
-        for path, text in new_texts.items()
-    ]
-    return Assessment(
-        patch, NEEDED, variant=variant, files=variant.paths, placements=placements, changes=changes
-    )
-
-
-def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
-    variant = expected if isinstance(expected, Variant) else patch.variants[0]
-    detail = "no variant matches"
-    try:
-        for file_patch in variant.files:
-            apply_file_patch(files.text(file_patch.path), file_patch)
-    except HunkMismatch as exc:
-        detail = str(exc)
-    return Assessment(
-        patch,
-        CONFLICT,
-        reason=(
-            f"variant {variant.name}: {detail}; the file is neither the pristine text "
-            f"this patch expects nor its patched text"
-        ),
-        variant=variant,
-        files=variant.paths,
-    )
-
-
-def _notices(patch: Patch, tree: VllmTree, files: TreeFiles) -> list[str]:
-    version = tree.parsed_version
-    found = []
-    for notice in patch.notices:
-        in_range = version is not None and notice.versions.contains(version, prereleases=True)
-        has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
-        if notice.fixed_by and _applied(notice.fixed_by, files):
-            continue
-        if has_evidence and (in_range or (version is None and notice.evidence)):
-            found.append(f"{patch.id}: {notice.message}")
-    return found
-
-
-def _applied(patch_id: str, files: TreeFiles) -> bool:
-    """Whether our record of ``patch_id`` still holds on the files (its fix is in place)."""
-    record = files.state.patches.get(patch_id) if files.state else None
-    return record is not None and all(
-        chain_finding(files, f.path)[0] == APPLIED for f in record.files
-    )
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)

@@ -102,8 +102,12 @@ def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) ->
     tree = importable_tree()
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     patches = [
-        {k: o.to_json()[k] for k in ("id", "state", "variant")}
-        for o in operations.status(tree, catalogue).outcomes
+        {
+            "id": s.assessment.patch.id,
+            "state": str(s.assessment.state),
+            "variant": s.assessment.variant.name if s.assessment.variant else None,
+        }
+        for s in operations.status(tree, catalogue).steps
     ]
     try:
         from patchkit.proof import kernelcheck

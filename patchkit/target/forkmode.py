@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from patchkit.catalogue.load import Patch
 from patchkit.engine.safepath import Root
 from patchkit.engine.signals import Terminated, held
 from patchkit.engine.state import STATE_DIR
-from patchkit.errors import PatchkitError
+from patchkit.engine.vocabulary import Action, PatchState
+from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.target.tree import VllmTree
 
 TRAILER_PATCH = "Patchkit-Patch"
@@ -239,12 +239,6 @@ def _git_message(exc: Exception) -> str:
     return (useful[-1] if useful else type(exc).__name__)[:300]
 
 
-class UsageProblem(PatchkitError):
-    """A bad option value found where it is used (exit status 2, like click's)."""
-
-    exit_code = 2
-
-
 def commit_message(patch: Patch, action: str) -> str:
     """Title, Why, Upstream, Remove-When, and the trailers status reads back."""
     subject = patch.title if action == "apply" else f"Revert patchkit {patch.id}: {patch.title}"
@@ -264,73 +258,84 @@ def _trailer(body: str, key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def apply(tree, catalogue, only, dry_run, strict, clear_caches, branch, allow_dirty):
+def apply(tree, catalogue, options, branch: str | None, allow_dirty: bool):
     """operations.apply on a checkout: on a branch, one commit per applied patch.
 
-    If anything fails after the first change (a commit refused by a hook, a
-    Ctrl-C), the snapshot taken before puts refs, index, work tree and
-    ``.patchkit/`` back exactly, and the error says what git said.
+    The run is planned once, under the tree's lock; only when it will write
+    does fork mode check the checkout, snapshot it and switch branch (the
+    ``prepare`` hook, between the plan and the commit). If anything fails
+    after that (a commit refused by a hook, a Ctrl-C), the snapshot puts
+    refs, index, work tree and ``.patchkit/`` back exactly, and the error
+    says what git said.
     """
     from patchkit.engine import operations
 
     checkout = Checkout(tree)
     name = branch or default_branch(tree)
     checkout.check_branch_name(name)
-    plan = operations.apply(tree, catalogue, only, dry_run=True, strict=strict)
-    if dry_run:
-        return plan
-    if not any(o.action == "would-apply" for o in plan.outcomes):
-        return operations.apply(tree, catalogue, only, False, strict, clear_caches)
-    checkout.check_clean(allow_dirty)
-    checkout.check_identity()
-    paths = [c.path for o in plan.outcomes for c in o.assessment.changes]
-    snapshot = Snapshot.take(checkout, name, paths)
-    with _undone_on_failure(snapshot, "apply"):
-        checkout.exclude_state_dir()
-        checkout.switch_to(name)
-        report = operations.apply(tree, catalogue, only, False, strict, clear_caches)
-        for outcome in (o for o in report.outcomes if o.action == "applied"):
-            patch = outcome.assessment.patch
-            sha = checkout.commit(patch, list(outcome.assessment.files), "apply")
+    if options.dry_run:
+        return operations.apply(tree, catalogue, options)
+    guard = _Guard(checkout, allow_dirty, "apply", branch=name)
+    with guard:
+        report = operations.apply(tree, catalogue, options, prepare=guard.prepare)
+        for step in report.plan.acting(Action.APPLIED):
+            patch = step.assessment.patch
+            sha = checkout.commit(patch, list(step.assessment.files), "apply")
             report.notes.append(f"committed {patch.id} as {sha[:12]} on {name}")
     return report
 
 
-def revert(tree, catalogue, only, force, clear_caches, allow_dirty):
+def revert(tree, catalogue, options, allow_dirty: bool):
     """operations.revert on a checkout, then one revert commit per patch (undone on failure)."""
     from patchkit.engine import operations
 
     checkout = Checkout(tree)
-    checkout.check_clean(allow_dirty)
-    status = operations.status(tree, catalogue)
-    touched = [o for o in status.outcomes if o.assessment.state in ("applied", "conflict")]
-    if touched:
-        checkout.check_identity()
-    paths = [path for o in touched for path in o.assessment.files]
-    snapshot = Snapshot.take(checkout, checkout.current_branch() or "HEAD", paths)
-    with _undone_on_failure(snapshot, "revert"):
-        checkout.exclude_state_dir()
-        report = operations.revert(tree, catalogue, only, force, clear_caches)
-        for outcome in (o for o in report.outcomes if o.action == "reverted"):
-            patch = outcome.assessment.patch
-            sha = checkout.commit(patch, list(outcome.assessment.files), "revert")
+    guard = _Guard(checkout, allow_dirty, "revert")
+    with guard:
+        report = operations.revert(tree, catalogue, options, prepare=guard.prepare)
+        for step in report.plan.acting(Action.REVERTED):
+            patch = step.assessment.patch
+            sha = checkout.commit(patch, list(step.assessment.files), "revert")
             report.notes.append(f"committed the revert of {patch.id} as {sha[:12]}")
     return report
 
 
-@contextmanager
-def _undone_on_failure(snapshot: Snapshot, command: str):
-    """Restore the snapshot (with signals held) if the body fails; say what git said."""
-    try:
-        yield
-    except BaseException as exc:
+@dataclass
+class _Guard:
+    """Checks and snapshots the checkout once a plan will write; restores it if the run fails."""
+
+    checkout: Checkout
+    allow_dirty: bool
+    command: str
+    branch: str | None = None  # apply: the branch to commit on
+    snapshot: Snapshot | None = None
+
+    def prepare(self, plan) -> None:
+        """Called under the tree's lock with the plan, before anything is written."""
+        writes = plan.writes()
+        if not writes and not plan.acting(Action.REVERTED):
+            return
+        self.checkout.check_clean(self.allow_dirty)
+        self.checkout.check_identity()
+        branch = self.branch or self.checkout.current_branch() or "HEAD"
+        self.snapshot = Snapshot.take(self.checkout, branch, [c.path for c in writes])
+        self.checkout.exclude_state_dir()
+        if self.branch:
+            self.checkout.switch_to(self.branch)
+
+    def __enter__(self) -> _Guard:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or self.snapshot is None:
+            return False
         with held():
-            snapshot.restore()
+            self.snapshot.restore()
         if isinstance(exc, (KeyboardInterrupt, Terminated, PatchkitError)):
-            raise
+            return False
         raise PatchkitError(
-            f"fork mode {command}: git failed ({_git_message(exc)}); the branch, index and "
-            "work tree are as before, nothing changed (fix what git reports, e.g. a "
+            f"fork mode {self.command}: git failed ({_git_message(exc)}); the branch, index "
+            "and work tree are as before, nothing changed (fix what git reports, e.g. a "
             "pre-commit hook, and run the command again)"
         ) from None
 
@@ -344,7 +349,7 @@ def default_branch(tree: VllmTree) -> str:
 def annotate_status(tree, report) -> None:
     """Add the commit that applied each patch, read from the git history."""
     commits = Checkout(tree).patch_commits()
-    for outcome in report.outcomes:
-        action, sha = commits.get(outcome.assessment.patch.id, (None, None))
-        if action == "apply" and outcome.assessment.state == "applied":
-            outcome.assessment.reason = f"applied in commit {sha[:12]} (git history)"
+    for step in report.steps:
+        action, sha = commits.get(step.assessment.patch.id, (None, None))
+        if action == "apply" and step.assessment.state == PatchState.APPLIED:
+            step.assessment.reason = f"applied in commit {sha[:12]} (git history)"

@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from patchkit.engine.safepath import Root
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, UsageProblem
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
 MAX_VERSION_LENGTH = 200  # PEP 440 sets none; 5,000 digits overflow int() on the way
@@ -83,16 +83,20 @@ def locate(target: str | None, version_override: str | None = None) -> VllmTree:
     return tree
 
 
+TARGET_ADVICE = (
+    "pass the directory that contains vllm/ (site-packages, dist-packages or the root of a "
+    "vLLM checkout), or leave --target out to use the vLLM this Python imports"
+)
+
+
 def _target_root(target: Path) -> Path:
-    if not target.exists():
-        raise PatchkitError(f"--target {target}: no such directory")
+    """The tree root named by --target; the same usage error (exit 2) in every command."""
+    if not target.is_dir():
+        raise UsageProblem(f"--target {target}: no such directory; {TARGET_ADVICE}")
     if target.name == "vllm" and (target / "__init__.py").is_file():
         target = target.parent  # accept the package directory itself too
     if not (target / "vllm" / "__init__.py").is_file():
-        raise PatchkitError(
-            f"--target {target}: no vllm/ package there; pass the directory that "
-            "contains vllm/ (site-packages or the root of a vLLM checkout)"
-        )
+        raise UsageProblem(f"--target {target}: no vllm/ package there; {TARGET_ADVICE}")
     return target.resolve()
 
 

@@ -1,0 +1,121 @@
+"""One vocabulary, short output, and each command's own words (issue 21).
+
+A patch's state has one name in status, apply, revert and JSON; apply and
+revert say what they did and end with one summary line; a known issue shows
+once, under the patch it concerns, and not on revert; `list` wraps; a
+release older than the catalogue is said to be; Ctrl-C prints the message of
+the command it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import release_tree, run_cli, run_subprocess
+from tests.test_hostile_two import one_line
+
+SPLIT = "split-in-proj-qkvz"
+PARTIAL = "partial-gdn-adapter"
+
+
+def patch_json(result, patch_id: str) -> dict:
+    assert result.exit_code == 0, result.output
+    return next(p for p in json.loads(result.stdout)["patches"] if p["id"] == patch_id)
+
+
+def test_a_state_has_one_name_in_every_command(tree_0260):
+    target = ["--target", str(tree_0260), "--json"]
+    assert patch_json(run_cli("status", *target), SPLIT)["state"] == "not-applicable"
+    applied = patch_json(run_cli("apply", *target), SPLIT)
+    assert (applied["state"], applied["state_before"], applied["action"]) == (
+        "not-applicable", "not-applicable", "none"
+    )  # fmt: skip
+    again = patch_json(run_cli("apply", *target), "expand-block-n")
+    assert (again["state"], again["action"]) == ("applied", "none")
+    reverted = patch_json(run_cli("revert", *target), SPLIT)
+    assert (reverted["state"], reverted["action"]) == ("not-applicable", "none")
+    block_n = patch_json(run_cli("status", *target), "expand-block-n")
+    assert block_n["state"] == "needed"
+    words = {"needed", "applied", "upstream", "not-applicable", "conflict"}
+    for command in ("status", "apply", "revert"):
+        text = run_cli(command, "--target", str(tree_0260)).stdout
+        for line in text.splitlines():
+            if line.startswith("  ") and not line.startswith("      "):
+                assert line.split()[1] in words, line
+
+
+def test_apply_and_revert_end_with_one_summary_line(tree_0260):
+    applied = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
+    assert applied[-1] == "apply: 3 applied now; now 3 applied, 1 not-applicable"
+    again = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
+    assert again[-1] == "apply: nothing to do; now 3 applied, 1 not-applicable"
+    reverted = run_cli("revert", "--target", str(tree_0260)).stdout.splitlines()
+    assert reverted[-1] == "revert: 3 reverted now; now 3 needed, 1 not-applicable"
+    dry = run_cli("apply", "--target", str(tree_0260), "--dry-run").stdout.splitlines()
+    assert dry[-1].startswith("apply: 3 would apply; nothing was written")
+
+
+def test_a_notice_shows_once_under_its_patch_and_not_on_revert(tree_0260):
+    status = run_cli("status", "--target", str(tree_0260))
+    lines = status.stdout.splitlines()
+    notice = [i for i, line in enumerate(lines) if "known issue:" in line]
+    assert len(notice) == 1 and lines[notice[0] - 1].split()[0] == PARTIAL
+    assert "known issue" not in status.stderr
+    applied = run_cli("apply", "--target", str(tree_0260))
+    assert "known issue" not in applied.output  # the patch that fixes it is applied now
+    assert (
+        patch_json(run_cli("status", "--target", str(tree_0260), "--json"), PARTIAL)["notices"]
+        == []
+    )
+    assert run_cli("revert", "--target", str(tree_0260), "--only", PARTIAL).exit_code == 0
+    reverted = run_cli("revert", "--target", str(tree_0260))
+    assert "known issue" not in reverted.output
+
+
+def test_list_wraps_at_the_terminal_width():
+    result = run_cli("list")
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= 100
+    assert result.stdout.count("    why: ") == 4
+
+
+def test_a_release_older_than_the_catalogue_is_said_to_be(tmp_path):
+    result = run_cli("status", "--target", str(release_tree("0.10.0")), "--json")
+    assert result.exit_code == 0, result.output
+    states = {p["id"]: (p["state"], p["reason"]) for p in json.loads(result.stdout)["patches"]}
+    assert {s for s, _ in states.values()} == {"not-applicable"}
+    assert "predates the releases this catalogue covers" in states["expand-block-n"][1]
+    assert "conflict" not in result.stdout
+
+
+INTERRUPT_AT = """
+import sys
+def _hook(event, args):
+    if event == {event!r} and {test}:
+        raise KeyboardInterrupt
+sys.addaudithook(_hook)
+"""
+
+
+@pytest.mark.parametrize(
+    "args,event,test,words",
+    [
+        (["fetch", "0.26.0", "--dest", "DEST"], "subprocess.Popen", "True",
+         "nothing was unpacked into the destination"),
+        (["doctor"], "import", "args[0] == 'patchkit.diagnosis.doctor'",
+         "`patchkit doctor` changes nothing"),
+        (["apply", "--target", "TREE"], "os.rename", "True",
+         "each patch is fully applied or not at all"),
+        (["status", "--target", "TREE"], "open", "'RECORD' in str(args[0])",
+         "`patchkit status` changes nothing"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_prints_the_message_of_its_command(tmp_path, tree_0260, args, event, test, words):
+    args = [str(tmp_path / "dest") if a == "DEST" else str(tree_0260) if a == "TREE" else a
+            for a in args]  # fmt: skip
+    result = run_subprocess(*args, code=INTERRUPT_AT.format(event=event, test=test))
+    line = one_line(result, code=130)
+    assert words in line, line
+    assert "rolled back" not in line or args[0] == "apply"
