@@ -53,11 +53,19 @@ def patched_text(version: str, patch_id: str, relpath: str) -> str:
     """
     variant = CATALOGUE.get(patch_id).expected_for(Version(version))
     assert isinstance(variant, Variant), f"{patch_id} has no variant for {version}"
+    if relpath in variant.created:  # a real source file of the catalogue: no wheel needed
+        return created_source(patch_id, relpath)
     file_patch = variant.file_patch(relpath)
     source = release_tree(version) / relpath
     text = None if file_patch.creates else source.read_text()
     new_text, _ = apply_file_patch(text, file_patch)
     return new_text
+
+
+def created_source(patch_id: str, relpath: str) -> str:
+    """A file a patch creates, read from patches/<id>/files/ (no vLLM wheel involved)."""
+    variant = next(v for v in CATALOGUE.get(patch_id).variants if relpath in v.created)
+    return (variant.files_dir / relpath).read_text()
 
 
 def module_from_source(name: str, text: str, directory: Path):

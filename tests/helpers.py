@@ -36,6 +36,7 @@ remove_when = "never; test only"
 name = "only"
 diff = "two-files.diff"
 versions = ">=0.26.0,<0.27.0"
+made_on = "0.26.0"
 """
     )
     text = diff_text if diff_text is not None else "".join(diff_for(root, f) for f in FILES)
@@ -82,6 +83,7 @@ remove_when = "never; test only"
 name = "only"
 diff = "{patch_id}.diff"
 versions = ">=0.26.0,<0.27.0"
+made_on = "0.26.0"
 """
         )
         (directory / patch_id / f"{patch_id}.diff").write_text("".join(diff))

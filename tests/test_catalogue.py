@@ -51,12 +51,18 @@ BROKEN = [
     (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.19.0,<0.33.0"', "release 0.18.0 must be decided"),
     (BLOCK_N, '">=0.18.0,<0.33.0"', '">=0.17.0,<0.33.0"', "found variant block-k-16"),
     (BLOCK_N, 'versions = ">=0.33.0"', 'versions = "0.33+"', "invalid version specifier"),
-    (BLOCK_N, "pattern = 'is_device", "pattern = '(is_device", "evidence pattern"),
-    (BLOCK_N, 'file = "vllm/lora/ops', 'file = "../vllm/lora/ops', "evidence file: path"),
+    ("bugs.toml", "pattern = 'is_device", "pattern = '(is_device", "evidence pattern"),
+    ("bugs.toml", 'file = "vllm/lora/ops', 'file = "../vllm/lora/ops', "evidence file: path"),
     ("expand-block-n/block-k-32.diff", "+++ b/vllm/", "+++ b/../vllm/", "leaves the vLLM tree"),
     ("series.toml", '"0.26.0", "0.27.0"', '"0.26.0", "latest"', "'latest' is not a version"),
     (MATMUL, 'unless = ["", "0"]', 'unless = ["0"], values = ["1"]', "values or unless, not both"),
     (MATMUL, '{ env = "VLLM_BATCH_INVARIANT",', '{ name = "VLLM_BATCH_INVARIANT",', "needs env"),
+    (BLOCK_N, 'made_on = "0.18.0"', 'made_on = "0.17.0"', "made_on 0.17.0 must be a tested"),
+    (MATMUL, "patchkit_lora_matmul.py\"]", "nowhere.py\"]", "cannot read the created file"),
+    (MATMUL, "context = 2", "context = 0", "variants.context: 1 to 10 lines"),
+    (BLOCK_N, "bugs = [\"vllm#48590\"]", "bugs = [\"vllm#48590\"]\ntitle = \"x\"", "written once"),
+    (BLOCK_N, "evidence_from = \"vllm#48590\"", "evidence_from = \"vllm#1\"", "no upstream_fix"),
+    (BLOCK_N, "bugs = [\"vllm#48590\"]", "bugs = [\"vllm#1\"]", "no [[bug]] with ids"),
 ]
 
 

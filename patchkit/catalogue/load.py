@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from patchkit.engine.hunks import FilePatch, parse_diff
+from patchkit.engine.hunks import FilePatch, created_file_patch, parse_diff
 from patchkit.engine.safepath import checked_relpath
 from patchkit.errors import PatchkitError
 from patchkit.target.tree import is_version
@@ -50,11 +50,26 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Variant:
-    """One unified diff for one code family of vLLM."""
+    """One code family's change: a unified diff of vLLM's files, plus files it creates.
+
+    A file the patch adds to the tree lives as a real source under
+    ``patches/<id>/files/<path>`` (linted, formatted and imported by tests
+    like any module); its new-file hunk is made from it when the catalogue
+    loads, never written by hand. ``made_on`` is the release the diff is made
+    on (``patchkit refresh`` on that release's tree reproduces it byte for
+    byte); ``context`` the lines of context its hunks carry.
+    """
 
     name: str
     diff_path: Path
     versions: SpecifierSet
+    created: tuple[str, ...] = ()
+    made_on: str = ""
+    context: int = 3
+
+    @property
+    def files_dir(self) -> Path:
+        return self.diff_path.parent / "files"
 
     @cached_property
     def diff_bytes(self) -> bytes:
@@ -64,13 +79,38 @@ class Variant:
             raise PatchkitError(f"{self.diff_path}: cannot read the diff: {exc.strerror}") from None
 
     @cached_property
+    def created_bytes(self) -> dict[str, bytes]:
+        found = {}
+        for relpath in self.created:
+            source = self.files_dir / relpath
+            try:
+                found[relpath] = source.read_bytes()
+            except OSError as exc:
+                raise PatchkitError(
+                    f"{self.diff_path.parent / 'patch.toml'}: variants.creates: {source}: "
+                    f"cannot read the created file: {exc.strerror}"
+                ) from None
+        return found
+
+    @cached_property
     def sha256(self) -> str:
-        return hashlib.sha256(self.diff_bytes).hexdigest()
+        """Of the diff and every created file (path and bytes): what was applied."""
+        digest = hashlib.sha256(self.diff_bytes)
+        for relpath, data in sorted(self.created_bytes.items()):
+            digest.update(b"\0" + relpath.encode() + b"\0" + data)
+        return digest.hexdigest()
 
     @cached_property
     def files(self) -> tuple[FilePatch, ...]:
         text = self.diff_bytes.decode("utf-8", errors="replace")
-        return tuple(parse_diff(text, str(self.diff_path)))
+        changed = tuple(parse_diff(text, str(self.diff_path))) if text.strip() else ()
+        made = tuple(
+            created_file_patch(relpath, data.decode("utf-8", errors="surrogateescape"))
+            for relpath, data in self.created_bytes.items()
+        )
+        if not changed and not made:
+            raise PatchkitError(f"{self.diff_path}: no file changes found in the diff")
+        return changed + made
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -142,33 +182,42 @@ class Switch:
 
 
 @dataclass(frozen=True)
-class Diagnosis:
-    """What ``doctor`` needs to judge the bug(s) a patch addresses, declared by the patch.
+class Bug:
+    """The facts about one upstream bug (or a group fixed together), from patches/bugs.toml."""
 
-    Patches that address the same bug must declare the same facts (checked
-    when the catalogue loads), so a bug is judged once, from data.
-    """
-
-    bugs: tuple[str, ...]  # "vllm#48590"
+    ids: tuple[str, ...]  # ("vllm#48590",)
     title: str
     affected: SpecifierSet  # vLLM versions with the bug
     fix: str  # the command that fixes it
-    protects: str  # the verdict's reason when this patch is applied and in effect
     needs_compute_capability: str = ""  # e.g. "9.0": other GPUs are not affected
     fixed_by_ptxas: str = ""  # e.g. "13.3": Triton's ptxas from this version on fixes it
     kernel_scan: bool = False  # `doctor --kernels` evidence decides the verdict
+    upstream_fix: tuple[Evidence, ...] = ()  # how a release with the fix is recognised
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What ``doctor`` needs to judge a patch's bug: the bug's facts, written once in
+    patches/bugs.toml, and this patch's own part (what it protects, what turns it off)."""
+
+    bug: Bug
+    protects: str  # the verdict's reason when this patch is applied and in effect
     replaces_kernels: bool = False  # applied and on, no scanned Triton kernel runs
     disabled_by: tuple[Switch, ...] = ()  # settings that turn this patch's protection off
+
+    bugs = property(lambda self: self.bug.ids)
+    title = property(lambda self: self.bug.title)
+    affected = property(lambda self: self.bug.affected)
+    fix = property(lambda self: self.bug.fix)
+    needs_compute_capability = property(lambda self: self.bug.needs_compute_capability)
+    fixed_by_ptxas = property(lambda self: self.bug.fixed_by_ptxas)
+    kernel_scan = property(lambda self: self.bug.kernel_scan)
 
     @property
     def label(self) -> str:
         """'vLLM #47639 / #57851: title'."""
         numbers = " / ".join("#" + b.split("#", 1)[1] for b in self.bugs)
         return f"vLLM {numbers}: {self.title}"
-
-    def facts(self) -> tuple:
-        return (self.bugs, self.title, str(self.affected), self.fix,
-                self.needs_compute_capability, self.fixed_by_ptxas, self.kernel_scan)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -267,32 +316,30 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
             raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
     if len(set(ids)) != len(ids):
         raise PatchkitError(f"{series_file}: series lists a patch twice")
-    patches = tuple(_load_patch(root / patch_id, patch_id) for patch_id in ids)
+    bugs = _load_bugs(root / "bugs.toml")
+    patches = tuple(_load_patch(root / patch_id, patch_id, bugs) for patch_id in ids)
     for patch in patches:
         _check_decided_once(patch, releases)
+        _check_made_on(patch, releases)
         for notice in patch.notices:
             if notice.fixed_by and notice.fixed_by not in ids:
                 raise PatchkitError(
                     f"{patch.root / 'patch.toml'}: notices.fixed_by: {notice.fixed_by!r} is "
                     "not in the series"
                 )
-    _check_shared_diagnoses(patches)
     return Catalogue(root=root, patches=patches, tested_releases=releases)
 
 
-def _check_shared_diagnoses(patches: tuple[Patch, ...]) -> None:
-    """Patches that address the same bug declare the same facts about it."""
-    seen: dict[str, tuple[Patch, tuple]] = {}
-    for patch in patches:
-        if patch.diagnosis is None:
-            continue
-        for bug in patch.diagnosis.bugs:
-            first = seen.setdefault(bug, (patch, patch.diagnosis.facts()))
-            if first[1] != patch.diagnosis.facts():
-                raise PatchkitError(
-                    f"{patch.root / 'patch.toml'}: diagnosis of {bug} differs from "
-                    f"{first[0].id}'s (bugs, title, affected, fix and conditions must agree)"
-                )
+def _check_made_on(patch: Patch, releases: tuple[str, ...]) -> None:
+    """Each variant is made on a tested release of its own range (refresh reproduces it)."""
+    for variant in patch.variants:
+        if variant.made_on not in releases or not variant.versions.contains(
+            Version(variant.made_on), prereleases=True
+        ):
+            raise PatchkitError(
+                f"{patch.root / 'patch.toml'}: variant {variant.name}: made_on "
+                f"{variant.made_on} must be a tested release in {variant.versions}"
+            )
 
 
 def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
@@ -314,25 +361,48 @@ def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
             )
 
 
-def _load_patch(directory: Path, patch_id: str) -> Patch:
+def _load_bugs(path: Path) -> dict[tuple[str, ...], Bug]:
+    """patches/bugs.toml: each bug's facts, keyed by its ids (no file: no bugs)."""
+    if not path.is_file():
+        return {}
+    entries = _read_toml(path).get("bug", [])
+    if not isinstance(entries, list):
+        raise PatchkitError(f"{path}: [[bug]] entries expected")
+    bugs = {}
+    for table in entries:
+        ids = _bug_ids(_require(table, "ids", path, list), path, "bug.ids")
+        fix = table.get("upstream_fix", {})
+        bugs[ids] = Bug(
+            ids=ids,
+            title=_require(table, "title", path, str),
+            affected=_specifier({"versions": table.get("affected")}, path),
+            fix=_require(table, "fix", path, str),
+            needs_compute_capability=table.get("needs_compute_capability", ""),
+            fixed_by_ptxas=table.get("fixed_by_ptxas", ""),
+            kernel_scan=bool(table.get("kernel_scan", False)),
+            upstream_fix=_evidence(fix, path) if fix else (),
+        )
+    return bugs
+
+
+def _bug_ids(ids: list, origin: Path, key: str) -> tuple[str, ...]:
+    if not all(isinstance(b, str) and re.fullmatch(r"[a-z-]+#\d+", b) for b in ids):
+        raise PatchkitError(f"{origin}: {key}: ids look like 'vllm#48590', got {ids}")
+    return tuple(ids)
+
+
+def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]) -> Patch:
     meta_file = directory / "patch.toml"
     meta = _read_toml(meta_file)
     if meta.get("id") != patch_id:
         raise PatchkitError(f"{meta_file}: id must be {patch_id!r} (the series entry)")
-    variants = tuple(
-        Variant(
-            name=_require(v, "name", meta_file, str),
-            diff_path=directory / _require(v, "diff", meta_file, str),
-            versions=_specifier(v, meta_file),
-        )
-        for v in meta.get("variants", [])
-    )
+    variants = tuple(_variant(v, directory, meta_file) for v in meta.get("variants", []))
     decisions = tuple(
         Decision(
             state=_decision_state(d, meta_file),
             versions=_specifier(d, meta_file),
             reason=_require(d, "reason", meta_file, str),
-            evidence=_evidence(d, meta_file),
+            evidence=_decision_evidence(d, meta_file, bugs),
         )
         for d in meta.get("decisions", [])
     )
@@ -359,29 +429,73 @@ def _load_patch(directory: Path, patch_id: str) -> Patch:
         runtime_gate=meta.get("runtime_gate", "").strip(),
         overridden_by=_override(meta.get("overridden_by"), meta_file),
         covers=meta.get("covers", "").strip(),
-        diagnosis=_diagnosis(meta.get("diagnosis"), meta_file),
+        diagnosis=_diagnosis(meta.get("diagnosis"), meta_file, bugs),
         root=directory,
     )
 
 
-def _diagnosis(table: dict | None, origin: Path) -> Diagnosis | None:
+def _variant(table: dict, directory: Path, origin: Path) -> Variant:
+    created = table.get("creates", [])
+    if not isinstance(created, list) or not all(isinstance(c, str) for c in created):
+        raise PatchkitError(f"{origin}: variants.creates: a list of paths under files/ expected")
+    for relpath in created:
+        checked_relpath(relpath, f"{origin}: variants.creates")
+    made_on = _require(table, "made_on", origin, str)
+    if not is_version(made_on):
+        raise PatchkitError(f"{origin}: variants.made_on: {made_on!r} is not a version")
+    context = table.get("context", 3)
+    if not isinstance(context, int) or not 0 < context <= 10:
+        raise PatchkitError(f"{origin}: variants.context: 1 to 10 lines expected, got {context!r}")
+    return Variant(
+        name=_require(table, "name", origin, str),
+        diff_path=directory / _require(table, "diff", origin, str),
+        versions=_specifier(table, origin),
+        created=tuple(created),
+        made_on=made_on,
+        context=context,
+    )
+
+
+BUG_FACTS = ("title", "affected", "fix", "needs_compute_capability", "fixed_by_ptxas",
+             "kernel_scan")  # fmt: skip
+
+
+def _diagnosis(table: dict | None, origin: Path, bugs: dict) -> Diagnosis | None:
     if table is None:
         return None
-    bugs = tuple(_require(table, "bugs", origin, list))
-    if not all(isinstance(b, str) and re.fullmatch(r"[a-z-]+#\d+", b) for b in bugs):
-        raise PatchkitError(f"{origin}: diagnosis.bugs: ids look like 'vllm#48590', got {bugs}")
+    facts = [key for key in BUG_FACTS if key in table]
+    if facts:
+        raise PatchkitError(
+            f"{origin}: diagnosis.{facts[0]}: a bug's facts are written once, in bugs.toml"
+        )
     return Diagnosis(
-        bugs=bugs,
-        title=_require(table, "title", origin, str),
-        affected=_specifier({"versions": table.get("affected")}, origin),
-        fix=_require(table, "fix", origin, str),
+        bug=_bug(table, origin, bugs),
         protects=_require(table, "protects", origin, str),
-        needs_compute_capability=table.get("needs_compute_capability", ""),
-        fixed_by_ptxas=table.get("fixed_by_ptxas", ""),
-        kernel_scan=bool(table.get("kernel_scan", False)),
         replaces_kernels=bool(table.get("replaces_kernels", False)),
         disabled_by=_switches(table.get("disabled_by", []), origin),
     )
+
+
+def _bug(table: dict, origin: Path, bugs: dict) -> Bug:
+    ids = _bug_ids(_require(table, "bugs", origin, list), origin, "diagnosis.bugs")
+    if ids not in bugs:
+        raise PatchkitError(
+            f"{origin}: diagnosis.bugs: no [[bug]] with ids {list(ids)} in bugs.toml"
+        )
+    return bugs[ids]
+
+
+def _decision_evidence(table: dict, origin: Path, bugs: dict) -> tuple[Evidence, ...]:
+    """A decision's evidence, its own or (evidence_from) its bug's upstream fix."""
+    source = table.get("evidence_from")
+    if source is None:
+        return _evidence(table, origin)
+    bug = next((b for ids, b in bugs.items() if source in ids), None)
+    if bug is None or not bug.upstream_fix:
+        raise PatchkitError(
+            f"{origin}: decisions.evidence_from: {source!r} has no upstream_fix in bugs.toml"
+        )
+    return bug.upstream_fix
 
 
 def _switches(tables, origin: Path) -> tuple[Switch, ...]:

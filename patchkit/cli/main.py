@@ -272,6 +272,50 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 
 
 @main.command()
+@click.argument("patch_id", metavar="ID")
+@target_options
+@click.option("--variant", help="The variant to write (default: the one applied).")
+@click.option(
+    "--add",
+    multiple=True,
+    metavar="PATH",
+    help="Also put this file (vllm/...) into the patch; its original comes from --pristine.",
+)
+@click.option(
+    "--pristine",
+    type=click.Path(file_okay=False, exists=True),
+    help="A pristine tree of the same release, for --add (default: `patchkit fetch VERSION`).",
+)
+@json_option
+@user_errors
+def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> None:
+    """Rewrite patch ID's diff from the tree it is applied to (maintainers; like quilt refresh).
+
+    Apply the patch, edit the patched files in the tree, then refresh: the
+    variant's diff is made from the originals patchkit keeps to the files as
+    they are, files the patch creates are copied back to patches/ID/files/,
+    and the tree's record follows, so status still says applied.
+    """
+    from pathlib import Path
+
+    from patchkit.engine.refresh import refresh as refresh_patch
+    from patchkit.engine.safepath import checked_relpath
+
+    catalogue = load_catalogue()
+    check_only((patch_id,), catalogue)
+    for relpath in add:
+        checked_relpath(relpath, "--add")
+    tree = locate(target, vllm_version)
+    result = refresh_patch(
+        tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
+    )
+    if as_json:
+        render.emit_json(result.to_json())
+    else:
+        render.render_refresh(result)
+
+
+@main.command()
 @click.argument("version")
 @click.option("--dest", type=click.Path(file_okay=False), help="Unpack here instead of the cache.")
 @json_option

@@ -130,6 +130,23 @@ def _step_json(report: RunReport, step: Step) -> dict:
     return data
 
 
+# ----- refresh -----
+
+
+def render_refresh(report) -> None:
+    click.echo(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
+    for relpath in report.changed:
+        click.echo(f"  diff of {relpath}")
+    for path in report.created:
+        click.echo(f"  created file copied to {path}")
+    for relpath in report.unchanged:
+        click.echo(f"  {relpath} is back to its original: left out of the patch")
+    click.echo(
+        f"refresh: {len(report.changed)} diffed, {len(report.created)} created, "
+        f"{len(report.unchanged)} left out; review with git diff, then run the tests"
+    )
+
+
 # ----- list -----
 
 

@@ -114,6 +114,24 @@ def parse_diff(text: str, origin: str) -> list[FilePatch]:
     return files
 
 
+def created_file_patch(path: str, text: str) -> FilePatch:
+    """The new-file hunk of a file a patch adds, made from the file's text."""
+    lines = text.split("\n")
+    ends_with_newline = lines[-1] == ""
+    if ends_with_newline:
+        lines.pop()
+    hunk = Hunk(
+        index=1,
+        header=f"@@ -0,0 +1,{len(lines)} @@",
+        source_start=0,
+        target_start=1,
+        old=(),
+        new=tuple(lines),
+        new_ends_without_newline=not ends_with_newline,
+    )
+    return FilePatch(path, (hunk,), creates=True)
+
+
 def _strip_prefix(name: str, origin: str) -> str:
     """Strip the a/ or b/ prefix (-p1) and refuse paths that leave the tree."""
     parts = PurePosixPath(name).parts

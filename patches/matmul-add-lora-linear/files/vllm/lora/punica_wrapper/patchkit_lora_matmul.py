@@ -1,0 +1,734 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Torch matmuls in place of the punica Triton LoRA kernels (lora_shrink, lora_expand).
+
+Added to this vLLM tree by patchkit, patch `matmul-add-lora-linear`; `patchkit
+revert` removes it. Why: on sm_90 the Triton expand kernel can produce NaN
+(ptxas reuses registers under an asynchronous wgmma, triton-lang/triton#9433;
+vLLM issue #48590), and Qwen3.5/3.6 then answers "!!!!!!".
+
+With PATCHKIT_LORA_BACKEND=torch (the default; read once, when punica_gpu.py
+is imported) punica_gpu.py installs this path:
+
+* `add_lora_linear`, the call of every LoRA linear layer, runs as one GEMM
+  for all slices and slots (x @ A.T, A of every slice and slot stacked),
+  one `mul_` by each token's slot weights (1 for its own slot, 0 for the
+  others), and one `addmm_` per output slice into y (B of every slot stacked
+  along the rank). A one-slice call of at most SPLIT_K_MAX_TOKENS tokens
+  instead splits the shrink over the hidden size (a batched GEMM, so that
+  more of the GPU reads A) and reduces the parts with a second batched GEMM
+  whose left operand is the slot weights: reduce and mask in one kernel,
+  three in all, where cuBLAS alone takes four there (its split-K GEMM has
+  its own reduce kernel). The choice depends only on shapes. There is no
+  host sync, so CUDA graphs capture it, and it is a custom op, opaque to
+  torch.compile, like vLLM's.
+* Every other call that reached the Triton kernels (add_shrink/add_expand,
+  hence `_mcp_apply`; add_lora_embedding; add_lora_logits;
+  apply_lora_full_linear) goes through `torch_lora_shrink` /
+  `torch_lora_expand`, which take the Triton ops' arguments.
+
+What runs once per batch, not once per layer: each token's slot weights
+(`SlotMasks`), rebuilt in `update_metadata` from vLLM's own kernel metadata
+into fixed buffers that the captured graphs read.
+
+What runs once per model, not once per call: each LoRA layer's stacked
+weights are moved, when the layer is attached to this wrapper
+(`set_mapping`), into the layout the matmuls read: B of shape (slots, 1,
+out, rank) is stored rank-major, so that all slots form one (slots * rank,
+out) matrix, and the A tensors of a layer's slices share one storage, one
+(slices * slots * rank, in) matrix. vLLM keeps its tensors (same objects,
+shapes and values; only their strides change), so its set_lora/reset_lora
+write straight into this layout: nothing is copied again and no memory is
+added.
+
+NaN: a token's row never takes another slot's numbers. The GEMMs read every
+slot and the slot weights multiply, so every loaded weight must be finite:
+after each set_lora the new slot is checked once, and a non-finite value in
+its A or B is replaced by 0 there and the slot marked bad. A bad slot's
+weight is NaN instead of 1, so rows of that adapter come out NaN (as with
+the Triton kernels) and every other row is as without it. Loading the slot
+again, or removing the adapter, clears the mark. (A row whose own input is
+not finite gets NaN in its LoRA delta even without an adapter; its layer
+output is not finite anyway.)
+
+PATCHKIT_LORA_BACKEND=triton keeps the Triton kernels, to compare without
+reverting. VLLM_BATCH_INVARIANT=1 does too (with one log line): vLLM's
+batch-invariant mode overrides aten::mm and its own LoRA shrink, not this
+path.
+
+Cost per add_lora_linear call, T tokens, S slices, L slots (max_loras), r
+rank, H in, N = sum of slice widths: FLOPs 2*T*L*r*(S*H + N), L times the
+Triton kernels' (which skip other slots); a temporary of T*S*L*r elements
+(SPLIT_K_MAX_SPLIT times that for a split shrink). Per batch and model
+dtype: slot weights of max_num_batched_tokens * L elements, and of
+SPLIT_K_MAX_TOKENS * L * SPLIT_K_MAX_SPLIT elements for the split reduce.
+"""
+
+import logging
+import os
+import sys
+import types
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "PATCHKIT_LORA_BACKEND"
+BACKENDS = ("torch", "triton")
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def requested_backend() -> str:
+    """The LoRA op backend the operator asked for: 'torch' unless set."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower() or "torch"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(BACKENDS)}")
+    return value
+
+
+def batch_invariant() -> bool:
+    """Whether vLLM's batch-invariant mode is asked for (any value but empty or 0)."""
+    return os.environ.get(BATCH_INVARIANT_ENV, "").strip() not in ("", "0")
+
+
+def backend_from_env() -> str:
+    """The backend this process uses: the Triton kernels under batch invariance."""
+    backend = requested_backend()
+    return "triton" if backend == "torch" and batch_invariant() else backend
+
+
+LORA_BACKEND = backend_from_env()
+if LORA_BACKEND != requested_backend():
+    logger.warning(
+        "patchkit: %s is set, so LoRA runs on vLLM's Triton kernels, which keep its "
+        "batch-invariant guarantee; the torch path (matmul-add-lora-linear) is off.",
+        BATCH_INVARIANT_ENV,
+    )
+
+
+def _key_the_compile_cache() -> None:
+    """Give each backend its own entry in vLLM's torch.compile cache.
+
+    vLLM keys compiled graphs by envs.compile_factors(), which walks every
+    variable in vllm.envs.environment_variables. Without this, a graph
+    compiled with one backend's ops is loaded again under the other ("Directly
+    load the compiled graph(s) ... from the cache"), so the switch would not
+    take effect until the cache is deleted. Registering the variable there
+    needs no edit to envs.py, and this module is imported (with punica_gpu)
+    before vLLM compiles the model.
+    """
+    try:
+        from vllm import envs
+    except ImportError:  # used on its own (tests, benchmarks)
+        return
+    envs.environment_variables.setdefault(BACKEND_ENV, backend_from_env)
+
+
+_key_the_compile_cache()
+
+
+# ----- once per batch: which slot each token uses -----
+
+
+SPLIT_K_MAX_TOKENS = 256  # one-slice calls up to this many tokens split the shrink
+SPLIT_K_MAX_SPLIT = 8
+
+
+def split_k_parts(num_tokens: int) -> int:
+    """How many parts the shrink of a one-slice call is split into (shape only).
+
+    Measured on an H200 (docs/h200-2026-11-30c): 8 parts are fastest up to
+    64 tokens, 4 up to 256; beyond, cuBLAS's own GEMM is as fast.
+    """
+    return SPLIT_K_MAX_SPLIT if num_tokens <= 64 else 4
+
+
+class SlotMasks:
+    """Per-token slot weights for one LoRAKernelMeta, rebuilt once per batch.
+
+    `weights[dtype][t, j]` is 1 when token t uses slot j (NaN when that slot
+    holds a bad adapter) and 0 otherwise; `reduce_weights[dtype]` holds the
+    same values repeated SPLIT_K_MAX_SPLIT times per (token, slot), the left
+    operand of the split shrink's reduce; `no_lora[t]` is True when token t
+    uses no slot. Fixed buffers of the metadata's size, in each dtype the
+    LoRA layers use (registered when a layer is attached, before any
+    forward), so CUDA graphs captured once read each batch's values. A few
+    small kernels per batch, none per layer.
+    """
+
+    def __init__(self, meta):
+        mapping = meta.token_lora_mapping
+        rows, num_slots = mapping.size(0), meta.active_lora_ids.size(0) - 1
+        self.meta = meta
+        self.slots = torch.arange(num_slots, dtype=mapping.dtype, device=mapping.device)
+        self.no_lora = torch.ones(rows, 1, dtype=torch.bool, device=mapping.device)
+        self.health = torch.ones(num_slots, device=mapping.device)  # 1, or NaN: a bad adapter
+        self.bad_in: dict[int, set] = {}  # slot -> the layers that found it bad
+        self.weights: dict[torch.dtype, torch.Tensor] = {}
+        self.reduce_weights: dict[torch.dtype, torch.Tensor] = {}
+        self.num_tokens = 0  # of the last update
+        self.written = 0  # rows [0, written) may hold a LoRA batch's values; the rest hold none
+
+    def use_dtype(self, dtype: torch.dtype) -> None:
+        """Keep weights in `dtype` too (a LoRA layer's weight dtype), from now on."""
+        if dtype in self.weights:
+            return
+        rows, num_slots, device = self.no_lora.size(0), self.slots.size(0), self.slots.device
+        self.weights[dtype] = torch.zeros(rows, num_slots, dtype=dtype, device=device)
+        self.reduce_weights[dtype] = torch.zeros(
+            self.reduce_rows(rows), 1, SPLIT_K_MAX_SPLIT, dtype=dtype, device=device
+        )
+        if self.num_tokens:  # a batch is mapped already: fill the new buffers for it
+            self.update(self.num_tokens)
+
+    def reduce_rows(self, num_tokens: int) -> int:
+        """Rows of reduce_weights for the first `num_tokens` tokens (a row per token and slot)."""
+        return min(num_tokens, SPLIT_K_MAX_TOKENS) * self.slots.size(0)
+
+    def mark(self, slot: int, layer, bad: bool) -> None:
+        """Record what `layer` found in `slot` after set_lora/reset_lora (load time only)."""
+        found = self.bad_in.setdefault(slot, set())
+        if bad:
+            found.add(id(layer))
+        else:
+            found.discard(id(layer))
+        self.health[slot] = float("nan") if found else 1.0
+
+    def update(self, num_tokens: int) -> None:
+        """After vLLM's prepare_tensors for this batch's first `num_tokens` tokens.
+
+        For a batch without LoRA vLLM leaves token_lora_mapping as the
+        previous batch wrote it (it only raises the CPU flag), so the weights
+        are zeroed instead of read from it: every row a LoRA batch wrote,
+        once, so that a run of batches without LoRA (base traffic on a LoRA
+        server) launches nothing here, as on vLLM's Triton path.
+        """
+        self.num_tokens = num_tokens
+        if self.meta.no_lora_flag_cpu.item():
+            self._clear(self.written)
+            self.written = 0
+            return
+        self.written = max(self.written, num_tokens)
+        no_lora = self.no_lora[:num_tokens]
+        reduce_rows = self.reduce_rows(num_tokens)
+        mapping = self.meta.token_lora_mapping[:num_tokens]
+        own = mapping.unsqueeze(1) == self.slots
+        torch.any(own, dim=1, keepdim=True, out=no_lora)
+        no_lora.logical_not_()
+        weights = torch.where(own, self.health, 0.0)
+        for dtype, buffer in self.weights.items():
+            buffer[:num_tokens].copy_(weights)
+            repeated = weights.view(-1, 1, 1)[:reduce_rows].expand(-1, 1, SPLIT_K_MAX_SPLIT)
+            self.reduce_weights[dtype][:reduce_rows].copy_(repeated)
+
+    def _clear(self, rows: int) -> None:
+        """Rows [0, rows) to the no-LoRA state: no_lora True, every weight 0."""
+        if not rows:
+            return
+        self.no_lora[:rows].fill_(True)
+        reduce_rows = self.reduce_rows(rows)
+        for dtype, weights in self.weights.items():
+            weights[:rows].zero_()
+            self.reduce_weights[dtype][:reduce_rows].zero_()
+
+
+_MASKS: dict[int, SlotMasks] = {}  # by the data_ptr of the metadata's mapping buffer
+
+
+def masks_for(meta) -> SlotMasks:
+    """The SlotMasks of a LoRAKernelMeta; the ops find them by its mapping buffer."""
+    key = meta.token_lora_mapping.data_ptr()
+    masks = _MASKS.get(key)
+    if masks is None or masks.meta is not meta:
+        masks = _MASKS[key] = SlotMasks(meta)
+    return masks
+
+
+def _batch_weights(mapping, lora_ids, num_slots, dtype):
+    """(slot weights, no_lora) rows for this call: this batch's buffers, or built here."""
+    num_tokens = mapping.size(0)
+    masks = _MASKS.get(mapping.data_ptr())
+    if masks is not None and masks.slots.size(0) == num_slots and dtype in masks.weights:
+        return masks.weights[dtype][:num_tokens], masks.no_lora[:num_tokens]
+    # Not a wrapper's metadata (the ops used on their own): build them now.
+    slots = torch.arange(num_slots, device=mapping.device)
+    active = (lora_ids.unsqueeze(1) == slots).any(dim=0)
+    own = (mapping.unsqueeze(1) == slots) & active
+    return own.to(dtype), ~own.any(dim=1, keepdim=True)
+
+
+# ----- once per model: the layout the matmuls read -----
+
+
+def _as_list(stacked) -> list:
+    if isinstance(stacked, torch.Tensor):
+        return [stacked]
+    return list(stacked) if isinstance(stacked, (list, tuple)) else []
+
+
+def _slot_shaped(tensors: list) -> bool:
+    """vLLM's (slots, 1, a, b) stacking, one tensor per slice."""
+    return bool(tensors) and all(
+        isinstance(t, torch.Tensor) and t.dim() == 4 and t.size(1) == 1 for t in tensors
+    )
+
+
+def _b_is_rank_major(b: torch.Tensor) -> bool:
+    slots, _, width, rank = b.shape
+    return b.stride(3) == width and b.stride(2) == 1 and b.stride(0) == rank * width
+
+
+def _make_b_rank_major(b: torch.Tensor) -> None:
+    """Store B (slots, 1, width, rank) as (slots, rank, width); same tensor, new strides."""
+    if _b_is_rank_major(b):
+        return
+    slots, _, width, rank = b.shape
+    moved = b.reshape(slots, width, rank).transpose(1, 2).contiguous()
+    b.set_(moved.untyped_storage(), 0, b.shape, (rank * width, rank * width, 1, width))
+
+
+def _a_shared(a_list: list) -> bool:
+    first = a_list[0]
+    step = first.numel()
+    return all(
+        a.is_contiguous()
+        and a.shape == first.shape
+        and a.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and a.storage_offset() == first.storage_offset() + s * step
+        for s, a in enumerate(a_list)
+    )
+
+
+def _share_a_storage(a_list: list) -> None:
+    """Put the A tensors of a layer's slices one after another in one storage."""
+    if _a_shared(a_list):
+        return
+    first = a_list[0]
+    joined = torch.cat([a.reshape(-1) for a in a_list])
+    for s, a in enumerate(a_list):
+        a.set_(joined.untyped_storage(), s * first.numel(), first.shape, first.stride())
+
+
+_FALLBACKS: set[str] = set()
+
+
+def _fallback(what: str) -> None:
+    if what not in _FALLBACKS:
+        _FALLBACKS.add(what)
+        logger.warning("patchkit LoRA torch path: %s; copied on every call", what)
+
+
+def stacked_a(a_list: list) -> torch.Tensor:
+    """A of all slices and slots as one (slices * slots * rank, in) matrix."""
+    first = a_list[0]
+    rows = len(a_list) * first.size(0) * first.size(-2)
+    if _a_shared(a_list):
+        return first.as_strided((rows, first.size(-1)), (first.size(-1), 1))
+    _fallback("LoRA A weights outside the shared layout")
+    return torch.cat([a.reshape(-1, a.size(-1)) for a in a_list])
+
+
+def stacked_b(b: torch.Tensor) -> torch.Tensor:
+    """B of all slots as one (slots * rank, out) matrix; (slots, [1,] out, rank) in."""
+    b = b.reshape(b.size(0), 1, b.size(-2), b.size(-1))
+    slots, _, width, rank = b.shape
+    if _b_is_rank_major(b):
+        return b.as_strided((slots * rank, width), (width, 1))
+    _fallback("LoRA B weights not rank-major")
+    return b.reshape(slots, width, rank).transpose(1, 2).reshape(slots * rank, width)
+
+
+class AdoptedLayer:
+    """A LoRA layer whose stacked weights this path has laid out and checks."""
+
+    def __init__(self, layer, masks: SlotMasks):
+        self.a = _as_list(getattr(layer, "lora_a_stacked", None))
+        self.b = _as_list(getattr(layer, "lora_b_stacked", None))
+        self.masks = masks
+        for b in self.b:
+            _make_b_rank_major(b)
+        if len(self.a) > 1 and _slot_shaped(self.a):
+            _share_a_storage(self.a)
+        set_lora, reset_lora = layer.set_lora, layer.reset_lora
+
+        def set_lora_then_check(index, *args, **kwargs):
+            result = set_lora(index, *args, **kwargs)
+            self.quarantine_non_finite(index)
+            return result
+
+        def reset_lora_then_clear(index, *args, **kwargs):
+            result = reset_lora(index, *args, **kwargs)
+            self.masks.mark(index, self, bad=False)
+            return result
+
+        layer.set_lora, layer.reset_lora = set_lora_then_check, reset_lora_then_clear
+
+    @torch.no_grad()
+    def quarantine_non_finite(self, index: int) -> None:
+        """Keep a non-finite weight of slot `index` out of every other slot's rows.
+
+        The GEMMs multiply every slot's weights by the slot weights of each
+        row, and 0 * inf is NaN, so a non-finite A or B value would reach all
+        rows. It is replaced by 0, and the slot is marked bad in the batch
+        weights (NaN instead of 1), so that the rows of this adapter still
+        come out NaN. Once per set_lora, never per call.
+        """
+        weights = [w[index] for w in self.a + self.b]
+        bad = not bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
+        self.masks.mark(index, self, bad)
+        if not bad:
+            return
+        for w in weights:
+            w.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        logger.warning(
+            "patchkit LoRA torch path: the adapter in slot %d has non-finite weights; "
+            "its requests get NaN, other requests are not affected",
+            index,
+        )
+
+
+def adopt_layer(layer, masks: SlotMasks) -> None:
+    """Called by BaseLayerWithLoRA.set_mapping for each LoRA layer, before any forward.
+
+    MoE layers are left alone: their LoRA runs in the fused MoE kernel.
+    """
+    stacked = _as_list(getattr(layer, "lora_a_stacked", None))
+    if stacked and isinstance(stacked[0], torch.Tensor):
+        masks.use_dtype(stacked[0].dtype)
+    if hasattr(layer, "w13_lora_a_stacked") or hasattr(layer, "w2_lora_a_stacked"):
+        return
+    if not _slot_shaped(_as_list(getattr(layer, "lora_b_stacked", None))):
+        return
+    AdoptedLayer(layer, masks)  # kept alive by the set_lora it wraps
+
+
+# ----- the ops -----
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _a_matrix(lora_a: list) -> torch.Tensor:
+    """A of every slice and slot as one matrix; (slots, [1,] rank, in) per slice in."""
+    return stacked_a([w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a])
+
+
+def _weighted_shrink(x, lora_a, weights) -> torch.Tensor:
+    """(tokens, slices, slots, rank): x @ A.T of every slice and slot, one GEMM, times
+    each token's slot weights (0 where the token does not use the slot)."""
+    num_tokens, slices = x.size(0), len(lora_a)
+    num_slots, rank = lora_a[0].size(0), lora_a[0].size(-2)
+    a = _a_matrix(lora_a)
+    shrunk = torch.mm(_cast(x, a.dtype), a.t()).view(num_tokens, slices, num_slots, rank)
+    return shrunk.mul_(weights[:num_tokens].view(num_tokens, 1, num_slots, 1))
+
+
+def _split_shrink(x, a, reduce_weights, num_slots) -> torch.Tensor:
+    """(tokens, slots * rank): one slice's x @ A.T times the slot weights, the hidden
+    size split into parts (one batched GEMM), the parts summed and weighted by a
+    second batched GEMM: per (token, slot), (1 x parts) weights @ (parts x rank)."""
+    num_tokens, hidden = x.shape
+    rows = a.size(0)  # slots * rank
+    rank, parts = rows // num_slots, split_k_parts(num_tokens)
+    x_parts = x.view(num_tokens, parts, hidden // parts).transpose(0, 1)
+    a_parts = a.view(rows, parts, hidden // parts).permute(1, 2, 0)
+    partial = torch.bmm(x_parts, a_parts)  # (parts, tokens, slots * rank)
+    by_slot = partial.as_strided(
+        (num_tokens * num_slots, parts, rank), (rank, num_tokens * rows, 1)
+    )
+    weights = reduce_weights[: num_tokens * num_slots, :, :parts]
+    return torch.bmm(weights, by_slot).view(num_tokens, rows)
+
+
+def _splits(x, lora_a, reduce_weights) -> bool:
+    """Whether this call's shrink is split: one slice, few tokens, parts that divide."""
+    num_tokens, hidden = x.shape
+    return (
+        len(lora_a) == 1
+        and num_tokens <= min(SPLIT_K_MAX_TOKENS, reduce_weights.size(0) // lora_a[0].size(0))
+        and hidden % split_k_parts(num_tokens) == 0
+        and x.dtype == lora_a[0].dtype == reduce_weights.dtype
+        and x.is_contiguous()
+        and _a_shared(lora_a)
+    )
+
+
+def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag, scale,
+            add_inputs):  # fmt: skip
+    """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched."""
+    if no_lora_flag.item():  # a CPU tensor, as the Triton ops check it
+        return
+    num_tokens = x.size(0)
+    if _splits(x, lora_a, reduce_weights):
+        h = _split_shrink(x, _a_matrix(lora_a), reduce_weights, lora_a[0].size(0))
+        b = stacked_b(lora_b[0])
+        _add_expand(y, h, b, 0, no_lora[:num_tokens], scale, add_inputs)
+        return
+    shrunk = _weighted_shrink(x, lora_a, weights)
+    offset = 0
+    for s, b in enumerate(lora_b):
+        h = shrunk[:, s].reshape(num_tokens, -1)
+        _add_expand(y, h, stacked_b(b), offset, no_lora[:num_tokens], scale, add_inputs)
+        offset += b.size(-2)
+
+
+def _add_expand(y, h, b, offset, no_lora, scale, add_inputs) -> None:
+    """y[:, offset:offset+width] (+)= scale * h @ b; rows without LoRA keep their values.
+
+    Those rows of h are 0 (and b is finite), so adding leaves them as they
+    were; when writing (add_inputs False, vLLM's dual stream) they are kept
+    explicitly.
+    """
+    out = y[:, offset : offset + b.size(1)]
+    h = _cast(h, b.dtype)
+    if add_inputs and out.dtype == b.dtype:
+        out.addmm_(h, b, alpha=scale)  # one pass over out, like the Triton expand
+        return
+    delta = torch.mm(h, b)
+    if scale != 1.0:
+        delta.mul_(scale)
+    if add_inputs:
+        out.add_(delta)
+    else:
+        out.copy_(torch.where(no_lora, out, delta))
+
+
+def _shrink(inputs, lora_a, output, mapping, lora_ids, no_lora_flag, scale) -> None:
+    """output[s, t] = scale * inputs[t] @ A_s[slot(t)].T (float32 buffer, written)."""
+    if no_lora_flag.item():
+        return
+    slices, num_tokens = len(lora_a), inputs.size(0)
+    weights, _ = _batch_weights(mapping, lora_ids, lora_a[0].size(0), lora_a[0].dtype)
+    shrunk = _weighted_shrink(inputs, lora_a, weights)
+    summed = shrunk.sum(dim=2, dtype=torch.float32)  # one slot per token: a pick, not a sum
+    if scale != 1.0:
+        summed.mul_(scale)
+    output[:slices, :num_tokens].copy_(summed.transpose(0, 1))
+
+
+def _expand(inputs, lora_b, output, mapping, lora_ids, no_lora_flag, offset, add_inputs):
+    """output[t, slice s] (+)= inputs[s, t] @ B_s[slot(t)].T; rows without a slot untouched."""
+    if no_lora_flag.item():
+        return
+    num_tokens = inputs.size(1)
+    num_slots = lora_b[0].size(0)
+    weights, no_lora = _batch_weights(mapping, lora_ids, num_slots, lora_b[0].dtype)
+    for s, stacked in enumerate(lora_b):
+        b = stacked_b(stacked)
+        spread = inputs[s].to(b.dtype).unsqueeze(1) * weights.unsqueeze(2)
+        _add_expand(output, spread.reshape(num_tokens, -1), b, offset, no_lora, 1.0, add_inputs)
+        offset += b.size(1)
+
+
+def _register_ops():
+    """Register the ops once per process, opaque to torch.compile like vLLM's Triton ops.
+
+    As custom ops that mutate their output (the same contract as vLLM's
+    lora_shrink/lora_expand), torch.compile keeps each as one call and CUDA
+    graphs capture the kernels inside; inductor never re-lowers them. The
+    registered functions call this module's through `_IMPL`, so a module
+    imported again (tests, importlib.reload) serves the ops with its own
+    functions and its own slot masks.
+    """
+    _IMPL.update(shrink=_shrink, expand=_expand, linear=_linear)
+    namespace = torch.ops.patchkit_lora
+    if hasattr(namespace, "add_lora_linear"):  # this module was imported before
+        return namespace.lora_shrink, namespace.lora_expand, namespace.add_lora_linear
+
+    @torch.library.custom_op("patchkit_lora::lora_shrink", mutates_args=("output_tensor",))
+    def lora_shrink(
+        inputs: torch.Tensor,
+        lora_a_weights: list[torch.Tensor],
+        output_tensor: torch.Tensor,
+        token_lora_mapping: torch.Tensor,
+        lora_ids: torch.Tensor,
+        no_lora_flag_cpu: torch.Tensor,
+        scaling: float,
+    ) -> None:
+        _IMPL["shrink"](
+            inputs,
+            lora_a_weights,
+            output_tensor,
+            token_lora_mapping,
+            lora_ids,
+            no_lora_flag_cpu,
+            scaling,
+        )
+
+    @torch.library.custom_op("patchkit_lora::lora_expand", mutates_args=("output_tensor",))
+    def lora_expand(
+        inputs: torch.Tensor,
+        lora_b_weights: list[torch.Tensor],
+        output_tensor: torch.Tensor,
+        token_lora_mapping: torch.Tensor,
+        lora_ids: torch.Tensor,
+        no_lora_flag_cpu: torch.Tensor,
+        offset_start: int,
+        add_inputs: bool,
+    ) -> None:
+        _IMPL["expand"](
+            inputs,
+            lora_b_weights,
+            output_tensor,
+            token_lora_mapping,
+            lora_ids,
+            no_lora_flag_cpu,
+            offset_start,
+            add_inputs,
+        )
+
+    @torch.library.custom_op("patchkit_lora::add_lora_linear", mutates_args=("y",))
+    def add_lora_linear(
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_weights: list[torch.Tensor],
+        lora_b_weights: list[torch.Tensor],
+        slot_weights: torch.Tensor,
+        reduce_weights: torch.Tensor,
+        no_lora: torch.Tensor,
+        no_lora_flag_cpu: torch.Tensor,
+        scale: float,
+        add_inputs: bool,
+    ) -> None:
+        _IMPL["linear"](
+            y,
+            x,
+            lora_a_weights,
+            lora_b_weights,
+            slot_weights,
+            reduce_weights,
+            no_lora,
+            no_lora_flag_cpu,
+            scale,
+            add_inputs,
+        )
+
+    for op in (lora_shrink, lora_expand, add_lora_linear):
+        op.register_fake(lambda *args: None)
+    return namespace.lora_shrink, namespace.lora_expand, namespace.add_lora_linear
+
+
+# One dict per process, shared by every import of this module (see _register_ops).
+_IMPL: dict = sys.modules.setdefault(
+    "patchkit_lora_matmul_impl", types.ModuleType("patchkit_lora_matmul_impl")
+).__dict__
+_SHRINK_OP, _EXPAND_OP, _LINEAR_OP = _register_ops()
+
+
+def torch_lora_shrink(
+    inputs: torch.Tensor,  # (tokens, hidden)
+    lora_a_weights: list[torch.Tensor],  # each (max_loras, [1,] rank, hidden)
+    output_tensor: torch.Tensor,  # (slices, tokens, rank), written, not added to
+    token_lora_mapping: torch.Tensor,  # (tokens,), slot per token, -1 = none
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,  # (max_loras + 1,), this batch's active slots, -1 padded
+    no_lora_flag_cpu: torch.Tensor,
+    num_active_loras: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Drop-in for vLLM's lora_shrink (same positional arguments)."""
+    _SHRINK_OP(
+        inputs,
+        list(lora_a_weights),
+        output_tensor,
+        token_lora_mapping,
+        lora_ids,
+        no_lora_flag_cpu,
+        float(scaling),
+    )
+
+
+def torch_lora_expand(
+    inputs: torch.Tensor,  # (slices, tokens, rank), float32 or the model dtype
+    lora_b_weights: list[torch.Tensor],  # each (max_loras, [1,] out_slice, rank)
+    output_tensor: torch.Tensor,  # (tokens, >= offset_start + sum(out_slice))
+    token_lora_mapping: torch.Tensor,  # (tokens,), slot per token, -1 = none
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,  # (max_loras + 1,), this batch's active slots, -1 padded
+    no_lora_flag_cpu: torch.Tensor,
+    num_active_loras: torch.Tensor,
+    offset_start: int = 0,
+    add_inputs: bool = False,
+) -> None:
+    """Drop-in for vLLM's lora_expand (same positional and keyword arguments)."""
+    _EXPAND_OP(
+        inputs,
+        list(lora_b_weights),
+        output_tensor,
+        token_lora_mapping,
+        lora_ids,
+        no_lora_flag_cpu,
+        int(offset_start),
+        bool(add_inputs),
+    )
+
+
+# ----- what punica_gpu.py installs -----
+
+
+def install_torch_path(cls):
+    """Class decorator of PunicaWrapperGPU: the torch path, when it is the backend.
+
+    Adds `patchkit_adopt_layer` (called by BaseLayerWithLoRA.set_mapping),
+    rebuilds the slot weights in `update_metadata`, and replaces
+    `add_lora_linear`; its signature is the same in every release
+    (VLLM-RELEASES.md), and `add_inputs` is read from kwargs as 0.20+ does
+    (0.17-0.19 callers never pass it).
+    """
+    if LORA_BACKEND != "torch":
+        return cls
+    init, update_metadata = cls.__init__, cls.update_metadata
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # Only the per-token metadata: the per-prompt one (lm_head LoRA,
+        # classifier heads) serves one call per batch, outside the graphs,
+        # which builds its masks itself.
+        self.patchkit_token_masks = masks_for(self.token_mapping_meta)
+
+    def adopt_layer_of(self, layer):
+        adopt_layer(layer, self.patchkit_token_masks)
+
+    def update_metadata_and_masks(self, *args, **kwargs):
+        update_metadata(self, *args, **kwargs)
+        self.patchkit_token_masks.update(self.token_lora_indices.size(0))
+
+    def add_lora_linear(
+        self,
+        y,
+        x,
+        lora_a_stacked,
+        lora_b_stacked,
+        scale,
+        output_slices,
+        *,
+        buffer=None,
+        **kwargs,
+    ) -> None:
+        """y[:, slices] += scale * x @ A[slot].T @ B[slot].T per token, as vLLM's."""
+        assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
+        assert buffer is None, "add_lora_linear makes its own buffer"
+        add_inputs = kwargs.pop("add_inputs", True)
+        masks, dtype = self.patchkit_token_masks, lora_a_stacked[0].dtype
+        _LINEAR_OP(
+            y.view(-1, y.shape[-1]),
+            x.view(-1, x.shape[-1]),
+            list(lora_a_stacked),
+            list(lora_b_stacked),
+            masks.weights[dtype],
+            masks.reduce_weights[dtype],
+            masks.no_lora,
+            self.token_mapping_meta.no_lora_flag_cpu,
+            float(scale),
+            bool(add_inputs),
+        )
+
+    cls.__init__ = __init__
+    cls.update_metadata = update_metadata_and_masks
+    cls.add_lora_linear = add_lora_linear
+    cls.patchkit_adopt_layer = adopt_layer_of
+    return cls

@@ -1,0 +1,116 @@
+"""`patchkit refresh` (issue 21): diffs are made from trees, never kept by hand.
+
+The drift test refreshes every variant of the shipped catalogue on the real
+release tree it is made on (``made_on``) into a copy of the catalogue, and
+fails on any byte of difference: what is committed is what refresh writes,
+so a maintainer can edit a tree and refresh without a surprise. The other
+tests walk the maintainer's loop (apply, edit, refresh) and its refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CATALOGUE, copy_tree, release_tree, run_cli, snapshot
+from tests.helpers import stacked_catalogue
+
+VARIANTS = [(p.id, v) for p in CATALOGUE.patches for v in p.variants]
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+
+
+def catalogue_copy(tmp_path: Path) -> tuple[Path, dict]:
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, root)
+    return root, {"PATCHKIT_PATCHES_DIR": str(root)}
+
+
+@pytest.mark.parametrize("patch_id,variant", VARIANTS, ids=[f"{p}/{v.name}" for p, v in VARIANTS])
+def test_every_diff_is_what_refresh_makes_on_its_release(tmp_path, patch_id, variant):
+    root, env = catalogue_copy(tmp_path)
+    tree = copy_tree(variant.made_on, tmp_path / "site")
+    assert run_cli("apply", "--target", str(tree), env=env).exit_code == 0
+    result = run_cli("refresh", patch_id, "--target", str(tree), "--json", env=env)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["variant"] == variant.name
+    assert snapshot(root) == snapshot(CATALOGUE.root), f"{patch_id}/{variant.name} drifted"
+
+
+def test_edit_then_refresh_rewrites_the_diff_and_keeps_the_tree_applied(tmp_path):
+    root, env = catalogue_copy(tmp_path)
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    args = ["--target", str(tree)]
+    assert run_cli("apply", *args, "--only", "expand-block-n", env=env).exit_code == 0
+    path = tree / UTILS
+    path.write_text(path.read_text().replace("Hopper takes 32", "Hopper takes 32 (edited)"))
+    result = run_cli("refresh", "expand-block-n", *args, env=env)
+    assert result.exit_code == 0, result.output
+    assert "refresh: 1 diffed" in result.stdout
+    diff = (root / "expand-block-n" / "block-k-32.diff").read_text()
+    assert "+            # (vllm#48590, triton#9433). Hopper takes 32 (edited)" in diff
+    status = json.loads(run_cli("status", *args, "--json", env=env).stdout)
+    block_n = next(p for p in status["patches"] if p["id"] == "expand-block-n")
+    assert block_n["state"] == "applied" and not block_n["warnings"]
+    assert run_cli("revert", *args, env=env).exit_code == 0
+    assert path.read_bytes() == (release_tree("0.26.0") / UTILS).read_bytes()
+    fresh = copy_tree("0.26.0", tmp_path / "fresh")  # the edited patch applies on its own
+    assert (
+        run_cli("apply", "--target", str(fresh), "--only", "expand-block-n", env=env).exit_code == 0
+    )
+    assert "Hopper takes 32 (edited)" in (fresh / UTILS).read_text()
+
+
+def test_a_created_file_edited_in_the_tree_goes_back_to_its_source(tmp_path):
+    root, env = catalogue_copy(tmp_path)
+    made_on = CATALOGUE.get("matmul-add-lora-linear").variants[0].made_on
+    tree = copy_tree(made_on, tmp_path / "site")  # the diff's own release: only the file moves
+    assert run_cli("apply", "--target", str(tree), env=env).exit_code == 0
+    created = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
+    (tree / created).write_text((tree / created).read_text() + "# edited in the tree\n")
+    result = run_cli("refresh", "matmul-add-lora-linear", "--target", str(tree), env=env)
+    assert result.exit_code == 0, result.output
+    source = root / "matmul-add-lora-linear" / "files" / created
+    assert source.read_text().endswith("# edited in the tree\n")
+    assert (root / "matmul-add-lora-linear" / "torch-ops.diff").read_bytes() == (
+        CATALOGUE.root / "matmul-add-lora-linear" / "torch-ops.diff"
+    ).read_bytes()
+
+
+def test_refresh_refuses_a_patch_that_is_not_applied(tmp_path):
+    root, env = catalogue_copy(tmp_path)
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    result = run_cli("refresh", "expand-block-n", "--target", str(tree), env=env)
+    assert result.exit_code == 1 and "is not applied" in result.stderr
+    assert snapshot(root) == snapshot(CATALOGUE.root)
+
+
+def test_refresh_refuses_a_patch_with_a_later_one_on_its_file(tmp_path):
+    catalogue = stacked_catalogue(tmp_path / "catalogue", release_tree("0.26.0"))
+    env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    assert run_cli("apply", "--target", str(tree), env=env).exit_code == 0
+    before = snapshot(catalogue)
+    result = run_cli("refresh", "lower", "--target", str(tree), env=env)
+    assert result.exit_code == 1 and "upper, later in the series" in result.stderr
+    assert snapshot(catalogue) == before
+    assert run_cli("refresh", "upper", "--target", str(tree), env=env).exit_code == 0
+
+
+def test_refresh_add_puts_another_file_into_the_patch(tmp_path):
+    root, env = catalogue_copy(tmp_path)
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    args = ["--target", str(tree)]
+    assert run_cli("apply", *args, "--only", "expand-block-n", env=env).exit_code == 0
+    other = tree / "vllm/lora/ops/triton_ops/__init__.py"
+    other.write_text(other.read_text() + "# patchkit test: added\n")
+    pristine = ["--pristine", str(release_tree("0.26.0"))]
+    result = run_cli("refresh", "expand-block-n", *args, "--add", str(other.relative_to(tree)),
+                     *pristine, env=env)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    diff = (root / "expand-block-n" / "block-k-32.diff").read_text()
+    assert "+++ b/vllm/lora/ops/triton_ops/__init__.py" in diff
+    assert run_cli("revert", *args, env=env).exit_code == 0
+    assert snapshot(tree) == snapshot(copy_tree("0.26.0", tmp_path / "fresh"))
