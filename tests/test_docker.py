@@ -103,3 +103,18 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
     assert message.startswith("patchkit: error: expand-block-n: conflict:")
     assert UTILS in message and "nothing was changed" in message and "\n" not in message
     assert snapshot(site / "vllm") == drifted and not (site / ".patchkit").exists()
+
+
+def test_the_build_context_is_what_the_dockerfile_copies_and_no_pip_override_stays():
+    """Issue 21: `docker build .` sent the 900 MB .venv the README's first command makes,
+    and ENV PIP_BREAK_SYSTEM_PACKAGES=1 stayed set in the runtime image."""
+    lines = [ln for ln in (REPO / ".dockerignore").read_text().splitlines()
+             if ln and not ln.startswith("#")]  # fmt: skip
+    assert lines[0] == "*"  # everything out, then only what is copied back in
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    copied = set()
+    for kind, args in stage(parse(DOCKERFILE), "patched").instructions:
+        if kind == "COPY":
+            copied.update(args.split()[:-1])
+        assert not (kind == "ENV" and "PIP_BREAK_SYSTEM_PACKAGES" in args), args
+    assert allowed == copied

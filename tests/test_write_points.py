@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import release_tree, run_subprocess, snapshot
+from tests.conftest import REPO, release_tree, snapshot
 
 # The real 0.26.0 files that apply, revert and the decisions read, with the
 # wheel's dist-info: a tree of ~300 files instead of ~2,250, so that each of
@@ -85,10 +89,37 @@ sys.addaudithook(_hook)
 MARK = "FAULT-POINT-REACHED\n"
 
 
-def run_with_fault(tree: Path, command: str, mode: str, at: int):
+class Zygote:
+    """tests/zygote.py in a child: each run is a fork of a warm patchkit process."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "zygote.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+
+    def run(self, *args: str, code: str = "") -> SimpleNamespace:
+        self.process.stdin.write(json.dumps({"args": list(args), "code": code}) + "\n")
+        self.process.stdin.flush()
+        return SimpleNamespace(**json.loads(self.process.stdout.readline()))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    warm = Zygote()
+    yield warm
+    warm.close()
+
+
+def run_with_fault(zygote: Zygote, tree: Path, command: str, mode: str, at: int):
     """Run ``command`` with the fault at write ``at``; None once the run has fewer writes."""
     code = HOOK.format(root=str(tree), mode=mode, at=at)
-    result = run_subprocess(command, "--target", str(tree), code=code)
+    result = zygote.run(command, "--target", str(tree), code=code)
     if MARK not in result.stderr:
         assert result.returncode == 0, result.stderr
         return None
@@ -96,8 +127,8 @@ def run_with_fault(tree: Path, command: str, mode: str, at: int):
     return result
 
 
-def clean_run(tree: Path, command: str):
-    result = run_subprocess(command, "--target", str(tree))
+def clean_run(zygote: Zygote, tree: Path, command: str):
+    result = zygote.run(command, "--target", str(tree))
     assert result.returncode == 0, result.stderr
     return result
 
@@ -116,12 +147,12 @@ def normalized(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict:
+def references(tmp_path_factory, zygote) -> dict:
     """Pristine and patched 0.26.0 trees, and the normalized snapshot of each."""
     base = tmp_path_factory.mktemp("refs")
     pristine = slim_tree(base / "pristine")
     patched = slim_tree(base / "patched")
-    clean_run(patched, "apply")
+    clean_run(zygote, patched, "apply")
     return {
         "pristine": pristine,
         "patched": patched,
@@ -130,13 +161,13 @@ def references(tmp_path_factory) -> dict:
     }
 
 
-def walk(references, tmp_path: Path, start: str, command: str, mode: str):
+def walk(references, zygote, tmp_path: Path, start: str, command: str, mode: str):
     """Yield (N, tree, result) for every write point of ``command`` on a ``start`` tree."""
     at = 1
     while True:
         tree = tmp_path / f"t{at}"
         shutil.copytree(references[start], tree, symlinks=True)
-        result = run_with_fault(tree, command, mode, at)
+        result = run_with_fault(zygote, tree, command, mode, at)
         if result is None:
             shutil.rmtree(tree)
             assert at > 10, f"{command} made only {at - 1} writes: is the hook counting?"
@@ -147,12 +178,14 @@ def walk(references, tmp_path: Path, start: str, command: str, mode: str):
 
 
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
-def test_sigkill_at_every_write_point_leaves_no_debris(references, tmp_path, command, start):
+def test_sigkill_at_every_write_point_leaves_no_debris(
+    references, zygote, tmp_path, command, start
+):
     points = 0
-    for at, tree, result in walk(references, tmp_path, start, command, "kill"):
+    for at, tree, result in walk(references, zygote, tmp_path, start, command, "kill"):
         assert result.returncode == -9, (at, result.stderr)
         recovery = "revert" if at % 2 else "apply"  # both recover, in turns
-        clean_run(tree, recovery)
+        clean_run(zygote, tree, recovery)
         expected = "pristine_snapshot" if recovery == "revert" else "patched_snapshot"
         assert normalized(tree) == references[expected], f"{command} killed at write {at}"
         points += 1
@@ -160,19 +193,21 @@ def test_sigkill_at_every_write_point_leaves_no_debris(references, tmp_path, com
 
 
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
-def test_ctrl_c_at_every_write_point_exits_130_and_recovers(references, tmp_path, command, start):
-    for at, tree, result in walk(references, tmp_path, start, command, "interrupt"):
+def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
+    references, zygote, tmp_path, command, start
+):
+    for at, tree, result in walk(references, zygote, tmp_path, start, command, "interrupt"):
         assert result.returncode == 130, (at, result.stderr)
         assert "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1].startswith("patchkit: error: interrupted")
-        clean_run(tree, "revert")
+        clean_run(zygote, tree, "revert")
         assert normalized(tree) == references["pristine_snapshot"], f"Ctrl-C at write {at}"
 
 
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
-def test_a_full_disk_at_every_write_changes_nothing(references, tmp_path, command, start):
+def test_a_full_disk_at_every_write_changes_nothing(references, zygote, tmp_path, command, start):
     failures = 0
-    for at, tree, result in walk(references, tmp_path, start, command, "enospc"):
+    for at, tree, result in walk(references, zygote, tmp_path, start, command, "enospc"):
         if result.returncode == 0:  # a rename or delete: ENOSPC is injected on writes only
             continue
         assert result.returncode == 1, (at, result.stderr)
