@@ -114,3 +114,27 @@ def test_refresh_add_puts_another_file_into_the_patch(tmp_path):
     assert "+++ b/vllm/lora/ops/triton_ops/__init__.py" in diff
     assert run_cli("revert", *args, env=env).exit_code == 0
     assert snapshot(tree) == snapshot(copy_tree("0.26.0", tmp_path / "fresh"))
+
+
+def test_a_new_patch_is_made_from_edits_of_a_pristine_tree(tmp_path):
+    """patch-package's way: declare the patch, edit a fetched tree, refresh with --add."""
+    from tests.helpers import make_catalogue
+
+    catalogue = make_catalogue(tmp_path / "catalogue", release_tree("0.26.0"), diff_text="")
+    (catalogue / "two-files" / "two-files.diff").unlink()  # declared, not made yet
+    env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    tree = copy_tree("0.26.0", tmp_path / "site")
+    status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
+    assert status["patches"][0]["state"] == "conflict"
+    assert "not made yet" in status["patches"][0]["reason"]
+    (tree / UTILS).write_text((tree / UTILS).read_text() + "# a new patch\n")
+    made = run_cli("refresh", "two-files", "--variant", "only", "--add", UTILS, "--target",
+                   str(tree), "--pristine", str(release_tree("0.26.0")), env=env)  # fmt: skip
+    assert made.exit_code == 0, made.output
+    assert "+# a new patch" in (catalogue / "two-files" / "two-files.diff").read_text()
+    status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
+    assert status["patches"][0]["state"] == "applied"
+    assert run_cli("revert", "--target", str(tree), env=env).exit_code == 0
+    assert snapshot(tree) == snapshot(copy_tree("0.26.0", tmp_path / "fresh"))
+    assert run_cli("apply", "--target", str(tree), env=env).exit_code == 0
+    assert (tree / UTILS).read_text().endswith("# a new patch\n")

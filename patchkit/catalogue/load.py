@@ -71,8 +71,15 @@ class Variant:
     def files_dir(self) -> Path:
         return self.diff_path.parent / "files"
 
+    @property
+    def made(self) -> bool:
+        """False for a variant a maintainer has declared but not yet made with refresh."""
+        return self.diff_path.exists() or bool(self.created)
+
     @cached_property
     def diff_bytes(self) -> bytes:
+        if not self.made:
+            return b""
         try:
             return self.diff_path.read_bytes()
         except OSError as exc:
@@ -108,7 +115,7 @@ class Variant:
             created_file_patch(relpath, data.decode("utf-8", errors="surrogateescape"))
             for relpath, data in self.created_bytes.items()
         )
-        if not changed and not made:
+        if not changed and not made and self.made:
             raise PatchkitError(f"{self.diff_path}: no file changes found in the diff")
         return changed + made
 

@@ -340,6 +340,8 @@ def _try_variant(
     variant: Variant, files: TreeFiles, reverse: bool
 ) -> tuple[dict[str, str | None], list[Placement]] | None:
     """New texts and placements if every hunk of the variant applies, else None."""
+    if not variant.files:
+        return None  # declared, not made yet (patchkit refresh makes it)
     new_texts: dict[str, str | None] = {}
     placements: list[Placement] = []
     try:
@@ -391,6 +393,15 @@ def _needed(
 
 def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
     variant = expected if isinstance(expected, Variant) else patch.variants[0]
+    if not variant.made:
+        return Assessment(
+            patch,
+            CONFLICT,
+            reason=f"variant {variant.name} is not made yet ({variant.diff_path.name} does not "
+            f"exist): make it on vLLM {variant.made_on} with `patchkit refresh {patch.id} "
+            f"--variant {variant.name} --add PATH ...` (CONTRIBUTING.md)",
+            variant=variant,
+        )
     detail = "no variant matches"
     try:
         for file_patch in variant.files:

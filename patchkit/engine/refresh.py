@@ -25,7 +25,14 @@ from patchkit.engine.decide import later_on_same_files
 from patchkit.engine.diffs import unified_diff
 from patchkit.engine.fsutil import write_cache_file
 from patchkit.engine.safepath import Root
-from patchkit.engine.state import STATE_DIR, FileRecord, State, backup_path, load_state
+from patchkit.engine.state import (
+    STATE_DIR,
+    FileRecord,
+    PatchRecord,
+    State,
+    backup_path,
+    load_state,
+)
 from patchkit.engine.transaction import TreeLock, commit, interrupted
 from patchkit.errors import PatchkitError
 from patchkit.target.tree import VllmTree, sha256_bytes
@@ -71,15 +78,19 @@ def refresh(
             )
         state = load_state(tree.fs, catalogue.file_kinds)
         record = state.patches.get(patch.id)
-        if record is None:
+        if record is None and not add:
             raise PatchkitError(
                 f"{patch.id} is not applied on {tree.root}: `patchkit apply --only {patch.id} "
-                f"--target {tree.root}`, edit the files, then refresh"
+                f"--target {tree.root}`, edit the files, then refresh (or, to make a variant "
+                "from edits of a pristine tree, name the edited files with --add)"
             )
-        variant = patch.variant(variant_name or record.variant)
+        variant = patch.variant(variant_name or (record.variant if record else ""))
         if variant is None:
             known = ", ".join(v.name for v in patch.variants)
             raise PatchkitError(f"{patch.id} has no variant {variant_name!r} (it has: {known})")
+        if record is None:  # patch-package's way: the patch is made from the edits
+            record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name,
+                                                           _now(), [])  # fmt: skip
         originals = _originals(tree, state, record.files, add, pristine)
         files = TreeFiles(tree, state, catalogue.ids)
         above = later_on_same_files(patch, tuple(originals), files)
@@ -115,6 +126,13 @@ def _originals(
             )
         found[entry.path] = data
     for relpath in add:
+        others = sorted(p.id for p in state.patches.values() for f in p.files if f.path == relpath)
+        if relpath not in found and others:
+            raise PatchkitError(
+                f"{relpath} is patched by {', '.join(others)} too; a file shared with other "
+                "patches joins this one while they are applied, with their result as its "
+                "original: apply this patch's variant first (even a partial one), then refresh"
+            )
         if relpath not in found:
             found[relpath] = _pristine_file(tree, relpath, pristine)
     return found
@@ -184,7 +202,14 @@ def _record(tree: VllmTree, state: State, patch_id: str, variant: Variant, origi
         )
     entry = state.patches[patch_id]
     entry.files, entry.variant, entry.patch_sha256 = records, fresh.name, fresh.sha256
+    state.vllm_version = state.vllm_version or tree.version
     commit(state, [], backups)
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _text(data: bytes) -> str:
