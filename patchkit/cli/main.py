@@ -1,4 +1,4 @@
-"""The command line: list, status, apply, revert, fetch, verify, doctor.
+"""The command line: list, status, apply, revert, refresh, fetch, verify, doctor, canary.
 
 Exit status: 0 success (including "nothing to do"), 1 failure (and then
 nothing changed on disk), 2 usage error, 3 an unexpected internal error (a
@@ -52,6 +52,7 @@ INTERRUPTED = {
     "fetch": "interrupted; nothing was unpacked into the destination (its staging directory "
     "is removed, or by the next `patchkit fetch`)",
     "verify": "interrupted; verify writes nothing into the vLLM tree",
+    "canary": "interrupted; the canary only reads from the server: nothing to undo",
 }
 
 
@@ -392,6 +393,61 @@ def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json:
         render.emit_json(result.to_json())
     else:
         doctoring.render(result, click.echo)
+
+
+def check_url(ctx, param, value: str) -> str:
+    if not value.strip().lower().startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} must start with http:// or https://")
+    return value
+
+
+@main.command()
+@click.option(
+    "--url",
+    required=True,
+    callback=check_url,
+    help="Server root, e.g. http://localhost:8000 (a trailing /v1 is accepted).",
+)
+@click.option("--api-key", envvar="VLLM_API_KEY", help="The server's API key (or VLLM_API_KEY).")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="ID",
+    help="Check only this model or adapter (repeatable). Default: all that GET /v1/models lists.",
+)
+@click.option("--prompt-tokens", type=click.IntRange(16, 100_000), default=2000, show_default=True)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1, 600),
+    default=60.0,
+    show_default=True,
+    help="Seconds for the whole run.",
+)
+@click.option(
+    "--record",
+    type=click.Path(file_okay=False),
+    help="Save every HTTP exchange (path, bodies, status; no headers) as JSON files here.",
+)
+@json_option
+@user_errors
+def canary(url, api_key, models, prompt_tokens, timeout, record, as_json) -> None:
+    """Ask a running vLLM server whether each model and LoRA adapter answers sanely.
+
+    One long greedy prompt per model; NaN log-probabilities, runs of token id 0
+    ('!!!!') or a rise of vllm:corrupted_requests_total fail it. Exit 0 when all
+    are sane, 1 otherwise or when the server cannot be reached.
+    """
+    from pathlib import Path
+
+    from patchkit.live import canary as canary_check  # httpx, prometheus_client: only here
+
+    result = canary_check.run(
+        url, api_key, models, prompt_tokens, timeout, Path(record) if record else None
+    )
+    render.emit_canary(result, as_json, api_key)
+    if not result.ok:
+        fail(canary_check.scrub(result.summary(), api_key), EXIT_FAILURE, False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -147,6 +147,64 @@ def render_refresh(report) -> None:
     )
 
 
+# ----- canary -----
+
+
+def emit_canary(report, as_json: bool, api_key: str | None) -> None:
+    """Print the canary's report as JSON or text, with the API key scrubbed from both."""
+    from patchkit.live import canary
+
+    if as_json:
+        click.echo(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
+    else:
+        render_canary(report, lambda line: click.echo(canary.scrub(line, api_key)))
+
+
+def render_canary(report, out) -> None:
+    from patchkit.live import canary
+
+    """The text report: a line per model, the counter, the verdict and the next steps."""
+    version = f"vLLM {report.version}" if report.version else "server"
+    out(
+        f"{version} at {report.url}: {len(report.models)} model(s), prompt ~{report.prompt_tokens}"
+        f" tokens, {canary.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
+    )
+    width = max((len(v.model) for v in report.models), default=0)
+    for v in report.models:
+        out(f"  {_canary_label(v):<11} {v.model:<{width}}  {v.kind:<7}  {_canary_detail(v)}")
+    if report.recheck:
+        r = report.recheck
+        again = f"again after the bad adapter: {_canary_detail(r)}"
+        out(f"  {_canary_label(r):<11} {r.model:<{width}}  {again}")
+    counter = report.counter
+    if counter.get("present"):
+        out(f"{canary.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
+    for note in report.notes:
+        out(f"note: {note}")
+    if report.ok:
+        out(f"OK: {report.summary()}")
+        return
+    out(f"FAILED: {report.summary()}")
+    for number, step in enumerate(report.next_steps(), start=1):
+        out(f"  {number}. {step}")
+
+
+def _canary_label(v) -> str:
+    return {"ok": "ok", "bad": "BAD (NaN)"}.get(v.verdict, v.verdict.upper())
+
+
+def _canary_detail(v) -> str:
+    facts = []
+    if v.prompt_tokens is not None:
+        facts.append(f"{v.prompt_tokens} prompt tokens")
+    if v.completion_tokens is not None:
+        facts.append(f"{v.completion_tokens} new")
+    if v.verdict == "bad" and v.text is not None:
+        facts.append(f"text {v.text[:24]!r}")
+    facts.append(f"{v.seconds:.1f} s")
+    return "; ".join(v.evidence + [", ".join(facts)])
+
+
 # ----- list -----
 
 

@@ -1,0 +1,739 @@
+"""`patchkit canary`: ask a running vLLM server whether each model still answers sanely.
+
+The reports behind patchkit were found late: the server answered 200 while
+the text was `!!!!!!`, and once a NaN had appeared every later request could
+stay bad until a restart. The canary sends each served model (the base model
+and every LoRA adapter that `GET /v1/models` lists) one long prompt, greedy,
+with log-probabilities, and judges the answer, so a probe or a cron job
+notices within minutes and names the adapter at fault.
+
+What vLLM answers, read from its code (0.17-0.33; file:line from 0.26.0):
+
+* `GET /v1/models` (openai/models/serving.py:149-165): `{"object": "list",
+  "data": [ModelCard...]}`; a card (openai/engine/protocol.py:89-97) has
+  `id, object, created, owned_by, root, parent, max_model_len, permission`;
+  base models have `parent: null` and their `max_model_len`, LoRA adapters
+  have `parent` = the base model's name and `max_model_len: null`.
+* `POST /v1/completions` with `logprobs`: `choices[0]` has `text`,
+  `logprobs: {text_offset, token_logprobs, tokens, top_logprobs}`,
+  `finish_reason`, and with `return_token_ids` the `token_ids` of the
+  completion (completion/protocol.py:568-589); `return_tokens_as_token_ids`
+  writes each token as `token_id:N` (generate/base/serving.py:273).
+* A NaN log-probability survives `max(logprob, -9999.0)`
+  (completion/serving.py:703) and makes Starlette's JSON encoder raise
+  `ValueError: Out of range float values are not JSON compliant` (Python
+  3.13+ appends `: nan`) when the response is built (completion/
+  api_router.py:61). vLLM 0.18+ maps that ValueError to HTTP **400**
+  `{"error": {"message", "type": "BadRequestError", "param", "code": 400}}`
+  (api_server.py:300, serve/utils/server_utils.py:382,
+  serve/utils/error_response.py:61); 0.17 has no handler for it and answers a
+  plain-text 500 `Internal Server Error`. So the canary judges the message,
+  not the status, and after any failed request asks once more without
+  log-probabilities to see the text (a run of `!`, token id 0 in Qwen).
+* `vllm:corrupted_requests` (v1/metrics/loggers.py:571-582) exists only when
+  the server runs with `VLLM_COMPUTE_NANS_IN_LOGITS=1`; prometheus_client
+  exports it as `vllm:corrupted_requests_total`, one sample per
+  `model_name`/`engine`, incremented when a request with NaN logits ends.
+* An API key (`--api-key` / `VLLM_API_KEY` on the server) guards `/v1/*`; a
+  wrong one gets 401 `{"error": "Unauthorized"}` (server_utils.py:91).
+
+Why httpx: a synchronous client with a separate connect timeout and a
+whole-exchange deadline, one small dependency, and the raw status and body of
+every answer. The official openai client is larger, retries on its own,
+and turns a 500's body into an exception that hides it. Why prometheus_client's
+parser: the exposition format has escapes, labels, `_total`/`_created`
+samples and comments that a regular expression gets wrong.
+
+Requests are sequential and few (per model one completion, a second one only
+after a failure, and a `/metrics` read), so the canary fits a readiness probe
+or a cron job and never loads the server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from patchkit.errors import PatchkitError
+
+MISSING_DEPS = "patchkit canary needs httpx and prometheus-client: pip install 'patchkit[canary]'"
+try:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+except ImportError as exc:  # the optional extra is not installed
+    raise PatchkitError(MISSING_DEPS) from exc
+
+DEFAULT_PROMPT_TOKENS = 2000
+DEFAULT_TIMEOUT = 60.0  # seconds for the whole run, so a probe or cron job always ends
+NEW_TOKENS = 32
+CONNECT_TIMEOUT = 5.0  # a refused or unroutable address fails fast, not at the deadline
+MAX_BODY = 16 * 1024 * 1024  # a wrong URL must not fill memory
+# Greedy decoding after a NaN emits token id 0 (`!` in Qwen tokenizers) at every
+# step; 8 in a row never comes from a sane model continuing English prose.
+ZERO_RUN = 8
+BANG_RUN = "!" * ZERO_RUN
+# The greedy token is the argmax, so its log-probability is at least
+# -ln(vocabulary), about -12.5 for 260k tokens; far below means broken logits
+# (vLLM floors -inf to -9999.0).
+MIN_GREEDY_LOGPROB = -100.0
+COUNTER = "vllm:corrupted_requests_total"
+COUNTER_SAMPLES = (COUNTER, "vllm:corrupted_requests")  # without _total from other exporters
+NAN_MESSAGE = re.compile(r"not JSON compliant|\bnan\b|\binf(inity)?\b", re.IGNORECASE)
+TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+COUNTER_ABSENT = (
+    f"{COUNTER} is not on /metrics: start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 "
+    "so requests with NaN logits are counted"
+)
+
+
+class Unanswered(Exception):
+    """A request got no HTTP answer (refused, timed out, budget spent); str() says which."""
+
+
+@dataclass
+class Exchange:
+    """One HTTP request and its answer, as recorded with --record."""
+
+    method: str
+    path: str
+    request: dict | None
+    status: int
+    body: str
+    seconds: float
+
+    def json(self):
+        try:
+            return json.loads(self.body)  # accepts NaN/Infinity, which some proxies write
+        except ValueError:
+            return None
+
+
+@dataclass
+class Verdict:
+    """What one model answered and what the canary makes of it.
+
+    verdict: ok, bad (evidence of NaN: the failure this tool exists for),
+    error (the request failed some other way), not-served (a --model the
+    server does not list), not-checked (the time budget ran out first).
+    """
+
+    model: str
+    parent: str | None = None
+    verdict: str = "ok"
+    evidence: list[str] = field(default_factory=list)
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    corrupted_delta: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        return "adapter" if self.parent else "base"
+
+    def mark(self, verdict: str, evidence: str) -> None:
+        """Add evidence; `bad` outranks `error`, which outranks `ok`."""
+        order = ("ok", "error", "bad")
+        if verdict in order and order.index(verdict) > order.index(self.verdict):
+            self.verdict = verdict
+        elif verdict not in order:
+            self.verdict = verdict
+        self.evidence.append(evidence)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass
+class Report:
+    url: str
+    version: str | None = None
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    models: list[Verdict] = field(default_factory=list)
+    recheck: Verdict | None = None  # the base model again, after a bad adapter
+    counter: dict = field(default_factory=dict)  # name, present, before, after
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        checked = self.models + ([self.recheck] if self.recheck else [])
+        return bool(self.models) and all(v.verdict == "ok" for v in checked)
+
+    def summary(self) -> str:
+        """One line: what is wrong (or that all is well)."""
+        bad = [v for v in self.models if v.verdict == "bad"]
+        others = [v for v in self.models if v.verdict not in ("ok", "bad")]
+        if self.ok:
+            return f"all {len(self.models)} models answer sanely"
+        parts = []
+        if bad:
+            names = ", ".join(f"{v.kind} '{v.model}'" for v in bad)
+            parts.append(f"{names} answer{'s' if len(bad) == 1 else ''} NaN")
+        if self.recheck and self.recheck.verdict != "ok":
+            parts.append(f"the base model '{self.recheck.model}' went bad after it")
+        for v in others:
+            parts.append(f"'{v.model}' {v.verdict}: {v.evidence[0] if v.evidence else ''}")
+        return "; ".join(parts)
+
+    def next_steps(self) -> list[str]:
+        return next_steps(self)
+
+    def to_json(self) -> dict:
+        data = {
+            "ok": self.ok,
+            "exit_code": 0 if self.ok else 1,
+            "url": self.url,
+            "vllm_version": self.version,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": NEW_TOKENS,
+            "models": [v.to_json() for v in self.models],
+            "recheck": self.recheck.to_json() if self.recheck else None,
+            "corrupted_requests": self.counter,
+            "notes": self.notes,
+            "next_steps": self.next_steps(),
+            "seconds": round(self.seconds, 2),
+        }
+        if not self.ok:
+            data["error"] = self.summary()
+        return data
+
+
+# ----- the prompt -----
+
+_SUBJECTS = (
+    "The old lighthouse keeper", "A young engineer", "The village baker", "Our neighbour",
+    "The river pilot", "A tired nurse", "The school librarian", "My grandmother",
+    "The orchestra conductor", "A travelling merchant", "The night watchman", "Her brother",
+    "The apprentice carpenter", "A retired sailor", "The museum guide", "The farmer's daughter",
+)  # fmt: skip
+_VERBS = (
+    "carried", "repaired", "painted", "described", "counted", "borrowed", "measured",
+    "planted", "cleaned", "remembered", "explained", "collected", "followed", "opened",
+    "wrapped", "studied", "sold", "watched", "built", "tested",
+)  # fmt: skip
+_OBJECTS = (
+    "a wooden chair", "the broken clock", "seven copper pans", "an old map of the coast",
+    "the letters from the city", "a basket of green apples", "the heavy iron gate",
+    "a small blue boat", "the winter coats", "a box of candles", "the garden fence",
+    "two bags of flour", "the station bell", "a long wool scarf", "the kitchen window",
+)  # fmt: skip
+_PLACES = (
+    "near the harbour", "behind the market", "in the quiet library", "along the north road",
+    "under the bridge", "at the top of the hill", "beside the mill", "in the crowded square",
+    "across the valley", "inside the warm kitchen", "by the frozen lake", "on the morning train",
+)  # fmt: skip
+_TIMES = (
+    "before sunrise", "late in the evening", "on a rainy Tuesday", "after the long winter",
+    "during the spring fair", "just after lunch", "on the first day of autumn",
+    "while the bells rang", "when the snow stopped", "at half past nine",
+)  # fmt: skip
+_REASONS = (
+    "because the mayor had asked for it", "so that the children could see it",
+    "although nobody had noticed", "since the weather was finally calm",
+    "because the old one had worn out", "as the whole town expected",
+    "even though it took most of the day", "because a storm was coming",
+)  # fmt: skip
+
+
+def prompt_text(tokens: int) -> str:
+    """Deterministic, varied English prose of about ``tokens`` tokens, with no tokenizer.
+
+    Built from common words that BPE vocabularies hold whole (with their
+    leading space), so the estimate is one token per word and per punctuation
+    mark; `usage.prompt_tokens` in each answer tells the real count. Varied
+    so the model has something to continue and no run of repeats, and the
+    same on every run (the prefix cache is defeated with `cache_salt`).
+    """
+    rnd = random.Random(20)  # fixed: the same text every run
+    lead = "Here is a long story from a small town. Read it and continue it."
+    words, text, paragraph = _estimate(lead), [lead, ""], []
+    while True:
+        sentence = (
+            f"{rnd.choice(_TIMES).capitalize()}, {rnd.choice(_SUBJECTS).lower()} "
+            f"{rnd.choice(_VERBS)} {rnd.choice(_OBJECTS)} {rnd.choice(_PLACES)}, "
+            f"{rnd.choice(_REASONS)}."
+            if rnd.random() < 0.5
+            else f"{rnd.choice(_SUBJECTS)} {rnd.choice(_VERBS)} {rnd.choice(_OBJECTS)} "
+            f"{rnd.choice(_PLACES)} {rnd.choice(_TIMES)}, {rnd.choice(_REASONS)}."
+        )
+        cost = _estimate(sentence)
+        if words + cost > tokens - 4 and (paragraph or len(text) > 2):
+            break
+        paragraph.append(sentence)
+        words += cost
+        if len(paragraph) == 5:
+            text.append(" ".join(paragraph))
+            paragraph = []
+    if paragraph:
+        text.append(" ".join(paragraph))
+    return "\n".join(text) + "\nThe next morning,"
+
+
+def _estimate(text: str) -> int:
+    """Tokens of ``text`` by the rule prompt_text relies on: a word or a punctuation mark each."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
+# ----- HTTP -----
+
+
+class Server:
+    """An httpx client bound to a server root, an API key and a deadline for the whole run.
+
+    Every request gets a connect timeout of at most CONNECT_TIMEOUT and must
+    finish before the deadline; the body is read in chunks so a server that
+    trickles bytes cannot outlast it. No retries: a probe must be fast and
+    say what it saw. The key goes only into the Authorization header and is
+    scrubbed from everything the canary prints.
+    """
+
+    def __init__(self, root: str, api_key: str | None, deadline: float, record: Path | None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.root, self.key, self.deadline, self.record = root, api_key, deadline, record
+        self.client = httpx.Client(base_url=root, headers=headers, follow_redirects=False)
+        self.exchanges = 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def scrub(self, text: str) -> str:
+        return scrub(text, self.key)
+
+    def get(self, path: str) -> Exchange:
+        return self.send("GET", path, None)
+
+    def post(self, path: str, body: dict) -> Exchange:
+        return self.send("POST", path, body)
+
+    def send(self, method: str, path: str, body: dict | None) -> Exchange:
+        left = self.remaining()
+        if left <= 0:
+            raise Unanswered("the time budget (--timeout) ran out before this request")
+        timeout = httpx.Timeout(left, connect=min(CONNECT_TIMEOUT, left))
+        started = time.monotonic()
+        try:
+            with self.client.stream(method, path, json=body, timeout=timeout) as response:
+                chunks, size = [], 0
+                for chunk in response.iter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise Unanswered(f"{method} {path}: answer larger than {MAX_BODY} bytes")
+                    if time.monotonic() > self.deadline:
+                        raise httpx.ReadTimeout("deadline")
+                text = b"".join(chunks).decode("utf-8", errors="replace")
+        except httpx.ConnectTimeout:
+            raise Unanswered(
+                f"cannot connect within {time.monotonic() - started:.0f} s (no answer to the "
+                "connection attempt: a wrong address, or a firewall dropping packets)"
+            ) from None
+        except httpx.TimeoutException:
+            raise Unanswered(
+                f"{method} {path} got no answer within {time.monotonic() - started:.0f} s"
+            ) from None
+        except httpx.ConnectError as exc:
+            raise Unanswered(f"cannot connect ({self.scrub(_reason(exc))})") from None
+        except httpx.HTTPError as exc:
+            raise Unanswered(f"{method} {path} failed: {self.scrub(_reason(exc))}") from None
+        exchange = Exchange(
+            method, path, body, response.status_code, text, time.monotonic() - started
+        )
+        self._save(exchange)
+        return exchange
+
+    def _save(self, exchange: Exchange) -> None:
+        """With --record: one JSON file per exchange (no headers, so no key)."""
+        if self.record is None:
+            return
+        self.exchanges += 1
+        slug = exchange.path.strip("/").replace("/", "_")
+        name = f"{self.exchanges:03d}-{exchange.method}-{slug}"
+        data = asdict(exchange)
+        data["body"] = self.scrub(data["body"])
+        (self.record / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _reason(exc: Exception) -> str:
+    """The innermost cause's text: 'Connection refused', not httpx's wrapper."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc) or type(exc).__name__
+    return re.sub(r"^\[Errno -?\d+\] ", "", text)
+
+
+def normalize_url(url: str) -> str:
+    """The server root: no trailing slash, no trailing /v1, no credentials kept for display."""
+    root = url.strip().rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root
+
+
+def display_url(root: str) -> str:
+    """The root without user:password@, for every line the canary prints."""
+    parsed = httpx.URL(root)
+    return str(parsed.copy_with(username=None, password=None)) if parsed.userinfo else root
+
+
+def error_message(exchange: Exchange) -> str:
+    """The message of a vLLM error body (`{"error": {"message"}}` or `{"error": "..."}`)."""
+    data = exchange.json()
+    if isinstance(data, dict):
+        error = data.get("error", data.get("detail", data.get("message")))
+        if isinstance(error, dict):
+            error = error.get("message")
+        if isinstance(error, str):
+            return error
+    return exchange.body.strip().splitlines()[0][:200] if exchange.body.strip() else ""
+
+
+# ----- discovery and metrics -----
+
+
+def list_models(server: Server) -> list[dict]:
+    """The model cards of `GET /v1/models`; a PatchkitError when the server cannot say."""
+    where = display_url(server.root)
+    try:
+        answer = server.get("/v1/models")
+    except Unanswered as exc:
+        raise PatchkitError(
+            f"cannot reach the vLLM server at {where}: {exc}; is it running, and are the "
+            "host and port right?"
+        ) from None
+    if answer.status == 401:
+        raise PatchkitError(
+            f"{where} answered 401 Unauthorized on /v1/models: pass the server's API key "
+            "with --api-key or VLLM_API_KEY"
+        )
+    data = answer.json()
+    if answer.status != 200 or not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        detail = error_message(answer) or "no model list"
+        raise PatchkitError(
+            f"{where} is not an OpenAI-compatible vLLM server: GET /v1/models answered "
+            f"HTTP {answer.status} ({server.scrub(detail)[:200]})"
+        )
+    return [card for card in data["data"] if isinstance(card, dict) and "id" in card]
+
+
+def server_version(server: Server) -> str | None:
+    """vLLM's version from `GET /version`, or None (older servers, proxies)."""
+    try:
+        data = server.get("/version").json()
+    except Unanswered:
+        return None
+    return data.get("version") if isinstance(data, dict) else None
+
+
+def read_counter(server: Server) -> tuple[float | None, str]:
+    """The sum of vllm:corrupted_requests_total over engines and models, or None and why."""
+    try:
+        answer = server.get("/metrics")
+    except Unanswered as exc:
+        return None, f"/metrics not read: {exc}"
+    if answer.status != 200:
+        return None, f"/metrics answered HTTP {answer.status}"
+    try:
+        families = list(text_string_to_metric_families(answer.body))
+    except Exception as exc:  # the parser raises ValueError and others on bad text
+        return None, f"/metrics is not Prometheus text ({type(exc).__name__}: {exc})"[:200]
+    samples = [s for f in families for s in f.samples if s.name in COUNTER_SAMPLES]
+    if not samples:
+        return None, COUNTER_ABSENT
+    return sum(s.value for s in samples), ""
+
+
+# ----- judging one model -----
+
+
+def request_body(model: str, prompt: str, logprobs: bool) -> dict:
+    """Greedy, a few dozen tokens, token ids back; a fresh cache_salt per request.
+
+    The salt keeps the prefix cache from serving the long prompt's prefill
+    from memory, which would skip the kernels that go wrong on long prompts.
+    Older servers ignore parameters they do not know (extra="allow").
+    """
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+        "cache_salt": secrets.token_hex(8),
+    }
+    if logprobs:
+        body.update(logprobs=1, return_tokens_as_token_ids=True)
+    return body
+
+
+def check_model(server: Server, card: dict, prompt: str) -> Verdict:
+    """One completion with log-probabilities; after a failure, one without to see the text."""
+    verdict = Verdict(model=card["id"], parent=card.get("parent"))
+    started = time.monotonic()
+    try:
+        answer = server.post("/v1/completions", request_body(card["id"], prompt, True))
+        verdict.http_status = answer.status
+        if answer.status == 200:
+            judge_completion(verdict, answer, with_logprobs=True)
+        else:
+            message = server.scrub(error_message(answer))
+            if NAN_MESSAGE.search(message):
+                verdict.mark("bad", f"HTTP {answer.status}: {message!r} (NaN log-probabilities)")
+            else:
+                verdict.mark("error", f"HTTP {answer.status}: {message!r}")
+            if answer.status != 404:
+                look_at_text(server, verdict, card["id"], prompt)
+    except Unanswered as exc:
+        verdict.mark("error", str(exc))
+    verdict.seconds = round(time.monotonic() - started, 2)
+    return verdict
+
+
+def look_at_text(server: Server, verdict: Verdict, model: str, prompt: str) -> None:
+    """The request again without log-probabilities: no NaN can break its JSON; the text shows."""
+    answer = server.post("/v1/completions", request_body(model, prompt, False))
+    if answer.status == 200:
+        judge_completion(verdict, answer, with_logprobs=False)
+    else:
+        message = server.scrub(error_message(answer))
+        verdict.evidence.append(f"without logprobs too: HTTP {answer.status}: {message!r}")
+
+
+def judge_completion(verdict: Verdict, answer: Exchange, with_logprobs: bool) -> None:
+    """Token-id-0 or `!` runs, NaN, missing or impossible log-probabilities."""
+    data = answer.json()
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        verdict.mark("error", f"HTTP {answer.status} but no choices in the answer")
+        return
+    choice, usage = choices[0], data.get("usage") or {}
+    logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
+    verdict.text = str(choice.get("text", ""))
+    verdict.token_ids = token_ids(choice, logprobs)
+    verdict.prompt_tokens = usage.get("prompt_tokens", verdict.prompt_tokens)
+    verdict.completion_tokens = usage.get("completion_tokens", verdict.completion_tokens)
+    run = longest_zero_run(verdict.token_ids or [])
+    if run >= ZERO_RUN:
+        verdict.mark("bad", f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)")
+    elif verdict.token_ids is None and BANG_RUN in verdict.text:
+        verdict.mark("bad", f"the text is a run of '!': {verdict.text[:40]!r}")
+    if with_logprobs:
+        judge_logprobs(verdict, logprobs)
+
+
+def judge_logprobs(verdict: Verdict, logprobs: dict | None) -> None:
+    values = logprobs.get("token_logprobs") if logprobs else None
+    if not isinstance(values, list) or not values:
+        verdict.mark("bad", "no log-probabilities in the answer (logprobs were asked for)")
+        return
+    missing = sum(1 for v in values if not isinstance(v, (int, float)))
+    nan = sum(1 for v in values if isinstance(v, float) and math.isnan(v))
+    floor = [v for v in values if isinstance(v, (int, float)) and v < MIN_GREEDY_LOGPROB]
+    if nan:
+        verdict.mark("bad", f"{nan} of {len(values)} log-probabilities are NaN")
+    if missing:
+        verdict.mark("bad", f"{missing} of {len(values)} log-probabilities missing (null)")
+    if floor:
+        verdict.mark(
+            "bad",
+            f"greedy token with log-probability {min(floor)} (a sane argmax is above "
+            f"{MIN_GREEDY_LOGPROB:.0f}; vLLM writes -inf as -9999.0)",
+        )
+
+
+def token_ids(choice: dict, logprobs: dict | None) -> list[int] | None:
+    """The completion's token ids: `token_ids`, else the `token_id:N` tokens of logprobs."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        return ids
+    tokens = logprobs.get("tokens") if logprobs else None
+    if isinstance(tokens, list):
+        found = [TOKEN_ID.match(t) for t in tokens if isinstance(t, str)]
+        if found and all(found):
+            return [int(m.group(1)) for m in found]
+    return None
+
+
+def longest_zero_run(ids: list[int]) -> int:
+    longest = current = 0
+    for token in ids:
+        current = current + 1 if token == 0 else 0
+        longest = max(longest, current)
+    return longest
+
+
+# ----- the run -----
+
+
+def fitting_prompt(card: dict, cards: list[dict], wanted: int) -> tuple[int, str | None]:
+    """Shorten the prompt to fit the model's max_model_len (an adapter uses its parent's).
+
+    The estimate of prompt_text can be off by half for an unusual tokenizer,
+    so it keeps that margin; a prompt over the limit would be a 400 that says
+    nothing about NaN.
+    """
+    limit = card.get("max_model_len")
+    if limit is None and card.get("parent"):
+        parent = next((c for c in cards if c["id"] == card["parent"]), {})
+        limit = parent.get("max_model_len")
+    if not isinstance(limit, int) or (wanted + NEW_TOKENS) * 1.5 <= limit:
+        return wanted, None
+    fitted = max(16, int((limit - NEW_TOKENS) / 1.5))
+    return fitted, f"prompt shortened to about {fitted} tokens to fit max_model_len {limit}"
+
+
+def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list[Verdict]]:
+    """The cards to check (all, base models first) and a not-served verdict per unknown --model."""
+    if not wanted:
+        return sorted(cards, key=lambda c: bool(c.get("parent"))), []
+    by_id = {c["id"]: c for c in cards}
+    served = ", ".join(by_id) or "nothing"
+    missing = [
+        Verdict(
+            model=name,
+            verdict="not-served",
+            evidence=[f"not in GET /v1/models (served: {served})"],
+        )
+        for name in dict.fromkeys(wanted)
+        if name not in by_id
+    ]
+    return [by_id[name] for name in dict.fromkeys(wanted) if name in by_id], missing
+
+
+def run(
+    url: str,
+    api_key: str | None = None,
+    models: tuple[str, ...] = (),
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    timeout: float = DEFAULT_TIMEOUT,
+    record: Path | None = None,
+) -> Report:
+    """Check every model (or the ones named), one after the other, within ``timeout`` seconds."""
+    started = time.monotonic()
+    root = normalize_url(url)
+    if record is not None:
+        record.mkdir(parents=True, exist_ok=True)
+    server = Server(root, api_key or None, started + timeout, record)
+    report = Report(url=display_url(root), prompt_tokens=prompt_tokens)
+    try:
+        cards = list_models(server)
+        report.version = server_version(server)
+        targets, missing = select(cards, models)
+        value, why = read_counter(server)
+        report.counter = {"name": COUNTER, "present": value is not None, "before": value}
+        report.counter["after"] = value
+        if why:
+            report.notes.append(why)
+        for card in targets:
+            report.models.append(check_one(server, report, card, cards, prompt_tokens))
+        report.models += missing
+        if not report.models:
+            report.notes.append("the server lists no models")
+        recheck_base(server, report, cards, prompt_tokens)
+    finally:
+        server.close()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def check_one(server: Server, report: Report, card: dict, cards: list[dict], tokens: int):
+    """One model's verdict, with the counter read after its requests."""
+    if server.remaining() <= 0:
+        return Verdict(
+            model=card["id"],
+            parent=card.get("parent"),
+            verdict="not-checked",
+            evidence=["the time budget (--timeout) ran out before this model"],
+        )
+    fitted, note = fitting_prompt(card, cards, tokens)
+    verdict = check_model(server, card, prompt_text(fitted))
+    if note:
+        verdict.evidence.append(note)
+    if report.counter["present"]:
+        before = report.counter["after"]
+        value, why = read_counter(server)
+        if value is not None:
+            report.counter["after"] = value
+            verdict.corrupted_delta = value - before
+            if value > before:
+                verdict.mark(
+                    "bad",
+                    f"{COUNTER} rose by {value - before:g} while its requests ran "
+                    "(other traffic on the server counts too)",
+                )
+        else:
+            verdict.evidence.append(why)
+    return verdict
+
+
+def recheck_base(server: Server, report: Report, cards: list[dict], tokens: int) -> None:
+    """After a bad adapter, ask a sane base model again: confined, or is the server polluted?"""
+    base = next((v for v in report.models if v.kind == "base" and v.verdict == "ok"), None)
+    bad_adapter = any(v.kind == "adapter" and v.verdict == "bad" for v in report.models)
+    if base is None or not bad_adapter or server.remaining() <= 0:
+        return
+    card = next(c for c in cards if c["id"] == base.model)
+    report.recheck = check_one(server, report, card, cards, tokens)
+
+
+# ----- output -----
+
+
+def next_steps(report: Report) -> list[str]:
+    """What the on-call engineer does next, given what went wrong."""
+    if report.ok:
+        return []
+    bad = [v for v in report.models if v.verdict == "bad"]
+    bad_base = [v for v in bad if v.kind == "base"]
+    bad_adapters = [v.model for v in bad if v.kind == "adapter"]
+    steps = []
+    if bad_adapters and not bad_base:
+        names = ", ".join(bad_adapters)
+        steps += [
+            f"the NaN comes through the LoRA path of {names} (the base model is sane): run "
+            "`patchkit doctor` in the serving image (the Python that runs vLLM); it says "
+            "whether vLLM #48590 (Hopper LoRA kernel) is exposed",
+            "if exposed: `patchkit apply --clear-caches`, then restart the server",
+            f"if protected: the weights of {names} themselves hold inf/NaN (patchkit's torch "
+            "LoRA path keeps such an adapter's NaN in its own requests); replace the adapter, "
+            "and stop routing to it meanwhile (POST /v1/unload_lora_adapter when the server "
+            "allows runtime LoRA updates)",
+        ]
+    if bad_base:
+        steps += [
+            "the base model itself answers NaN, so LoRA is not the only cause: run "
+            "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
+        ]
+    if report.recheck and report.recheck.verdict != "ok":
+        steps.append("the base model went bad after the adapter: the server's state is polluted")
+    if bad:
+        steps.append(
+            "restart the server: once a NaN has appeared, later requests can stay bad until a "
+            "restart"
+        )
+    if any(v.verdict in ("error", "not-checked") for v in report.models):
+        steps.append("look at the server's log for the failed requests; check --timeout")
+    if any(v.verdict == "not-served" for v in report.models):
+        steps.append("check the --model names against GET /v1/models (listed in the evidence)")
+    if not report.counter.get("present"):
+        steps.append(
+            "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
+            f"counted in {COUNTER}"
+        )
+    return steps
+
+
+def scrub(text: str, api_key: str | None) -> str:
+    """The text with the API key replaced, for every line and JSON document printed."""
+    return text.replace(api_key, "***") if api_key else text

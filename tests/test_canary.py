@@ -1,0 +1,763 @@
+"""`patchkit canary` against a real HTTP server that answers like vLLM.
+
+FakeVLLM is an http.server in a thread. Its answers copy the field names of
+vLLM 0.26.0's own code (the wheel's files, line numbers of 0.26.0):
+
+* GET /v1/models: ModelList / ModelCard, vllm/entrypoints/openai/engine/
+  protocol.py:89-102; adapters carry `parent` and `max_model_len: null`
+  (openai/models/serving.py:149-165).
+* POST /v1/completions: CompletionResponse / CompletionResponseChoice /
+  CompletionLogProbs, openai/completion/protocol.py:568-620; `token_ids`
+  only with `return_token_ids`, tokens as `token_id:N` with
+  `return_tokens_as_token_ids` (generate/base/serving.py:273).
+* Errors: ErrorResponse `{"error": {"message", "type", "param", "code"}}`
+  (engine/protocol.py:63-71). A NaN log-probability makes the JSON encoder
+  raise `Out of range float values are not JSON compliant` and vLLM 0.18+
+  answers 400 BadRequestError (serve/utils/error_response.py:61); 0.17 a
+  plain-text 500. A wrong API key: 401 `{"error": "Unauthorized"}`
+  (serve/utils/server_utils.py:91), for /v1 paths only.
+* /metrics: rendered by prometheus_client itself from a Counter named
+  `vllm:corrupted_requests` with labels model_name and engine, as
+  v1/metrics/loggers.py:571-582 declares it.
+
+A later GPU run (scripts/canary_gpu.py --record) records a real vLLM
+server's exchanges; those recordings are to replace these hand-made shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from patchkit.live import canary
+from tests.conftest import run_cli, run_subprocess
+
+BASE = "Qwen/Qwen3.5-tiny"
+KEY = "sk-canary-secret-4711"
+NAN_MESSAGE = "Out of range float values are not JSON compliant: nan"
+SANE_IDS = [785, 1790, 6556, 11, 279, 1156, 572, 2087, 916, 279] * 4
+
+
+class FakeVLLM:
+    """A server that answers like vLLM; each model behaves as told.
+
+    Behaviours: ok, bang (200, token id 0 / '!' and finite log-probs),
+    nan400 / nan500 (the NaN JSON error; 200 with '!!!' when asked without
+    logprobs), plain500 (0.17: a text 500; then '!!!' without logprobs),
+    plain500-sane (the same, then a sane text), nanlogprobs (a NaN literal in
+    token_logprobs), nulllogprobs (logprobs: null), nullentries (null entries
+    in token_logprobs), corrupt (sane answer, the
+    corrupted-requests counter rises), hang (no answer until shut down),
+    leaky (a 500 whose message quotes the Authorization header), bang-no-ids
+    (a run of '!' from a server that ignores the token-id options), floor
+    (log-probability -9999.0, vLLM's floor for -inf), polluted (sane until an
+    adapter was bad, then '!!!').
+    """
+
+    def __init__(self, models: dict[str, str], metrics: str = "counter", api_key=None, **kw):
+        self.models = models  # id -> behaviour; the first is the base model
+        self.metrics = metrics  # counter, untyped (no _total), absent, two-engines
+        self.api_key = api_key
+        self.max_model_len = kw.get("max_model_len", 8192)
+        self.requests: list[dict] = []
+        self.corrupted = 0
+        self.polluted = False
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def completions(self) -> list[dict]:
+        return [r for r in self.requests if r["path"] == "/v1/completions"]
+
+    def handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.answer(None)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                self.answer(json.loads(self.rfile.read(length)))
+
+            def answer(self, body):
+                record = {"path": self.path, "headers": dict(self.headers), "body": body}
+                record["start"] = time.monotonic()
+                fake.requests.append(record)
+                status, payload, kind = fake.route(self.path, body, dict(self.headers))
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                record["end"] = time.monotonic()
+
+        return Handler
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # ----- routes -----
+
+    def route(self, path: str, body, headers: dict):
+        if path.startswith("/v1") and self.api_key:
+            if headers.get("Authorization") != f"Bearer {self.api_key}":
+                return 401, {"error": "Unauthorized"}, "application/json"
+        if path == "/v1/models":
+            return 200, self.model_list(), "application/json"
+        if path == "/version":
+            return 200, {"version": "0.26.0"}, "application/json"
+        if path == "/metrics":
+            if self.metrics == "absent":
+                return 200, generate_latest(self.registry(with_counter=False)), "text/plain"
+            return 200, self.exposition(), "text/plain; version=0.0.4"
+        if path == "/v1/completions":
+            return self.completion(body, headers)
+        return 404, {"detail": "Not Found"}, "application/json"
+
+    def model_list(self) -> dict:
+        now = int(time.time())
+        names = list(self.models)
+
+        def card(name, parent, max_len):
+            return {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": f"/models/{name}",
+                "parent": parent,
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{name}",
+                        "object": "model_permission",
+                        "created": now,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+
+        cards = [card(names[0], None, self.max_model_len)]
+        cards += [card(name, names[0], None) for name in names[1:]]
+        return {"object": "list", "data": cards}
+
+    def registry(self, with_counter=True) -> CollectorRegistry:
+        registry = CollectorRegistry()
+        Gauge("vllm:num_requests_running", "Running", ["model_name", "engine"], registry=registry)
+        other = Counter(
+            "vllm:prompt_tokens", "Prompt tokens", ["model_name", "engine"], registry=registry
+        )
+        other.labels(BASE, "0").inc(12345)  # a counter that is not the one the canary reads
+        if with_counter:
+            counter = Counter(
+                "vllm:corrupted_requests",
+                "Corrupted requests, in terms of total number of requests with NaNs in logits.",
+                ["model_name", "engine"],
+                registry=registry,
+            )
+            engines = ("0", "1") if self.metrics == "two-engines" else ("0",)
+            for engine in engines:
+                counter.labels(BASE, engine).inc(self.corrupted)
+        return registry
+
+    def exposition(self) -> bytes:
+        if self.metrics == "untyped":  # an exporter that writes the counter without _total
+            return (
+                "# HELP vllm:corrupted_requests Corrupted requests.\n"
+                "# TYPE vllm:corrupted_requests untyped\n"
+                f'vllm:corrupted_requests{{engine="0",model_name="{BASE}"}} {self.corrupted}\n'
+            ).encode()
+        return generate_latest(self.registry())
+
+    def completion(self, body: dict, headers: dict):
+        model = body.get("model")
+        behaviour = self.models.get(model)
+        if behaviour is None:
+            return 404, error(f"The model `{model}` does not exist.", "NotFoundError", 404), JSON
+        logprobs = body.get("logprobs") is not None
+        if behaviour == "hang":
+            self.release.wait(30)
+            return 200, completion(body, SANE_IDS, -0.5), JSON
+        if behaviour in ("nan400", "nan500") and logprobs:
+            code = 400 if behaviour == "nan400" else 500
+            return code, error(NAN_MESSAGE, "BadRequestError", code), JSON
+        if behaviour.startswith("plain500") and logprobs:
+            return 500, b"Internal Server Error", "text/plain; charset=utf-8"
+        if behaviour == "leaky":
+            message = f"engine failed for {headers.get('Authorization')}"
+            return 500, error(message, "InternalServerError", 500), JSON
+        if behaviour == "polluted" and self.polluted:  # sane until a bad request ran
+            return 200, completion(body, [0] * 32, -0.01, text="!" * 32), JSON
+        if behaviour in ("bang", "nan400") and model != list(self.models)[0]:
+            self.polluted = True
+        if behaviour == "bang-no-ids":  # a server that ignores the token-id options
+            plain = {k: v for k, v in body.items() if not k.startswith("return_")}
+            return 200, completion(plain, [0] * 32, -0.01, text="!" * 32), JSON
+        if behaviour == "floor":
+            return 200, completion(body, SANE_IDS, -9999.0), JSON
+        if behaviour == "corrupt":
+            with self.lock:
+                self.corrupted += 1
+        if behaviour in ("bang", "nan400", "nan500", "plain500"):
+            return 200, completion(body, [0] * 32, -0.01, text="!" * 32), JSON
+        if behaviour == "nanlogprobs":
+            return 200, completion(body, SANE_IDS, float("nan")), JSON
+        answer = completion(body, SANE_IDS, -0.5)
+        if behaviour == "nulllogprobs":
+            answer["choices"][0]["logprobs"] = None
+        if behaviour == "nullentries":  # vLLM writes None where a step has no logprobs
+            answer["choices"][0]["logprobs"]["token_logprobs"][3:] = [None] * 29
+        return 200, answer, JSON
+
+
+JSON = "application/json"
+
+
+def error(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def completion(body: dict, ids: list[int], logprob: float, text: str | None = None) -> dict:
+    """A CompletionResponse as vLLM 0.26.0 writes it, honouring the request's options."""
+    ids = ids[: body.get("max_tokens", 16)]
+    text = " the keeper" * (len(ids) // 2) if text is None else text[: len(ids)]
+    as_ids = body.get("return_tokens_as_token_ids")
+    tokens = [f"token_id:{i}" if as_ids else ("!" if i == 0 else "x") for i in ids]
+    logprobs = None
+    if body.get("logprobs") is not None:
+        logprobs = {
+            "text_offset": list(range(len(ids))),
+            "token_logprobs": [logprob] * len(ids),
+            "tokens": tokens,
+            "top_logprobs": [{t: logprob} for t in tokens],
+        }
+    prompt_tokens = canary._estimate(body["prompt"])
+    return {
+        "id": "cmpl-0123456789abcdef",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body["model"],
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": ids if body.get("return_token_ids") else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + len(ids),
+            "completion_tokens": len(ids),
+            "prompt_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def canary_cli(url: str, *args: str, env: dict | None = None):
+    return run_cli("canary", "--url", url, *args, env=env)
+
+
+def canary_json(url: str, *args: str, env: dict | None = None) -> tuple[int, dict]:
+    result = canary_cli(url, "--json", *args, env=env)
+    return result.exit_code, json.loads(result.stdout)
+
+
+def verdicts(report: dict) -> dict[str, str]:
+    return {m["model"]: m["verdict"] for m in report["models"]}
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_key(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+
+
+HEALTHY = {BASE: "ok", "sql-lora": "ok", "chat-lora": "ok"}
+
+
+# ----- healthy servers -----
+
+
+def test_healthy_base_and_two_adapters_pass_with_sound_requests():
+    with FakeVLLM(HEALTHY) as server:
+        code, report = canary_json(server.url)
+    assert code == 0, report
+    assert report["ok"] is True and "error" not in report
+    assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "chat-lora": "ok"}
+    assert [m["kind"] for m in report["models"]] == ["base", "adapter", "adapter"]
+    assert report["vllm_version"] == "0.26.0"
+    assert report["corrupted_requests"]["present"] is True
+    sent = server.completions()
+    assert [r["body"]["model"] for r in sent] == [BASE, "sql-lora", "chat-lora"]
+    for request in sent:
+        body = request["body"]
+        assert body["temperature"] == 0 and body["logprobs"] == 1
+        assert body["max_tokens"] == canary.NEW_TOKENS
+        assert body["return_tokens_as_token_ids"] is True and body["return_token_ids"] is True
+        assert 1800 <= canary._estimate(body["prompt"]) <= 2000
+    salts = {r["body"]["cache_salt"] for r in sent}
+    assert len(salts) == 3  # each long prefill really runs: no prefix-cache hit
+
+
+def test_requests_are_sequential_and_few():
+    with FakeVLLM(HEALTHY) as server:
+        code, _ = canary_json(server.url)
+    assert code == 0
+    spans = sorted((r["start"], r["end"]) for r in server.requests)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    # /v1/models, /version, /metrics before, and per model a completion and /metrics
+    assert len(server.requests) == 3 + 2 * len(HEALTHY)
+
+
+def test_text_output_of_a_healthy_server():
+    with FakeVLLM(HEALTHY) as server:
+        result = canary_cli(server.url)
+    assert result.exit_code == 0, result.output
+    assert "OK: all 3 models answer sanely" in result.stdout
+    assert "vLLM 0.26.0 at http://127.0.0.1" in result.stdout
+    assert "vllm:corrupted_requests_total: 0 -> 0" in result.stdout
+
+
+# ----- NaN evidence -----
+
+
+def test_adapter_answering_bangs_with_token_id_zero_is_named():
+    with FakeVLLM({BASE: "ok", "sql-lora": "ok", "bad-lora": "bang"}) as server:
+        result = canary_cli(server.url)
+        code, report = canary_json(server.url)
+    assert result.exit_code == 1 and code == 1
+    assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "bad-lora": "bad"}
+    bad = report["models"][2]
+    assert bad["token_ids"] == [0] * 32 and bad["text"].startswith("!!!!")
+    assert any("32 tokens of id 0 in a row" in e for e in bad["evidence"])
+    assert report["recheck"]["model"] == BASE and report["recheck"]["verdict"] == "ok"
+    assert "FAILED: adapter 'bad-lora' answers NaN" in result.stdout
+    assert "sql-lora" not in result.stdout.split("FAILED:")[1]
+    for step in ("`patchkit doctor`", "`patchkit apply", "restart the server"):
+        assert step in result.stdout
+    assert result.stderr.startswith("patchkit: error: adapter 'bad-lora' answers NaN")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("behaviour,status", [("nan400", 400), ("nan500", 500)])
+def test_nan_json_error_is_bad_and_the_text_is_fetched(behaviour, status):
+    with FakeVLLM({BASE: "ok", "bad-lora": behaviour}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    bad = report["models"][1]
+    assert bad["verdict"] == "bad" and bad["http_status"] == status
+    assert any("not JSON compliant" in e and "NaN" in e for e in bad["evidence"])
+    retry = server.completions()[-2]  # the second look, before the base recheck
+    assert retry["body"]["model"] == "bad-lora" and "logprobs" not in retry["body"]
+    assert bad["token_ids"] == [0] * 32
+
+
+@pytest.mark.parametrize("behaviour,verdict", [("plain500", "bad"), ("plain500-sane", "error")])
+def test_plain_500_of_vllm_017_is_judged_by_the_text(behaviour, verdict):
+    with FakeVLLM({BASE: "ok", "lora": behaviour}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert verdicts(report)["lora"] == verdict
+    assert "HTTP 500: 'Internal Server Error'" in report["models"][1]["evidence"][0]
+
+
+def test_nan_log_probabilities_are_bad():
+    with FakeVLLM({BASE: "ok", "lora": "nanlogprobs"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert verdicts(report) == {BASE: "ok", "lora": "bad"}
+    assert "32 of 32 log-probabilities are NaN" in report["models"][1]["evidence"]
+
+
+@pytest.mark.parametrize(
+    "behaviour,evidence",
+    [
+        ("nulllogprobs", "no log-probabilities in the answer"),
+        ("nullentries", "29 of 32 log-probabilities missing (null)"),
+    ],
+)
+def test_missing_log_probabilities_are_bad(behaviour, evidence):
+    with FakeVLLM({BASE: behaviour}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1 and verdicts(report) == {BASE: "bad"}
+    assert evidence in report["models"][0]["evidence"][0]
+    assert report["recheck"] is None  # no adapter was bad: nothing to recheck
+
+
+def test_bang_text_without_token_ids_is_bad():
+    with FakeVLLM({BASE: "ok", "lora": "bang-no-ids"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1 and verdicts(report)["lora"] == "bad"
+    assert report["models"][1]["token_ids"] is None
+    assert "the text is a run of '!'" in report["models"][1]["evidence"][0]
+
+
+def test_impossible_greedy_log_probability_is_bad():
+    with FakeVLLM({BASE: "floor"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1 and verdicts(report) == {BASE: "bad"}
+    assert "log-probability -9999.0" in report["models"][0]["evidence"][0]
+
+
+def test_base_going_bad_after_a_bad_adapter_says_polluted():
+    with FakeVLLM({BASE: "polluted", "bad-lora": "bang"}) as server:
+        result = canary_cli(server.url)
+    assert result.exit_code == 1
+    assert "again after the bad adapter" in result.stdout
+    assert "the base model 'Qwen/Qwen3.5-tiny' went bad after it" in result.stderr
+    assert "the server's state is polluted" in result.stdout
+
+
+def test_base_model_bad_says_lora_is_not_the_only_cause():
+    with FakeVLLM({BASE: "bang", "lora": "ok"}) as server:
+        result = canary_cli(server.url)
+    assert result.exit_code == 1
+    assert "base 'Qwen/Qwen3.5-tiny' answers NaN" in result.stdout
+    assert "LoRA is not the only cause" in result.stdout
+
+
+# ----- /metrics -----
+
+
+def test_counter_rising_during_one_model_blames_that_model_only():
+    with FakeVLLM({BASE: "ok", "a": "ok", "b": "corrupt", "c": "ok"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert verdicts(report) == {BASE: "ok", "a": "ok", "b": "bad", "c": "ok"}
+    deltas = {m["model"]: m["corrupted_delta"] for m in report["models"]}
+    assert deltas == {BASE: 0, "a": 0, "b": 1, "c": 0}
+    assert report["corrupted_requests"] == {
+        "name": "vllm:corrupted_requests_total",
+        "present": True,
+        "before": 0,
+        "after": 1,
+    }
+
+
+@pytest.mark.parametrize("metrics", ["untyped", "two-engines"])
+def test_counter_variants_are_read(metrics):
+    with FakeVLLM({BASE: "ok", "b": "corrupt"}, metrics=metrics) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    engines = 2 if metrics == "two-engines" else 1
+    assert report["models"][1]["corrupted_delta"] == engines
+
+
+def test_absent_counter_is_said_and_does_not_fail():
+    with FakeVLLM(HEALTHY, metrics="absent") as server:
+        result = canary_cli(server.url)
+        code, report = canary_json(server.url)
+    assert result.exit_code == 0 and code == 0
+    assert "VLLM_COMPUTE_NANS_IN_LOGITS=1" in result.stdout
+    assert report["corrupted_requests"]["present"] is False
+    assert any("VLLM_COMPUTE_NANS_IN_LOGITS=1" in n for n in report["notes"])
+
+
+# ----- reaching the server -----
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_fails_fast_with_one_line():
+    started = time.monotonic()
+    result = canary_cli(f"http://127.0.0.1:{closed_port()}")
+    assert time.monotonic() - started < 5
+    assert result.exit_code == 1
+    assert result.stderr.startswith("patchkit: error: cannot reach the vLLM server at http://127")
+    assert "is it running" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_unreachable_server_json():
+    result = canary_cli(f"http://127.0.0.1:{closed_port()}", "--json")
+    data = json.loads(result.stdout)
+    assert result.exit_code == 1
+    assert data["ok"] is False and data["exit_code"] == 1 and "cannot reach" in data["error"]
+
+
+def test_server_that_accepts_but_never_answers_respects_timeout():
+    with socket.socket() as listener:  # the kernel accepts; nobody reads or answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        started = time.monotonic()
+        result = canary_cli(f"http://127.0.0.1:{listener.getsockname()[1]}", "--timeout", "2")
+        elapsed = time.monotonic() - started
+    assert result.exit_code == 1 and 1.5 < elapsed < 5
+    assert "got no answer within 2 s" in result.stderr
+
+
+def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(monkeypatch):
+    """A full accept queue drops SYNs, as a firewall or a dead pod IP does."""
+    monkeypatch.setattr(canary, "CONNECT_TIMEOUT", 1.0)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        time.sleep(0.2)
+        started = time.monotonic()
+        result = canary_cli(f"http://127.0.0.1:{port}", "--timeout", "20")
+        elapsed = time.monotonic() - started
+        for filler in fillers:
+            filler.close()
+    assert result.exit_code == 1 and elapsed < 4
+    assert "cannot connect within 1 s" in result.stderr
+
+
+def test_server_trickling_its_answer_is_cut_at_the_deadline():
+    """Each byte comes within the read timeout; only the whole-run deadline stops it."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        stop = threading.Event()
+
+        def trickle():
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            while not stop.wait(0.1):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    break
+            conn.close()
+
+        threading.Thread(target=trickle, daemon=True).start()
+        started = time.monotonic()
+        result = canary_cli(f"http://127.0.0.1:{listener.getsockname()[1]}", "--timeout", "2")
+        elapsed = time.monotonic() - started
+        stop.set()
+    assert result.exit_code == 1 and elapsed < 4
+    assert "got no answer within 2 s" in result.stderr
+
+
+def test_hanging_model_ends_the_run_at_the_deadline():
+    with FakeVLLM({BASE: "ok", "slow": "hang", "after": "ok"}) as server:
+        started = time.monotonic()
+        code, report = canary_json(server.url, "--timeout", "3")
+        elapsed = time.monotonic() - started
+    assert code == 1 and elapsed < 5
+    assert verdicts(report) == {BASE: "ok", "slow": "error", "after": "not-checked"}
+    assert "got no answer" in report["models"][1]["evidence"][0]
+
+
+def test_default_budget_is_sixty_seconds(monkeypatch):
+    seen = {}
+
+    def fake_run(url, api_key, models, prompt_tokens, timeout, record):
+        seen["timeout"] = timeout
+        return canary.Report(url=url, models=[canary.Verdict(model="m")])
+
+    monkeypatch.setattr(canary, "run", fake_run)
+    assert canary_cli("http://127.0.0.1:1").exit_code == 0
+    assert seen["timeout"] == 60.0 == canary.DEFAULT_TIMEOUT
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_url_with_v1_suffix(suffix):
+    with FakeVLLM(HEALTHY) as server:
+        code, report = canary_json(server.url + suffix)
+    assert code == 0
+    assert report["url"] == server.url
+    assert {r["path"] for r in server.requests} == {
+        "/v1/models",
+        "/version",
+        "/metrics",
+        "/v1/completions",
+    }
+
+
+# ----- choosing models -----
+
+
+def test_model_subset():
+    with FakeVLLM({BASE: "ok", "a": "ok", "b": "bang"}) as server:
+        code, report = canary_json(server.url, "--model", "a", "--model", BASE)
+    assert code == 0
+    assert [m["model"] for m in report["models"]] == ["a", BASE]
+    assert [r["body"]["model"] for r in server.completions()] == ["a", BASE]
+
+
+def test_unknown_model_is_named_and_fails():
+    with FakeVLLM(HEALTHY) as server:
+        result = canary_cli(server.url, "--model", "sql-lora", "--model", "nope-lora")
+    assert result.exit_code == 1
+    assert "'nope-lora' not-served: not in GET /v1/models" in result.stderr
+    assert "served: Qwen/Qwen3.5-tiny, sql-lora, chat-lora" in result.stdout
+    assert [r["body"]["model"] for r in server.completions()] == ["sql-lora"]
+
+
+def test_prompt_shortened_to_fit_max_model_len():
+    with FakeVLLM({BASE: "ok", "lora": "ok"}, max_model_len=1024) as server:
+        code, report = canary_json(server.url)
+    assert code == 0
+    for request in server.completions():
+        assert canary._estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
+    assert "fit max_model_len 1024" in report["models"][1]["evidence"][0]
+
+
+# ----- the API key -----
+
+
+def test_api_key_is_sent_as_bearer_and_never_printed(tmp_path: Path):
+    with FakeVLLM({BASE: "ok", "leaky": "leaky"}, api_key=KEY) as server:
+        text = canary_cli(server.url, "--api-key", KEY, "--record", str(tmp_path))
+        code, report = canary_json(server.url, env={"VLLM_API_KEY": KEY})
+    assert text.exit_code == 1 and code == 1
+    assert verdicts(report) == {BASE: "ok", "leaky": "error"}
+    v1 = [r for r in server.requests if r["path"].startswith("/v1")]
+    assert v1 and all(r["headers"]["Authorization"] == f"Bearer {KEY}" for r in v1)
+    assert "engine failed for Bearer ***" in text.stdout  # the server echoed it; scrubbed
+    recorded = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert "Bearer ***" in recorded
+    for output in (text.stdout, text.stderr, json.dumps(report), recorded):
+        assert KEY not in output
+
+
+def test_wrong_api_key_says_what_to_do():
+    with FakeVLLM(HEALTHY, api_key=KEY) as server:
+        result = canary_cli(server.url, "--api-key", "wrong-key-123")
+    assert result.exit_code == 1
+    assert "401 Unauthorized" in result.stderr and "--api-key" in result.stderr
+    assert "wrong-key-123" not in result.output
+
+
+# ----- JSON, usage errors, dependencies -----
+
+
+def test_json_shape_of_a_failed_run():
+    with FakeVLLM({BASE: "ok", "bad-lora": "nan400"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert set(report) == {
+        "ok", "exit_code", "error", "url", "vllm_version", "prompt_tokens", "new_tokens",
+        "models", "recheck", "corrupted_requests", "notes", "next_steps", "seconds",
+    }  # fmt: skip
+    assert report["ok"] is False and report["exit_code"] == 1
+    assert report["error"] == "adapter 'bad-lora' answers NaN"
+    assert set(report["models"][1]) == {
+        "kind", "model", "parent", "verdict", "evidence", "http_status", "prompt_tokens",
+        "completion_tokens", "text", "token_ids", "corrupted_delta", "seconds",
+    }  # fmt: skip
+    assert report["models"][1]["parent"] == BASE and report["models"][0]["parent"] is None
+    assert any("patchkit doctor" in s for s in report["next_steps"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--url", "localhost:8000"),
+        ("--url", "http://x", "--prompt-tokens", "0"),
+        ("--url", "http://x", "--timeout", "0"),
+        (),
+    ],
+)
+def test_usage_errors_exit_2(args):
+    result = run_cli("canary", *args, "--json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_missing_dependencies_give_one_line():
+    code = "import sys; sys.modules['httpx'] = None"
+    result = run_subprocess("canary", "--url", "http://127.0.0.1:1", code=code)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "patchkit: error: patchkit canary needs httpx and prometheus-client: "
+        "pip install 'patchkit[canary]'"
+    )
+
+
+def test_other_commands_do_not_import_httpx():
+    probe = (
+        "import sys; from patchkit.cli import main as cli; "
+        "assert 'httpx' not in sys.modules and 'prometheus_client' not in sys.modules"
+    )
+    assert run_subprocess_code(probe) == 0
+
+
+def run_subprocess_code(code: str) -> int:
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", code]).returncode
+
+
+def test_record_writes_each_exchange(tmp_path: Path):
+    with FakeVLLM({BASE: "ok"}) as server:
+        assert canary_cli(server.url, "--record", str(tmp_path / "rec")).exit_code == 0
+    files = sorted((tmp_path / "rec").iterdir())
+    assert [f.name.split("-", 1)[1] for f in files] == [
+        "GET-v1_models.json",
+        "GET-version.json",
+        "GET-metrics.json",
+        "POST-v1_completions.json",
+        "GET-metrics.json",
+    ]
+    exchange = json.loads(files[3].read_text())
+    assert exchange["status"] == 200 and exchange["request"]["model"] == BASE
+    assert json.loads(exchange["body"])["choices"][0]["token_ids"] == SANE_IDS[:32]
+
+
+# ----- the prompt -----
+
+
+def test_prompt_is_deterministic_varied_and_sized():
+    text = canary.prompt_text(2000)
+    assert text == canary.prompt_text(2000)
+    assert 1900 <= canary._estimate(text) <= 2000
+    sentences = [s for s in text.replace("\n", " ").split(". ") if s]
+    assert len(set(sentences)) > 0.9 * len(sentences)
+    assert canary._estimate(canary.prompt_text(200)) <= 200
+    assert canary.prompt_text(16).startswith("Here is a long story")
