@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -286,10 +287,14 @@ def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     scan = scan_calls(tree, ONE_CALL)
     expand = [c for c in scan["cases"] if c["kernel"] == "_lora_expand_kernel"]
     assert expand and all("has_triton_kernels" in c["approximate"] for c in expand)
+    assert {c["config"]["BLOCK_N"] for c in expand} == {128}  # what the launcher chose, kept
     shrink = [c for c in scan["cases"] if c["kernel"] == "_lora_shrink_kernel"]
     assert shrink and not any(c["approximate"] for c in shrink)  # its launcher is untouched
     pristine = scan_calls(release_tree("0.26.0"), ONE_CALL)
     assert not any(c["approximate"] for c in pristine["cases"])
+    text = doctor(tree).stdout
+    approximate = re.compile(r"  (\w+): \d+ config\(s\) approximate \(vLLM's host code used vllm")
+    assert [m.group(1) for m in approximate.finditer(text)] == ["_lora_expand_kernel"]
 
 
 def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_path):
