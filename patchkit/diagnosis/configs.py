@@ -212,8 +212,8 @@ def dense_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
                         Call("dense", "lora_shrink+lora_expand", layer, tokens, rank, dtype,
                              setting, run)
                     )  # fmt: skip
-                if dense_layers(model):
-                    run = _embedding(model, tokens, rank, not writes)
+                if dense_layers(model):  # embeddings always add (the setting decides PDL)
+                    run = _embedding(model, tokens, rank, True)
                     found.append(
                         Call("dense", "lora_expand", "embed_tokens (model-dtype input)", tokens,
                              rank, dtype, setting, run)

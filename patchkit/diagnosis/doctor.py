@@ -434,6 +434,9 @@ def _scan_verdict(
         reason = next((c.why_not_called for c in scan.cases), "no Triton LoRA kernel runs")
         return BugVerdict(d.label, Verdict.PROTECTED, f"kernel scan: {reason}{also}")
     evidence = f"kernel scan: no overwrite in the {len(runs)} config(s) this install runs, {ptxas}"
+    approximate = [c for c in runs if c.approximate]
+    if approximate:
+        evidence += f"; {len(approximate)} of them approximate ({approximate[0].approximate})"
     if d.fixed_by_ptxas and _at_least(tools.ptxas_version, d.fixed_by_ptxas):
         evidence += f" (a ptxas from {d.fixed_by_ptxas} on keeps wgmma registers)"
     protects = _replacing_reason(states, patches)
