@@ -26,8 +26,9 @@ from pathlib import Path
 from packaging.version import Version
 
 from patchkit.catalogue.load import Catalogue, Diagnosis, Patch, Variant
-from patchkit.diagnosis import configs
+from patchkit.diagnosis import configs, kernelscan
 from patchkit.diagnosis.kernelscan import Case, ScanReport
+from patchkit.diagnosis.standins import GPUS, gpu_named
 from patchkit.diagnosis.toolchain import (
     Toolchain,
     TreeTriton,
@@ -544,9 +545,6 @@ def scan_kernels(
     tree: VllmTree, report: DoctorReport, catalogue: Catalogue, request: ScanRequest
 ) -> ScanReport:
     """Run the --kernels scan for this tree, on this machine's Hopper GPUs (else H100/H200/H20)."""
-    from patchkit.diagnosis import kernelscan
-    from patchkit.diagnosis.standins import GPUS, gpu_named
-
     hopper = [gpu_named(g.name) for g in report.gpus if g.compute_capability == HOPPER]
     replaced = replaced_here(report.states(), catalogue)
     return kernelscan.scan(tree, hopper or GPUS, request.models(), os.environ, replaced)
