@@ -58,11 +58,11 @@ BROKEN = [
     (MATMUL, 'unless = ["", "0"]', 'unless = ["0"], values = ["1"]', "values or unless, not both"),
     (MATMUL, '{ env = "VLLM_BATCH_INVARIANT",', '{ name = "VLLM_BATCH_INVARIANT",', "needs env"),
     (BLOCK_N, 'made_on = "0.18.0"', 'made_on = "0.17.0"', "made_on 0.17.0 must be a tested"),
-    (MATMUL, "patchkit_lora_matmul.py\"]", "nowhere.py\"]", "cannot read the created file"),
+    (MATMUL, 'patchkit_lora_matmul.py"]', 'nowhere.py"]', "cannot read the created file"),
     (MATMUL, "context = 2", "context = 0", "variants.context: 1 to 10 lines"),
-    (BLOCK_N, "bugs = [\"vllm#48590\"]", "bugs = [\"vllm#48590\"]\ntitle = \"x\"", "written once"),
-    (BLOCK_N, "evidence_from = \"vllm#48590\"", "evidence_from = \"vllm#1\"", "no upstream_fix"),
-    (BLOCK_N, "bugs = [\"vllm#48590\"]", "bugs = [\"vllm#1\"]", "no [[bug]] with ids"),
+    (BLOCK_N, 'bugs = ["vllm#48590"]', 'bugs = ["vllm#48590"]\ntitle = "x"', "written once"),
+    (BLOCK_N, 'evidence_from = "vllm#48590"', 'evidence_from = "vllm#1"', "no upstream_fix"),
+    (BLOCK_N, 'bugs = ["vllm#48590"]', 'bugs = ["vllm#1"]', "no [[bug]] with ids"),
 ]
 
 

@@ -34,9 +34,10 @@ def image(tmp_path_factory) -> tuple[ImageRunner, Path]:
     shutil.copytree(pristine / "vllm", site / "vllm")
     dist_info = next(pristine.glob("vllm-*.dist-info"))
     shutil.copytree(dist_info, site / dist_info.name)
-    from tests.test_kernelscan import triton_site
+    from tests.test_kernelscan import torch_site, triton_site
 
     (site / "triton.pth").write_text(f"{triton_site()}\n")  # the image's own Triton
+    (site / "torch.pth").write_text(f"{torch_site()}\n")  # and torch, as vLLM images have
     return ImageRunner(context=REPO, image_root=root, python_bin=python / "bin"), site
 
 

@@ -172,16 +172,21 @@ def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
     assert "[unknown] vLLM #35286" in result.stdout and "[unknown] vLLM #47639" in result.stdout
 
 
-def scan_case(verdict: str, called: bool = True, source: str = "get_lora_op_configs") -> dict:
+def scan_case(verdict: str, called: bool = True, tuned: str = ""):
+    from patchkit.diagnosis.kernelscan import Case
+
     hazards = [{"address": "0x44e0", "instruction": "LDS.64 R90, [R140]", "wgmma": "0x46f0"}]
-    return {
-        "verdict": verdict,
-        "called": called,
-        "why_not_called": "" if called else "dual-stream LoRA with PDL is off",
-        "label": f"expand 1 slice(s) ({source})",
-        "source": source,
-        "hazards": hazards if verdict == "hazard" else [],
-    }
+    return Case(
+        kernel="_lora_expand_kernel",
+        family="dense",
+        config={"BLOCK_N": 128, "num_stages": 2, "num_warps": 4},
+        calls=["lora_shrink+lora_expand down_proj (1 slice), 16 tokens, rank 64, bf16"],
+        sources=[tuned] if tuned else [],
+        called=called,
+        why_not_called="" if called else "dual-stream LoRA with PDL is off",
+        verdict=verdict,
+        hazards=hazards if verdict == "hazard" else [],
+    )
 
 
 @pytest.mark.parametrize(
@@ -203,13 +208,19 @@ def scan_case(verdict: str, called: bool = True, source: str = "get_lora_op_conf
             "not affected",
             "not run here",
         ),
-        ([scan_case("clean"), scan_case("error")], "12.8.93", {}, "unknown", "failed to compile"),
         (
-            [scan_case("hazard", source="tuned: X_EXPAND.json")],
+            [scan_case("clean"), scan_case("error")],
+            "12.8.93",
+            {},
+            "unknown",
+            "could not be scanned",
+        ),
+        (
+            [scan_case("hazard", tuned="/t/X_EXPAND_TRUE.json")],
             "12.8.93",
             {"expand-block-n": "applied"},
             "exposed",
-            "tuned",
+            "X_EXPAND_TRUE.json",
         ),
     ],
 )
@@ -217,12 +228,18 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     from packaging.version import Version
 
     from patchkit.catalogue.load import load_catalogue
-    from patchkit.diagnosis.doctor import DoctorReport, bug_groups, bug_verdict
+    from patchkit.diagnosis.doctor import DoctorReport, Gpu, bug_groups, bug_verdict
+    from patchkit.diagnosis.kernelscan import ScanReport
+    from patchkit.diagnosis.toolchain import Toolchain
+    from patchkit.engine.vocabulary import PatchState, Verdict
 
-    report = DoctorReport(gpus=[{"name": "NVIDIA H200", "compute_capability": "9.0"}])
-    report.kernels = {"ptxas": "/x/ptxas", "ptxas_version": ptxas, "cases": cases, "error": ""}
+    report = DoctorReport(gpus=[Gpu("NVIDIA H200", "9.0")])
+    tools = Toolchain(triton="3.7.1", ptxas="/x/ptxas", ptxas_version=ptxas)
+    report.kernels = ScanReport(toolchain=tools, cases=cases)
     nan_patches = bug_groups(load_catalogue())[0]
     assert nan_patches[0].diagnosis.bugs == ("vllm#48590",)
-    verdict = bug_verdict(report, Version("0.26.0"), states, nan_patches)
+    typed = {k: PatchState(v) for k, v in states.items()}
+    verdict = bug_verdict(report, Version("0.26.0"), typed, nan_patches)
+    assert isinstance(verdict.status, Verdict)
     assert verdict.status == status and "kernel scan" in verdict.reason
     assert words in verdict.reason + verdict.fix

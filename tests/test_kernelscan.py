@@ -1,16 +1,18 @@
-"""`patchkit doctor --kernels` on real wheels: known answers from compiled kernels (issue 11).
+"""`patchkit doctor --kernels` on real wheels: every LoRA kernel compiled and read (issues 11, 19).
 
-Triton 3.7.1 (ptxas 12.8.93, what vLLM 0.27-0.32 get) is downloaded once
-into the tests' cache, next to the release trees, and put on the child's
-PYTHONPATH; the test venv itself has no Triton, which is also what the
-"Triton is not importable" test needs. No GPU is used: the kernels are
-compiled for sm_90 and their SASS is read.
+Triton (3.7.1, what vLLM 0.27-0.32 get; 3.6.0, what 0.26.0 gets) is
+downloaded once into the tests' cache and put on the child's PYTHONPATH;
+the test venv itself has no Triton, which is also what the "Triton is not
+importable" test needs. No GPU is used: the kernels are compiled for sm_90
+and their SASS is read. Triton's cache and patchkit's readings live next to
+that Triton (keyed by its version), so a second run compiles nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,33 +21,32 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TEST_CACHE, copy_tree, run_cli
+from tests.conftest import REPO, TEST_CACHE, copy_tree, release_tree, run_cli
 
 TRITON = "3.7.1"
 NAN_BUG = "vLLM #48590"
+DENSE = {"_lora_shrink_kernel", "_lora_expand_kernel"}
+FP8 = {"_lora_shrink_kernel_fp8", "_lora_expand_kernel_fp8", "_fused_moe_lora_kernel_fp8"}
+MOE = {"_fused_moe_lora_kernel", "_fused_moe_lora_one_shot_kernel",
+       "_fused_moe_lora_small_batch_kernel"}  # fmt: skip
+KERNELS = {
+    "0.22.0": DENSE | FP8 | MOE,
+    "0.26.0": DENSE | FP8 | MOE,
+    "0.33.0": DENSE | FP8 | MOE | {"_lora_shrink_reduce_kernel"},
+}
+READ = {"hazard", "clean", "no-register-operand"}  # verdicts of a kernel that was compiled and read
 
 
-def triton_site() -> Path:
-    """Triton 3.7.1 installed (--target) into the tests' cache; downloaded on first use."""
-    site = TEST_CACHE / f"triton-{TRITON}-cp{sys.version_info[0]}{sys.version_info[1]}"
+def triton_site(version: str = TRITON) -> Path:
+    """Triton ``version`` installed (--target) into the tests' cache; downloaded on first use."""
+    site = TEST_CACHE / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}"
     if (site / "triton" / "__init__.py").is_file():
         return site
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".triton-") as tmp:
         pip = [sys.executable, "-m", "pip", "-q"]
-        subprocess.run(
-            [
-                *pip,
-                "download",
-                "--no-deps",
-                "--only-binary",
-                ":all:",
-                "-d",
-                tmp,
-                f"triton=={TRITON}",
-            ],
-            check=True,
-        )
+        download = ["download", "--no-deps", "--only-binary", ":all:", "-d", tmp]
+        subprocess.run([*pip, *download, f"triton=={version}"], check=True)
         wheel = next(Path(tmp).glob("triton-*.whl"))
         target = Path(tmp) / "site"
         subprocess.run(
@@ -56,34 +57,53 @@ def triton_site() -> Path:
     return site
 
 
-@pytest.fixture(scope="module")
-def scan_env(tmp_path_factory) -> dict:
-    """The environment of a child patchkit that can import Triton; one kernel cache."""
+TORCH_PACKAGES = ("torch", "torchgen", "functorch", "filelock", "typing_extensions", "sympy",
+                  "mpmath", "networkx", "jinja2", "markupsafe", "fsspec")  # fmt: skip
+
+
+def torch_site() -> Path:
+    """The tests' CPU torch and what it imports, linked into one directory for a .pth.
+
+    The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
+    vLLM environment has; an image-like test venv gets it through this.
+    """
+    import importlib.util
+
+    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
+    site.mkdir(parents=True, exist_ok=True)
+    for name in TORCH_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        source = origin.parent if origin.name == "__init__.py" else origin
+        link = site / source.name
+        if not link.exists():
+            link.symlink_to(source)
+    return site
+
+
+def scan_env(version: str = TRITON) -> dict:
+    """A child patchkit that imports Triton ``version``; caches kept per Triton version."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TRITON_"))}
     env.pop("PATCHKIT_LORA_BACKEND", None)
-    env["PYTHONPATH"] = f"{triton_site()}{os.pathsep}{REPO}"
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    env["PATCHKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("patchkit-cache"))  # SASS cache
+    env["PYTHONPATH"] = f"{triton_site(version)}{os.pathsep}{REPO}"
+    env["TRITON_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-cache")
+    env["PATCHKIT_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-readings")  # scans, SASS
     return env
 
 
-def doctor_kernels(tree: Path, env: dict, **extra: str) -> dict:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "patchkit.cli.main",
-            "doctor",
-            "--kernels",
-            "--json",
-            "--target",
-            str(tree),
-        ],
-        capture_output=True,
-        text=True,
-        env={**env, **extra},
-        timeout=600,
-    )
+def doctor(tree: Path, *args: str, version: str = TRITON, **extra: str):
+    """`patchkit doctor --kernels` in a child that can import Triton."""
+    command = [sys.executable, "-m", "patchkit", "doctor", "--kernels", "--target", str(tree)]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, env={**scan_env(version), **extra},
+        timeout=900,
+    )  # fmt: skip
+
+
+def doctor_kernels(tree: Path, version: str = TRITON, **extra: str) -> dict:
+    done = doctor(tree, "--json", version=version, **extra)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert not report["kernels"].get("error"), report["kernels"]
@@ -94,93 +114,274 @@ def nan_verdict(report: dict) -> dict:
     return next(v for v in report["verdicts"] if v["bug"].startswith(NAN_BUG))
 
 
-def single_slice_fp32_expand(report: dict, path: str = "add") -> dict:
-    return next(
-        c
-        for c in report["kernels"]["cases"]
-        if c["op"] == "expand"
-        and c["slices"] == 1
-        and c["input_dtype"] == "fp32"
-        and c["model_dtype"] == "bf16"
-        and c["path"] == path
-        and c["source"] == "get_lora_op_configs"
-    )
+def cases(report: dict, kernel: str, **where) -> list[dict]:
+    found = [c for c in report["kernels"]["cases"] if c["kernel"] == kernel]
+    return [c for c in found if all(c["constants"].get(k) == v for k, v in where.items())]
+
+
+def single_slice_fp32_expand(report: dict) -> list[dict]:
+    """The expand add_lora_linear runs on one slice: fp32 input, adds into the output."""
+    found = cases(report, "_lora_expand_kernel", SLICE_NUM=1, ADD_INPUTS=True, USE_GDC=False)
+    return [c for c in found if c["signature"]["input_ptr"] == "*fp32"]
+
+
+@pytest.mark.parametrize(
+    "version, triton",
+    [("0.22.0", TRITON), ("0.26.0", TRITON), ("0.33.0", TRITON), ("0.26.0", "3.6.0")],  # fmt: skip
+)
+def test_every_lora_kernel_the_release_launches_is_compiled_and_read(version, triton):
+    report = doctor_kernels(release_tree(version), version=triton)
+    scan = report["kernels"]
+    assert scan["toolchain"]["triton"] == triton
+    assert set(scan["kernels"]) == KERNELS[version]  # found in the tree's own source
+    for kernel in KERNELS[version]:
+        read = [c for c in scan["cases"] if c["kernel"] == kernel and c["verdict"] in READ]
+        compiled = [c for c in scan["cases"] if c["kernel"] == kernel]
+        assert compiled, f"{kernel} has no case"
+        if kernel != "_fused_moe_lora_kernel_fp8":  # see the fp8 MoE test below
+            assert read, f"{kernel}: {compiled[0]['error']}"
+    assert not [c for c in scan["cases"] if c["approximate"]]  # all built as vLLM builds them
+    assert len({c["key"] for c in scan["cases"]}) == len(scan["cases"])  # distinct compiles
+    moe = {c["kernel"] for c in scan["cases"] if c["family"] == "moe" and c["called"]}
+    assert moe == MOE  # the fast paths and the fully-sharded two-kernel path all run
+    fp8 = [c for c in scan["cases"] if c["family"] == "fp8"]
+    assert fp8 and not any(c["called"] for c in fp8)  # no vLLM code calls the fp8 ops
+    assert "fp8" in fp8[0]["why_not_called"]
+
+
+def test_the_fp8_moe_kernel_is_reported_as_vllm_ships_it():
+    """vLLM's fp8 MoE LoRA kernel reads B as the output dtype, so w8a8 (fp8 activations,
+    bf16 output) does not compile: the scan says so for that kernel, and it is not run."""
+    report = doctor_kernels(release_tree("0.26.0"))
+    fp8_moe = cases(report, "_fused_moe_lora_kernel_fp8")
+    errors = [c for c in fp8_moe if c["verdict"] == "error"]
+    assert errors and "Unsupported lhs dtype fp8e4nv" in errors[0]["error"]
+    assert not any(c["called"] for c in fp8_moe)
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.30.0"])
-def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(
-    scan_env, tmp_path, version
-):
+def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path, version):
     tree = copy_tree(version, tmp_path / "t")
-    before = doctor_kernels(tree, scan_env)
-    case = single_slice_fp32_expand(before)
-    assert case["config"]["BLOCK_N"] == 128 and case["config"]["num_stages"] == 2
-    assert case["verdict"] == "hazard" and case["called"] and case["register_a"] > 0
-    assert all(h["instruction"] and h["address"].startswith("0x") for h in case["hazards"])
+    before = doctor_kernels(tree)
+    expand = single_slice_fp32_expand(before)
+    hazards = [c for c in expand if c["verdict"] == "hazard"]
+    assert hazards and all(c["called"] for c in hazards)
+    assert {(c["config"]["BLOCK_N"], c["config"]["num_stages"]) for c in hazards} == {(128, 2)}
+    assert all(c["register_a"] > 0 and len(c["hazards"]) >= 6 for c in hazards)
+    assert all(h["instruction"] and h["address"].startswith("0x") for h in hazards[0]["hazards"])
     verdict = nan_verdict(before)
     assert verdict["status"] == "exposed" and "kernel scan" in verdict["reason"]
     assert verdict["fix"] == "patchkit apply"
 
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
-    after = doctor_kernels(tree, scan_env)
-    assert single_slice_fp32_expand(after)["config"]["BLOCK_N"] == 32  # the patched code's
+    after = doctor_kernels(tree)
+    assert {c["config"]["BLOCK_N"] for c in single_slice_fp32_expand(after)} == {32}
     assert [c["label"] for c in after["kernels"]["cases"] if c["verdict"] == "hazard"] == []
     assert nan_verdict(after)["status"] == "protected"
     assert "no overwrite" in nan_verdict(after)["reason"]
 
 
-def test_0330_ships_one_stage_and_is_clean(scan_env):
-    from tests.conftest import release_tree
-
-    report = doctor_kernels(release_tree("0.33.0"), scan_env)
-    case = single_slice_fp32_expand(report)
-    assert case["config"]["num_stages"] == 1 and case["verdict"] == "clean"
+def test_0330_ships_one_stage_and_is_clean():
+    report = doctor_kernels(release_tree("0.33.0"))
+    expand = single_slice_fp32_expand(report)
+    assert {c["config"]["num_stages"] for c in expand} == {1}
+    assert {c["verdict"] for c in expand} == {"clean"}
     assert not [c for c in report["kernels"]["cases"] if c["verdict"] == "hazard"]
     assert nan_verdict(report)["status"] == "not affected"
+    reduce = cases(report, "_lora_shrink_reduce_kernel")
+    assert reduce and not any(c["called"] for c in reduce)  # batch-invariant mode only
+    assert "VLLM_BATCH_INVARIANT" in reduce[0]["why_not_called"]
 
 
-def test_the_torch_path_runs_no_triton_lora_kernel(scan_env, tmp_path):
+def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
-    assert (
-        run_cli("apply", "--target", str(tree), "--only", "matmul-add-lora-linear").exit_code == 0
-    )
-    report = doctor_kernels(tree, scan_env)
-    assert single_slice_fp32_expand(report)["verdict"] == "hazard"  # compiled, but not run
-    assert not any(c["called"] for c in report["kernels"]["cases"])
+    only = ["--only", "matmul-add-lora-linear"]
+    assert run_cli("apply", "--target", str(tree), *only).exit_code == 0
+    report = doctor_kernels(tree)
+    expand = single_slice_fp32_expand(report)
+    assert "hazard" in {c["verdict"] for c in expand}  # compiled, but not run
+    dense = [c for c in report["kernels"]["cases"] if c["family"] == "dense"]
+    assert dense and not any(c["called"] for c in dense)
+    assert "torch matmuls" in dense[0]["why_not_called"]
+    assert any(c["called"] for c in report["kernels"]["cases"] if c["family"] == "moe")
     verdict = nan_verdict(report)
     assert verdict["status"] == "protected" and "torch matmuls" in verdict["reason"]
-    triton_backend = doctor_kernels(tree, scan_env, PATCHKIT_LORA_BACKEND="triton")
+    triton_backend = doctor_kernels(tree, PATCHKIT_LORA_BACKEND="triton")
     assert nan_verdict(triton_backend)["status"] == "exposed"
 
 
-def test_a_tuned_config_that_brings_block_n_128_back_is_named(scan_env, tmp_path):
+def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
     folder = tmp_path / "tuned"
     folder.mkdir()
-    leaf = {"block_m": 64, "block_n": 128, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    leaf = {"block_m": 64, "block_n": 128, "block_k": 32, "num_warps": 4, "num_stages": 2,
+            "num_ctas": 1, "max_nreg": None}  # fmt: skip
     config = {"4": {"1": {"16": {"64": {"5120": leaf}}}}}
     (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(json.dumps(config))
-    report = doctor_kernels(tree, scan_env, VLLM_TUNED_CONFIG_FOLDER=str(folder))
-    tuned = [c for c in report["kernels"]["cases"] if c["source"].startswith("tuned")]
-    assert [c["verdict"] for c in tuned] == ["hazard"]
+    report = doctor_kernels(tree, VLLM_TUNED_CONFIG_FOLDER=str(folder))
+    tuned = [c for c in report["kernels"]["cases"] if c["sources"] and c["verdict"] != "error"]
+    fp32 = [c for c in tuned if c["signature"]["input_ptr"] == "*fp32"]
+    assert "hazard" in {c["verdict"] for c in fp32}  # block_n 128, 2 stages again
+    assert {(c["config"]["BLOCK_N"], c["config"]["num_stages"]) for c in fp32} == {(128, 2)}
+    assert all(c["gpus"] == ["NVIDIA H200"] for c in tuned)  # the file is named for the H200
+    assert {c["kernel"] for c in tuned} <= {"_lora_expand_kernel", "_lora_expand_kernel_fp8"}
+    # vLLM itself raises KeyError for 2 and 3 slices: that file has no such entry
+    raised = [c for c in report["kernels"]["cases"] if "KeyError" in c["error"]]
+    assert raised and "vLLM's own code raises" in raised[0]["error"]
     verdict = nan_verdict(report)
     assert verdict["status"] == "exposed" and "NVIDIA_H200_EXPAND_TRUE.json" in verdict["fix"]
 
 
-def test_triton_ptxas_path_is_the_ptxas_the_scan_uses(scan_env, tmp_path):
-    ptxas = tmp_path / "ptxas-copy"
-    shutil.copy2(triton_site() / "triton/backends/nvidia/bin/ptxas", ptxas)
-    report = doctor_kernels(
-        copy_tree("0.26.0", tmp_path / "t"), scan_env, TRITON_PTXAS_PATH=str(ptxas)
+SCAN = """
+import json, sys
+from pathlib import Path
+from patchkit.diagnosis import configs, kernelscan
+from patchkit.target.tree import locate
+tree, wanted = locate(sys.argv[1]), sys.argv[2]
+models = configs.DEFAULT_MODELS
+if len(sys.argv) > 3:
+    models = [configs.model_from_dir(Path(sys.argv[3]), [Path(a) for a in sys.argv[4:]])]
+report = kernelscan.scan(tree, models=models, select=lambda call: wanted in call.label())
+print(json.dumps(report.to_json()))
+"""
+
+
+def scan_calls(tree: Path, wanted: str, **extra: str) -> dict:
+    """The scan in a child, limited to the calls whose label contains ``wanted``."""
+    done = subprocess.run(
+        [sys.executable, "-c", SCAN, str(tree), wanted], capture_output=True, text=True,
+        env={**scan_env(), **extra}, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+ONE_CALL = "down_proj (1 slice), 16 tokens, rank 64"
+
+
+def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
+    ptxas = TEST_CACHE / f"triton-{TRITON}-ptxas-copy" / "ptxas"  # kept: its readings stay warm
+    if not ptxas.is_file():
+        ptxas.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(triton_site() / "triton/backends/nvidia/bin/ptxas", ptxas)
+    scan = scan_calls(release_tree("0.26.0"), ONE_CALL, TRITON_PTXAS_PATH=str(ptxas))
+    assert scan["toolchain"]["ptxas"] == str(ptxas)
+    assert scan["toolchain"]["ptxas_source"] == "TRITON_PTXAS_PATH"
+    assert scan["toolchain"]["ptxas_version"] == "12.8.93"
+
+
+def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
+    """A launcher that asks an unmodelled vLLM helper is still compiled, but never passes
+    for vLLM's own choice: the case says which stand-in it leaned on."""
+    tree = copy_tree("0.26.0", tmp_path / "t")
+    op = tree / "vllm/lora/ops/triton_ops/lora_expand_op.py"
+    text = op.read_text()
+    anchor = "    # Triton kernel configs.\n"
+    assert text.count(anchor) == 1
+    probe = (
+        "    from vllm.utils.import_utils import has_triton_kernels\n    if has_triton_kernels():\n"
     )
-    assert report["kernels"]["ptxas"] == str(ptxas)
-    assert report["kernels"]["ptxas_version"] == "12.8.93"
+    op.write_text(text.replace(anchor, probe + "        pass\n" + anchor))
+
+    scan = scan_calls(tree, ONE_CALL)
+    expand = [c for c in scan["cases"] if c["kernel"] == "_lora_expand_kernel"]
+    assert expand and all("has_triton_kernels" in c["approximate"] for c in expand)
+    assert {c["config"]["BLOCK_N"] for c in expand} == {128}  # what the launcher chose, kept
+    shrink = [c for c in scan["cases"] if c["kernel"] == "_lora_shrink_kernel"]
+    assert shrink and not any(c["approximate"] for c in shrink)  # its launcher is untouched
+    pristine = scan_calls(release_tree("0.26.0"), ONE_CALL)
+    assert not any(c["approximate"] for c in pristine["cases"])
+    text = doctor(tree).stdout
+    approximate = re.compile(r"  (\w+): \d+ config\(s\) approximate \(vLLM's host code used vllm")
+    assert [m.group(1) for m in approximate.finditer(text)] == ["_lora_expand_kernel"]
+
+
+def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_path):
+    tree = copy_tree("0.26.0", tmp_path / "site-packages")
+    info = tree / "triton-3.6.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.6.0\n")
+    (tree / "triton").mkdir()
+    report = doctor_kernels(tree)
+    assert report["triton_next_to_vllm"]["version"] == "3.6.0"
+    verdict = nan_verdict(report)
+    assert "compiled with Triton 3.7.1" in verdict["reason"]
+    assert "vLLM here runs Triton 3.6.0" in verdict["reason"]
+    assert "-m patchkit doctor --kernels" in verdict["reason"]
+    assert verdict["status"] == "exposed" and verdict["fix"] == "patchkit apply"  # by the rules
+    text = doctor(tree).stdout
+    assert f"Triton next to vLLM: 3.6.0 ({tree / 'triton'}" in text
+
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.7.1\n")
+    same = nan_verdict(doctor_kernels(tree))
+    assert "vLLM here runs" not in same["reason"] and "kernel scan:" in same["reason"]
+
+
+def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbose():
+    tree = release_tree("0.26.0")
+    report = doctor_kernels(tree)
+    short = doctor(tree)
+    assert short.returncode == 0, short.stderr
+    lines = short.stdout.splitlines()
+    start = next(n for n, ln in enumerate(lines) if ln.startswith("kernel scan ("))
+    end = lines.index("", start)  # the verdicts follow a blank line
+    scan_lines = lines[start + 1 : end]
+    assert len(scan_lines) <= 4 * len(KERNELS["0.26.0"]) < len(report["kernels"]["cases"])
+    assert all(ln.split(":")[0].strip() in KERNELS["0.26.0"] for ln in scan_lines)
+    hazard = [ln for ln in scan_lines if ln.startswith("  _lora_expand_kernel: hazard in ")]
+    assert hazard and "configs this install runs (first: block M64 N128 K32" in hazard[0]
+    assert not any(ln.lstrip().startswith("[") for ln in scan_lines)
+
+    verbose = doctor(tree, "-v").stdout.splitlines()
+    configs = [ln for ln in verbose if ln.startswith("  [")]
+    assert len(configs) == len(report["kernels"]["cases"])
+    assert any(ln.startswith("  [hazard] _lora_expand_kernel block M64 N128 K32") for ln in configs)
+
+
+def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
+    from patchkit.diagnosis.configs import model_from_dir
+
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512}  # fmt: skip
+    (model / "config.json").write_text(json.dumps({"text_config": text, "torch_dtype": "float16"}))
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 32, "rank_pattern": {"x": 8}}))
+    shapes = model_from_dir(model, [adapter])
+    assert (shapes.hidden, shapes.experts, shapes.top_k, shapes.moe_intermediate) == (
+        1024, 64, 4, 256,
+    )  # fmt: skip
+    assert (shapes.q, shapes.kv, shapes.intermediate, shapes.dtype) == (1024, 256, 512, "float16")
+    assert shapes.ranks == (8, 32)
+
+    usage = run_cli("doctor", "--model", str(model))
+    assert usage.exit_code == 2 and "--kernels" in usage.output
+    plumbing = run_cli("doctor", "--kernels", "--json", "--model", str(model), "--adapter",
+                       str(adapter), "--target", str(release_tree("0.26.0")))  # fmt: skip
+    models = json.loads(plumbing.stdout)["kernels"]["models"]  # no Triton in this process
+    assert [(m["hidden"], m["ranks"]) for m in models] == [(1024, [8, 32])]
+
+    done = subprocess.run(
+        [sys.executable, "-c", SCAN, str(release_tree("0.26.0")), "16 tokens, rank 8,", str(model),
+         str(adapter)], capture_output=True, text=True, env=scan_env(), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    scan = json.loads(done.stdout)
+    labels = [label for c in scan["cases"] for label in c["calls"]]
+    assert labels and all(", fp16" in label for label in labels)
+    one_shot = [c for c in scan["cases"] if c["kernel"] == "_fused_moe_lora_one_shot_kernel"]
+    assert one_shot and all(c["signature"]["x_ptr"] == "*fp16" for c in one_shot)
+    assert {c["constants"]["BLOCK_R"] for c in one_shot} == {16}  # rank 8, padded to 16
+    qkv = [c for c in scan["cases"] if any("qkv_proj" in call for call in c["calls"])]
+    assert qkv and all(c["constants"]["SLICE_NUM"] == 3 for c in qkv)
 
 
 def test_without_triton_the_scan_says_so_in_one_line_and_doctor_runs_on(tree_0260):
     result = run_cli("doctor", "--kernels", "--target", str(tree_0260))
     assert result.exit_code == 0, result.output
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("kernel scan")]
-    assert lines == [lines[0]] and "Triton is not importable" in lines[0]
+    assert lines == [lines[0]] and "Triton is not installed" in lines[0]
     assert "[exposed] vLLM #48590" in result.stdout  # judged by the version rules instead

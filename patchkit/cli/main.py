@@ -370,29 +370,61 @@ def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None
 @click.option(
     "--kernels",
     is_flag=True,
-    help="Also compile vLLM's LoRA Triton kernels for sm_90 (no GPU needed) and scan "
-    "their SASS for the wgmma register race.",
+    help="Also compile every LoRA Triton kernel vLLM launches for sm_90 (no GPU needed) and "
+    "scan their SASS for the wgmma register race. Needs torch and Triton.",
 )
+@click.option(
+    "--model",
+    type=click.Path(exists=True, file_okay=False),
+    help="With --kernels: call the kernels with this model's shapes (its config.json: "
+    "hidden size, experts, top-k, dtype) instead of Qwen3.5-27B and Qwen3.5-35B-A3B.",
+)
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="With --kernels: a LoRA adapter directory whose adapter_config.json ranks to scan "
+    "(repeatable; default ranks 16 and 64).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="With --kernels: one line per config.")
 @json_option
 @user_errors
-def doctor(target: str | None, vllm_version: str | None, kernels: bool, as_json: bool) -> None:
+def doctor(
+    target: str | None,
+    vllm_version: str | None,
+    kernels: bool,
+    model: str | None,
+    adapters: tuple[str, ...],
+    verbose: bool,
+    as_json: bool,
+) -> None:
     """Report GPU, Triton/ptxas, vLLM patch states, tuned configs and stale caches.
 
     Needs no GPU and imports no vLLM. Ends with a verdict per known bug.
     """
+    from pathlib import Path
+
     from patchkit.diagnosis import doctor as doctoring
 
+    if (model or adapters) and not kernels:
+        raise click.UsageError("--model and --adapter go with --kernels")
     try:
         tree, tree_error = locate(target, vllm_version), ""
     except PatchkitError as exc:
         if target is not None:  # a --target that is wrong fails as in every other command
             raise
         tree, tree_error = None, str(exc)
-    result = doctoring.run(tree, tree_error, load_catalogue(), kernels=kernels)
+    request = None
+    if kernels:
+        request = doctoring.ScanRequest(
+            Path(model) if model else None, tuple(Path(a) for a in adapters)
+        )
+    result = doctoring.run(tree, tree_error, load_catalogue(), kernels=request)
     if as_json:
         render.emit_json(result.to_json())
     else:
-        doctoring.render(result, click.echo)
+        render.render_doctor(result, click.echo, verbose)
 
 
 def check_url(ctx, param, value: str) -> str:

@@ -3,65 +3,139 @@
 Reads files and runs `nvidia-smi` and Triton's `ptxas --version`; imports
 neither vLLM nor torch nor Triton, so it works in image builds and on
 machines without GPUs. Ends with a verdict per known bug. ``--kernels``
-also imports Triton to compile vLLM's LoRA kernels for sm_90
-(:mod:`patchkit.diagnosis.kernelscan`); the #48590 verdict then rests on their SASS.
+also runs the kernel scan (:mod:`patchkit.diagnosis.kernelscan`, which
+imports torch and Triton); the #48590 verdict then rests on its SASS,
+provided the scan compiled with the Triton that vLLM here runs.
+
+The report stays objects (assessments, the scan's cases, str-enum
+verdicts) until the CLI prints it or turns it into JSON.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import dataclasses
 import importlib.util
 import os
-import re
 import shutil
 import stat
 import struct
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.version import Version
 
 from patchkit.catalogue.load import Catalogue, Diagnosis, Patch, Variant
-from patchkit.diagnosis.kernelscan import leaf_configs
+from patchkit.diagnosis import configs, kernelscan
+from patchkit.diagnosis.kernelscan import Case, ScanReport
+from patchkit.diagnosis.standins import GPUS, gpu_named
+from patchkit.diagnosis.toolchain import (
+    Toolchain,
+    TreeTriton,
+    same_triton,
+    toolchain,
+    tree_triton,
+)
 from patchkit.engine import operations
 from patchkit.engine.bytecode import bytecode_paths
+from patchkit.engine.decide import Assessment
 from patchkit.engine.fsutil import read_json_file
+from patchkit.engine.vocabulary import PatchState, Verdict
 from patchkit.errors import PatchkitError
 from patchkit.target.caches import cache_dirs, cache_entries
 from patchkit.target.tree import VllmTree
 
+HOPPER = "9.0"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    compute_capability: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A tuned-config file that changes what a patch protects."""
+
+    file: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class OldCache:
+    name: str
+    path: str
+    entries: int
+
 
 @dataclass
-class Verdict:
+class BugVerdict:
     bug: str
-    status: str  # exposed, protected, not affected, unknown (no vLLM found)
+    status: Verdict
     reason: str
     fix: str = ""
 
 
 @dataclass
 class DoctorReport:
-    gpus: list[dict] = field(default_factory=list)
+    gpus: list[Gpu] = field(default_factory=list)
     gpu_note: str = ""
-    triton: dict = field(default_factory=dict)
-    vllm: dict = field(default_factory=dict)
-    patches: list[dict] = field(default_factory=list)
-    tuned_configs: list[dict] = field(default_factory=list)  # every override check's findings
-    overrides: dict[str, list[dict]] = field(default_factory=dict)  # the same, per patch id
+    toolchain: Toolchain = field(default_factory=Toolchain)
+    fixed_from: str | None = None  # the ptxas release that fixes the race
+    tree_triton: TreeTriton | None = None  # the Triton installed next to the tree
+    tree: VllmTree | None = None
+    tree_error: str = ""
+    patches: list[Assessment] = field(default_factory=list)
+    tuned_configs: list[Finding] = field(default_factory=list)  # every override check's findings
+    overrides: dict[str, list[Finding]] = field(default_factory=dict)  # the same, per patch id
     stale_bytecode: list[str] = field(default_factory=list)
-    old_caches: list[dict] = field(default_factory=list)
-    kernels: dict = field(default_factory=dict)  # the --kernels scan, when asked for
-    verdicts: list[Verdict] = field(default_factory=list)
+    old_caches: list[OldCache] = field(default_factory=list)
+    kernels: ScanReport | None = None  # the --kernels scan, when asked for
+    verdicts: list[BugVerdict] = field(default_factory=list)
+
+    def states(self) -> dict[str, PatchState]:
+        return {a.patch.id: PatchState(a.state) for a in self.patches}
+
+    def vllm_ptxas(self) -> str | None:
+        """The version of the ptxas vLLM's Triton compiles with, as far as files tell."""
+        theirs = self.tree_triton
+        if theirs and theirs.version and not os.environ.get("TRITON_PTXAS_PATH"):
+            return theirs.ptxas_version
+        return self.toolchain.ptxas_version
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The report as JSON: called by the CLI, nowhere else."""
+        triton = self.toolchain.to_json() | {"fixed_from": self.fixed_from}
+        triton["version"] = triton.pop("triton")
+        vllm = self.tree.describe() if self.tree else {"error": self.tree_error}
+        return {
+            "gpus": [dataclasses.asdict(g) for g in self.gpus],
+            "gpu_note": self.gpu_note,
+            "triton": triton,
+            "triton_next_to_vllm": self.tree_triton.to_json() if self.tree_triton else None,
+            "vllm": vllm,
+            "patches": [
+                {
+                    "id": a.patch.id,
+                    "state": str(a.state),
+                    "variant": a.variant.name if a.variant else None,
+                    "files": list(a.files),
+                }
+                for a in self.patches
+            ],  # fmt: skip
+            "tuned_configs": [dataclasses.asdict(f) for f in self.tuned_configs],
+            "stale_bytecode": self.stale_bytecode,
+            "old_caches": [dataclasses.asdict(c) for c in self.old_caches],
+            "kernels": self.kernels.to_json() if self.kernels else {},
+            "verdicts": [dataclasses.asdict(v) | {"status": str(v.status)} for v in self.verdicts],
+        }
 
 
 # ----- facts -----
 
 
-def gpus() -> tuple[list[dict], str]:
+def gpus() -> tuple[list[Gpu], str]:
     """Name and compute capability of each GPU nvidia-smi shows."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -79,39 +153,11 @@ def gpus() -> tuple[list[dict], str]:
     found = []
     for line in out.strip().splitlines():
         name, _, capability = line.rpartition(",")
-        found.append({"name": name.strip(), "compute_capability": capability.strip()})
+        found.append(Gpu(name.strip(), capability.strip()))
     return found, "" if found else "nvidia-smi lists no GPU"
 
 
-def triton_facts() -> dict:
-    """Triton's version and the ptxas it compiles sm_90 with (TRITON_PTXAS_PATH or bundled)."""
-    try:
-        version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    ptxas, source = os.environ.get("TRITON_PTXAS_PATH"), "TRITON_PTXAS_PATH"
-    spec = importlib.util.find_spec("triton") if not ptxas else None
-    if spec is not None and spec.submodule_search_locations:
-        base = Path(next(iter(spec.submodule_search_locations)))
-        ptxas, source = str(base / "backends" / "nvidia" / "bin" / "ptxas"), "bundled"
-    return {
-        "version": version,
-        "ptxas": ptxas,
-        "ptxas_source": source if ptxas else None,
-        "ptxas_version": ptxas_version(ptxas) if ptxas else None,
-    }
-
-
-def ptxas_version(path: str) -> str | None:
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"release (\d+\.\d+), V([\d.]+)", out.stdout)
-    return match.group(2) if match else None
-
-
-def tuned_configs(folder: str | None) -> list[dict]:
+def tuned_configs(folder: str | None) -> list[Finding]:
     """Expand config files in VLLM_TUNED_CONFIG_FOLDER that matter for num_slices=1."""
     if not folder:
         return []
@@ -120,45 +166,50 @@ def tuned_configs(folder: str | None) -> list[dict]:
         try:
             data = read_json_file(path)
         except (OSError, ValueError) as exc:
-            found.append({"file": str(path), "problem": f"unreadable: {exc}"})
+            found.append(Finding(str(path), f"unreadable: {exc}"))
             continue
         if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-            found.append({"file": str(path), "problem": "not a {max_loras: {num_slices: ...}}"})
+            found.append(Finding(str(path), "not a {max_loras: {num_slices: ...}}"))
             continue
         for max_loras, by_slices in data.items():
-            if "1" not in by_slices:
-                found.append(
-                    {
-                        "file": str(path),
-                        "problem": (
-                            f"max_loras {max_loras} has no num_slices '1' entry: "
-                            "single-slice expand raises KeyError"
-                        ),
-                    }
-                )
-                continue
-            risky = [
-                c
-                for c in leaf_configs(by_slices["1"])
-                if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2
-            ]
-            if risky:
-                found.append(
-                    {
-                        "file": str(path),
-                        "problem": (
-                            f"max_loras {max_loras}: {len(risky)} num_slices=1 configs with "
-                            "block_n > 32 and num_stages >= 2 replace the patched block_n 32"
-                        ),
-                    }
-                )
+            found += _risky_leaves(path, max_loras, by_slices)
     return found
+
+
+def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[Finding]:
+    if "1" not in by_slices:
+        problem = (
+            f"max_loras {max_loras} has no num_slices '1' entry: "
+            "single-slice expand raises KeyError"
+        )
+        return [Finding(str(path), problem)]
+    risky = [
+        c
+        for c in leaf_configs(by_slices["1"])
+        if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2
+    ]
+    if not risky:
+        return []
+    problem = (
+        f"max_loras {max_loras}: {len(risky)} num_slices=1 configs with block_n > 32 and "
+        "num_stages >= 2 replace the patched block_n 32"
+    )
+    return [Finding(str(path), problem)]
+
+
+def leaf_configs(node) -> list[dict]:
+    """The kernel configs (dicts with a block_n) anywhere below ``node``."""
+    if isinstance(node, dict) and "block_n" in node:
+        return [node]
+    if isinstance(node, dict):
+        return [leaf for child in node.values() for leaf in leaf_configs(child)]
+    return []
 
 
 OVERRIDE_CHECKS = {"tuned-lora-configs": tuned_configs}
 
 
-def override_findings(catalogue: Catalogue) -> dict[str, list[dict]]:
+def override_findings(catalogue: Catalogue) -> dict[str, list[Finding]]:
     """For each patch with an ``[overridden_by]`` check: what its setting does here."""
     found = {}
     for patch in catalogue.patches:
@@ -178,28 +229,32 @@ def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
         if info is None or not stat.S_ISREG(info.st_mode):
             continue
         for pyc_relpath in bytecode_paths(tree.fs, relpath):
-            pyc = tree.fs.full(pyc_relpath)
-            try:
-                header = (tree.fs.read(pyc_relpath, "doctor") or b"")[:16]
-            except PatchkitError as exc:
-                stale.append(f"{pyc} (unreadable: {exc})")
-                continue
-            if len(header) < 16:
-                stale.append(f"{pyc} (truncated)")
-                continue
-            flags, mtime, size = struct.unpack("<4xIII", header)
-            if flags & 1 and not flags & 2:
-                stale.append(f"{pyc} (hash-based, unchecked: never re-validated)")
-            elif flags & 1:
-                source_hash = importlib.util.source_hash(tree.fs.read(relpath, "doctor") or b"")
-                if header[8:16] != source_hash:
-                    stale.append(f"{pyc} (hash differs from source)")
-            elif mtime != int(info.st_mtime) & 0xFFFFFFFF or size != info.st_size & 0xFFFFFFFF:
-                stale.append(f"{pyc} (built from another version of the source)")
+            problem = _pyc_problem(tree, relpath, pyc_relpath, info)
+            if problem:
+                stale.append(f"{tree.fs.full(pyc_relpath)} ({problem})")
     return stale
 
 
-def old_caches(patched_at: float | None) -> list[dict]:
+def _pyc_problem(tree: VllmTree, relpath: str, pyc_relpath: str, info) -> str:
+    """Why a .pyc does not match its source; '' if it does."""
+    try:
+        header = (tree.fs.read(pyc_relpath, "doctor") or b"")[:16]
+    except PatchkitError as exc:
+        return f"unreadable: {exc}"
+    if len(header) < 16:
+        return "truncated"
+    flags, mtime, size = struct.unpack("<4xIII", header)
+    if flags & 1 and not flags & 2:
+        return "hash-based, unchecked: never re-validated"
+    if flags & 1:
+        source_hash = importlib.util.source_hash(tree.fs.read(relpath, "doctor") or b"")
+        return "hash differs from source" if header[8:16] != source_hash else ""
+    if mtime != int(info.st_mtime) & 0xFFFFFFFF or size != info.st_size & 0xFFFFFFFF:
+        return "built from another version of the source"
+    return ""
+
+
+def old_caches(patched_at: float | None) -> list[OldCache]:
     """Compile-cache entries written before the patched files were."""
     if patched_at is None:
         return []
@@ -207,20 +262,22 @@ def old_caches(patched_at: float | None) -> list[dict]:
     for cache in cache_dirs():
         older = [name for name, mtime in cache_entries(cache) if mtime < patched_at]
         if older:
-            found.append({"name": cache.name, "path": str(cache.path), "entries": len(older)})
+            found.append(OldCache(cache.name, str(cache.path), len(older)))
     return found
 
 
 # ----- verdicts -----
 
 
-def verdicts(report: DoctorReport, version: Version | None, catalogue: Catalogue) -> list[Verdict]:
+def verdicts(
+    report: DoctorReport, version: Version | None, catalogue: Catalogue
+) -> list[BugVerdict]:
     """One verdict per bug that the catalogue's patches declare, then the stale-code check."""
-    states = {p["id"]: p["state"] for p in report.patches}
+    states = report.states()
     found = [bug_verdict(report, version, states, group) for group in bug_groups(catalogue)]
     found.append(_stale_verdict(report))
-    if "error" in report.vllm:  # no vLLM tree: nothing to judge a bug of vLLM by
-        return [Verdict(v.bug, "unknown", "no vLLM found to judge by") for v in found]
+    if report.tree is None:  # no vLLM tree: nothing to judge a bug of vLLM by
+        return [BugVerdict(v.bug, Verdict.UNKNOWN, "no vLLM found to judge by") for v in found]
     return found
 
 
@@ -234,24 +291,41 @@ def bug_groups(catalogue: Catalogue) -> list[list[Patch]]:
 
 
 def bug_verdict(
-    report: DoctorReport, version: Version | None, states: dict, patches: list[Patch]
-) -> Verdict:
+    report: DoctorReport,
+    version: Version | None,
+    states: dict[str, PatchState],
+    patches: list[Patch],
+) -> BugVerdict:
     """Judge one bug from its patches' declared diagnosis and this machine's facts."""
     d = patches[0].diagnosis
     if version is None:
-        return Verdict(d.label, "unknown", "no vLLM version to judge by")
+        return BugVerdict(d.label, Verdict.UNKNOWN, "no vLLM version to judge by")
     if not d.affected.contains(version, prereleases=True):
-        return Verdict(d.label, "not affected", f"vLLM {version} is not in {d.affected}")
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, f"vLLM {version} is not in {d.affected}")
     unaffected = _machine_unaffected(report, d)
     if unaffected:
-        return Verdict(d.label, "not affected", unaffected)
-    if d.kernel_scan and report.kernels and not report.kernels.get("error"):
-        return _scan_verdict(d, report, states, patches)
-    upstream = [p.id for p in patches if states.get(p.id) == "upstream"]
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, unaffected)
+    scan = report.kernels
+    if d.kernel_scan and scan is not None and not scan.error:
+        mismatch = triton_mismatch(report)
+        if not mismatch:
+            return _scan_verdict(d, report, states, patches)
+        judged = _rule_verdict(d, report, states, patches)
+        judged.reason += f"; {mismatch}"
+        return judged
+    return _rule_verdict(d, report, states, patches)
+
+
+def _rule_verdict(
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> BugVerdict:
+    """The bug judged by patch states and settings (no kernel evidence)."""
+    upstream = [p.id for p in patches if states.get(p.id) == PatchState.UPSTREAM]
     if upstream:
-        return Verdict(d.label, "not affected", f"fixed in this vLLM ({upstream[0]}: upstream)")
+        reason = f"fixed in this vLLM ({upstream[0]}: {PatchState.UPSTREAM})"
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, reason)
     off, overridden, active = [], [], []
-    for patch in (p for p in patches if states.get(p.id) == "applied"):
+    for patch in (p for p in patches if states.get(p.id) == PatchState.APPLIED):
         disabled, replaced = _disabled(patch), _overridden(report, patch)
         if disabled:
             off.append(disabled)
@@ -260,20 +334,35 @@ def bug_verdict(
         else:
             active.append(patch.diagnosis.protects)
     if active:
-        return Verdict(d.label, "protected", "; ".join(active))
+        return BugVerdict(d.label, Verdict.PROTECTED, "; ".join(active))
     if overridden:
-        return Verdict(d.label, "exposed", overridden[0][0], overridden[0][1])
-    conflicts = [p.id for p in patches if states.get(p.id) == "conflict"]
+        return BugVerdict(d.label, Verdict.EXPOSED, overridden[0][0], overridden[0][1])
+    conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
     why = f"{', '.join(conflicts)} in conflict" if conflicts else "no patch for it is applied"
-    return Verdict(d.label, "exposed", "; ".join([why, *off]), d.fix)
+    return BugVerdict(d.label, Verdict.EXPOSED, "; ".join([why, *off]), d.fix)
+
+
+def triton_mismatch(report: DoctorReport) -> str:
+    """Why the scan's evidence is not about the Triton vLLM runs here; '' when it is."""
+    ours, theirs = report.toolchain, report.tree_triton
+    if theirs is None or theirs.version is None or same_triton(ours, theirs):
+        return ""
+    where = f" ({theirs.location})" if theirs.location else ""
+    python = theirs.python or "the Python of vLLM's environment"
+    target = f" --target {report.tree.root}" if report.tree else ""
+    return (
+        f"the kernel scan compiled with Triton {ours.triton} ({ours.location}), but vLLM here "
+        f"runs Triton {theirs.version}{where}, so the scan is not evidence for it; scan with that "
+        f"one: {python} -m patchkit doctor --kernels{target} (patchkit installed there)"
+    )
 
 
 def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> str:
     """Why this machine cannot hit the bug (its GPUs, its ptxas); '' if it can."""
     cc = d.needs_compute_capability
-    if cc and report.gpus and not any(g["compute_capability"] == cc for g in report.gpus):
+    if cc and report.gpus and not any(g.compute_capability == cc for g in report.gpus):
         return f"no GPU of compute capability {cc} here"
-    ptxas = report.triton.get("ptxas_version")
+    ptxas = report.vllm_ptxas()
     if d.fixed_by_ptxas and _at_least(ptxas, d.fixed_by_ptxas):
         return f"Triton's ptxas {ptxas} is {d.fixed_by_ptxas} or newer"
     return ""
@@ -300,7 +389,7 @@ def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
     if not found:
         return None
     return (
-        f"{override.env} replaces what {patch.id} patched: {found[0]['problem']}",
+        f"{override.env} replaces what {patch.id} patched: {found[0].problem}",
         f"fix or remove the {override.env} files listed above",
     )
 
@@ -314,53 +403,55 @@ def _at_least(version: str | None, threshold: str) -> bool:
 
 
 def _scan_verdict(
-    d: Diagnosis, report: DoctorReport, states: dict, patches: list[Patch]
-) -> Verdict:
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> BugVerdict:
     """The bug judged by the compiled kernels: a hazard this install runs, or none."""
     scan = report.kernels
-    ptxas = f"ptxas {scan['ptxas_version']} ({scan['ptxas']})"
-    cases = scan["cases"]
-    called = [c for c in cases if c["called"] and c["verdict"] == "hazard"]
-    errors = [c for c in cases if c["called"] and c["verdict"] == "error"]
-    if called:
-        tuned = [c for c in called if c["source"].startswith("tuned")]
-        first = (tuned or called)[0]
-        where = first["hazards"][0]
-        return Verdict(
-            d.label,
-            "exposed",
-            f"kernel scan: {len(called)} config(s) this install runs overwrite the A registers "
-            f"of an in-flight wgmma, e.g. {first['label']}: {where['instruction']} at "
-            f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}",
-            _scan_fix(first, d, states, patches),
+    tools = scan.toolchain
+    ptxas = f"Triton {tools.triton}, ptxas {tools.ptxas_version or 'unknown'} ({tools.ptxas})"
+    if report.tree_triton is not None and report.tree_triton.version is None:
+        ptxas += "; no Triton installed next to vLLM to compare with"
+    runs = [c for c in scan.cases if c.called]
+    hazards = [c for c in runs if c.verdict == "hazard"]
+    if hazards:
+        tuned = [c for c in hazards if c.sources]
+        first = (tuned or hazards)[0]
+        where = first.hazards[0]
+        reason = (
+            f"kernel scan: {len(hazards)} config(s) this install runs overwrite the A registers "
+            f"of an in-flight wgmma, e.g. {first.label()}: {where['instruction']} at "
+            f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}"
         )
-    idle = [c for c in cases if not c["called"] and c["verdict"] == "hazard"]
+        return BugVerdict(d.label, Verdict.EXPOSED, reason, _scan_fix(first, d, states, patches))
+    idle = [c for c in scan.cases if not c.called and c.verdict == "hazard"]
     also = (
-        f"; hazard only in configs not run here, e.g. {idle[0]['label']} "
-        f"({idle[0]['why_not_called']})"
+        f"; hazard only in configs not run here, e.g. {idle[0].label()} ({idle[0].why_not_called})"
         if idle
         else ""
     )
-    unknown = f"; {len(errors)} config(s) failed to compile (see the scan)" if errors else ""
-    runs = sum(1 for c in cases if c["called"])
-    if runs == 0:
-        reason = next((c["why_not_called"] for c in cases), "no Triton LoRA kernel runs")
-        return Verdict(d.label, "protected", f"kernel scan: {reason}{also}")
-    evidence = f"kernel scan: no overwrite in the {runs} config(s) this install runs, {ptxas}"
-    if d.fixed_by_ptxas and _at_least(scan["ptxas_version"], d.fixed_by_ptxas):
+    errors = [c for c in runs if c.verdict == "error"]
+    unknown = f"; {len(errors)} config(s) could not be scanned (see the scan)" if errors else ""
+    if not runs:
+        reason = next((c.why_not_called for c in scan.cases), "no Triton LoRA kernel runs")
+        return BugVerdict(d.label, Verdict.PROTECTED, f"kernel scan: {reason}{also}")
+    evidence = f"kernel scan: no overwrite in the {len(runs)} config(s) this install runs, {ptxas}"
+    approximate = [c for c in runs if c.approximate]
+    if approximate:
+        evidence += f"; {len(approximate)} of them approximate ({approximate[0].approximate})"
+    if d.fixed_by_ptxas and _at_least(tools.ptxas_version, d.fixed_by_ptxas):
         evidence += f" (a ptxas from {d.fixed_by_ptxas} on keeps wgmma registers)"
-    patched = any(states.get(p.id) == "applied" for p in patches)
-    status = "protected" if patched else "not affected"
-    return Verdict(d.label, "unknown" if errors else status, evidence + also + unknown)
+    protects = _replacing_reason(states, patches)
+    if protects:
+        evidence += f"; the dense LoRA kernels do not run: {protects}"
+    patched = any(states.get(p.id) == PatchState.APPLIED for p in patches)
+    status = Verdict.PROTECTED if patched else Verdict.NOT_AFFECTED
+    return BugVerdict(d.label, Verdict.UNKNOWN if errors else status, evidence + also + unknown)
 
 
-def _scan_fix(case: dict, d: Diagnosis, states: dict, patches: list[Patch]) -> str:
-    if case["source"].startswith("tuned"):
-        return f"remove or retune {case['source'][len('tuned: ') :]} (block_n 32 or num_stages 1)"
-    overrides = [p.overridden_by.env for p in patches if p.overridden_by]
-    if any(os.environ.get(env) for env in overrides):
-        return f"the config comes from {overrides[0]}: retune it (block_n 32 or 1 stage)"
-    if any(states.get(p.id) == "needed" for p in patches):
+def _scan_fix(case: Case, d: Diagnosis, states: dict[str, PatchState], patches: list[Patch]) -> str:
+    if case.sources:
+        return f"remove or retune {Path(case.sources[0]).name} (block_n 32 or num_stages 1)"
+    if any(states.get(p.id) == PatchState.NEEDED for p in patches):
         return d.fix
     switches = [f"{s.env} unset ({p.id})" for p in patches for s, _ in _switched_off(p)]
     ptxas = (
@@ -369,138 +460,96 @@ def _scan_fix(case: dict, d: Diagnosis, states: dict, patches: list[Patch]) -> s
     return ", or ".join(filter(None, [*switches, ptxas])) or d.fix
 
 
-def called_here(states: dict, catalogue: Catalogue):
-    """Which scanned kernel configs this install runs, from its patches and environment."""
-    from patchkit.diagnosis.kernelscan import path_runs
-
-    replacing = [
-        p for p in catalogue.patches
-        if p.diagnosis and p.diagnosis.replaces_kernels and states.get(p.id) == "applied"
-        and not _disabled(p)
-    ]  # fmt: skip
-
-    def called(case) -> tuple[bool, str]:
-        if replacing:
-            return False, replacing[0].diagnosis.protects
-        return path_runs(case.path)
-
-    return called
+def _replacing_reason(states: dict[str, PatchState], patches: list[Patch]) -> str:
+    """The ``protects`` line of an applied, switched-on patch that replaces the dense kernels."""
+    for patch in patches:
+        diagnosis = patch.diagnosis
+        applied = states.get(patch.id) == PatchState.APPLIED
+        if diagnosis and diagnosis.replaces_kernels and applied and not _disabled(patch):
+            return diagnosis.protects
+    return ""
 
 
-def _stale_verdict(report: DoctorReport) -> Verdict:
+def replaced_here(states: dict[str, PatchState], catalogue: Catalogue) -> str:
+    """Why vLLM's dense LoRA kernels do not run here (a patch replaces them), or ''."""
+    return _replacing_reason(states, list(catalogue.patches))
+
+
+def _stale_verdict(report: DoctorReport) -> BugVerdict:
     bug = "stale bytecode or compile caches running unpatched code"
     if report.stale_bytecode or report.old_caches:
-        return Verdict(
+        return BugVerdict(
             bug,
-            "exposed",
+            Verdict.EXPOSED,
             f"{len(report.stale_bytecode)} stale .pyc, "
             f"{len(report.old_caches)} caches older than the patch",
             "patchkit revert && patchkit apply --clear-caches",
         )
-    return Verdict(bug, "not affected", "bytecode matches its source; no older caches")
+    reason = "bytecode matches its source; no older caches"
+    return BugVerdict(bug, Verdict.NOT_AFFECTED, reason)
 
 
 # ----- the whole report -----
 
 
+@dataclass(frozen=True)
+class ScanRequest:
+    """What ``--kernels`` scans: a model's shapes (``--model``/``--adapter``) or the defaults."""
+
+    model: Path | None = None
+    adapters: tuple[Path, ...] = ()
+
+    def models(self) -> list[configs.Model]:
+        if self.model is not None:
+            return [configs.model_from_dir(self.model, self.adapters)]
+        if self.adapters:
+            ranks = tuple(sorted({r for a in self.adapters for r in configs.adapter_ranks(a)}))
+            return [dataclasses.replace(m, ranks=ranks) for m in configs.DEFAULT_MODELS]
+        return list(configs.DEFAULT_MODELS)
+
+
 def run(
-    tree: VllmTree | None, tree_error: str, catalogue: Catalogue, kernels: bool = False
+    tree: VllmTree | None,
+    tree_error: str,
+    catalogue: Catalogue,
+    kernels: ScanRequest | None = None,
 ) -> DoctorReport:
-    report = DoctorReport()
+    report = DoctorReport(tree=tree, tree_error=tree_error)
     report.gpus, report.gpu_note = gpus()
-    report.triton = triton_facts()
-    report.triton["fixed_from"] = next(
+    report.toolchain = toolchain()
+    report.fixed_from = next(
         (p.diagnosis.fixed_by_ptxas for p in catalogue.patches
          if p.diagnosis and p.diagnosis.fixed_by_ptxas), None,
     )  # fmt: skip
     report.overrides = override_findings(catalogue)
     report.tuned_configs = [f for found in report.overrides.values() for f in found]
     if tree is None:
-        report.vllm = {"error": tree_error}
         report.verdicts = verdicts(report, None, catalogue)
         return report
-    report.vllm = tree.describe()
-    status = operations.status(tree, catalogue)
-    report.patches = [
-        {k: s.assessment.to_json()[k] for k in ("id", "state", "variant", "files")}
-        for s in status.steps
-    ]
+    report.tree_triton = tree_triton(tree.root)
+    report.patches = [step.assessment for step in operations.status(tree, catalogue).steps]
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)
-    applied = [f for p in report.patches if p["state"] == "applied" for f in p["files"]]
+    applied = [f for a in report.patches if PatchState(a.state) == PatchState.APPLIED
+               for f in a.files]  # fmt: skip
     infos = [tree.fs.lstat(f, "doctor") for f in applied]
     mtimes = [info.st_mtime for info in infos if info is not None]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
-    if kernels:
-        report.kernels = scan_kernels(tree, report, catalogue)
+    if kernels is not None:
+        report.kernels = scan_kernels(tree, report, catalogue, kernels)
     report.verdicts = verdicts(report, tree.parsed_version, catalogue)
     return report
 
 
-def scan_kernels(tree: VllmTree, report: DoctorReport, catalogue: Catalogue) -> dict:
-    """Run the --kernels scan for this tree, as this machine's GPU (or an H200) would."""
-    from patchkit.diagnosis import kernelscan
-
-    states = {p["id"]: p["state"] for p in report.patches}
-    hopper = [g["name"] for g in report.gpus if g["compute_capability"] == "9.0"]
-    called = called_here(states, catalogue)
-    result = kernelscan.scan(tree, hopper[0] if hopper else "NVIDIA H200", called)
-    return result.to_json()
+def scan_kernels(
+    tree: VllmTree, report: DoctorReport, catalogue: Catalogue, request: ScanRequest
+) -> ScanReport:
+    """Run the --kernels scan for this tree, on this machine's Hopper GPUs (else H100/H200/H20)."""
+    hopper = [gpu_named(g.name) for g in report.gpus if g.compute_capability == HOPPER]
+    replaced = replaced_here(report.states(), catalogue)
+    return kernelscan.scan(tree, hopper or GPUS, request.models(), os.environ, replaced)
 
 
 def _paths(patch, tree: VllmTree) -> tuple[str, ...]:
     entry = patch.expected_for(tree.parsed_version)
     return entry.paths if isinstance(entry, Variant) else ()
-
-
-def render(report: DoctorReport, echo) -> None:
-    if report.gpus:
-        for g in report.gpus:
-            echo(f"GPU: {g['name']} (compute capability {g['compute_capability']})")
-    else:
-        echo(f"GPU: {report.gpu_note}")
-    t = report.triton
-    ptxas = t.get("ptxas_version") or "unknown"
-    where = f" ({t['ptxas_source']}: {t['ptxas']})" if t.get("ptxas") else ""
-    echo(
-        f"Triton {t.get('version') or 'not installed'}; ptxas for sm_90: {ptxas}{where}"
-        + (f"; fixed from {t['fixed_from']}" if t.get("fixed_from") else "")
-    )
-    if "error" in report.vllm:
-        echo(f"vLLM: {report.vllm['error']}")
-    else:
-        echo(f"vLLM {report.vllm['version']} at {report.vllm['path']}")
-        for p in report.patches:
-            echo(f"  {p['id']:<24}{p['state']}")
-    for c in report.tuned_configs:
-        echo(f"tuned config {c['file']}: {c['problem']}")
-    for pyc in report.stale_bytecode:
-        echo(f"stale bytecode: {pyc}")
-    for c in report.old_caches:
-        echo(f"{c['name']} {c['path']}: {c['entries']} entries older than the patch")
-    render_kernels(report.kernels, echo)
-    echo("")
-    for v in report.verdicts:
-        echo(f"[{v.status}] {v.bug}")
-        echo(f"    {v.reason}" + (f"; fix: {v.fix}" if v.fix and v.status == "exposed" else ""))
-
-
-def render_kernels(scan: dict, echo) -> None:
-    if not scan:
-        return
-    if scan.get("error"):
-        echo(f"kernel scan: {scan['error']}")
-        return
-    echo(
-        f"kernel scan (sm_90, Triton {scan['triton']}, ptxas {scan['ptxas_version']}, "
-        f"{scan['disassembler']}; {len(scan['cases'])} configs in {scan['seconds']} s):"
-    )
-    for case in scan["cases"]:
-        runs = "runs here" if case["called"] else f"not run: {case['why_not_called']}"
-        detail = case["error"] or (
-            f"{len(case['hazards'])} overwrite(s), first {case['hazards'][0]['instruction']} "
-            f"at {case['hazards'][0]['address']}"
-            if case["hazards"]
-            else ""
-        )
-        echo(f"  [{case['verdict']}] {case['label']}; {runs}" + (f"; {detail}" if detail else ""))
