@@ -52,6 +52,32 @@ TEXT_VOCAB = 4000  # BPE target; the rest of the model's ids become special toke
 SERVER_START_MAX = 240.0
 CANARY_TIMEOUT = 60
 SERVER_IMPORT = "vllm.entrypoints.openai.api_server"
+# The offline bundle has no model_hosting_container_standards (SageMaker's), and
+# the device's generic placeholder for it made vLLM's app inert (uvicorn then
+# answered every request with 500: "object _Inert can't be used in 'await'
+# expression"). This stand-in keeps vLLM's routes and app as they are: its
+# decorators return the function, bootstrap returns the app.
+LAUNCH = f"""
+import runpy, sys, types
+def _passthrough(function):
+    return function
+def _factory(*args, **kwargs):
+    return _passthrough
+sagemaker = types.ModuleType("model_hosting_container_standards.sagemaker")
+for name in ("register_ping_handler", "register_invocation_handler"):
+    setattr(sagemaker, name, _passthrough)
+for name in ("stateful_session_manager", "inject_adapter_id",
+             "register_load_adapter_handler", "register_unload_adapter_handler"):
+    setattr(sagemaker, name, _factory)
+sagemaker.bootstrap = lambda app: app
+package = types.ModuleType("model_hosting_container_standards")
+package.__path__ = []
+package.sagemaker = sagemaker
+sys.modules["model_hosting_container_standards"] = package
+sys.modules["model_hosting_container_standards.sagemaker"] = sagemaker
+sys.argv[0] = "vllm-serve"
+runpy.run_module("{SERVER_IMPORT}", run_name="__main__", alter_sys=True)
+"""
 BUNDLE_HINT = (
     "add the missing package's wheel to ../shared/device/make-bundles.sh, or stand it in "
     "through ../shared/device/sitecustomize.py"
@@ -213,7 +239,7 @@ def start_server(built: dict, adapters: list[str], port: int, phase_dir: Path, t
     """`vllm serve` in its own session (so stopping it stops its engine core too)."""
     modules = [f"{name}={built['adapters'][name]}" for name in adapters]
     command = [
-        sys.executable, "-m", SERVER_IMPORT,
+        sys.executable, "-c", LAUNCH,
         "--model", str(built["model"]), "--served-model-name", BASE_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
         "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "3",
