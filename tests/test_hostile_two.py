@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -129,9 +130,9 @@ def bind_mount(tmp_path):
 
 
 def test_3_clear_caches_never_crosses_a_bind_mount(tmp_path, slim, bind_mount):
-    victim = tmp_path / "data"
-    (victim / "deep").mkdir(parents=True)
-    (victim / "deep" / "thesis.tex").write_text("years of work\n")
+    victim = tmp_path / "data"  # files only: Triton's layout, so only the mount check stops it
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work\n")
     cache = tmp_path / "triton"
     hashed = cache / ("A" * 52)
     hashed.mkdir(parents=True)
@@ -141,7 +142,7 @@ def test_3_clear_caches_never_crosses_a_bind_mount(tmp_path, slim, bind_mount):
     home.mkdir()
     triton = clear(slim, home, TRITON_CACHE_DIR=str(cache))["Triton"]
     assert triton["removed"] is False and "mount point" in triton["reason"], triton
-    assert (victim / "deep" / "thesis.tex").read_text() == "years of work\n"
+    assert (victim / "thesis.tex").read_text() == "years of work\n"
     assert (cache / ("B" * 52)).is_dir()  # refused as a whole: nothing was removed
 
 
@@ -544,3 +545,202 @@ def test_13_a_fifo_in_the_tuned_config_folder(tmp_path, slim):
                       env={"VLLM_TUNED_CONFIG_FOLDER": str(folder)})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "a FIFO, not a regular file" in result.stdout
+
+
+def test_11_revert_only_never_restores_under_a_patch_this_patchkit_lacks(slim):
+    """Attack round three M1: a newer patchkit's patch stacked on expand-block-n's file."""
+    assert run_cli("apply", "--target", str(slim), "--only", "expand-block-n").exit_code == 0
+    state_file = slim / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    lower = data["patches"][0]["files"][0]
+    newer = (slim / UTILS).read_text() + "# future-fix\n"
+    (slim / UTILS).write_text(newer)
+    backup = slim / ".patchkit" / "backups" / "future-fix" / UTILS
+    backup.parent.mkdir(parents=True)
+    backup.write_bytes((slim / UTILS).read_bytes()[: -len("# future-fix\n")])
+    future = {"id": "future-fix", "patch_sha256": "0" * 64, "variant": "v", "applied_at": "x",
+              "files": [{"path": UTILS, "pre_sha256": lower["post_sha256"],
+                         "post_sha256": sha(slim / UTILS),
+                         "backup": f"backups/future-fix/{UTILS}"}]}  # fmt: skip
+    data["patches"].append(future)
+    state_file.write_text(json.dumps(data))
+    before = snapshot(slim)
+    result = run_cli("revert", "--target", str(slim), "--only", "expand-block-n")
+    assert result.exit_code == 1 and "future-fix" in result.stderr
+    assert snapshot(slim) == before
+    status = json.loads(run_cli("status", "--target", str(slim), "--json").stdout)
+    assert "revert --only" not in json.dumps(status)  # no advice to force a revert here
+    assert any("'future-fix', which this patchkit does not know" in w for w in status["warnings"])
+
+
+# ----- round three: what the attacker found in the fixes above -----
+
+
+def test_a_directory_of_docker_containers_is_not_a_triton_cache(tmp_path, slim):
+    containers = tmp_path / "containers"
+    secret = containers / ("c" * 64) / "mounts" / "secrets"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("pw\n")
+    project = tmp_path / "proj" / "torch_compile_cache" / "deadbeef00" / "src"
+    project.mkdir(parents=True)
+    (project / "main.py").write_text("print('mine')\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    found = clear(slim, home, TRITON_CACHE_DIR=str(containers),
+                  VLLM_CACHE_ROOT=str(tmp_path / "proj"))  # fmt: skip
+    assert found["Triton"]["state"] == "left-alone" and found["vLLM"]["state"] == "left-alone"
+    assert secret.read_text() == "pw\n" and (project / "main.py").is_file()
+
+
+def test_a_bind_mount_in_the_state_directory_is_refused_before_anything(tmp_path, slim,
+                                                                        bind_mount):  # fmt: skip
+    assert run_cli("apply", "--target", str(slim), "--only", "expand-block-n").exit_code == 0
+    user = tmp_path / "u"
+    (user / "sub").mkdir(parents=True)
+    (user / "a").write_text("x\n")
+    (user / "sub" / "b").write_text("y\n")
+    inside = slim / ".patchkit" / "backups" / "expand-block-n" / "vllm" / "extra"
+    inside.mkdir()
+    bind_mount(user, inside)
+    before = snapshot(user)
+    for command in ("apply", "revert"):
+        line = one_line(patchkit(command, "--target", str(slim)))
+        assert "is a mount point" in line
+    assert snapshot(user) == before
+
+
+def test_fork_mode_never_writes_through_links_in_dot_git(tmp_path, checkout):
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    exclude = checkout / ".git" / "info" / "exclude"
+    exclude.unlink(missing_ok=True)
+    exclude.symlink_to(victim)
+    line = one_line(patchkit("apply", "--target", str(checkout), env=IDENTITY))
+    assert "symbolic link" in line
+    assert victim.read_text() == "mine\n"
+
+
+def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
+    exclude = checkout / ".git" / "info" / "exclude"
+    exclude.unlink(missing_ok=True)
+    os.mkfifo(exclude)
+    line = one_line(patchkit("apply", "--target", str(checkout), "--allow-dirty",
+                             env=IDENTITY, timeout=30))  # fmt: skip
+    assert "a FIFO" in line
+
+
+SIGNAL_PARENT_HOOK = """#!/bin/sh
+# SIGTERM to patchkit (git's parent) while this commit runs; the commit then succeeds.
+kill -TERM $(ps -o ppid= -p $PPID)
+sleep 1
+exit 0
+"""
+
+
+def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout):
+    hook = checkout / ".git" / "hooks" / "pre-commit"
+    hook.write_text(SIGNAL_PARENT_HOOK)
+    hook.chmod(0o755)
+    before = git_state(checkout)
+    result = patchkit("apply", "--target", str(checkout), env=IDENTITY, timeout=60)
+    assert result.returncode == 143, result.stderr
+    import time
+
+    time.sleep(2)  # had git gone on alone, its commit would land now
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+def test_fetch_staging_cleanup_removes_the_marker_last(tmp_path):
+    from patchkit.target.fetch import STAGING_MARKER, _empty_staging
+
+    staging = tmp_path / ".vllm-0.26.0-x"
+    (staging / "tree" / "vllm").mkdir(parents=True)
+    (staging / "vllm-0.26.0.whl").write_bytes(b"w" * 10)
+    (staging / STAGING_MARKER).write_text('{"pid": 1}')
+    order = []
+    real_unlink = os.unlink
+
+    def recording(name, *args, **kwargs):
+        order.append(str(name))
+        return real_unlink(name, *args, **kwargs)
+
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.unlink = recording
+        _empty_staging(fd, staging)
+    finally:
+        os.unlink = real_unlink
+        os.close(fd)
+    assert order[-1] == STAGING_MARKER and list(staging.iterdir()) == []
+
+
+def test_a_marker_with_an_impossible_pid_is_a_dead_fetch(tmp_path):
+    cache = tmp_path / "cache"
+    tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
+    stale = cache / "trees" / ".vllm-x"
+    stale.mkdir()
+    (stale / ".patchkit-staging").write_text('{"pid": 4294967296}')
+    result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and tree.is_dir()
+
+
+def test_a_read_only_pristine_tree_is_a_no_op_for_revert(tmp_path, slim, bind_mount):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    bind_mount(slim, read_only)
+    remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(read_only)],
+                             capture_output=True)  # fmt: skip
+    if remount.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {remount.stderr.decode().strip()}")
+    result = patchkit("revert", "--target", str(read_only))
+    assert result.returncode == 0, result.stderr
+    assert "nothing needed writing" in result.stdout
+
+
+def test_a_device_at_the_lock_is_refused_before_it_is_opened(slim):
+    (slim / ".patchkit").mkdir()
+    try:
+        os.mknod(slim / ".patchkit" / "lock", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("mknod needs root")
+    traced = subprocess.run(
+        ["strace", "-f", "-qq", "-e", "trace=openat", sys.executable, "-c",
+         "from patchkit.entry import main; main()", "apply", "--target", str(slim)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    ) if shutil.which("strace") else None  # fmt: skip
+    result = patchkit("apply", "--target", str(slim))
+    assert "not a regular file" in one_line(result)
+    if traced is not None:
+        assert '"lock", O_RDWR' not in traced.stderr
+
+
+def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, monkeypatch):
+    """Attack round three H4: the staging directory is exchanged (renameat2) with a
+    user's directory between the marker read and the removal."""
+    import ctypes
+
+    from patchkit.target import fetch
+
+    parent = tmp_path / "fr"
+    staging, user = parent / "stg", parent / "userdir"
+    staging.mkdir(parents=True)
+    (staging / fetch.STAGING_MARKER).write_text('{"pid": 2147483646}')
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious\n")
+    libc = ctypes.CDLL(None, use_errno=True)
+    real = fetch._dead_marker
+
+    swapped = []
+
+    def swap_after_reading(staging_root):
+        dead = real(staging_root)
+        if not swapped:  # once: the first directory looked at is the staging one
+            swapped.append(libc.renameat2(-100, bytes(staging), -100, bytes(user), 2))
+        return dead
+
+    monkeypatch.setattr(fetch, "_dead_marker", swap_after_reading)
+    fetch.remove_stale_staging(parent)
+    assert swapped == [0]
+    assert (parent / "stg" / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
+    assert not (parent / "userdir" / fetch.STAGING_MARKER).exists()  # the real staging, emptied

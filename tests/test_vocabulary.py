@@ -103,7 +103,7 @@ sys.addaudithook(_hook)
     "args,event,test,words",
     [
         (["fetch", "0.26.0", "--dest", "DEST"], "subprocess.Popen", "True",
-         "nothing was unpacked into the destination"),
+         "the destination is complete or untouched"),
         (["doctor"], "import", "args[0] == 'patchkit.diagnosis.doctor'",
          "`patchkit doctor` changes nothing"),
         (["apply", "--target", "TREE"], "os.rename", "True",

@@ -36,9 +36,10 @@ EXIT_FAILURE, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 def fail(message: str, code: int, as_json: bool) -> None:
     """One line on stderr (and the JSON error object on stdout), then exit ``code``."""
-    if as_json:
-        render.emit_json({"ok": False, "error": message, "exit_code": code})
-    click.echo(f"patchkit: error: {message}", err=True)
+    with signals.swallowed():  # the error is the last word: no second signal cuts it
+        if as_json:
+            render.emit_json({"ok": False, "error": message, "exit_code": code})
+        click.echo(f"patchkit: error: {message}", err=True)
     sys.exit(code)
 
 
@@ -49,8 +50,8 @@ INTERRUPTED = {
     "applied or not at all (`patchkit status` shows which; `patchkit revert` undoes them)",
     "revert": "interrupted; patchkit finished the step it was in, so each patch is fully "
     "reverted or still applied (`patchkit status` shows which; run `patchkit revert` again)",
-    "fetch": "interrupted; nothing was unpacked into the destination (its staging directory "
-    "is removed, or by the next `patchkit fetch`)",
+    "fetch": "interrupted; the destination is complete or untouched, never half unpacked (the "
+    "staging directory is removed now or by the next `patchkit fetch`; fetch again to be sure)",
     "verify": "interrupted; verify writes nothing into the vLLM tree",
     "canary": "interrupted; the canary only reads from the server: nothing to undo",
 }
@@ -80,7 +81,8 @@ def user_errors(func):
         except BrokenPipeError:
             stdout_closed()
         except OSError as exc:
-            fail(os_error_line(exc, "accessing"), EXIT_FAILURE, as_json)
+            shorter = "--dest path" if command == "fetch" else "--target path"
+            fail(os_error_line(exc, "accessing", too_long=shorter), EXIT_FAILURE, as_json)
         except (click.ClickException, click.exceptions.Exit):
             raise  # usage errors: PatchkitGroup prints them, exit 2
         except KeyboardInterrupt:
@@ -219,7 +221,9 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
 
 
 def show(result: operations.RunReport, as_json: bool) -> None:
-    render.emit_json(render.run_json(result)) if as_json else render.render_run(result)
+    """The report of a finished run, written whole: a signal now would only cut it short."""
+    with signals.swallowed():
+        render.emit_json(render.run_json(result)) if as_json else render.render_run(result)
 
 
 @main.command()

@@ -212,6 +212,12 @@ def _record_conflict(
             f"--force-reinstall --no-deps vllm=={tree.version}), then `patchkit revert` drops "
             "the old record"
         )
+    unknown = [top for _, top in by_kind.values() if top not in files.order]
+    if unknown:
+        return (
+            f"{record.files[0].path} carries {unknown[0]!r}, a patch this patchkit does not "
+            "know, on top: revert that with the patchkit that applied it first"
+        )
     if EDITED in by_kind:
         path, top = by_kind[EDITED]
         refusal = force_refusal(files, path)

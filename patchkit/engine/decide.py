@@ -246,9 +246,12 @@ def later_on_same_files(
     """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
 
     A stale record (vLLM reinstalled under it) does not count: nothing of it is there.
+    A recorded patch this catalogue lacks counts as later than every one it has
+    (the chain order puts it there): nothing goes back under it.
     """
     later = files.order[files.order.index(patch.id) + 1 :] if patch.id in files.order else ()
-    for other in later:
+    unknown = sorted(set(files.state.patches) - set(files.order)) if files.state else []
+    for other in [*later, *unknown]:
         record = files.state.patches.get(other)
         for path in (f.path for f in record.files) if record else ():
             if path in paths and chain_finding(files, path)[0] != FileFinding.STALE:

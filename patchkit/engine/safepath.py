@@ -242,6 +242,16 @@ class Root:
                 return Usage()
             return remove_entry(fd, name, mount_id(fd), self.full(relpath))
 
+    def mount_point_at_or_below(self, relpath: str, origin: str) -> str | None:
+        """``relpath`` or the first entry below it on another mount than the root; or None."""
+        found = self.lstat(relpath, origin)
+        if found is None or not stat.S_ISDIR(found.st_mode):
+            return None
+        with self.directory(relpath, origin) as fd:
+            if mount_id(fd) != mount_id(self.fd):
+                return str(self.full(relpath))
+            return mount_points_below(fd, self.full(relpath))
+
     def links_below(self, relpath: str, origin: str) -> str | None:
         """The first symbolic link at or below ``relpath``, as a message; None if there is none."""
         found = self.lstat(relpath, origin)
@@ -437,16 +447,33 @@ def remove_entry(fd: int, name: str, mount: object, path: Path) -> Usage:
 
 
 def mount_points_below(fd: int, path: Path) -> str | None:
-    """The first directory at or below ``fd`` that is on another mount; None if none is."""
+    """The first entry below ``fd`` that is on another mount (a bind-mounted directory or
+    file); None if there is none."""
     mount = mount_id(fd)
     for name, found, full in _children(fd, path):
+        if stat.S_ISLNK(found.st_mode):
+            continue
         if not stat.S_ISDIR(found.st_mode):
+            if _entry_mount(fd, name) != mount:
+                return str(full)
             continue
         with _opened_dir(fd, name) as child:
             inner = str(full) if mount_id(child) != mount else mount_points_below(child, full)
         if inner:
             return inner
     return None
+
+
+def _entry_mount(fd: int, name: str) -> object:
+    """The mount of a non-directory entry, opened with O_PATH (never read, never followed)."""
+    try:
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        return mount_id(handle)
+    finally:
+        os.close(handle)
 
 
 _STATX_MNT_ID = 0x1000

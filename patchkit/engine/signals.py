@@ -46,6 +46,23 @@ def install() -> None:
 
 
 @contextmanager
+def swallowed():
+    """Hold the three signals for the block and drop those that arrived meanwhile.
+
+    For the final output of a finished run: a report cut in half, or a second
+    JSON document after the first, helps no one. The mask is restored after
+    (a blocked mask would be inherited by every process started later).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        while signal.sigtimedwait(HELD, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
 def held():
     """Hold SIGINT, SIGTERM and SIGHUP for the block; they are acted on as it ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)

@@ -88,10 +88,22 @@ def backup_path(patch_id: str, relpath: str) -> str:
 
 
 def check_no_links(fs: Root) -> None:
-    """Refuse a ``.patchkit/`` that is, or holds, a symbolic link."""
+    """Refuse a ``.patchkit/`` that is, or holds, a symbolic link or another mount.
+
+    patchkit removes temporary files and backups it no longer needs from
+    ``.patchkit/``; a bind mount there (of the directory itself or of any
+    directory in it) would make that remove someone's files. Checked before
+    a run changes anything.
+    """
     found = fs.links_below(STATE_DIR, "state")
     if found:
         raise UnsafePath(f"{found} (patchkit's state holds only real files)")
+    mounted = fs.mount_point_at_or_below(STATE_DIR, "state")
+    if mounted:
+        raise UnsafePath(
+            f"{mounted} is a mount point; patchkit keeps its state only in directories of "
+            "the tree's own file system and never removes across mounts; unmount it"
+        )
 
 
 MISSING = object()

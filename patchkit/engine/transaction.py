@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from patchkit.engine.safepath import Root, UnsafePath, checked_relpath
+from patchkit.engine.signals import held
 from patchkit.engine.state import (
     STATE_DIR,
     STATE_FILE,
@@ -87,8 +88,11 @@ class TreeLock:
         try:
             if self.fs.lstat(STATE_DIR, "lock") is None:
                 self._made.append(STATE_DIR)
-            if self.fs.lstat(LOCK_FILE, "lock") is None:
+            found = self.fs.lstat(LOCK_FILE, "lock")
+            if found is None:
                 self._made.insert(0, LOCK_FILE)
+            elif not stat.S_ISREG(found.st_mode):  # refused by type before it is opened
+                raise UnsafePath(f"{self.path} is not a regular file; remove it")
             with self.fs.directory(STATE_DIR, "lock", create=True) as directory:
                 fd = os.open(
                     "lock",
@@ -110,25 +114,37 @@ class TreeLock:
             raise PatchkitError(f"{line}; nothing was changed") from None
 
     def __enter__(self) -> TreeLock:
-        self._open()
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if self._still_linked():
-                    return self
-                # The holder before us removed the lock file (tidy); lock the new one.
-                self._close()
+        """Create and lock; signals are held while anything is made, not while waiting."""
+        try:
+            with held():
                 self._open()
-                continue
-            except BlockingIOError:
+            deadline = time.monotonic() + self.timeout
+            while not self._try_lock():
                 if time.monotonic() >= deadline:
-                    self._close()
                     raise PatchkitError(
                         f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
                         "let it finish, then run the command again"
-                    ) from None
+                    )
                 time.sleep(0.05)
+        except BaseException:
+            with held():
+                self._close()
+                self._undo_created()
+            raise
+        return self
+
+    def _try_lock(self) -> bool:
+        with held():
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if self._still_linked():
+                return True
+            # The holder before us removed the lock file (tidy); lock the new one.
+            self._close()
+            self._open()
+            return False
 
     def _still_linked(self) -> bool:
         found = self.fs.lstat(LOCK_FILE, "lock")
@@ -140,7 +156,8 @@ class TreeLock:
 
     def __exit__(self, exc_type, *exc_info) -> None:
         if exc_type is not None:  # a failed run leaves no lock file or directory it made
-            self._undo_created()
+            with held():
+                self._undo_created()
         self._close()
 
     def _close(self) -> None:
@@ -149,12 +166,20 @@ class TreeLock:
             self._fd = -1
 
     def _undo_created(self) -> None:
-        for relpath in self._made:
-            if relpath == LOCK_FILE:
-                self.fs.unlink(LOCK_FILE, "lock")
-            else:
-                self.fs.rmdir(relpath, "lock")  # only if empty
-        self._made = []
+        """Remove the lock file and ``.patchkit/`` (if empty) that this lock made.
+
+        Best effort: on a read-only tree nothing was made, and an error here
+        must not hide the one that ended the run.
+        """
+        made, self._made = self._made, []
+        for relpath in made:
+            try:
+                if relpath == LOCK_FILE:
+                    self.fs.unlink(LOCK_FILE, "lock")
+                elif self.fs.lstat(relpath, "lock") is not None:
+                    self.fs.rmdir(relpath, "lock")  # only if empty
+            except OSError:
+                pass
 
 
 def _lock_timeout() -> float:

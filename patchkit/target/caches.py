@@ -36,17 +36,30 @@ _HASH = re.compile(r"[A-Z2-7]{52}|[0-9a-f]{64}")
 
 
 def _triton_entry(fs: Root, name: str, mode: int) -> bool:
-    """Triton's FileCacheManager: one directory per kernel key (base32 or hex sha256)."""
-    return stat.S_ISDIR(mode) and _HASH.fullmatch(name) is not None
+    """Triton's FileCacheManager: one directory of files per kernel key (base32 or hex sha256).
+
+    The whole layout is checked, not only the names: a directory of Docker
+    containers also has 64-hex names, but with directories inside.
+    """
+    if not (stat.S_ISDIR(mode) and _HASH.fullmatch(name)):
+        return False
+    return all(_is_file(fs, f"{name}/{inner}") for inner in fs.names(name, "cache"))
 
 
 def _vllm_entry(fs: Root, name: str, mode: int) -> bool:
-    """vLLM: ``<10 hex>/rank_*`` per compiled config, and ``torch_aot_compile/<sha256>``."""
+    """vLLM: ``<10 hex>/rank_<r>_<dp>/`` per compiled config, and ``torch_aot_compile/<sha256>``."""
     if not stat.S_ISDIR(mode):
         return False
     if name == "torch_aot_compile":
         return all(re.fullmatch(r"[0-9a-f]{64}", n) for n in fs.names(name, "cache"))
-    return re.fullmatch(r"[0-9a-f]{10}", name) is not None
+    if re.fullmatch(r"[0-9a-f]{10}", name) is None:
+        return False
+    return all(re.fullmatch(r"rank_\d+_\d+", inner) for inner in fs.names(name, "cache"))
+
+
+def _is_file(fs: Root, relpath: str) -> bool:
+    found = fs.lstat(relpath, "cache")
+    return found is not None and stat.S_ISREG(found.st_mode)
 
 
 @dataclass(frozen=True)

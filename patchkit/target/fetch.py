@@ -21,7 +21,6 @@ import ctypes
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ def cache_root() -> Path:
 def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
     """Return a directory holding vllm/ and its dist-info for ``version``."""
     if not is_version(version):
-        raise PatchkitError(f"fetch: {version!r} is not a version (e.g. 0.26.0)")
+        raise PatchkitError(f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)")
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
     if dest.parent.is_dir():
         remove_stale_staging(dest.parent)
@@ -103,22 +102,39 @@ def remove_stale_staging(directory: Path) -> list[Path]:
 
     A staging directory is one holding patchkit's marker file; its name does
     not matter, so a user's directory that looks like one is never touched.
+    The marker is read, and the contents removed, through one descriptor of
+    that directory: swapping another directory in under its name cannot
+    redirect the removal.
     """
     removed = []
     with Root.open(directory) as fs:
         for name in fs.names("", "fetch"):
-            if _is_dead_staging(fs, name):
-                _remove_staging(directory, name)
+            if _remove_if_dead_staging(fs, name):
                 removed.append(directory / name)
     return removed
 
 
-def _is_dead_staging(fs: Root, name: str) -> bool:
-    found = fs.lstat(name, "fetch")
-    if found is None or not stat.S_ISDIR(found.st_mode):
-        return False
+def _remove_if_dead_staging(fs: Root, name: str) -> bool:
     try:
-        marker = json.loads(fs.read(f"{name}/{STAGING_MARKER}", "fetch") or b"null")
+        staging = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=fs.fd)  # fmt: skip
+    except OSError:
+        return False  # not a directory, a link, or gone
+    with Root(fs.full(name), staging) as held_open:  # closes the descriptor
+        if not _dead_marker(held_open):
+            return False
+        with held():
+            _empty_staging(held_open.fd, held_open.path)
+    try:
+        os.rmdir(name, dir_fd=fs.fd)  # only an empty directory goes; a swapped-in one is not
+    except OSError:
+        pass
+    return True
+
+
+def _dead_marker(staging: Root) -> bool:
+    try:
+        marker = json.loads(staging.read(STAGING_MARKER, "fetch") or b"null")
     except (ValueError, RecursionError, UnsafePath, OSError):
         return False
     if not isinstance(marker, dict) or not isinstance(marker.get("pid"), int):
@@ -126,11 +142,26 @@ def _is_dead_staging(fs: Root, name: str) -> bool:
     return not _alive(marker["pid"], marker.get("start"))
 
 
+def _empty_staging(fd: int, path: Path) -> None:
+    """Everything in a staging directory, the marker last (an interrupted cleanup stays
+    recognisable); never following a link or leaving the mount."""
+    mount = mount_id(fd)
+    names = sorted(os.listdir(fd), key=lambda n: n == STAGING_MARKER)
+    for name in names:
+        remove_entry(fd, name, mount, path / name)
+
+
 def _remove_staging(directory: Path, name: str) -> None:
-    """Remove one staging directory without following links or leaving its mount."""
+    """Remove this run's own staging directory (signals held: all of it or the marker stays)."""
     try:
-        with Root.open(directory) as fs:
-            remove_entry(fs.fd, name, mount_id(fs.fd), directory / name)
+        with held(), Root.open(directory) as fs:
+            staging = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fs.fd)  # fmt: skip
+            try:
+                _empty_staging(staging, directory / name)
+            finally:
+                os.close(staging)
+            os.rmdir(name, dir_fd=fs.fd)
     except (OSError, UnsafePath):
         pass  # left for the next fetch, which finds it by its marker
 
@@ -140,6 +171,8 @@ def _alive(pid: int, start: str | None) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except (OverflowError, ValueError):
+        return False  # no process can have such a pid
     except PermissionError:
         pass
     return start is None or _start_time(pid) in (None, start)

@@ -20,20 +20,20 @@ silent edits. So on a checkout patchkit
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.catalogue.load import Patch
-from patchkit.engine.safepath import Root
+from patchkit.engine.safepath import Root, UnsafePath, kind_of
 from patchkit.engine.signals import Terminated, held
 from patchkit.engine.state import STATE_DIR
 from patchkit.engine.vocabulary import Action, PatchState
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.target.tree import VllmTree
 
+INDEX, EXCLUDE = "index", "info/exclude"  # relative to the git directory
 TRAILER_PATCH = "Patchkit-Patch"
 TRAILER_ACTION = "Patchkit-Action"
 
@@ -55,6 +55,16 @@ class Checkout:
         import git  # gitpython, only needed here
 
         self.repo = git.Repo(self.tree.root)
+        # .git's own files patchkit reads and writes (index, info/exclude) go through
+        # a descriptor of the git directory: never through a link, never a FIFO.
+        self.git_fs = Root.open(Path(self.repo.git_dir))
+        for relpath in (INDEX, EXCLUDE):
+            found = self.git_fs.lstat(relpath, "git")
+            if found is not None and not stat.S_ISREG(found.st_mode):
+                raise UnsafePath(
+                    f"{self.git_fs.full(relpath)} is {kind_of(found.st_mode)}, not a regular "
+                    "file; fork mode reads and restores it, so it must be one"
+                )
 
     # -- checks -------------------------------------------------------------
     def check_clean(self, allow_dirty: bool) -> None:
@@ -89,13 +99,12 @@ class Checkout:
             ) from None
 
     def exclude_state_dir(self) -> None:
-        exclude = Path(self.repo.git_dir) / "info" / "exclude"
-        exclude.parent.mkdir(parents=True, exist_ok=True)
+        """Add ``/.patchkit/`` to .git/info/exclude (atomically, never through a link)."""
         line = f"/{STATE_DIR}/"
-        existing = exclude.read_text().splitlines() if exclude.exists() else []
-        if line not in existing:
-            with open(exclude, "a", encoding="utf-8") as handle:
-                handle.write(f"{line}\n")
+        existing = self.git_fs.read(EXCLUDE, "git") or b""
+        if line.encode() not in existing.splitlines():
+            separator = b"" if not existing or existing.endswith(b"\n") else b"\n"
+            self.git_fs.write(EXCLUDE, existing + separator + line.encode() + b"\n", "git")
 
     # -- branch -------------------------------------------------------------
     def switch_to(self, name: str) -> None:
@@ -168,11 +177,11 @@ class Snapshot:
         for name in {branch, *([checkout.current_branch()] if head_ref else [])}:
             head = next((h for h in repo.heads if h.name == name), None)
             refs[f"refs/heads/{name}"] = head.commit.hexsha if head is not None else None
-        git_dir = Path(repo.git_dir)
         files = {path: fs.read(path, "fork mode") for path in [*paths, *_state_files(fs)]}
+        git_fs = checkout.git_fs
         return cls(
             checkout, head_ref, repo.head.commit.hexsha, refs,
-            _read(git_dir / "index"), _read(git_dir / "info" / "exclude"), files,
+            git_fs.read(INDEX, "git"), git_fs.read(EXCLUDE, "git"), files,
         )  # fmt: skip
 
     def restore(self) -> None:
@@ -186,9 +195,12 @@ class Snapshot:
                 repo.git.update_ref("-d", ref)
             else:
                 repo.git.update_ref(ref, sha)
-        git_dir = Path(repo.git_dir)
-        _write_back(git_dir / "index", self.index)
-        _write_back(git_dir / "info" / "exclude", self.exclude)
+        git_fs = self.checkout.git_fs
+        for relpath, data in ((INDEX, self.index), (EXCLUDE, self.exclude)):
+            if data is None:
+                git_fs.unlink(relpath, "git")
+            else:
+                git_fs.write(relpath, data, "git")
         for path in _state_files(fs):
             if path not in self.files:
                 fs.unlink(path, "fork mode")
@@ -212,22 +224,6 @@ def _state_files(fs: Root, relpath: str = STATE_DIR) -> list[str]:
         elif child != f"{STATE_DIR}/lock":
             found.append(child)
     return found
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _write_back(path: Path, data: bytes | None) -> None:
-    if data is None:
-        path.unlink(missing_ok=True)
-        return
-    tmp = path.with_name(f".{path.name}.patchkit-tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _git_message(exc: Exception) -> str:
@@ -278,11 +274,19 @@ def apply(tree, catalogue, options, branch: str | None, allow_dirty: bool):
     guard = _Guard(checkout, allow_dirty, "apply", branch=name)
     with guard:
         report = operations.apply(tree, catalogue, options, prepare=guard.prepare)
-        for step in report.plan.acting(Action.APPLIED):
-            patch = step.assessment.patch
-            sha = checkout.commit(patch, list(step.assessment.files), "apply")
-            report.notes.append(f"committed {patch.id} as {sha[:12]} on {name}")
+        with held():  # a signal never leaves git committing on its own after a restore
+            _commit_steps(checkout, report, Action.APPLIED, f" on {name}")
     return report
+
+
+def _commit_steps(checkout: Checkout, report, action: Action, where: str = "") -> None:
+    """One commit per patch the run applied or reverted, in the order it did them."""
+    verb = "apply" if action == Action.APPLIED else "revert"
+    for step in report.plan.acting(action):
+        patch = step.assessment.patch
+        sha = checkout.commit(patch, list(step.assessment.files), verb)
+        what = patch.id if verb == "apply" else f"the revert of {patch.id}"
+        report.notes.append(f"committed {what} as {sha[:12]}{where}")
 
 
 def revert(tree, catalogue, options, allow_dirty: bool):
@@ -293,10 +297,8 @@ def revert(tree, catalogue, options, allow_dirty: bool):
     guard = _Guard(checkout, allow_dirty, "revert")
     with guard:
         report = operations.revert(tree, catalogue, options, prepare=guard.prepare)
-        for step in report.plan.acting(Action.REVERTED):
-            patch = step.assessment.patch
-            sha = checkout.commit(patch, list(step.assessment.files), "revert")
-            report.notes.append(f"committed the revert of {patch.id} as {sha[:12]}")
+        with held():
+            _commit_steps(checkout, report, Action.REVERTED)
     return report
 
 
