@@ -35,7 +35,9 @@ def test_apply_and_revert_remove_stale_bytecode(tree_0260: Path):
 
 def test_clear_caches_reports_and_removes(tree_0260: Path, tmp_path: Path):
     vllm_root, triton = tmp_path / "vllm-cache", tmp_path / "triton-cache"
-    compiled = vllm_root / "torch_compile_cache" / "0123abcdef" / "graph.py"
+    compiled = (
+        vllm_root / "torch_compile_cache" / "0123abcdef" / "rank_0_0" / "backbone" / "graph.py"
+    )
     kernel = triton / ("A2" * 26) / "kernel.cubin"  # Triton's base32 key layout
     for path in (compiled, kernel):
         path.parent.mkdir(parents=True)

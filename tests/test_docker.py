@@ -38,7 +38,12 @@ def image(tmp_path_factory) -> tuple[ImageRunner, Path]:
 
     (site / "triton.pth").write_text(f"{triton_site()}\n")  # the image's own Triton
     (site / "torch.pth").write_text(f"{torch_site()}\n")  # and torch, as vLLM images have
-    return ImageRunner(context=REPO, image_root=root, python_bin=python / "bin"), site
+    runner = ImageRunner(context=REPO, image_root=root, python_bin=python / "bin")
+    from tests.test_kernelscan import scan_env
+
+    caches = scan_env()  # the kernel scan's Triton and SASS caches, shared with its own tests
+    runner.env.update({k: caches[k] for k in ("TRITON_CACHE_DIR", "PATCHKIT_CACHE_DIR")})
+    return runner, site
 
 
 def test_dockerfile_stages():
