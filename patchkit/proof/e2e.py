@@ -193,13 +193,32 @@ def _token_logprobs(model, ids: list[int], device: str) -> list[float]:
 # ----- the vLLM side, run in a child process per mode -----
 
 
+# The requests of one engine, in order: (label, prompt). LoRA labels use the adapter.
+PLAN = (
+    ("base", "p50"), ("base", "p600"), ("base", "p3000"),
+    ("lora", "p50"), ("lora", "p600"), ("lora", "p3000"),
+    ("lora_after_long", "p50"),
+    ("base_after_lora", "p50"), ("base_after_lora", "p600"), ("base_after_lora", "p3000"),
+)  # fmt: skip
+
+
 def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Path) -> None:
     """Run every request of the e2e plan through vllm.LLM and write what came back."""
+    started = time.monotonic()
+    llm = _engine(model_dir, seed, mode)
+    engine_seconds = time.monotonic() - started
+    runs = _run_plan(llm, adapter_dir, seed)
+    result = {"mode": mode, "engine_seconds": engine_seconds,
+              "corrupted_requests": _corrupted(llm), "runs": runs}  # fmt: skip
+    out_file.write_text(json.dumps(result))
+
+
+def _engine(model_dir: Path, seed: int, mode: str):
+    """vllm.LLM on the tiny model, with the kernels that need no FlashInfer or DeepGEMM."""
     os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"
     import importlib.util
 
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+    from vllm import LLM
 
     extra = {}
     if importlib.util.find_spec("flashinfer") is None:  # pick kernels that need no FlashInfer
@@ -210,25 +229,20 @@ def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Pa
         # 0.22 warms DeepGEMM up at start and stops if it is missing; the test
         # model is bf16 and never uses it (seen on the test H200).
         os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
-    started = time.monotonic()
-    llm = LLM(
-        model=str(model_dir),
-        enable_lora=True,
-        max_lora_rank=RANK,
-        max_loras=2,
-        enforce_eager=(mode == "eager"),
-        skip_tokenizer_init=True,
-        language_model_only=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=4096,
-        max_num_seqs=4,
-        max_num_batched_tokens=4096,
-        dtype="bfloat16",
-        seed=seed,
-        disable_log_stats=False,
+    return LLM(
+        model=str(model_dir), enable_lora=True, max_lora_rank=RANK, max_loras=2,
+        enforce_eager=(mode == "eager"), skip_tokenizer_init=True, language_model_only=True,
+        gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=4,
+        max_num_batched_tokens=4096, dtype="bfloat16", seed=seed, disable_log_stats=False,
         **extra,
-    )
-    engine_seconds = time.monotonic() - started
+    )  # fmt: skip
+
+
+def _run_plan(llm, adapter_dir: Path, seed: int) -> dict:
+    """PLAN's requests, then each partial adapter once (last: they may not load)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=0, logprobs=0)
     lora = LoRARequest("patchkit-e2e", 1, str(adapter_dir))
     texts = prompts(seed)
@@ -239,41 +253,24 @@ def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Pa
         )
         return _collect(result, texts[name])
 
-    plan = [
-        ("base", "p50"),
-        ("base", "p600"),
-        ("base", "p3000"),
-        ("lora", "p50"),
-        ("lora", "p600"),
-        ("lora", "p3000"),
-        ("lora_after_long", "p50"),
-        ("base_after_lora", "p50"),
-        ("base_after_lora", "p600"),
-        ("base_after_lora", "p3000"),
-    ]
     runs: dict = {}
-    for label, name in plan:
+    for label, name in PLAN:
         runs.setdefault(label, {})[name] = run(name, lora if label.startswith("lora") else None)
-    for number, kind in enumerate(PARTIAL_ADAPTERS, start=2):  # last: they may not load
+    for number, kind in enumerate(PARTIAL_ADAPTERS, start=2):
         request = LoRARequest(f"patchkit-e2e-{kind}", number, str(partial_dir(adapter_dir, kind)))
         try:
             runs[kind] = {PARTIAL_PROMPT: run(PARTIAL_PROMPT, request)}
         except Exception as exc:  # the bug this checks: the adapter does not load
             runs[kind] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-    corrupted = sum(
+    return runs
+
+
+def _corrupted(llm) -> float:
+    """vllm:corrupted_requests, summed over engines (VLLM_COMPUTE_NANS_IN_LOGITS=1)."""
+    return sum(
         getattr(m, "value", 0) or 0
         for m in llm.get_metrics()
         if m.name.startswith("vllm:corrupted_requests")
-    )
-    out_file.write_text(
-        json.dumps(
-            {
-                "mode": mode,
-                "engine_seconds": engine_seconds,
-                "corrupted_requests": corrupted,
-                "runs": runs,
-            }
-        )
     )
 
 
@@ -300,22 +297,26 @@ def start_servers(
     """Start one child process per mode; they share the GPU and start in parallel."""
     children = {}
     for mode in modes:
-        log = (workdir / f"vllm-{mode}.log").open("w")
-        children[mode] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "patchkit.proof.e2e",
-                str(model_dir),
-                str(adapter_dir),
-                str(seed),
-                mode,
-                str(workdir / f"vllm-{mode}.json"),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        with (workdir / f"vllm-{mode}.log").open("w") as log:  # the child keeps its own copy
+            children[mode] = _start_one(model_dir, adapter_dir, seed, workdir, mode, log)
     return children
+
+
+def _start_one(model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, mode: str, log):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "patchkit.proof.e2e",
+            str(model_dir),
+            str(adapter_dir),
+            str(seed),
+            mode,
+            str(workdir / f"vllm-{mode}.json"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_servers(children: dict, workdir: Path, timeout: float) -> dict:
@@ -376,81 +377,72 @@ def compare(mode: str, served: dict, reference: dict) -> list[Check]:
     if "error" in served:
         return [Check(f"{mode}: vLLM ran", False, served["error"])]
     runs = served["runs"]
-    checks = (
-        []
-        if "first_attempt" not in served
-        else [
+    return [
+        *_health_checks(mode, served, runs),
+        *_reference_checks(mode, runs, reference),
+        _effect_check(mode, runs),
+        _repeat_check(mode, runs, "base_after_lora", "base", "base after LoRA equals base before"),
+        *_partial_checks(mode, runs, reference),
+        _repeat_check(mode, runs, "lora_after_long", "lora",
+                      "short prompt after a long one unaffected"),
+    ]  # fmt: skip
+
+
+def _health_checks(mode: str, served: dict, runs: dict) -> list[Check]:
+    """The engine ran; no NaN counted, none in the log-probabilities, no run of token 0."""
+    checks = []
+    if "first_attempt" in served:
+        checks.append(
             Check(f"{mode}: engine started (second attempt, alone)", True, served["first_attempt"])
-        ]
-    )
-    checks += [
-        Check(
-            f"{mode}: vllm:corrupted_requests",
-            served["corrupted_requests"] == 0,
-            f"{served['corrupted_requests']} (VLLM_COMPUTE_NANS_IN_LOGITS=1)",
         )
-    ]
+    corrupted = served["corrupted_requests"]
+    checks.append(Check(f"{mode}: vllm:corrupted_requests", corrupted == 0,
+                        f"{corrupted} (VLLM_COMPUTE_NANS_IN_LOGITS=1)"))  # fmt: skip
     every = [r for group in runs.values() for r in group.values() if isinstance(r, dict)]
     nan = sum(_count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
     checks.append(Check(f"{mode}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
     zero_runs = [len(r["tokens"]) for r in every if _zero_run(r["tokens"]) >= ZERO_RUN]
-    checks.append(
-        Check(
-            f"{mode}: no run of token id 0",
-            not zero_runs,
-            f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row",
-        )
-    )
+    checks.append(Check(f"{mode}: no run of token id 0", not zero_runs,
+                        f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row"))  # fmt: skip
+    return checks
+
+
+def _reference_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
+    """Base and LoRA prompt log-probabilities within bounds of transformers + PEFT."""
+    checks = []
     for kind in ("base", "lora"):
         for name in reference[kind]:
             mean, worst = _diff(runs[kind][name]["prompt_logprobs"], reference[kind][name])
-            checks.append(
-                Check(
-                    f"{mode}: {kind} {name[1:]} tokens vs transformers",
-                    mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
-                    f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
-                    f"(<= {LOGPROB_MAX_TOL})",
-                )
-            )
+            checks.append(Check(
+                f"{mode}: {kind} {name[1:]} tokens vs transformers",
+                mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
+                f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
+                f"(<= {LOGPROB_MAX_TOL})",
+            ))  # fmt: skip
+    return checks
+
+
+def _effect_check(mode: str, runs: dict) -> Check:
+    """The adapter visibly changes the output (it was applied at all)."""
     effect = min(
         _diff(runs["lora"][n]["prompt_logprobs"], runs["base"][n]["prompt_logprobs"])[0]
         for n in runs["lora"]
     )
-    checks.append(
-        Check(
-            f"{mode}: LoRA output differs from base",
-            effect >= LORA_EFFECT_MIN,
-            f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})",
-        )
+    return Check(f"{mode}: LoRA output differs from base", effect >= LORA_EFFECT_MIN,
+                 f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})")  # fmt: skip
+
+
+def _repeat_check(mode: str, runs: dict, again: str, first: str, title: str) -> Check:
+    """The same request later in the run answers as it did first (no state carried over)."""
+    names = list(runs[again])
+    worst = max(
+        _diff(runs[again][n]["prompt_logprobs"], runs[first][n]["prompt_logprobs"])[1]
+        for n in names
     )
-    carried = max(
-        _diff(runs["base_after_lora"][n]["prompt_logprobs"], runs["base"][n]["prompt_logprobs"])[1]
-        for n in runs["base_after_lora"]
-    )
-    same_tokens = all(
-        runs["base_after_lora"][n]["tokens"] == runs["base"][n]["tokens"]
-        for n in runs["base_after_lora"]
-    )
-    checks.append(
-        Check(
-            f"{mode}: base after LoRA equals base before",
-            carried <= REPEAT_MAX_TOL and same_tokens,
-            f"max |d logprob| {carried:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {same_tokens}",
-        )
-    )
-    checks += _partial_checks(mode, runs, reference)
-    short = _diff(
-        runs["lora_after_long"]["p50"]["prompt_logprobs"], runs["lora"]["p50"]["prompt_logprobs"]
-    )[1]
-    short_tokens = runs["lora_after_long"]["p50"]["tokens"] == runs["lora"]["p50"]["tokens"]
-    checks.append(
-        Check(
-            f"{mode}: short prompt after a long one unaffected",
-            short <= REPEAT_MAX_TOL and short_tokens,
-            f"max |d logprob| {short:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {short_tokens}",
-        )
-    )
-    return checks
+    same_tokens = all(runs[again][n]["tokens"] == runs[first][n]["tokens"] for n in names)
+    return Check(f"{mode}: {title}", worst <= REPEAT_MAX_TOL and same_tokens,
+                 f"max |d logprob| {worst:.2e} (<= {REPEAT_MAX_TOL}), "
+                 f"tokens equal: {same_tokens}")  # fmt: skip
 
 
 def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
