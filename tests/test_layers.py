@@ -16,9 +16,9 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "patchkit"
 LAYERS = {
-    1: ["patchkit.errors", "patchkit.engine.safepath", "patchkit.engine.fsutil",
-        "patchkit.engine.signals", "patchkit.engine.hunks", "patchkit.engine.diffs",
-        "patchkit.engine.vocabulary"],
+    1: ["patchkit.errors", "patchkit.symptoms", "patchkit.engine.safepath",
+        "patchkit.engine.fsutil", "patchkit.engine.signals", "patchkit.engine.hunks",
+        "patchkit.engine.diffs", "patchkit.engine.vocabulary"],
     2: ["patchkit.target.tree", "patchkit.catalogue"],
     3: ["patchkit.engine", "patchkit.target.caches", "patchkit.target.fetch"],
     4: ["patchkit.target.forkmode"],

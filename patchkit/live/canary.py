@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
+from patchkit.symptoms import longest_zero_run
 
 MISSING_DEPS = "patchkit canary needs httpx and prometheus-client: pip install 'patchkit[canary]'"
 try:
@@ -563,14 +564,6 @@ def token_ids(choice: dict, logprobs: dict | None) -> list[int] | None:
         if found and all(found):
             return [int(m.group(1)) for m in found]
     return None
-
-
-def longest_zero_run(ids: list[int]) -> int:
-    longest = current = 0
-    for token in ids:
-        current = current + 1 if token == 0 else 0
-        longest = max(longest, current)
-    return longest
 
 
 # ----- the run -----

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.symptoms import longest_zero_run
+
 PROMPT_LENGTHS = (50, 600, 3000)
 VOCAB = 4096
 RANK = 64
@@ -401,7 +403,7 @@ def _health_checks(mode: str, served: dict, runs: dict) -> list[Check]:
     every = [r for group in runs.values() for r in group.values() if isinstance(r, dict)]
     nan = sum(_count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
     checks.append(Check(f"{mode}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
-    zero_runs = [len(r["tokens"]) for r in every if _zero_run(r["tokens"]) >= ZERO_RUN]
+    zero_runs = [len(r["tokens"]) for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
     checks.append(Check(f"{mode}: no run of token id 0", not zero_runs,
                         f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row"))  # fmt: skip
     return checks
@@ -476,14 +478,6 @@ def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
 
 def _count_nan(values: list[float]) -> int:
     return sum(1 for v in values if v != v)
-
-
-def _zero_run(tokens: list[int]) -> int:
-    longest = current = 0
-    for token in tokens:
-        current = current + 1 if token == 0 else 0
-        longest = max(longest, current)
-    return longest
 
 
 def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
