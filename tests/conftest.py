@@ -20,7 +20,8 @@ import pytest
 from click.testing import CliRunner
 from packaging.version import Version
 
-from patchkit.catalogue.load import Variant, load_catalogue
+from patchkit.catalogue.load import load_catalogue
+from patchkit.catalogue.model import Variant
 from patchkit.cli.main import main
 from patchkit.engine.hunks import apply_file_patch
 from patchkit.target.fetch import fetch

@@ -14,7 +14,7 @@ import random
 import pytest
 from packaging.version import Version
 
-from patchkit.catalogue.load import Variant
+from patchkit.catalogue.model import Variant
 from tests.conftest import (
     CATALOGUE,
     RELEASES,

@@ -21,7 +21,7 @@ from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, m
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
-from patchkit.catalogue.load import Variant  # noqa: E402
+from patchkit.catalogue.model import Variant  # noqa: E402
 
 PATCHED = [
     v for v in RELEASES if isinstance(CATALOGUE.get(PATCH).expected_for(Version(v)), Variant)

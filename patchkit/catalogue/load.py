@@ -1,4 +1,4 @@
-"""The patch catalogue: ``patches/series.toml`` and ``patches/<id>/patch.toml``.
+"""Load and check the patch catalogue: ``series.toml``, ``bugs.toml``, ``<id>/patch.toml``.
 
 Modelled on quilt's series (the order patches apply in), Spack's
 version-ranged patches (PEP 440 specifiers mapped to diff files) and
@@ -12,18 +12,27 @@ not by number). Every tested release must map to exactly one of them.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import sys
-from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from patchkit.engine.hunks import FilePatch, created_file_patch, parse_diff
+from patchkit.catalogue.model import (
+    DECISION_STATES,
+    Bug,
+    Catalogue,
+    Decision,
+    Diagnosis,
+    Evidence,
+    Notice,
+    Override,
+    Patch,
+    Switch,
+    Variant,
+)
 from patchkit.engine.safepath import checked_relpath
 from patchkit.errors import PatchkitError
 from patchkit.target.tree import is_version
@@ -34,272 +43,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 PATCHES_DIR_ENV = "PATCHKIT_PATCHES_DIR"
-DECISION_STATES = ("upstream", "not-applicable")
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """A regular expression that must match in a vLLM file (content check)."""
-
-    file: str
-    pattern: str
-
-    def found_in(self, text: str) -> bool:
-        return re.search(self.pattern, text, re.MULTILINE) is not None
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One code family's change: a unified diff of vLLM's files, plus files it creates.
-
-    A file the patch adds to the tree lives as a real source under
-    ``patches/<id>/files/<path>`` (linted, formatted and imported by tests
-    like any module); its new-file hunk is made from it when the catalogue
-    loads, never written by hand. ``made_on`` is the release the diff is made
-    on (``patchkit refresh`` on that release's tree reproduces it byte for
-    byte); ``context`` the lines of context its hunks carry.
-    """
-
-    name: str
-    diff_path: Path
-    versions: SpecifierSet
-    created: tuple[str, ...] = ()
-    made_on: str = ""
-    context: int = 3
-
-    @property
-    def files_dir(self) -> Path:
-        return self.diff_path.parent / "files"
-
-    @property
-    def made(self) -> bool:
-        """False for a variant a maintainer has declared but not yet made with refresh."""
-        return self.diff_path.exists() or bool(self.created)
-
-    @cached_property
-    def diff_bytes(self) -> bytes:
-        if not self.made:
-            return b""
-        try:
-            return self.diff_path.read_bytes()
-        except OSError as exc:
-            raise PatchkitError(f"{self.diff_path}: cannot read the diff: {exc.strerror}") from None
-
-    @cached_property
-    def created_bytes(self) -> dict[str, bytes]:
-        found = {}
-        for relpath in self.created:
-            source = self.files_dir / relpath
-            try:
-                found[relpath] = source.read_bytes()
-            except OSError as exc:
-                raise PatchkitError(
-                    f"{self.diff_path.parent / 'patch.toml'}: variants.creates: {source}: "
-                    f"cannot read the created file: {exc.strerror}"
-                ) from None
-        return found
-
-    @cached_property
-    def sha256(self) -> str:
-        """Of the diff and every created file (path and bytes): what was applied."""
-        digest = hashlib.sha256(self.diff_bytes)
-        for relpath, data in sorted(self.created_bytes.items()):
-            digest.update(b"\0" + relpath.encode() + b"\0" + data)
-        return digest.hexdigest()
-
-    @cached_property
-    def files(self) -> tuple[FilePatch, ...]:
-        text = self.diff_bytes.decode("utf-8", errors="replace")
-        changed = tuple(parse_diff(text, str(self.diff_path))) if text.strip() else ()
-        made = tuple(
-            created_file_patch(relpath, data.decode("utf-8", errors="surrogateescape"))
-            for relpath, data in self.created_bytes.items()
-        )
-        if not changed and not made and self.made:
-            raise PatchkitError(f"{self.diff_path}: no file changes found in the diff")
-        return changed + made
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(f.path for f in self.files)
-
-    def file_patch(self, relpath: str) -> FilePatch:
-        """The hunks this variant has for one file."""
-        for file_patch in self.files:
-            if file_patch.path == relpath:
-                return file_patch
-        raise PatchkitError(f"{self.diff_path}: no hunks for {relpath}")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Releases where the patch is upstream or not applicable, and the proof."""
-
-    state: str
-    versions: SpecifierSet
-    reason: str
-    evidence: tuple[Evidence, ...]
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A known problem that the patch does not fix, warned about by status.
-
-    ``fixed_by``: the id of a patch that fixes it; once that patch is
-    applied, the notice is not shown.
-    """
-
-    versions: SpecifierSet
-    message: str
-    evidence: tuple[Evidence, ...] = ()
-    fixed_by: str = ""
-
-
-@dataclass(frozen=True)
-class Override:
-    """A setting that can replace the patched code path (checked by `doctor`).
-
-    ``check`` names the doctor check that looks at it (``tuned-lora-configs``).
-    """
-
-    env: str
-    versions: SpecifierSet
-    detail: str
-    check: str = ""
-
-
-@dataclass(frozen=True)
-class Switch:
-    """An environment variable that turns a patch's protection off at run time.
-
-    Off when its value (stripped, lower case) is one of `values`, or, with
-    `unless`, when it is anything but those: VLLM_BATCH_INVARIANT counts as
-    set for any value but empty or 0, PATCHKIT_LORA_BACKEND only for triton.
-    """
-
-    env: str
-    values: tuple[str, ...] = ()
-    unless: tuple[str, ...] | None = None
-
-    def turned_off(self, environ) -> str:
-        """The value that turns the protection off here, or '' if it does not."""
-        value = environ.get(self.env, "").strip().lower()
-        off = value not in self.unless if self.unless is not None else value in self.values
-        return value if off else ""
-
-
-@dataclass(frozen=True)
-class Bug:
-    """The facts about one upstream bug (or a group fixed together), from patches/bugs.toml."""
-
-    ids: tuple[str, ...]  # ("vllm#48590",)
-    title: str
-    affected: SpecifierSet  # vLLM versions with the bug
-    fix: str  # the command that fixes it
-    needs_compute_capability: str = ""  # e.g. "9.0": other GPUs are not affected
-    fixed_by_ptxas: str = ""  # e.g. "13.3": Triton's ptxas from this version on fixes it
-    kernel_scan: bool = False  # `doctor --kernels` evidence decides the verdict
-    upstream_fix: tuple[Evidence, ...] = ()  # how a release with the fix is recognised
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """What ``doctor`` needs to judge a patch's bug: the bug's facts, written once in
-    patches/bugs.toml, and this patch's own part (what it protects, what turns it off)."""
-
-    bug: Bug
-    protects: str  # the verdict's reason when this patch is applied and in effect
-    replaces_kernels: bool = False  # applied and on, no scanned Triton kernel runs
-    disabled_by: tuple[Switch, ...] = ()  # settings that turn this patch's protection off
-
-    bugs = property(lambda self: self.bug.ids)
-    title = property(lambda self: self.bug.title)
-    affected = property(lambda self: self.bug.affected)
-    fix = property(lambda self: self.bug.fix)
-    needs_compute_capability = property(lambda self: self.bug.needs_compute_capability)
-    fixed_by_ptxas = property(lambda self: self.bug.fixed_by_ptxas)
-    kernel_scan = property(lambda self: self.bug.kernel_scan)
-
-    @property
-    def label(self) -> str:
-        """'vLLM #47639 / #57851: title'."""
-        numbers = " / ".join("#" + b.split("#", 1)[1] for b in self.bugs)
-        return f"vLLM {numbers}: {self.title}"
-
-
-@dataclass(frozen=True)
-class Patch:
-    id: str
-    title: str
-    why: str
-    upstream: tuple[str, ...]
-    remove_when: str
-    variants: tuple[Variant, ...]
-    decisions: tuple[Decision, ...]
-    notices: tuple[Notice, ...] = ()
-    runtime_gate: str = ""
-    overridden_by: Override | None = None
-    covers: str = ""
-    diagnosis: Diagnosis | None = None
-    root: Path = field(default=Path("."), compare=False)
-
-    def expected_for(self, version: Version | None) -> Variant | Decision | None:
-        """The variant or decision the catalogue lists for this version."""
-        if version is None:
-            return None
-        for entry in (*self.variants, *self.decisions):
-            if entry.versions.contains(version, prereleases=True):
-                return entry
-        return None
-
-    def variant(self, name: str) -> Variant | None:
-        return next((v for v in self.variants if v.name == name), None)
-
-    @cached_property
-    def file_kinds(self) -> dict[str, set[str]]:
-        """Each path any diff of this patch touches, and how: creates, changes, deletes.
-
-        A state or journal entry is acted on only for these paths, so a forged
-        entry cannot make patchkit delete or overwrite any other file.
-        """
-        kinds: dict[str, set[str]] = {}
-        for variant in self.variants:
-            for file_patch in variant.files:
-                kinds.setdefault(file_patch.path, set()).add(file_patch.kind)
-        return kinds
-
-
-@dataclass(frozen=True)
-class Catalogue:
-    root: Path
-    patches: tuple[Patch, ...]
-    tested_releases: tuple[str, ...]
-
-    @property
-    def ids(self) -> tuple[str, ...]:
-        return tuple(p.id for p in self.patches)
-
-    def file_kinds(self, patch_id: str) -> dict[str, set[str]] | None:
-        """Patch.file_kinds of a patch in the catalogue; None for an id it does not have."""
-        patch = next((p for p in self.patches if p.id == patch_id), None)
-        return None if patch is None else patch.file_kinds
-
-    def get(self, patch_id: str) -> Patch:
-        for patch in self.patches:
-            if patch.id == patch_id:
-                return patch
-        raise PatchkitError(f"unknown patch {patch_id!r}; known: {', '.join(self.ids)}")
-
-    def is_tested(self, version: Version | None) -> bool:
-        return version is not None and str(version) in self.tested_releases
-
-    def predates(self, version: Version | None) -> bool:
-        """Whether ``version`` is older than every release the catalogue covers."""
-        return version is not None and version < min(Version(r) for r in self.tested_releases)
-
-    @property
-    def tested_span(self) -> str:
-        return f"{self.tested_releases[0]} to {self.tested_releases[-1]}"
 
 
 def default_root() -> Path:

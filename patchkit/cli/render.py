@@ -14,7 +14,7 @@ from collections import Counter
 
 import click
 
-from patchkit.catalogue.load import Catalogue
+from patchkit.catalogue.model import Catalogue
 from patchkit.engine.decide import Step
 from patchkit.engine.operations import RunReport
 from patchkit.engine.vocabulary import Action

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from patchkit.catalogue.load import Catalogue, Diagnosis, Patch, Variant
+from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant
 from patchkit.diagnosis import configs, kernelscan
 from patchkit.diagnosis.kernelscan import Case, ScanReport
 from patchkit.diagnosis.standins import GPUS, gpu_named

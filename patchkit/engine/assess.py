@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.catalogue.load import Catalogue, Decision, Patch, Variant
+from patchkit.catalogue.model import Catalogue, Decision, Patch, Variant
 from patchkit.engine.hunks import Placement, apply_file_patch
 from patchkit.engine.safepath import checked_relpath
 from patchkit.engine.state import FileRecord, PatchRecord, State

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.catalogue.load import Catalogue, Patch
+from patchkit.catalogue.model import Catalogue, Patch
 from patchkit.engine.assess import (
     Assessment,
     TreeFiles,

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from patchkit.catalogue.load import Catalogue
+from patchkit.catalogue.model import Catalogue
 from patchkit.engine import bytecode, signals
 from patchkit.engine.decide import APPLY, REVERT, STATUS, Plan, RunOptions, Step, plan, select
 from patchkit.engine.state import (

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from patchkit.catalogue.load import Catalogue, Variant
+from patchkit.catalogue.model import Catalogue, Variant
 from patchkit.engine import signals
 from patchkit.engine.assess import TreeFiles
 from patchkit.engine.decide import later_on_same_files

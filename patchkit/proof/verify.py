@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from patchkit.catalogue.load import Catalogue
+from patchkit.catalogue.model import Catalogue
 from patchkit.engine import operations
 from patchkit.errors import PatchkitError
 from patchkit.target.tree import VllmTree, locate

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.catalogue.load import Patch
+from patchkit.catalogue.model import Patch
 from patchkit.engine.safepath import Root, UnsafePath, kind_of
 from patchkit.engine.signals import Terminated, held
 from patchkit.engine.state import STATE_DIR
