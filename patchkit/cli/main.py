@@ -365,7 +365,7 @@ def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     result = verifying.run(load_catalogue(), e2e, seed, Path(keep) if keep else None)
-    render.emit_json(result.to_json()) if as_json else verifying.render(result)
+    render.emit_json(result.to_json()) if as_json else render.render_verify(result)
     sys.exit(0 if result.ok else 1)
 
 

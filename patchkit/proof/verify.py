@@ -15,8 +15,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import click
-
 from patchkit.catalogue.model import Catalogue
 from patchkit.engine import operations
 from patchkit.errors import PatchkitError
@@ -131,32 +129,3 @@ def _run_e2e(seed: int, keep: Path | None) -> list:
         return e2e.run_e2e(keep, seed)
     with tempfile.TemporaryDirectory(prefix="patchkit-e2e-") as workdir:
         return e2e.run_e2e(Path(workdir), seed)
-
-
-def render(report: VerifyReport) -> None:
-    env = report.environment
-    click.echo(
-        f"GPU {env['gpu']} (sm {env['compute_capability']}), torch {env['torch']}, "
-        f"Triton {env['triton']}, vLLM {env['vllm']} at {env['vllm_path']}"
-    )
-    click.echo(f"LoRA ops in punica_gpu.py: {env['lora_backend']}; seed {env['seed']}")
-    for p in report.patches:
-        click.echo(f"  {p['id']:<24}{p['state']}")
-    click.echo("")
-    click.echo(f"{'kernel check':<84}{'result':<8}{'rel.err':>9}  note")
-    for k in report.kernel:
-        verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
-        note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
-        click.echo(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
-    if report.e2e:
-        click.echo("")
-        click.echo(f"{'end-to-end check':<60}{'result':<8}detail")
-        for c in report.e2e:
-            click.echo(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
-    click.echo("")
-    click.echo("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
-    failed = sum(1 for k in report.kernel if k.counts and not k.ok) + sum(
-        1 for c in report.e2e if not c.ok
-    )
-    verdict = "PASSED" if report.ok else f"FAILED ({failed} checks)"
-    click.echo(f"verify {verdict} in {report.seconds:.0f} s")

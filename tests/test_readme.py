@@ -1,0 +1,43 @@
+"""The README's synopsis and `--help` agree (issue 21): every command, every option.
+
+A new user reads the synopsis first; it lacked --branch and --allow-dirty
+once. Each line of the block under "## Commands" must name exactly the
+options its command has (-h/--help aside), and every command must have a line.
+"""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from patchkit.cli.main import main
+from tests.conftest import REPO
+
+
+def synopsis() -> dict[str, set[str]]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Commands", 1)[1].split("```", 2)[1]
+    found: dict[str, set[str]] = {}
+    command = None
+    for line in block.splitlines():
+        match = re.match(r"patchkit (\w+)", line)
+        if match:
+            command = match.group(1)
+            found[command] = set()
+        if command:
+            found[command] |= set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", line))
+    return found
+
+
+def options(command: click.Command) -> set[str]:
+    names = {opt for param in command.params for opt in getattr(param, "opts", [])}
+    names |= {opt for param in command.params for opt in getattr(param, "secondary_opts", [])}
+    return {n for n in names if n.startswith("-")} - {"-h", "--help"}
+
+
+def test_every_command_is_in_the_synopsis_with_exactly_its_options():
+    written = synopsis()
+    assert set(written) == set(main.commands), set(written) ^ set(main.commands)
+    for name, command in main.commands.items():
+        assert written[name] == options(command), (name, written[name] ^ options(command))
