@@ -744,3 +744,58 @@ def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, 
     assert swapped == [0]
     assert (parent / "stg" / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
     assert not (parent / "userdir" / fetch.STAGING_MARKER).exists()  # the real staging, emptied
+
+
+# ----- what the attacker's third round still found (low) -----
+
+
+def test_a_state_path_with_a_newline_gives_one_line(slim):
+    """A forged path may hold a newline; the error still fits one line (written escaped)."""
+    assert run_cli("apply", "--target", str(slim)).exit_code == 0
+    state_file = slim / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    data["patches"][0]["files"][0]["path"] = "vllm/lora\nINJECTED: all good"
+    state_file.write_text(json.dumps(data))
+    before = snapshot(slim)
+    for command in ("status", "revert", "apply"):
+        result = patchkit(command, "--target", str(slim))
+        line = one_line(result)
+        assert "vllm/lora\\nINJECTED" in line, line
+    assert snapshot(slim) == before
+
+
+def test_a_journal_that_lists_a_file_twice_is_refused(slim):
+    """patchkit writes each file once; a second entry could restore half of a rollback."""
+    assert run_cli("apply", "--only", "expand-block-n", "--target", str(slim)).exit_code == 0
+    utils = slim / UTILS
+    txn = slim / ".patchkit" / "txn"
+    (txn / "orig" / Path(UTILS).parent).mkdir(parents=True)
+    (txn / "orig" / UTILS).write_bytes(utils.read_bytes())
+    entry = {"path": UTILS, "before": sha(utils), "after": sha(utils),
+             "patches": ["expand-block-n"]}  # fmt: skip
+    journal = {"state_sha256": "0" * 64, "files": [entry, dict(entry)]}
+    (txn / "journal.json").write_text(json.dumps(journal))
+    before = snapshot(slim)
+    for command in ("apply", "revert"):
+        line = one_line_failure(run_cli(command, "--target", str(slim)))
+        assert "listed twice" in line and "not acted on" in line
+    assert snapshot(slim) == before
+
+
+def test_a_component_swapped_back_to_a_directory_mid_walk_is_named_as_a_race(tmp_path):
+    """ENOTDIR at the open, a directory at the lstat: a race, not 'a directory, not a directory'."""
+    import errno
+
+    from patchkit.engine import safepath
+
+    (tmp_path / "d").mkdir()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        error = safepath._walk_error(
+            OSError(errno.ENOTDIR, "Not a directory"), tmp_path / "d", fd, "d", "apply"
+        )
+    finally:
+        os.close(fd)
+    assert isinstance(error, safepath.UnsafePath)
+    assert "changed while patchkit walked it" in str(error)
+    assert "is a directory, not a directory" not in str(error)

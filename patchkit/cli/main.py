@@ -35,12 +35,22 @@ EXIT_FAILURE, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def fail(message: str, code: int, as_json: bool) -> None:
-    """One line on stderr (and the JSON error object on stdout), then exit ``code``."""
+    """One line on stderr (and the JSON error object on stdout), then exit ``code``.
+
+    A path read from disk may hold a newline or another control character
+    (a forged state entry); it is written escaped, so the error stays one line.
+    """
+    message = one_line(message)
     with signals.swallowed():  # the error is the last word: no second signal cuts it
         if as_json:
             render.emit_json({"ok": False, "error": message, "exit_code": code})
         click.echo(f"patchkit: error: {message}", err=True)
     sys.exit(code)
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters escaped as Python writes them (a newline as \\n)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # What an interrupted command leaves behind, by command. Writes happen with

@@ -316,7 +316,12 @@ def _walk_error(exc: OSError, path: Path, fd: int, name: str, origin: str) -> Ex
         found = _lstat_at(fd, name)
         if found is not None and stat.S_ISLNK(found.st_mode):
             return UnsafePath(_link_message(path, _readlink_or(fd, name)))
-        kind = kind_of(found.st_mode) if found else "not a directory"
+        if found is not None and stat.S_ISDIR(found.st_mode):
+            return UnsafePath(
+                f"{origin}: {path} changed while patchkit walked it (it was not a directory, "
+                "now it is); something else is changing the tree: stop it and run the command again"
+            )
+        kind = kind_of(found.st_mode) if found else "gone"
         return UnsafePath(f"{origin}: {path} is {kind}, not a directory")
     return exc
 

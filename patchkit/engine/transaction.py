@@ -305,6 +305,8 @@ def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
         if not isinstance(data["files"], list):
             raise ValueError("files is not a list")
         entries = [_journal_entry(raw, str(path), file_kinds) for raw in data["files"]]
+        if len({entry.path for entry in entries}) != len(entries):
+            raise ValueError("a file is listed twice (patchkit writes each file once)")
         if not is_sha256(data["state_sha256"]):
             raise ValueError("state_sha256 is not a sha256")
     except (ValueError, TypeError, UnsafePath) as exc:
