@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def default_dispositions() -> None:
+    """In the child: SIGINT and SIGTERM acted on, whoever started the tests.
+
+    A shell without job control starts a background command (`pytest &`) with
+    SIGINT ignored; the ignore is inherited through strace by patchkit, which
+    (as Python does, like nohup'ed programs) then lets Ctrl-C pass. That is
+    right for patchkit and wrong for this test, which must see the signals.
+    """
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def traced(args: list[str], strace_args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [STRACE, "-qq", *strace_args, *PATCHKIT, *args],
@@ -41,6 +54,7 @@ def traced(args: list[str], strace_args: list[str]) -> subprocess.CompletedProce
         text=True,
         env=ENV,
         timeout=120,
+        preexec_fn=default_dispositions,
     )
 
 
