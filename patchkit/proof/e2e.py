@@ -5,8 +5,14 @@ Everything is built locally, nothing is downloaded: a random Qwen3.5 model
 rank-64 PEFT adapter on the attention, GDN and MLP projections, and token-id
 prompts of about 50, 600 and 3000 tokens. transformers + PEFT in float32 give
 the reference prompt log-probabilities; vLLM serves the same model twice, in
-eager mode and with torch.compile + CUDA graphs, each in its own process
-(they start in parallel to stay inside the time budget).
+eager mode and with torch.compile + CUDA graphs, each in its own process.
+
+A tiny Qwen3.5-MoE hybrid (8 routed experts, top 2, and a shared expert in
+every layer) with an adapter on attention, GDN, the shared expert and the
+routed experts (vLLM's fused_moe_lora) is served beside it and checked like
+`verify --model`, against the adapter merged into the weights
+(patchkit.proof.model). Every engine runs through patchkit.proof.serving, on
+--tensor-parallel-size GPUs each, all side by side when they fit.
 
 Random weights make greedy tokens a poor comparison (near-ties diverge), so
 the checks compare teacher-forced prompt log-probabilities instead.

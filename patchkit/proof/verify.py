@@ -2,7 +2,10 @@
 
 It runs against the vLLM that this Python imports, patched or not, and says
 which patches are applied. Kernel checks always run; `--e2e` adds the tiny
-Qwen3.5 + LoRA serving run (patchkit.proof.e2e). Exit 1 on any failed check that
+Qwen3.5 and Qwen3.5-MoE + LoRA serving run (patchkit.proof.e2e), `--model`
+the user's own model and adapters against merged references
+(patchkit.proof.model); both serve through patchkit.proof.serving, on
+`--tensor-parallel-size` GPUs per engine. Exit 1 on any failed check that
 applies to this install. torch and vllm are imported only here, lazily, so
 the other commands never load them.
 """
