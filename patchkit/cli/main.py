@@ -348,7 +348,45 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--e2e", is_flag=True, help="Also serve a tiny Qwen3.5 + LoRA with vLLM (~5 min).")
+@click.option(
+    "--e2e",
+    is_flag=True,
+    help="Also serve a tiny Qwen3.5 and a Qwen3.5-MoE with LoRA in vLLM (~5 min).",
+)
+@click.option(
+    "--model",
+    metavar="DIR",
+    help="Also serve this model with each --lora adapter and compare it against the adapter "
+    "merged into a copy of the weights (served without LoRA).",
+)
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="With --model: a PEFT LoRA adapter to check (repeatable).",
+)
+@click.option(
+    "--tensor-parallel-size",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Serve every engine of --e2e and --model on N GPUs (at most the GPUs visible).",
+)
+@click.option(
+    "--max-model-len",
+    type=int,
+    metavar="L",
+    help="With --model: vLLM's max_model_len; the longest prompt is L - 16, at most 16384 "
+    "(default: 16400, or the model's max_position_embeddings when smaller).",
+)
+@click.option(
+    "--workdir",
+    metavar="DIR",
+    help="Where the merged references and vLLM's logs go (default: the system temp dir); "
+    "removed afterwards.",
+)
 @click.option(
     "--seed",
     type=int,
@@ -358,25 +396,60 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 @click.option(
     "--keep",
     type=click.Path(file_okay=False),
-    help="Keep the e2e model, adapter and vLLM logs in this directory.",
+    help="Work in this directory and keep it: the e2e models, the merged references, the "
+    "served results and vLLM's logs.",
 )
 @json_option
 @user_errors
-def verify(e2e: bool, seed: int | None, keep: str | None, as_json: bool) -> None:
+def verify(
+    e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep, as_json
+) -> None:
     """Prove on this GPU that the installed vLLM's LoRA path gives sound numbers.
 
     Needs an NVIDIA GPU, torch and the vLLM that this Python imports. Exit 1
     on any failed check.
     """
-    from pathlib import Path
-
     from patchkit.proof import verify as verifying
 
+    request = verify_request(
+        e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep
+    )
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    result = verifying.run(load_catalogue(), e2e, seed, Path(keep) if keep else None)
+    say = functools.partial(click.echo, err=True)
+    result = verifying.run(load_catalogue(), request, say)
     render.emit_json(result.to_json()) if as_json else render.render_verify(result)
     sys.exit(0 if result.ok else 1)
+
+
+def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
+    """verify's options checked together: each problem is one line, exit 2, nothing done."""
+    from pathlib import Path
+
+    from patchkit.errors import UsageProblem
+    from patchkit.proof import verify as verifying
+    from patchkit.proof.model import parse_lora
+
+    if loras and model is None:
+        raise UsageProblem("--lora needs --model DIR (the base model the adapters belong to)")
+    if model is not None and not loras:
+        raise UsageProblem("--model needs at least one --lora NAME=DIR")
+    if max_model_len is not None and model is None:
+        raise UsageProblem("--max-model-len goes with --model")
+    if model is not None and not Path(model).is_dir():
+        raise UsageProblem(f"--model {model}: not a directory")
+    if workdir is not None and not Path(workdir).is_dir():
+        raise UsageProblem(f"--workdir {workdir}: not a directory")
+    if workdir is not None and keep is not None:
+        raise UsageProblem("--workdir and --keep: give one (--keep works in its directory)")
+    if tp < 1:
+        raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
+    return verifying.Request(
+        e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
+        model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
+        tensor_parallel_size=tp, max_model_len=max_model_len,
+        workdir=Path(workdir) if workdir else None,
+    )  # fmt: skip
 
 
 @main.command()

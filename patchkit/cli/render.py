@@ -165,15 +165,16 @@ def render_verify(report) -> None:
         verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
         note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
         click.echo(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
-    if report.e2e:
-        click.echo("")
-        click.echo(f"{'end-to-end check':<60}{'result':<8}detail")
-        for c in report.e2e:
-            click.echo(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
+    for title, found in (("end-to-end check", report.e2e), ("model check", report.model)):
+        if found:
+            click.echo("")
+            click.echo(f"{title:<60}{'result':<8}detail")
+            for c in found:
+                click.echo(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
     click.echo("")
     click.echo("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
     failed = sum(1 for k in report.kernel if k.counts and not k.ok) + sum(
-        1 for c in report.e2e if not c.ok
+        1 for c in report.e2e + report.model if not c.ok
     )
     verdict = "PASSED" if report.ok else f"FAILED ({failed} checks)"
     click.echo(f"verify {verdict} in {report.seconds:.0f} s")

@@ -5,8 +5,14 @@ Everything is built locally, nothing is downloaded: a random Qwen3.5 model
 rank-64 PEFT adapter on the attention, GDN and MLP projections, and token-id
 prompts of about 50, 600 and 3000 tokens. transformers + PEFT in float32 give
 the reference prompt log-probabilities; vLLM serves the same model twice, in
-eager mode and with torch.compile + CUDA graphs, each in its own process
-(they start in parallel to stay inside the time budget).
+eager mode and with torch.compile + CUDA graphs, each in its own process.
+
+A tiny Qwen3.5-MoE hybrid (8 routed experts, top 2, and a shared expert in
+every layer) with an adapter on attention, GDN, the shared expert and the
+routed experts (vLLM's fused_moe_lora) is served beside it and checked like
+`verify --model`, against the adapter merged into the weights
+(patchkit.proof.model). Every engine runs through patchkit.proof.serving, on
+--tensor-parallel-size GPUs each, all side by side when they fit.
 
 Random weights make greedy tokens a poor comparison (near-ties diverge), so
 the checks compare teacher-forced prompt log-probabilities instead.
@@ -16,20 +22,17 @@ torch, transformers, peft and vllm are imported inside functions only.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.symptoms import longest_zero_run
+from patchkit.proof import checks as judge
+from patchkit.proof import model as user_model
+from patchkit.proof import serving
+from patchkit.proof.checks import Check
 
 PROMPT_LENGTHS = (50, 600, 3000)
 VOCAB = 4096
 RANK = 64
-GENERATED = 16
 TARGET_MODULES = (
     r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
     r"|gate_proj|up_proj|down_proj)"
@@ -48,24 +51,8 @@ LOGPROB_MEAN_TOL = 0.03
 LOGPROB_MAX_TOL = 0.3
 # LoRA must move the log-probabilities by clearly more than that noise.
 LORA_EFFECT_MIN = 0.1  # about a third of the effect the adapter is built with
-# The same request twice (before/after other requests) must agree within
-# run-to-run noise: the Triton shrink kernel sums split-k partials with
-# atomic adds (order not fixed), which moved a 50-token prompt's log-probs by
-# up to 8e-3 on the test H200. Carried-over GDN state or a stale adapter slot
-# moves them by about the LoRA effect (0.3 here).
-REPEAT_MAX_TOL = 0.05
-# A run of this many token-id-0 tokens is the "!!!!" symptom.
-ZERO_RUN = 3
-MODES = ("eager", "cudagraph")
-
-
-@dataclass
-class Check:
-    """One named pass/fail with the number that decided it."""
-
-    name: str
-    ok: bool
-    detail: str
+MODES = serving.MODES
+__all__ = ["Check", "compare", "run_e2e"]
 
 
 def prompts(seed: int) -> dict[str, list[int]]:
@@ -106,10 +93,14 @@ def qwen35_config(**text):
     """
     from transformers import Qwen3_5Config
 
-    text = {**TINY_TEXT, **text}
+    return _with_vision(Qwen3_5Config, {**TINY_TEXT, **text})
+
+
+def _with_vision(config_class, text: dict):
+    """A Qwen3.5 (or -MoE) config: ``text``, a one-layer vision tower, special ids 4090-4093."""
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
                   out_hidden_size=text["hidden_size"])  # fmt: skip
-    return Qwen3_5Config(
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=4090,
@@ -126,30 +117,38 @@ def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForConditionalGeneration
 
-    torch.manual_seed(seed)
-    config = qwen35_config()
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     model_dir, adapter_dir = workdir / "model", workdir / "adapter"
-    model.save_pretrained(model_dir)
-    lora = LoraConfig(
-        r=RANK, lora_alpha=RANK, target_modules=TARGET_MODULES, init_lora_weights=False
-    )
-    peft_model = get_peft_model(model, lora)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # random but moderate: LoRA visible, logits sane
-                param.mul_(0.3)
-    peft_model.save_pretrained(adapter_dir)
+    save_random(Qwen3_5ForConditionalGeneration, qwen35_config(), seed, model_dir, adapter_dir,
+                TARGET_MODULES)  # fmt: skip
     for kind, target in PARTIAL_ADAPTERS.items():
         base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16)
         config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=target, init_lora_weights=False)
-        partial = get_peft_model(base, config)
-        with torch.no_grad():
-            for name, param in partial.named_parameters():
-                if "lora_B" in name:
-                    param.mul_(0.3)
+        partial = scale_lora_b(get_peft_model(base, config), 0.3)
         partial.save_pretrained(partial_dir(adapter_dir, kind))
     return model_dir, adapter_dir
+
+
+def save_random(model_class, config, seed: int, model_dir: Path, adapter_dir: Path, targets):
+    """Save a random bf16 model and a random rank-64 PEFT adapter on ``targets``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    lora = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets, init_lora_weights=False)
+    scale_lora_b(get_peft_model(model, lora), 0.3).save_pretrained(adapter_dir)
+
+
+def scale_lora_b(peft_model, factor: float):
+    """Scale PEFT's random lora_B (init_lora_weights=False) so LoRA is visible, logits sane."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(factor)
+    return peft_model
 
 
 def partial_dir(adapter_dir: Path, kind: str) -> Path:
@@ -192,10 +191,154 @@ def _token_logprobs(model, ids: list[int], device: str) -> list[float]:
     return logprobs.gather(1, tokens[0, 1:, None]).squeeze(1).tolist()
 
 
-# ----- the vLLM side, run in a child process per mode -----
+# ----- the MoE case: attention, GDN, shared expert and routed experts under LoRA -----
+
+MOE_TEXT = dict(
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+MOE_TARGET_MODULES = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
+    r"|shared_expert\.gate_proj|shared_expert\.up_proj|shared_expert\.down_proj)"
+)
+MOE_PROMPT_LENGTHS = [600, 3000]
 
 
-# The requests of one engine, in order: (label, prompt). LoRA labels use the adapter.
+def qwen35_moe_config():
+    """A Qwen3.5-MoE hybrid (transformers' Qwen3_5MoeConfig): TINY_TEXT with 8 routed
+    experts (top 2) and a shared expert in every layer (vLLM's Qwen3NextSparseMoeBlock)."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"} | MOE_TEXT
+    return _with_vision(Qwen3_5MoeConfig, text)
+
+
+def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
+    """Save a random tiny Qwen3.5-MoE and a rank-64 adapter on attention, GDN and experts.
+
+    PEFT makes the linear modules' factors; the routed experts' factors are
+    written in the layout PEFT >= 0.20 saves for ``target_parameters`` and
+    vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
+    gate_up_proj: A (r*E, hidden), B (2*I, r*E); ``<experts>.lora_{A,B}`` is
+    down_proj: A (r*E, I), B (hidden, r*E); see patchkit/proof/merge.py),
+    so the case does not depend on the PEFT release installed.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    model_dir, adapter_dir = workdir / "moe-model", workdir / "moe-adapter"
+    save_random(Qwen3_5MoeForConditionalGeneration, qwen35_moe_config(), seed + 1, model_dir,
+                adapter_dir, MOE_TARGET_MODULES)  # fmt: skip
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    tensors |= _expert_factors(torch, seed)
+    save_file(tensors, adapter_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config_file.write_text(json.dumps(config, indent=2))
+    return model_dir, adapter_dir
+
+
+def _expert_factors(torch, seed: int) -> dict:
+    """Random expert factors of every layer, sized so the experts' LoRA is clearly visible."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    hidden, inter, experts = TINY_TEXT["hidden_size"], MOE_TEXT["moe_intermediate_size"], 8
+    out = {}
+    for layer in range(TINY_TEXT["num_hidden_layers"]):
+        root = f"base_model.model.model.language_model.layers.{layer}.mlp.experts"
+        for wrapper, d_out, d_in in (
+            (root + ".base_layer", 2 * inter, hidden),
+            (root, hidden, inter),
+        ):
+            a = torch.randn(RANK * experts, d_in, generator=gen) / d_in**0.5
+            b = torch.randn(d_out, RANK * experts, generator=gen) * (0.3 / RANK**0.5)
+            out[f"{wrapper}.lora_A.weight"] = a.to(torch.bfloat16)
+            out[f"{wrapper}.lora_B.weight"] = b.to(torch.bfloat16)
+    return out
+
+
+# ----- serving: every engine of the run at once -----
+
+
+def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> list:
+    """The dense model with the full and both partial adapters, in each mode."""
+    loras = {"full": str(adapter_dir)}
+    loras |= {kind: str(partial_dir(adapter_dir, kind)) for kind in PARTIAL_ADAPTERS}
+    requests = [(label, name, "full" if label.startswith("lora") else None) for label, name in PLAN]
+    # Last: an adapter that does not load must not hide the other results.
+    requests += [(kind, PARTIAL_PROMPT, kind) for kind in PARTIAL_ADAPTERS]
+    return [
+        serving.Job(
+            name=mode,
+            model=str(model_dir),
+            mode=mode,
+            prompts=prompts(seed),
+            requests=requests,
+            loras=loras,
+            max_lora_rank=RANK,
+            max_model_len=4096,
+            seed=seed,
+            **memory,
+        )
+        for mode in MODES
+    ]
+
+
+def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
+    """The MoE model with its adapter in each mode, and its merged reference."""
+    moe_dir, moe_adapter = build_moe(workdir, seed)
+    adapters = {"moe": moe_adapter}
+    plans = user_model.plan_references(moe_dir, adapters, workdir, say)
+    merged = user_model.write_references(plans, workdir, say)
+    config = user_model.read_config(moe_dir)
+    setup = {
+        "prompts": user_model.make_prompts(config, MOE_PROMPT_LENGTHS, seed),
+        "max_model_len": 4096,
+        "seed": seed,
+        **memory,
+    }
+    return user_model.jobs(moe_dir, adapters, merged, setup, prefix="moe-")
+
+
+def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:
+    """Each e2e engine's memory settings, and how many fit side by side."""
+    total, free = gpu
+    kv = 2 * serving.GIB
+    size = user_model.weight_bytes(model_dir) * 3  # the MoE model is about three times larger
+    fraction = serving.engine_memory(size, VOCAB, tp, kv, total)
+    memory = {"tensor_parallel_size": tp, "gpu_memory_utilization": fraction, "kv_cache_bytes": kv}
+    return memory, serving.side_by_side(fraction, 0.9 * free / total)
+
+
+def run_e2e(
+    workdir: Path,
+    seed: int,
+    tp: int = 1,
+    gpu: tuple[int, int] = (1, 1),
+    say=lambda line: None,
+    timeout: float = 540.0,
+) -> list[Check]:
+    """Build, reference, serve every engine (dense and MoE, both modes), compare."""
+    model_dir, adapter_dir = build_model(workdir, seed)
+    # The reference runs first and keeps its memory until the end.
+    reference = reference_logprobs(model_dir, adapter_dir, seed, "cuda")
+    (workdir / "reference.json").write_text(json.dumps(reference))
+    memory, at_once = engine_memory(model_dir, tp, gpu)
+    engines = dense_jobs(model_dir, adapter_dir, seed, memory)
+    engines += moe_jobs(workdir, seed, memory, say)
+    say(f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}")
+    served = serving.serve_all(engines, workdir, timeout, at_once)
+    (workdir / "served.json").write_text(json.dumps(served))
+    dense = [check for mode in MODES for check in compare(mode, served[mode], reference)]
+    return dense + user_model.compare(served, ["moe"], prefix="moe-")
+
+
+# ----- the checks of the dense case, against transformers + PEFT -----
+
+# The requests of one dense engine, in order: (label, prompt). LoRA labels use the adapter.
 PLAN = (
     ("base", "p50"), ("base", "p600"), ("base", "p3000"),
     ("lora", "p50"), ("lora", "p600"), ("lora", "p3000"),
@@ -204,268 +347,78 @@ PLAN = (
 )  # fmt: skip
 
 
-def serve(model_dir: Path, adapter_dir: Path, seed: int, mode: str, out_file: Path) -> None:
-    """Run every request of the e2e plan through vllm.LLM and write what came back."""
-    started = time.monotonic()
-    llm = _engine(model_dir, seed, mode)
-    engine_seconds = time.monotonic() - started
-    runs = _run_plan(llm, adapter_dir, seed)
-    result = {"mode": mode, "engine_seconds": engine_seconds,
-              "corrupted_requests": _corrupted(llm), "runs": runs}  # fmt: skip
-    out_file.write_text(json.dumps(result))
-
-
-def _engine(model_dir: Path, seed: int, mode: str):
-    """vllm.LLM on the tiny model, with the kernels that need no FlashInfer or DeepGEMM."""
-    os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"
-    import importlib.util
-
-    from vllm import LLM
-
-    extra = {}
-    if importlib.util.find_spec("flashinfer") is None:  # pick kernels that need no FlashInfer
-        extra = {"attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton"}
-        # 0.22's sampler imports FlashInfer unless told not to (seen on the test H200).
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    if importlib.util.find_spec("deep_gemm") is None:
-        # 0.22 warms DeepGEMM up at start and stops if it is missing; the test
-        # model is bf16 and never uses it (seen on the test H200).
-        os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
-    return LLM(
-        model=str(model_dir), enable_lora=True, max_lora_rank=RANK, max_loras=2,
-        enforce_eager=(mode == "eager"), skip_tokenizer_init=True, language_model_only=True,
-        gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=4,
-        max_num_batched_tokens=4096, dtype="bfloat16", seed=seed, disable_log_stats=False,
-        **extra,
-    )  # fmt: skip
-
-
-def _run_plan(llm, adapter_dir: Path, seed: int) -> dict:
-    """PLAN's requests, then each partial adapter once (last: they may not load)."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-
-    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=0, logprobs=0)
-    lora = LoRARequest("patchkit-e2e", 1, str(adapter_dir))
-    texts = prompts(seed)
-
-    def run(name: str, adapter) -> dict:
-        [result] = llm.generate(
-            [{"prompt_token_ids": texts[name]}], params, lora_request=adapter, use_tqdm=False
-        )
-        return _collect(result, texts[name])
-
-    runs: dict = {}
-    for label, name in PLAN:
-        runs.setdefault(label, {})[name] = run(name, lora if label.startswith("lora") else None)
-    for number, kind in enumerate(PARTIAL_ADAPTERS, start=2):
-        request = LoRARequest(f"patchkit-e2e-{kind}", number, str(partial_dir(adapter_dir, kind)))
-        try:
-            runs[kind] = {PARTIAL_PROMPT: run(PARTIAL_PROMPT, request)}
-        except Exception as exc:  # the bug this checks: the adapter does not load
-            runs[kind] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-    return runs
-
-
-def _corrupted(llm) -> float:
-    """vllm:corrupted_requests, summed over engines (VLLM_COMPUTE_NANS_IN_LOGITS=1)."""
-    return sum(
-        getattr(m, "value", 0) or 0
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:corrupted_requests")
-    )
-
-
-def _collect(result, ids: list[int]) -> dict:
-    """Prompt log-probs of the actual prompt tokens, generated tokens and their log-probs."""
-    prompt = [
-        entry[tok].logprob for entry, tok in zip(result.prompt_logprobs[1:], ids[1:], strict=True)
-    ]
-    completion = result.outputs[0]
-    sampled = [
-        entry[tok].logprob
-        for entry, tok in zip(completion.logprobs, completion.token_ids, strict=True)
-    ]
-    return {
-        "prompt_logprobs": prompt,
-        "tokens": list(completion.token_ids),
-        "token_logprobs": sampled,
-    }
-
-
-def start_servers(
-    model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, modes=MODES
-) -> dict:
-    """Start one child process per mode; they share the GPU and start in parallel."""
-    children = {}
-    for mode in modes:
-        with (workdir / f"vllm-{mode}.log").open("w") as log:  # the child keeps its own copy
-            children[mode] = _start_one(model_dir, adapter_dir, seed, workdir, mode, log)
-    return children
-
-
-def _start_one(model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, mode: str, log):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "patchkit.proof.e2e",
-            str(model_dir),
-            str(adapter_dir),
-            str(seed),
-            mode,
-            str(workdir / f"vllm-{mode}.json"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def wait_servers(children: dict, workdir: Path, timeout: float) -> dict:
-    """Each mode's results, or an error quoting its log's first error line."""
-    deadline = time.monotonic() + timeout
-    results = {}
-    for mode, child in children.items():
-        try:
-            child.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        out = workdir / f"vllm-{mode}.json"
-        if child.returncode == 0 and out.exists():
-            results[mode] = json.loads(out.read_text())
-        else:
-            results[mode] = {
-                "error": f"vLLM ({mode}) exited {child.returncode}: "
-                + _first_error(workdir / f"vllm-{mode}.log")
-            }
-    return results
-
-
-def _first_error(log: Path) -> str:
-    lines = log.read_text(errors="replace").strip().splitlines()
-    errors = [line.strip() for line in lines if "Error" in line and "Traceback" not in line]
-    return (errors[0] if errors else " | ".join(lines[-3:]))[:300]
-
-
-def serve_all(model_dir: Path, adapter_dir: Path, seed: int, workdir: Path, timeout: float) -> dict:
-    """Both modes in parallel; a mode that failed then gets one run on its own.
-
-    Two engines starting side by side on one GPU can trip vLLM's memory
-    profiling (it fails when another process frees memory meanwhile); alone,
-    that cannot happen. The first error is kept in the result.
-    """
-    served = wait_servers(start_servers(model_dir, adapter_dir, seed, workdir), workdir, timeout)
-    for mode in [m for m in MODES if "error" in served[m]]:
-        first = served[mode]["error"]
-        alone = start_servers(model_dir, adapter_dir, seed, workdir, modes=(mode,))
-        served[mode] = wait_servers(alone, workdir, timeout)[mode]
-        served[mode]["first_attempt"] = first
-    return served
-
-
-def run_e2e(workdir: Path, seed: int, timeout: float = 420.0) -> list[Check]:
-    """Build, reference, serve in both modes, compare; the checks of both modes."""
-    model_dir, adapter_dir = build_model(workdir, seed)
-    # The reference runs first and keeps its memory until the end: vLLM's
-    # memory profiling fails if another process frees GPU memory meanwhile.
-    reference = reference_logprobs(model_dir, adapter_dir, seed, "cuda")
-    served = serve_all(model_dir, adapter_dir, seed, workdir, timeout)
-    return [check for mode in MODES for check in compare(mode, served[mode], reference)]
-
-
 def compare(mode: str, served: dict, reference: dict) -> list[Check]:
     """The e2e checks for one mode."""
+    ran = judge.engine_ran(mode, served)
     if "error" in served:
-        return [Check(f"{mode}: vLLM ran", False, served["error"])]
+        return ran
     runs = served["runs"]
     return [
-        *_health_checks(mode, served, runs),
+        *ran,
+        *judge.health_checks(mode, served),
         *_reference_checks(mode, runs, reference),
         _effect_check(mode, runs),
-        _repeat_check(mode, runs, "base_after_lora", "base", "base after LoRA equals base before"),
+        judge.repeat_check(
+            mode, runs, "base_after_lora", "base", "base after LoRA equals base before"
+        ),
         *_partial_checks(mode, runs, reference),
-        _repeat_check(mode, runs, "lora_after_long", "lora",
-                      "short prompt after a long one unaffected"),
-    ]  # fmt: skip
+        judge.repeat_check(
+            mode, runs, "lora_after_long", "lora", "short prompt after a long one unaffected"
+        ),
+    ]
 
 
-def _health_checks(mode: str, served: dict, runs: dict) -> list[Check]:
-    """The engine ran; no NaN counted, none in the log-probabilities, no run of token 0."""
-    checks = []
-    if "first_attempt" in served:
-        checks.append(
-            Check(f"{mode}: engine started (second attempt, alone)", True, served["first_attempt"])
-        )
-    corrupted = served["corrupted_requests"]
-    checks.append(Check(f"{mode}: vllm:corrupted_requests", corrupted == 0,
-                        f"{corrupted} (VLLM_COMPUTE_NANS_IN_LOGITS=1)"))  # fmt: skip
-    every = [r for group in runs.values() for r in group.values() if isinstance(r, dict)]
-    nan = sum(_count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
-    checks.append(Check(f"{mode}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
-    zero_runs = [len(r["tokens"]) for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
-    checks.append(Check(f"{mode}: no run of token id 0", not zero_runs,
-                        f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row"))  # fmt: skip
-    return checks
+BOUNDS = (LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL)
 
 
 def _reference_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
     """Base and LoRA prompt log-probabilities within bounds of transformers + PEFT."""
-    checks = []
-    for kind in ("base", "lora"):
-        for name in reference[kind]:
-            mean, worst = _diff(runs[kind][name]["prompt_logprobs"], reference[kind][name])
-            checks.append(Check(
-                f"{mode}: {kind} {name[1:]} tokens vs transformers",
-                mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
-                f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
-                f"(<= {LOGPROB_MAX_TOL})",
-            ))  # fmt: skip
-    return checks
+    return [
+        judge.bound_check(
+            f"{mode}: {kind} {name[1:]} tokens vs transformers",
+            judge.logprobs(runs, kind, name),
+            reference[kind][name],
+            BOUNDS,
+        )
+        for kind in ("base", "lora")
+        for name in reference[kind]
+    ]
 
 
 def _effect_check(mode: str, runs: dict) -> Check:
     """The adapter visibly changes the output (it was applied at all)."""
+    error = judge.served_error(runs, "lora")
+    if error:
+        return Check(f"{mode}: LoRA output differs from base", False, f"not served: {error}")
     effect = min(
-        _diff(runs["lora"][n]["prompt_logprobs"], runs["base"][n]["prompt_logprobs"])[0]
+        judge.diff(judge.logprobs(runs, "lora", n), judge.logprobs(runs, "base", n))[0]
         for n in runs["lora"]
     )
-    return Check(f"{mode}: LoRA output differs from base", effect >= LORA_EFFECT_MIN,
-                 f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})")  # fmt: skip
-
-
-def _repeat_check(mode: str, runs: dict, again: str, first: str, title: str) -> Check:
-    """The same request later in the run answers as it did first (no state carried over)."""
-    names = list(runs[again])
-    worst = max(
-        _diff(runs[again][n]["prompt_logprobs"], runs[first][n]["prompt_logprobs"])[1]
-        for n in names
+    return Check(
+        f"{mode}: LoRA output differs from base",
+        effect >= LORA_EFFECT_MIN,
+        f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})",
     )
-    same_tokens = all(runs[again][n]["tokens"] == runs[first][n]["tokens"] for n in names)
-    return Check(f"{mode}: {title}", worst <= REPEAT_MAX_TOL and same_tokens,
-                 f"max |d logprob| {worst:.2e} (<= {REPEAT_MAX_TOL}), "
-                 f"tokens equal: {same_tokens}")  # fmt: skip
 
 
 def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
     """Each partial GDN adapter: it loads, matches transformers + PEFT, and changes the output."""
     checks = []
     for kind in PARTIAL_ADAPTERS:
-        served = runs.get(kind, {"error": "not run"})
-        if "error" in served:
-            checks.append(Check(f"{mode}: {kind} adapter served", False, served["error"]))
+        error = judge.served_error(runs, kind)
+        if error:
+            checks.append(Check(f"{mode}: {kind} adapter served", False, error))
             continue
-        values = served[PARTIAL_PROMPT]["prompt_logprobs"]
-        mean, worst = _diff(values, reference[kind][PARTIAL_PROMPT])
+        values = judge.logprobs(runs, kind, PARTIAL_PROMPT)
         checks.append(
-            Check(
+            judge.bound_check(
                 f"{mode}: {kind} adapter vs transformers",
-                mean <= LOGPROB_MEAN_TOL and worst <= LOGPROB_MAX_TOL,
-                f"mean |d logprob| {mean:.4f} (<= {LOGPROB_MEAN_TOL}), max {worst:.3f} "
-                f"(<= {LOGPROB_MAX_TOL})",
+                values,
+                reference[kind][PARTIAL_PROMPT],
+                BOUNDS,
             )
         )
-        effect = _diff(values, runs["base"][PARTIAL_PROMPT]["prompt_logprobs"])[0]
+        effect = judge.diff(values, judge.logprobs(runs, "base", PARTIAL_PROMPT))[0]
         checks.append(
             Check(
                 f"{mode}: {kind} adapter differs from base",
@@ -474,21 +427,3 @@ def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
             )
         )
     return checks
-
-
-def _count_nan(values: list[float]) -> int:
-    return sum(1 for v in values if v != v)
-
-
-def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean and max absolute difference (inf when lengths differ or a value is NaN)."""
-    if len(a) != len(b) or not a:
-        return float("inf"), float("inf")
-    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
-    if any(d != d for d in diffs):
-        return float("inf"), float("inf")
-    return sum(diffs) / len(diffs), max(diffs)
-
-
-if __name__ == "__main__":  # the child process of start_servers
-    serve(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))

@@ -2,7 +2,10 @@
 
 It runs against the vLLM that this Python imports, patched or not, and says
 which patches are applied. Kernel checks always run; `--e2e` adds the tiny
-Qwen3.5 + LoRA serving run (patchkit.proof.e2e). Exit 1 on any failed check that
+Qwen3.5 and Qwen3.5-MoE + LoRA serving run (patchkit.proof.e2e), `--model`
+the user's own model and adapters against merged references
+(patchkit.proof.model); both serve through patchkit.proof.serving, on
+`--tensor-parallel-size` GPUs per engine. Exit 1 on any failed check that
 applies to this install. torch and vllm are imported only here, lazily, so
 the other commands never load them.
 """
@@ -27,12 +30,13 @@ class VerifyReport:
     patches: list[dict]
     kernel: list = field(default_factory=list)
     e2e: list = field(default_factory=list)
+    model: list = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         kernel_ok = all(k.ok for k in self.kernel if k.counts)
-        return kernel_ok and all(c.ok for c in self.e2e)
+        return kernel_ok and all(c.ok for c in self.e2e + self.model)
 
     def to_json(self) -> dict:
         return {
@@ -41,6 +45,7 @@ class VerifyReport:
             "patches": self.patches,
             "kernel_checks": [asdict(k) for k in self.kernel],
             "e2e_checks": [asdict(c) for c in self.e2e],
+            "model_checks": [asdict(c) for c in self.model],
             "seconds": round(self.seconds, 1),
         }
 
@@ -93,12 +98,39 @@ def environment(torch, tree: VllmTree) -> dict:
     }
 
 
-def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) -> VerifyReport:
-    """The GPU comes first (its absence is the likelier error), then the importable vLLM."""
+@dataclass
+class Request:
+    """What `patchkit verify` was asked to do (the CLI's options)."""
+
+    e2e: bool = False
+    seed: int | None = None
+    keep: Path | None = None
+    model: Path | None = None
+    loras: list = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    workdir: Path | None = None
+
+
+def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> VerifyReport:
+    """Usage first, then the GPU (its absence is the likelier error), then the importable vLLM.
+
+    Everything --model can refuse (its config, the prompt lengths, the disk
+    the merged references need) is decided before any GPU work.
+    """
     started = time.monotonic()
+    seed = random.SystemRandom().randrange(2**31) if request.seed is None else request.seed
+    setup = None
+    if request.model is not None:
+        from patchkit.proof import model
+
+        setup = model.prepare(request.model, request.loras, request.tensor_parallel_size,
+                              request.max_model_len, seed)  # fmt: skip
     torch = require_gpu()
+    from patchkit.proof.serving import check_tensor_parallel
+
+    check_tensor_parallel(request.tensor_parallel_size, torch.cuda.device_count())
     tree = importable_tree()
-    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     patches = [
         {
             "id": s.assessment.patch.id,
@@ -110,22 +142,36 @@ def run(catalogue: Catalogue, e2e: bool, seed: int | None, keep: Path | None) ->
     try:
         from patchkit.proof import kernelcheck
 
-        env = {**environment(torch, tree), "seed": seed}
+        env = {**environment(torch, tree), "seed": seed,
+               "tensor_parallel_size": request.tensor_parallel_size}  # fmt: skip
         report = VerifyReport(env, patches)
         report.kernel = kernelcheck.trigger_cases(seed) + kernelcheck.wrapper_cases(seed)
     except ImportError as exc:
         raise PatchkitError(f"cannot import vLLM's LoRA code from {tree.root}: {exc}") from None
-    if e2e:
-        report.e2e = _run_e2e(seed, keep)
+    gpu = gpu_memory(torch, request.tensor_parallel_size)
+    if request.e2e:
+        report.e2e = _run_e2e(seed, request, gpu, say)
+    if setup is not None:
+        from patchkit.proof import model
+
+        keep = request.keep / "model" if request.keep is not None else None
+        report.model = model.run_model(request.model, setup, request.workdir, keep, gpu, say)
     report.seconds = time.monotonic() - started
     return report
 
 
-def _run_e2e(seed: int, keep: Path | None) -> list:
+def gpu_memory(torch, tp: int) -> tuple[int, int]:
+    """Total memory of one GPU and the least free on the GPUs the engines use."""
+    free = [torch.cuda.mem_get_info(i) for i in range(tp)]
+    return min(t for _, t in free), min(f for f, _ in free)
+
+
+def _run_e2e(seed: int, request: Request, gpu: tuple[int, int], say) -> list:
     from patchkit.proof import e2e
 
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        return e2e.run_e2e(keep, seed)
-    with tempfile.TemporaryDirectory(prefix="patchkit-e2e-") as workdir:
-        return e2e.run_e2e(Path(workdir), seed)
+    tp = request.tensor_parallel_size
+    if request.keep is not None:
+        request.keep.mkdir(parents=True, exist_ok=True)
+        return e2e.run_e2e(request.keep, seed, tp, gpu, say)
+    with tempfile.TemporaryDirectory(prefix="patchkit-e2e-", dir=request.workdir) as workdir:
+        return e2e.run_e2e(Path(workdir), seed, tp, gpu, say)

@@ -1,0 +1,355 @@
+"""`patchkit verify --model` and `--tensor-parallel-size`: everything decided on the CPU.
+
+Usage errors (one line, exit 2, before any GPU work), the refusal of more
+GPUs than are visible, the disk the merged references need (said before,
+refused when it is not free, nothing written then), their removal after the
+run, and the checks applied to served results (synthetic, with each failure
+they must catch). The served run itself needs a GPU and vLLM; its output
+on the test H200 is in docs/h200-2026-11-30f/.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from patchkit.errors import PatchkitError, UsageProblem
+from patchkit.proof import e2e, serving
+from patchkit.proof import model as user_model
+from tests.conftest import run_cli, run_subprocess
+
+torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
+from tests.test_merge import (  # noqa: E402
+    HEAD_DIM,
+    HEADS,
+    VL,
+    H,
+    base_tensors,
+    lin,
+    write_adapter,
+    write_checkpoint,
+)
+
+
+@pytest.fixture
+def user(tmp_path: Path) -> dict:
+    """A tiny Qwen3.5 checkpoint (32k positions, vocab 40) and two adapters on q_proj."""
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"] |= {"vocab_size": 40, "max_position_embeddings": 32768}
+    config["image_token_id"] = 7
+    (model / "config.json").write_text(json.dumps(config))
+    factors = {f"{VL}layers.1.self_attn.q_proj": lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)}
+    return {
+        "model": model,
+        "one": write_adapter(tmp_path / "one", factors),
+        "two": write_adapter(tmp_path / "two", factors),
+    }
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+# ----- usage errors: one line, exit 2, nothing done -----
+
+
+def usage_cases(user, tmp_path):
+    model, one = str(user["model"]), f"one={user['one']}"
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    return [
+        (["--lora", one], "--lora needs --model DIR"),
+        (["--model", model], "--model needs at least one --lora NAME=DIR"),
+        (["--model", model, "--lora", "one"], "expected NAME=DIR"),
+        (["--model", model, "--lora", f"bad name={user['one']}"], "expected NAME=DIR"),
+        (["--model", model, "--lora", f"x={tmp_path}"], "holds no adapter_config.json"),
+        (["--model", str(tmp_path / "nowhere"), "--lora", one], "not a directory"),
+        (["--model", str(no_config), "--lora", one], "no readable config.json"),
+        (["--model", model, "--lora", one, "--lora", f"one={user['two']}"], "a NAME given twice"),
+        (["--model", model, "--lora", one, "--max-model-len", "300"], "need at least 616"),
+        (["--e2e", "--max-model-len", "4096"], "--max-model-len goes with --model"),
+        (["--e2e", "--workdir", str(tmp_path / "nowhere")], "--workdir"),
+        (["--e2e", "--workdir", str(tmp_path), "--keep", str(tmp_path / "k")], "give one"),
+        (["--e2e", "--tensor-parallel-size", "0"], "must be 1 or more"),
+    ]
+
+
+def test_usage_errors_are_one_line_exit_2_and_change_nothing(user, tmp_path):
+    cases = usage_cases(user, tmp_path)
+    before = listing(tmp_path)
+    for args, words in cases:
+        result = run_cli("verify", *args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("patchkit: error: "), (args, lines)
+        assert words in lines[0], (args, lines[0])
+        assert "Traceback" not in result.output
+        as_json = run_cli("verify", *args, "--json")
+        assert json.loads(as_json.stdout) == {
+            "ok": False,
+            "error": lines[0].removeprefix("patchkit: error: "),
+            "exit_code": 2,
+        }
+    assert listing(tmp_path) == before
+
+
+def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
+    with pytest.raises(UsageProblem, match=r"needs 4 GPUs and 2 are visible.*use at most 2"):
+        serving.check_tensor_parallel(4, 2)
+    with pytest.raises(UsageProblem, match="needs 2 GPUs and 1 is visible"):
+        serving.check_tensor_parallel(2, 1)
+    serving.check_tensor_parallel(2, 2)
+
+
+def test_the_cli_refuses_tp_beyond_the_gpus_before_any_work():
+    """torch is made to see one GPU; the refusal comes before vLLM is looked for."""
+    fake_gpu = "import torch\ntorch.cuda.is_available = lambda: True\n"
+    fake_gpu += "torch.cuda.device_count = lambda: 1\n"
+    result = run_subprocess("verify", "--e2e", "--tensor-parallel-size", "2", code=fake_gpu)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "patchkit: error: --tensor-parallel-size 2 needs 2 GPUs and 1 is visible "
+        "(CUDA_VISIBLE_DEVICES); use at most 1"
+    )
+
+
+def test_prompt_lengths_follow_max_model_len():
+    config = {"max_position_embeddings": 262144}
+    assert user_model.max_model_len(config, None) == 16400
+    assert user_model.prompt_lengths(16400) == [600, 3000, 16384]
+    assert user_model.prompt_lengths(2000) == [600, 1984]
+    assert user_model.prompt_lengths(616) == [600]
+    assert user_model.max_model_len({"max_position_embeddings": 8192}, None) == 8192
+    with pytest.raises(UsageProblem):
+        user_model.max_model_len(config, 615)
+
+
+def test_prompts_avoid_special_ids_and_stay_in_the_plain_vocabulary():
+    config = {"vocab_size": 12, "image_token_id": 3, "text_config": {}, "eos_token_id": 5}
+    prompts = user_model.make_prompts(config, [600, 3000], seed=1)
+    assert [len(p) for p in prompts.values()] == [600, 3000]
+    used = {t for p in prompts.values() for t in p}
+    assert used == set(range(1, 12)) - {3, 5}
+    big = user_model.make_prompts({"vocab_size": 248320}, [600], seed=1)
+    assert max(big["p600"]) < user_model.PLAIN_VOCAB
+    assert big == user_model.make_prompts({"vocab_size": 248320}, [600], seed=1)
+
+
+def test_engine_memory_and_lora_rank():
+    assert [serving.lora_rank_limit(r) for r in (4, 64, 100, 128, 300)] == [8, 64, 128, 128, 320]
+    total = 140 << 30
+    fraction = serving.engine_memory(54 << 30, 248320, 2, 2 << 30, total)
+    # 27 GiB of weights per GPU, 2 GiB KV, 3 GiB, and 3 x 4096 x 248320 x 4 B of logits
+    assert 0.30 < fraction < 0.32
+    assert serving.engine_memory(200 << 30, 248320, 1, 2 << 30, total) == 0.9
+    assert serving.side_by_side(0.04, 0.9) == 22
+    assert serving.side_by_side(0.9, 0.5) == 1
+
+
+# ----- the merged references: the disk, said before and refused, then removed -----
+
+
+def test_the_disk_the_references_need_is_said_before_anything_is_written(user, tmp_path):
+    said = []
+    adapters = {"one": user["one"], "two": user["two"]}
+    plans = user_model.plan_references(user["model"], adapters, tmp_path / "work", said.append)
+    needed = sum(p.bytes_needed for p in plans.values())
+    assert needed > 0 and not (tmp_path / "work").exists()
+    assert said[0].startswith("merged references: 2 adapter(s) need ")
+    assert f"under {tmp_path / 'work'}" in said[0] and "removed afterwards unless --keep" in said[0]
+
+
+def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 100, 100))
+    before = listing(tmp_path)
+    with pytest.raises(PatchkitError, match=r"need .* and 100 B is free; give --workdir"):
+        user_model.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
+    assert listing(tmp_path) == before
+
+
+def fake_served(adapters, prefix=""):
+    """What vLLM would serve when everything is right: LoRA equals its merged reference."""
+    prompts = {"p600": 600, "p3000": 3000}
+    base = {p: [-8.0 + 0.01 * (i % 7) for i in range(n - 1)] for p, n in prompts.items()}
+
+    def request(values):
+        return {"prompt_logprobs": list(values), "tokens": [5, 6, 7], "token_logprobs": [-1.0] * 3}
+
+    def moved(p, by):
+        return [v + by for v in base[p]]
+
+    runs = {"base": {p: request(base[p]) for p in prompts}}
+    for number, name in enumerate(adapters, start=1):
+        runs[f"lora:{name}"] = {p: request(moved(p, -0.1 * number)) for p in prompts}
+    runs["lora_after_long"] = {"p600": request(moved("p600", -0.1))}
+    runs["base_after_lora"] = copy.deepcopy(runs["base"])
+    served = {}
+    for mode in serving.MODES:
+        served[f"{prefix}{mode}"] = {"corrupted_requests": 0, "runs": copy.deepcopy(runs)}
+    for number, name in enumerate(adapters, start=1):
+        merged = {p: request(moved(p, -0.1 * number)) for p in prompts}
+        served[f"{prefix}merged-{name}"] = {"corrupted_requests": 0, "runs": {"merged": merged}}
+    return served
+
+
+def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, monkeypatch):
+    seen = {}
+
+    def serve_all(jobs, workdir, timeout, at_once):
+        seen["merged"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("merged"))
+        seen["jobs"] = [(j.name, j.mode, bool(j.loras)) for j in jobs]
+        seen["workdir"] = workdir
+        return fake_served(["one", "two"])
+
+    monkeypatch.setattr(serving, "serve_all", serve_all)
+    work = tmp_path / "work"
+    work.mkdir()
+    setup = user_model.prepare(user["model"], [("one", user["one"]), ("two", user["two"])], 1,
+                               3016, 0)  # fmt: skip
+    checks = user_model.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
+    assert [c.name for c in checks if not c.ok] == []
+    assert seen["merged"] == ["merged-one", "merged-two"]
+    assert seen["jobs"] == [
+        ("eager", "eager", True),
+        ("cudagraph", "cudagraph", True),
+        ("merged-one", "eager", False),
+        ("merged-two", "eager", False),
+    ]
+    assert seen["workdir"].parent == work and not seen["workdir"].exists()
+    assert list(work.iterdir()) == []
+
+
+def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "serve_all", interrupted)
+    work = tmp_path / "work"
+    work.mkdir()
+    setup = user_model.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
+    with pytest.raises(KeyboardInterrupt):
+        user_model.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
+    assert list(work.iterdir()) == []
+    monkeypatch.setattr(serving, "serve_all", lambda *a: fake_served(["one"]))
+    keep = tmp_path / "keep"
+    user_model.run_model(user["model"], setup, None, keep, (1 << 40, 1 << 40), print)
+    assert (keep / "merged-one" / "config.json").is_file()
+    assert set(json.loads((keep / "served.json").read_text())) == {
+        "eager",
+        "cudagraph",
+        "merged-one",
+    }
+
+
+# ----- the checks of --model on served results -----
+
+
+def failing(checks) -> list[str]:
+    return [c.name for c in checks if not c.ok]
+
+
+def test_compare_passes_a_clean_run():
+    assert failing(user_model.compare(fake_served(["one", "two"]), ["one", "two"])) == []
+
+
+def lora(served, mode="eager", name="one"):
+    return served[mode]["runs"][f"lora:{name}"]
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda s: lora(s)["p600"]["prompt_logprobs"].__setitem__(3, math.nan),
+         "eager: no NaN log-probabilities"),
+        (lambda s: lora(s, "cudagraph")["p3000"].__setitem__("tokens", [0, 0, 0, 0]),
+         "cudagraph: no run of token id 0"),
+        (lambda s: s["eager"].__setitem__("corrupted_requests", 1),
+         "eager: vllm:corrupted_requests"),
+        (lambda s: lora(s)["p3000"]["prompt_logprobs"].__setitem__(10, -12.0),
+         "eager: one 3000 tokens vs merged"),
+        (lambda s: lora(s, name="two").update(copy.deepcopy(s["eager"]["runs"]["base"])),
+         "eager: two adapter differs from base"),
+        (lambda s: s["eager"]["runs"].__setitem__("lora:two", {"error": "ValueError: x"}),
+         "eager: two adapter served"),
+        (lambda s: s["cudagraph"]["runs"]["base_after_lora"].update(copy.deepcopy(lora(s))),
+         "cudagraph: base after LoRA equals base before"),
+        (lambda s: s["eager"]["runs"]["lora_after_long"]["p600"].__setitem__("tokens", [9]),
+         "eager: short prompt after a long one unaffected"),
+        (lambda s: s.__setitem__("merged-two", {"error": "vLLM (merged-two) exited 1: boom"}),
+         "reference two (merged, no LoRA): vLLM ran"),
+        (lambda s: s.__setitem__("cudagraph", {"error": "vLLM (cudagraph) exited 1: boom"}),
+         "cudagraph: vLLM ran"),
+    ],
+)  # fmt: skip
+def test_compare_catches(damage, expected):
+    served = fake_served(["one", "two"])
+    damage(served)
+    assert expected in failing(user_model.compare(served, ["one", "two"]))
+
+
+def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
+    served = fake_served(["one"])
+    for group in [served["merged-one"]["runs"]["merged"], lora(served), lora(served, "cudagraph")]:
+        for request in group.values():
+            request["prompt_logprobs"] = [v + 0.095 for v in request["prompt_logprobs"]]
+    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    weak = checks["eager: one adapter differs from base"]
+    assert not weak.ok and "too little to tell LoRA applied from not" in weak.detail
+
+
+def test_e2e_checks_the_moe_case_like_a_user_model():
+    """The MoE engines of --e2e are judged by model.compare under the moe- prefix."""
+    served = fake_served(["moe"], prefix="moe-")
+    checks = user_model.compare(served, ["moe"], prefix="moe-")
+    assert checks and failing(checks) == []
+    assert "moe-eager: moe 600 tokens vs merged" in [c.name for c in checks]
+    lora(served, "moe-cudagraph", "moe")["p3000"]["prompt_logprobs"][0] = -30.0
+    assert failing(user_model.compare(served, ["moe"], prefix="moe-")) == [
+        "moe-cudagraph: moe 3000 tokens vs merged"
+    ]
+    assert e2e.MOE_PROMPT_LENGTHS == [600, 3000]
+
+
+def test_jobs_name_their_engines_and_requests():
+    setup = {"prompts": {"p600": [1] * 600, "p3000": [1] * 3000}, "tensor_parallel_size": 2,
+             "max_model_len": 3016, "seed": 1, "gpu_memory_utilization": 0.05,
+             "kv_cache_bytes": 1 << 30}  # fmt: skip
+    adapters = {"one": Path("/a/one"), "two": Path("/a/two")}
+    requests = user_model.lora_requests(list(adapters), setup["prompts"])
+    assert requests == [
+        ("base", "p600", None), ("base", "p3000", None),
+        ("lora:one", "p600", "one"), ("lora:one", "p3000", "one"),
+        ("lora:two", "p600", "two"), ("lora:two", "p3000", "two"),
+        ("lora_after_long", "p600", "one"),
+        ("base_after_lora", "p600", None), ("base_after_lora", "p3000", None),
+    ]  # fmt: skip
+    job = serving.Job(name="x", model="/m", mode="eager", prompts={}, requests=requests)
+    assert serving.Job(**json.loads(json.dumps(job.__dict__))).requests[2] == [
+        "lora:one",
+        "p600",
+        "one",
+    ]
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")),
+    reason="needs a CUDA GPU and vLLM: run scripts/verify_gpu_proof.sh on a GPU host",
+)
+def test_verify_model_on_this_gpu(tmp_path):
+    pytest.importorskip("peft", reason="building the stand-in user model needs peft")
+    from scripts.verify_model_gpu import build
+
+    build(tmp_path / "user")
+    u = tmp_path / "user"
+    result = run_subprocess("verify", "--model", str(u / "model"), "--lora", f"full={u / 'full'}",
+                            "--lora", f"z={u / 'z'}")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
