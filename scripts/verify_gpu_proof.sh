@@ -2,7 +2,7 @@
 # Issue 19's GPU proof on a 2-GPU H200 host, the three runs side by side (one
 # device call): `verify --e2e` at TP=2 (dense + MoE), `verify --model` at TP=1
 # and at TP=2 on the stand-in user model of scripts/verify_model_gpu.py.
-#   bash scripts/verify_gpu_proof.sh OUT [LIMIT_S]
+#   [RUNS="e2e-tp2 model-tp2"] bash scripts/verify_gpu_proof.sh OUT [LIMIT_S]
 # OUT/<run>.txt is each verify's report (stderr in <run>.err), OUT/<run>/ its
 # --keep directory (served results, references, vLLM logs).
 set -u
@@ -22,8 +22,12 @@ one() {
     echo "exit $? after $(($(date +%s) - start)) s" >>"$out/$name.txt"
   ) &
 }
-one e2e-tp2 --e2e --tensor-parallel-size 2
-one model-tp1 --model "$u/model" "${adapters[@]}" --tensor-parallel-size 1
-one model-tp2 --model "$u/model" "${adapters[@]}" --tensor-parallel-size 2
+for run in ${RUNS:-e2e-tp2 model-tp1 model-tp2}; do
+  case $run in
+    e2e-tp2) one e2e-tp2 --e2e --tensor-parallel-size 2 ;;
+    model-tp1) one model-tp1 --model "$u/model" "${adapters[@]}" --tensor-parallel-size 1 ;;
+    model-tp2) one model-tp2 --model "$u/model" "${adapters[@]}" --tensor-parallel-size 2 ;;
+  esac
+done
 wait
 nvidia-smi --query-gpu=name,memory.used --format=csv >"$out/nvidia-smi.txt" 2>&1
