@@ -353,3 +353,12 @@ def test_verify_model_on_this_gpu(tmp_path):
     result = run_subprocess("verify", "--model", str(u / "model"), "--lora", f"full={u / 'full'}",
                             "--lora", f"z={u / 'z'}")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_a_failed_engine_is_reported_by_its_exception_not_a_source_line():
+    """Lines of a real vLLM 0.26.0 engine log from the test H200 (its worker's traceback):
+    the first line with "Error" in it is ``raise AttributeError(``, which tells nothing."""
+    log = Path(__file__).parent / "data" / "vllm-0.26.0-moe-engine-failure.log"
+    assert serving.first_error(log) == (
+        "AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'"
+    )

@@ -38,7 +38,10 @@ from patchkit.proof.checks import Check
 PROMPT_LENGTHS = (600, 3000)
 LONGEST = 16384
 # (mean, max) |LoRA served - merged reference| of prompt log-probabilities.
-MERGED_BOUNDS = (0.03, 0.5)
+# Measured on the test H200 at TP=2 (docs/h200-2026-11-30f): mean 0.0116-0.0153,
+# max 0.049-0.098 over 600-16384-token prompts and three adapters; the bounds
+# leave 2x (mean) and 3x (max) of that, like --e2e's against transformers.
+MERGED_BOUNDS = (0.03, 0.3)
 # LoRA must move the output by at least this share of what the merged adapter does...
 EFFECT_SHARE = 0.5
 # ...and the adapter must move it clearly more than bf16 noise, or the check cannot tell.

@@ -19,6 +19,7 @@ they can start together, as many as fit.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -251,10 +252,23 @@ def wait(children: dict, workdir: Path, timeout: float) -> dict:
     return results
 
 
+# "AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'",
+# after vLLM's "(Worker_TP1 pid=1) ERROR 11-30 17:01:58 [file.py:1007] " prefix.
+RAISED = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.*)$")
+
+
 def first_error(log: Path) -> str:
+    """The first exception a failed engine raised, as its type and message.
+
+    The first line with "Error" in it is often vLLM's log prefix on a source
+    line of the traceback (``raise AttributeError(``); the exception itself is
+    the line that reads ``SomeError: message``.
+    """
     lines = log.read_text(errors="replace").strip().splitlines()
+    raised = [m.group(1) + ": " + m.group(2) for m in map(RAISED.search, lines) if m]
     errors = [line.strip() for line in lines if "Error" in line and "Traceback" not in line]
-    return (errors[0] if errors else " | ".join(lines[-3:]))[:300]
+    found = raised or errors
+    return (found[0] if found else " | ".join(lines[-3:]))[:300]
 
 
 def serve_all(jobs: list[Job], workdir: Path, timeout: float, at_once: int) -> dict:
