@@ -410,3 +410,22 @@ def _case_line(case) -> str:
     return (
         f"[{case.verdict}] {case.label()}; {runs}" + (f"; {detail}" if detail else "") + approximate
     )
+
+
+# ----- probe report -----
+
+
+def render_probe_report(report, out) -> None:
+    """Per affected request: where it first went bad, the verdict, where to look."""
+    out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
+    if not report.findings:
+        out("no request had a NaN or Inf in any probed layer or projection")
+    for f in report.findings:
+        adapter = f" (adapter {f.adapter})" if f.adapter else ""
+        where = f"step {f.step}, layer {f.layer}, {f.module}"
+        out(f"  request {f.request}{adapter}: first bad at {where}")
+        out(f"      {f.verdict}; look at {f.look_at}")
+        out(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
+    if report.padding_only:
+        out(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
+    out(f"probe report: {len(report.findings)} affected requests")
