@@ -272,31 +272,46 @@ def wait(child: subprocess.Popen, until: float) -> None:
         child.wait()
 
 
-def parent(out: Path, budget: float) -> int:
+def parent(out: Path, budget: float, proofs: list[str], serial: bool) -> int:
+    """Build, then run the proof children and the bench; ``serial`` runs one engine
+    start at a time (vLLM's memory profiling fails when another process on the GPU
+    frees memory meanwhile, seen on the H200 with six engines starting at once)."""
     deadline = time.time() + budget
     out.mkdir(parents=True, exist_ok=True)
     built = build(out / "work")
     built_file = out / "built.json"
     built_file.write_text(json.dumps(built, indent=1))
     ready = out / "proofs-done"
-    children = {
-        f"proof-{b}-{m}": start("proof", out / f"proof-{b}-{m}", built_file,
-                                child_env(out / f"proof-{b}-{m}", b, True), m)
-        for b, m in PROOFS
-    }  # fmt: skip
+    children = {}
+    for name in proofs:
+        backend, mode = name.split("-")
+        env = child_env(out / f"proof-{name}", backend, True)
+        children[name] = start("proof", out / f"proof-{name}", built_file, env, mode)
+        if serial:
+            wait(children[name], deadline - 60)
+    if not serial:
+        for child in children.values():
+            wait(child, deadline - 60)
+    ready.write_text("go")
     bench = start("bench", out / "bench", built_file,
                   child_env(out / "bench", "torch", False, in_process=False),
                   str(ready), str(deadline))  # fmt: skip
-    for child in children.values():
-        wait(child, deadline - 60)
-    ready.write_text("go")
+    wait(bench, deadline)
+    return judge(out)
+
+
+def judge(out: Path) -> int:
+    """Check every configuration and summarise the bench into summary.json."""
+    built = json.loads((out / "built.json").read_text())
     summary = {"built": built, "proofs": {}}
-    for (backend, _), name in zip(PROOFS, children, strict=True):
+    for backend, mode in PROOFS:
+        name = f"proof-{backend}-{mode}"
+        if not (out / name).exists():
+            continue
         try:
             summary["proofs"][name] = check_proof(out / name, backend)
         except (OSError, ValueError, KeyError, StopIteration) as exc:
             summary["proofs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-    wait(bench, deadline)
     summary["bench"] = bench_summary(out / "bench")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
@@ -313,11 +328,21 @@ def main() -> int:
         else:
             bench_child(out, built, Path(sys.argv[5]), float(sys.argv[6]))
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="GPU proof and cost of the nan-probe patch")
     parser.add_argument("out", type=Path)
     parser.add_argument("--budget", type=float, default=500.0, help="seconds for everything")
+    parser.add_argument(
+        "--check", action="store_true", help="only judge an OUT a run left (on any machine)"
+    )
+    parser.add_argument(
+        "--proofs", default=",".join(f"{b}-{m}" for b, m in PROOFS),
+        help="comma-separated BACKEND-MODE configurations (default: all four)",
+    )  # fmt: skip
+    parser.add_argument("--serial", action="store_true", help="start one engine at a time")
     args = parser.parse_args()
-    return parent(args.out, args.budget)
+    if args.check:
+        return judge(args.out)
+    return parent(args.out, args.budget, args.proofs.split(","), args.serial)
 
 
 if __name__ == "__main__":
