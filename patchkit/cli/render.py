@@ -249,6 +249,9 @@ def render_catalogue(catalogue: Catalogue) -> None:
 
     for patch in catalogue.patches:
         click.echo(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
+        if patch.opt_in:
+            wrapped("opt-in", f"plain `patchkit apply` never applies it; `patchkit apply --only "
+                    f"{patch.id}` adds it to the default set, `revert` takes it off")  # fmt: skip
         wrapped("why", patch.why)
         for variant in patch.variants:
             click.echo(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
@@ -268,6 +271,7 @@ def catalogue_json(catalogue: Catalogue) -> dict:
             {
                 "id": p.id,
                 "title": p.title,
+                "opt_in": p.opt_in,
                 "why": p.why,
                 "upstream": list(p.upstream),
                 "remove_when": p.remove_when,
