@@ -31,6 +31,9 @@ def synopsis() -> dict[str, set[str]]:
 
 
 def options(command: click.Command) -> set[str]:
+    """A command's options; a group's (`probe report`) are its subcommands'."""
+    if isinstance(command, click.Group):
+        return set().union(*(options(c) for c in command.commands.values()))
     names = {opt for param in command.params for opt in getattr(param, "opts", [])}
     names |= {opt for param in command.params for opt in getattr(param, "secondary_opts", [])}
     return {n for n in names if n.startswith("-")} - {"-h", "--help"}

@@ -33,6 +33,8 @@ def test_every_diff_is_what_refresh_makes_on_its_release(tmp_path, patch_id, var
     root, env = catalogue_copy(tmp_path)
     tree = copy_tree(variant.made_on, tmp_path / "site")
     assert run_cli("apply", "--target", str(tree), env=env).exit_code == 0
+    if CATALOGUE.get(patch_id).opt_in:  # plain apply leaves it out
+        assert run_cli("apply", "--target", str(tree), "--only", patch_id, env=env).exit_code == 0
     result = run_cli("refresh", patch_id, "--target", str(tree), "--json", env=env)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["variant"] == variant.name

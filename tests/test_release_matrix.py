@@ -64,12 +64,18 @@ PARTIAL_GDN_ADAPTER = {
     **{v: ("needed", "backport-47640") for v in EXPAND_BLOCK_N if "0.21.0" <= v < "0.29.0"},
     **{v: ("needed", "coverage-after") for v in EXPAND_BLOCK_N if v >= "0.29.0"},
 }
+# Opt-in: status says so until `apply --only nan-probe`; its two hooks in
+# gpu_model_runner.py apply to every release (the runner's lines are unchanged
+# since 0.17), so it stacks on the default set everywhere.
+NAN_PROBE = {v: ("opt-in", "runner-hooks") for v in EXPAND_BLOCK_N}
 EXPECTED = {
     "expand-block-n": EXPAND_BLOCK_N,
     "matmul-add-lora-linear": MATMUL_ADD_LORA_LINEAR,
     "split-in-proj-qkvz": SPLIT_IN_PROJ_QKVZ,
     "partial-gdn-adapter": PARTIAL_GDN_ADAPTER,
+    "nan-probe": NAN_PROBE,
 }
+NAN_PROBE_FILES = ["vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/patchkit_nan_probe.py"]
 # Known upstream bugs `status` must mention (notices, not warnings).
 NOTICES = {
     **{v: "#38927" for v in ("0.19.0", "0.19.1")},
@@ -126,13 +132,35 @@ def test_release(version: str, tmp_path: Path):
     assert {p["action"] for p in json.loads(again.stdout)["patches"]} == {"none"}
     assert snapshot(root) == after_apply
     patched = status_json(root)
-    assert {p["state"] for p in patched["patches"]} <= {"applied", "upstream", "not-applicable"}
+    done = {"applied", "upstream", "not-applicable"}
+    assert {p["state"] for p in patched["patches"] if p["id"] != "nan-probe"} <= done
     if expected_notice in ("#47639", "#57851"):  # fixed by partial-gdn-adapter: gone
         assert patched["notices"] == []
 
+    stack_nan_probe(root, tmp_path, after_apply)
     reverted = run_cli("revert", "--target", str(root))
     assert reverted.exit_code == 0, reverted.output
     assert snapshot(root) == pristine
+
+
+def stack_nan_probe(root: Path, tmp_path: Path, default_set: dict) -> None:
+    """`apply --only nan-probe` on the default set: its two files, compiled; then
+    `revert --only nan-probe` gives the default set back byte for byte, and the probe
+    goes on again for the plain revert after it."""
+    probe = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--json")
+    assert probe.exit_code == 0, probe.output
+    [step] = json.loads(probe.stdout)["patches"]
+    assert (step["id"], step["action"], sorted(step["files"])) == (
+        "nan-probe", "applied", NAN_PROBE_FILES
+    )  # fmt: skip
+    changed = sorted(k for k, v in snapshot(root).items() if default_set.get(k) != v)
+    assert [c for c in changed if not c.startswith(".patchkit/")] == NAN_PROBE_FILES
+    for relpath in NAN_PROBE_FILES:
+        py_compile.compile(str(root / relpath), doraise=True, cfile=str(tmp_path / "check.pyc"))
+    assert {p["id"]: p["state"] for p in status_json(root)["patches"]}["nan-probe"] == "applied"
+    assert run_cli("revert", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    assert snapshot(root) == default_set
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe").exit_code == 0
 
 
 def expand_block_n_expression(source: str) -> ast.expr:

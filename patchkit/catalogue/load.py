@@ -180,8 +180,17 @@ def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]
         overridden_by=_override(meta.get("overridden_by"), meta_file),
         covers=meta.get("covers", "").strip(),
         diagnosis=_diagnosis(meta.get("diagnosis"), meta_file, bugs),
+        opt_in=_opt_in(meta, meta_file),
         root=directory,
     )
+
+
+def _opt_in(meta: dict, origin: Path) -> bool:
+    """``opt_in = true``: a diagnostic that a plain `apply` must never put into a tree."""
+    value = meta.get("opt_in", False)
+    if not isinstance(value, bool):
+        raise PatchkitError(f"{origin}: opt_in: true or false expected, got {value!r}")
+    return value
 
 
 def _variant(table: dict, directory: Path, origin: Path) -> Variant:

@@ -226,6 +226,7 @@ class Patch:
     overridden_by: Override | None = None
     covers: str = ""
     diagnosis: Diagnosis | None = None
+    opt_in: bool = False  # a diagnostic: only `apply --only ID` applies it, plain apply never
     root: Path = field(default=Path("."), compare=False)
 
     def expected_for(self, version: Version | None) -> Variant | Decision | None:

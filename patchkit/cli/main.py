@@ -569,5 +569,32 @@ def canary(url, api_key, models, prompt_tokens, timeout, record, as_json) -> Non
         fail(canary_check.scrub(result.summary(), api_key), EXIT_FAILURE, False)
 
 
+@main.group(cls=click.Group)
+def probe() -> None:
+    """Read what the nan-probe patch logged (patchkit apply --only nan-probe)."""
+
+
+@probe.command("report")
+@click.argument("log_file", metavar="FILE", type=click.Path(dir_okay=False))
+@json_option
+@user_errors
+def probe_report(log_file: str, as_json: bool) -> None:
+    """Per affected request: the first layer and module where a NaN/Inf appeared, and why.
+
+    FILE is the PATCHKIT_PROBE_LOG the probed server wrote (JSON lines). Reads
+    only; no vLLM, no torch. Exit 0 with the report, 1 on a line that is not a
+    probe record, 2 when FILE does not exist.
+    """
+    from pathlib import Path
+
+    from patchkit.diagnosis import probe as probe_log
+
+    result = probe_log.report(Path(log_file))
+    if as_json:
+        render.emit_json(result.to_json())
+    else:
+        render.render_probe_report(result, click.echo)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

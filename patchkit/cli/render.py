@@ -250,6 +250,9 @@ def render_catalogue(catalogue: Catalogue) -> None:
 
     for patch in catalogue.patches:
         click.echo(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
+        if patch.opt_in:
+            wrapped("opt-in", f"plain `patchkit apply` never applies it; `patchkit apply --only "
+                    f"{patch.id}` adds it to the default set, `revert` takes it off")  # fmt: skip
         wrapped("why", patch.why)
         for variant in patch.variants:
             click.echo(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
@@ -269,6 +272,7 @@ def catalogue_json(catalogue: Catalogue) -> dict:
             {
                 "id": p.id,
                 "title": p.title,
+                "opt_in": p.opt_in,
                 "why": p.why,
                 "upstream": list(p.upstream),
                 "remove_when": p.remove_when,
@@ -411,3 +415,22 @@ def _case_line(case) -> str:
     return (
         f"[{case.verdict}] {case.label()}; {runs}" + (f"; {detail}" if detail else "") + approximate
     )
+
+
+# ----- probe report -----
+
+
+def render_probe_report(report, out) -> None:
+    """Per affected request: where it first went bad, the verdict, where to look."""
+    out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
+    if not report.findings:
+        out("no request had a NaN or Inf in any probed layer or projection")
+    for f in report.findings:
+        adapter = f" (adapter {f.adapter})" if f.adapter else ""
+        where = f"step {f.step}, layer {f.layer}, {f.module}"
+        out(f"  request {f.request}{adapter}: first bad at {where}")
+        out(f"      {f.verdict}; look at {f.look_at}")
+        out(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
+    if report.padding_only:
+        out(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
+    out(f"probe report: {len(report.findings)} affected requests")

@@ -60,7 +60,7 @@ class Step:
         if self.action in (Action.APPLIED, Action.WOULD_APPLY):
             return PatchState.APPLIED
         if self.action == Action.REVERTED:
-            return PatchState.NEEDED
+            return PatchState.OPT_IN if self.assessment.patch.opt_in else PatchState.NEEDED
         return self.assessment.state
 
 
@@ -89,11 +89,14 @@ class Plan:
             self.warnings.append(line)
 
 
-def select(catalogue: Catalogue, only: tuple[str, ...]) -> list[Patch]:
-    """The patches named by --only (all when empty), in series order."""
+def select(catalogue: Catalogue, only: tuple[str, ...], opt_in: bool = False) -> list[Patch]:
+    """The patches named by --only, in series order; without --only every patch except
+    the opt-in ones (diagnostics), unless ``opt_in`` (revert takes them off too)."""
     for patch_id in only:
         catalogue.get(patch_id)  # raises on an unknown id
-    return [p for p in catalogue.patches if not only or p.id in only]
+    if only:
+        return [p for p in catalogue.patches if p.id in only]
+    return [p for p in catalogue.patches if opt_in or not p.opt_in]
 
 
 def plan(
@@ -151,6 +154,13 @@ def _status_step(step: Step, files: TreeFiles) -> None:
     assessment = step.assessment
     if assessment.state != PatchState.NEEDED:
         return
+    if assessment.patch.opt_in:  # plain apply never applies it: not "needed"
+        assessment.state = PatchState.OPT_IN
+        assessment.reason = (
+            f"not applied; a diagnostic: `patchkit apply --only {assessment.patch.id}` "
+            "adds it to the default set"
+        )
+        return
     above = later_on_same_files(assessment.patch, assessment.variant.paths, files)
     if above is None:
         stack(files, assessment)  # what apply would see for the next patch
@@ -179,16 +189,18 @@ def _plan_revert(
     unknown = [i for i, stale in unknown_records(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
         raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
-    patches = list(reversed(select(catalogue, options.only)))
+    patches = list(reversed(select(catalogue, options.only, opt_in=True)))
     result.drop = stale_records(state, catalogue, tree, [p.id for p in patches])
     for patch_id in result.drop:
         state.patches.pop(patch_id, None)
     files = TreeFiles(tree, state, catalogue.ids)
     for patch in patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
+        changes = revert_changes(assessment, files, options.force)
+        if changes is None and patch.opt_in and patch.id not in options.only:
+            continue  # an opt-in patch that is not applied: nothing to say about it
         step = Step(assessment)
         result.steps.insert(0, step)  # reported in series order
-        changes = revert_changes(assessment, files, options.force)
         if changes is None:
             if patch.id in options.only:
                 result.warn(f"{patch.id} is not applied ({assessment.state})")

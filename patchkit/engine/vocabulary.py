@@ -25,6 +25,7 @@ class PatchState(Word):
     UPSTREAM = "upstream"  # this release already has the fix
     NOT_APPLICABLE = "not-applicable"  # the release's design makes it meaningless
     CONFLICT = "conflict"  # neither pristine nor patched
+    OPT_IN = "opt-in"  # an opt-in patch (a diagnostic) not applied: only --only ID applies it
 
 
 class Action(Word):

@@ -1,0 +1,416 @@
+"""patchkit nan-probe: where does the first NaN / Inf appear, per request, in a served model.
+
+Added to vLLM by `patchkit apply --only nan-probe`; off unless PATCHKIT_PROBE_LOG
+names a file (then nothing is wrapped and nothing runs: the patch costs nothing).
+
+Why it is built this way: vLLM serves under torch.compile and CUDA graphs, where
+Python forward hooks and prints do not run on replay. So each probed module gets
+one registered custom op (``patchkit::probe_record``) in its forward, traced by
+Dynamo like any op and captured into the graphs; it writes, into one preallocated
+device buffer, each token row's largest absolute value (NaN and Inf propagate,
+so the host tells a NaN row from an Inf row from a finite one). The host reads
+that buffer once per real step (a non-blocking copy into pinned memory, read
+back a step later, so async scheduling keeps running) and writes JSON lines.
+
+Probed: each decoder layer's output (hidden state and residual), the first
+layer's input, and each LoRA-wrapped linear projection inside a decoder layer.
+Only steps of real requests are read: the runner calls ``after_forward`` from
+``_model_forward``, which its profile, warm-up and capture runs (``_dummy_run``)
+never call. ``PATCHKIT_PROBE_STATS=1`` adds exact NaN / Inf counts, mean and
+std per module (more kernels per module) and logs every module every step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+LOG_ENV = "PATCHKIT_PROBE_LOG"
+STATS_ENV = "PATCHKIT_PROBE_STATS"
+STAT_COLUMNS = 5  # nan, inf, finite values, their sum, the sum of their squares
+RING = 4  # steps in flight between the device and the host
+LAYER_PATH = re.compile(r"^(.*?(?:^|\.)layers\.(\d+))(?:\.(.+))?$")
+
+
+@torch.library.custom_op("patchkit::probe_record", mutates_args=("rows", "stats"))
+def probe_record(
+    xs: list[torch.Tensor], rows: torch.Tensor, stats: torch.Tensor, slot: int, with_stats: bool
+) -> None:
+    """Write each token row's max |x| over ``xs`` into ``rows[slot]`` (no host sync).
+
+    One reduction kernel per tensor; NaN and Inf propagate through it. With
+    ``with_stats`` also exact NaN / Inf counts and the finite sum and sum of
+    squares into ``stats[slot]``.
+    """
+    flats = [_rows_of(x)[: rows.shape[1]] for x in xs]
+    n = flats[0].shape[0]
+    target = rows[slot, :n]
+    torch.linalg.vector_norm(flats[0], ord=float("inf"), dim=-1, dtype=torch.float32, out=target)
+    for flat in flats[1:]:
+        norm = torch.linalg.vector_norm(flat, ord=float("inf"), dim=-1, dtype=torch.float32)
+        torch.maximum(target, norm, out=target)
+    if with_stats:
+        stats[slot].copy_(sum(_exact_stats(flat) for flat in flats))
+
+
+@probe_record.register_fake
+def _probe_record_fake(xs, rows, stats, slot, with_stats) -> None:
+    """Shapes only: Dynamo and the compile passes trace the op without running it."""
+    return None
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """The tensor as (token rows, values): vLLM's hidden states are (tokens, hidden)."""
+    return x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
+
+
+def _exact_stats(flat: torch.Tensor) -> torch.Tensor:
+    """(nan count, inf count, finite count, finite sum, finite sum of squares), float64."""
+    nan = torch.isnan(flat)
+    inf = torch.isinf(flat)
+    bad = nan | inf
+    finite = torch.where(bad, 0, flat).double()
+    counts = torch.stack([nan.sum(), inf.sum(), (~bad).sum()]).double()
+    return torch.cat([counts, torch.stack([finite.sum(), (finite * finite).sum()])])
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One probed point: the first layer's input, a decoder layer's output, or a LoRA
+    projection (``order``: its place among the layer's projections, registration order)."""
+
+    index: int
+    layer: int
+    module: str
+    kind: str  # "input", "output" or "lora"
+    order: int = -1
+
+    def header(self) -> dict:
+        return {"layer": self.layer, "module": self.module, "kind": self.kind, "order": self.order}
+
+
+@dataclass
+class Pending:
+    """One real step whose rows are on their way to pinned host memory."""
+
+    step: int
+    meta: dict
+    rows: torch.Tensor
+    stats: torch.Tensor
+    event: object
+    tokens: int
+
+
+class Probe:
+    """The device buffers, the slots, and the host side that turns a step into JSON lines."""
+
+    def __init__(self, log_path: str, with_stats: bool, max_tokens: int, device, slots):
+        self.log_path, self.with_stats, self.slots = log_path, with_stats, slots
+        self.rows = torch.zeros(len(slots), max_tokens, dtype=torch.float32, device=device)
+        self.stats = torch.zeros(len(slots), STAT_COLUMNS, dtype=torch.float64, device=device)
+        pin = device.type == "cuda"
+        self.host_rows = [_host(self.rows.numel(), torch.float32, pin) for _ in range(RING)]
+        self.host_stats = [_host(self.stats.numel(), torch.float64, pin) for _ in range(RING)]
+        self.pending: deque[Pending] = deque()
+        self.step = 0
+        self.rank = _rank()
+
+    # ----- device side, once per real step -----
+
+    def after_forward(self, meta: dict) -> None:
+        """Queue this step's buffers for the host (non-blocking), then reset them."""
+        if len(self.pending) == RING:
+            self._finish(self.pending.popleft(), wait=True)
+        index = self.step % RING
+        tokens = min(int(meta["tokens"]), self.rows.shape[1])
+        host_rows = self.host_rows[index][: len(self.slots) * tokens].view(len(self.slots), tokens)
+        host_rows.copy_(self.rows[:, :tokens].contiguous(), non_blocking=True)
+        host_stats = self.host_stats[index].view(self.stats.shape)
+        if self.with_stats:
+            host_stats.copy_(self.stats, non_blocking=True)
+        event = None
+        if self.rows.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.reset()
+        self.pending.append(Pending(self.step, meta, host_rows, host_stats, event, tokens))
+        self.step += 1
+        self.poll()
+
+    def reset(self) -> None:
+        """Zero the device buffers (stream-ordered after the copy that reads them)."""
+        self.rows.zero_()
+        self.stats.zero_()
+
+    def poll(self) -> None:
+        """Write the lines of every step the device has finished."""
+        while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
+            self._finish(self.pending.popleft(), wait=False)
+
+    def flush(self) -> None:
+        """Wait for every step in flight and write its lines (at exit, or by a test)."""
+        while self.pending:
+            self._finish(self.pending.popleft(), wait=True)
+
+    # ----- host side -----
+
+    def _finish(self, pending: Pending, wait: bool) -> None:
+        if wait and pending.event is not None:
+            pending.event.synchronize()
+        lines = step_lines(self, pending)
+        if lines:
+            write_lines(self.log_path, lines)
+
+
+def _host(numel: int, dtype, pin: bool) -> torch.Tensor:
+    """A flat host buffer; pinned on CUDA so the device-to-host copy does not block."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+def step_lines(probe: Probe, pending: Pending) -> list[dict]:
+    """The JSON records of one step: the modules with a non-finite row (all, with stats)."""
+    rows = pending.rows[:, : pending.tokens]
+    bounds = pending.meta["query_start_loc"]
+    lines = []
+    for slot in probe.slots:
+        values = rows[slot.index]
+        nan_rows = torch.isnan(values)
+        inf_rows = torch.isinf(values)
+        bad = nan_rows | inf_rows
+        if not bool(bad.any()) and not probe.with_stats:
+            continue
+        record = _record(probe, pending, slot, nan_rows, inf_rows, values)
+        record["bad_requests"] = _requests_of(bad, bounds, pending.meta["req_ids"])
+        lines.append(record)
+    return lines
+
+
+def _record(probe: Probe, pending: Pending, slot: Slot, nan_rows, inf_rows, values) -> dict:
+    finite = values[~(nan_rows | inf_rows)]
+    record = {
+        "step": pending.step,
+        "rank": probe.rank,
+        **slot.header(),
+        "nan_rows": int(nan_rows.sum()),
+        "inf_rows": int(inf_rows.sum()),
+        "absmax": float(finite.max()) if finite.numel() else None,
+        "tokens": pending.tokens,
+        "requests": pending.meta["req_ids"],
+        "adapters": pending.meta["adapters"],
+        "time": pending.meta["time"],
+    }
+    if probe.with_stats:
+        record.update(_moments(pending.stats[slot.index].tolist()))
+    return record
+
+
+def _moments(column: list[float]) -> dict:
+    """Exact counts, mean and std of the finite values from the op's five columns."""
+    nan, inf, count, total, squares = column
+    mean = total / count if count else None
+    std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else None
+    return {"nan": int(nan), "inf": int(inf), "mean": mean, "std": std}
+
+
+def _requests_of(bad, bounds: list[int], req_ids: list[str]) -> list[str]:
+    """The requests whose token rows (query_start_loc ranges) hold a bad row."""
+    return [
+        req_id
+        for req_id, start, end in zip(req_ids, bounds, bounds[1:], strict=False)
+        if end > start and bool(bad[start:end].any())
+    ]
+
+
+def write_lines(path: str, records: list[dict]) -> None:
+    """Append the records as JSON lines, one write (O_APPEND: ranks do not interleave)."""
+    data = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ----- wrapping the model's modules -----
+
+_PROBED_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def probed_class(cls: type, records_input: bool) -> type:
+    """A subclass of ``cls`` whose forward records its output (and input) with the op.
+
+    A subclass, not a forward hook: Dynamo traces it like the original forward,
+    and the op lands in the compiled graph and in the CUDA graphs.
+    """
+    key = (cls, records_input)
+    if key not in _PROBED_CLASSES:
+
+        class Probed(cls):
+            def forward(self, *args, **kwargs):
+                if records_input:
+                    record(self, self._patchkit_probe_in, _tensors((*args, *kwargs.values())))
+                out = super().forward(*args, **kwargs)
+                record(self, self._patchkit_probe_out, _output_tensors(out, self._patchkit_kind))
+                return out
+
+        Probed.__name__, Probed.__qualname__ = cls.__name__, cls.__qualname__
+        _PROBED_CLASSES[key] = Probed
+    return _PROBED_CLASSES[key]
+
+
+def record(module, slot: int, tensors: list) -> None:
+    """One op call writing ``slot`` of the probe's buffers (the module's own attributes)."""
+    if tensors:
+        torch.ops.patchkit.probe_record(
+            tensors,
+            module._patchkit_probe_rows,
+            module._patchkit_probe_stats,
+            slot,
+            module._patchkit_probe_with_stats,
+        )
+
+
+def _tensors(values) -> list:
+    """The floating-point tensors among a forward's arguments (hidden state, residual)."""
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+def _output_tensors(out, kind: str) -> list:
+    """A layer's (hidden, residual); a linear layer's output without its bias."""
+    if isinstance(out, torch.Tensor):
+        return _tensors([out])
+    if isinstance(out, tuple) and out:
+        return _tensors(out if kind == "layer" else out[:1])
+    return []
+
+
+def probe_targets(model) -> list[tuple[int, str, str, object]]:
+    """(layer, module path inside the layer, kind, module) of every point to probe.
+
+    Decoder layers are the children of a ModuleList named ``layers``; LoRA
+    projections are the LoRA linear wrappers inside them, in registration order.
+    """
+    targets = []
+    for name, module in model.named_modules():
+        match = LAYER_PATH.match(name)
+        if match is None:
+            continue
+        layer, inner = int(match.group(2)), match.group(3)
+        if inner is None:
+            targets.append((layer, "", "layer", module))
+        elif _is_lora_linear(module):
+            targets.append((layer, inner, "lora", module))
+    return targets
+
+
+def _is_lora_linear(module) -> bool:
+    return any(c.__name__ == "BaseLinearLayerWithLoRA" for c in type(module).__mro__)
+
+
+def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) -> Probe:
+    """Wrap the model's decoder layers and LoRA projections; allocate the buffers."""
+    targets = probe_targets(model)
+    first_layer = min((t[0] for t in targets if t[2] == "layer"), default=None)
+    slots, plan = [], []
+    order: dict[int, int] = {}
+    for layer, inner, kind, module in targets:
+        input_slot = -1
+        if kind == "layer" and layer == first_layer:
+            input_slot = len(slots)
+            slots.append(Slot(input_slot, layer, "input", "input"))
+        if kind == "lora":
+            order[layer] = order.get(layer, -1) + 1
+            slot = Slot(len(slots), layer, inner, "lora", order[layer])
+        else:
+            slot = Slot(len(slots), layer, "output", "output")
+        slots.append(slot)
+        plan.append((module, kind, input_slot, slot.index))
+    probe = Probe(log_path, with_stats, max_tokens, device, slots)
+    for module, kind, input_slot, out_slot in plan:
+        _wrap(module, probe, kind, input_slot, out_slot)
+    write_lines(log_path, [_header(probe)])
+    return probe
+
+
+def _wrap(module, probe: Probe, kind: str, input_slot: int, out_slot: int) -> None:
+    module._patchkit_kind = kind
+    module._patchkit_probe_in = input_slot
+    module._patchkit_probe_out = out_slot
+    module._patchkit_probe_with_stats = probe.with_stats
+    module.register_buffer("_patchkit_probe_rows", probe.rows, persistent=False)
+    module.register_buffer("_patchkit_probe_stats", probe.stats, persistent=False)
+    module.__class__ = probed_class(type(module), input_slot >= 0)
+
+
+def _header(probe: Probe) -> dict:
+    return {
+        "probe": "nan-probe",
+        "format": 1,
+        "rank": probe.rank,
+        "stats": probe.with_stats,
+        "time": time.time(),
+        "slots": [s.header() for s in probe.slots],
+    }
+
+
+# ----- the runner's two calls (the patch's hunks) -----
+
+_PROBE: Probe | None = None
+
+
+def install(runner) -> None:
+    """From GPUModelRunner.load_model, after LoRA wrapped the layers, before compile."""
+    global _PROBE
+    log_path = os.environ.get(LOG_ENV, "")
+    if not log_path:
+        return
+    with_stats = os.environ.get(STATS_ENV, "").strip() not in ("", "0")
+    device = next(runner.model.parameters()).device
+    _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device)
+    atexit.register(_PROBE.flush)
+
+
+def after_forward(runner) -> None:
+    """From GPUModelRunner._model_forward, i.e. a step of real requests only."""
+    if _PROBE is not None:
+        _PROBE.after_forward(batch_meta(runner))
+
+
+def batch_meta(runner) -> dict:
+    """The step's requests, their token ranges and adapters, as the runner has them now."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    req_ids = list(batch.req_ids[:num_reqs])
+    bounds = [int(b) for b in runner.query_start_loc.np[: num_reqs + 1]]
+    adapters = {}
+    mapping = getattr(batch, "request_lora_mapping", None)
+    known = getattr(batch, "lora_id_to_lora_request", {})
+    for i, req_id in enumerate(req_ids):
+        lora = known.get(int(mapping[i])) if mapping is not None else None
+        if lora is not None:
+            adapters[req_id] = lora.lora_name
+    return {
+        "req_ids": req_ids,
+        "query_start_loc": bounds,
+        "tokens": bounds[-1] if bounds else 0,
+        "adapters": adapters,
+        "time": time.time(),
+    }
+
+
+def flush() -> None:
+    """Write every step still in flight (tests and scripts; atexit does it too)."""
+    if _PROBE is not None:
+        _PROBE.flush()

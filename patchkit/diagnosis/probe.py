@@ -1,0 +1,209 @@
+"""`patchkit probe report`: read nan-probe's JSON lines, say where each bad request went bad.
+
+The probe (patches/nan-probe) logs, per real step, each probed point that had a
+non-finite token row: the first decoder layer's ``input``, each layer's
+``output`` (hidden state and residual), and each LoRA projection (``lora``,
+with its ``order`` in the layer). For each affected request this module finds
+the first step, then the first layer, in which one of its rows went bad, and
+applies the decision tree an engineer would at 3 a.m.:
+
+- bad already at the layer's input: the source is upstream (the embedding,
+  an earlier pipeline stage);
+- a LoRA projection of that layer bad: the first one in the layer's order,
+  i.e. its LoRA path (or its base weights) with that request's adapter;
+- every projection fine but the layer's output bad: the layer's own
+  compute, attention or Gated DeltaNet, or the MLP.
+
+Input is read as data from a file the user names: every line must be a JSON
+object of the probe's shape, or the command fails with the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchkit.errors import PatchkitError, UsageProblem
+
+STEP_KEYS = {"step": int, "layer": int, "module": str, "kind": str, "bad_requests": list}
+KINDS = ("input", "output", "lora")
+MAX_LINE = 1 << 20  # a probe line is a few kB; anything longer is not one
+
+
+@dataclass
+class Finding:
+    """Where one request first went bad, and what the decision tree makes of it."""
+
+    request: str
+    adapter: str | None
+    step: int
+    layer: int
+    module: str
+    verdict: str
+    look_at: str
+    bad_modules: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ProbeReport:
+    path: str
+    steps: int  # distinct steps with a record
+    records: int
+    headers: int
+    findings: list[Finding]
+    padding_only: int  # records whose bad rows were all padding (no request)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": True,
+            "command": "probe report",
+            "file": self.path,
+            "records": self.records,
+            "steps": self.steps,
+            "headers": self.headers,
+            "padding_only": self.padding_only,
+            "affected_requests": [f.to_json() for f in self.findings],
+        }
+
+
+def read_log(path: Path) -> tuple[list[dict], int]:
+    """The step records of a probe log (and how many header lines it had)."""
+    try:
+        handle = open(path, encoding="utf-8", errors="strict")
+    except FileNotFoundError:
+        raise UsageProblem(f"{path}: no such file (give the PATCHKIT_PROBE_LOG file)") from None
+    except OSError as exc:
+        raise PatchkitError(f"{path}: cannot read: {exc.strerror}") from None
+    records, headers = [], 0
+    with handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                entry = _parse(path, number, line)
+                if entry is None:
+                    continue
+                if "probe" in entry:
+                    headers += 1
+                else:
+                    records.append(entry)
+        except UnicodeDecodeError:
+            raise PatchkitError(f"{path}: not UTF-8 text (is it a nan-probe log?)") from None
+    return records, headers
+
+
+def _parse(path: Path, number: int, line: str) -> dict | None:
+    """One line: None when blank, else a checked record or header."""
+    if not line.strip():
+        return None
+    where = f"{path}:{number}"
+    if len(line) > MAX_LINE:
+        raise PatchkitError(f"{where}: line longer than {MAX_LINE} bytes: not a nan-probe record")
+    try:
+        entry = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise PatchkitError(
+            f"{where}: not JSON ({exc.__class__.__name__}): not a nan-probe log"
+        ) from None
+    if not isinstance(entry, dict):
+        raise PatchkitError(f"{where}: a JSON object expected, got {type(entry).__name__}")
+    if entry.get("probe") == "nan-probe":
+        return entry
+    _check_record(where, entry)
+    return entry
+
+
+def _check_record(where: str, entry: dict) -> None:
+    for key, kind in STEP_KEYS.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise PatchkitError(
+                f"{where}: {key!r}: {kind.__name__} expected, got {value!r}: not a nan-probe record"
+            )
+    if entry["kind"] not in KINDS:
+        raise PatchkitError(
+            f"{where}: 'kind': one of {', '.join(KINDS)} expected, got {entry['kind']!r}"
+        )
+    if not all(isinstance(r, str) for r in entry["bad_requests"]):
+        raise PatchkitError(f"{where}: 'bad_requests': a list of request ids expected")
+    if not isinstance(entry.get("adapters", {}), dict):
+        raise PatchkitError(f"{where}: 'adapters': an object expected")
+
+
+def is_bad(record: dict) -> bool:
+    """Whether the record saw a non-finite value (stats lines are logged when all is fine)."""
+    counts = [record.get(k, 0) for k in ("nan_rows", "inf_rows", "nan", "inf")]
+    found = any(isinstance(c, (int, float)) and c > 0 for c in counts)
+    return found or bool(record["bad_requests"])
+
+
+def report(path: Path) -> ProbeReport:
+    """Read the log and judge every request that had a non-finite row."""
+    records, headers = read_log(path)
+    bad = [r for r in records if is_bad(r)]
+    by_request: dict[str, list[dict]] = {}
+    for record in bad:
+        for request in record["bad_requests"]:
+            by_request.setdefault(request, []).append(record)
+    findings = [judge(request, found) for request, found in by_request.items()]
+    findings.sort(key=lambda f: (f.step, f.layer, f.request))
+    return ProbeReport(
+        path=str(path),
+        steps=len({r["step"] for r in records}),
+        records=len(records),
+        headers=headers,
+        findings=findings,
+        padding_only=sum(1 for r in bad if not r["bad_requests"]),
+    )
+
+
+def judge(request: str, records: list[dict]) -> Finding:
+    """The decision tree, at the first step and the first layer where the request went bad."""
+    step = min(r["step"] for r in records)
+    at_step = [r for r in records if r["step"] == step]
+    layer = min(r["layer"] for r in at_step)
+    here = [r for r in at_step if r["layer"] == layer]
+    adapter = next((r.get("adapters", {}).get(request) for r in here), None)
+    names = [_name(r) for r in sorted(here, key=_position)]
+    inputs = [r for r in here if r["kind"] == "input"]
+    projections = sorted((r for r in here if r["kind"] == "lora"), key=_position)
+    common = dict(request=request, adapter=adapter, step=step, layer=layer, bad_modules=names)
+    if inputs:
+        verdict = "hidden state already bad at the layer's input"
+        look_at = "upstream of this layer: the embedding or an earlier pipeline stage"
+        return Finding(**common, module="input", verdict=verdict, look_at=look_at)
+    if projections:
+        first = projections[0]["module"]
+        who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
+        look_at = (
+            f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
+            "lora_B) or the LoRA kernels (patchkit doctor)"
+        )
+        return Finding(**common, module=first, verdict=f"projection {first} bad first",
+                       look_at=look_at)  # fmt: skip
+    verdict = "every probed projection fine, the layer output bad"
+    look_at = f"the layer's own compute: {_compute_of(records, layer)}"
+    return Finding(**common, module="output", verdict=verdict, look_at=look_at)
+
+
+def _position(record: dict) -> tuple[int, int]:
+    """Input first, then the projections in their order, then the output."""
+    rank = {"input": 0, "lora": 1, "output": 2}[record["kind"]]
+    order = record.get("order", 0)
+    return rank, order if isinstance(order, int) else 0
+
+
+def _name(record: dict) -> str:
+    return record["module"]
+
+
+def _compute_of(records: list[dict], layer: int) -> str:
+    """Attention, GDN or the MLP, by the module names the layer's records carry."""
+    names = " ".join(r["module"] for r in records if r["layer"] == layer)
+    if "linear_attn" in names:
+        return "Gated DeltaNet (linear attention) or the MLP"
+    if "self_attn" in names:
+        return "attention or the MLP"
+    return "attention, Gated DeltaNet or the MLP"

@@ -1,0 +1,382 @@
+"""nan-probe (issue 20): the opt-in catalogue entry, its hooks in every release's real
+runner, and the created module run on the CPU (the custom op, the host side, the log).
+
+The GPU side (CUDA graphs replaying the op, the Triton and torch LoRA paths) is
+proven on the H200 by scripts/nan_probe_gpu.py (docs/h200-2026-11-30g/).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    RELEASES,
+    copy_tree,
+    created_source,
+    module_from_source,
+    patched_text,
+    run_cli,
+    snapshot,
+)
+
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+MODULE = "vllm/v1/worker/patchkit_nan_probe.py"
+
+
+def status_of(root: Path) -> dict[str, str]:
+    result = run_cli("status", "--target", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    return {p["id"]: p["state"] for p in json.loads(result.stdout)["patches"]}
+
+
+# ----- the catalogue entry -----
+
+
+def test_list_shows_it_as_opt_in():
+    result = run_cli("list", "--json")
+    assert result.exit_code == 0
+    entry = next(p for p in json.loads(result.stdout)["patches"] if p["id"] == "nan-probe")
+    assert entry["opt_in"] is True
+    assert "nan-probe" in run_cli("list").stdout
+
+
+def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
+    root = copy_tree("0.26.0", tmp_path / "site")
+    pristine = snapshot(root)
+    assert status_of(root)["nan-probe"] == "opt-in"
+    applied = json.loads(run_cli("apply", "--target", str(root), "--json").stdout)
+    assert "nan-probe" not in [p["id"] for p in applied["patches"]]
+    assert not (root / MODULE).exists()
+    default_set = snapshot(root)
+    only = run_cli("apply", "--target", str(root), "--only", "nan-probe")
+    assert only.exit_code == 0, only.output
+    assert only.stdout.splitlines()[-1] == "apply: 1 applied now; now 1 applied"
+    assert (root / MODULE).read_text() == created_source("nan-probe", MODULE)
+    assert status_of(root) == {
+        "expand-block-n": "applied",
+        "matmul-add-lora-linear": "applied",
+        "split-in-proj-qkvz": "not-applicable",
+        "partial-gdn-adapter": "applied",
+        "nan-probe": "applied",
+    }
+    again = run_cli("apply", "--target", str(root))  # plain apply leaves it where it is
+    assert again.stdout.splitlines()[-1] == "apply: nothing to do; now 3 applied, 1 not-applicable"
+    off = run_cli("revert", "--target", str(root), "--only", "nan-probe")
+    assert off.exit_code == 0, off.output
+    assert "opt-in" in off.stdout.splitlines()[-1]
+    assert snapshot(root) == default_set
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    all_off = run_cli("revert", "--target", str(root))  # plain revert takes it off too
+    assert all_off.exit_code == 0, all_off.output
+    assert all_off.stdout.splitlines()[-1].startswith("revert: 4 reverted now")
+    assert snapshot(root) == pristine
+
+
+def test_plain_revert_does_not_mention_it_when_it_is_not_applied(tmp_path):
+    root = copy_tree("0.26.0", tmp_path / "site")
+    assert run_cli("apply", "--target", str(root)).exit_code == 0
+    reverted = run_cli("revert", "--target", str(root))
+    assert "nan-probe" not in reverted.stdout
+    assert (
+        reverted.stdout.splitlines()[-1] == "revert: 3 reverted now; now 3 needed, 1 not-applicable"
+    )
+
+
+def test_an_opt_in_value_that_is_not_a_boolean_is_refused(tmp_path):
+    from patchkit.catalogue.load import load_catalogue
+    from patchkit.errors import PatchkitError
+    from tests.conftest import CATALOGUE
+
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, root)
+    meta = root / "nan-probe" / "patch.toml"
+    meta.write_text(meta.read_text().replace("opt_in = true", 'opt_in = "yes"'))
+    with pytest.raises(PatchkitError, match="opt_in: true or false expected"):
+        load_catalogue(root)
+
+
+# ----- the hooks, in every release's real runner -----
+
+
+def method(tree: ast.Module, name: str) -> ast.FunctionDef:
+    runner = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"
+    )
+    return next(n for n in runner.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def calls_in(node: ast.AST) -> list[str]:
+    return [ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)]
+
+
+def line_of(node: ast.AST, name: str) -> int:
+    """The source line of the first call of ``name`` in ``node`` (ast.walk is not in order)."""
+    return min(c.lineno for c in ast.walk(node) if isinstance(c, ast.Call)
+               and ast.unparse(c.func) == name)  # fmt: skip
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_hooks_sit_where_only_real_steps_reach_them(version):
+    """after_forward is in _model_forward, which only execute_model calls (never
+    _dummy_run: profile, warm-up, capture); install follows load_lora_model."""
+    tree = ast.parse(patched_text(version, "nan-probe", RUNNER))
+    callers = {
+        n.name
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "GPUModelRunner"
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef) and "self._model_forward" in calls_in(n)
+    }
+    assert callers == {"execute_model"}
+    forward = method(tree, "_model_forward")
+    assert line_of(forward, "self.model") < line_of(forward, "patchkit_nan_probe.after_forward")
+    load = method(tree, "load_model")
+    assert line_of(load, "self.load_lora_model") < line_of(load, "patchkit_nan_probe.install")
+    for name in ("_dummy_run", "capture_model", "execute_model"):
+        assert not any("patchkit_nan_probe" in c for c in calls_in(method(tree, name)))
+
+
+# ----- the created module on the CPU -----
+
+torch = pytest.importorskip("torch", reason="the probe module needs torch (the test extra)")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    """The created module, imported once (its custom op is registered once per process)."""
+    directory = tmp_path_factory.mktemp("probe")
+    return module_from_source("patchkit_nan_probe", created_source("nan-probe", MODULE), directory)
+
+
+class BaseLinearLayerWithLoRA(torch.nn.Module):
+    """Stands in for vLLM's LoRA linear wrapper: the probe finds it by this class name."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(x), None
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.qkv_proj = BaseLinearLayerWithLoRA(width)
+        self.o_proj = BaseLinearLayerWithLoRA(width)
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states if residual is None else hidden_states + residual
+        hidden, _ = self.qkv_proj(residual)
+        hidden, _ = self.o_proj(hidden)
+        return hidden, residual
+
+
+class Model(torch.nn.Module):
+    """A decoder stack as vLLM names it (``model.layers.N``), called with keywords."""
+
+    def __init__(self, width: int = 8, layers: int = 3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+
+    def forward(self, positions, hidden_states):
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(
+                positions=positions, hidden_states=hidden_states, residual=residual
+            )
+        return hidden_states
+
+
+def fake_runner(model, req_ids, bounds, adapters=None):
+    """The runner attributes the probe reads: model, input batch, query_start_loc."""
+    known = {i + 1: types.SimpleNamespace(lora_name=n) for i, n in enumerate(adapters or [])}
+    mapping = [0] * len(req_ids)
+    for i, name in enumerate(adapters or []):
+        mapping[i] = i + 1 if name else 0
+    batch = types.SimpleNamespace(
+        num_reqs=len(req_ids),
+        req_ids=req_ids,
+        request_lora_mapping=mapping,
+        lora_id_to_lora_request=known,
+    )
+    qsl = types.SimpleNamespace(np=bounds)
+    return types.SimpleNamespace(model=model, max_num_tokens=16, input_batch=batch,
+                                 query_start_loc=qsl)  # fmt: skip
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_op_writes_each_rows_max_and_exact_counts(probe):
+    rows = torch.zeros(2, 6)
+    stats = torch.zeros(2, 5, dtype=torch.float64)
+    x = torch.tensor([[1.0, -3.0], [float("nan"), 2.0], [float("-inf"), 0.5], [0.0, 0.0]])
+    torch.ops.patchkit.probe_record([x], rows, stats, 1, True)
+    values = rows[1, :4]
+    assert values[0] == 3.0 and torch.isnan(values[1]) and torch.isinf(values[2])
+    assert values[3] == 0.0 and rows[0].eq(0).all()
+    nan, inf, count, total, squares = stats[1].tolist()
+    assert (nan, inf, count, total, squares) == (1, 1, 6, 0.5, 1 + 9 + 4 + 0.25)
+
+
+def test_the_op_takes_the_worst_of_hidden_and_residual_and_never_overruns(probe):
+    rows = torch.zeros(1, 3)
+    stats = torch.zeros(1, 5, dtype=torch.float64)
+    hidden = torch.ones(5, 4)
+    residual = torch.ones(5, 4)
+    residual[1, 2] = float("inf")
+    torch.ops.patchkit.probe_record([hidden, residual], rows, stats, 0, False)
+    assert rows[0].tolist() == [1.0, float("inf"), 1.0]  # 5 rows, a buffer of 3
+    assert stats.eq(0).all()  # no statistics asked for
+
+
+def test_a_layer_output_is_hidden_and_residual_a_projection_its_output_only(probe):
+    out, bias = torch.zeros(2), torch.ones(2)
+    assert len(probe._output_tensors((out, bias), "layer")) == 2
+    assert len(probe._output_tensors((out, bias), "lora")) == 1
+    assert probe._output_tensors((out, None), "lora")[0] is out
+    assert probe._tensors([torch.arange(3), out]) == [out]  # positions are not probed
+
+
+def test_install_finds_layers_and_lora_projections_in_order(probe, tmp_path):
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    found = probe.install_on(model, str(log), False, 16, torch.device("cpu"))
+    slots = [(s.layer, s.module, s.kind, s.order) for s in found.slots]
+    assert slots[:4] == [(0, "input", "input", -1), (0, "output", "output", -1),
+                         (0, "qkv_proj", "lora", 0), (0, "o_proj", "lora", 1)]  # fmt: skip
+    assert len(slots) == 1 + 3 * 3
+    header = records(log)[0]
+    assert header["probe"] == "nan-probe" and header["stats"] is False
+    assert len(header["slots"]) == len(slots)
+    assert type(model.layers[0]).__name__ == "Layer"  # the subclass keeps the name
+    assert isinstance(model.layers[0].qkv_proj, BaseLinearLayerWithLoRA)
+
+
+def test_a_step_logs_only_the_points_with_a_bad_row_and_the_requests(probe, tmp_path, monkeypatch):
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, ["r0", "r1"], [0, 3, 5], adapters=[None, "poisoned"])
+    probe.install(runner)
+    with torch.no_grad():
+        model.layers[1].o_proj.linear.bias[0] = float("inf")  # every row from layer 1's o_proj
+        model(torch.arange(5), torch.randn(5, 8))
+    probe.after_forward(runner)
+    assert probe._PROBE.rows.eq(0).all()  # reset once the step is queued for the host
+    probe.flush()
+    steps = records(log)[1:]
+    assert [(r["layer"], r["module"]) for r in steps] == [
+        (1, "output"), (1, "o_proj"), (2, "output"), (2, "qkv_proj"), (2, "o_proj")
+    ]  # fmt: skip
+    first = steps[1]
+    assert first["step"] == 0 and first["inf_rows"] == 5 and first["nan_rows"] == 0
+    assert first["requests"] == ["r0", "r1"] and first["bad_requests"] == ["r0", "r1"]
+    assert first["adapters"] == {"r1": "poisoned"} and first["tokens"] == 5
+    assert set(first) >= {"rank", "kind", "order", "absmax", "time"}
+
+
+def test_nothing_is_logged_when_all_is_finite_unless_stats_are_asked(probe, tmp_path, monkeypatch):
+    for stats, expected in (("", 0), ("1", 1 + 3 * 3)):
+        model = Model()
+        log = tmp_path / f"probe-{stats or 'off'}.jsonl"
+        monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+        monkeypatch.setenv("PATCHKIT_PROBE_STATS", stats)
+        runner = fake_runner(model, ["r0"], [0, 4])
+        probe.install(runner)
+        with torch.no_grad():
+            model(torch.arange(4), torch.randn(4, 8))
+        probe.after_forward(runner)
+        probe.flush()
+        steps = records(log)[1:]
+        assert len(steps) == expected
+        if stats:
+            line = steps[0]
+            assert line["nan"] == 0 and line["inf"] == 0 and line["bad_requests"] == []
+            assert line["std"] > 0 and line["absmax"] >= abs(line["mean"])
+
+
+def test_without_the_log_variable_nothing_is_wrapped(probe, monkeypatch):
+    monkeypatch.delenv("PATCHKIT_PROBE_LOG", raising=False)
+    monkeypatch.setattr(probe, "_PROBE", None)
+    model = Model()
+    probe.install(fake_runner(model, [], [0]))
+    assert type(model.layers[0]) is Layer and probe._PROBE is None
+    probe.after_forward(fake_runner(model, [], [0]))  # a no-op
+
+
+def test_a_dummy_run_writes_the_buffer_and_no_line(probe, tmp_path, monkeypatch):
+    """Profile/warm-up/capture runs call the model but never _model_forward: the next
+    real step overwrites what they wrote, and only real steps are read."""
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, ["r0"], [0, 2])
+    probe.install(runner)
+    with torch.no_grad():
+        model(torch.arange(4), torch.full((4, 8), float("nan")))  # a dummy run: no after_forward
+        model(torch.arange(2), torch.randn(2, 8))
+    probe.after_forward(runner)
+    probe.flush()
+    assert records(log)[1:] == []
+
+
+def test_the_hook_traces_into_a_compiled_graph(probe, tmp_path, monkeypatch):
+    """torch.compile(fullgraph=True): Dynamo traces the subclass and the op (its fake
+    impl), Inductor compiles the rest on the CPU; the op still writes the buffer."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("Inductor on the CPU needs a C compiler")
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, ["r0", "r1"], [0, 2, 5])
+    probe.install(runner)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(5, 8)
+    x[3, 1] = float("nan")
+    with torch.no_grad():
+        compiled(torch.arange(5), x)
+    probe.after_forward(runner)
+    probe.flush()
+    steps = records(log)[1:]
+    assert steps and steps[0]["module"] == "input" and steps[0]["nan_rows"] == 1
+    assert all(r["bad_requests"] == ["r1"] for r in steps)
+
+
+def test_the_report_reads_what_the_module_writes(probe, tmp_path, monkeypatch):
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    runner = fake_runner(model, ["r0", "r1"], [0, 3, 5], adapters=[None, "bad"])
+    probe.install(runner)
+    with torch.no_grad():
+        model.layers[2].qkv_proj.linear.weight[0, 0] = float("nan")
+        model(torch.arange(5), torch.randn(5, 8))
+    probe.after_forward(runner)
+    probe.flush()
+    result = run_cli("probe", "report", str(log), "--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)["affected_requests"]
+    assert {(f["request"], f["layer"], f["module"]) for f in found} == {
+        ("r0", 2, "qkv_proj"), ("r1", 2, "qkv_proj")
+    }  # fmt: skip
+
+
+def test_the_module_needs_no_vllm():
+    """It runs inside vLLM but imports only torch and the standard library."""
+    tree = ast.parse(created_source("nan-probe", MODULE))
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+             for a in n.names}  # fmt: skip
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "vllm" not in roots and "torch" in roots

@@ -1,0 +1,191 @@
+"""`patchkit probe report` (issue 20): synthetic nan-probe logs, each branch of the
+decision tree, and every way a log can be wrong (one line, no traceback, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+HEADER = {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []}
+
+
+def record(step, layer, module, kind, bad, order=-1, requests=("a", "b"), adapters=None):
+    """One probe line as the module writes it (rows counted as Inf)."""
+    return {
+        "step": step, "rank": 0, "layer": layer, "module": module, "kind": kind,
+        "order": order, "nan_rows": 0, "inf_rows": len(bad), "absmax": 1.0, "tokens": 8,
+        "requests": list(requests), "adapters": adapters or {}, "time": 0.0,
+        "bad_requests": list(bad),
+    }  # fmt: skip
+
+
+def write_log(tmp_path: Path, *lines) -> Path:
+    path = tmp_path / "probe.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def report(path: Path) -> dict:
+    result = run_cli("probe", "report", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def only(found: dict) -> dict:
+    [finding] = found["affected_requests"]
+    return finding
+
+
+def test_a_bad_projection_points_at_its_lora_path(tmp_path):
+    log = write_log(
+        tmp_path,
+        HEADER,
+        record(5, 1, "mlp.down_proj", "lora", ["b"], order=5, adapters={"b": "poisoned"}),
+        record(5, 1, "output", "output", ["b"], adapters={"b": "poisoned"}),
+        record(5, 2, "linear_attn.in_proj_qkvz", "lora", ["b"], order=1),
+        record(6, 1, "mlp.down_proj", "lora", ["b"], order=5),
+    )
+    finding = only(report(log))
+    assert (finding["request"], finding["adapter"], finding["step"]) == ("b", "poisoned", 5)
+    assert (finding["layer"], finding["module"]) == (1, "mlp.down_proj")
+    assert "LoRA path of mlp.down_proj for adapter 'poisoned'" in finding["look_at"]
+    assert finding["bad_modules"] == ["mlp.down_proj", "output"]
+
+
+def test_the_first_projection_in_the_layers_order_wins(tmp_path):
+    log = write_log(
+        tmp_path,
+        record(0, 0, "mlp.down_proj", "lora", ["a"], order=5),
+        record(0, 0, "linear_attn.in_proj_qkvz", "lora", ["a"], order=1),
+        record(0, 0, "output", "output", ["a"]),
+    )
+    assert only(report(log))["module"] == "linear_attn.in_proj_qkvz"
+
+
+def test_a_bad_input_points_upstream(tmp_path):
+    log = write_log(
+        tmp_path,
+        record(3, 0, "input", "input", ["a"]),
+        record(3, 0, "self_attn.qkv_proj", "lora", ["a"], order=0),
+        record(3, 0, "output", "output", ["a"]),
+    )
+    finding = only(report(log))
+    assert (finding["layer"], finding["module"]) == (0, "input")
+    assert finding["verdict"] == "hidden state already bad at the layer's input"
+    assert "upstream" in finding["look_at"]
+
+
+def test_only_the_output_bad_points_at_the_layers_own_compute(tmp_path):
+    log = write_log(
+        tmp_path,
+        {**HEADER},
+        record(2, 3, "output", "output", ["a"]),
+        record(2, 4, "output", "output", ["a"]),
+        record(2, 4, "self_attn.qkv_proj", "lora", ["a"], order=0),
+    )
+    finding = only(report(log))
+    assert (finding["layer"], finding["module"]) == (3, "output")
+    assert finding["verdict"] == "every probed projection fine, the layer output bad"
+    assert "attention, Gated DeltaNet or the MLP" in finding["look_at"]
+    gdn = write_log(
+        tmp_path,
+        record(2, 0, "output", "output", ["a"]),
+        record(2, 1, "linear_attn.out_proj", "lora", ["c"], order=3),
+    )
+    first = report(gdn)["affected_requests"][0]
+    assert first["request"] == "a" and "Gated DeltaNet" in first["look_at"]
+
+
+def test_each_request_is_judged_at_its_own_first_step(tmp_path):
+    log = write_log(
+        tmp_path,
+        record(1, 2, "output", "output", ["a"]),
+        record(4, 0, "input", "input", ["a", "b"]),
+    )
+    found = {f["request"]: f for f in report(log)["affected_requests"]}
+    assert (found["a"]["step"], found["a"]["layer"]) == (1, 2)
+    assert (found["b"]["step"], found["b"]["module"]) == (4, "input")
+
+
+def test_a_healthy_log_and_padding_only_rows(tmp_path):
+    log = write_log(tmp_path, HEADER, {**record(0, 0, "output", "output", []), "inf_rows": 2})
+    found = report(log)
+    assert found["affected_requests"] == [] and found["padding_only"] == 1
+    assert found["headers"] == 1 and found["records"] == 1
+    text = run_cli("probe", "report", str(log)).stdout
+    assert "no request had a NaN or Inf" in text
+    assert "padding only" in text
+
+
+def test_stats_lines_of_a_healthy_step_are_not_findings(tmp_path):
+    fine = {**record(0, 0, "output", "output", []), "inf_rows": 0, "nan": 0, "inf": 0,
+            "mean": 0.1, "std": 1.0}  # fmt: skip
+    assert report(write_log(tmp_path, fine))["affected_requests"] == []
+
+
+def test_the_text_report_names_request_layer_module_and_where_to_look(tmp_path):
+    log = write_log(
+        tmp_path,
+        record(5, 1, "mlp.down_proj", "lora", ["b"], order=5, adapters={"b": "poisoned"}),
+    )
+    lines = run_cli("probe", "report", str(log)).stdout.splitlines()
+    assert lines[1] == "  request b (adapter poisoned): first bad at step 5, layer 1, mlp.down_proj"
+    assert lines[2].startswith("      projection mlp.down_proj bad first; look at the LoRA path")
+    assert lines[-1] == "probe report: 1 affected requests"
+
+
+def one_line_error(args, code: int, *needles: str) -> None:
+    result = run_cli("probe", "report", *args)
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_inputs_are_one_line_naming_file_and_line(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    one_line_error([str(missing)], 2, str(missing), "no such file")
+    not_json = write_log(tmp_path, HEADER, "{not json")
+    one_line_error([str(not_json)], 1, f"{not_json}:2", "not JSON")
+    array = write_log(tmp_path, HEADER, "[1, 2]")
+    one_line_error([str(array)], 1, f"{array}:2", "a JSON object expected")
+    shape = write_log(tmp_path, {**record(0, 0, "output", "output", ["a"]), "step": "zero"})
+    one_line_error([str(shape)], 1, f"{shape}:1", "'step': int expected")
+    kind = write_log(tmp_path, {**record(0, 0, "output", "output", ["a"]), "kind": "mlp"})
+    one_line_error([str(kind)], 1, f"{kind}:1", "'kind'")
+    ids = write_log(tmp_path, {**record(0, 0, "output", "output", ["a"]), "bad_requests": [1]})
+    one_line_error([str(ids)], 1, f"{ids}:1", "request ids")
+    deep = write_log(tmp_path, "[" * 100_000 + "]" * 100_000)
+    one_line_error([str(deep)], 1, f"{deep}:1")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage\n")
+    one_line_error([str(binary)], 1, str(binary), "not UTF-8")
+    assert run_cli("probe", "report", str(tmp_path)).exit_code == 2  # a directory: usage
+
+
+def test_json_errors_carry_the_exit_code(tmp_path):
+    not_json = write_log(tmp_path, "garbage")
+    result = run_cli("probe", "report", str(not_json), "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {
+        "ok": False,
+        "error": f"{not_json}:1: not JSON (JSONDecodeError): not a nan-probe log",
+        "exit_code": 1,
+    }
+
+
+def test_probe_report_imports_neither_vllm_nor_torch(tmp_path):
+    import subprocess
+    import sys
+
+    log = write_log(tmp_path, HEADER)
+    code = (
+        "import sys; from patchkit.cli.main import main\n"
+        "try:\n    main(['probe', 'report', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
