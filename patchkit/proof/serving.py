@@ -19,8 +19,8 @@ they can start together, as many as fit.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
