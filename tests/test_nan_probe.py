@@ -380,3 +380,63 @@ def test_the_module_needs_no_vllm():
              for a in n.names}  # fmt: skip
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "vllm" not in roots and "torch" in roots
+
+
+# ----- review round: the log path must never crash or stall the server -----
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that blocks (a FIFO open) instead of hanging the suite."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError("blocked on the probe log")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_log_path_that_cannot_be_written_leaves_the_model_unwrapped(
+    probe, tmp_path, monkeypatch, capfd, alarm
+):
+    """A directory, a FIFO without a reader, a missing folder, /dev/full: install() raised
+    (vLLM's load_model failed) or blocked forever in open(); now it warns and probes nothing."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (tmp_path, fifo, tmp_path / "missing" / "probe.jsonl", Path("/dev/full")):
+        monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(path))
+        monkeypatch.setattr(probe, "_PROBE", None)
+        model = Model()
+        runner = fake_runner(model, ["r0"], [0, 2])
+        probe.install(runner)
+        assert probe._PROBE is None and type(model.layers[0]) is Layer, path
+        probe.after_forward(runner)
+        assert str(path) in capfd.readouterr().err
+    assert fifo.exists() and not (tmp_path / "missing").exists()
+
+
+def test_a_log_that_goes_bad_while_serving_drops_lines_and_never_raises(
+    probe, tmp_path, monkeypatch, capfd
+):
+    """The log replaced by a directory mid-run: after_forward raised inside _model_forward."""
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, ["r0"], [0, 2])
+    probe.install(runner)
+    log.unlink()
+    log.mkdir()
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.arange(2), torch.full((2, 8), float("nan")))
+        probe.after_forward(runner)
+    probe.flush()
+    err = capfd.readouterr().err
+    assert err.count(str(log)) == 1, err  # one warning, then silence
