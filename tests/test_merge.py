@@ -728,6 +728,32 @@ def test_rank_that_contradicts_the_config_is_refused(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"rank_pattern": [1]},
+        {"alpha_pattern": [1]},
+        {"alpha_pattern": {"q_proj": "x"}},
+        {"alpha_pattern": {"q_proj": float("nan")}},
+        {"lora_alpha": float("inf")},
+        {"lora_alpha": float("nan")},
+        {"r": 4.7},
+        {"target_parameters": [1, {"a": 2}]},
+    ],
+)
+def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
+    """A list for rank_pattern/alpha_pattern, a string alpha in alpha_pattern raised
+    AttributeError/TypeError (exit 3); a NaN or inf alpha and r 4.7 (read as 4) merged."""
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    m = f"{VL}layers.1.self_attn.q_proj"
+    adapter = write_adapter(tmp_path / "lora", {m: lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)})
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    with pytest.raises(PatchkitError, match="adapter_config.json") as err:
+        merge.plan_merge(model, adapter)
+    assert "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------------------
 # memory: row blocks
 # ---------------------------------------------------------------------------

@@ -576,16 +576,29 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         alpha = float(cfg["lora_alpha"])
     except (KeyError, TypeError, ValueError) as exc:
         raise PatchkitError(f"{path}: needs numeric r and lora_alpha ({exc})") from exc
-    if r <= 0:
-        raise PatchkitError(f"{path}: r is {r}; it must be positive")
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if r <= 0 or (isinstance(cfg["r"], float) and r != cfg["r"]):  # 4.7 is not read as 4
+        raise PatchkitError(f"{path}: r is {cfg['r']!r}; it must be a positive integer")
+    if not math.isfinite(alpha):
+        raise PatchkitError(f"{path}: lora_alpha is {alpha}; it must be a finite number")
+    rank_pattern = _mapping(path, cfg, "rank_pattern")
+    alpha_pattern = _mapping(path, cfg, "alpha_pattern")
     for key, value in rank_pattern.items():
         if not isinstance(value, int) or value <= 0:
             raise PatchkitError(f"{path}: rank_pattern[{key!r}] is {value!r}; ranks are positive")
+    for key, value in alpha_pattern.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise PatchkitError(f"{path}: alpha_pattern[{key!r}] is {value!r}; a finite number")
     target_parameters = cfg.get("target_parameters") or []
     if isinstance(target_parameters, str):
         target_parameters = [target_parameters]
+    if not isinstance(target_parameters, list) or not all(
+        isinstance(name, str) for name in target_parameters
+    ):
+        raise PatchkitError(f"{path}: target_parameters is not a list of parameter names")
     return _AdapterConfig(
         path=path,
         r=r,
@@ -595,6 +608,14 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         alpha_pattern=dict(alpha_pattern),
         target_parameters=list(target_parameters),
     )
+
+
+def _mapping(path: Path, cfg: dict, key: str) -> dict:
+    """rank_pattern / alpha_pattern: an object, or one line (a list raised AttributeError)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise PatchkitError(f"{path}: {key} is not a JSON object (module pattern to value)")
+    return value
 
 
 class _AdapterTensors:
