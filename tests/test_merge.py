@@ -754,6 +754,23 @@ def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
     assert "\n" not in str(err.value)
 
 
+
+def test_write_merged_never_removes_a_directory_it_did_not_make(tmp_path):
+    """A user's directory named like the staging one (.merged.partial-<pid>, e.g. in a
+    --keep DIR) was removed by name before the write; a symlink of that name was rmtree'd."""
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    m = f"{VL}layers.1.self_attn.q_proj"
+    adapter = write_adapter(tmp_path / "lora", {m: lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)})
+    mine = tmp_path / f".merged.partial-{os.getpid()}"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    plan, dest = run_merge(tmp_path, model, adapter)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert (dest / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["model", "lora", "merged", mine.name]
+    )
+
 # ---------------------------------------------------------------------------
 # memory: row blocks
 # ---------------------------------------------------------------------------

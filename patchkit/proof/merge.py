@@ -148,6 +148,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1347,14 +1348,14 @@ def write_merged(
         st = (plan.model_dir / name).stat()
         if (st.st_size, st.st_mtime_ns) != (size, mtime):
             raise PatchkitError(f"{plan.model_dir / name} changed since the merge was planned")
-    work = parent / f".{dest.name}.partial-{os.getpid()}"
-    if work.exists():
-        shutil.rmtree(work)
     done: dict[str, str] = {}
     adapter = _AdapterTensors(plan.adapter_dir)
     cache = _FactorCache(adapter, _CACHE_BYTES)
+    work = None
     try:
-        work.mkdir()
+        # A fresh staging directory of our own (mkdtemp), never one found by its name:
+        # a directory of that name in the user's --keep DIR is theirs, not a leftover.
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=parent))
         for name in plan.copy:
             shutil.copyfile(plan.model_dir / name, work / name)
         if plan.index_text is not None:
@@ -1374,10 +1375,12 @@ def write_merged(
             dest.rmdir()
         os.rename(work, dest)
     except OSError as exc:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         raise PatchkitError(os_error_line(exc, "writing the merged checkpoint to")) from exc
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         raise
     finally:
         adapter.close()
