@@ -78,6 +78,8 @@ def usage_cases(user, tmp_path):
         (["--e2e", "--workdir", str(tmp_path / "nowhere")], "--workdir"),
         (["--e2e", "--workdir", str(tmp_path), "--keep", str(tmp_path / "k")], "give one"),
         (["--e2e", "--tensor-parallel-size", "0"], "must be 1 or more"),
+        (["--e2e", "--keep", str(tmp_path)], "not empty"),
+        (["--model", model, "--lora", one, "--keep", str(user["model"].parent)], "not empty"),
     ]
 
 
@@ -98,6 +100,24 @@ def test_usage_errors_are_one_line_exit_2_and_change_nothing(user, tmp_path):
             "exit_code": 2,
         }
     assert listing(tmp_path) == before
+
+
+def test_keep_never_writes_over_a_directory_that_holds_files(user, tmp_path):
+    """--keep DIR was used as it was: e2e saved its random model into DIR/model and
+    DIR/adapter over a user's own (their model's config.json and weights), and
+    served.json, reference.json and vLLM's logs over files of those names."""
+    before = (user["model"] / "config.json").read_bytes()
+    for keep in (tmp_path, user["model"].parent):
+        result = run_cli("verify", "--e2e", "--keep", str(keep))
+        assert result.exit_code == 2, result.output
+        assert f"--keep {keep}: not empty" in result.stderr
+    assert (user["model"] / "config.json").read_bytes() == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    from patchkit.cli.main import verify_request
+
+    assert verify_request(False, None, (), 1, None, None, None, str(empty)).keep == empty
+    assert verify_request(False, None, (), 1, None, None, None, str(tmp_path / "new")).keep
 
 
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():

@@ -396,7 +396,7 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 @click.option(
     "--keep",
     type=click.Path(file_okay=False),
-    help="Work in this directory and keep it: the e2e models, the merged references, the "
+    help="Work in this new or empty directory and keep it: the e2e models, the merged references, the "
     "served results and vLLM's logs.",
 )
 @json_option
@@ -444,12 +444,31 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
         raise UsageProblem("--workdir and --keep: give one (--keep works in its directory)")
     if tp < 1:
         raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
+    if keep is not None:
+        _check_keep(Path(keep))
     return verifying.Request(
         e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
         model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
         tensor_parallel_size=tp, max_model_len=max_model_len,
         workdir=Path(workdir) if workdir else None,
     )  # fmt: skip
+
+
+def _check_keep(keep) -> None:
+    """--keep DIR must be new or empty: verify writes model/, adapter/, served.json, vLLM's
+    logs and caches there by fixed names, and would overwrite a user's files of those names
+    (a --keep pointing at a folder that holds their own model, the vLLM tree, or /)."""
+    from patchkit.errors import UsageProblem
+
+    try:
+        occupied = keep.exists() and any(keep.iterdir())
+    except OSError as exc:
+        raise UsageProblem(f"--keep {keep}: cannot read it ({exc.strerror})") from None
+    if occupied:
+        raise UsageProblem(
+            f"--keep {keep}: not empty; give a new or empty directory (verify writes its "
+            "models, references and logs there by fixed names)"
+        )
 
 
 @main.command()
