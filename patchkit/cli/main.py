@@ -396,8 +396,8 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 @click.option(
     "--keep",
     type=click.Path(file_okay=False),
-    help="Work in this new or empty directory and keep it: the e2e models, the merged references, the "
-    "served results and vLLM's logs.",
+    help="Work in this new or empty directory and keep it: the e2e models, the merged "
+    "references, the served results and vLLM's logs.",
 )
 @json_option
 @user_errors
