@@ -754,7 +754,6 @@ def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
     assert "\n" not in str(err.value)
 
 
-
 def test_write_merged_never_removes_a_directory_it_did_not_make(tmp_path):
     """A user's directory named like the staging one (.merged.partial-<pid>, e.g. in a
     --keep DIR) was removed by name before the write; a symlink of that name was rmtree'd."""
@@ -770,6 +769,7 @@ def test_write_merged_never_removes_a_directory_it_did_not_make(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["model", "lora", "merged", mine.name]
     )
+
 
 # ---------------------------------------------------------------------------
 # memory: row blocks
