@@ -120,6 +120,26 @@ def test_keep_never_writes_over_a_directory_that_holds_files(user, tmp_path):
     assert verify_request(False, None, (), 1, None, None, None, str(tmp_path / "new")).keep
 
 
+def test_a_bad_adapter_and_the_disk_are_decided_before_the_gpu(user, tmp_path):
+    """The adapters were read (and the disk said) only after the kernel checks and
+    --e2e had run on the GPU: a broken adapter_config.json failed minutes in. Here
+    (no GPU) the adapter's error, not the missing GPU, is the one line."""
+    bad = tmp_path / "bad"
+    shutil.copytree(user["one"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": [1]}))
+    result = run_cli("verify", "--model", str(user["model"]), "--lora", f"bad={bad}")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"patchkit: error: {bad}/adapter_config.json: rank_pattern is not a JSON object "
+        "(module pattern to value)"
+    )
+    good = run_cli("verify", "--model", str(user["model"]), "--lora", f"one={user['one']}",
+                   "--workdir", str(tmp_path))  # fmt: skip
+    assert "merged references: 1 adapter(s) need" in good.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("patchkit-verify-")]
+
+
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
     with pytest.raises(UsageProblem, match=r"needs 4 GPUs and 2 are visible.*use at most 2"):
         serving.check_tensor_parallel(4, 2)

@@ -373,8 +373,9 @@ def run_model(
 ) -> list[Check]:
     """Plan and write the merged references, serve everything, compare; clean up unless keep."""
     adapters = setup["adapters"]
-    base = keep if keep is not None else Path(workdir or tempfile.gettempdir())
-    plans = plan_references(model_dir, adapters, base, say)
+    plans = setup.get("plans") or plan_references(
+        model_dir, adapters, reference_base(keep, workdir), say
+    )
     work = _workdir(keep, workdir)
     try:
         merged = write_references(plans, work, say)
@@ -391,6 +392,11 @@ def run_model(
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def reference_base(keep: Path | None, workdir: Path | None) -> Path:
+    """The directory whose disk the merged references go on."""
+    return keep if keep is not None else Path(workdir or tempfile.gettempdir())
 
 
 def _workdir(keep: Path | None, workdir: Path | None) -> Path:
