@@ -69,6 +69,7 @@ def usage_cases(user, tmp_path):
         (["--model", model], "--model needs at least one --lora NAME=DIR"),
         (["--model", model, "--lora", "one"], "expected NAME=DIR"),
         (["--model", model, "--lora", f"bad name={user['one']}"], "expected NAME=DIR"),
+        (["--model", model, "--lora", f"one\n={user['one']}"], "expected NAME=DIR"),
         (["--model", model, "--lora", f"x={tmp_path}"], "holds no adapter_config.json"),
         (["--model", str(tmp_path / "nowhere"), "--lora", one], "not a directory"),
         (["--model", str(no_config), "--lora", one], "no readable config.json"),

@@ -56,7 +56,8 @@ WAVE_TIMEOUT = 1800.0
 def parse_lora(value: str) -> tuple[str, Path]:
     """NAME=DIR of one --lora, or one line (exit 2)."""
     name, sep, path = value.partition("=")
-    if not sep or not NAME.match(name) or not path:
+    # fullmatch: NAME's "$" also matches before a trailing newline ("one\n" passed)
+    if not sep or not NAME.fullmatch(name) or not path:
         raise UsageProblem(
             f"--lora {value!r}: expected NAME=DIR (NAME of letters, digits, '.', '_', '-')"
         )
