@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from patchkit.engine.fsutil import read_user_json
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.proof import checks as judge
 from patchkit.proof import serving
@@ -71,10 +72,17 @@ def read_config(model_dir: Path) -> dict:
     """The model's text config (a multimodal model's text_config), or one line (exit 2)."""
     path = model_dir / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise UsageProblem(f"--model {model_dir}: no readable config.json there") from None
-    return {**config, **(config.get("text_config") or {})}
+        config = read_user_json(path)  # a FIFO named config.json hung read_text()
+    except OSError as exc:
+        raise UsageProblem(
+            f"--model {model_dir}: no readable config.json there ({exc.strerror})"
+        ) from None
+    except ValueError as exc:
+        raise UsageProblem(f"--model {model_dir}: config.json is unusable ({exc})") from None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(text or {}, dict):
+        raise UsageProblem(f"--model {model_dir}: config.json is not a model config (an object)")
+    return {**config, **(text or {})}
 
 
 def max_model_len(config: dict, asked: int | None) -> int:
