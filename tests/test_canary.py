@@ -701,6 +701,10 @@ def test_json_shape_of_a_failed_run():
         ("--url", "localhost:8000"),
         ("--url", "http://x", "--prompt-tokens", "0"),
         ("--url", "http://x", "--timeout", "0"),
+        ("--url", "http://x", "--timeout", "nan"),  # accepted before: a deadline never reached
+        ("--url", "http://[::1"),  # httpx.InvalidURL, exit 3 before
+        ("--url", "http://127.0.0.1:99999"),  # a port out of range
+        ("--url", "http://"),  # no host
         (),
     ],
 )

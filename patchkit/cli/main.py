@@ -534,8 +534,28 @@ def doctor(
 
 
 def check_url(ctx, param, value: str) -> str:
+    """http(s), a host and a valid port: a malformed URL ('http://[::1') raised
+    httpx.InvalidURL inside the run (exit 3), a port past 65535 read as 'refused'."""
+    from urllib.parse import urlsplit
+
     if not value.strip().lower().startswith(("http://", "https://")):
         raise click.BadParameter(f"{value!r} must start with http:// or https://")
+    try:
+        parts = urlsplit(value.strip())
+        parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r} is not a URL ({exc})") from None
+    if not parts.hostname:
+        raise click.BadParameter(f"{value!r} names no host")
+    return value
+
+
+def check_finite(ctx, param, value: float) -> float:
+    """FloatRange lets NaN through (every comparison is false): a deadline never reached."""
+    import math
+
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds")
     return value
 
 
@@ -560,6 +580,7 @@ def check_url(ctx, param, value: str) -> str:
     type=click.FloatRange(1, 600),
     default=60.0,
     show_default=True,
+    callback=check_finite,
     help="Seconds for the whole run.",
 )
 @click.option(
