@@ -754,6 +754,27 @@ def test_record_writes_each_exchange(tmp_path: Path):
     assert json.loads(exchange["body"])["choices"][0]["token_ids"] == SANE_IDS[:32]
 
 
+def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_line(tmp_path):
+    """--record DIR in a shared place: a symlink named like a record file made the
+    canary overwrite the file it points to (write_text follows links)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "001-GET-v1_models.json").symlink_to(outside)
+    with FakeVLLM({BASE: "ok"}) as server:
+        assert canary_cli(server.url, "--record", str(rec)).exit_code == 0
+    assert outside.read_text() == "precious"
+    assert not (rec / "001-GET-v1_models.json").is_symlink()
+    assert json.loads((rec / "001-GET-v1_models.json").read_text())["status"] == 200
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file")
+    with FakeVLLM({BASE: "ok"}) as server:
+        result = canary_cli(server.url, "--record", str(blocked / "sub"))
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 # ----- the prompt -----
 
 
