@@ -88,6 +88,23 @@ def test_plain_revert_does_not_mention_it_when_it_is_not_applied(tmp_path):
     )
 
 
+def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_path):
+    """`revert --only nan-probe` on a tree without it said 'needed' (and warned 'not
+    applied (needed)') where status says 'opt-in': one patch, two names."""
+    root = copy_tree("0.26.0", tmp_path / "site")
+    before = snapshot(root)
+    result = run_cli("revert", "--target", str(root), "--only", "nan-probe", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    [entry] = report["patches"]
+    assert (entry["state"], entry["state_before"]) == ("opt-in", "opt-in")
+    assert report["warnings"] == ["nan-probe is not applied (opt-in)"]
+    text = run_cli("revert", "--target", str(root), "--only", "nan-probe")
+    assert text.stdout.splitlines()[-1] == "revert: nothing to do; now 1 opt-in"
+    assert "needed" not in text.output
+    assert snapshot(root) == before
+
+
 def test_an_opt_in_value_that_is_not_a_boolean_is_refused(tmp_path):
     from patchkit.catalogue.load import load_catalogue
     from patchkit.errors import PatchkitError
