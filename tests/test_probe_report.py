@@ -246,3 +246,18 @@ def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path):
     code_seen, peak_kib = map(int, done.stdout.split())
     assert code_seen == 1 and "longer than" in done.stderr, done.stderr
     assert peak_kib < 60 * 1024, f"peak RSS {peak_kib} KiB for a 64 MiB line"
+
+
+def test_an_interrupt_names_the_command_as_typed(tmp_path, monkeypatch):
+    """Ctrl-C/SIGTERM in `probe report` said "`patchkit report` changes nothing"."""
+    from patchkit.diagnosis import probe
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe, "report", interrupted)
+    result = run_cli("probe", "report", str(write_log(tmp_path, HEADER)))
+    assert result.exit_code == 130
+    assert result.stderr.strip() == (
+        "patchkit: error: interrupted; `patchkit probe report` changes nothing"
+    )

@@ -71,6 +71,15 @@ def interrupted_message(command: str) -> str:
     return INTERRUPTED.get(command, f"interrupted; `patchkit {command}` changes nothing")
 
 
+def command_name(ctx: click.Context) -> str:
+    """The command as typed after `patchkit`: "probe report", not only "report"."""
+    names = []
+    while ctx.parent is not None:
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(names) or str(ctx.info_name)
+
+
 def user_errors(func):
     """Map every way a command can end badly onto one line and an exit status.
 
@@ -83,7 +92,7 @@ def user_errors(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
-        command = click.get_current_context().info_name
+        command = command_name(click.get_current_context())
         try:
             return func(*args, **kwargs)
         except PatchkitError as exc:
