@@ -183,10 +183,15 @@ def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
 
 def target_options(func):
     func = click.option(
-        "--target", type=click.Path(file_okay=False), callback=check_target, help=TARGET_HELP
+        "--target",
+        metavar="PATH",
+        type=click.Path(file_okay=False),
+        callback=check_target,
+        help=TARGET_HELP,
     )(func)
     func = click.option(
         "--vllm-version",
+        metavar="V",
         envvar="PATCHKIT_VLLM_VERSION",
         callback=check_version,
         help="Override the detected vLLM version (odd builds); also PATCHKIT_VLLM_VERSION.",
@@ -251,7 +256,11 @@ def show(result: operations.RunReport, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Check everything, write nothing.")
 @click.option("--strict", is_flag=True, help="Treat every warning as a failure.")
 @caches_option
-@click.option("--branch", help="Fork mode: branch for the patch commits (patchkit/vllm-VERSION).")
+@click.option(
+    "--branch",
+    metavar="NAME",
+    help="Fork mode: branch for the patch commits (patchkit/vllm-VERSION).",
+)
 @allow_dirty_option
 @json_option
 @user_errors
@@ -298,7 +307,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 @main.command()
 @click.argument("patch_id", metavar="ID")
 @target_options
-@click.option("--variant", help="The variant to write (default: the one applied).")
+@click.option("--variant", metavar="NAME", help="The variant to write (default: the one applied).")
 @click.option(
     "--add",
     multiple=True,
@@ -307,6 +316,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 )
 @click.option(
     "--pristine",
+    metavar="DIR",
     type=click.Path(file_okay=False, exists=True),
     help="A pristine tree of the same release, for --add (default: `patchkit fetch VERSION`).",
 )
@@ -341,7 +351,12 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
 
 @main.command()
 @click.argument("version")
-@click.option("--dest", type=click.Path(file_okay=False), help="Unpack here instead of the cache.")
+@click.option(
+    "--dest",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Unpack here instead of the cache.",
+)
 @json_option
 @user_errors
 def fetch(version: str, dest: str | None, as_json: bool) -> None:
@@ -398,12 +413,14 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 )
 @click.option(
     "--seed",
+    metavar="N",
     type=int,
     envvar="PATCHKIT_VERIFY_SEED",
     help="Seed for the random inputs (default: a fresh one each run).",
 )
 @click.option(
     "--keep",
+    metavar="DIR",
     type=click.Path(file_okay=False),
     help="Work in this new or empty directory and keep it: the e2e models, the merged "
     "references, the served results and vLLM's logs.",
@@ -490,6 +507,7 @@ def _check_keep(keep) -> None:
 )
 @click.option(
     "--model",
+    metavar="DIR",
     type=click.Path(exists=True, file_okay=False),
     help="With --kernels: call the kernels with this model's shapes (its config.json: "
     "hidden size, experts, top-k, dtype) instead of Qwen3.5-27B and Qwen3.5-35B-A3B.",
@@ -497,6 +515,7 @@ def _check_keep(keep) -> None:
 @click.option(
     "--adapter",
     "adapters",
+    metavar="DIR",
     multiple=True,
     type=click.Path(exists=True, file_okay=False),
     help="With --kernels: a LoRA adapter directory whose adapter_config.json ranks to scan "
@@ -571,11 +590,17 @@ def check_finite(ctx, param, value: float) -> float:
 @main.command()
 @click.option(
     "--url",
+    metavar="URL",
     required=True,
     callback=check_url,
     help="Server root, e.g. http://localhost:8000 (a trailing /v1 is accepted).",
 )
-@click.option("--api-key", envvar="VLLM_API_KEY", help="The server's API key (or VLLM_API_KEY).")
+@click.option(
+    "--api-key",
+    metavar="KEY",
+    envvar="VLLM_API_KEY",
+    help="The server's API key (or VLLM_API_KEY).",
+)
 @click.option(
     "--model",
     "models",
@@ -583,9 +608,17 @@ def check_finite(ctx, param, value: float) -> float:
     metavar="ID",
     help="Check only this model or adapter (repeatable). Default: all that GET /v1/models lists.",
 )
-@click.option("--prompt-tokens", type=click.IntRange(16, 100_000), default=2000, show_default=True)
+@click.option(
+    "--prompt-tokens",
+    metavar="N",
+    type=click.IntRange(16, 100_000),
+    default=2000,
+    show_default=True,
+    help="About this many prompt tokens per model (16-100000).",
+)
 @click.option(
     "--timeout",
+    metavar="S",
     type=click.FloatRange(1, 600),
     default=60.0,
     show_default=True,
@@ -594,6 +627,7 @@ def check_finite(ctx, param, value: float) -> float:
 )
 @click.option(
     "--record",
+    metavar="DIR",
     type=click.Path(file_okay=False),
     help="Save every HTTP exchange (path, bodies, status; no headers) as JSON files here.",
 )
