@@ -141,6 +141,30 @@ def test_a_bad_adapter_and_the_disk_are_decided_before_the_gpu(user, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("patchkit-verify-")]
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"vocab_size": 2, "pad_token_id": 1},  # no plain token left: the prompt loop never ended
+        {"vocab_size": 1},
+        {"vocab_size": -3},
+        {"vocab_size": "x"},
+        {"max_position_embeddings": "abc"},
+        {"max_position_embeddings": 1e400},
+    ],
+)
+def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
+    """vocab_size / max_position_embeddings that are not positive integers raised
+    ValueError/OverflowError (exit 3); a vocabulary of special ids only hung make_prompts."""
+    path = user["model"] / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("vocab_size", "max_position_embeddings"):
+        config["text_config"].pop(key, None)
+    path.write_text(json.dumps({**config, **values}))
+    with pytest.raises(UsageProblem, match=r"config.json") as err:
+        user_model.prepare(user["model"], [("one", user["one"])], 1, None, 0)
+    assert "\n" not in str(err.value)
+
+
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
     with pytest.raises(UsageProblem, match=r"needs 4 GPUs and 2 are visible.*use at most 2"):
         serving.check_tensor_parallel(4, 2)

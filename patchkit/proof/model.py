@@ -82,12 +82,20 @@ def read_config(model_dir: Path) -> dict:
     text = config.get("text_config") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not isinstance(text or {}, dict):
         raise UsageProblem(f"--model {model_dir}: config.json is not a model config (an object)")
-    return {**config, **(text or {})}
+    merged = {**config, **(text or {})}
+    for key in ("vocab_size", "max_position_embeddings"):
+        value = merged.get(key)
+        # a string, a float or a negative number here raised ValueError/OverflowError
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageProblem(
+                f"--model {model_dir}: config.json: {key} is {value!r}, not a positive integer"
+            )
+    return merged
 
 
 def max_model_len(config: dict, asked: int | None) -> int:
     """--max-model-len, or 16k plus the generated tokens, within the model's positions."""
-    positions = int(config.get("max_position_embeddings") or LONGEST + serving.GENERATED)
+    positions = config.get("max_position_embeddings") or LONGEST + serving.GENERATED
     length = asked or min(LONGEST + serving.GENERATED, positions)
     if length < PROMPT_LENGTHS[0] + serving.GENERATED:
         raise UsageProblem(
@@ -105,8 +113,15 @@ def prompt_lengths(length: int) -> list[int]:
 
 def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[int]]:
     """Token-id prompts from the plain vocabulary, none of the config's special ids."""
-    top = min(int(config.get("vocab_size") or PLAIN_VOCAB), PLAIN_VOCAB)
+    top = min(config.get("vocab_size") or PLAIN_VOCAB, PLAIN_VOCAB)
     special = {v for k, v in config.items() if k.endswith("token_id") and isinstance(v, int)}
+    # Drawing and skipping special ids never ended when the vocabulary held no
+    # plain id (vocab_size 2 with a pad id 1): refused first. The draw itself is
+    # unchanged, so a seed gives the prompts it gave before.
+    if all(token in special for token in range(1, top)):
+        raise UsageProblem(
+            f"config.json: vocab_size {top} leaves no plain token id to build prompts from"
+        )
     rnd = random.Random(seed)
     out = {}
     for n in lengths:
@@ -364,7 +379,7 @@ def with_memory(setup: dict, model_dir: Path, gpu: tuple[int, int]) -> tuple[dic
     """Add each engine's memory to setup; return how many engines run side by side."""
     total, free = gpu
     kv = 2 * serving.GIB
-    vocab = int(setup["config"].get("vocab_size") or PLAIN_VOCAB)
+    vocab = setup["config"].get("vocab_size") or PLAIN_VOCAB
     fraction = serving.engine_memory(
         weight_bytes(model_dir), vocab, setup["tensor_parallel_size"], kv, total
     )
