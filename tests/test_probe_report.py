@@ -261,3 +261,19 @@ def test_an_interrupt_names_the_command_as_typed(tmp_path, monkeypatch):
     assert result.stderr.strip() == (
         "patchkit: error: interrupted; `patchkit probe report` changes nothing"
     )
+
+
+def test_the_text_report_escapes_control_characters_from_the_log(tmp_path):
+    """Request ids come from clients (X-Request-Id) and adapter names from whoever loads
+    them: an ESC sequence or a newline in one went raw to the on-call's terminal."""
+    evil = "req\x1b[2J\nFAKE: all good"
+    log = write_log(
+        tmp_path,
+        record(0, 1, "mlp.down_proj", "lora", [evil], order=0, requests=[evil],
+               adapters={evil: "bad\x1b]0;x\x07"}),
+    )  # fmt: skip
+    result = run_cli("probe", "report", str(log))
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "FAKE: all good" not in result.stdout.splitlines()
+    assert "req\\x1b[2J\\nFAKE: all good" in result.stdout

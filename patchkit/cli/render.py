@@ -421,7 +421,17 @@ def _case_line(case) -> str:
 
 
 def render_probe_report(report, out) -> None:
-    """Per affected request: where it first went bad, the verdict, where to look."""
+    """Per affected request: where it first went bad, the verdict, where to look.
+
+    Request ids (a client's X-Request-Id), adapter and module names come from the
+    log: control characters are escaped, so no ESC sequence or newline in them
+    reaches the terminal as such.
+    """
+    raw_out = out
+
+    def out(line: str) -> None:
+        raw_out("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
+
     out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
     if not report.findings:
         out("no request had a NaN or Inf in any probed layer or projection")
