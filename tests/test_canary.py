@@ -786,3 +786,14 @@ def test_prompt_is_deterministic_varied_and_sized():
     assert len(set(sentences)) > 0.9 * len(sentences)
     assert canary._estimate(canary.prompt_text(200)) <= 200
     assert canary.prompt_text(16).startswith("Here is a long story")
+
+
+def test_the_text_report_escapes_control_characters_the_server_sends():
+    """Model ids come from the server's /v1/models: an ESC sequence or a newline in one
+    went raw to the terminal (or forged an `OK:` line in a cron log)."""
+    evil = "m\x1b[2J\nOK: all models answer sanely"
+    with FakeVLLM({evil: "ok"}) as server:
+        result = canary_cli(server.url)
+    assert "\x1b" not in result.stdout
+    assert "OK: all models answer sanely" not in result.stdout.splitlines()
+    assert "m\\x1b[2J\\nOK: all models answer sanely" in result.stdout

@@ -190,7 +190,13 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     if as_json:
         click.echo(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
     else:
-        render_canary(report, lambda line: click.echo(canary.scrub(line, api_key)))
+        # model ids and answers come from the server: control characters escaped
+        render_canary(report, lambda line: click.echo(printable(canary.scrub(line, api_key))))
+
+
+def printable(line: str) -> str:
+    """``line`` with control characters (ESC, a newline) escaped as Python writes them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def render_canary(report, out) -> None:
@@ -430,7 +436,7 @@ def render_probe_report(report, out) -> None:
     raw_out = out
 
     def out(line: str) -> None:
-        raw_out("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
+        raw_out(printable(line))
 
     out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
     if not report.findings:
