@@ -236,10 +236,13 @@ def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path):
     with huge.open("wb") as out:
         for _ in range(64):
             out.write(b"a" * (1 << 20))
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child of a large pytest
+    # process reports its parent's peak.
     code = (
-        "import resource, sys\nfrom patchkit.cli.main import main\n"
+        "import re, sys\nfrom patchkit.cli.main import main\n"
         "try:\n    main(['probe', 'report', sys.argv[1]])\nexcept SystemExit as e:\n"
-        "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    peak = int(re.search(r'VmHWM:\\s+(\\d+)', status).group(1))\n"
         "    print(e.code, peak)\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(huge)], capture_output=True, text=True)
