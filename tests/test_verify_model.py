@@ -165,6 +165,42 @@ def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
     assert "\n" not in str(err.value)
 
 
+def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
+    """SIGTERM (CI, `timeout`, Kubernetes) reaches only patchkit, raised as Terminated in
+    wait(): the vLLM engine children went on holding the GPUs, orphaned, while the
+    workdir was removed under them."""
+    import signal
+    import subprocess
+    import sys
+
+    from patchkit.engine import signals
+
+    started = []
+
+    def sleeping(jobs, workdir):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        started.append(child)
+        return {job: child for job in jobs}
+
+    def terminated(signum, frame):
+        raise signals.Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(serving, "start", sleeping)
+    previous = signal.signal(signal.SIGALRM, terminated)
+    signal.alarm(1)
+    try:
+        with pytest.raises(signals.Terminated):
+            serving.serve_all(["eager"], tmp_path, 60.0, 1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    [child] = started
+    try:
+        assert child.wait(timeout=10) is not None
+    finally:
+        child.kill()
+
+
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
     with pytest.raises(UsageProblem, match=r"needs 4 GPUs and 2 are visible.*use at most 2"):
         serving.check_tensor_parallel(4, 2)
