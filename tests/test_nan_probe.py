@@ -105,6 +105,24 @@ def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_p
     assert snapshot(root) == before
 
 
+def test_revert_after_a_reinstall_does_not_advise_what_it_has_just_done(tmp_path):
+    """pip installs 0.21.0 over a patched 0.26.0 (its files over ours, ours left): revert
+    removed the created files, then printed '`patchkit revert --only nan-probe` removes
+    the rest (vllm/v1/worker/patchkit_nan_probe.py)' on the 'reverted now' line."""
+    from tests.conftest import release_tree
+
+    root = copy_tree("0.26.0", tmp_path / "site")
+    assert run_cli("apply", "--target", str(root)).exit_code == 0
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    shutil.rmtree(root / "vllm-0.26.0.dist-info")
+    shutil.copytree(release_tree("0.21.0"), root, symlinks=True, dirs_exist_ok=True)
+    result = run_cli("revert", "--target", str(root))
+    assert result.exit_code == 0, result.output
+    assert not (root / MODULE).exists()
+    lines = [x for x in result.stdout.splitlines() if "reverted now" in x]
+    assert lines and not [x for x in lines if "removes the rest" in x], lines
+
+
 def test_an_opt_in_value_that_is_not_a_boolean_is_refused(tmp_path):
     from patchkit.catalogue.load import load_catalogue
     from patchkit.errors import PatchkitError

@@ -56,6 +56,10 @@ def render_run(report: RunReport) -> None:
 def _render_step(report: RunReport, step: Step, width: int) -> None:
     a = step.assessment
     detail = a.reason or (f"variant {a.variant.name}" if a.variant else "")
+    if step.action == Action.REVERTED:
+        # the reason described the tree before this run ("`patchkit revert --only X`
+        # removes the rest"), advice the run has just followed
+        detail = f"variant {a.variant.name}" if a.variant else ""
     if step.action in DONE:
         detail = f"{DONE[step.action]}; {detail}" if detail else DONE[step.action]
     click.echo(f"  {a.patch.id:<{width}}  {step.state_after:<15}  {detail}".rstrip())
