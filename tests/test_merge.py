@@ -754,6 +754,20 @@ def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
     assert "\n" not in str(err.value)
 
 
+def test_a_weight_file_that_is_a_fifo_is_named_as_such(tmp_path):
+    """A model dir whose only *.safetensors is a FIFO: the error blamed an index file that
+    does not exist ('model.safetensors.index.json: names model.safetensors')."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "model.safetensors")
+    factors = {f"{VL}layers.1.self_attn.q_proj": lin((16, H), 2, seed=1)}
+    adapter = write_adapter(tmp_path / "lora", factors)
+    with pytest.raises(PatchkitError) as err:
+        merge.plan_merge(model, adapter)
+    weights = model / "model.safetensors"
+    assert str(err.value) == f"{weights}: not a regular file (a weight file expected)"
+
+
 def test_write_merged_never_removes_a_directory_it_did_not_make(tmp_path):
     """A user's directory named like the staging one (.merged.partial-<pid>, e.g. in a
     --keep DIR) was removed by name before the write; a symlink of that name was rmtree'd."""

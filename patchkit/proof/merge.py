@@ -456,6 +456,8 @@ class _Checkpoint:
         for name in names:
             path = model_dir / name
             if not path.is_file():
+                if not index.is_file():  # a FIFO or a dangling link found by the glob
+                    raise PatchkitError(f"{path}: not a regular file (a weight file expected)")
                 raise PatchkitError(f"{index}: names {name}, which is not in {model_dir}")
             shard = SafetensorsFile(path)
             self.shards[name] = shard
