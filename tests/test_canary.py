@@ -701,6 +701,10 @@ def test_json_shape_of_a_failed_run():
         ("--url", "localhost:8000"),
         ("--url", "http://x", "--prompt-tokens", "0"),
         ("--url", "http://x", "--timeout", "0"),
+        ("--url", "http://x", "--timeout", "nan"),  # accepted before: a deadline never reached
+        ("--url", "http://[::1"),  # httpx.InvalidURL, exit 3 before
+        ("--url", "http://127.0.0.1:99999"),  # a port out of range
+        ("--url", "http://"),  # no host
         (),
     ],
 )
@@ -750,6 +754,27 @@ def test_record_writes_each_exchange(tmp_path: Path):
     assert json.loads(exchange["body"])["choices"][0]["token_ids"] == SANE_IDS[:32]
 
 
+def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_line(tmp_path):
+    """--record DIR in a shared place: a symlink named like a record file made the
+    canary overwrite the file it points to (write_text follows links)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "001-GET-v1_models.json").symlink_to(outside)
+    with FakeVLLM({BASE: "ok"}) as server:
+        assert canary_cli(server.url, "--record", str(rec)).exit_code == 0
+    assert outside.read_text() == "precious"
+    assert not (rec / "001-GET-v1_models.json").is_symlink()
+    assert json.loads((rec / "001-GET-v1_models.json").read_text())["status"] == 200
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file")
+    with FakeVLLM({BASE: "ok"}) as server:
+        result = canary_cli(server.url, "--record", str(blocked / "sub"))
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 # ----- the prompt -----
 
 
@@ -761,3 +786,14 @@ def test_prompt_is_deterministic_varied_and_sized():
     assert len(set(sentences)) > 0.9 * len(sentences)
     assert canary._estimate(canary.prompt_text(200)) <= 200
     assert canary.prompt_text(16).startswith("Here is a long story")
+
+
+def test_the_text_report_escapes_control_characters_the_server_sends():
+    """Model ids come from the server's /v1/models: an ESC sequence or a newline in one
+    went raw to the terminal (or forged an `OK:` line in a cron log)."""
+    evil = "m\x1b[2J\nOK: all models answer sanely"
+    with FakeVLLM({evil: "ok"}) as server:
+        result = canary_cli(server.url)
+    assert "\x1b" not in result.stdout
+    assert "OK: all models answer sanely" not in result.stdout.splitlines()
+    assert "m\\x1b[2J\\nOK: all models answer sanely" in result.stdout

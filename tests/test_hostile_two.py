@@ -799,3 +799,66 @@ def test_a_component_swapped_back_to_a_directory_mid_walk_is_named_as_a_race(tmp
     assert isinstance(error, safepath.UnsafePath)
     assert "changed while patchkit walked it" in str(error)
     assert "is a directory, not a directory" not in str(error)
+
+
+# ----- review round: model and adapter JSON named on the command line -----
+
+
+def _one_line(done, code: int, *needles: str) -> None:
+    assert done.returncode == code, done.stderr
+    lines = [x for x in done.stderr.strip().splitlines() if x.startswith("patchkit: error: ")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _patchkit(*args: str):
+    import subprocess
+    import sys
+
+    code = "from patchkit.cli.main import main\nmain()\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_fifo_named_config_json_is_refused_not_waited_on(tmp_path):
+    """verify --model and doctor --kernels --model read config.json with read_text():
+    a FIFO there hung both for ever."""
+    import os
+
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    os.mkfifo(model / "config.json")
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    verify = _patchkit("verify", "--model", str(model), "--lora", f"a={adapter}")
+    _one_line(verify, 2, str(model), "config.json", "not a regular file")
+    doctor = _patchkit("doctor", "--kernels", "--model", str(model), "--target", str(model))
+    assert doctor.returncode in (1, 2) and "Traceback" not in doctor.stderr, doctor.stderr
+
+
+def test_doctor_kernels_model_config_of_the_wrong_shape_is_one_line(tmp_path):
+    """{} as config.json, a string hidden_size, a list as an adapter's rank_pattern:
+    KeyError / ValueError / AttributeError, exit 3, before."""
+    from patchkit.diagnosis import configs
+    from patchkit.errors import PatchkitError
+
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    for text in ("{}", '{"hidden_size": "x"}', "[1]", '{"text_config": 7}'):
+        (model / "config.json").write_text(text)
+        with pytest.raises(PatchkitError, match="config.json") as err:
+            configs.model_from_dir(model)
+        assert "\n" not in str(err.value)
+    for text in ('{"rank_pattern": {}}', '{"r": 8, "rank_pattern": [1]}', '{"r": "x"}'):
+        (adapter / "adapter_config.json").write_text(text)
+        with pytest.raises(PatchkitError, match="adapter_config.json"):
+            configs.adapter_ranks(adapter)
+    from tests.conftest import release_tree
+
+    (model / "config.json").write_text("{}")
+    done = _patchkit("doctor", "--kernels", "--model", str(model), "--target",
+                     str(release_tree("0.26.0")))  # fmt: skip
+    _one_line(done, 1, "config.json")

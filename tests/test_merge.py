@@ -728,6 +728,63 @@ def test_rank_that_contradicts_the_config_is_refused(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"rank_pattern": [1]},
+        {"alpha_pattern": [1]},
+        {"alpha_pattern": {"q_proj": "x"}},
+        {"alpha_pattern": {"q_proj": float("nan")}},
+        {"lora_alpha": float("inf")},
+        {"lora_alpha": float("nan")},
+        {"r": 4.7},
+        {"target_parameters": [1, {"a": 2}]},
+    ],
+)
+def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
+    """A list for rank_pattern/alpha_pattern, a string alpha in alpha_pattern raised
+    AttributeError/TypeError (exit 3); a NaN or inf alpha and r 4.7 (read as 4) merged."""
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    m = f"{VL}layers.1.self_attn.q_proj"
+    adapter = write_adapter(tmp_path / "lora", {m: lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)})
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    with pytest.raises(PatchkitError, match="adapter_config.json") as err:
+        merge.plan_merge(model, adapter)
+    assert "\n" not in str(err.value)
+
+
+def test_a_weight_file_that_is_a_fifo_is_named_as_such(tmp_path):
+    """A model dir whose only *.safetensors is a FIFO: the error blamed an index file that
+    does not exist ('model.safetensors.index.json: names model.safetensors')."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "model.safetensors")
+    factors = {f"{VL}layers.1.self_attn.q_proj": lin((16, H), 2, seed=1)}
+    adapter = write_adapter(tmp_path / "lora", factors)
+    with pytest.raises(PatchkitError) as err:
+        merge.plan_merge(model, adapter)
+    weights = model / "model.safetensors"
+    assert str(err.value) == f"{weights}: not a regular file (a weight file expected)"
+
+
+def test_write_merged_never_removes_a_directory_it_did_not_make(tmp_path):
+    """A user's directory named like the staging one (.merged.partial-<pid>, e.g. in a
+    --keep DIR) was removed by name before the write; a symlink of that name was rmtree'd."""
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    m = f"{VL}layers.1.self_attn.q_proj"
+    adapter = write_adapter(tmp_path / "lora", {m: lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)})
+    mine = tmp_path / f".merged.partial-{os.getpid()}"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    plan, dest = run_merge(tmp_path, model, adapter)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert (dest / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["model", "lora", "merged", mine.name]
+    )
+
+
 # ---------------------------------------------------------------------------
 # memory: row blocks
 # ---------------------------------------------------------------------------

@@ -88,6 +88,41 @@ def test_plain_revert_does_not_mention_it_when_it_is_not_applied(tmp_path):
     )
 
 
+def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_path):
+    """`revert --only nan-probe` on a tree without it said 'needed' (and warned 'not
+    applied (needed)') where status says 'opt-in': one patch, two names."""
+    root = copy_tree("0.26.0", tmp_path / "site")
+    before = snapshot(root)
+    result = run_cli("revert", "--target", str(root), "--only", "nan-probe", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    [entry] = report["patches"]
+    assert (entry["state"], entry["state_before"]) == ("opt-in", "opt-in")
+    assert report["warnings"] == ["nan-probe is not applied (opt-in)"]
+    text = run_cli("revert", "--target", str(root), "--only", "nan-probe")
+    assert text.stdout.splitlines()[-1] == "revert: nothing to do; now 1 opt-in"
+    assert "needed" not in text.output
+    assert snapshot(root) == before
+
+
+def test_revert_after_a_reinstall_does_not_advise_what_it_has_just_done(tmp_path):
+    """pip installs 0.21.0 over a patched 0.26.0 (its files over ours, ours left): revert
+    removed the created files, then printed '`patchkit revert --only nan-probe` removes
+    the rest (vllm/v1/worker/patchkit_nan_probe.py)' on the 'reverted now' line."""
+    from tests.conftest import release_tree
+
+    root = copy_tree("0.26.0", tmp_path / "site")
+    assert run_cli("apply", "--target", str(root)).exit_code == 0
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    shutil.rmtree(root / "vllm-0.26.0.dist-info")
+    shutil.copytree(release_tree("0.21.0"), root, symlinks=True, dirs_exist_ok=True)
+    result = run_cli("revert", "--target", str(root))
+    assert result.exit_code == 0, result.output
+    assert not (root / MODULE).exists()
+    lines = [x for x in result.stdout.splitlines() if "reverted now" in x]
+    assert lines and not [x for x in lines if "removes the rest" in x], lines
+
+
 def test_an_opt_in_value_that_is_not_a_boolean_is_refused(tmp_path):
     from patchkit.catalogue.load import load_catalogue
     from patchkit.errors import PatchkitError
@@ -380,3 +415,63 @@ def test_the_module_needs_no_vllm():
              for a in n.names}  # fmt: skip
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "vllm" not in roots and "torch" in roots
+
+
+# ----- review round: the log path must never crash or stall the server -----
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that blocks (a FIFO open) instead of hanging the suite."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError("blocked on the probe log")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_log_path_that_cannot_be_written_leaves_the_model_unwrapped(
+    probe, tmp_path, monkeypatch, capfd, alarm
+):
+    """A directory, a FIFO without a reader, a missing folder, /dev/full: install() raised
+    (vLLM's load_model failed) or blocked forever in open(); now it warns and probes nothing."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (tmp_path, fifo, tmp_path / "missing" / "probe.jsonl", Path("/dev/full")):
+        monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(path))
+        monkeypatch.setattr(probe, "_PROBE", None)
+        model = Model()
+        runner = fake_runner(model, ["r0"], [0, 2])
+        probe.install(runner)
+        assert probe._PROBE is None and type(model.layers[0]) is Layer, path
+        probe.after_forward(runner)
+        assert str(path) in capfd.readouterr().err
+    assert fifo.exists() and not (tmp_path / "missing").exists()
+
+
+def test_a_log_that_goes_bad_while_serving_drops_lines_and_never_raises(
+    probe, tmp_path, monkeypatch, capfd
+):
+    """The log replaced by a directory mid-run: after_forward raised inside _model_forward."""
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, ["r0"], [0, 2])
+    probe.install(runner)
+    log.unlink()
+    log.mkdir()
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.arange(2), torch.full((2, 8), float("nan")))
+        probe.after_forward(runner)
+    probe.flush()
+    err = capfd.readouterr().err
+    assert err.count(str(log)) == 1, err  # one warning, then silence

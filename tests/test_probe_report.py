@@ -189,3 +189,94 @@ def test_probe_report_imports_neither_vllm_nor_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# ----- review round: hostile logs -----
+
+
+def test_a_fifo_is_refused_by_type_not_waited_on(tmp_path):
+    """A FIFO named as the log blocked open() forever (no writer): refused, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "probe.jsonl"
+    os.mkfifo(fifo)
+    code = "from patchkit.cli.main import main\nmain()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "probe", "report", str(fifo)],
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(fifo) in lines[0] and "not a regular file" in lines[0]
+
+
+def test_a_number_too_long_for_python_is_one_line_not_a_bug(tmp_path):
+    """A 5,000-digit step made json.loads raise a plain ValueError: exit 3 before."""
+    long = write_log(tmp_path, '{"step": ' + "1" * 5000 + ', "layer": 0}')
+    one_line_error([str(long)], 1, f"{long}:1", "not JSON")
+
+
+def test_adapter_names_must_be_strings(tmp_path):
+    """An adapter value of NaN went into --json as a bare NaN (invalid JSON), a dict into text."""
+    for value in ("NaN", '{"b": [1]}', "7"):
+        line = json.dumps(record(0, 0, "output", "output", ["a"]))
+        line = line.replace('"adapters": {}', '"adapters": {"a": ' + value + "}")
+        log = write_log(tmp_path, line)
+        one_line_error([str(log)], 1, f"{log}:1", "'adapters'")
+
+
+def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path):
+    """A log of one 64 MiB line was read into memory whole before its length was checked."""
+    import subprocess
+    import sys
+
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("wb") as out:
+        for _ in range(64):
+            out.write(b"a" * (1 << 20))
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child of a large pytest
+    # process reports its parent's peak.
+    code = (
+        "import re, sys\nfrom patchkit.cli.main import main\n"
+        "try:\n    main(['probe', 'report', sys.argv[1]])\nexcept SystemExit as e:\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    peak = int(re.search(r'VmHWM:\\s+(\\d+)', status).group(1))\n"
+        "    print(e.code, peak)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(huge)], capture_output=True, text=True)
+    code_seen, peak_kib = map(int, done.stdout.split())
+    assert code_seen == 1 and "longer than" in done.stderr, done.stderr
+    assert peak_kib < 60 * 1024, f"peak RSS {peak_kib} KiB for a 64 MiB line"
+
+
+def test_an_interrupt_names_the_command_as_typed(tmp_path, monkeypatch):
+    """Ctrl-C/SIGTERM in `probe report` said "`patchkit report` changes nothing"."""
+    from patchkit.diagnosis import probe
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe, "report", interrupted)
+    result = run_cli("probe", "report", str(write_log(tmp_path, HEADER)))
+    assert result.exit_code == 130
+    assert result.stderr.strip() == (
+        "patchkit: error: interrupted; `patchkit probe report` changes nothing"
+    )
+
+
+def test_the_text_report_escapes_control_characters_from_the_log(tmp_path):
+    """Request ids come from clients (X-Request-Id) and adapter names from whoever loads
+    them: an ESC sequence or a newline in one went raw to the on-call's terminal."""
+    evil = "req\x1b[2J\nFAKE: all good"
+    log = write_log(
+        tmp_path,
+        record(0, 1, "mlp.down_proj", "lora", [evil], order=0, requests=[evil],
+               adapters={evil: "bad\x1b]0;x\x07"}),
+    )  # fmt: skip
+    result = run_cli("probe", "report", str(log))
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "FAKE: all good" not in result.stdout.splitlines()
+    assert "req\\x1b[2J\\nFAKE: all good" in result.stdout

@@ -44,3 +44,31 @@ def test_every_command_is_in_the_synopsis_with_exactly_its_options():
     assert set(written) == set(main.commands), set(written) ^ set(main.commands)
     for name, command in main.commands.items():
         assert written[name] == options(command), (name, written[name] ^ options(command))
+
+
+def metavars() -> dict[tuple[str, str], str]:
+    """(command, option) -> the metavar the synopsis writes after it (`--keep DIR`)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Commands", 1)[1].split("```", 2)[1]
+    found, command = {}, None
+    for line in block.splitlines():
+        match = re.match(r"patchkit (\w+)", line)
+        if match:
+            command = match.group(1)
+        for option, metavar in re.findall(r"(--[a-z][a-z0-9-]*) ([A-Z][A-Z=]*)\b", line):
+            found[(command, option)] = metavar
+    return found
+
+
+def test_help_names_each_options_value_as_the_synopsis_does():
+    """`--help` said `--seed INTEGER`, `--keep DIRECTORY`, `--url TEXT`, `--timeout FLOAT
+    RANGE` where the synopsis says N, DIR, URL, S."""
+    ctx = click.Context(main)
+    for (name, option), metavar in metavars().items():
+        command = main.commands[name]
+        commands = command.commands.values() if isinstance(command, click.Group) else [command]
+        for one in commands:
+            for param in one.params:
+                if option in getattr(param, "opts", []):
+                    shown = param.make_metavar(click.Context(one, parent=ctx))
+                    assert shown == metavar, (name, option, shown, metavar)

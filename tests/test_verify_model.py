@@ -69,6 +69,7 @@ def usage_cases(user, tmp_path):
         (["--model", model], "--model needs at least one --lora NAME=DIR"),
         (["--model", model, "--lora", "one"], "expected NAME=DIR"),
         (["--model", model, "--lora", f"bad name={user['one']}"], "expected NAME=DIR"),
+        (["--model", model, "--lora", f"one\n={user['one']}"], "expected NAME=DIR"),
         (["--model", model, "--lora", f"x={tmp_path}"], "holds no adapter_config.json"),
         (["--model", str(tmp_path / "nowhere"), "--lora", one], "not a directory"),
         (["--model", str(no_config), "--lora", one], "no readable config.json"),
@@ -78,6 +79,8 @@ def usage_cases(user, tmp_path):
         (["--e2e", "--workdir", str(tmp_path / "nowhere")], "--workdir"),
         (["--e2e", "--workdir", str(tmp_path), "--keep", str(tmp_path / "k")], "give one"),
         (["--e2e", "--tensor-parallel-size", "0"], "must be 1 or more"),
+        (["--e2e", "--keep", str(tmp_path)], "not empty"),
+        (["--model", model, "--lora", one, "--keep", str(user["model"].parent)], "not empty"),
     ]
 
 
@@ -98,6 +101,104 @@ def test_usage_errors_are_one_line_exit_2_and_change_nothing(user, tmp_path):
             "exit_code": 2,
         }
     assert listing(tmp_path) == before
+
+
+def test_keep_never_writes_over_a_directory_that_holds_files(user, tmp_path):
+    """--keep DIR was used as it was: e2e saved its random model into DIR/model and
+    DIR/adapter over a user's own (their model's config.json and weights), and
+    served.json, reference.json and vLLM's logs over files of those names."""
+    before = (user["model"] / "config.json").read_bytes()
+    for keep in (tmp_path, user["model"].parent):
+        result = run_cli("verify", "--e2e", "--keep", str(keep))
+        assert result.exit_code == 2, result.output
+        assert f"--keep {keep}: not empty" in result.stderr
+    assert (user["model"] / "config.json").read_bytes() == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    from patchkit.cli.main import verify_request
+
+    assert verify_request(False, None, (), 1, None, None, None, str(empty)).keep == empty
+    assert verify_request(False, None, (), 1, None, None, None, str(tmp_path / "new")).keep
+
+
+def test_a_bad_adapter_and_the_disk_are_decided_before_the_gpu(user, tmp_path):
+    """The adapters were read (and the disk said) only after the kernel checks and
+    --e2e had run on the GPU: a broken adapter_config.json failed minutes in. Here
+    (no GPU) the adapter's error, not the missing GPU, is the one line."""
+    bad = tmp_path / "bad"
+    shutil.copytree(user["one"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": [1]}))
+    result = run_cli("verify", "--model", str(user["model"]), "--lora", f"bad={bad}")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"patchkit: error: {bad}/adapter_config.json: rank_pattern is not a JSON object "
+        "(module pattern to value)"
+    )
+    good = run_cli("verify", "--model", str(user["model"]), "--lora", f"one={user['one']}",
+                   "--workdir", str(tmp_path))  # fmt: skip
+    assert "merged references: 1 adapter(s) need" in good.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("patchkit-verify-")]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"vocab_size": 2, "pad_token_id": 1},  # no plain token left: the prompt loop never ended
+        {"vocab_size": 1},
+        {"vocab_size": -3},
+        {"vocab_size": "x"},
+        {"max_position_embeddings": "abc"},
+        {"max_position_embeddings": 1e400},
+    ],
+)
+def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
+    """vocab_size / max_position_embeddings that are not positive integers raised
+    ValueError/OverflowError (exit 3); a vocabulary of special ids only hung make_prompts."""
+    path = user["model"] / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("vocab_size", "max_position_embeddings"):
+        config["text_config"].pop(key, None)
+    path.write_text(json.dumps({**config, **values}))
+    with pytest.raises(UsageProblem, match=r"config.json") as err:
+        user_model.prepare(user["model"], [("one", user["one"])], 1, None, 0)
+    assert "\n" not in str(err.value)
+
+
+def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
+    """SIGTERM (CI, `timeout`, Kubernetes) reaches only patchkit, raised as Terminated in
+    wait(): the vLLM engine children went on holding the GPUs, orphaned, while the
+    workdir was removed under them."""
+    import signal
+    import subprocess
+    import sys
+
+    from patchkit.engine import signals
+
+    started = []
+
+    def sleeping(jobs, workdir):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        started.append(child)
+        return {job: child for job in jobs}
+
+    def terminated(signum, frame):
+        raise signals.Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(serving, "start", sleeping)
+    previous = signal.signal(signal.SIGALRM, terminated)
+    signal.alarm(1)
+    try:
+        with pytest.raises(signals.Terminated):
+            serving.serve_all(["eager"], tmp_path, 60.0, 1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    [child] = started
+    try:
+        assert child.wait(timeout=10) is not None
+    finally:
+        child.kill()
 
 
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():

@@ -71,6 +71,15 @@ def interrupted_message(command: str) -> str:
     return INTERRUPTED.get(command, f"interrupted; `patchkit {command}` changes nothing")
 
 
+def command_name(ctx: click.Context) -> str:
+    """The command as typed after `patchkit`: "probe report", not only "report"."""
+    names = []
+    while ctx.parent is not None:
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(names) or str(ctx.info_name)
+
+
 def user_errors(func):
     """Map every way a command can end badly onto one line and an exit status.
 
@@ -83,7 +92,7 @@ def user_errors(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
-        command = click.get_current_context().info_name
+        command = command_name(click.get_current_context())
         try:
             return func(*args, **kwargs)
         except PatchkitError as exc:
@@ -174,10 +183,15 @@ def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
 
 def target_options(func):
     func = click.option(
-        "--target", type=click.Path(file_okay=False), callback=check_target, help=TARGET_HELP
+        "--target",
+        metavar="PATH",
+        type=click.Path(file_okay=False),
+        callback=check_target,
+        help=TARGET_HELP,
     )(func)
     func = click.option(
         "--vllm-version",
+        metavar="V",
         envvar="PATCHKIT_VLLM_VERSION",
         callback=check_version,
         help="Override the detected vLLM version (odd builds); also PATCHKIT_VLLM_VERSION.",
@@ -242,7 +256,11 @@ def show(result: operations.RunReport, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Check everything, write nothing.")
 @click.option("--strict", is_flag=True, help="Treat every warning as a failure.")
 @caches_option
-@click.option("--branch", help="Fork mode: branch for the patch commits (patchkit/vllm-VERSION).")
+@click.option(
+    "--branch",
+    metavar="NAME",
+    help="Fork mode: branch for the patch commits (patchkit/vllm-VERSION).",
+)
 @allow_dirty_option
 @json_option
 @user_errors
@@ -289,7 +307,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 @main.command()
 @click.argument("patch_id", metavar="ID")
 @target_options
-@click.option("--variant", help="The variant to write (default: the one applied).")
+@click.option("--variant", metavar="NAME", help="The variant to write (default: the one applied).")
 @click.option(
     "--add",
     multiple=True,
@@ -298,6 +316,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 )
 @click.option(
     "--pristine",
+    metavar="DIR",
     type=click.Path(file_okay=False, exists=True),
     help="A pristine tree of the same release, for --add (default: `patchkit fetch VERSION`).",
 )
@@ -332,7 +351,12 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
 
 @main.command()
 @click.argument("version")
-@click.option("--dest", type=click.Path(file_okay=False), help="Unpack here instead of the cache.")
+@click.option(
+    "--dest",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Unpack here instead of the cache.",
+)
 @json_option
 @user_errors
 def fetch(version: str, dest: str | None, as_json: bool) -> None:
@@ -389,15 +413,17 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 )
 @click.option(
     "--seed",
+    metavar="N",
     type=int,
     envvar="PATCHKIT_VERIFY_SEED",
     help="Seed for the random inputs (default: a fresh one each run).",
 )
 @click.option(
     "--keep",
+    metavar="DIR",
     type=click.Path(file_okay=False),
-    help="Work in this directory and keep it: the e2e models, the merged references, the "
-    "served results and vLLM's logs.",
+    help="Work in this new or empty directory and keep it: the e2e models, the merged "
+    "references, the served results and vLLM's logs.",
 )
 @json_option
 @user_errors
@@ -444,12 +470,31 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
         raise UsageProblem("--workdir and --keep: give one (--keep works in its directory)")
     if tp < 1:
         raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
+    if keep is not None:
+        _check_keep(Path(keep))
     return verifying.Request(
         e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
         model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
         tensor_parallel_size=tp, max_model_len=max_model_len,
         workdir=Path(workdir) if workdir else None,
     )  # fmt: skip
+
+
+def _check_keep(keep) -> None:
+    """--keep DIR must be new or empty: verify writes model/, adapter/, served.json, vLLM's
+    logs and caches there by fixed names, and would overwrite a user's files of those names
+    (a --keep pointing at a folder that holds their own model, the vLLM tree, or /)."""
+    from patchkit.errors import UsageProblem
+
+    try:
+        occupied = keep.exists() and any(keep.iterdir())
+    except OSError as exc:
+        raise UsageProblem(f"--keep {keep}: cannot read it ({exc.strerror})") from None
+    if occupied:
+        raise UsageProblem(
+            f"--keep {keep}: not empty; give a new or empty directory (verify writes its "
+            "models, references and logs there by fixed names)"
+        )
 
 
 @main.command()
@@ -462,6 +507,7 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
 )
 @click.option(
     "--model",
+    metavar="DIR",
     type=click.Path(exists=True, file_okay=False),
     help="With --kernels: call the kernels with this model's shapes (its config.json: "
     "hidden size, experts, top-k, dtype) instead of Qwen3.5-27B and Qwen3.5-35B-A3B.",
@@ -469,6 +515,7 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
 @click.option(
     "--adapter",
     "adapters",
+    metavar="DIR",
     multiple=True,
     type=click.Path(exists=True, file_okay=False),
     help="With --kernels: a LoRA adapter directory whose adapter_config.json ranks to scan "
@@ -515,19 +562,45 @@ def doctor(
 
 
 def check_url(ctx, param, value: str) -> str:
+    """http(s), a host and a valid port: a malformed URL ('http://[::1') raised
+    httpx.InvalidURL inside the run (exit 3), a port past 65535 read as 'refused'."""
+    from urllib.parse import urlsplit
+
     if not value.strip().lower().startswith(("http://", "https://")):
         raise click.BadParameter(f"{value!r} must start with http:// or https://")
+    try:
+        parts = urlsplit(value.strip())
+        parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r} is not a URL ({exc})") from None
+    if not parts.hostname:
+        raise click.BadParameter(f"{value!r} names no host")
+    return value
+
+
+def check_finite(ctx, param, value: float) -> float:
+    """FloatRange lets NaN through (every comparison is false): a deadline never reached."""
+    import math
+
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds")
     return value
 
 
 @main.command()
 @click.option(
     "--url",
+    metavar="URL",
     required=True,
     callback=check_url,
     help="Server root, e.g. http://localhost:8000 (a trailing /v1 is accepted).",
 )
-@click.option("--api-key", envvar="VLLM_API_KEY", help="The server's API key (or VLLM_API_KEY).")
+@click.option(
+    "--api-key",
+    metavar="KEY",
+    envvar="VLLM_API_KEY",
+    help="The server's API key (or VLLM_API_KEY).",
+)
 @click.option(
     "--model",
     "models",
@@ -535,16 +608,26 @@ def check_url(ctx, param, value: str) -> str:
     metavar="ID",
     help="Check only this model or adapter (repeatable). Default: all that GET /v1/models lists.",
 )
-@click.option("--prompt-tokens", type=click.IntRange(16, 100_000), default=2000, show_default=True)
+@click.option(
+    "--prompt-tokens",
+    metavar="N",
+    type=click.IntRange(16, 100_000),
+    default=2000,
+    show_default=True,
+    help="About this many prompt tokens per model (16-100000).",
+)
 @click.option(
     "--timeout",
+    metavar="S",
     type=click.FloatRange(1, 600),
     default=60.0,
     show_default=True,
+    callback=check_finite,
     help="Seconds for the whole run.",
 )
 @click.option(
     "--record",
+    metavar="DIR",
     type=click.Path(file_okay=False),
     help="Save every HTTP exchange (path, bodies, status; no headers) as JSON files here.",
 )

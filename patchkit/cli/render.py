@@ -56,6 +56,10 @@ def render_run(report: RunReport) -> None:
 def _render_step(report: RunReport, step: Step, width: int) -> None:
     a = step.assessment
     detail = a.reason or (f"variant {a.variant.name}" if a.variant else "")
+    if step.action == Action.REVERTED:
+        # the reason described the tree before this run ("`patchkit revert --only X`
+        # removes the rest"), advice the run has just followed
+        detail = f"variant {a.variant.name}" if a.variant else ""
     if step.action in DONE:
         detail = f"{DONE[step.action]}; {detail}" if detail else DONE[step.action]
     click.echo(f"  {a.patch.id:<{width}}  {step.state_after:<15}  {detail}".rstrip())
@@ -190,7 +194,13 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     if as_json:
         click.echo(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
     else:
-        render_canary(report, lambda line: click.echo(canary.scrub(line, api_key)))
+        # model ids and answers come from the server: control characters escaped
+        render_canary(report, lambda line: click.echo(printable(canary.scrub(line, api_key))))
+
+
+def printable(line: str) -> str:
+    """``line`` with control characters (ESC, a newline) escaped as Python writes them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def render_canary(report, out) -> None:
@@ -421,7 +431,17 @@ def _case_line(case) -> str:
 
 
 def render_probe_report(report, out) -> None:
-    """Per affected request: where it first went bad, the verdict, where to look."""
+    """Per affected request: where it first went bad, the verdict, where to look.
+
+    Request ids (a client's X-Request-Id), adapter and module names come from the
+    log: control characters are escaped, so no ESC sequence or newline in them
+    reaches the terminal as such.
+    """
+    raw_out = out
+
+    def out(line: str) -> None:
+        raw_out(printable(line))
+
     out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
     if not report.findings:
         out("no request had a NaN or Inf in any probed layer or projection")

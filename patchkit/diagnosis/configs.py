@@ -19,7 +19,6 @@ The shapes: by default the two models this project serves, Qwen3.5-27B
 from __future__ import annotations
 
 import inspect
-import json
 import traceback
 import types
 from collections.abc import Callable, Iterable
@@ -28,6 +27,8 @@ from pathlib import Path
 
 from patchkit.diagnosis.signatures import Launch, capturing
 from patchkit.diagnosis.standins import Gpu, Sandbox
+from patchkit.engine.fsutil import read_user_json
+from patchkit.errors import PatchkitError
 
 # A decode step of 1 and of 16 sequences (1 is a constant to Triton, 16 divisible by
 # 16; the MoE layer takes its small-batch and naive paths there), a prefill of 1000
@@ -94,7 +95,16 @@ def model_from_dir(directory: Path, adapters: Iterable[Path] = ()) -> Model:
     Ranks come from the adapters' adapter_config.json (``r`` and any
     ``rank_pattern``), else the default 16 and 64.
     """
-    config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    path = Path(directory) / "config.json"
+    config = _json_object(path)
+    try:
+        return _model_of(config, directory, adapters)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        what = f"not the config of a model doctor can scan ({exc!r})"
+        raise PatchkitError(f"{path}: {what}") from None
+
+
+def _model_of(config: dict, directory: Path, adapters: Iterable[Path]) -> Model:
     text = config.get("text_config") or config
     hidden = int(text["hidden_size"])
     heads = int(text.get("num_attention_heads") or 0)
@@ -123,8 +133,30 @@ def model_from_dir(directory: Path, adapters: Iterable[Path] = ()) -> Model:
 
 
 def adapter_ranks(directory: Path) -> set[int]:
-    data = json.loads((directory / "adapter_config.json").read_text(encoding="utf-8"))
-    return {int(data["r"]), *(int(r) for r in (data.get("rank_pattern") or {}).values())}
+    path = Path(directory) / "adapter_config.json"
+    data = _json_object(path)
+    try:
+        return {int(data["r"]), *(int(r) for r in (data.get("rank_pattern") or {}).values())}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"needs an integer r and rank_pattern ranks ({exc!r})"
+        raise PatchkitError(f"{path}: {what}") from None
+
+
+def _json_object(path: Path) -> dict:
+    """A model's or adapter's JSON object, or one line naming the file.
+
+    A missing key or a string where a number belongs raised KeyError or
+    ValueError (exit 3), and a FIFO named config.json hung doctor.
+    """
+    try:
+        data = read_user_json(path)
+    except OSError as exc:
+        raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise PatchkitError(f"{path}: unusable ({exc})") from None
+    if not isinstance(data, dict):
+        raise PatchkitError(f"{path}: not a JSON object")
+    return data
 
 
 @dataclass(frozen=True)

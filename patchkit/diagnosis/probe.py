@@ -21,6 +21,8 @@ object of the probe's shape, or the command fails with the file and line.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,39 +73,64 @@ class ProbeReport:
 
 
 def read_log(path: Path) -> tuple[list[dict], int]:
-    """The step records of a probe log (and how many header lines it had)."""
+    """The step records of a probe log (and how many header lines it had).
+
+    Opened without blocking and checked to be a regular file before a byte is
+    read: a FIFO (or a device) named as the log would block open() or read()
+    forever. Lines are read at most MAX_LINE + 1 bytes at a time, so a file of
+    one endless line is refused without being held in memory.
+    """
+    handle = _open_regular(path)
+    records, headers = [], 0
+    with handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE + 1), b""), start=1):
+            if len(raw) > MAX_LINE:
+                raise PatchkitError(
+                    f"{path}:{number}: line longer than {MAX_LINE} bytes: not a nan-probe record"
+                )
+            try:
+                line = raw.decode("utf-8", errors="strict")
+            except UnicodeDecodeError:
+                raise PatchkitError(f"{path}: not UTF-8 text (is it a nan-probe log?)") from None
+            entry = _parse(path, number, line)
+            if entry is None:
+                continue
+            if "probe" in entry:
+                headers += 1
+            else:
+                records.append(entry)
+    return records, headers
+
+
+def _open_regular(path: Path):
+    """The log opened for reading in binary, refused unless it is a regular file."""
     try:
-        handle = open(path, encoding="utf-8", errors="strict")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageProblem(f"{path}: no such file (give the PATCHKIT_PROBE_LOG file)") from None
     except OSError as exc:
         raise PatchkitError(f"{path}: cannot read: {exc.strerror}") from None
-    records, headers = [], 0
-    with handle:
-        try:
-            for number, line in enumerate(handle, start=1):
-                entry = _parse(path, number, line)
-                if entry is None:
-                    continue
-                if "probe" in entry:
-                    headers += 1
-                else:
-                    records.append(entry)
-        except UnicodeDecodeError:
-            raise PatchkitError(f"{path}: not UTF-8 text (is it a nan-probe log?)") from None
-    return records, headers
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PatchkitError(f"{path}: not a regular file (give the PATCHKIT_PROBE_LOG file)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _parse(path: Path, number: int, line: str) -> dict | None:
-    """One line: None when blank, else a checked record or header."""
+    """One line: None when blank, else a checked record or header.
+
+    json.loads raises a plain ValueError (not a JSONDecodeError) for an
+    integer longer than Python converts (4,300 digits): caught as not JSON too.
+    """
     if not line.strip():
         return None
     where = f"{path}:{number}"
-    if len(line) > MAX_LINE:
-        raise PatchkitError(f"{where}: line longer than {MAX_LINE} bytes: not a nan-probe record")
     try:
         entry = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise PatchkitError(
             f"{where}: not JSON ({exc.__class__.__name__}): not a nan-probe log"
         ) from None
@@ -128,8 +155,12 @@ def _check_record(where: str, entry: dict) -> None:
         )
     if not all(isinstance(r, str) for r in entry["bad_requests"]):
         raise PatchkitError(f"{where}: 'bad_requests': a list of request ids expected")
-    if not isinstance(entry.get("adapters", {}), dict):
-        raise PatchkitError(f"{where}: 'adapters': an object expected")
+    adapters = entry.get("adapters", {})
+    if not isinstance(adapters, dict) or not all(isinstance(a, str) for a in adapters.values()):
+        # an adapter value goes into the report: a NaN would make --json invalid JSON
+        raise PatchkitError(
+            f"{where}: 'adapters': an object of request id to adapter name expected"
+        )
 
 
 def is_bad(record: dict) -> bool:

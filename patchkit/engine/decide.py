@@ -155,11 +155,7 @@ def _status_step(step: Step, files: TreeFiles) -> None:
     if assessment.state != PatchState.NEEDED:
         return
     if assessment.patch.opt_in:  # plain apply never applies it: not "needed"
-        assessment.state = PatchState.OPT_IN
-        assessment.reason = (
-            f"not applied; a diagnostic: `patchkit apply --only {assessment.patch.id}` "
-            "adds it to the default set"
-        )
+        _say_opt_in(assessment)
         return
     above = later_on_same_files(assessment.patch, assessment.variant.paths, files)
     if above is None:
@@ -169,6 +165,15 @@ def _status_step(step: Step, files: TreeFiles) -> None:
             f"{above[0]}, later in the series, is applied on {above[1]}: revert it "
             "first (patches stack in series order)"
         )
+
+
+def _say_opt_in(assessment: Assessment) -> None:
+    """A needed opt-in patch is `opt-in`, in status and in revert alike (one name)."""
+    assessment.state = PatchState.OPT_IN
+    assessment.reason = (
+        f"not applied; a diagnostic: `patchkit apply --only {assessment.patch.id}` "
+        "adds it to the default set"
+    )
 
 
 def _refuse_under_later(patch: Patch, assessment: Assessment, files: TreeFiles) -> None:
@@ -199,6 +204,8 @@ def _plan_revert(
         changes = revert_changes(assessment, files, options.force)
         if changes is None and patch.opt_in and patch.id not in options.only:
             continue  # an opt-in patch that is not applied: nothing to say about it
+        if changes is None and patch.opt_in and assessment.state == PatchState.NEEDED:
+            _say_opt_in(assessment)  # revert --only nan-probe said "needed" here
         step = Step(assessment)
         result.steps.insert(0, step)  # reported in series order
         if changes is None:

@@ -33,6 +33,24 @@ def read_json_file(path: Path) -> object:
     return decode_json(raw, MAX_SETTINGS_BYTES)
 
 
+def read_user_json(path: Path) -> object:
+    """A model's or adapter's JSON file; ValueError unless it is a regular file of sane size.
+
+    Unlike :func:`read_json_file` a symbolic link is followed (a Hugging Face
+    cache snapshot is all links into ``blobs/``), but what it reaches is checked
+    by type before the open and again on the descriptor, so a FIFO named
+    config.json is refused instead of waited on for ever. OSError when absent.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{kind_of(os.stat(path).st_mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        raw = handle.read(MAX_SETTINGS_BYTES + 1)
+    return decode_json(raw, MAX_SETTINGS_BYTES)
+
+
 def decode_json(raw: bytes, limit: int) -> object:
     """JSON from bytes; ValueError (never RecursionError) for anything too big, deep or odd."""
     if len(raw) > limit:

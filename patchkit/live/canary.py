@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import secrets
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -363,7 +365,16 @@ class Server:
         name = f"{self.exchanges:03d}-{exchange.method}-{slug}"
         data = asdict(exchange)
         data["body"] = self.scrub(data["body"])
-        (self.record / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        # A new file renamed over the name: a symlink planted under that name in a
+        # shared --record DIR is replaced, never written through (write_text follows it).
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.record)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(data, indent=1) + "\n")
+            os.replace(tmp, self.record / f"{name}.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _reason(exc: Exception) -> str:

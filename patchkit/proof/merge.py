@@ -148,6 +148,7 @@ import os
 import re
 import shutil
 import struct
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -455,6 +456,8 @@ class _Checkpoint:
         for name in names:
             path = model_dir / name
             if not path.is_file():
+                if not index.is_file():  # a FIFO or a dangling link found by the glob
+                    raise PatchkitError(f"{path}: not a regular file (a weight file expected)")
                 raise PatchkitError(f"{index}: names {name}, which is not in {model_dir}")
             shard = SafetensorsFile(path)
             self.shards[name] = shard
@@ -576,16 +579,29 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         alpha = float(cfg["lora_alpha"])
     except (KeyError, TypeError, ValueError) as exc:
         raise PatchkitError(f"{path}: needs numeric r and lora_alpha ({exc})") from exc
-    if r <= 0:
-        raise PatchkitError(f"{path}: r is {r}; it must be positive")
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if r <= 0 or (isinstance(cfg["r"], float) and r != cfg["r"]):  # 4.7 is not read as 4
+        raise PatchkitError(f"{path}: r is {cfg['r']!r}; it must be a positive integer")
+    if not math.isfinite(alpha):
+        raise PatchkitError(f"{path}: lora_alpha is {alpha}; it must be a finite number")
+    rank_pattern = _mapping(path, cfg, "rank_pattern")
+    alpha_pattern = _mapping(path, cfg, "alpha_pattern")
     for key, value in rank_pattern.items():
         if not isinstance(value, int) or value <= 0:
             raise PatchkitError(f"{path}: rank_pattern[{key!r}] is {value!r}; ranks are positive")
+    for key, value in alpha_pattern.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise PatchkitError(f"{path}: alpha_pattern[{key!r}] is {value!r}; a finite number")
     target_parameters = cfg.get("target_parameters") or []
     if isinstance(target_parameters, str):
         target_parameters = [target_parameters]
+    if not isinstance(target_parameters, list) or not all(
+        isinstance(name, str) for name in target_parameters
+    ):
+        raise PatchkitError(f"{path}: target_parameters is not a list of parameter names")
     return _AdapterConfig(
         path=path,
         r=r,
@@ -595,6 +611,14 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         alpha_pattern=dict(alpha_pattern),
         target_parameters=list(target_parameters),
     )
+
+
+def _mapping(path: Path, cfg: dict, key: str) -> dict:
+    """rank_pattern / alpha_pattern: an object, or one line (a list raised AttributeError)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise PatchkitError(f"{path}: {key} is not a JSON object (module pattern to value)")
+    return value
 
 
 class _AdapterTensors:
@@ -1326,14 +1350,14 @@ def write_merged(
         st = (plan.model_dir / name).stat()
         if (st.st_size, st.st_mtime_ns) != (size, mtime):
             raise PatchkitError(f"{plan.model_dir / name} changed since the merge was planned")
-    work = parent / f".{dest.name}.partial-{os.getpid()}"
-    if work.exists():
-        shutil.rmtree(work)
     done: dict[str, str] = {}
     adapter = _AdapterTensors(plan.adapter_dir)
     cache = _FactorCache(adapter, _CACHE_BYTES)
+    work = None
     try:
-        work.mkdir()
+        # A fresh staging directory of our own (mkdtemp), never one found by its name:
+        # a directory of that name in the user's --keep DIR is theirs, not a leftover.
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=parent))
         for name in plan.copy:
             shutil.copyfile(plan.model_dir / name, work / name)
         if plan.index_text is not None:
@@ -1353,10 +1377,12 @@ def write_merged(
             dest.rmdir()
         os.rename(work, dest)
     except OSError as exc:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         raise PatchkitError(os_error_line(exc, "writing the merged checkpoint to")) from exc
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         raise
     finally:
         adapter.close()

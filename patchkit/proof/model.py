@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from patchkit.engine.fsutil import read_user_json
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.proof import checks as judge
 from patchkit.proof import serving
@@ -56,7 +57,8 @@ WAVE_TIMEOUT = 1800.0
 def parse_lora(value: str) -> tuple[str, Path]:
     """NAME=DIR of one --lora, or one line (exit 2)."""
     name, sep, path = value.partition("=")
-    if not sep or not NAME.match(name) or not path:
+    # fullmatch: NAME's "$" also matches before a trailing newline ("one\n" passed)
+    if not sep or not NAME.fullmatch(name) or not path:
         raise UsageProblem(
             f"--lora {value!r}: expected NAME=DIR (NAME of letters, digits, '.', '_', '-')"
         )
@@ -70,15 +72,30 @@ def read_config(model_dir: Path) -> dict:
     """The model's text config (a multimodal model's text_config), or one line (exit 2)."""
     path = model_dir / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise UsageProblem(f"--model {model_dir}: no readable config.json there") from None
-    return {**config, **(config.get("text_config") or {})}
+        config = read_user_json(path)  # a FIFO named config.json hung read_text()
+    except OSError as exc:
+        raise UsageProblem(
+            f"--model {model_dir}: no readable config.json there ({exc.strerror})"
+        ) from None
+    except ValueError as exc:
+        raise UsageProblem(f"--model {model_dir}: config.json is unusable ({exc})") from None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(text or {}, dict):
+        raise UsageProblem(f"--model {model_dir}: config.json is not a model config (an object)")
+    merged = {**config, **(text or {})}
+    for key in ("vocab_size", "max_position_embeddings"):
+        value = merged.get(key)
+        # a string, a float or a negative number here raised ValueError/OverflowError
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageProblem(
+                f"--model {model_dir}: config.json: {key} is {value!r}, not a positive integer"
+            )
+    return merged
 
 
 def max_model_len(config: dict, asked: int | None) -> int:
     """--max-model-len, or 16k plus the generated tokens, within the model's positions."""
-    positions = int(config.get("max_position_embeddings") or LONGEST + serving.GENERATED)
+    positions = config.get("max_position_embeddings") or LONGEST + serving.GENERATED
     length = asked or min(LONGEST + serving.GENERATED, positions)
     if length < PROMPT_LENGTHS[0] + serving.GENERATED:
         raise UsageProblem(
@@ -96,8 +113,15 @@ def prompt_lengths(length: int) -> list[int]:
 
 def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[int]]:
     """Token-id prompts from the plain vocabulary, none of the config's special ids."""
-    top = min(int(config.get("vocab_size") or PLAIN_VOCAB), PLAIN_VOCAB)
+    top = min(config.get("vocab_size") or PLAIN_VOCAB, PLAIN_VOCAB)
     special = {v for k, v in config.items() if k.endswith("token_id") and isinstance(v, int)}
+    # Drawing and skipping special ids never ended when the vocabulary held no
+    # plain id (vocab_size 2 with a pad id 1): refused first. The draw itself is
+    # unchanged, so a seed gives the prompts it gave before.
+    if all(token in special for token in range(1, top)):
+        raise UsageProblem(
+            f"config.json: vocab_size {top} leaves no plain token id to build prompts from"
+        )
     rnd = random.Random(seed)
     out = {}
     for n in lengths:
@@ -355,7 +379,7 @@ def with_memory(setup: dict, model_dir: Path, gpu: tuple[int, int]) -> tuple[dic
     """Add each engine's memory to setup; return how many engines run side by side."""
     total, free = gpu
     kv = 2 * serving.GIB
-    vocab = int(setup["config"].get("vocab_size") or PLAIN_VOCAB)
+    vocab = setup["config"].get("vocab_size") or PLAIN_VOCAB
     fraction = serving.engine_memory(
         weight_bytes(model_dir), vocab, setup["tensor_parallel_size"], kv, total
     )
@@ -373,8 +397,9 @@ def run_model(
 ) -> list[Check]:
     """Plan and write the merged references, serve everything, compare; clean up unless keep."""
     adapters = setup["adapters"]
-    base = keep if keep is not None else Path(workdir or tempfile.gettempdir())
-    plans = plan_references(model_dir, adapters, base, say)
+    plans = setup.get("plans") or plan_references(
+        model_dir, adapters, reference_base(keep, workdir), say
+    )
     work = _workdir(keep, workdir)
     try:
         merged = write_references(plans, work, say)
@@ -391,6 +416,11 @@ def run_model(
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def reference_base(keep: Path | None, workdir: Path | None) -> Path:
+    """The directory whose disk the merged references go on."""
+    return keep if keep is not None else Path(workdir or tempfile.gettempdir())
 
 
 def _workdir(keep: Path | None, workdir: Path | None) -> Path:

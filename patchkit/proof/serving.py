@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -227,6 +228,7 @@ def start(jobs: list[Job], workdir: Path) -> dict:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=True,  # its own process group: TP workers go with it
             )
     return children
 
@@ -235,12 +237,19 @@ def wait(children: dict, workdir: Path, timeout: float) -> dict:
     """Each job's results, or an error quoting its log's first error line."""
     deadline = time.monotonic() + timeout
     results = {}
+    try:
+        for child in children.values():
+            try:
+                child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill(child)
+    except BaseException:
+        # SIGTERM (CI, `timeout`, Kubernetes) or Ctrl-C reach patchkit: its engines
+        # would go on holding the GPUs, orphaned, their workdir removed under them.
+        for child in children.values():
+            kill(child)
+        raise
     for name, child in children.items():
-        try:
-            child.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
         out = workdir / f"vllm-{name}.json"
         if child.returncode == 0 and out.exists():
             results[name] = json.loads(out.read_text())
@@ -250,6 +259,15 @@ def wait(children: dict, workdir: Path, timeout: float) -> dict:
                 + first_error(workdir / f"vllm-{name}.log")
             }
     return results
+
+
+def kill(child: subprocess.Popen) -> None:
+    """The engine and the processes it started (its tensor-parallel workers)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # its own group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        child.kill()
+    child.wait()
 
 
 # "AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'",

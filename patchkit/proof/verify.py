@@ -126,6 +126,10 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
 
         setup = model.prepare(request.model, request.loras, request.tensor_parallel_size,
                               request.max_model_len, seed)  # fmt: skip
+        # The adapters are read and the disk is said here, not after the kernel
+        # checks and --e2e's minutes on the GPU: a bad adapter fails first.
+        base = model.reference_base(_model_keep(request), request.workdir)
+        setup["plans"] = model.plan_references(request.model, setup["adapters"], base, say)
     torch = require_gpu()
     from patchkit.proof.serving import check_tensor_parallel
 
@@ -154,10 +158,16 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
     if setup is not None:
         from patchkit.proof import model
 
-        keep = request.keep / "model" if request.keep is not None else None
-        report.model = model.run_model(request.model, setup, request.workdir, keep, gpu, say)
+        report.model = model.run_model(
+            request.model, setup, request.workdir, _model_keep(request), gpu, say
+        )
     report.seconds = time.monotonic() - started
     return report
+
+
+def _model_keep(request: Request) -> Path | None:
+    """Where --model's files go under --keep (--e2e's go in --keep itself)."""
+    return request.keep / "model" if request.keep is not None else None
 
 
 def gpu_memory(torch, tp: int) -> tuple[int, int]:

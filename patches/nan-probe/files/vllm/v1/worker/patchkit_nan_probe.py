@@ -23,9 +23,12 @@ std per module (more kernels per module) and logs every module every step.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import re
+import stat
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -121,6 +124,7 @@ class Probe:
         self.pending: deque[Pending] = deque()
         self.step = 0
         self.rank = _rank()
+        self.log_failed = False
 
     # ----- device side, once per real step -----
 
@@ -165,8 +169,13 @@ class Probe:
         if wait and pending.event is not None:
             pending.event.synchronize()
         lines = step_lines(self, pending)
-        if lines:
-            write_lines(self.log_path, lines)
+        if lines and not self.log_failed:
+            try:
+                write_lines(self.log_path, lines)
+            except (OSError, ValueError) as exc:
+                # runs inside vLLM's forward step: say it once, keep serving
+                self.log_failed = True
+                _warn(self.log_path, exc, "no more probe lines are written (the server goes on)")
 
 
 def _host(numel: int, dtype, pin: bool) -> torch.Tensor:
@@ -229,13 +238,29 @@ def _requests_of(bad, bounds: list[int], req_ids: list[str]) -> list[str]:
 
 
 def write_lines(path: str, records: list[dict]) -> None:
-    """Append the records as JSON lines, one write (O_APPEND: ranks do not interleave)."""
+    """Append the records as JSON lines, one write (O_APPEND: ranks do not interleave).
+
+    Opened non-blocking and refused unless it is a regular file: a FIFO
+    without a reader would block open() (and a full pipe write()) inside
+    vLLM's model loading or its forward step for ever. Raises OSError.
+    """
     data = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
     try:
-        os.write(fd, data)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def _warn(path: str, exc: BaseException, what: str) -> None:
+    """One line on stderr: the probe must never take the server down with it."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    print(f"patchkit nan-probe: {path}: {reason}; {what}", file=sys.stderr, flush=True)
 
 
 def _rank() -> int:
@@ -338,9 +363,9 @@ def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) 
         slots.append(slot)
         plan.append((module, kind, input_slot, slot.index))
     probe = Probe(log_path, with_stats, max_tokens, device, slots)
+    write_lines(log_path, [_header(probe)])  # before wrapping: a log it cannot write wraps nothing
     for module, kind, input_slot, out_slot in plan:
         _wrap(module, probe, kind, input_slot, out_slot)
-    write_lines(log_path, [_header(probe)])
     return probe
 
 
@@ -378,7 +403,12 @@ def install(runner) -> None:
         return
     with_stats = os.environ.get(STATS_ENV, "").strip() not in ("", "0")
     device = next(runner.model.parameters()).device
-    _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device)
+    try:
+        _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device)
+    except OSError as exc:
+        # a directory, a FIFO, a missing folder, a full disk: vLLM still loads, unprobed
+        _warn(log_path, exc, f"the probe is off (set {LOG_ENV} to a file it can append to)")
+        return
     atexit.register(_PROBE.flush)
 
 
