@@ -42,6 +42,8 @@ SEED=${GS_SEED:-11}
 RUN_LIMIT=${GS_RUN_LIMIT:-1500}     # one verify run, at most
 BENCH_END=${GS_BENCH_END:-1000}     # the benchmark ends this long after the proofs start
 export PYTHONUNBUFFERED=1
+# The host keeps NVLink multicast off (KINDS.md); every child inherits these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$G" "$OUT"
 
 say() { echo "[gs $(date +%H:%M:%S) +${SECONDS}s] $*"; }
@@ -76,7 +78,11 @@ summary() {
       e2e-* | model-* | poison*)
         echo "== $(basename "$f" .txt): $(grep -E '^verify (PASSED|FAILED)' "$f" | tail -1)" \
           "| $(tail -1 "$f")"
+        grep -q '^exit ' "$f" || echo "   running: $(tail -1 "${f%.txt}.err" 2>/dev/null | cut -c1-150)"
         grep -E 'FAIL {2,}' "$f" | cut -c1-160 | head -8
+        [ "$(basename "$f")" = poison.txt ] &&
+          echo "   failed rows naming poisoned: $(grep -E 'FAIL {2,}' "$f" | grep -c poisoned)," \
+            "naming full: $(grep -E 'FAIL {2,}' "$f" | grep -c ' full ')"
         ;;
     esac
   done
