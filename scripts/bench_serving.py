@@ -12,6 +12,9 @@ patched file) and its own empty compile cache:
   only:<patch>         `patchkit apply --only <patch>`, for each patch this release needs
   default              `patchkit apply` (torch LoRA path)
   default+triton       the same tree, PATCHKIT_LORA_BACKEND=triton
+  default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
+                       nan-probe`, served with PATCHKIT_PROBE_LOG set (issue 20,
+                       item 5: the probe's cost); only when asked for by --configs
 
 All engines start together and stay up; the workloads then run one engine
 at a time, configurations in a new order each round and each twice, the
@@ -30,7 +33,8 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR            model + adapters (transformers, peft)
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
-        [--configs default ...] [--keep] [--json FILE] [--markdown FILE]
+        [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
+        [--markdown FILE]
   python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--keep] [...]
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
 
@@ -134,20 +138,29 @@ def config_patches(site: Path) -> dict[str, list[str]]:
     return {"unpatched": [], **{f"only:{p}": [p] for p in needed}, "default": needed}
 
 
-def make_sites(site: Path, work: Path, wanted: list[str] | None) -> dict[str, dict]:
+PROBE = "default+nan-probe"
+
+
+def make_sites(
+    site: Path, work: Path, wanted: list[str] | None, base: str = "unpatched"
+) -> dict[str, dict]:
     """{config: {"site": path, "env": {...}}}: hard-linked copies of the vLLM tree, patched.
 
-    `wanted` narrows the run to some configurations (unpatched is always one:
-    every ratio is to it); None keeps them all.
+    `wanted` narrows the run to some configurations (`base` is always one:
+    every ratio is to it); None keeps them all but default+nan-probe.
     """
     configs = config_patches(site)
-    known = [*configs, "default+triton"]
+    known = [*configs, "default+triton", PROBE]
+    if base not in known:
+        raise SystemExit(f"--base {base}: this release has {', '.join(known)}")
     if wanted is not None:
         unknown = [name for name in wanted if name not in known]
         if unknown:
             raise SystemExit(f"unknown configuration {', '.join(unknown)}; "
                              f"this release has: {', '.join(known)}")  # fmt: skip
-        keep = {"unpatched", *wanted}
+        keep = {base, *wanted}
+        if PROBE in keep:
+            configs[PROBE] = configs["default"]
         if "default+triton" in keep:
             keep.add("default")  # the same tree
         configs = {name: patches for name, patches in configs.items() if name in keep}
@@ -161,10 +174,15 @@ def make_sites(site: Path, work: Path, wanted: list[str] | None) -> dict[str, di
                 subprocess.run(["cp", "-al", str(entry), str(target / entry.name)], check=True)
         if patches:
             patchkit("apply", *[a for p in patches for a in ("--only", p)], target=target)
-        sites[name] = {"site": str(target), "patches": patches, "env": {}}
+        env = {}
+        if name == PROBE:  # stacked on the default set, as a user would apply it
+            patchkit("apply", "--only", "nan-probe", target=target)
+            patches = [*patches, "nan-probe"]
+            env = {"PATCHKIT_PROBE_LOG": str(work / f"probe-{stem(name)}.jsonl")}
+        sites[name] = {"site": str(target), "patches": patches, "env": env}
     if wanted is None or "default+triton" in wanted:
         sites["default+triton"] = {**sites["default"], "env": {"PATCHKIT_LORA_BACKEND": "triton"}}
-    if wanted is not None and "default" not in wanted:
+    if wanted is not None and "default" not in {base, *wanted}:
         del sites["default"]
     return sites
 
@@ -361,15 +379,18 @@ class Engine:
             self.writer.close()
 
 
-def start(work: Path, site: Path, wanted: list[str] | None, deadline: float) -> dict:
+def start(
+    work: Path, site: Path, wanted: list[str] | None, deadline: float, base: str = "unpatched"
+) -> dict:
     """Patch the trees, start one engine per configuration, wait until all are ready."""
-    configs = make_sites(site, work, wanted)
+    configs = make_sites(site, work, wanted, base)
     base_path = os.environ.get("PYTHONPATH", "")
     engines = {
         name: Engine.start(name, config, work, base_path) for name, config in configs.items()
     }
     results: dict = {"configs": configs, "rounds": [], "start_s": {}, "errors": {},
-                     "pids": {name: e.pid for name, e in engines.items()}}  # fmt: skip
+                     "pids": {name: e.pid for name, e in engines.items()},
+                     "base": base}  # fmt: skip
     for name, engine in engines.items():
         try:
             results["start_s"][name] = engine.wait_for(lambda m: m.get("ready"), deadline)[
@@ -454,15 +475,16 @@ def table_head(caption: str, configs: list[str]) -> list[str]:
 
 def table(results: dict, meta: dict) -> str:
     """Markdown: median tok/s of the counted rounds; in brackets the median, over
-    rounds, of each configuration's ratio to unpatched in the same round (drift
-    over time cancels within a round)."""
+    rounds, of each configuration's ratio to the base (unpatched unless --base)
+    in the same round (drift over time cancels within a round)."""
     counted = [r for r in results["rounds"] if r["round"] > 0]
     configs = list(results["configs"])
+    base = results.get("base", "unpatched")
     lines = table_head(
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}; "
         f"median of {meta['rounds']} rounds after a warm-up round; tok/s "
         "(decode: output tokens, prefill: prompt tokens); in brackets the median of the "
-        "per-round ratios to unpatched and their range",
+        f"per-round ratios to {base} and their range",
         configs,
     )
     for workload in WORKLOADS:
@@ -470,18 +492,18 @@ def table(results: dict, meta: dict) -> str:
         cells = []
         for name in configs:
             values = [row[name] for row in by_round.values() if name in row]
-            ratios = [row[name] / row["unpatched"] for row in by_round.values()
-                      if name in row and row.get("unpatched")]  # fmt: skip
+            ratios = [row[name] / row[base] for row in by_round.values()
+                      if name in row and row.get(base)]  # fmt: skip
             if not values:
                 cells.append("n/a")
-            elif name != "unpatched" and ratios:
+            elif name != base and ratios:
                 cells.append(f"{statistics.median(values):.0f} "
                              f"({100 * statistics.median(ratios):.1f} %, "
                              f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f})")  # fmt: skip
             else:
                 cells.append(f"{statistics.median(values):.0f}")
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
-    lines += ["", *leg_table(counted, configs)]
+    lines += ["", *leg_table(counted, configs, base)]
     stolen = [r.get("steal_s", 0.0) for r in counted]
     lines += ["", f"Stolen CPU (guest, /proc/stat) during the {len(counted)} counted "
               f"measurements: {sum(stolen):.1f} s in all, "
@@ -489,9 +511,9 @@ def table(results: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def leg_table(counted: list[dict], configs: list[str]) -> list[str]:
+def leg_table(counted: list[dict], configs: list[str], base: str = "unpatched") -> list[str]:
     """Markdown: each configuration's slowest, median and fastest single leg, as % of
-    unpatched's same statistic.
+    the base's (unpatched's unless --base) same statistic.
 
     Why beside the per-round ratios: where a host puts single measurements on
     two speed levels at random (decode on the test H200's guest), a ratio of
@@ -500,7 +522,7 @@ def leg_table(counted: list[dict], configs: list[str]) -> list[str]:
     """
     lines = table_head(
         "Single legs (each configuration measured twice a round): slowest / median / "
-        "fastest tok/s, and each as % of unpatched's",
+        f"fastest tok/s, and each as % of {base}'s",
         configs,
     )
     for workload in WORKLOADS:
@@ -510,15 +532,15 @@ def leg_table(counted: list[dict], configs: list[str]) -> list[str]:
                           if r["workload"] == workload and r["config"] == name)  # fmt: skip
             if legs:
                 stats[name] = (legs[0], statistics.median(legs), legs[-1])
-        base = stats.get("unpatched")
+        reference = stats.get(base)
         cells = []
         for name in configs:
             if name not in stats:
                 cells.append("n/a")
                 continue
             values = " / ".join(f"{v:.0f}" for v in stats[name])
-            if name != "unpatched" and base:
-                pairs = zip(stats[name], base, strict=True)
+            if name != base and reference:
+                pairs = zip(stats[name], reference, strict=True)
                 shares = " / ".join(f"{100 * v / b:.0f}" for v, b in pairs)
                 values += f" ({shares} %)"
             cells.append(values)
@@ -547,7 +569,20 @@ def main() -> int:
     again.add_argument("--markdown", type=Path)
     go.add_argument("--site", type=Path, required=True, help="the directory holding vllm/")
     go.add_argument("--configs", nargs="+", metavar="NAME",
-                    help="only these configurations beside unpatched (default: all)")  # fmt: skip
+                    help="only these configurations beside the base (default: all but "
+                         f"{PROBE})")  # fmt: skip
+    go.add_argument(
+        "--after",
+        type=Path,
+        metavar="FILE",
+        help="start the engines now, measure once FILE exists (other GPU work done)",
+    )
+    go.add_argument(
+        "--base",
+        default="unpatched",
+        metavar="NAME",
+        help="the configuration every ratio is to (default: unpatched)",
+    )
     args = parser.parse_args()
     if args.step == "table":
         results = json.loads(args.results.read_text())
@@ -567,7 +602,8 @@ def main() -> int:
         return 0
     deadline = time.monotonic() + args.deadline
     if args.step == "run":
-        start(args.dir, args.site, args.configs, deadline)
+        start(args.dir, args.site, args.configs, deadline, args.base)
+        wait_for_file(args.after, deadline)
     results, engines = attach(args.dir)
     measure(args.dir, results, engines, args.rounds, deadline)
     if not args.keep:
@@ -575,6 +611,13 @@ def main() -> int:
             engine.stop()
     report(results, args)
     return 0
+
+
+def wait_for_file(path: Path | None, deadline: float) -> None:
+    """Until ``path`` exists (the GPU's other work has ended), or a minute before the
+    deadline: the rounds measure the engines alone on the host where they can."""
+    while path is not None and not path.exists() and time.monotonic() < deadline - 60:
+        time.sleep(1)
 
 
 def report(results: dict, args) -> None:

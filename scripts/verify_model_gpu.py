@@ -1,22 +1,38 @@
 #!/usr/bin/env python3
-"""A stand-in for a user's model and adapters, for `patchkit verify --model` on a GPU host.
+"""Stand-ins for a user's model and adapters, for `patchkit verify --model` on a GPU host.
 
-Builds, with transformers and PEFT, a random Qwen3.5 hybrid of 8 layers (6
-Gated DeltaNet + 2 attention, hidden 1024, 32k positions) and three PEFT
-adapters saved with ``save_pretrained`` as a user would: ``full`` (rank 128
-on attention, GDN and MLP projections), ``qkv`` (rank 64, GDN in_proj_qkv
-only) and ``z`` (rank 64, GDN in_proj_z only; vLLM #47639 / #57851).
+Builds, with transformers and PEFT, a random Qwen3.5 hybrid and PEFT
+adapters saved with ``save_pretrained`` as a user would. Presets:
 
-    python scripts/verify_model_gpu.py OUT
+- ``user`` (the default): 8 layers (6 Gated DeltaNet + 2 attention), hidden
+  1024, and three adapters: ``full`` (rank 128 on attention, GDN and MLP
+  projections), ``qkv`` (rank 64, GDN in_proj_qkv only) and ``z`` (rank 64,
+  GDN in_proj_z only; vLLM #47639 / #57851).
+- ``wide27b``: Qwen3.5-27B widths (those of scripts/bench_serving.py: hidden
+  5120, intermediate 17408, 24/4 attention heads, 16/48 GDN heads) cut to 4
+  layers (3 GDN + 1 attention, about 1.6 B parameters, 3.1 GB in bf16), and
+  two rank-128 adapters: ``full`` (attention, GDN and MLP) and ``attn-mlp``
+  (attention and MLP only). Built on the GPU when one is visible.
+
+``--poison NAME`` also writes ``poisoned``: a copy of adapter NAME with an inf
+in one lora_B (layer 1's mlp.down_proj, as scripts/nan_probe_gpu.py does),
+for the run that shows the check fails when it should (issue 19, item 6):
+served on the Triton backend (PATCHKIT_LORA_BACKEND=triton), `verify --model`
+must fail and name it.
+
+    python scripts/verify_model_gpu.py OUT [--preset user|wide27b] [--poison NAME]
     python -m patchkit verify --model OUT/model --lora full=OUT/full \\
         --lora qkv=OUT/qkv --lora z=OUT/z [--tensor-parallel-size 2]
 
 The commands and results of the run on the test H200 host are in
-docs/h200-2026-11-30f/README.md.
+docs/h200-2026-11-30f/README.md; the next runs are planned in
+docs/next-gpu-session.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,35 +41,97 @@ sys.path.insert(0, str(ROOT))
 
 from patchkit.proof.e2e import TARGET_MODULES, qwen35_config, scale_lora_b  # noqa: E402
 
-LAYERS = dict(
-    num_hidden_layers=8,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    max_position_embeddings=32768,
-)
-# name: (rank, target modules, scale of the random lora_B)
-ADAPTERS = {
-    "full": (128, TARGET_MODULES, 0.3),
-    "qkv": (64, r".*language_model.*\.in_proj_qkv", 1.0),
-    "z": (64, r".*language_model.*\.in_proj_z", 1.0),
+ATTN_MLP = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# name: (text config over e2e's TINY_TEXT, {adapter: (rank, target modules, lora_B scale)})
+PRESETS = {
+    "user": (
+        dict(
+            num_hidden_layers=8,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+            max_position_embeddings=32768,
+        ),
+        {
+            "full": (128, TARGET_MODULES, 0.3),
+            "qkv": (64, r".*language_model.*\.in_proj_qkv", 1.0),
+            "z": (64, r".*language_model.*\.in_proj_z", 1.0),
+        },
+    ),
+    "wide27b": (
+        dict(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            max_position_embeddings=32768,
+        ),
+        {"full": (128, TARGET_MODULES, 0.3), "attn-mlp": (128, ATTN_MLP, 0.3)},
+    ),
 }
+POISON_LAYER = 1
+POISON_MODULE = "mlp.down_proj"
 
 
-def build(out: Path) -> None:
-    """Save the model (bf16) and the three adapters under out."""
+def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
+    """Save the model (bf16) and the preset's adapters under out; ``text`` overrides
+    the preset's text config (the CPU dry run shrinks the widths with it)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForConditionalGeneration
 
+    layers, adapters = PRESETS[preset]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(5)
-    model = Qwen3_5ForConditionalGeneration(qwen35_config(**LAYERS)).to(torch.bfloat16)
+    with torch.device(device):
+        model = Qwen3_5ForConditionalGeneration(qwen35_config(**{**layers, **(text or {})}))
+    model = model.to(torch.bfloat16)
     model.save_pretrained(out / "model")
-    for name, (rank, targets, scale) in ADAPTERS.items():
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters")
+    del model
+    built = {"model": str(out / "model")}
+    for name, (rank, targets, scale) in adapters.items():
         base = Qwen3_5ForConditionalGeneration.from_pretrained(out / "model", dtype=torch.bfloat16)
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets,
                             init_lora_weights=False)  # fmt: skip
         scale_lora_b(get_peft_model(base, config), scale).save_pretrained(out / name)
+        built[name] = str(out / name)
         print(f"adapter {name}: rank {rank}, {targets}")
+    return built
+
+
+def poison(source: Path, dest: Path) -> str:
+    """Copy an adapter; write inf into lora_B[0, 0] of layer POISON_LAYER's POISON_MODULE."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(source, dest)
+    path = dest / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    wanted = f"layers.{POISON_LAYER}.{POISON_MODULE}.lora_B"
+    name = next(n for n in sorted(tensors) if wanted in n)
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    print(f"poisoned: {source.name} with inf in {name}")
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="user")
+    parser.add_argument("--poison", metavar="NAME", help="also write OUT/poisoned from NAME")
+    args = parser.parse_args(argv)
+    if args.poison and args.poison not in PRESETS[args.preset][1]:
+        parser.error(f"--poison {args.poison}: the {args.preset} preset has "
+                     f"{', '.join(PRESETS[args.preset][1])}")  # fmt: skip
+    build(args.out, args.preset)
+    if args.poison:
+        poison(args.out / args.poison, args.out / "poisoned")
+    return 0
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    sys.exit(main())

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# The GPU proofs of issues 19 (item 6) and 20 (item 5) on a 2-GPU H200 host, as
+# a few device calls run back to back (the host is given back 30 s after a call;
+# /opt and /tmp go with it). The plan, with each call's carry list, command and
+# time, is docs/next-gpu-session.md.
+#
+#   bash scripts/gpu_session.sh STEP
+#
+#   b1       unpack .devbundle/b1, install .whl into /tmp/pk, start building the
+#            models in the background (setsid: it outlives the call)
+#   b3       unpack .devbundle/b3 (vLLM's _moe_C, scripts/make-moe-bundle.sh)
+#   b2       unpack .devbundle/b2, keep an unpatched hard-linked copy of vLLM in
+#            /opt/pristine, apply the default set to /opt/site, check _moe_C
+#            loads, start the proofs in the background, wait, pack
+#   collect  wait for the proofs and the benchmark, pack
+#   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
+#            packing; DRY=1 in the environment makes every step print, not run
+#
+# Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
+# weights and caches left out), and prints a summary. Wait limits are in
+# seconds since the step began (SECONDS), so a call ends inside its 600 s.
+#
+# The proofs (step `proofs`, started by b2), in three lanes:
+#   lane 1: e2e-tp2 (both GPUs), then model-tp2 (both GPUs)
+#   lane 2: e2e-tp1 (GPU 1), then poison (GPU 1)
+#   lane 3: model-tp1 (GPU 0), then the nan-probe benchmark (GPU 0): its
+#           engines start, its rounds wait for lanes 1 and 2 (proofs.done)
+# e2e-*:     verify --e2e (dense and MoE) at TP=1 / TP=2
+# model-*:   verify --model on the Qwen3.5-27B-wide cut (4 layers) with two
+#            rank-128 adapters (scripts/verify_model_gpu.py --preset wide27b)
+# poison:    verify --model on the 8-layer stand-in with `full` and `poisoned`
+#            (inf in one lora_B), PATCHKIT_LORA_BACKEND=triton: must FAIL
+#            naming `poisoned`
+# bench:     scripts/bench_serving.py, default against default+nan-probe
+#            (PATCHKIT_PROBE_LOG set), CUDA graphs, interleaved rounds
+set -u
+STEP=${1:?usage: gpu_session.sh b1|b3|b2|collect|proofs|build|dry}
+G=${GS_DIR:-/tmp/gs}
+REPO=$(pwd)
+OUT=${OUT:-$G/out}
+SEED=${GS_SEED:-11}
+RUN_LIMIT=${GS_RUN_LIMIT:-1500}     # one verify run, at most
+BENCH_END=${GS_BENCH_END:-1000}     # the benchmark ends this long after the proofs start
+export PYTHONUNBUFFERED=1
+# The host keeps NVLink multicast off (KINDS.md); every child inherits these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$G" "$OUT"
+
+say() { echo "[gs $(date +%H:%M:%S) +${SECONDS}s] $*"; }
+do_() { if [ -n "${DRY:-}" ]; then echo "DRY: $*"; else "$@"; fi; }
+site_path() { export PYTHONPATH=/opt/site:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk; }
+# The background steps run from a copy of the repository under $G, so the next
+# call's copy of the working tree never changes a file under a running process.
+snapshot() {
+  [ -d "$G/repo/patchkit" ] && return
+  mkdir -p "$G/repo"
+  cp -a patchkit scripts patches pyproject.toml .devtools "$G/repo/"
+}
+
+# pack NAME: the small files under $G (no weights, compile caches, vLLM trees)
+pack() {
+  local tarball=$OUT/gs-$1.tar.gz limit=${2:-3M}
+  (cd "$G" && find . -type f -size -"$limit" ! -name '*.safetensors' ! -name '*.pt' \
+    ! -path './out/*' ! -path './repo/*' ! -path '*/vllm-cache*' ! -path './bench/cache/*' \
+    ! -path './bench/sites/*' ! -path '*/torch_compile_cache/*' -print0 |
+    tar czf "$tarball" --null -T -)
+  if [ "$(stat -c %s "$tarball")" -gt 15000000 ]; then
+    [ "$limit" = 300k ] || { pack "$1" 300k; return; }
+  fi
+  say "packed $(stat -c %s "$tarball") bytes into $tarball"
+}
+
+# summary: each run's verdict and time, the checks that failed (for output_tail)
+summary() {
+  for f in "$G"/*.txt; do
+    [ -e "$f" ] || continue
+    case $(basename "$f") in
+      e2e-* | model-* | poison*)
+        echo "== $(basename "$f" .txt): $(grep -E '^verify (PASSED|FAILED)' "$f" | tail -1)" \
+          "| $(tail -1 "$f")"
+        grep -q '^exit ' "$f" || echo "   running: $(tail -1 "${f%.txt}.err" 2>/dev/null | cut -c1-150)"
+        grep -E 'FAIL {2,}' "$f" | cut -c1-160 | head -8
+        [ "$(basename "$f")" = poison.txt ] &&
+          echo "   failed rows naming poisoned: $(grep -E 'FAIL {2,}' "$f" | grep -c poisoned)," \
+            "naming full: $(grep -E 'FAIL {2,}' "$f" | grep -c ' full ')"
+        ;;
+    esac
+  done
+  [ -f "$G/bench/serving.md" ] && head -12 "$G/bench/serving.md"
+  [ -f "$G/bench.log" ] && tail -3 "$G/bench.log"
+  tail -2 "$G/smi.log" 2>/dev/null
+}
+
+# wait_for FILE UNTIL: until FILE exists or SECONDS reaches UNTIL
+wait_for() {
+  while [ ! -e "$1" ] && [ "$SECONDS" -lt "$2" ]; do sleep 5; done
+  [ -e "$1" ]
+}
+
+# one NAME: one verify run, its report in $G/NAME.txt, its --keep folder $G/NAME
+one() {
+  local name=$1 start=$SECONDS
+  local w=$G/wide u=$G/user
+  local args=(--seed "$SEED" --keep "$G/$name")
+  local env=()
+  case $name in
+    e2e-tp1) env=(CUDA_VISIBLE_DEVICES=1) args+=(--e2e --tensor-parallel-size 1) ;;
+    e2e-tp2) args+=(--e2e --tensor-parallel-size 2) ;;
+    model-tp1 | model-tp2)
+      [ "$name" = model-tp1 ] && env=(CUDA_VISIBLE_DEVICES=0)
+      args+=(--model "$w/model" --lora "full=$w/full" --lora "attn-mlp=$w/attn-mlp"
+        --tensor-parallel-size "${name#model-tp}")
+      ;;
+    poison)
+      env=(CUDA_VISIBLE_DEVICES=1 PATCHKIT_LORA_BACKEND=triton)
+      args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
+      ;;
+    *) echo "unknown run $name" >&2; return 2 ;;
+  esac
+  say "start $name: ${env[*]} patchkit verify ${args[*]}"
+  do_ env "${env[@]}" timeout "$RUN_LIMIT" python3 -m patchkit verify "${args[@]}" \
+    >"$G/$name.txt" 2>"$G/$name.err"
+  local rc=$?
+  echo "exit $rc after $((SECONDS - start)) s" >>"$G/$name.txt"
+  say "end $name: exit $rc after $((SECONDS - start)) s"
+}
+
+lane() { for run in "$@"; do one "$run"; done; }
+
+bench() {
+  local left=$((BENCH_END - SECONDS))
+  say "bench: engines start now, rounds after proofs.done, $left s in all"
+  [ "$left" -gt 300 ] || { say "bench: too little time left ($left s), not started"; return; }
+  # The parent imports the unpatched tree (for its version); each engine its own site.
+  do_ env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
+    CUDA_VISIBLE_DEVICES=0 timeout $((left + 60)) \
+    python3 scripts/bench_serving.py run "$G/bench" --site /opt/pristine --base default \
+    --configs default+nan-probe --rounds 40 --deadline "$left" --after "$G/proofs.done" \
+    --json "$G/bench/serving.json" --markdown "$G/bench/serving.md" >"$G/bench.log" 2>&1
+  say "bench: exit $?"
+}
+
+case $STEP in
+  b1)
+    do_ bash .devtools/unpack.sh .devbundle/b1
+    do_ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/pk .whl/*.whl
+    nvidia-smi >"$G/nvidia-smi.txt" 2>&1
+    say "building the models in the background (build.log)"
+    snapshot
+    (cd "$G/repo" && setsid nohup bash scripts/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
+    sleep "${GS_SLEEP:-20}"
+    tail -5 "$G/build.log"
+    pack b1
+    ;;
+  build) # background, from b1: transformers + PEFT on the GPU, no vLLM
+    (do_ python3 scripts/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
+      echo "exit $?" >>"$G/build-wide.txt") &
+    (do_ python3 scripts/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
+      echo "exit $?" >>"$G/build-user.txt") &
+    (do_ python3 scripts/bench_serving.py build "$G/bench" >"$G/build-bench.txt" 2>&1
+      echo "exit $?" >>"$G/build-bench.txt") &
+    wait
+    tail -n 3 "$G"/build-*.txt
+    touch "$G/build.done"
+    ;;
+  b3)
+    do_ bash .devtools/unpack.sh .devbundle/b3
+    ls -l /opt/site/vllm/_moe_C* >"$G/moe-file.txt" 2>&1
+    cat "$G/moe-file.txt"
+    tail -n 3 "$G"/build-*.txt 2>/dev/null
+    pack b3
+    ;;
+  b2)
+    do_ bash .devtools/unpack.sh .devbundle/b2
+    site_path
+    if [ ! -d /opt/pristine/vllm ]; then # before patching: patchkit writes new files
+      mkdir -p /opt/pristine
+      do_ cp -al /opt/site/vllm /opt/site/vllm-*.dist-info /opt/pristine/
+    fi
+    do_ python3 -m patchkit apply --target /opt/site >"$G/apply.txt" 2>&1
+    cat "$G/apply.txt"
+    do_ timeout 240 python3 -c "import torch, vllm._moe_C_stable_libtorch as m; \
+print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
+    tail -2 "$G/moe-import.txt"
+    wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
+    snapshot
+    (cd "$G/repo" && setsid nohup bash scripts/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
+    wait_for "$G/all.done" "${GS_WAIT:-545}"
+    summary
+    pack b2
+    ;;
+  proofs) # background, from b2
+    site_path
+    wait_for "$G/build.done" 600 || say "build not done after 600 s; starting anyway"
+    (while [ ! -e "$G/all.done" ]; do
+      nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader |
+        tr '\n' ' ' | sed "s/^/$(date +%T) /" >>"$G/smi.log"
+      echo >>"$G/smi.log"
+      sleep 30
+    done) &
+    SECONDS=0
+    lane e2e-tp2 model-tp2 &
+    p1=$!
+    lane e2e-tp1 poison &
+    p2=$!
+    (one model-tp1; bench) &
+    p3=$!
+    wait "$p1" "$p2"
+    touch "$G/proofs.done"
+    say "proofs done"
+    wait "$p3"
+    touch "$G/all.done"
+    say "all done"
+    ;;
+  collect)
+    wait_for "$G/all.done" "${GS_WAIT:-560}"
+    summary
+    pack "collect-$(date +%H%M%S)"
+    ;;
+  dry) # on the CPU machine: every step's commands printed, packing and summary run
+    export DRY=1 GS_DIR=${GS_DIR:-/tmp/gs-dry} GS_SLEEP=1
+    rm -rf "$GS_DIR"
+    for s in b1 b3 b2; do # b1 and b2 start build and proofs in the background
+      GS_WAIT=1 bash scripts/gpu_session.sh "$s" || exit 1
+    done
+    GS_WAIT=60 bash scripts/gpu_session.sh collect
+    tar tzf "$GS_DIR"/out/gs-collect-*.tar.gz
+    ;;
+  *)
+    echo "unknown step $STEP" >&2
+    exit 2
+    ;;
+esac
