@@ -475,3 +475,23 @@ def test_a_log_that_goes_bad_while_serving_drops_lines_and_never_raises(
     probe.flush()
     err = capfd.readouterr().err
     assert err.count(str(log)) == 1, err  # one warning, then silence
+
+
+def test_an_unexpected_error_reading_a_step_turns_the_probe_off_not_the_server(
+    probe, tmp_path, monkeypatch, capsys
+):
+    """A later vLLM that renames a runner attribute must not fail the requests."""
+    model = Model()
+    log = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    runner = fake_runner(model, ["r0"], [0, 4])
+    probe.install(runner)
+    del runner.query_start_loc  # what a renamed attribute looks like to the probe
+    with torch.no_grad():
+        model(torch.arange(4), torch.randn(4, 8))
+    probe.after_forward(runner)  # no exception
+    assert probe._PROBE is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "probe is off" in err[0] and "AttributeError" in err[0]
+    probe.after_forward(runner)  # and nothing more after it
+    assert capsys.readouterr().err == ""

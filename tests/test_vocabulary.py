@@ -54,7 +54,10 @@ def test_apply_and_revert_end_with_one_summary_line(tree_0260):
     reverted = run_cli("revert", "--target", str(tree_0260)).stdout.splitlines()
     assert reverted[-1] == "revert: 3 reverted now; now 3 needed, 1 not-applicable"
     dry = run_cli("apply", "--target", str(tree_0260), "--dry-run").stdout.splitlines()
-    assert dry[-1].startswith("apply: 3 would apply; nothing was written")
+    # states a dry run would leave, not "now" (the tree is unpatched)
+    assert dry[-1] == (
+        "apply: 3 would apply; nothing was written; it would leave 3 applied, 1 not-applicable"
+    )
 
 
 def test_a_notice_shows_once_under_its_patch_and_not_on_revert(tree_0260):

@@ -92,10 +92,11 @@ def summary(report: RunReport) -> str:
         return f"status: {now}"
     actions = Counter(DONE[s.action] for s in report.steps if s.action in DONE)
     did = ", ".join(f"{n} {what}" for what, n in actions.items()) or "nothing to do"
-    written = "; nothing was written" if report.options.dry_run else ""
     removed = len(report.bytecode_removed)
     pyc = f"; {removed} bytecode files removed" if removed else ""
-    return f"{report.command}: {did}{written}{pyc}; now {now}"
+    if report.options.dry_run:  # the states are those the run would leave, not the tree's
+        return f"{report.command}: {did}; nothing was written; it would leave {now}"
+    return f"{report.command}: {did}{pyc}; now {now}"
 
 
 def run_json(report: RunReport) -> dict:

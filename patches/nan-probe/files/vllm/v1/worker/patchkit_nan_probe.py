@@ -413,9 +413,20 @@ def install(runner) -> None:
 
 
 def after_forward(runner) -> None:
-    """From GPUModelRunner._model_forward, i.e. a step of real requests only."""
-    if _PROBE is not None:
+    """From GPUModelRunner._model_forward, i.e. a step of real requests only.
+
+    A diagnostic must not fail the request it watches: an unexpected error in
+    the host-side reading (a runner attribute renamed in a later vLLM, say)
+    turns the probe off with one line on stderr and the step goes on.
+    """
+    global _PROBE
+    if _PROBE is None:
+        return
+    try:
         _PROBE.after_forward(batch_meta(runner))
+    except Exception as exc:  # noqa: BLE001 - anything: the server keeps serving
+        path, _PROBE = _PROBE.log_path, None
+        _warn(path, exc, f"the probe is off from here ({type(exc).__name__} reading a step)")
 
 
 def batch_meta(runner) -> dict:
