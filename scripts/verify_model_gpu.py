@@ -71,8 +71,6 @@ PRESETS = {
         {"full": (128, TARGET_MODULES, 0.3), "attn-mlp": (128, ATTN_MLP, 0.3)},
     ),
 }
-POISON_LAYER = 1
-POISON_MODULE = "mlp.down_proj"
 
 
 def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
@@ -103,17 +101,11 @@ def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
 
 
 def poison(source: Path, dest: Path) -> str:
-    """Copy an adapter; write inf into lora_B[0, 0] of layer POISON_LAYER's POISON_MODULE."""
-    from safetensors.torch import load_file, save_file
+    """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place)."""
+    from scripts.nan_probe_gpu import poison as poison_copy
 
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(source, dest)
-    path = dest / "adapter_model.safetensors"
-    tensors = load_file(str(path))
-    wanted = f"layers.{POISON_LAYER}.{POISON_MODULE}.lora_B"
-    name = next(n for n in sorted(tensors) if wanted in n)
-    tensors[name][0, 0] = float("inf")
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    name = poison_copy(source, dest)
     print(f"poisoned: {source.name} with inf in {name}")
     return name
 
