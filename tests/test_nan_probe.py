@@ -246,6 +246,17 @@ def fake_runner(model, req_ids, bounds, adapters=None):
                                  query_start_loc=qsl)  # fmt: skip
 
 
+def installed(probe, log: Path, monkeypatch, req_ids, bounds, adapters=None):
+    """A Model with the probe installed as vLLM's load_model would, logging to ``log``
+    (no statistics); returns the model and the fake runner of its steps."""
+    model = Model()
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
+    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
+    runner = fake_runner(model, req_ids, bounds, adapters)
+    probe.install(runner)
+    return model, runner
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -297,12 +308,10 @@ def test_install_finds_layers_and_lora_projections_in_order(probe, tmp_path):
 
 
 def test_a_step_logs_only_the_points_with_a_bad_row_and_the_requests(probe, tmp_path, monkeypatch):
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
-    runner = fake_runner(model, ["r0", "r1"], [0, 3, 5], adapters=[None, "poisoned"])
-    probe.install(runner)
+    model, runner = installed(
+        probe, log, monkeypatch, ["r0", "r1"], [0, 3, 5], adapters=[None, "poisoned"]
+    )
     with torch.no_grad():
         model.layers[1].o_proj.linear.bias[0] = float("inf")  # every row from layer 1's o_proj
         model(torch.arange(5), torch.randn(5, 8))
@@ -352,12 +361,8 @@ def test_without_the_log_variable_nothing_is_wrapped(probe, monkeypatch):
 def test_a_dummy_run_writes_the_buffer_and_no_line(probe, tmp_path, monkeypatch):
     """Profile/warm-up/capture runs call the model but never _model_forward: the next
     real step overwrites what they wrote, and only real steps are read."""
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
-    runner = fake_runner(model, ["r0"], [0, 2])
-    probe.install(runner)
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 2])
     with torch.no_grad():
         model(torch.arange(4), torch.full((4, 8), float("nan")))  # a dummy run: no after_forward
         model(torch.arange(2), torch.randn(2, 8))
@@ -371,12 +376,8 @@ def test_the_hook_traces_into_a_compiled_graph(probe, tmp_path, monkeypatch):
     impl), Inductor compiles the rest on the CPU; the op still writes the buffer."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("Inductor on the CPU needs a C compiler")
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
-    runner = fake_runner(model, ["r0", "r1"], [0, 2, 5])
-    probe.install(runner)
+    model, runner = installed(probe, log, monkeypatch, ["r0", "r1"], [0, 2, 5])
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(5, 8)
     x[3, 1] = float("nan")
@@ -390,11 +391,10 @@ def test_the_hook_traces_into_a_compiled_graph(probe, tmp_path, monkeypatch):
 
 
 def test_the_report_reads_what_the_module_writes(probe, tmp_path, monkeypatch):
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    runner = fake_runner(model, ["r0", "r1"], [0, 3, 5], adapters=[None, "bad"])
-    probe.install(runner)
+    model, runner = installed(
+        probe, log, monkeypatch, ["r0", "r1"], [0, 3, 5], adapters=[None, "bad"]
+    )
     with torch.no_grad():
         model.layers[2].qkv_proj.linear.weight[0, 0] = float("nan")
         model(torch.arange(5), torch.randn(5, 8))
@@ -460,12 +460,8 @@ def test_a_log_that_goes_bad_while_serving_drops_lines_and_never_raises(
     probe, tmp_path, monkeypatch, capfd
 ):
     """The log replaced by a directory mid-run: after_forward raised inside _model_forward."""
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    monkeypatch.delenv("PATCHKIT_PROBE_STATS", raising=False)
-    runner = fake_runner(model, ["r0"], [0, 2])
-    probe.install(runner)
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 2])
     log.unlink()
     log.mkdir()
     for _ in range(3):
@@ -481,11 +477,8 @@ def test_an_unexpected_error_reading_a_step_turns_the_probe_off_not_the_server(
     probe, tmp_path, monkeypatch, capsys
 ):
     """A later vLLM that renames a runner attribute must not fail the requests."""
-    model = Model()
     log = tmp_path / "probe.jsonl"
-    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(log))
-    runner = fake_runner(model, ["r0"], [0, 4])
-    probe.install(runner)
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 4])
     del runner.query_start_loc  # what a renamed attribute looks like to the probe
     with torch.no_grad():
         model(torch.arange(4), torch.randn(4, 8))
