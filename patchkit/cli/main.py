@@ -40,17 +40,12 @@ def fail(message: str, code: int, as_json: bool) -> None:
     A path read from disk may hold a newline or another control character
     (a forged state entry); it is written escaped, so the error stays one line.
     """
-    message = one_line(message)
+    message = render.printable(message)
     with signals.swallowed():  # the error is the last word: no second signal cuts it
         if as_json:
             render.emit_json({"ok": False, "error": message, "exit_code": code})
         click.echo(f"patchkit: error: {message}", err=True)
     sys.exit(code)
-
-
-def one_line(text: str) -> str:
-    """``text`` with control characters escaped as Python writes them (a newline as \\n)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # What an interrupted command leaves behind, by command. Writes happen with
