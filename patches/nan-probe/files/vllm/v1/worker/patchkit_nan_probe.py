@@ -149,9 +149,11 @@ class Probe:
         self.poll()
 
     def reset(self) -> None:
-        """Zero the device buffers (stream-ordered after the copy that reads them)."""
+        """Zero the device buffers (stream-ordered after the copy that reads them);
+        the statistics only where the op writes them."""
         self.rows.zero_()
-        self.stats.zero_()
+        if self.with_stats:
+            self.stats.zero_()
 
     def poll(self) -> None:
         """Write the lines of every step the device has finished."""
@@ -184,17 +186,29 @@ def _host(numel: int, dtype, pin: bool) -> torch.Tensor:
 
 
 def step_lines(probe: Probe, pending: Pending) -> list[dict]:
-    """The JSON records of one step: the modules with a non-finite row (all, with stats)."""
+    """The JSON records of one step: the modules with a non-finite row (all, with stats).
+
+    This runs in vLLM's step loop after every step, where a decode step of a
+    small model takes a few milliseconds: the healthy step (no stats asked) is
+    decided by one reduction over all slots, and only the slots holding a
+    non-finite row are looked at one by one (a loop of small tensor calls over
+    every slot cost about 10 us a slot, a quarter of decode throughput).
+    """
     rows = pending.rows[:, : pending.tokens]
+    if probe.with_stats:
+        looked_at = probe.slots
+    else:
+        bad_slots = (~torch.isfinite(rows)).any(dim=1)
+        if not bool(bad_slots.any()):
+            return []
+        looked_at = [probe.slots[i] for i in bad_slots.nonzero().flatten().tolist()]
     bounds = pending.meta["query_start_loc"]
     lines = []
-    for slot in probe.slots:
+    for slot in looked_at:
         values = rows[slot.index]
         nan_rows = torch.isnan(values)
         inf_rows = torch.isinf(values)
         bad = nan_rows | inf_rows
-        if not bool(bad.any()) and not probe.with_stats:
-            continue
         record = _record(probe, pending, slot, nan_rows, inf_rows, values)
         record["bad_requests"] = _requests_of(bad, bounds, pending.meta["req_ids"])
         lines.append(record)
