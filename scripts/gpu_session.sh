@@ -16,6 +16,11 @@
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
+# GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
+# build, and the proofs are e2e-tp1 and model-tp1 side by side on GPU 1 while
+# the benchmark has GPU 0 to itself, its rounds from the start (no wait for the
+# proofs), until GS_BENCH_END.
+#
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
 # seconds since the step began (SECONDS), so a call ends inside its 600 s.
@@ -107,7 +112,7 @@ one() {
     e2e-tp1) env=(CUDA_VISIBLE_DEVICES=1) args+=(--e2e --tensor-parallel-size 1) ;;
     e2e-tp2) args+=(--e2e --tensor-parallel-size 2) ;;
     model-tp1 | model-tp2)
-      [ "$name" = model-tp1 ] && env=(CUDA_VISIBLE_DEVICES=0)
+      [ "$name" = model-tp1 ] && env=(CUDA_VISIBLE_DEVICES="${GS_MODEL_GPU:-0}")
       args+=(--model "$w/model" --lora "full=$w/full" --lora "attn-mlp=$w/attn-mlp"
         --tensor-parallel-size "${name#model-tp}")
       ;;
@@ -131,11 +136,13 @@ bench() {
   local left=$((BENCH_END - SECONDS))
   say "bench: engines start now, rounds after proofs.done, $left s in all"
   [ "$left" -gt 300 ] || { say "bench: too little time left ($left s), not started"; return; }
+  local after=(--after "$G/proofs.done")
+  [ "${GS_PLAN:-}" = short ] && after=()
   # The parent imports the unpatched tree (for its version); each engine its own site.
   do_ env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
     CUDA_VISIBLE_DEVICES=0 timeout $((left + 60)) \
     python3 scripts/bench_serving.py run "$G/bench" --site /opt/pristine --base default \
-    --configs default+nan-probe --rounds 40 --deadline "$left" --after "$G/proofs.done" \
+    --configs default+nan-probe --rounds 40 --deadline "$left" "${after[@]}" \
     --json "$G/bench/serving.json" --markdown "$G/bench/serving.md" >"$G/bench.log" 2>&1
   say "bench: exit $?"
 }
@@ -156,8 +163,10 @@ case $STEP in
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
     (do_ python3 scripts/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
       echo "exit $?" >>"$G/build-wide.txt") &
-    (do_ python3 scripts/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
-      echo "exit $?" >>"$G/build-user.txt") &
+    if [ "${GS_PLAN:-}" != short ]; then
+      (do_ python3 scripts/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
+        echo "exit $?" >>"$G/build-user.txt") &
+    fi
     (do_ python3 scripts/bench_serving.py build "$G/bench" >"$G/build-bench.txt" 2>&1
       echo "exit $?" >>"$G/build-bench.txt") &
     wait
@@ -200,6 +209,21 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
+    if [ "${GS_PLAN:-}" = short ]; then
+      one e2e-tp1 &
+      p1=$!
+      (GS_MODEL_GPU=1 one model-tp1) &
+      p2=$!
+      bench &
+      p3=$!
+      wait "$p1" "$p2"
+      touch "$G/proofs.done"
+      say "proofs done"
+      wait "$p3"
+      touch "$G/all.done"
+      say "all done"
+      exit 0
+    fi
     lane e2e-tp2 model-tp2 &
     p1=$!
     lane e2e-tp1 poison &

@@ -1070,3 +1070,50 @@ def test_unchanged_shards_are_symlinked_when_hard_links_fail(tmp_path, monkeypat
     with pytest.raises(PatchkitError, match="cannot hard-link or symlink") as err:
         merge.write_merged(plan, tmp_path / "out2")
     assert "\n" not in str(err.value) and not (tmp_path / "out2").exists()
+
+
+def test_the_rounding_control_rounds_each_merged_value_to_a_neighbour_at_random(tmp_path):
+    """verify --model's rounding control: the same merge, each changed value rounded to
+    one of its two bf16 neighbours at random (unbiased), reproducible from the seed;
+    tensors the adapter does not touch are the base's bytes."""
+    base = base_tensors()
+    model = write_checkpoint(tmp_path / "model", base)
+    mods = all_dense_modules()
+    factors = {m: lin(shape, 4, seed=i) for i, (m, shape) in enumerate(mods.items())}
+    adapter = write_adapter(tmp_path / "lora", factors)
+    plan = merge.plan_merge(model, adapter)
+    for name, seed in (("near", None), ("a", 1), ("b", 1), ("c", 2)):
+        merge.write_merged(plan, tmp_path / name, stochastic_seed=seed)
+    near, a, b, c = (merged_tensors(tmp_path / n) for n in ("near", "a", "b", "c"))
+    moved = total = 0
+    for key in base:
+        module = key.removesuffix(".weight")
+        if module not in factors:
+            assert torch.equal(a[key], base[key]), key
+            continue
+        exact = base[key].float() + (factors[module][1] @ factors[module][0]) * 2.0
+        assert torch.equal(near[key], expected_linear(base[key], *factors[module], 2.0))
+        assert torch.equal(a[key], b[key]), f"{key}: the same seed rounded differently"
+        other = torch.nextafter(near[key], torch.where(exact > near[key].float(), 1e9, -1e9).to(
+            torch.bfloat16))  # fmt: skip
+        assert bool(((a[key] == near[key]) | (a[key] == other)).all()), key
+        moved += int((a[key] != near[key]).sum())
+        total += a[key].numel()
+    assert 0.1 < moved / total < 0.4  # a quarter on average: |rest| / gap, uniform in [0, 0.5]
+    assert any(not torch.equal(a[k], c[k]) for k in a), "another seed rounded the same way"
+    errors = torch.cat(
+        [
+            (a[f"{m}.weight"].float() - base[f"{m}.weight"].float()).flatten()
+            - ((factors[m][1] @ factors[m][0]) * 2.0).flatten()
+            for m in factors
+        ]
+    )
+    assert abs(float(errors.mean())) < 0.05 * float(errors.abs().mean())  # unbiased
+
+
+def test_stochastic_rounding_keeps_nan_and_inf_and_float32_exact():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 3.4e38])  # the last: finite
+    rounded = merge.round_stochastically(values, torch.bfloat16, generator)
+    assert torch.isnan(rounded[0]) and rounded[1:3].isinf().all() and rounded[3] == 1.0
+    assert math.isfinite(float(values[4])) and rounded[4] == math.inf  # overflows as to nearest

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.errors import PatchkitError, UsageProblem
-from patchkit.proof import e2e, serving
+from patchkit.proof import e2e, merge, serving
 from patchkit.proof import model as user_model
 from tests.conftest import run_cli, run_subprocess
 
@@ -137,7 +137,7 @@ def test_a_bad_adapter_and_the_disk_are_decided_before_the_gpu(user, tmp_path):
     )
     good = run_cli("verify", "--model", str(user["model"]), "--lora", f"one={user['one']}",
                    "--workdir", str(tmp_path))  # fmt: skip
-    assert "merged references: 1 adapter(s) need" in good.stderr
+    assert "merged references: 1 adapter(s), each merged twice" in good.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("patchkit-verify-")]
 
 
@@ -262,9 +262,10 @@ def test_the_disk_the_references_need_is_said_before_anything_is_written(user, t
     said = []
     adapters = {"one": user["one"], "two": user["two"]}
     plans = user_model.plan_references(user["model"], adapters, tmp_path / "work", said.append)
-    needed = sum(p.bytes_needed for p in plans.values())
+    needed = 2 * sum(p.bytes_needed for p in plans.values())  # reference and rounding control
     assert needed > 0 and not (tmp_path / "work").exists()
-    assert said[0].startswith("merged references: 2 adapter(s) need ")
+    assert said[0].startswith("merged references: 2 adapter(s), each merged twice (")
+    assert f" need {merge.human_bytes(needed)} under" in said[0]
     assert f"under {tmp_path / 'work'}" in said[0] and "removed afterwards unless --keep" in said[0]
 
 
@@ -299,6 +300,8 @@ def fake_served(adapters, prefix=""):
     for number, name in enumerate(adapters, start=1):
         merged = {p: request(moved(p, -0.1 * number)) for p in prompts}
         served[f"{prefix}merged-{name}"] = {"corrupted_requests": 0, "runs": {"merged": merged}}
+        control = {p: request(moved(p, -0.1 * number + 0.004)) for p in prompts}
+        served[f"{prefix}rounding-{name}"] = {"corrupted_requests": 0, "runs": {"merged": control}}
     return served
 
 
@@ -306,7 +309,8 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
     seen = {}
 
     def serve_all(jobs, workdir, timeout, at_once):
-        seen["merged"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("merged"))
+        for kind in ("merged", "rounding"):
+            seen[kind] = sorted(p.name for p in workdir.iterdir() if p.name.startswith(kind))
         seen["jobs"] = [(j.name, j.mode, bool(j.loras)) for j in jobs]
         seen["workdir"] = workdir
         return fake_served(["one", "two"])
@@ -319,11 +323,14 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
     checks = user_model.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
     assert [c.name for c in checks if not c.ok] == []
     assert seen["merged"] == ["merged-one", "merged-two"]
+    assert seen["rounding"] == ["rounding-one", "rounding-two"]
     assert seen["jobs"] == [
         ("eager", "eager", True),
         ("cudagraph", "cudagraph", True),
         ("merged-one", "eager", False),
+        ("rounding-one", "eager", False),
         ("merged-two", "eager", False),
+        ("rounding-two", "eager", False),
     ]
     assert seen["workdir"].parent == work and not seen["workdir"].exists()
     assert list(work.iterdir()) == []
@@ -348,6 +355,7 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
         "eager",
         "cudagraph",
         "merged-one",
+        "rounding-one",
     }
 
 
@@ -389,12 +397,50 @@ def lora(served, mode="eager", name="one"):
          "reference two (merged, no LoRA): vLLM ran"),
         (lambda s: s.__setitem__("cudagraph", {"error": "vLLM (cudagraph) exited 1: boom"}),
          "cudagraph: vLLM ran"),
+        (lambda s: s.__setitem__("rounding-two", {"error": "vLLM (rounding-two) exited 1: x"}),
+         "reference two (rounding control): vLLM ran"),
+        (lambda s: s["rounding-one"]["runs"]["merged"]["p600"]["prompt_logprobs"].__setitem__(
+            0, math.nan), "reference one: its own bf16 rounding"),
     ],
 )  # fmt: skip
 def test_compare_catches(damage, expected):
     served = fake_served(["one", "two"])
     damage(served)
     assert expected in failing(user_model.compare(served, ["one", "two"]))
+
+
+def shift(group: dict, by: float) -> None:
+    """Move every prompt log-probability of a group of requests by ``by``."""
+    for request in group.values():
+        request["prompt_logprobs"] = [v + by for v in request["prompt_logprobs"]]
+
+
+@pytest.mark.parametrize(
+    "rounding, lora_off, passes",
+    [
+        (0.004, 0.02, True),  # within the fixed bound 0.03
+        (0.004, 0.04, False),  # beyond it, and the reference is precise (1.5 x 0.004)
+        (0.03, 0.04, True),  # a wide model: the reference itself moves 0.03; 1.5 x = 0.045
+        (0.03, 0.05, False),  # beyond 1.5 x the reference's own rounding
+    ],
+)
+def test_the_bound_is_the_references_own_rounding_times_the_factor(rounding, lora_off, passes):
+    served = fake_served(["one"])
+    shift(served["rounding-one"]["runs"]["merged"], rounding - 0.004)
+    shift(lora(served), lora_off)
+    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    row = checks["eager: one 600 tokens vs merged"]
+    assert row.ok is passes, row.detail
+    assert checks["reference one: its own bf16 rounding"].ok
+
+
+def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
+    served = fake_served(["one"])
+    shift(served["rounding-one"]["runs"]["merged"], 0.2)
+    shift(lora(served), 0.15)  # within 1.5 x the 0.2 apart: passes only on a reference this coarse
+    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    coarse = checks["reference one: its own bf16 rounding"]
+    assert not coarse.ok and "too coarse in bf16 to judge a LoRA path by" in coarse.detail
 
 
 def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():

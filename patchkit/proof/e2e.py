@@ -288,11 +288,11 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
 
 
 def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
-    """The MoE model with its adapter in each mode, and its merged reference."""
+    """The MoE model with its adapter in each mode, its merged reference and rounding control."""
     moe_dir, moe_adapter = build_moe(workdir, seed)
     adapters = {"moe": moe_adapter}
     plans = user_model.plan_references(moe_dir, adapters, workdir, say)
-    merged = user_model.write_references(plans, workdir, say)
+    references = user_model.write_references(plans, workdir, say, seed)
     config = user_model.read_config(moe_dir)
     setup = {
         "prompts": user_model.make_prompts(config, MOE_PROMPT_LENGTHS, seed),
@@ -300,7 +300,7 @@ def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
         "seed": seed,
         **memory,
     }
-    return user_model.jobs(moe_dir, adapters, merged, setup, prefix="moe-")
+    return user_model.jobs(moe_dir, adapters, references, setup, prefix="moe-")
 
 
 def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:

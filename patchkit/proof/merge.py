@@ -1263,8 +1263,33 @@ class _FactorCache:
         return t
 
 
-def _merge_tensor(src: SafetensorsFile, info: TensorInfo, pieces: list[_Piece], cache, out) -> None:
-    """Write one merged tensor: row blocks in float32, W + scale * left @ right, cast back."""
+def round_stochastically(block, dtype, generator):
+    """``block`` (float32) in ``dtype``, each value rounded up or down at random.
+
+    Rounded to nearest first; then moved to the other neighbour with the
+    probability |rest| / gap (at most one half), so each value is right on
+    average, with an error independent of the nearest rounding's. Two merged
+    references rounded these two ways are equally valid bf16 versions of the
+    same float32 model, so how far apart they serve is the precision of the
+    merged reference itself (``verify --model``'s rounding control). NaN and
+    inf stay as rounded to nearest.
+    """
+    import torch
+
+    near = block.to(dtype)
+    rest = block - near.to(torch.float32)
+    toward = torch.full_like(near, float("inf")).where(rest > 0, float("-inf"))
+    other = torch.nextafter(near, toward)
+    chance = rest.abs() / (other.to(torch.float32) - near.to(torch.float32)).abs()
+    draw = torch.rand(block.shape, generator=generator, dtype=torch.float32)
+    return other.where(draw < chance, near)
+
+
+def _merge_tensor(
+    src: SafetensorsFile, info: TensorInfo, pieces: list[_Piece], cache, out, generator=None
+) -> None:
+    """Write one merged tensor: row blocks in float32, W + scale * left @ right, cast back
+    (to nearest, or stochastically with a ``generator``)."""
     import torch
 
     cols = info.shape[-1]
@@ -1283,11 +1308,15 @@ def _merge_tensor(src: SafetensorsFile, info: TensorInfo, pieces: list[_Piece], 
             s0 = piece.sub0 + o0 - piece.row0
             delta = left[s0 : s0 + o1 - o0] @ right
             block[o0 - c0 : o1 - c0] += delta.mul_(piece.lora.scale)
-        out.write(_tensor_bytes(block.to(dtype)))
+        if generator is None or dtype == torch.float32:
+            rounded = block.to(dtype)
+        else:
+            rounded = round_stochastically(block, dtype, generator)
+        out.write(_tensor_bytes(rounded))
 
 
 def _rewrite_shard(
-    src: SafetensorsFile, dest: Path, pieces: dict[str, list[_Piece]], cache
+    src: SafetensorsFile, dest: Path, pieces: dict[str, list[_Piece]], cache, generator=None
 ) -> None:
     """The shard again, byte for byte, except the merged tensors' data."""
     chunk = 1 << 24
@@ -1298,7 +1327,7 @@ def _rewrite_shard(
             if info.begin > pos:  # bytes between tensors, kept as they are
                 out.write(src.read_bytes(pos, info.begin - pos))
             if info.name in pieces:
-                _merge_tensor(src, info, pieces[info.name], cache, out)
+                _merge_tensor(src, info, pieces[info.name], cache, out, generator)
             else:
                 for start in range(info.begin, info.end, chunk):
                     out.write(src.read_bytes(start, min(chunk, info.end - start)))
@@ -1325,12 +1354,17 @@ def _link(source: Path, dest: Path) -> str:
 
 
 def write_merged(
-    plan: MergePlan, dest_dir: Path | str, progress: Callable[[str], None] | None = None
+    plan: MergePlan,
+    dest_dir: Path | str,
+    progress: Callable[[str], None] | None = None,
+    stochastic_seed: int | None = None,
 ) -> dict[str, str]:
     """Write the merged checkpoint to dest_dir (which must not exist, or be empty).
 
     Written next to it first and renamed into place at the end, so dest_dir
     is either complete or absent. Returns {shard: "merged"|"hardlink"|"symlink"}.
+    With ``stochastic_seed`` the merged tensors are rounded stochastically
+    (``round_stochastically``, reproducible from the seed) instead of to nearest.
     """
     dest = Path(dest_dir).absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -1353,6 +1387,7 @@ def write_merged(
     done: dict[str, str] = {}
     adapter = _AdapterTensors(plan.adapter_dir)
     cache = _FactorCache(adapter, _CACHE_BYTES)
+    generator = _generator(stochastic_seed)
     work = None
     try:
         # A fresh staging directory of our own (mkdtemp), never one found by its name:
@@ -1371,7 +1406,7 @@ def write_merged(
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             with SafetensorsFile(plan.model_dir / name) as src:
                 mine = {k: v for k, v in plan._pieces.items() if k in src.tensors}
-                _rewrite_shard(src, work / name, mine, cache)
+                _rewrite_shard(src, work / name, mine, cache, generator)
             done[name] = "merged"
         if dest.exists():
             dest.rmdir()
@@ -1387,6 +1422,15 @@ def write_merged(
     finally:
         adapter.close()
     return done
+
+
+def _generator(seed: int | None):
+    """A CPU generator for stochastic rounding, or None (round to nearest)."""
+    if seed is None:
+        return None
+    import torch
+
+    return torch.Generator().manual_seed(seed)
 
 
 @contextlib.contextmanager
