@@ -509,3 +509,16 @@ def test_a_failed_engine_is_reported_by_its_exception_not_a_source_line():
     assert serving.first_error(log) == (
         "AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'"
     )
+
+
+def test_an_engine_wide_health_row_names_the_adapter_whose_requests_went_bad():
+    """One engine serves every adapter: its NaN and token-0 rows say whose requests
+    held them (the poisoned adapter on the H200 was named only by its own rows)."""
+    served = fake_served(["one", "two"])
+    lora(served, name="two")["p600"]["prompt_logprobs"][3] = math.nan
+    lora(served, name="two")["p3000"]["tokens"] = [0, 0, 0, 0]
+    checks = {c.name: c for c in user_model.compare(served, ["one", "two"])}
+    assert checks["eager: no NaN log-probabilities"].detail == "1 NaN (in lora:two)"
+    zero = checks["eager: no run of token id 0"]
+    assert not zero.ok and zero.detail.endswith("zeros in a row (in lora:two)")
+    assert checks["cudagraph: no NaN log-probabilities"].detail == "0 NaN"

@@ -84,18 +84,37 @@ def health_checks(name: str, served: dict) -> list[Check]:
             f"{corrupted} (VLLM_COMPUTE_NANS_IN_LOGITS=1)",
         )
     ]
-    every = [r for group in served["runs"].values() for r in group.values() if isinstance(r, dict)]
-    nan = sum(count_nan(r["prompt_logprobs"] + r["token_logprobs"]) for r in every)
-    checks.append(Check(f"{name}: no NaN log-probabilities", nan == 0, f"{nan} NaN"))
-    zero_runs = [len(r["tokens"]) for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
+    every = [
+        (label, r)
+        for label, group in served["runs"].items()
+        for r in group.values()
+        if isinstance(r, dict)
+    ]
+    nan = [(label, count_nan(r["prompt_logprobs"] + r["token_logprobs"])) for label, r in every]
+    nan_total = sum(n for _, n in nan)
+    checks.append(
+        Check(
+            f"{name}: no NaN log-probabilities",
+            nan_total == 0,
+            f"{nan_total} NaN" + _naming([label for label, n in nan if n]),
+        )
+    )
+    zero_runs = [label for label, r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
     checks.append(
         Check(
             f"{name}: no run of token id 0",
             not zero_runs,
-            f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row",
+            f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row" + _naming(zero_runs),
         )
     )
     return checks
+
+
+def _naming(labels: list[str]) -> str:
+    """' (in lora:poisoned, ...)': which requests of an engine went bad, so an
+    engine-wide row still names the adapter (the engine serves them all)."""
+    names = list(dict.fromkeys(labels))
+    return f" (in {', '.join(names)})" if names else ""
 
 
 def bound_check(title: str, values: list[float], reference: list[float], bounds) -> Check:
