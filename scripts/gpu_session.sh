@@ -216,20 +216,14 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       p2=$!
       bench &
       p3=$!
-      wait "$p1" "$p2"
-      touch "$G/proofs.done"
-      say "proofs done"
-      wait "$p3"
-      touch "$G/all.done"
-      say "all done"
-      exit 0
+    else
+      lane e2e-tp2 model-tp2 &
+      p1=$!
+      lane e2e-tp1 poison &
+      p2=$!
+      (one model-tp1; bench) &
+      p3=$!
     fi
-    lane e2e-tp2 model-tp2 &
-    p1=$!
-    lane e2e-tp1 poison &
-    p2=$!
-    (one model-tp1; bench) &
-    p3=$!
     wait "$p1" "$p2"
     touch "$G/proofs.done"
     say "proofs done"
