@@ -36,7 +36,8 @@
 # poison:    verify --model on the 8-layer stand-in with `full` and `poisoned`
 #            (inf in one lora_B), PATCHKIT_LORA_BACKEND=triton: must FAIL
 #            naming `poisoned`
-# bench:     scripts/bench_serving.py, default against default+nan-probe
+# bench:     scripts/bench_probe_gpu.py (the probe's kernels in a CUDA graph), then
+#            scripts/bench_serving.py, default against default+nan-probe
 #            (PATCHKIT_PROBE_LOG set), CUDA graphs, interleaved rounds
 set -u
 STEP=${1:?usage: gpu_session.sh b1|b3|b2|collect|proofs|build|dry}
@@ -91,6 +92,7 @@ summary() {
         ;;
     esac
   done
+  [ -f "$G/probe-kernels.txt" ] && tail -5 "$G/probe-kernels.txt"
   [ -f "$G/bench/serving.md" ] && head -12 "$G/bench/serving.md"
   [ -f "$G/bench.log" ] && tail -3 "$G/bench.log"
   tail -2 "$G/smi.log" 2>/dev/null
@@ -136,6 +138,10 @@ bench() {
   local left=$((BENCH_END - SECONDS))
   say "bench: engines start now, rounds after proofs.done, $left s in all"
   [ "$left" -gt 300 ] || { say "bench: too little time left ($left s), not started"; return; }
+  # the probe's kernels alone, replayed in a CUDA graph (about 20 s): what a step's
+  # probed points cost on the device, apart from the serving benchmark's whole
+  do_ env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_probe_gpu.py \
+    >"$G/probe-kernels.txt" 2>&1
   local after=(--after "$G/proofs.done")
   [ "${GS_PLAN:-}" = short ] && after=()
   # The parent imports the unpatched tree (for its version); each engine its own site.
