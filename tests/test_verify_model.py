@@ -434,6 +434,17 @@ def test_the_bound_is_the_references_own_rounding_times_the_factor(rounding, lor
     assert checks["reference one: its own bf16 rounding"].ok
 
 
+def test_the_references_rounding_is_taken_over_all_prompts():
+    """One prompt's distance between the two roundings is a sample of one perturbation:
+    a control 0.03 away on the 3000-token prompt widens the 600-token bound too."""
+    served = fake_served(["one"])
+    shift({"p3000": served["rounding-one"]["runs"]["merged"]["p3000"]}, 0.026)  # 0.03 apart
+    shift({"p600": lora(served)["p600"]}, 0.04)
+    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    row = checks["eager: one 600 tokens vs merged"]
+    assert row.ok and "(<= 0.045)" in row.detail, row.detail
+
+
 def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], 0.2)

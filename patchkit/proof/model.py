@@ -366,13 +366,22 @@ def rounding_check(label: str, served: dict, adapter: str, prefix: str) -> list[
     return [*ran, Check(title, max(means) <= ROUNDING_LIMIT, detail)]
 
 
-def bounds_for(floor: tuple[float, float] | None) -> tuple[float, float]:
-    """MERGED_BOUNDS, widened to ROUNDING_FACTOR x the reference's own rounding."""
-    if floor is None:
+def bounds_for(floors: dict[str, tuple[float, float]] | None) -> tuple[float, float]:
+    """MERGED_BOUNDS, widened to ROUNDING_FACTOR x the reference's own rounding.
+
+    The rounding is one perturbation of the adapter's weights, so its size is
+    taken over all prompts (the largest mean and max), not prompt by prompt:
+    one prompt's distance is a sample of it, and in a MoE model a sample that
+    a few routing flips decide (on the H200 the MoE reference's two roundings
+    differed by 0.031 on 600 tokens and 0.040 on 3000).
+    """
+    if not floors:
         return MERGED_BOUNDS
+    mean = max(f[0] for f in floors.values())
+    worst = max(f[1] for f in floors.values())
     return (
-        max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * floor[0], 4)),
-        max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * floor[1], 3)),
+        max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * mean, 4)),
+        max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * worst, 3)),
     )
 
 
@@ -380,7 +389,8 @@ def adapter_checks(
     name: str, adapter: str, runs: dict, merged: dict | None, floors: dict | None = None
 ) -> list[Check]:
     """The adapter loaded, matches its merged reference within the reference's own
-    precision (``floors``, per prompt), and changes the output."""
+    precision (``floors``, per prompt, taken together by bounds_for), and changes
+    the output."""
     label = f"lora:{adapter}"
     error = judge.served_error(runs, label)
     if error:
@@ -388,6 +398,7 @@ def adapter_checks(
     if not merged:
         return [Check(f"{name}: {adapter} vs merged", False, "the merged reference did not run")]
     out = []
+    bounds = bounds_for(floors)
     for prompt in runs[label]:
         title = f"{name}: {adapter} {prompt[1:]} tokens vs merged"
         out.append(
@@ -395,7 +406,7 @@ def adapter_checks(
                 title,
                 judge.logprobs(runs, label, prompt),
                 merged[prompt]["prompt_logprobs"],
-                bounds_for((floors or {}).get(prompt)),
+                bounds,
             )
         )
     out.append(effect_check(name, adapter, runs, merged))
