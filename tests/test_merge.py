@@ -1111,9 +1111,48 @@ def test_the_rounding_control_rounds_each_merged_value_to_a_neighbour_at_random(
     assert abs(float(errors.mean())) < 0.05 * float(errors.abs().mean())  # unbiased
 
 
-def test_stochastic_rounding_keeps_nan_and_inf_and_float32_exact():
+def test_stochastic_rounding_keeps_nan_and_inf():
     generator = torch.Generator().manual_seed(0)
-    values = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 3.4e38])  # the last: finite
-    rounded = merge.round_stochastically(values, torch.bfloat16, generator)
+    values = torch.tensor([math.nan, math.inf, -math.inf, 1.0, -0.0, 3.4e38])  # last: finite
+    rounded = merge.round_stochastically(values, generator)
+    assert rounded.dtype == torch.bfloat16
     assert torch.isnan(rounded[0]) and rounded[1:3].isinf().all() and rounded[3] == 1.0
-    assert math.isfinite(float(values[4])) and rounded[4] == math.inf  # overflows as to nearest
+    assert rounded[4] == 0 and math.copysign(1, float(rounded[4])) < 0
+    assert math.isfinite(float(values[5])) and rounded[5] == math.inf  # overflows as to nearest
+
+
+@pytest.mark.parametrize("value", [1 + 0.3 * 2**-7, -(1 + 0.3 * 2**-7), 3 + 0.2 * 2**-6])
+def test_stochastic_rounding_is_right_on_average_value_by_value(value):
+    """One value, rounded 100,000 times: up with the share of the step it lies above
+    its lower neighbour, so the mean is the value. A constant chance, or one off by
+    a factor, is caught here (symmetric remainders over many values would hide it)."""
+    generator = torch.Generator().manual_seed(3)
+    block = torch.full((100_000,), value, dtype=torch.float32)
+    rounded = merge.round_stochastically(block, generator).float()
+    low = block.to(torch.bfloat16).float()[0]  # these values lie nearer their lower neighbour
+    step = float(torch.nextafter(low.to(torch.bfloat16), torch.tensor(math.copysign(9, value),
+        dtype=torch.bfloat16)).float() - low)  # fmt: skip
+    share = (value - float(low)) / step
+    moved = float((rounded != low).float().mean())
+    assert abs(moved - share) < 0.01, (moved, share)
+    assert abs(float(rounded.mean()) - value) < 0.01 * abs(step)
+
+
+def test_the_rounding_control_of_a_float32_checkpoint_holds_bf16_values(tmp_path):
+    """vLLM serves the references in bf16, so a float32 checkpoint's control is rounded
+    to bf16 at random (and stored as float32); the reference stays float32, which vLLM
+    rounds to nearest at load."""
+    base = base_tensors(dtype=torch.float32)
+    model = write_checkpoint(tmp_path / "model", base)
+    module = f"{VL}layers.0.mlp.down_proj"
+    factors = {module: lin(all_dense_modules()[module], 4, seed=5)}
+    plan = merge.plan_merge(model, write_adapter(tmp_path / "lora", factors))
+    merge.write_merged(plan, tmp_path / "near")
+    merge.write_merged(plan, tmp_path / "control", stochastic_seed=4)
+    key = module + ".weight"
+    near = merged_tensors(tmp_path / "near")[key]
+    control = merged_tensors(tmp_path / "control")[key]
+    assert near.dtype == control.dtype == torch.float32
+    assert torch.equal(near, expected_linear(base[key], *factors[module], 2.0))
+    assert torch.equal(control.to(torch.bfloat16).float(), control)  # bf16 values
+    assert not torch.equal(control, near.to(torch.bfloat16).float())  # not nearest

@@ -278,8 +278,9 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     assert listing(tmp_path) == before
 
 
-def fake_served(adapters, prefix=""):
-    """What vLLM would serve when everything is right: LoRA equals its merged reference."""
+def fake_served(adapters, prefix="", effect=0.3):
+    """What vLLM would serve when everything is right: LoRA equals its merged reference;
+    adapter number N moves every log-probability by N x ``effect``."""
     prompts = {"p600": 600, "p3000": 3000}
     base = {p: [-8.0 + 0.01 * (i % 7) for i in range(n - 1)] for p, n in prompts.items()}
 
@@ -291,16 +292,16 @@ def fake_served(adapters, prefix=""):
 
     runs = {"base": {p: request(base[p]) for p in prompts}}
     for number, name in enumerate(adapters, start=1):
-        runs[f"lora:{name}"] = {p: request(moved(p, -0.1 * number)) for p in prompts}
-    runs["lora_after_long"] = {"p600": request(moved("p600", -0.1))}
+        runs[f"lora:{name}"] = {p: request(moved(p, -effect * number)) for p in prompts}
+    runs["lora_after_long"] = {"p600": request(moved("p600", -effect))}
     runs["base_after_lora"] = copy.deepcopy(runs["base"])
     served = {}
     for mode in serving.MODES:
         served[f"{prefix}{mode}"] = {"corrupted_requests": 0, "runs": copy.deepcopy(runs)}
     for number, name in enumerate(adapters, start=1):
-        merged = {p: request(moved(p, -0.1 * number)) for p in prompts}
+        merged = {p: request(moved(p, -effect * number)) for p in prompts}
         served[f"{prefix}merged-{name}"] = {"corrupted_requests": 0, "runs": {"merged": merged}}
-        control = {p: request(moved(p, -0.1 * number + 0.004)) for p in prompts}
+        control = {p: request(moved(p, -effect * number + 0.004)) for p in prompts}
         served[f"{prefix}rounding-{name}"] = {"corrupted_requests": 0, "runs": {"merged": control}}
     return served
 
@@ -351,6 +352,11 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
     keep = tmp_path / "keep"
     user_model.run_model(user["model"], setup, None, keep, (1 << 40, 1 << 40), print)
     assert (keep / "merged-one" / "config.json").is_file()
+    assert (keep / "rounding-one" / "config.json").is_file()
+    merged = {f.name: f.read_bytes() for f in (keep / "merged-one").glob("*.safetensors")}
+    control = {f.name: f.read_bytes() for f in (keep / "rounding-one").glob("*.safetensors")}
+    assert merged.keys() == control.keys()
+    assert any(merged[name] != control[name] for name in merged)  # rounded another way
     assert set(json.loads((keep / "served.json").read_text())) == {
         "eager",
         "cudagraph",
@@ -445,6 +451,32 @@ def test_the_references_rounding_is_taken_over_all_prompts():
     assert row.ok and "(<= 0.045)" in row.detail, row.detail
 
 
+def test_a_control_with_one_wild_token_does_not_let_a_broken_position_by():
+    """The max bound is 1.5 x the control's worst token but never past MAX_CEILING:
+    a control 6 nats off on one token must not pass LoRA 8 nats off on two."""
+    served = fake_served(["one"])
+    served["rounding-one"]["runs"]["merged"]["p600"]["prompt_logprobs"][10] -= 6.0
+    for position in (0, 300):
+        lora(served)["p600"]["prompt_logprobs"][position] -= 8.0
+    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    row = checks["eager: one 600 tokens vs merged"]
+    assert not row.ok and f"(<= {user_model.MAX_CEILING})" in row.detail, row.detail
+    assert checks["cudagraph: one 600 tokens vs merged"].ok
+
+
+def test_a_bound_too_wide_for_the_adapters_effect_fails_as_too_coarse_to_tell():
+    """An adapter that moves log-probs by 0.1 against the bound 0.03: 30 % of its
+    effect, so the same adapter at 70 % of its strength could pass."""
+    served = fake_served(["one"], effect=0.1)
+    row = {c.name: c for c in user_model.compare(served, ["one"])}[
+        "eager: one adapter differs from base"
+    ]
+    assert not row.ok and "too coarse to tell" in row.detail, row.detail
+    served = fake_served(["one", "two", "three"], effect=0.1)  # `three` moves 0.3: 10 %
+    rows = {c.name: c for c in user_model.compare(served, ["one", "two", "three"])}
+    assert rows["eager: three adapter differs from base"].ok
+
+
 def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], 0.2)
@@ -455,7 +487,7 @@ def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
 
 
 def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
-    served = fake_served(["one"])
+    served = fake_served(["one"], effect=0.1)
     for group in [served["merged-one"]["runs"]["merged"], lora(served), lora(served, "cudagraph")]:
         for request in group.values():
             request["prompt_logprobs"] = [v + 0.095 for v in request["prompt_logprobs"]]
