@@ -19,14 +19,10 @@ ops (the tensors only) as the baseline. Needs a CUDA GPU (exits 2 without).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
-MODULE = (
-    Path(__file__).resolve().parent.parent
-    / "patches/nan-probe/files/vllm/v1/worker/patchkit_nan_probe.py"
-)
+from bench_probe_host import load_probe_module  # scripts/: the module from patches/
+
 HIDDEN = 5120
 # (module, output width) of one layer's LoRA projections at Qwen3.5-27B widths
 # (vLLM's fused names; TP=1), and how many layers of each kind the benchmark has.
@@ -35,14 +31,6 @@ GDN = [("in_proj_qkvz", 16384), ("in_proj_ba", 96), ("out_proj", HIDDEN),
 ATTENTION = [("qkv_proj", 14336), ("o_proj", HIDDEN), ("gate_up_proj", 2 * 17408),
              ("down_proj", HIDDEN)]  # fmt: skip
 LAYERS = [GDN] * 6 + [ATTENTION] * 2
-
-
-def load_probe_module():
-    spec = importlib.util.spec_from_file_location("patchkit_nan_probe", MODULE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def step_calls(tokens: int, device):
