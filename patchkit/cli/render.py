@@ -438,20 +438,19 @@ def render_probe_report(report, out) -> None:
     log: control characters are escaped, so no ESC sequence or newline in them
     reaches the terminal as such.
     """
-    raw_out = out
 
-    def out(line: str) -> None:
-        raw_out(printable(line))
+    def say(line: str) -> None:
+        out(printable(line))
 
-    out(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
+    say(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
     if not report.findings:
-        out("no request had a NaN or Inf in any probed layer or projection")
+        say("no request had a NaN or Inf in any probed layer or projection")
     for f in report.findings:
         adapter = f" (adapter {f.adapter})" if f.adapter else ""
         where = f"step {f.step}, layer {f.layer}, {f.module}"
-        out(f"  request {f.request}{adapter}: first bad at {where}")
-        out(f"      {f.verdict}; look at {f.look_at}")
-        out(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
+        say(f"  request {f.request}{adapter}: first bad at {where}")
+        say(f"      {f.verdict}; look at {f.look_at}")
+        say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
     if report.padding_only:
-        out(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
-    out(f"probe report: {len(report.findings)} affected requests")
+        say(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
+    say(f"probe report: {len(report.findings)} affected requests")

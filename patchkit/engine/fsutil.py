@@ -41,8 +41,9 @@ def read_user_json(path: Path) -> object:
     by type before the open and again on the descriptor, so a FIFO named
     config.json is refused instead of waited on for ever. OSError when absent.
     """
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError(f"{kind_of(os.stat(path).st_mode)}, not a regular file")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{kind_of(mode)}, not a regular file")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):

@@ -208,6 +208,10 @@ def _existing(path: Path) -> Path:
     return path
 
 
+# The two references of an adapter: its engines are PREFIX-KIND-NAME.
+REFERENCES = ("merged", "rounding")
+
+
 def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
     """Each merged checkpoint under workdir/merged-NAME, and its rounding control
     (the same merge rounded stochastically) under workdir/rounding-NAME."""
@@ -221,10 +225,6 @@ def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, di
         control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
         merge.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
     return out
-
-
-# The two references of an adapter: its engines are PREFIX-KIND-NAME.
-REFERENCES = ("merged", "rounding")
 
 
 # ----- the engines -----
@@ -296,19 +296,24 @@ def jobs(
 def compare(served: dict, adapters: list[str], prefix: str = "") -> list[Check]:
     """Every check of one `--model` run: the references, then each mode."""
     out = []
+    floors = {}  # per adapter, the reference's own rounding, measured once for every mode
     for name in adapters:
         result = served[f"{prefix}merged-{name}"]
         label = f"{prefix}reference {name} (merged, no LoRA)"
         out += judge.engine_ran(label, result)
         if "error" not in result:
             out += judge.health_checks(label, result)
-        out += rounding_check(f"{prefix}reference {name}", served, name, prefix)
+        floors[name] = rounding_floors(served, name, prefix)
+        out += rounding_check(f"{prefix}reference {name}", served, name, prefix, floors[name])
     for mode in serving.MODES:
-        out += compare_mode(f"{prefix}{mode}", served[f"{prefix}{mode}"], served, adapters, prefix)
+        result = served[f"{prefix}{mode}"]
+        out += compare_mode(f"{prefix}{mode}", result, served, adapters, prefix, floors)
     return out
 
 
-def compare_mode(name: str, result: dict, served: dict, adapters: list[str], prefix: str):
+def compare_mode(
+    name: str, result: dict, served: dict, adapters: list[str], prefix: str, floors: dict
+):
     """One LoRA engine: health, each adapter against its merged reference, the repeats."""
     ran = judge.engine_ran(name, result)
     if "error" in result:
@@ -316,9 +321,8 @@ def compare_mode(name: str, result: dict, served: dict, adapters: list[str], pre
     runs = result["runs"]
     out = ran + judge.health_checks(name, result)
     for adapter in adapters:
-        reference = served[f"{prefix}merged-{adapter}"]
-        floors = rounding_floors(served, adapter, prefix)
-        out += adapter_checks(name, adapter, runs, reference.get("runs", {}).get("merged"), floors)
+        merged = _reference_runs(served, "merged", adapter, prefix)
+        out += adapter_checks(name, adapter, runs, merged, floors[adapter])
     out.append(
         judge.repeat_check(
             name, runs, "base_after_lora", "base", "base after LoRA equals base before"
@@ -359,13 +363,15 @@ def rounding_floors(served: dict, adapter: str, prefix: str) -> dict[str, tuple[
     return floors
 
 
-def rounding_check(label: str, served: dict, adapter: str, prefix: str) -> list[Check]:
-    """The rounding control ran, and the reference is precise enough to judge LoRA by."""
+def rounding_check(
+    label: str, served: dict, adapter: str, prefix: str, floors: dict[str, tuple[float, float]]
+) -> list[Check]:
+    """The rounding control ran, and the reference is precise enough to judge LoRA by
+    (``floors``: rounding_floors of this adapter)."""
     control = served[f"{prefix}rounding-{adapter}"]
     ran = judge.engine_ran(f"{label} (rounding control)", control)
     if "error" in control or "error" in served[f"{prefix}merged-{adapter}"]:
         return ran
-    floors = rounding_floors(served, adapter, prefix)
     title = f"{label}: its own bf16 rounding"
     if not floors:
         why = (

@@ -209,14 +209,13 @@ def step_lines(probe: Probe, pending: Pending) -> list[dict]:
         nan_rows = torch.isnan(values)
         inf_rows = torch.isinf(values)
         bad = nan_rows | inf_rows
-        record = _record(probe, pending, slot, nan_rows, inf_rows, values)
+        record = _record(probe, pending, slot, nan_rows, inf_rows, values[~bad])
         record["bad_requests"] = _requests_of(bad, bounds, pending.meta["req_ids"])
         lines.append(record)
     return lines
 
 
-def _record(probe: Probe, pending: Pending, slot: Slot, nan_rows, inf_rows, values) -> dict:
-    finite = values[~(nan_rows | inf_rows)]
+def _record(probe: Probe, pending: Pending, slot: Slot, nan_rows, inf_rows, finite) -> dict:
     record = {
         "step": pending.step,
         "rank": probe.rank,
