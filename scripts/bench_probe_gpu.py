@@ -2,18 +2,23 @@
 
 Why: with the probe's host side down to ~50 us a step (scripts/bench_probe_host.py),
 the H200 serving benchmark still read 83-94 % of the default set's decode
-throughput (docs/h200-2026-11-30h). Under CUDA graphs each probed point costs
-one reduction kernel a step (two for a layer's hidden state and residual, plus
-a maximum); this measures what that costs on the GPU for the points of the
-serving benchmark's model (Qwen3.5-27B widths, 6 Gated DeltaNet + 2 attention
-layers, LoRA on every linear module), so the step's share can be told from
-the rest of the probe's cost (compile changes around the op, the host copy).
+throughput (docs/h200-2026-11-30h). Under CUDA graphs each probed point cost
+two to five ATen kernels a step (a cast of the rows to float32, a reduction,
+for a layer's hidden state and residual twice and a maximum); the probe now
+runs one Triton kernel per point. This measures both on the GPU for the points
+of the serving benchmark's model (Qwen3.5-27B widths, 6 Gated DeltaNet + 2
+attention layers, LoRA on every linear module), so the step's share can be
+told from the rest of the probe's cost (compile changes around the op, the
+host copy).
 
     python3 scripts/bench_probe_gpu.py [--tokens 1 64 256] [--replays 200]
 
-Prints, per batch of tokens: the graph of all probed points of one step,
-its microseconds per replay, per op, and the same graph without the probe
-ops (the tensors only) as the baseline. Needs a CUDA GPU (exits 2 without).
+First checks the probe's Triton row kernel against torch's reductions on the
+GPU (NaN, Inf, -Inf rows; exit 1 if any value differs). Then prints, per batch
+of tokens: the graph of all probed points of one step, its microseconds per
+replay with the Triton kernel and with torch's reductions (the probe before
+it had one), per op, and a graph of one trivial kernel as the baseline. Needs
+a CUDA GPU (exits 2 without).
 """
 
 from __future__ import annotations
@@ -77,6 +82,68 @@ def captured(fn):
     return graph
 
 
+# (widths of one call's tensors, token rows) checked kernel against torch on the GPU
+CHECKS = [((HIDDEN, HIDDEN), 64), ((HIDDEN, HIDDEN), 1), ((96,), 64), ((2 * 17408,), 64),
+          ((16384,), 7), ((14336,), 300), ((1000, 33), 5), ((HIDDEN,), 8192)]  # fmt: skip
+
+
+def check_kernel(mod, device) -> int:
+    """The Triton row kernel against torch's reductions on this GPU, value by value
+    (here tl.max's handling of NaN is the GPU's, not the interpreter's numpy)."""
+    import torch
+
+    wrong = 0
+    for case, (widths, rows) in enumerate(CHECKS):
+        g = torch.Generator(device=device).manual_seed(case)
+        flats = [
+            (torch.randn(rows, w, generator=g, device=device) * 30).to(torch.bfloat16)
+            for w in widths
+        ]
+        if rows > 3:
+            flats[0][1, 2] = float("nan")
+            flats[-1][2, 0] = float("inf")
+            flats[-1][0, -1] = float("-inf")
+            flats[0][3, 0], flats[-1][3, 1] = float("inf"), float("nan")
+        reference = torch.full((rows,), -7.0, device=device)
+        kernel = torch.full((rows,), -7.0, device=device)
+        mod._torch_row_absmax(flats, reference)
+        mod._triton_row_absmax(flats, kernel)
+        same = torch.equal(reference.isnan(), kernel.isnan()) and torch.equal(
+            reference.nan_to_num(), kernel.nan_to_num()
+        )
+        marks = "" if rows <= 3 else f" rows 0-3 {kernel[:4].tolist()}"
+        print(f"check {widths} x {rows}: {'same' if same else 'DIFFERENT'}{marks}")
+        wrong += not same
+    return wrong
+
+
+def time_step(mod, kernel: str, tokens: int, replays: int, device):
+    """us per replay of one step's probe calls with the given row kernel, the
+    number of calls, and the rows the last replay wrote (NaN in the last token
+    row of the third call's tensor, Inf in the first row of the layer outputs)."""
+    import torch
+
+    mod.ROW_KERNEL = kernel
+    torch.manual_seed(tokens)
+    calls = step_calls(tokens, device)
+    calls[2][0][0][-1, 5] = float("nan")
+    for tensors, _ in calls:
+        if len(tensors) == 2:
+            tensors[1][0, -1] = float("inf")
+    rows = torch.zeros(len(calls), 8192, dtype=torch.float32, device=device)
+    stats = torch.zeros(len(calls), 5, dtype=torch.float64, device=device)
+
+    def probe_all():
+        for tensors, slot in calls:
+            torch.ops.patchkit.probe_record(tensors, rows, stats, slot, False)
+
+    graph = captured(probe_all)
+    rows.fill_(-7.0)
+    us = replay_us(graph, replays)
+    assert mod.ROW_KERNEL == kernel, "the Triton kernel failed and the probe fell back"
+    return us, len(calls), rows[:, :tokens].clone()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
@@ -87,27 +154,33 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_probe_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
-    load_probe_module()  # registers patchkit::probe_record
+    mod = load_probe_module()  # registers patchkit::probe_record
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("tokens  probed points  us/step with probe  us/op  (baseline: empty graph)")
+    wrong = check_kernel(mod, device)
+    print(
+        "tokens  probed points  us/step triton  us/step torch  us/op triton  torch  (empty graph)"
+    )
     for tokens in args.tokens:
-        calls = step_calls(tokens, device)
-        rows = torch.zeros(len(calls), 8192, dtype=torch.float32, device=device)
-        stats = torch.zeros(len(calls), 5, dtype=torch.float64, device=device)
-
-        def probe_all(calls=calls, rows=rows, stats=stats):
-            for tensors, slot in calls:
-                torch.ops.patchkit.probe_record(tensors, rows, stats, slot, False)
-
-        def nothing(calls=calls):
-            calls[0][0][0].add_(0)  # one trivial kernel: a graph must hold something
-
-        with_probe = replay_us(captured(probe_all), args.replays)
-        baseline = replay_us(captured(nothing), args.replays)
-        per_op = (with_probe - baseline) / len(calls)
-        print(f"{tokens:6}  {len(calls):13}  {with_probe:18.1f}  {per_op:5.2f}  ({baseline:.1f})")
-    return 0
+        first = step_calls(tokens, device)[0][0][0]
+        baseline = replay_us(captured(lambda first=first: first.add_(0)), args.replays)
+        triton_us, points, triton_rows = time_step(mod, "triton", tokens, args.replays, device)
+        torch_us, _, torch_rows = time_step(mod, "torch", tokens, args.replays, device)
+        same = torch.equal(triton_rows.isnan(), torch_rows.isnan()) and torch.equal(
+            triton_rows.nan_to_num(), torch_rows.nan_to_num()
+        )
+        bad = int((~triton_rows.isfinite()).sum())
+        print(f"graph rows, {tokens} tokens: {'same' if same else 'DIFFERENT'}, {bad} non-finite")
+        wrong += not same
+        print(
+            f"{tokens:6}  {points:13}  {triton_us:14.1f}  {torch_us:13.1f}  "
+            f"{(triton_us - baseline) / points:12.2f}  {(torch_us - baseline) / points:5.2f}  "
+            f"({baseline:.1f})"
+        )
+    print(
+        f"kernel check: {'all same' if not wrong else f'{wrong} DIFFERENT'} ({len(CHECKS)} cases)"
+    )
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@
 #
 # The proofs (step `proofs`, started by b2), in three lanes:
 #   lane 1: e2e-tp2 (both GPUs), then model-tp2 (both GPUs)
-#   lane 2: e2e-tp1 (GPU 1), then poison (GPU 1)
+#   lane 2: e2e-tp1 (GPU 1), then poison (GPU 1), then probe (GPU 1)
 #   lane 3: model-tp1 (GPU 0), then the nan-probe benchmark (GPU 0): its
 #           engines start, its rounds wait for lanes 1 and 2 (proofs.done)
 # e2e-*:     verify --e2e (dense and MoE) at TP=1 / TP=2
@@ -36,6 +36,10 @@
 # poison:    verify --model on the 8-layer stand-in with `full` and `poisoned`
 #            (inf in one lora_B), PATCHKIT_LORA_BACKEND=triton: must FAIL
 #            naming `poisoned`
+# probe:     scripts/nan_probe_gpu.py --proofs triton-cudagraph --no-bench on
+#            /opt/probe (default set + nan-probe): the report names layer 1
+#            mlp.down_proj under CUDA graphs, healthy phase 0 records (issue 20.6
+#            again, with the probe's Triton row kernel)
 # bench:     scripts/bench_probe_gpu.py (the probe's kernels in a CUDA graph), then
 #            scripts/bench_serving.py, default against default+nan-probe
 #            (PATCHKIT_PROBE_LOG set), CUDA graphs, interleaved rounds
@@ -46,7 +50,7 @@ REPO=$(pwd)
 OUT=${OUT:-$G/out}
 SEED=${GS_SEED:-11}
 RUN_LIMIT=${GS_RUN_LIMIT:-1500}     # one verify run, at most
-BENCH_END=${GS_BENCH_END:-1000}     # the benchmark ends this long after the proofs start
+BENCH_END=${GS_BENCH_END:-1100}     # the benchmark ends this long after the proofs start
 export PYTHONUNBUFFERED=1
 # The host keeps NVLink multicast off (KINDS.md); every child inherits these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -81,8 +85,8 @@ summary() {
   for f in "$G"/*.txt; do
     [ -e "$f" ] || continue
     case $(basename "$f") in
-      e2e-* | model-* | poison*)
-        echo "== $(basename "$f" .txt): $(grep -E '^verify (PASSED|FAILED)' "$f" | tail -1)" \
+      e2e-* | model-* | poison* | probe.txt)
+        echo "== $(basename "$f" .txt): $(grep -E '^(verify|probe) (PASSED|FAILED)' "$f" | tail -1)" \
           "| $(tail -1 "$f")"
         grep -q '^exit ' "$f" || echo "   running: $(tail -1 "${f%.txt}.err" 2>/dev/null | cut -c1-150)"
         grep -E 'FAIL {2,}' "$f" | cut -c1-160 | head -8
@@ -92,7 +96,10 @@ summary() {
         ;;
     esac
   done
-  [ -f "$G/probe-kernels.txt" ] && tail -5 "$G/probe-kernels.txt"
+  [ -f "$G/probe/summary.json" ] && python3 -c "import json,sys; \
+s = json.load(open(sys.argv[1]))['proofs']; print({k: v.get('checks', v) for k, v in s.items()})" \
+    "$G/probe/summary.json" 2>&1 | cut -c1-600
+  [ -f "$G/probe-kernels.txt" ] && grep -v '^check ' "$G/probe-kernels.txt" | tail -8
   [ -f "$G/bench/serving.md" ] && head -12 "$G/bench/serving.md"
   [ -f "$G/bench.log" ] && tail -3 "$G/bench.log"
   tail -2 "$G/smi.log" 2>/dev/null
@@ -121,6 +128,17 @@ one() {
     poison)
       env=(CUDA_VISIBLE_DEVICES=1 PATCHKIT_LORA_BACKEND=triton)
       args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
+      ;;
+    probe) # not a verify run: the nan-probe proof on its own tree
+      say "start probe: nan_probe_gpu.py on /opt/probe"
+      do_ env CUDA_VISIBLE_DEVICES=1 PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
+        timeout 330 python3 scripts/nan_probe_gpu.py "$G/probe" --budget 300 \
+        --proofs triton-cudagraph --no-bench >"$G/probe.txt" 2>"$G/probe.err"
+      local rc=$?
+      echo "probe $([ $rc = 0 ] && echo PASSED || echo FAILED) (nan_probe_gpu.py checks)" >>"$G/probe.txt"
+      echo "exit $rc after $((SECONDS - start)) s" >>"$G/probe.txt"
+      say "end probe: exit $rc after $((SECONDS - start)) s"
+      return
       ;;
     *) echo "unknown run $name" >&2; return 2 ;;
   esac
@@ -192,9 +210,14 @@ case $STEP in
     if [ ! -d /opt/pristine/vllm ]; then # before patching: patchkit writes new files
       mkdir -p /opt/pristine
       do_ cp -al /opt/site/vllm /opt/site/vllm-*.dist-info /opt/pristine/
+      mkdir -p /opt/probe # the probe proof's tree: default set + nan-probe
+      do_ cp -al /opt/site/vllm /opt/site/vllm-*.dist-info /opt/probe/
     fi
     do_ python3 -m patchkit apply --target /opt/site >"$G/apply.txt" 2>&1
     cat "$G/apply.txt"
+    (do_ python3 -m patchkit apply --target /opt/probe &&
+      do_ python3 -m patchkit apply --only nan-probe --target /opt/probe) >"$G/apply-probe.txt" 2>&1
+    tail -3 "$G/apply-probe.txt"
     do_ timeout 240 python3 -c "import torch, vllm._moe_C_stable_libtorch as m; \
 print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     tail -2 "$G/moe-import.txt"
@@ -225,7 +248,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     else
       lane e2e-tp2 model-tp2 &
       p1=$!
-      lane e2e-tp1 poison &
+      lane e2e-tp1 poison probe &
       p2=$!
       (one model-tp1; bench) &
       p3=$!
@@ -238,7 +261,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     say "all done"
     ;;
   collect)
-    wait_for "$G/all.done" "${GS_WAIT:-560}"
+    wait_for "$G/all.done" "${GS_WAIT:-575}"
     summary
     pack "collect-$(date +%H%M%S)"
     ;;

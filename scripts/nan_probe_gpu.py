@@ -272,7 +272,7 @@ def wait(child: subprocess.Popen, until: float) -> None:
         child.wait()
 
 
-def parent(out: Path, budget: float, proofs: list[str], serial: bool) -> int:
+def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench: bool) -> int:
     """Build, then run the proof children and the bench; ``serial`` runs one engine
     start at a time (vLLM's memory profiling fails when another process on the GPU
     frees memory meanwhile, seen on the H200 with six engines starting at once)."""
@@ -293,6 +293,8 @@ def parent(out: Path, budget: float, proofs: list[str], serial: bool) -> int:
         for child in children.values():
             wait(child, deadline - 60)
     ready.write_text("go")
+    if not with_bench:
+        return judge(out)
     bench = start("bench", out / "bench", built_file,
                   child_env(out / "bench", "torch", False, in_process=False),
                   str(ready), str(deadline))  # fmt: skip
@@ -339,10 +341,14 @@ def main() -> int:
         help="comma-separated BACKEND-MODE configurations (default: all four)",
     )  # fmt: skip
     parser.add_argument("--serial", action="store_true", help="start one engine at a time")
+    parser.add_argument(
+        "--no-bench", action="store_true",
+        help="the proofs only (scripts/bench_serving.py measures the cost)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.check:
         return judge(args.out)
-    return parent(args.out, args.budget, args.proofs.split(","), args.serial)
+    return parent(args.out, args.budget, args.proofs.split(","), args.serial, not args.no_bench)
 
 
 if __name__ == "__main__":

@@ -284,6 +284,85 @@ def test_the_op_takes_the_worst_of_hidden_and_residual_and_never_overruns(probe)
     assert stats.eq(0).all()  # no statistics asked for
 
 
+# The row kernel's cases: (widths of the tensors of one call, token rows). Row 1
+# holds a NaN, row 2 an Inf, row 0 a -Inf in the last tensor's last column and,
+# with two tensors, row 3 a NaN in one and an Inf in the other (NaN wins).
+ROW_KERNEL_CASES = [((5120, 5120), 64), ((96,), 3), ((34816,), 5), ((7, 13), 17),
+                    ((100, 5000, 33), 4), ((4097,), 1)]  # fmt: skip
+
+ROW_KERNEL_SCRIPT = """
+import json, sys, importlib.util, torch
+spec = importlib.util.spec_from_file_location("probe", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["probe"] = module
+spec.loader.exec_module(module)
+out = []
+for widths, rows in json.loads(sys.argv[2]):
+    g = torch.Generator().manual_seed(len(out))
+    flats = [(torch.randn(rows, w, generator=g) * 30).to(torch.bfloat16) for w in widths]
+    if rows > 3:
+        flats[0][1, 2] = float("nan")
+        flats[-1][2, 0] = float("inf")
+        flats[-1][0, -1] = float("-inf")
+        flats[0][3, 0], flats[-1][3, 1] = float("inf"), float("nan")
+    reference, kernel = torch.full((rows,), -7.0), torch.full((rows,), -7.0)
+    module._torch_row_absmax(flats, reference)
+    module._triton_row_absmax(flats, kernel)
+    out.append([[repr(v) for v in reference.tolist()], [repr(v) for v in kernel.tolist()]])
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_row_kernel_matches_torchs_reductions(tmp_path):
+    """The kernel the probe runs on a GPU, run by Triton's interpreter on the CPU,
+    against the torch reference: NaN over Inf over any finite value, row by row,
+    tensors wider than one block, several tensors in one call."""
+    pytest.importorskip(
+        "triton",
+        reason="no Triton here (pip install triton 'numpy<2.3' runs it in Triton's interpreter)",
+    )
+    import subprocess
+    import sys
+
+    source = tmp_path / "probe_module.py"
+    source.write_text(created_source("nan-probe", MODULE))
+    cases = json.dumps(ROW_KERNEL_CASES)
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ROW_KERNEL_SCRIPT, str(source), cases],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    for (widths, rows), (reference, kernel) in zip(ROW_KERNEL_CASES, results, strict=True):
+        assert kernel == reference, (widths, rows)
+        if rows > 3:
+            assert reference[:4] == ["inf", "nan", "inf", "nan"], (widths, reference[:4])
+        assert "-7.0" not in kernel  # every row written
+
+
+def test_the_probe_falls_back_to_torch_when_the_kernel_fails(probe, monkeypatch, capfd):
+    """A Triton that cannot build or launch the kernel must not stop the server:
+    one line on stderr, and the op goes on with torch's reductions."""
+    target = torch.zeros(2)
+    flats = [torch.tensor([[1.0, -4.0], [2.0, float("nan")]])]
+
+    def broken(flats, target):
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(probe, "_triton_row_absmax", broken)
+    monkeypatch.setattr(probe, "ROW_KERNEL", "triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    probe.row_absmax(flats, target)
+    switched = probe.ROW_KERNEL
+    monkeypatch.undo()
+    assert target[0] == 4.0 and torch.isnan(target[1])
+    assert switched == "torch"  # later calls go straight to torch
+    err = capfd.readouterr().err
+    assert (
+        err.count("patchkit nan-probe: the Triton row kernel failed (RuntimeError: ptxas died)")
+        == 1
+    )
+
+
 def test_a_layer_output_is_hidden_and_residual_a_projection_its_output_only(probe):
     out, bias = torch.zeros(2), torch.ones(2)
     assert len(probe._output_tensors((out, bias), "layer")) == 2

@@ -48,17 +48,14 @@ def probe_record(
 ) -> None:
     """Write each token row's max |x| over ``xs`` into ``rows[slot]`` (no host sync).
 
-    One reduction kernel per tensor; NaN and Inf propagate through it. With
+    NaN and Inf propagate (a row with a NaN reads NaN, else one with an Inf
+    reads Inf). On a GPU one Triton kernel per call (``row_absmax``); with
     ``with_stats`` also exact NaN / Inf counts and the finite sum and sum of
     squares into ``stats[slot]``.
     """
     flats = [_rows_of(x)[: rows.shape[1]] for x in xs]
-    n = flats[0].shape[0]
-    target = rows[slot, :n]
-    torch.linalg.vector_norm(flats[0], ord=float("inf"), dim=-1, dtype=torch.float32, out=target)
-    for flat in flats[1:]:
-        norm = torch.linalg.vector_norm(flat, ord=float("inf"), dim=-1, dtype=torch.float32)
-        torch.maximum(target, norm, out=target)
+    target = rows[slot, : flats[0].shape[0]]
+    row_absmax(flats, target)
     if with_stats:
         stats[slot].copy_(sum(_exact_stats(flat) for flat in flats))
 
@@ -67,6 +64,101 @@ def probe_record(
 def _probe_record_fake(xs, rows, stats, slot, with_stats) -> None:
     """Shapes only: Dynamo and the compile passes trace the op without running it."""
     return None
+
+
+# "triton": one kernel per probed point on a GPU; "torch": the reference, two to
+# five ATen kernels per point (a cast to float32, a reduction, a maximum). The
+# module switches itself to "torch" if the Triton kernel cannot be built or
+# launched; scripts/bench_probe_gpu.py sets it to compare the two.
+ROW_KERNEL = "triton"
+
+
+def row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
+    """``target[r]`` = the largest |value| of row r over ``flats`` (NaN > Inf > finite).
+
+    Why a kernel of its own: the probe runs at every decoder layer and LoRA
+    projection of every step, where a decode step is a few milliseconds; ATen's
+    norm casts the bf16 rows to a float32 copy and reduces it, and a layer's
+    hidden state and residual need a maximum on top: about 120 small kernels a
+    step for an 8-layer model, most of the probe's cost (BENCHMARKS.md).
+    """
+    global ROW_KERNEL
+    if ROW_KERNEL == "triton" and target.is_cuda and target.numel():
+        try:
+            _triton_row_absmax(flats, target)
+            return
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the server
+            ROW_KERNEL = "torch"
+            print(
+                f"patchkit nan-probe: the Triton row kernel failed ({type(exc).__name__}: "
+                f"{exc}); the probe goes on with torch's reductions (slower)",
+                file=sys.stderr,
+                flush=True,
+            )
+    _torch_row_absmax(flats, target)
+
+
+def _torch_row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
+    torch.linalg.vector_norm(flats[0], ord=float("inf"), dim=-1, dtype=torch.float32, out=target)
+    for flat in flats[1:]:
+        norm = torch.linalg.vector_norm(flat, ord=float("inf"), dim=-1, dtype=torch.float32)
+        torch.maximum(target, norm, out=target)
+
+
+def _triton_row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
+    """One launch per pair of tensors (a layer's hidden state and residual), one
+    program per token row, reading the rows in their own dtype."""
+    if triton is None:
+        raise RuntimeError("Triton is not importable")
+    flats = [f if f.stride(-1) == 1 else f.contiguous() for f in flats]
+    block = min(triton.next_power_of_2(max(16, *(f.shape[1] for f in flats))), 4096)
+    for start in range(0, len(flats), 2):
+        a, b = flats[start], flats[min(start + 1, len(flats) - 1)]
+        _row_absmax_kernel[(target.shape[0],)](
+            a, a.stride(0), a.shape[1], b, b.stride(0), b.shape[1], target,
+            HAS_B=start + 1 < len(flats), ACCUMULATE=start > 0, BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )  # fmt: skip
+
+
+try:  # Triton comes with vLLM on a GPU; a CPU-only torch goes without it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _scan_rows(ptr, stride, width, row, top, nan, BLOCK: tl.constexpr):
+        """Fold one tensor's row into the running |max| and NaN flag."""
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, width, BLOCK):
+            at = start + cols
+            x = tl.load(ptr + row * stride + at, mask=at < width, other=0.0).to(tl.float32)
+            is_nan = x != x
+            nan = tl.maximum(nan, is_nan.to(tl.int32))
+            top = tl.maximum(top, tl.where(is_nan, 0.0, tl.abs(x)))
+        return top, nan
+
+    @triton.jit
+    def _row_absmax_kernel(
+        a, a_stride, a_width, b, b_stride, b_width, out,
+        HAS_B: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        top = tl.zeros([BLOCK], dtype=tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.int32)
+        top, nan = _scan_rows(a, a_stride, a_width, row, top, nan, BLOCK)
+        if HAS_B:
+            top, nan = _scan_rows(b, b_stride, b_width, row, top, nan, BLOCK)
+        # tl.max drops NaN on the GPU, so NaN is flagged apart and written last
+        result = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(top, axis=0))
+        if ACCUMULATE:
+            before = tl.load(out + row)
+            bad = (before != before) | (result != result)
+            result = tl.where(bad, float("nan"), tl.maximum(result, before))
+        tl.store(out + row, result)
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
