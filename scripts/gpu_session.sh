@@ -16,6 +16,8 @@
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
+# GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
+# and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
 # build, and the proofs are e2e-tp1 and model-tp1 side by side on GPU 1 while
 # the benchmark has GPU 0 to itself, its rounds from the start (no wait for the
@@ -238,7 +240,13 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
-    if [ "${GS_PLAN:-}" = short ]; then
+    if [ "${GS_PLAN:-}" = tail ]; then
+      one model-tp2 &
+      p1=$!
+      one poison &
+      p2=$!
+      p3=
+    elif [ "${GS_PLAN:-}" = short ]; then
       one e2e-tp1 &
       p1=$!
       (GS_MODEL_GPU=1 one model-tp1) &
@@ -256,7 +264,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     wait "$p1" "$p2"
     touch "$G/proofs.done"
     say "proofs done"
-    wait "$p3"
+    [ -n "$p3" ] && wait "$p3"
     touch "$G/all.done"
     say "all done"
     ;;
