@@ -177,9 +177,8 @@ def main() -> int:
             f"{(triton_us - baseline) / points:12.2f}  {(torch_us - baseline) / points:5.2f}  "
             f"({baseline:.1f})"
         )
-    print(
-        f"kernel check: {'all same' if not wrong else f'{wrong} DIFFERENT'} ({len(CHECKS)} cases)"
-    )
+    verdict = "all same" if not wrong else f"{wrong} DIFFERENT"
+    print(f"kernel check: {verdict} ({len(CHECKS)} eager cases, {len(args.tokens)} graphs)")
     return 1 if wrong else 0
 
 

@@ -16,6 +16,9 @@
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
+# GS_PLAN=probe (issue 20 only, about 1,100 s; calls b1, b2, collect; no b3): the
+# nan-probe proof on GPU 1, then the serving benchmark's rounds on GPU 0 (its
+# engines start at once, its rounds wait for the proof), until GS_BENCH_END.
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -187,9 +190,11 @@ case $STEP in
     pack b1
     ;;
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
-    (do_ python3 scripts/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
-      echo "exit $?" >>"$G/build-wide.txt") &
-    if [ "${GS_PLAN:-}" != short ]; then
+    if [ "${GS_PLAN:-}" != probe ]; then
+      (do_ python3 scripts/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
+        echo "exit $?" >>"$G/build-wide.txt") &
+    fi
+    if [ "${GS_PLAN:-}" != short ] && [ "${GS_PLAN:-}" != probe ]; then
       (do_ python3 scripts/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
         echo "exit $?" >>"$G/build-user.txt") &
     fi
@@ -242,7 +247,13 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
-    if [ "${GS_PLAN:-}" = tail ]; then
+    if [ "${GS_PLAN:-}" = probe ]; then
+      one probe &
+      p1=$!
+      p2=$!
+      bench &
+      p3=$!
+    elif [ "${GS_PLAN:-}" = tail ]; then
       one model-tp2 &
       p1=$!
       one poison &
