@@ -339,6 +339,20 @@ def test_the_triton_row_kernel_matches_torchs_reductions(tmp_path):
         assert "-7.0" not in kernel  # every row written
 
 
+def test_only_per_token_tensors_with_values_count_for_the_rows(probe):
+    """A forward argument that is not one row per token (a 1-D tensor, another
+    length) or has no values is left out on both paths: torch's norm raises on
+    an empty row, and the kernel would read past a shorter tensor."""
+    rows = torch.full((2, 4), -7.0)
+    stats = torch.zeros(2, 5, dtype=torch.float64)
+    hidden = torch.ones(4, 3)
+    odd = [torch.full((8,), 1000.0), torch.full((2, 3), 500.0), torch.zeros(4, 0)]
+    torch.ops.patchkit.probe_record([hidden, *odd], rows, stats, 0, False)
+    assert rows[0].tolist() == [1.0] * 4
+    torch.ops.patchkit.probe_record([torch.zeros(4, 0)], rows, stats, 1, False)
+    assert rows[1].tolist() == [0.0] * 4  # nothing to look at: written, not stale
+
+
 def test_the_probe_falls_back_to_torch_when_the_kernel_fails(probe, monkeypatch, capfd):
     """A Triton that cannot build or launch the kernel must not stop the server:
     one line on stderr, and the op goes on with torch's reductions."""
@@ -346,7 +360,7 @@ def test_the_probe_falls_back_to_torch_when_the_kernel_fails(probe, monkeypatch,
     flats = [torch.tensor([[1.0, -4.0], [2.0, float("nan")]])]
 
     def broken(flats, target):
-        raise RuntimeError("ptxas died")
+        raise RuntimeError("ptxas died\n  x = tl.load(ptr)\n      ^")
 
     monkeypatch.setattr(probe, "_triton_row_absmax", broken)
     monkeypatch.setattr(probe, "ROW_KERNEL", "triton")
@@ -361,6 +375,7 @@ def test_the_probe_falls_back_to_torch_when_the_kernel_fails(probe, monkeypatch,
         err.count("patchkit nan-probe: the Triton row kernel failed (RuntimeError: ptxas died)")
         == 1
     )
+    assert len(err.strip().splitlines()) == 1  # one line, not Triton's source excerpt
 
 
 def test_a_layer_output_is_hidden_and_residual_a_projection_its_output_only(probe):

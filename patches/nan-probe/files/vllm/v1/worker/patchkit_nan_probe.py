@@ -51,11 +51,17 @@ def probe_record(
     NaN and Inf propagate (a row with a NaN reads NaN, else one with an Inf
     reads Inf). On a GPU one Triton kernel per call (``row_absmax``); with
     ``with_stats`` also exact NaN / Inf counts and the finite sum and sum of
-    squares into ``stats[slot]``.
+    squares into ``stats[slot]``. Only tensors with one row per token of the
+    first (and some values) count for the rows: any other argument of a
+    probed forward is not per token, and neither path may read past it.
     """
     flats = [_rows_of(x)[: rows.shape[1]] for x in xs]
     target = rows[slot, : flats[0].shape[0]]
-    row_absmax(flats, target)
+    token_rows = [f for f in flats if f.shape == (target.shape[0], f.shape[1]) and f.shape[1]]
+    if token_rows:
+        row_absmax(token_rows, target)
+    else:
+        target.zero_()
     if with_stats:
         stats[slot].copy_(sum(_exact_stats(flat) for flat in flats))
 
@@ -81,6 +87,9 @@ def row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
     norm casts the bf16 rows to a float32 copy and reduces it, and a layer's
     hidden state and residual need a maximum on top: about 120 small kernels a
     step for an 8-layer model, most of the probe's cost (BENCHMARKS.md).
+    A kernel that fails is caught where it can be: vLLM's profile and warm-up
+    runs call the op at every shape eagerly before any CUDA graph is captured,
+    so each kernel variant is built (and would fail) outside a capture.
     """
     global ROW_KERNEL
     if ROW_KERNEL == "triton" and target.is_cuda and target.numel():
@@ -89,9 +98,10 @@ def row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
             return
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the server
             ROW_KERNEL = "torch"
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
             print(
                 f"patchkit nan-probe: the Triton row kernel failed ({type(exc).__name__}: "
-                f"{exc}); the probe goes on with torch's reductions (slower)",
+                f"{reason}); the probe goes on with torch's reductions (slower)",
                 file=sys.stderr,
                 flush=True,
             )
