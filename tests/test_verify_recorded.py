@@ -1,7 +1,7 @@
 """verify's judgement on what vLLM really served: the MoE case of `verify --e2e` on
 the 2-GPU H200 (docs/h200-2026-11-30h), its engines' prompt log-probabilities
-recorded (tests/data/h200-2026-11-30h-moe-tp*-served.json.gz, the `moe-`
-entries of served.json).
+recorded (tests/data/h200-2026-11-30h-moe-tp*-served.json.gz and
+h200-2026-11-30i-moe-tp2-served.json.gz, the `moe-` entries of served.json).
 
 TP=1 (second sitting) holds the merged reference and its rounding control;
 TP=2 (first sitting, before the control existed) holds the reference only,
@@ -49,6 +49,23 @@ def test_the_moe_case_served_at_tp2_passes_with_the_tp1_rounding():
     for mode in ("moe-eager", "moe-cudagraph"):
         checks = user_model.adapter_checks(mode, "moe", tp2[mode]["runs"], merged, floors)
         assert failing(checks) == [], [c.detail for c in checks]
+
+
+def test_the_moe_case_served_at_tp2_with_its_own_control_passes():
+    """docs/h200-2026-11-30i: TP=2 served its reference and rounding control too,
+    and the inference above held: its own control widens the bound as TP=1's did."""
+    path = DATA / "h200-2026-11-30i-moe-tp2-served.json.gz"
+    with gzip.open(path, "rt") as handle:
+        served = json.load(handle)
+    checks = user_model.compare(served, ["moe"], prefix="moe-")
+    assert failing(checks) == []
+    rows = {c.name: c.detail for c in checks}
+    assert "0.0403-0.0409" in rows["moe-reference moe: its own bf16 rounding"]
+    assert "(<= 0.0614)" in rows["moe-eager: moe 600 tokens vs merged"]
+    served["moe-eager"]["runs"]["lora:moe"] = copy.deepcopy(served["moe-eager"]["runs"]["base"])
+    assert "moe-eager: moe 600 tokens vs merged" in failing(
+        user_model.compare(served, ["moe"], prefix="moe-")
+    )
 
 
 def test_the_fixed_bound_alone_failed_this_correct_deployment():
