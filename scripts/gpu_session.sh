@@ -19,6 +19,8 @@
 # GS_PLAN=probe (issue 20 only, about 1,100 s; calls b1, b2, collect; no b3): the
 # nan-probe proof on GPU 1, then the serving benchmark's rounds on GPU 0 (its
 # engines start at once, its rounds wait for the proof), until GS_BENCH_END.
+# GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host (every engine
+# takes 12 % of the GPU's memory; the rounds still wait for the proof).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -136,7 +138,7 @@ one() {
       ;;
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
-      do_ env CUDA_VISIBLE_DEVICES=1 PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
+      do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
         timeout 330 python3 scripts/nan_probe_gpu.py "$G/probe" --budget 300 \
         --proofs triton-cudagraph --no-bench >"$G/probe.txt" 2>"$G/probe.err"
       local rc=$?
