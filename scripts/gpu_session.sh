@@ -19,8 +19,9 @@
 # GS_PLAN=probe (issue 20 only, about 1,100 s; calls b1, b2, collect; no b3): the
 # nan-probe proof on GPU 1, then the serving benchmark's rounds on GPU 0 (its
 # engines start at once, its rounds wait for the proof), until GS_BENCH_END.
-# GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host (every engine
-# takes 12 % of the GPU's memory; the rounds still wait for the proof).
+# GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host: the benchmark
+# then starts after the proof (two engines profiling memory at once on one GPU
+# count each other's allocations: docs/h200-2026-12-01).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -249,7 +250,14 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
-    if [ "${GS_PLAN:-}" = probe ]; then
+    if [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
+      # one GPU: an engine counts what others allocate during its memory
+      # profile as its own (docs/h200-2026-12-01), so nothing starts beside it
+      (one probe; touch "$G/proofs.done"; bench) &
+      p1=$!
+      p2=$!
+      p3=
+    elif [ "${GS_PLAN:-}" = probe ]; then
       one probe &
       p1=$!
       p2=$!
