@@ -3,6 +3,7 @@ decision tree, and every way a log can be wrong (one line, no traceback, nothing
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -280,3 +281,37 @@ def test_the_text_report_escapes_control_characters_from_the_log(tmp_path):
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout
     assert "FAKE: all good" not in result.stdout.splitlines()
     assert "req\\x1b[2J\\nFAKE: all good" in result.stdout
+
+
+def recorded(tmp_path: Path, name: str) -> Path:
+    """A probe log the H200 wrote with the row kernel (docs/h200-2026-12-01), unpacked."""
+    data = Path(__file__).parent / "data" / f"h200-2026-12-01-probe-{name}.jsonl.gz"
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(gzip.decompress(data.read_bytes()))
+    return path
+
+
+def test_the_h200s_logs_of_a_poisoned_adapter_on_the_triton_kernels_name_layer_1_down_proj(
+    tmp_path,
+):
+    for name in ("triton-cudagraph", "triton-eager"):
+        found = report(recorded(tmp_path, name))
+        finding = only(found)
+        assert (finding["adapter"], finding["layer"], finding["module"]) == (
+            "poisoned", 1, "mlp.down_proj"
+        ), name  # fmt: skip
+        assert finding["bad_modules"] == ["mlp.down_proj", "output"], name
+        assert found["records"] == 208, name
+
+
+def test_the_h200s_log_of_the_torch_path_shows_the_quarantine_from_layer_0(tmp_path):
+    finding = only(report(recorded(tmp_path, "torch-cudagraph")))
+    assert (finding["adapter"], finding["layer"], finding["module"]) == (
+        "poisoned", 0, "linear_attn.in_proj_qkvz"
+    )  # fmt: skip
+
+
+def test_the_h200s_log_of_healthy_serving_has_its_header_and_no_record(tmp_path):
+    found = report(recorded(tmp_path, "healthy-serving"))
+    assert found["headers"] == 1
+    assert (found["records"], found["affected_requests"]) == (0, [])
