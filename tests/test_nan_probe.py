@@ -21,6 +21,7 @@ from tests.conftest import (
     created_source,
     module_from_source,
     patched_text,
+    release_tree,
     run_cli,
     snapshot,
 )
@@ -175,6 +176,43 @@ def test_hooks_sit_where_only_real_steps_reach_them(version):
     assert line_of(load, "self.load_lora_model") < line_of(load, "patchkit_nan_probe.install")
     for name in ("_dummy_run", "capture_model", "execute_model"):
         assert not any("patchkit_nan_probe" in c for c in calls_in(method(tree, name)))
+
+
+def lora_layer_bases(version: str) -> dict[str, list[str]]:
+    """Each class in the release's vllm/lora/layers and the names of its bases."""
+    classes = {}
+    for path in sorted((release_tree(version) / "vllm/lora/layers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+    return classes
+
+
+def ancestors(classes: dict[str, list[str]], name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for base in classes.get(todo.pop(), []):
+            if base not in seen:
+                seen.add(base)
+                todo.append(base)
+    return seen
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_the_class_names_the_probe_sorts_lora_wrappers_by_hold_in_every_release(version):
+    """The probe tells a LoRA linear wrapper (probed) from another LoRA wrapper inside
+    a layer (MoE experts: named in the header as not probed) by these two class
+    names in the MRO; every linear wrapper and FusedMoEWithLoRA of the real release
+    must fall on the right side."""
+    classes = lora_layer_bases(version)
+    linear = [c for c in classes if "BaseLinearLayerWithLoRA" in ancestors(classes, c)]
+    assert {"ColumnParallelLinearWithLoRA", "RowParallelLinearWithLoRA",
+            "MergedQKVParallelLinearWithLoRA"} <= set(linear)  # fmt: skip
+    moe = [c for c in classes if c.startswith("FusedMoE") and c.endswith("WithLoRA")]
+    assert "FusedMoEWithLoRA" in moe
+    for name in moe:
+        assert "BaseLayerWithLoRA" in ancestors(classes, name), name
+        assert "BaseLinearLayerWithLoRA" not in ancestors(classes, name), name
 
 
 # ----- the created module on the CPU -----
@@ -399,6 +437,34 @@ def test_install_finds_layers_and_lora_projections_in_order(probe, tmp_path):
     assert len(header["slots"]) == len(slots)
     assert type(model.layers[0]).__name__ == "Layer"  # the subclass keeps the name
     assert isinstance(model.layers[0].qkv_proj, BaseLinearLayerWithLoRA)
+
+
+class BaseLayerWithLoRA(torch.nn.Module):
+    """Stands in for vLLM's base of every LoRA wrapper (found by this class name)."""
+
+
+class FusedMoEWithLoRA(BaseLayerWithLoRA):
+    """Stands in for vLLM's MoE expert LoRA wrapper: not probed, named in the header."""
+
+    def forward(self, x):
+        return x
+
+
+def test_moe_expert_lora_is_named_in_the_header_as_not_probed(probe, tmp_path):
+    model = Model()
+    model.layers[1].experts = FusedMoEWithLoRA()
+    log = tmp_path / "probe.jsonl"
+    found = probe.install_on(model, str(log), False, 16, torch.device("cpu"))
+    header = records(log)[0]
+    assert header["unprobed_lora"] == [
+        {"layer": 1, "module": "experts", "class": "FusedMoEWithLoRA"}
+    ]
+    assert "experts" not in [s.module for s in found.slots]
+    assert type(model.layers[1].experts) is FusedMoEWithLoRA  # left unwrapped
+    assert isinstance(model.layers[1].qkv_proj, BaseLinearLayerWithLoRA)
+    plain = tmp_path / "plain.jsonl"
+    probe.install_on(Model(), str(plain), False, 16, torch.device("cpu"))
+    assert records(plain)[0]["unprobed_lora"] == []
 
 
 def test_a_step_logs_only_the_points_with_a_bad_row_and_the_requests(probe, tmp_path, monkeypatch):

@@ -459,6 +459,28 @@ def _is_lora_linear(module) -> bool:
     return any(c.__name__ == "BaseLinearLayerWithLoRA" for c in type(module).__mro__)
 
 
+def unprobed_lora(model) -> list[dict]:
+    """The LoRA wrappers inside decoder layers that the probe does not watch.
+
+    MoE expert LoRA (FusedMoEWithLoRA) runs inside vLLM's fused MoE kernels,
+    whose output is not one tensor per LoRA path; it is not probed. The
+    header names these modules so that `patchkit probe report` can say, for a
+    layer whose output went bad with every probed projection fine, that the
+    experts' LoRA is a suspect too, not only the layer's own compute.
+    """
+    found = []
+    for name, module in model.named_modules():
+        match = LAYER_PATH.match(name)
+        if match is None or match.group(3) is None or _is_lora_linear(module):
+            continue
+        if any(c.__name__ == "BaseLayerWithLoRA" for c in type(module).__mro__):
+            found.append(
+                {"layer": int(match.group(2)), "module": match.group(3),
+                 "class": type(module).__name__}
+            )  # fmt: skip
+    return found
+
+
 def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) -> Probe:
     """Wrap the model's decoder layers and LoRA projections; allocate the buffers."""
     targets = probe_targets(model)
@@ -478,7 +500,8 @@ def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) 
         slots.append(slot)
         plan.append((module, kind, input_slot, slot.index))
     probe = Probe(log_path, with_stats, max_tokens, device, slots)
-    write_lines(log_path, [_header(probe)])  # before wrapping: a log it cannot write wraps nothing
+    # before wrapping: a log it cannot write wraps nothing
+    write_lines(log_path, [_header(probe, unprobed_lora(model))])
     for module, kind, input_slot, out_slot in plan:
         _wrap(module, probe, kind, input_slot, out_slot)
     return probe
@@ -494,7 +517,7 @@ def _wrap(module, probe: Probe, kind: str, input_slot: int, out_slot: int) -> No
     module.__class__ = probed_class(type(module), input_slot >= 0)
 
 
-def _header(probe: Probe) -> dict:
+def _header(probe: Probe, unprobed: list[dict]) -> dict:
     return {
         "probe": "nan-probe",
         "format": 1,
@@ -502,6 +525,7 @@ def _header(probe: Probe) -> dict:
         "stats": probe.with_stats,
         "time": time.time(),
         "slots": [s.header() for s in probe.slots],
+        "unprobed_lora": unprobed,
     }
 
 
