@@ -315,3 +315,30 @@ def test_the_h200s_log_of_healthy_serving_has_its_header_and_no_record(tmp_path)
     found = report(recorded(tmp_path, "healthy-serving"))
     assert found["headers"] == 1
     assert (found["records"], found["affected_requests"]) == (0, [])
+
+
+def test_a_bad_layer_output_names_the_experts_lora_the_probe_does_not_watch(tmp_path):
+    header = {**HEADER, "unprobed_lora": [
+        {"layer": 1, "module": "mlp.experts", "class": "FusedMoE3DWithLoRA"},
+        {"layer": 2, "module": "mlp.experts", "class": "FusedMoE3DWithLoRA"},
+        "not an entry", {"layer": "1", "module": 5},
+    ]}  # fmt: skip
+    bad = record(3, 1, "output", "output", ["b"], adapters={"b": "moe-adapter"})
+    finding = only(report(write_log(tmp_path, header, bad)))
+    assert finding["verdict"] == "every probed projection fine, the layer output bad"
+    assert finding["look_at"].startswith("the layer's own compute")
+    assert "LoRA path of mlp.experts for adapter 'moe-adapter'" in finding["look_at"]
+    assert "not watch" in finding["look_at"]
+
+
+def test_without_unwatched_modules_or_an_adapter_the_output_verdict_is_the_layers_own(tmp_path):
+    bad = record(3, 1, "output", "output", ["b"], adapters={"b": "moe-adapter"})
+    plain = only(report(write_log(tmp_path, HEADER, bad)))
+    assert "mlp.experts" not in plain["look_at"]
+    header = {**HEADER, "unprobed_lora": [{"layer": 1, "module": "mlp.experts"}]}
+    base = record(3, 1, "output", "output", ["b"])
+    no_adapter = only(report(write_log(tmp_path, header, base)))
+    assert "mlp.experts" not in no_adapter["look_at"]
+    elsewhere = {**HEADER, "unprobed_lora": [{"layer": 7, "module": "mlp.experts"}]}
+    other_layer = only(report(write_log(tmp_path, elsewhere, bad)))
+    assert "mlp.experts" not in other_layer["look_at"]

@@ -12,7 +12,9 @@ applies the decision tree an engineer would at 3 a.m.:
 - a LoRA projection of that layer bad: the first one in the layer's order,
   i.e. its LoRA path (or its base weights) with that request's adapter;
 - every projection fine but the layer's output bad: the layer's own
-  compute, attention or Gated DeltaNet, or the MLP.
+  compute, attention or Gated DeltaNet, or the MLP; and, where the probe's
+  header names LoRA modules it does not watch in that layer (MoE experts),
+  their LoRA path with that request's adapter.
 
 Input is read as data from a file the user names: every line must be a JSON
 object of the probe's shape, or the command fails with the file and line.
@@ -72,8 +74,8 @@ class ProbeReport:
         }
 
 
-def read_log(path: Path) -> tuple[list[dict], int]:
-    """The step records of a probe log (and how many header lines it had).
+def read_log(path: Path) -> tuple[list[dict], list[dict]]:
+    """The step records and the header lines of a probe log.
 
     Opened without blocking and checked to be a regular file before a byte is
     read: a FIFO (or a device) named as the log would block open() or read()
@@ -81,7 +83,7 @@ def read_log(path: Path) -> tuple[list[dict], int]:
     one endless line is refused without being held in memory.
     """
     handle = _open_regular(path)
-    records, headers = [], 0
+    records, headers = [], []
     with handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE + 1), b""), start=1):
             if len(raw) > MAX_LINE:
@@ -96,7 +98,7 @@ def read_log(path: Path) -> tuple[list[dict], int]:
             if entry is None:
                 continue
             if "probe" in entry:
-                headers += 1
+                headers.append(entry)
             else:
                 records.append(entry)
     return records, headers
@@ -178,19 +180,39 @@ def report(path: Path) -> ProbeReport:
     for record in bad:
         for request in record["bad_requests"]:
             by_request.setdefault(request, []).append(record)
-    findings = [judge(request, found) for request, found in by_request.items()]
+    unwatched = unprobed_by_layer(headers)
+    findings = [judge(request, found, unwatched) for request, found in by_request.items()]
     findings.sort(key=lambda f: (f.step, f.layer, f.request))
     return ProbeReport(
         path=str(path),
         steps=len({r["step"] for r in records}),
         records=len(records),
-        headers=headers,
+        headers=len(headers),
         findings=findings,
         padding_only=sum(1 for r in bad if not r["bad_requests"]),
     )
 
 
-def judge(request: str, records: list[dict]) -> Finding:
+def unprobed_by_layer(headers: list[dict]) -> dict[int, list[str]]:
+    """Layer -> the LoRA modules the probe's headers say it does not watch there.
+
+    Read leniently: a header is advice, and an older log has no such list.
+    """
+    found: dict[int, list[str]] = {}
+    for header in headers:
+        entries = header.get("unprobed_lora")
+        for entry in entries if isinstance(entries, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            layer, module = entry.get("layer"), entry.get("module")
+            if isinstance(layer, int) and isinstance(module, str):
+                names = found.setdefault(layer, [])
+                if module not in names:
+                    names.append(module)
+    return found
+
+
+def judge(request: str, records: list[dict], unwatched: dict[int, list[str]]) -> Finding:
     """The decision tree, at the first step and the first layer where the request went bad."""
     step = min(r["step"] for r in records)
     at_step = [r for r in records if r["step"] == step]
@@ -205,9 +227,9 @@ def judge(request: str, records: list[dict]) -> Finding:
         verdict = "hidden state already bad at the layer's input"
         look_at = "upstream of this layer: the embedding or an earlier pipeline stage"
         return Finding(**common, module="input", verdict=verdict, look_at=look_at)
+    who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
     if projections:
         first = projections[0]["module"]
-        who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
         look_at = (
             f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
             "lora_B) or the LoRA kernels (patchkit doctor)"
@@ -216,6 +238,12 @@ def judge(request: str, records: list[dict]) -> Finding:
                        look_at=look_at)  # fmt: skip
     verdict = "every probed projection fine, the layer output bad"
     look_at = f"the layer's own compute: {_compute_of(records, layer)}"
+    if unwatched.get(layer) and adapter:
+        look_at += (
+            f"; or the LoRA path of {', '.join(unwatched[layer])} for {who}, which the "
+            "probe does not watch (MoE expert LoRA): if only requests with an adapter go "
+            "bad here, check that adapter's expert weights"
+        )
     return Finding(**common, module="output", verdict=verdict, look_at=look_at)
 
 
