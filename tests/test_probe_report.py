@@ -7,6 +7,8 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 HEADER = {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []}
@@ -317,28 +319,83 @@ def test_the_h200s_log_of_healthy_serving_has_its_header_and_no_record(tmp_path)
     assert (found["records"], found["affected_requests"]) == (0, [])
 
 
-def test_a_bad_layer_output_names_the_experts_lora_the_probe_does_not_watch(tmp_path):
-    header = {**HEADER, "unprobed_lora": [
-        {"layer": 1, "module": "mlp.experts", "class": "FusedMoE3DWithLoRA"},
-        {"layer": 2, "module": "mlp.experts", "class": "FusedMoE3DWithLoRA"},
-        "not an entry", {"layer": "1", "module": 5},
+def experts(*layers, cls="FusedMoE3DWithLoRA", module="mlp.experts") -> dict:
+    """A header whose probe did not watch ``module`` in ``layers``."""
+    return {**HEADER, "unprobed_lora": [
+        {"layer": n, "module": module, "class": cls} for n in layers
     ]}  # fmt: skip
+
+
+def test_a_bad_layer_output_names_the_experts_lora_the_probe_does_not_watch(tmp_path):
     bad = record(3, 1, "output", "output", ["b"], adapters={"b": "moe-adapter"})
-    finding = only(report(write_log(tmp_path, header, bad)))
+    finding = only(report(write_log(tmp_path, experts(1, 2), bad)))
     assert finding["verdict"] == "every probed projection fine, the layer output bad"
     assert finding["look_at"].startswith("the layer's own compute")
-    assert "LoRA path of mlp.experts for adapter 'moe-adapter'" in finding["look_at"]
-    assert "not watch" in finding["look_at"]
+    assert (
+        "or the LoRA path of mlp.experts for adapter 'moe-adapter', which the probe does "
+        "not watch (FusedMoE3DWithLoRA)"
+    ) in finding["look_at"]
 
 
 def test_without_unwatched_modules_or_an_adapter_the_output_verdict_is_the_layers_own(tmp_path):
     bad = record(3, 1, "output", "output", ["b"], adapters={"b": "moe-adapter"})
     plain = only(report(write_log(tmp_path, HEADER, bad)))
     assert "mlp.experts" not in plain["look_at"]
-    header = {**HEADER, "unprobed_lora": [{"layer": 1, "module": "mlp.experts"}]}
-    base = record(3, 1, "output", "output", ["b"])
-    no_adapter = only(report(write_log(tmp_path, header, base)))
+    no_adapter = only(
+        report(write_log(tmp_path, experts(1), record(3, 1, "output", "output", ["b"])))
+    )
     assert "mlp.experts" not in no_adapter["look_at"]
-    elsewhere = {**HEADER, "unprobed_lora": [{"layer": 7, "module": "mlp.experts"}]}
-    other_layer = only(report(write_log(tmp_path, elsewhere, bad)))
+    other_layer = only(report(write_log(tmp_path, experts(7), bad)))
     assert "mlp.experts" not in other_layer["look_at"]
+
+
+def test_a_record_belongs_to_the_header_written_before_it(tmp_path):
+    """One log appended by a MoE server, then by a dense one: the dense run's
+    finding must not name the first server's experts."""
+    moe = record(3, 1, "output", "output", ["m"], adapters={"m": "ad"})
+    dense = record(3, 1, "output", "output", ["d"], adapters={"d": "ad"})
+    found = report(write_log(tmp_path, experts(1), moe, HEADER, dense))
+    by_request = {f["request"]: f["look_at"] for f in found["affected_requests"]}
+    assert "mlp.experts" in by_request["m"]
+    assert "mlp.experts" not in by_request["d"]
+    before_any_header = only(report(write_log(tmp_path, dense, experts(1))))
+    assert "mlp.experts" not in before_any_header["look_at"]
+
+
+def test_a_long_list_of_unwatched_modules_is_named_once_and_cut_short(tmp_path):
+    header = {**HEADER, "unprobed_lora": [
+        {"layer": 1, "module": f"mlp.experts{i % 20}", "class": "FusedMoEWithLoRA"}
+        for i in range(60)
+    ]}  # fmt: skip
+    bad = record(3, 1, "output", "output", ["b"], adapters={"b": "ad"})
+    look_at = only(report(write_log(tmp_path, header, bad)))["look_at"]
+    assert "mlp.experts7, and" not in look_at and "mlp.experts7 and 12 more" in look_at
+    assert look_at.count("mlp.experts1,") == 1 and "mlp.experts8" not in look_at
+
+
+@pytest.mark.parametrize(
+    "unprobed",
+    [
+        {"layer": 1, "module": "mlp.experts"},  # an object, not a list
+        [None],
+        [{"layer": 1.0, "module": "mlp.experts"}],
+        [{"layer": True, "module": "mlp.experts"}],
+        [{"layer": -1, "module": "mlp.experts"}],
+        [{"layer": 1}],
+        [{"layer": 1, "module": ""}],
+        [{"layer": 1, "module": "m" * 513}],
+        [{"layer": 1, "module": "mlp.experts", "class": 7}],
+    ],
+)
+def test_an_unprobed_list_not_of_the_probes_shape_is_one_line(tmp_path, unprobed):
+    log = write_log(tmp_path, {**HEADER, "unprobed_lora": unprobed})
+    one_line_error([str(log)], 1, f"{log}:1", "'unprobed_lora'")
+
+
+def test_a_module_name_longer_than_a_module_path_is_refused(tmp_path):
+    """A 500 kB module name, repeated into each of 40,000 requests' findings, took
+    gigabytes of memory; a real one is a few dozen characters."""
+    log = write_log(tmp_path, HEADER, record(3, 1, "m" * 513, "lora", ["b"]))
+    one_line_error([str(log)], 1, f"{log}:2", "'module'")
+    empty = write_log(tmp_path, HEADER, record(3, 1, "", "lora", ["b"]))
+    one_line_error([str(empty)], 1, f"{empty}:2", "'module'")

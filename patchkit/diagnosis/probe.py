@@ -33,6 +33,9 @@ from patchkit.errors import PatchkitError, UsageProblem
 STEP_KEYS = {"step": int, "layer": int, "module": str, "kind": str, "bad_requests": list}
 KINDS = ("input", "output", "lora")
 MAX_LINE = 1 << 20  # a probe line is a few kB; anything longer is not one
+MAX_NAME = 512  # a module path inside a layer, a class name: a few dozen characters
+SHOWN_UNWATCHED = 8  # unwatched modules named in one finding, at most
+RUN = "_patchkit_run"  # set on each record: the index of the header before it (-1: none)
 
 
 @dataclass
@@ -83,7 +86,8 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
     one endless line is refused without being held in memory.
     """
     handle = _open_regular(path)
-    records, headers = [], []
+    records: list[dict] = []
+    headers: list[dict] = []
     with handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE + 1), b""), start=1):
             if len(raw) > MAX_LINE:
@@ -100,6 +104,7 @@ def read_log(path: Path) -> tuple[list[dict], list[dict]]:
             if "probe" in entry:
                 headers.append(entry)
             else:
+                entry[RUN] = len(headers) - 1  # each server start writes its own header
                 records.append(entry)
     return records, headers
 
@@ -139,9 +144,38 @@ def _parse(path: Path, number: int, line: str) -> dict | None:
     if not isinstance(entry, dict):
         raise PatchkitError(f"{where}: a JSON object expected, got {type(entry).__name__}")
     if entry.get("probe") == "nan-probe":
+        _check_header(where, entry)
         return entry
     _check_record(where, entry)
     return entry
+
+
+def _check_header(where: str, entry: dict) -> None:
+    """``unprobed_lora``, where present (older logs have none): a list of
+    {layer: int, module: str, class: str}, each name of a sane length."""
+    entries = entry.get("unprobed_lora", [])
+    if not isinstance(entries, list) or not all(_is_unprobed_entry(e) for e in entries):
+        raise PatchkitError(
+            f"{where}: 'unprobed_lora': a list of {{layer, module, class}} expected: "
+            "not a nan-probe header"
+        )
+
+
+def _is_unprobed_entry(entry) -> bool:
+    return (
+        isinstance(entry, dict)
+        and _is_index(entry.get("layer"))
+        and _is_name(entry.get("module"))
+        and _is_name(entry.get("class", "?"))
+    )
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_name(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME
 
 
 def _check_record(where: str, entry: dict) -> None:
@@ -151,6 +185,11 @@ def _check_record(where: str, entry: dict) -> None:
             raise PatchkitError(
                 f"{where}: {key!r}: {kind.__name__} expected, got {value!r}: not a nan-probe record"
             )
+    if not _is_name(entry["module"]):
+        raise PatchkitError(
+            f"{where}: 'module': a name of 1 to {MAX_NAME} characters expected: "
+            "not a nan-probe record"
+        )
     if entry["kind"] not in KINDS:
         raise PatchkitError(
             f"{where}: 'kind': one of {', '.join(KINDS)} expected, got {entry['kind']!r}"
@@ -180,7 +219,7 @@ def report(path: Path) -> ProbeReport:
     for record in bad:
         for request in record["bad_requests"]:
             by_request.setdefault(request, []).append(record)
-    unwatched = unprobed_by_layer(headers)
+    unwatched = [unprobed_by_layer(header) for header in headers]
     findings = [judge(request, found, unwatched) for request, found in by_request.items()]
     findings.sort(key=lambda f: (f.step, f.layer, f.request))
     return ProbeReport(
@@ -193,27 +232,21 @@ def report(path: Path) -> ProbeReport:
     )
 
 
-def unprobed_by_layer(headers: list[dict]) -> dict[int, list[str]]:
-    """Layer -> the LoRA modules the probe's headers say it does not watch there.
-
-    Read leniently: a header is advice, and an older log has no such list.
-    """
-    found: dict[int, list[str]] = {}
-    for header in headers:
-        entries = header.get("unprobed_lora")
-        for entry in entries if isinstance(entries, list) else []:
-            if not isinstance(entry, dict):
-                continue
-            layer, module = entry.get("layer"), entry.get("module")
-            if isinstance(layer, int) and isinstance(module, str):
-                names = found.setdefault(layer, [])
-                if module not in names:
-                    names.append(module)
+def unprobed_by_layer(header: dict) -> dict[int, dict[str, str]]:
+    """Layer -> {module: class} of the LoRA modules one header says the probe does
+    not watch there (MoE expert LoRA); empty for an older log without the list."""
+    found: dict[int, dict[str, str]] = {}
+    for entry in header.get("unprobed_lora", []):
+        found.setdefault(entry["layer"], {})[entry["module"]] = entry.get("class", "?")
     return found
 
 
-def judge(request: str, records: list[dict], unwatched: dict[int, list[str]]) -> Finding:
-    """The decision tree, at the first step and the first layer where the request went bad."""
+def judge(request: str, records: list[dict], unwatched: list[dict]) -> Finding:
+    """The decision tree, at the first step and the first layer where the request went bad.
+
+    ``unwatched`` holds, per header of the log, what that server's probe did not
+    watch; a record belongs to the header written before it.
+    """
     step = min(r["step"] for r in records)
     at_step = [r for r in records if r["step"] == step]
     layer = min(r["layer"] for r in at_step)
@@ -238,13 +271,21 @@ def judge(request: str, records: list[dict], unwatched: dict[int, list[str]]) ->
                        look_at=look_at)  # fmt: skip
     verdict = "every probed projection fine, the layer output bad"
     look_at = f"the layer's own compute: {_compute_of(records, layer)}"
-    if unwatched.get(layer) and adapter:
+    run = here[0][RUN]
+    modules = unwatched[run].get(layer, {}) if run >= 0 else {}
+    if modules and adapter:
         look_at += (
-            f"; or the LoRA path of {', '.join(unwatched[layer])} for {who}, which the "
-            "probe does not watch (MoE expert LoRA): if only requests with an adapter go "
-            "bad here, check that adapter's expert weights"
+            f"; or the LoRA path of {_listed(list(modules))} for {who}, which the probe "
+            f"does not watch ({_listed(sorted(set(modules.values())))}): if only requests "
+            "with an adapter go bad here, check that adapter's expert weights"
         )
     return Finding(**common, module="output", verdict=verdict, look_at=look_at)
+
+
+def _listed(names: list[str]) -> str:
+    """At most SHOWN_UNWATCHED names: a header's list must not multiply into every finding."""
+    more = len(names) - SHOWN_UNWATCHED
+    return ", ".join(names[:SHOWN_UNWATCHED]) + (f" and {more} more" if more > 0 else "")
 
 
 def _position(record: dict) -> tuple[int, int]:
