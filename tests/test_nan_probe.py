@@ -227,8 +227,13 @@ def probe(tmp_path_factory):
     return module_from_source("patchkit_nan_probe", created_source("nan-probe", MODULE), directory)
 
 
-class BaseLinearLayerWithLoRA(torch.nn.Module):
-    """Stands in for vLLM's LoRA linear wrapper: the probe finds it by this class name."""
+class BaseLayerWithLoRA(torch.nn.Module):
+    """Stands in for vLLM's base of every LoRA wrapper (found by this class name)."""
+
+
+class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
+    """Stands in for vLLM's LoRA linear wrapper: the probe finds it by this class name
+    (a BaseLayerWithLoRA too, as in vLLM)."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -439,10 +444,6 @@ def test_install_finds_layers_and_lora_projections_in_order(probe, tmp_path):
     assert isinstance(model.layers[0].qkv_proj, BaseLinearLayerWithLoRA)
 
 
-class BaseLayerWithLoRA(torch.nn.Module):
-    """Stands in for vLLM's base of every LoRA wrapper (found by this class name)."""
-
-
 class FusedMoEWithLoRA(BaseLayerWithLoRA):
     """Stands in for vLLM's MoE expert LoRA wrapper: not probed, named in the header."""
 
@@ -456,7 +457,7 @@ def test_moe_expert_lora_is_named_in_the_header_as_not_probed(probe, tmp_path):
     log = tmp_path / "probe.jsonl"
     found = probe.install_on(model, str(log), False, 16, torch.device("cpu"))
     header = records(log)[0]
-    assert header["unprobed_lora"] == [
+    assert header["unprobed_lora"] == [  # the probed projections are not listed
         {"layer": 1, "module": "experts", "class": "FusedMoEWithLoRA"}
     ]
     assert "experts" not in [s.module for s in found.slots]
