@@ -443,20 +443,12 @@ def probe_targets(model) -> list[tuple[int, str, str, object]]:
     projections are the LoRA linear wrappers inside them, in registration order.
     """
     targets = []
-    for name, module in model.named_modules():
-        match = LAYER_PATH.match(name)
-        if match is None:
-            continue
-        layer, inner = int(match.group(2)), match.group(3)
+    for layer, inner, module in _layer_modules(model):
         if inner is None:
             targets.append((layer, "", "layer", module))
-        elif _is_lora_linear(module):
+        elif _has_base(module, "BaseLinearLayerWithLoRA"):
             targets.append((layer, inner, "lora", module))
     return targets
-
-
-def _is_lora_linear(module) -> bool:
-    return any(c.__name__ == "BaseLinearLayerWithLoRA" for c in type(module).__mro__)
 
 
 def unprobed_lora(model) -> list[dict]:
@@ -468,17 +460,27 @@ def unprobed_lora(model) -> list[dict]:
     layer whose output went bad with every probed projection fine, that the
     experts' LoRA is a suspect too, not only the layer's own compute.
     """
-    found = []
+    return [
+        {"layer": layer, "module": inner, "class": type(module).__name__}
+        for layer, inner, module in _layer_modules(model)
+        if inner is not None
+        and _has_base(module, "BaseLayerWithLoRA")
+        and not _has_base(module, "BaseLinearLayerWithLoRA")
+    ]
+
+
+def _layer_modules(model):
+    """(layer, path inside the layer or None for the layer itself, module) of every
+    module under a decoder layer, in registration order."""
     for name, module in model.named_modules():
         match = LAYER_PATH.match(name)
-        if match is None or match.group(3) is None or _is_lora_linear(module):
-            continue
-        if any(c.__name__ == "BaseLayerWithLoRA" for c in type(module).__mro__):
-            found.append(
-                {"layer": int(match.group(2)), "module": match.group(3),
-                 "class": type(module).__name__}
-            )  # fmt: skip
-    return found
+        if match is not None:
+            yield int(match.group(2)), match.group(3), module
+
+
+def _has_base(module, class_name: str) -> bool:
+    """By name, not by import: the module must load without vLLM's LoRA layers."""
+    return any(c.__name__ == class_name for c in type(module).__mro__)
 
 
 def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) -> Probe:
