@@ -1,9 +1,15 @@
-"""Serving throughput of vLLM under each patchkit configuration, side by side on one GPU (issue 10).
+"""Serving throughput of vLLM under each patchkit configuration, side by side on one GPU.
 
-What it measures: a Qwen3.5-27B-width hybrid cut to 8 layers (6 Gated
-DeltaNet + 2 attention, about 3.1 B parameters, random bf16 weights) with 4
-random rank-64 adapters on every linear module, served by vllm.LLM with its
-defaults (torch.compile, CUDA graphs), max_loras 4, max_num_seqs 64. Each
+What it measures: a model cut to 8 layers (6 Gated DeltaNet + 2 attention,
+random bf16 weights) with N random rank-R adapters (`build --adapters N
+--rank R`, default 4 x 64; max_loras N, max_lora_rank R), served by vllm.LLM
+with its defaults (torch.compile, CUDA graphs), max_num_seqs 64:
+  dense27b  Qwen3.5-27B widths, about 3.1 B parameters, adapters on every
+            linear module
+  moe35b    Qwen3.5-35B-A3B widths (256 routed experts, top 8, a shared
+            expert), about 6.8 B parameters, adapters on attention, GDN, the
+            shared expert and the routed experts (PEFT's target_parameters)
+BENCH_GPU_MEMORY sets each engine's gpu_memory_utilization (default 0.12). Each
 configuration gets its own engine, in its own process, on its own copy of the
 vLLM tree (hard links; patchkit writes new files, so the copies never share a
 patched file) and its own empty compile cache:
@@ -13,7 +19,7 @@ patched file) and its own empty compile cache:
   default              `patchkit apply` (torch LoRA path)
   default+triton       the same tree, PATCHKIT_LORA_BACKEND=triton
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
-                       nan-probe`, served with PATCHKIT_PROBE_LOG set (issue 20,
+                       nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        item 5: the probe's cost); only when asked for by --configs
 
 All engines start together and stay up; the workloads then run one engine
@@ -26,12 +32,13 @@ time of the counted rounds.
 
 Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
   decode_b64_lora / _base   64 prompts of 128 tokens, 256 tokens out each; output tok/s
-                            (LoRA: the 4 adapters round-robin)
+                            (LoRA: the adapters round-robin)
+  decode_b4_lora / _base    4 prompts of 128 tokens, 256 out; output tok/s
   decode_b1_lora / _base    1 prompt of 128 tokens, 256 out; output tok/s
   prefill_lora / _base      16 prompts of 4096 tokens, 1 out; prompt tok/s
 
 Steps (the GPU host has no network; see ../shared/device):
-  python scripts/bench_serving.py build DIR            model + adapters (transformers, peft)
+  python scripts/bench_serving.py build DIR [--model dense27b|moe35b] [--adapters N] [--rank R]
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
         [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
         [--markdown FILE]
@@ -63,9 +70,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import TARGET_MODULES, qwen35_config  # noqa: E402
+from patchkit.proof.e2e import (  # noqa: E402
+    MOE_TARGET_MODULES,
+    TARGET_MODULES,
+    qwen35_config,
+    qwen35_moe_config,
+)
 
-RANK, ADAPTERS, MAX_SEQS = 64, 4, 64
+MAX_SEQS = 64
 # Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
 WIDTHS = dict(
     hidden_size=5120,
@@ -77,9 +89,26 @@ WIDTHS = dict(
     linear_num_key_heads=16,
     linear_num_value_heads=48,
 )
+# Qwen3.5-35B-A3B widths, 8 layers: 256 routed experts (top 8) and a shared expert.
+MOE_WIDTHS = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+)
+MODELS = ("dense27b", "moe35b")
 WORKLOADS = {
     "decode_b64_lora": dict(n=64, prompt=128, out=256, lora=True),
     "decode_b64_base": dict(n=64, prompt=128, out=256, lora=False),
+    "decode_b4_lora": dict(n=4, prompt=128, out=256, lora=True),
+    "decode_b4_base": dict(n=4, prompt=128, out=256, lora=False),
     "decode_b1_lora": dict(n=1, prompt=128, out=256, lora=True),
     "decode_b1_base": dict(n=1, prompt=128, out=256, lora=False),
     "prefill_lora": dict(n=16, prompt=4096, out=1, lora=True),
@@ -91,28 +120,79 @@ WARMUP_OUT = 32  # round 0 loads the adapters at the counted rounds' batch shape
 # ----- build: the model and the adapters -----
 
 
-def build(directory: Path) -> None:
-    """Save the cut model (bf16) and 4 random rank-64 adapters, built on the GPU."""
+def build(directory: Path, model: str = "dense27b", adapters: int = 4, rank: int = 64) -> None:
+    """Save the cut model (bf16) and `adapters` random adapters of `rank`, built on the GPU.
+
+    DIR/bench.json records what was built; the engines read it (max_loras =
+    the adapter count, max_lora_rank = the rank).
+    """
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
-    config = qwen35_config(**WIDTHS)
+    if model == "moe35b":
+        from transformers import Qwen3_5MoeForConditionalGeneration as model_class
+
+        config, targets = qwen35_moe_config(**MOE_WIDTHS), MOE_TARGET_MODULES
+    else:
+        from transformers import Qwen3_5ForConditionalGeneration as model_class
+
+        config, targets = qwen35_config(**WIDTHS), TARGET_MODULES
     with torch.device("cuda"):
-        model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
-    model.save_pretrained(directory / "model")
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+        built = model_class(config).to(torch.bfloat16)
+    built.save_pretrained(directory / "model")
+    print(f"model: {sum(p.numel() for p in built.parameters()) / 1e9:.2f} B parameters")
     peft_model = get_peft_model(
-        model,
-        LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGET_MODULES, init_lora_weights=False),
+        built, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
     )
-    for number in range(ADAPTERS):
+    for number in range(adapters):
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
                 if "lora_A" in name or "lora_B" in name:
                     param.normal_(0.0, param.shape[-1] ** -0.5 * (0.3 if "lora_B" in name else 1))
-        peft_model.save_pretrained(directory / f"adapter-{number}")
+        out = directory / f"adapter-{number}"
+        peft_model.save_pretrained(out)
+        if model == "moe35b":
+            add_expert_factors(out, rank, seed=number)
+    spec = {"model": model, "adapters": adapters, "rank": rank}
+    (directory / "bench.json").write_text(json.dumps(spec))
+
+
+def add_expert_factors(adapter: Path, rank: int, seed: int) -> None:
+    """The routed experts' factors, as PEFT >= 0.20 saves `target_parameters` on
+    mlp.experts.gate_up_proj and mlp.experts.down_proj (patchkit.proof.e2e.build_moe)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator(device="cuda").manual_seed(1000 + seed)
+    hidden, inter = MOE_WIDTHS["hidden_size"], MOE_WIDTHS["moe_intermediate_size"]
+    rows = rank * MOE_WIDTHS["num_experts"]
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    for layer in range(MOE_WIDTHS["num_hidden_layers"]):
+        root = f"base_model.model.model.language_model.layers.{layer}.mlp.experts"
+        for wrapper, d_out, d_in in (
+            (root + ".base_layer", 2 * inter, hidden),
+            (root, hidden, inter),
+        ):
+            a = torch.randn(rows, d_in, generator=gen, device="cuda") / d_in**0.5
+            b = torch.randn(d_out, rows, generator=gen, device="cuda") * (0.3 / rank**0.5)
+            tensors[f"{wrapper}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+            tensors[f"{wrapper}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+    save_file(tensors, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def bench_spec(work: Path) -> dict:
+    """What `build` made: {model, adapters, rank} (a DIR built before bench.json: 4 x 64)."""
+    path = work / "bench.json"
+    return (
+        json.loads(path.read_text())
+        if path.exists()
+        else {"model": "dense27b", "adapters": 4, "rank": 64}
+    )
 
 
 # ----- sites: one vLLM tree per configuration -----
@@ -201,16 +281,17 @@ def worker(work: Path, name: str) -> None:
     from vllm.lora.request import LoRARequest
 
     started = time.monotonic()
+    spec = bench_spec(work)
     llm = LLM(
         model=str(work / "model"),
         enable_lora=True,
-        max_lora_rank=RANK,
-        max_loras=ADAPTERS,
+        max_lora_rank=spec["rank"],
+        max_loras=spec["adapters"],
         max_num_seqs=MAX_SEQS,
         max_model_len=4608,
         max_num_batched_tokens=8192,
         enable_prefix_caching=False,
-        gpu_memory_utilization=0.12,
+        gpu_memory_utilization=float(os.environ.get("BENCH_GPU_MEMORY", "0.12")),
         kv_cache_memory_bytes=4 << 30,  # no KV sizing by profiling: engines start side by side
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]},
         skip_tokenizer_init=True,
@@ -220,7 +301,7 @@ def worker(work: Path, name: str) -> None:
         dtype="bfloat16",
         seed=0,
     )
-    adapters = [work / f"adapter-{n}" for n in range(ADAPTERS)]
+    adapters = [work / f"adapter-{n}" for n in range(spec["adapters"])]
     requests = [LoRARequest(f"a{n}", n + 1, str(path)) for n, path in enumerate(adapters)]
     mailbox = Mailbox(work, name)
     mailbox.answer({"ready": True, "start_s": time.monotonic() - started})
@@ -480,11 +561,13 @@ def table(results: dict, meta: dict) -> str:
     counted = [r for r in results["rounds"] if r["round"] > 0]
     configs = list(results["configs"])
     base = results.get("base", "unpatched")
+    built = f"{meta.get('model', 'dense27b')}, {meta.get('adapters', 4)} adapters of rank "
+    built += f"{meta.get('rank', 64)}"
     lines = table_head(
-        f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}; "
+        f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}, {built}; "
         f"median of {meta['rounds']} rounds after a warm-up round; tok/s "
         "(decode: output tokens, prefill: prompt tokens); in brackets the median of the "
-        f"per-round ratios to {base} and their range",
+        f"per-round ratios to {base}, their lower quartile (q1) and their range",
         configs,
     )
     for workload in WORKLOADS:
@@ -497,9 +580,7 @@ def table(results: dict, meta: dict) -> str:
             if not values:
                 cells.append("n/a")
             elif name != base and ratios:
-                cells.append(f"{statistics.median(values):.0f} "
-                             f"({100 * statistics.median(ratios):.1f} %, "
-                             f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f})")  # fmt: skip
+                cells.append(f"{statistics.median(values):.0f} ({ratio_summary(ratios)})")
             else:
                 cells.append(f"{statistics.median(values):.0f}")
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
@@ -509,6 +590,19 @@ def table(results: dict, meta: dict) -> str:
               f"measurements: {sum(stolen):.1f} s in all, "
               f"some in {sum(x > 0 for x in stolen)}."]  # fmt: skip
     return "\n".join(lines)
+
+
+def lower_quartile(values: list[float]) -> float:
+    """The first quartile (statistics.quantiles, inclusive); the value itself when alone."""
+    if len(values) < 2:
+        return values[0]
+    return statistics.quantiles(values, n=4, method="inclusive")[0]
+
+
+def ratio_summary(ratios: list[float]) -> str:
+    """'101.2 %, q1 98.7 %, 95-104': median, lower quartile and range of per-round ratios."""
+    return (f"{100 * statistics.median(ratios):.1f} %, q1 {100 * lower_quartile(ratios):.1f} %, "
+            f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}")  # fmt: skip
 
 
 def leg_table(counted: list[dict], configs: list[str], base: str = "unpatched") -> list[str]:
@@ -551,7 +645,11 @@ def leg_table(counted: list[dict], configs: list[str], base: str = "unpatched") 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="step", required=True)
-    sub.add_parser("build").add_argument("dir", type=Path)
+    make = sub.add_parser("build", help="the model and its adapters")
+    make.add_argument("dir", type=Path)
+    make.add_argument("--model", choices=MODELS, default="dense27b")
+    make.add_argument("--adapters", type=int, default=4, help="how many (max_loras)")
+    make.add_argument("--rank", type=int, default=64)
     work = sub.add_parser("worker")
     work.add_argument("dir", type=Path)
     work.add_argument("name")
@@ -595,7 +693,7 @@ def main() -> int:
     if args.step == "run":
         args.site = args.site.resolve()
     if args.step == "build":
-        build(args.dir)
+        build(args.dir, args.model, args.adapters, args.rank)
         return 0
     if args.step == "worker":
         worker(args.dir, args.name)
@@ -627,7 +725,7 @@ def report(results: dict, args) -> None:
     counted = {r["round"] for r in results["rounds"] if r["round"] > 0}
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "vllm": vllm.__version__, "torch": torch.__version__, "rounds": len(counted),
-            "command": " ".join(sys.argv)}  # fmt: skip
+            "command": " ".join(sys.argv), **bench_spec(args.dir)}  # fmt: skip
     results["meta"] = meta
     save_partial(args.dir, results)
     text = table(results, meta)

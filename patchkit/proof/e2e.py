@@ -206,13 +206,14 @@ MOE_TARGET_MODULES = (
 MOE_PROMPT_LENGTHS = [600, 3000]
 
 
-def qwen35_moe_config():
+def qwen35_moe_config(**text):
     """A Qwen3.5-MoE hybrid (transformers' Qwen3_5MoeConfig): TINY_TEXT with 8 routed
-    experts (top 2) and a shared expert in every layer (vLLM's Qwen3NextSparseMoeBlock)."""
+    experts (top 2) and a shared expert in every layer (vLLM's Qwen3NextSparseMoeBlock),
+    `text` over it."""
     from transformers import Qwen3_5MoeConfig
 
-    text = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"} | MOE_TEXT
-    return _with_vision(Qwen3_5MoeConfig, text)
+    tiny = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"}
+    return _with_vision(Qwen3_5MoeConfig, tiny | MOE_TEXT | text)
 
 
 def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
