@@ -2,7 +2,7 @@
 
 Why: with the probe's host side down to ~50 us a step (scripts/bench_probe_host.py),
 the H200 serving benchmark still read 83-94 % of the default set's decode
-throughput (docs/h200-2026-11-30h). Under CUDA graphs each probed point cost
+throughput (docs/evidence.md). Under CUDA graphs each probed point cost
 two to five ATen kernels a step (a cast of the rows to float32, a reduction,
 for a layer's hidden state and residual twice and a maximum); the probe now
 runs one Triton kernel per point. This measures both on the GPU for the points

@@ -2,7 +2,7 @@
 # The GPU proofs of issues 19 (item 6) and 20 (item 5) on a 2-GPU H200 host, as
 # a few device calls run back to back (the host is given back 30 s after a call;
 # /opt and /tmp go with it). The plan, with each call's carry list, command and
-# time, is docs/next-gpu-session.md.
+# time, is at the end of docs/evidence.md.
 #
 #   bash scripts/gpu_session.sh STEP
 #
@@ -21,7 +21,7 @@
 # engines start at once, its rounds wait for the proof), until GS_BENCH_END.
 # GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host: the benchmark
 # then starts after the proof (two engines profiling memory at once on one GPU
-# count each other's allocations: docs/h200-2026-12-01).
+# count each other's allocations: docs/evidence.md).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -252,7 +252,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     SECONDS=0
     if [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
       # one GPU: an engine counts what others allocate during its memory
-      # profile as its own (docs/h200-2026-12-01), so nothing starts beside it
+      # profile as its own (docs/evidence.md), so nothing starts beside it
       (one probe; touch "$G/proofs.done"; bench) &
       p1=$!
       p2=$!

@@ -8,7 +8,7 @@
 # wheel (~/.cache/patchkit-device/vllm-VERSION/, where make-bundles.sh keeps
 # it). Without it every MoE engine stops at start with
 # "'_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'"
-# (docs/h200-2026-11-30f). On the GPU host, `bash .devtools/unpack.sh
+# (docs/evidence.md). On the GPU host, `bash .devtools/unpack.sh
 # .devbundle/b3` unpacks it into /opt/site, so the file lands in
 # /opt/site/vllm/ next to the rest of vLLM (b1, b2), where
 # vllm.platforms.cuda.CudaPlatform.import_kernels imports it.

@@ -25,8 +25,7 @@ must fail and name it.
         --lora qkv=OUT/qkv --lora z=OUT/z [--tensor-parallel-size 2]
 
 The commands and results of the run on the test H200 host are in
-docs/h200-2026-11-30f/README.md; the next runs are planned in
-docs/next-gpu-session.md.
+docs/evidence.md; how a GPU sitting is planned and run is at its end.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 tests/data/canary-h200-0.26.0/ holds every HTTP exchange of the canary's run
 against vLLM 0.26.0's OpenAI server on the test H200 (scripts/canary_gpu.py,
-docs/h200-2026-11-30e/): a tiny Qwen3.5 with two healthy adapters, then with
+docs/evidence.md): a tiny Qwen3.5 with two healthy adapters, then with
 an adapter whose lora_B holds an inf, on the Triton LoRA kernels. A local
 server replays those answers, request by request, so the protocol shapes the
 canary judges are the real server's, not hand-made ones.

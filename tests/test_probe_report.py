@@ -286,7 +286,7 @@ def test_the_text_report_escapes_control_characters_from_the_log(tmp_path):
 
 
 def recorded(tmp_path: Path, name: str) -> Path:
-    """A probe log the H200 wrote with the row kernel (docs/h200-2026-12-01), unpacked."""
+    """A probe log the H200 wrote with the row kernel (docs/evidence.md), unpacked."""
     data = Path(__file__).parent / "data" / f"h200-2026-12-01-probe-{name}.jsonl.gz"
     path = tmp_path / f"{name}.jsonl"
     path.write_bytes(gzip.decompress(data.read_bytes()))

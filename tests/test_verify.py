@@ -3,7 +3,7 @@
 The judging code (kernelcheck._judge, e2e.compare) runs here on the CPU with
 crafted numbers, so each failure it must catch is shown to be caught. The
 real run needs a CUDA GPU and vLLM; its output on the test H200 is in
-docs/h200-2026-11-29/.
+docs/evidence.md.
 """
 
 from __future__ import annotations

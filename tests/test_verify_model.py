@@ -5,7 +5,7 @@ GPUs than are visible, the disk the merged references need (said before,
 refused when it is not free, nothing written then), their removal after the
 run, and the checks applied to served results (synthetic, with each failure
 they must catch). The served run itself needs a GPU and vLLM; its output
-on the test H200 is in docs/h200-2026-11-30f/.
+on the test H200 is in docs/evidence.md.
 """
 
 from __future__ import annotations

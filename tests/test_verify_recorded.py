@@ -1,5 +1,5 @@
 """verify's judgement on what vLLM really served: the MoE case of `verify --e2e` on
-the 2-GPU H200 (docs/h200-2026-11-30h), its engines' prompt log-probabilities
+the 2-GPU H200 (docs/evidence.md), its engines' prompt log-probabilities
 recorded (tests/data/h200-2026-11-30h-moe-tp*-served.json.gz and
 h200-2026-11-30i-moe-tp2-served.json.gz, the `moe-` entries of served.json).
 
@@ -52,7 +52,7 @@ def test_the_moe_case_served_at_tp2_passes_with_the_tp1_rounding():
 
 
 def test_the_moe_case_served_at_tp2_with_its_own_control_passes():
-    """docs/h200-2026-11-30i: TP=2 served its reference and rounding control too,
+    """docs/evidence.md (2026-11-30i): TP=2 served its reference and rounding control too,
     and the inference above held: its own control widens the bound as TP=1's did."""
     path = DATA / "h200-2026-11-30i-moe-tp2-served.json.gz"
     with gzip.open(path, "rt") as handle:

@@ -16,7 +16,7 @@ perturbation of every changed weight; how much it moves the output grows
 with the model's width and depth (measured on the test H200: mean
 0.012-0.015 on an 8-layer stand-in, 0.032-0.034 on a Qwen3.5-27B-wide
 cut; vLLM's own Triton kernels as far from the reference as patchkit's
-torch path, docs/h200-2026-11-30h). A fixed bound is therefore either too
+torch path, docs/evidence.md). A fixed bound is therefore either too
 tight for a large model or too loose for a small one, so each adapter gets
 a rounding control: the same merge rounded stochastically (an equally
 valid bf16 version of the same float32 weights), served like the
@@ -47,14 +47,14 @@ LONGEST = 16384
 # (mean, max) |LoRA served - merged reference| of prompt log-probabilities that
 # always passes, whatever the rounding control says: --e2e's bounds against
 # transformers (the 8-layer stand-in measured 0.0116-0.0153 / 0.049-0.098 at
-# TP=2, docs/h200-2026-11-30f).
+# TP=2, docs/evidence.md).
 MERGED_BOUNDS = (0.03, 0.3)
 # LoRA vs the reference may reach this many times the distance between the two
 # roundings of the reference. Were the output linear in the weights, that distance
 # would be about sqrt(3) times the reference's own error (nearest rounding's error
 # spread is a step / sqrt(12), the difference's a step / 2), so this allows about
 # 2.6 times the reference's error; measured on the H200, LoRA sat at 0.9-1.4
-# times the distance (docs/h200-2026-11-30h)...
+# times the distance (docs/evidence.md)...
 ROUNDING_FACTOR = 1.5
 # ...unless the roundings differ by more than this (mean): then the reference is
 # too coarse to judge a LoRA path by, and the run says so instead of passing on it.

@@ -136,7 +136,7 @@ SPLIT_K_MAX_SPLIT = 8
 def split_k_parts(num_tokens: int) -> int:
     """How many parts the shrink of a one-slice call is split into (shape only).
 
-    Measured on an H200 (docs/h200-2026-11-30c): 8 parts are fastest up to
+    Measured on an H200 (docs/evidence.md): 8 parts are fastest up to
     64 tokens, 4 up to 256; beyond, cuBLAS's own GEMM is as fast.
     """
     return SPLIT_K_MAX_SPLIT if num_tokens <= 64 else 4

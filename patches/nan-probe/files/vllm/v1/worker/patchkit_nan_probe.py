@@ -86,7 +86,7 @@ def row_absmax(flats: list[torch.Tensor], target: torch.Tensor) -> None:
     projection of every step, where a decode step is a few milliseconds; ATen's
     norm casts the bf16 rows to a float32 copy and reduces it, and a layer's
     hidden state and residual need a maximum on top: about 120 small kernels a
-    step for an 8-layer model, most of the probe's cost (BENCHMARKS.md).
+    step for an 8-layer model, most of the probe's cost (docs/evidence.md).
     A kernel that fails is caught where it can be: vLLM's profile and warm-up
     runs call the op at every shape eagerly before any CUDA graph is captured,
     so each kernel variant is built (and would fail) outside a capture.
