@@ -864,3 +864,98 @@ def test_the_warning_is_one_line_whatever_the_path_holds(probe, tmp_path, monkey
     probe.install(fake_runner(Model(), ["r0"], [0, 2]))
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "\x1b" not in err and "a\\nFAKE\\x1b[2J" in err, err
+
+
+# ----- a tree with an older probe applied -----
+
+OLDER_PROBE = "7fbc4d8"  # the probe that opened its log with a plain open() (followed links)
+
+
+def older_catalogue(tmp_path: Path) -> Path:
+    """The catalogue with the probe module as it was at OLDER_PROBE (git history)."""
+    import subprocess
+
+    from tests.conftest import CATALOGUE, REPO
+
+    shown = subprocess.run(
+        ["git", "show", f"{OLDER_PROBE}:patches/nan-probe/files/{MODULE}"],
+        cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    if shown.returncode != 0:
+        pytest.skip(f"needs this checkout's git history (commit {OLDER_PROBE})")
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, root)
+    (root / "nan-probe" / "files" / MODULE).write_bytes(shown.stdout)
+    assert shown.stdout.decode() != created_source("nan-probe", MODULE)
+    return root
+
+
+def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_current_one(tmp_path):
+    """A server patched before the log opener was fixed keeps appending through links:
+    status said only 'applied', and `apply --only nan-probe` did nothing."""
+    older = older_catalogue(tmp_path)
+    root = copy_tree("0.26.0", tmp_path / "site")
+    env = {"PATCHKIT_PATCHES_DIR": str(older)}
+    assert run_cli("apply", "--target", str(root), env=env).exit_code == 0
+    default_set = snapshot(root)
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe", env=env).exit_code == 0
+    assert (root / MODULE).read_bytes() == (older / "nan-probe" / "files" / MODULE).read_bytes()
+    with_older = snapshot(root)
+
+    status = run_cli("status", "--target", str(root), "--json")
+    assert status.exit_code == 0, status.output
+    report = json.loads(status.stdout)
+    [entry] = [p for p in report["patches"] if p["id"] == "nan-probe"]
+    assert entry["state"] == "applied"
+    assert entry["reason"] == (
+        "applied from an older catalogue: `patchkit apply --only nan-probe` brings the current one"
+    )
+    assert any("patchkit apply --only nan-probe` replaces it" in w for w in report["warnings"])
+    text = run_cli("status", "--target", str(root))
+    assert "applied from an older catalogue" in text.stdout
+    assert "warning: nan-probe: the patch file changed since it was applied" in text.stderr
+
+    dry = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--dry-run")
+    assert dry.exit_code == 0 and "1 would apply" in dry.stdout.splitlines()[-1], dry.output
+    assert snapshot(root) == with_older
+    plain = run_cli("apply", "--target", str(root))  # plain apply leaves it as it is
+    assert plain.exit_code == 0 and snapshot(root) == with_older, plain.output
+
+    upgrade = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--strict")
+    assert upgrade.exit_code == 0, upgrade.output
+    assert upgrade.stderr == ""  # the warning is what the run has just fixed
+    assert upgrade.stdout.splitlines()[-1] == "apply: 1 applied now; now 1 applied"
+    assert "replaced the version applied from an older catalogue" in upgrade.stdout
+    assert (root / MODULE).read_text() == created_source("nan-probe", MODULE)
+    assert status_of(root)["nan-probe"] == "applied"
+    again = run_cli("status", "--target", str(root), "--json")
+    assert json.loads(again.stdout)["warnings"] == [] and again.stderr == ""
+    assert run_cli("revert", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    assert snapshot(root) == default_set  # the runner's backup is still the original
+
+
+def test_the_replacement_of_an_older_probe_is_one_commit_a_failure_changes_nothing(
+    tmp_path, monkeypatch
+):
+    """A failure while the replacement is written leaves the older probe in place, not a
+    tree without the probe (what revert-then-apply would leave)."""
+    from patchkit.engine.safepath import Root
+    from patchkit.engine.state import STATE_FILE
+
+    older = older_catalogue(tmp_path)
+    root = copy_tree("0.26.0", tmp_path / "site")
+    env = {"PATCHKIT_PATCHES_DIR": str(older)}
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe", env=env).exit_code == 0
+    with_older = snapshot(root)
+    real_write = Root.write
+
+    def full_at_the_record(self, relpath, *args, **kwargs):
+        if relpath == STATE_FILE:  # the module is written by now: the commit point fails
+            raise OSError(28, "No space left on device")
+        return real_write(self, relpath, *args, **kwargs)
+
+    monkeypatch.setattr(Root, "write", full_at_the_record)
+    failed = run_cli("apply", "--target", str(root), "--only", "nan-probe")
+    monkeypatch.undo()
+    assert failed.exit_code == 1 and "no space left" in failed.stderr, failed.output
+    assert snapshot(root) == with_older

@@ -506,12 +506,14 @@ def _check_file(found: os.stat_result) -> None:
 def _warn(path: str, exc: BaseException, what: str) -> None:
     """One line on stderr: the probe must never take the server down with it.
 
-    The path comes from the environment: a newline or an escape sequence in it
-    is written escaped, so the line stays one line.
+    The path comes from the environment and an unexpected error's text from
+    anywhere: a newline or an escape sequence in them is written escaped, so
+    the line stays one line.
     """
-    reason = getattr(exc, "strerror", None) or str(exc)
-    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in path)
-    print(f"patchkit nan-probe: {shown}: {reason}; {what}", file=sys.stderr, flush=True)
+    reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+    line = f"{path}: {reason}; {what}"
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
+    print(f"patchkit nan-probe: {shown}", file=sys.stderr, flush=True)
 
 
 def _rank() -> int:
