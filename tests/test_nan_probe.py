@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
+import stat
 import types
 from pathlib import Path
 
@@ -649,3 +651,311 @@ def test_an_unexpected_error_reading_a_step_turns_the_probe_off_not_the_server(
     assert len(err) == 1 and "probe is off" in err[0] and "AttributeError" in err[0]
     probe.after_forward(runner)  # and nothing more after it
     assert capsys.readouterr().err == ""
+
+
+# ----- the log is never written through a link, nor into another user's file -----
+
+
+def refused(probe, path: Path) -> str:
+    """The reason the probe gives for not writing ``path`` (fails if it wrote)."""
+    with pytest.raises(OSError) as caught:
+        probe.write_lines(str(path), [{"step": 0}])
+    return caught.value.strerror
+
+
+def secret(path: Path) -> Path:
+    """A file of the server's user (root in the tests) that nobody asked it to log into."""
+    path.write_text("root's data\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_a_link_planted_as_the_log_is_refused_and_the_server_loads_unprobed(
+    probe, tmp_path, monkeypatch, capfd
+):
+    """Another user plants probe.jsonl -> a root-owned file: the root server appended its
+    header there. Now one stderr line, no probe, the target untouched."""
+    target = secret(tmp_path / "target")
+    log = tmp_path / "probe.jsonl"
+    log.symlink_to(target)
+    monkeypatch.setattr(probe, "_PROBE", None)
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 2])
+    assert probe._PROBE is None and type(model.layers[0]) is Layer
+    probe.after_forward(runner)  # serving goes on
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(log) in err[0] and "symbolic link" in err[0], err
+    assert "probe is off" in err[0]
+    assert target.read_text() == "root's data\n" and log.is_symlink()
+
+
+def test_a_dangling_link_creates_nothing(probe, tmp_path):
+    """probe.jsonl -> a name that does not exist: open(O_CREAT) made it, mode 0644."""
+    log = tmp_path / "probe.jsonl"
+    log.symlink_to(tmp_path / "made-by-root")
+    assert "symbolic link" in refused(probe, log)
+    assert not (tmp_path / "made-by-root").exists()
+
+
+def test_a_hard_link_to_another_file_is_refused(probe, tmp_path):
+    target = secret(tmp_path / "target")
+    log = tmp_path / "probe.jsonl"
+    os.link(target, log)
+    assert "2 hard links" in refused(probe, log)
+    assert target.read_text() == "root's data\n"
+
+
+def test_a_file_another_user_owns_is_refused(probe, tmp_path):
+    """Running as root, a log owned by uid 12345 (another user's file, or one they made
+    to be written by root) is not appended to."""
+    log = tmp_path / "probe.jsonl"
+    log.write_text("")
+    os.chown(log, 12345, 12345)
+    assert (
+        refused(probe, log) == f"owned by uid 12345, not by the server's user (uid {os.geteuid()})"
+    )
+    assert log.read_text() == ""
+
+
+def test_a_fifo_or_a_device_is_refused_by_type_without_being_opened(probe, tmp_path, monkeypatch):
+    """Opening a FIFO wakes its reader, opening a device runs its driver (a watchdog
+    starts counting): looked at with lstat, never opened."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *args, **kwargs):
+        opened.append(os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    assert refused(probe, fifo) == "not a regular file"
+    assert refused(probe, Path("/dev/null")) == "not a regular file"
+    monkeypatch.undo()
+    assert not any(name.endswith(("fifo", "null")) for name in opened), opened
+
+
+def test_a_link_in_a_directory_component_is_refused(probe, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "logs").symlink_to(real)
+    reason = refused(probe, tmp_path / "logs" / "probe.jsonl")
+    assert reason.startswith("'logs' is a symbolic link"), reason
+    assert list(real.iterdir()) == []
+
+
+def test_a_directory_other_users_can_write_to_gets_no_log(probe, tmp_path):
+    """World-writable and not sticky: another user could rename any file of root's onto
+    the log's name, or plant one; neither a new log nor an existing one is written."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert "writable by other users" in refused(probe, shared / "probe.jsonl")
+    assert list(shared.iterdir()) == []
+    existing = secret(shared / "old.jsonl")
+    assert "writable by other users" in refused(probe, existing)
+    assert existing.read_text() == "root's data\n"
+    group = tmp_path / "group"
+    group.mkdir()
+    group.chmod(0o775)
+    assert "writable by other users" in refused(probe, group / "probe.jsonl")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, 12345)
+    assert "owned by uid 12345" in refused(probe, theirs / "probe.jsonl")
+
+
+def test_a_sticky_directory_of_root_or_of_the_server_takes_a_new_log_mode_0600(probe, tmp_path):
+    """/tmp (root's, mode 1777) is fine for a root server: O_EXCL|O_NOFOLLOW creates the
+    log or fails on a name planted first, and the sticky bit keeps others from renaming
+    it. The new log is the server user's only (0600: request ids, adapter names)."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    log = sticky / "probe.jsonl"
+    probe.write_lines(str(log), [{"step": 0}])
+    probe.write_lines(str(log), [{"step": 1}, {"step": 2}])
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0, 1, 2]
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    os.chown(sticky, 12345, 12345)  # sticky, but another user's: they may rename in it
+    assert "owned by uid 12345" in refused(probe, sticky / "other.jsonl")
+
+
+def test_an_existing_log_keeps_its_mode_and_a_relative_path_is_walked_from_the_cwd(
+    probe, tmp_path, monkeypatch
+):
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "probe.jsonl"
+    log.write_text("")
+    log.chmod(0o640)
+    monkeypatch.chdir(tmp_path)
+    probe.write_lines("logs/probe.jsonl", [{"step": 0}])
+    probe.write_lines("./logs/../logs/probe.jsonl", [{"step": 1}])
+    assert len(log.read_text().splitlines()) == 2 and stat.S_IMODE(log.stat().st_mode) == 0o640
+    (tmp_path / "link").symlink_to(tmp_path / "logs")
+    assert "symbolic link" in refused(probe, Path("link/probe.jsonl"))
+    for name in ("logs/", "logs/.", "logs/.."):  # strings: Path() drops a trailing "/."
+        assert refused(probe, name) == "names a directory, not a file"
+
+
+def test_a_component_swapped_for_a_link_during_the_walk_is_never_followed(
+    probe, tmp_path, monkeypatch
+):
+    """The race: between the probe's checks, another user swaps a directory of the path
+    for a link to where they want root's writes. The swap is made at each open() the
+    opener makes, in turn: the walk holds each directory it opened, so a swap after it
+    passed a name changes nothing and one before is a link it refuses. Never a byte lands
+    in the attacker's directory."""
+    real_open = os.open
+    for at in range(1, 32):
+        case = tmp_path / str(at)
+        (case / "logs").mkdir(parents=True)
+        (case / "attacker").mkdir()
+        calls = []
+
+        def swap_then_open(path, flags, *args, at=at, case=case, calls=calls, **kwargs):
+            calls.append(path)
+            if len(calls) == at:
+                (case / "logs").rename(case / "moved")
+                (case / "logs").symlink_to(case / "attacker")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", swap_then_open)
+        try:
+            probe.write_lines(str(case / "logs" / "probe.jsonl"), [{"step": 0}])
+            written = True
+        except OSError as exc:
+            written = False
+            assert "symbolic link" in exc.strerror, exc.strerror
+        finally:
+            monkeypatch.undo()
+        assert list((case / "attacker").iterdir()) == [], at
+        if not (case / "moved").exists():  # fewer open() calls than ``at``: all were tried
+            assert written and (case / "logs" / "probe.jsonl").exists()
+            break
+        assert written == (case / "moved" / "probe.jsonl").exists(), at
+    else:
+        raise AssertionError("the opener made more than 31 open() calls")
+
+
+def test_a_log_swapped_for_a_link_while_serving_is_refused_once_and_never_written(
+    probe, tmp_path, monkeypatch, capfd
+):
+    log = tmp_path / "probe.jsonl"
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 2])
+    target = secret(tmp_path / "target")
+    log.unlink()
+    log.symlink_to(target)
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.arange(2), torch.full((2, 8), float("nan")))
+        probe.after_forward(runner)
+    probe.flush()
+    err = capfd.readouterr().err
+    assert err.count(str(log)) == 1 and "symbolic link" in err, err
+    assert target.read_text() == "root's data\n"
+
+
+def test_the_warning_is_one_line_whatever_the_path_holds(probe, tmp_path, monkeypatch, capfd):
+    evil = tmp_path / "a\nFAKE\x1b[2J"
+    evil.symlink_to(tmp_path / "nowhere")
+    monkeypatch.setenv("PATCHKIT_PROBE_LOG", str(evil))
+    monkeypatch.setattr(probe, "_PROBE", None)
+    probe.install(fake_runner(Model(), ["r0"], [0, 2]))
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "a\\nFAKE\\x1b[2J" in err, err
+
+
+# ----- a tree with an older probe applied -----
+
+OLDER_PROBE = "7fbc4d8"  # the probe that opened its log with a plain open() (followed links)
+
+
+def older_catalogue(tmp_path: Path) -> Path:
+    """The catalogue with the probe module as it was at OLDER_PROBE (git history)."""
+    import subprocess
+
+    from tests.conftest import CATALOGUE, REPO
+
+    shown = subprocess.run(
+        ["git", "show", f"{OLDER_PROBE}:patches/nan-probe/files/{MODULE}"],
+        cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    if shown.returncode != 0:
+        pytest.skip(f"needs this checkout's git history (commit {OLDER_PROBE})")
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, root)
+    (root / "nan-probe" / "files" / MODULE).write_bytes(shown.stdout)
+    assert shown.stdout.decode() != created_source("nan-probe", MODULE)
+    return root
+
+
+def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_current_one(tmp_path):
+    """A server patched before the log opener was fixed keeps appending through links:
+    status said only 'applied', and `apply --only nan-probe` did nothing."""
+    older = older_catalogue(tmp_path)
+    root = copy_tree("0.26.0", tmp_path / "site")
+    env = {"PATCHKIT_PATCHES_DIR": str(older)}
+    assert run_cli("apply", "--target", str(root), env=env).exit_code == 0
+    default_set = snapshot(root)
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe", env=env).exit_code == 0
+    assert (root / MODULE).read_bytes() == (older / "nan-probe" / "files" / MODULE).read_bytes()
+    with_older = snapshot(root)
+
+    status = run_cli("status", "--target", str(root), "--json")
+    assert status.exit_code == 0, status.output
+    report = json.loads(status.stdout)
+    [entry] = [p for p in report["patches"] if p["id"] == "nan-probe"]
+    assert entry["state"] == "applied"
+    assert entry["reason"] == (
+        "applied from an older catalogue: `patchkit apply --only nan-probe` brings the current one"
+    )
+    assert any("patchkit apply --only nan-probe` replaces it" in w for w in report["warnings"])
+    text = run_cli("status", "--target", str(root))
+    assert "applied from an older catalogue" in text.stdout
+    assert "warning: nan-probe: the patch file changed since it was applied" in text.stderr
+
+    dry = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--dry-run")
+    assert dry.exit_code == 0 and "1 would apply" in dry.stdout.splitlines()[-1], dry.output
+    assert snapshot(root) == with_older
+    plain = run_cli("apply", "--target", str(root))  # plain apply leaves it as it is
+    assert plain.exit_code == 0 and snapshot(root) == with_older, plain.output
+
+    upgrade = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--strict")
+    assert upgrade.exit_code == 0, upgrade.output
+    assert upgrade.stderr == ""  # the warning is what the run has just fixed
+    assert upgrade.stdout.splitlines()[-1] == "apply: 1 applied now; now 1 applied"
+    assert "replaced the version applied from an older catalogue" in upgrade.stdout
+    assert (root / MODULE).read_text() == created_source("nan-probe", MODULE)
+    assert status_of(root)["nan-probe"] == "applied"
+    again = run_cli("status", "--target", str(root), "--json")
+    assert json.loads(again.stdout)["warnings"] == [] and again.stderr == ""
+    assert run_cli("revert", "--target", str(root), "--only", "nan-probe").exit_code == 0
+    assert snapshot(root) == default_set  # the runner's backup is still the original
+
+
+def test_the_replacement_of_an_older_probe_is_one_commit_a_failure_changes_nothing(
+    tmp_path, monkeypatch
+):
+    """A failure while the replacement is written leaves the older probe in place, not a
+    tree without the probe (what revert-then-apply would leave)."""
+    from patchkit.engine.safepath import Root
+    from patchkit.engine.state import STATE_FILE
+
+    older = older_catalogue(tmp_path)
+    root = copy_tree("0.26.0", tmp_path / "site")
+    env = {"PATCHKIT_PATCHES_DIR": str(older)}
+    assert run_cli("apply", "--target", str(root), "--only", "nan-probe", env=env).exit_code == 0
+    with_older = snapshot(root)
+    real_write = Root.write
+
+    def full_at_the_record(self, relpath, *args, **kwargs):
+        if relpath == STATE_FILE:  # the module is written by now: the commit point fails
+            raise OSError(28, "No space left on device")
+        return real_write(self, relpath, *args, **kwargs)
+
+    monkeypatch.setattr(Root, "write", full_at_the_record)
+    failed = run_cli("apply", "--target", str(root), "--only", "nan-probe")
+    monkeypatch.undo()
+    assert failed.exit_code == 1 and "no space left" in failed.stderr, failed.output
+    assert snapshot(root) == with_older

@@ -136,7 +136,11 @@ def test_the_text_report_names_request_layer_module_and_where_to_look(tmp_path):
     lines = run_cli("probe", "report", str(log)).stdout.splitlines()
     assert lines[1] == "  request b (adapter poisoned): first bad at step 5, layer 1, mlp.down_proj"
     assert lines[2].startswith("      projection mlp.down_proj bad first; look at the LoRA path")
-    assert lines[-1] == "probe report: 1 affected requests"
+    assert lines[-1] == "probe report: 1 affected request"
+    two = write_log(tmp_path, record(5, 1, "mlp.down_proj", "lora", ["a", "b"], order=5))
+    assert run_cli("probe", "report", str(two)).stdout.splitlines()[-1] == (
+        "probe report: 2 affected requests"
+    )
 
 
 def one_line_error(args, code: int, *needles: str) -> None:
@@ -151,8 +155,10 @@ def one_line_error(args, code: int, *needles: str) -> None:
 def test_bad_inputs_are_one_line_naming_file_and_line(tmp_path):
     missing = tmp_path / "nope.jsonl"
     one_line_error([str(missing)], 2, str(missing), "no such file")
-    not_json = write_log(tmp_path, HEADER, "{not json")
+    not_json = write_log(tmp_path, HEADER, "{not json", HEADER)
     one_line_error([str(not_json)], 1, f"{not_json}:2", "not JSON")
+    only_line = write_log(tmp_path, "{not json")  # no probe line before it: not a cut log
+    one_line_error([str(only_line)], 1, f"{only_line}:1", "not JSON")
     array = write_log(tmp_path, HEADER, "[1, 2]")
     one_line_error([str(array)], 1, f"{array}:2", "a JSON object expected")
     shape = write_log(tmp_path, {**record(0, 0, "output", "output", ["a"]), "step": "zero"})
@@ -399,3 +405,93 @@ def test_a_module_name_longer_than_a_module_path_is_refused(tmp_path):
     one_line_error([str(log)], 1, f"{log}:2", "'module'")
     empty = write_log(tmp_path, HEADER, record(3, 1, "", "lora", ["b"]))
     one_line_error([str(empty)], 1, f"{empty}:2", "'module'")
+
+
+# ----- a log the probe could not finish -----
+
+
+def cut_log(tmp_path: Path, tail: bytes) -> Path:
+    """The H200's log of 208 records with ``tail`` after its last whole line: what the
+    probe leaves when a write is cut short (a full disk, a killed server)."""
+    path = recorded(tmp_path, "triton-eager")
+    with path.open("ab") as out:
+        out.write(tail)
+    return path
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{"step": 31, "rank": 0, "layer": 1, "module": "mlp.do',  # no newline
+        b'{"step": 31, "rank": 0, "layer": 1, "module": "mlp.do\n',  # cut, then a newline
+        b'{"step": 31, "rank": 0, "module": "m\xc3',  # cut inside a UTF-8 character
+    ],
+)
+def test_a_cut_last_line_is_skipped_with_one_warning_and_the_records_before_it_count(
+    tmp_path, tail
+):
+    """The report exited 1 at the cut line and the 208 good records before it were lost."""
+    log = cut_log(tmp_path, tail)
+    for args in ((), ("--json",)):
+        result = run_cli("probe", "report", str(log), *args)
+        assert result.exit_code == 0, result.output
+        [warning] = result.stderr.strip().splitlines()
+        assert warning.startswith(f"warning: {log}:210: the last line is cut short"), warning
+        assert "the 209 lines before it are reported" in warning
+    found = json.loads(result.stdout)
+    assert found["records"] == 208 and found["warnings"] == [warning.removeprefix("warning: ")]
+    assert (only(found)["layer"], only(found)["module"]) == (1, "mlp.down_proj")
+
+
+def test_a_whole_last_record_without_its_newline_is_read_not_warned_about(tmp_path):
+    log = tmp_path / "probe.jsonl"
+    log.write_text(json.dumps(HEADER) + "\n" + json.dumps(record(2, 0, "output", "output", ["a"])))
+    result = run_cli("probe", "report", str(log), "--json")
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert json.loads(result.stdout)["records"] == 1
+
+
+def test_a_bad_line_before_the_last_still_fails_the_report(tmp_path):
+    """Only the last line can be a cut write; one in the middle is a log that is not the
+    probe's (exit 1, as before), and so is a last line that is JSON of another shape."""
+    middle = write_log(tmp_path, HEADER, '{"step": 3, "la', record(2, 0, "output", "output", ["a"]))
+    one_line_error([str(middle)], 1, f"{middle}:2", "not JSON")
+    shape = write_log(tmp_path, HEADER, {"step": "3"})
+    one_line_error([str(shape)], 1, f"{shape}:2", "'step': int expected")
+
+
+def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_path):
+    """A 102 MB log took 1.37 GB: every record was kept. 96 MiB of stats lines (every
+    point every step, as PATCHKIT_PROBE_STATS=1 writes them) with one bad request, read
+    by a child whose address space may grow 64 MiB past what it has after importing:
+    the old reader ran out of memory (exit 3), the streaming one reports."""
+    import subprocess
+    import sys
+
+    line = {**record(0, 1, "mlp.down_proj", "lora", []), "inf_rows": 0, "nan": 0, "inf": 0,
+            "mean": 0.1, "std": 1.0, "requests": [f"req-{i}" for i in range(32)]}  # fmt: skip
+    log = tmp_path / "big.jsonl"
+    with log.open("w") as out:
+        out.write(json.dumps(HEADER) + "\n")
+        step = 0
+        while out.tell() < 96 << 20:
+            batch = "".join(
+                json.dumps({**line, "step": step, "layer": layer}) + "\n" for layer in range(40)
+            )
+            out.write(batch)
+            step += 1
+        out.write(json.dumps(record(step, 3, "output", "output", ["req-7"])) + "\n")
+    code = (
+        "import re, resource, sys\n"
+        "from patchkit.cli.main import main\n"
+        "from patchkit.diagnosis import probe\n"
+        "status = open('/proc/self/status').read()\n"
+        "size = int(re.search(r'VmSize:\\s+(\\d+)', status).group(1)) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20),) * 2)\n"
+        "main(['probe', 'report', sys.argv[1], '--json'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)
+    assert found["records"] == step * 40 + 1 and found["steps"] == step + 1
+    assert (only(found)["request"], only(found)["layer"]) == ("req-7", 3)

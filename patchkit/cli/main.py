@@ -660,14 +660,16 @@ def probe_report(log_file: str, as_json: bool) -> None:
     """Per affected request: the first layer and module where a NaN/Inf appeared, and why.
 
     FILE is the PATCHKIT_PROBE_LOG the probed server wrote (JSON lines). Reads
-    only; no vLLM, no torch. Exit 0 with the report, 1 on a line that is not a
-    probe record, 2 when FILE does not exist.
+    only; no vLLM, no torch. Exit 0 with the report (a last line cut short is
+    skipped with a warning), 1 on a line that is not a probe record, 2 when
+    FILE does not exist.
     """
     from pathlib import Path
 
     from patchkit.diagnosis import probe as probe_log
 
     result = probe_log.report(Path(log_file))
+    render.render_probe_warnings(result)
     if as_json:
         render.emit_json(result.to_json())
     else:

@@ -453,4 +453,11 @@ def render_probe_report(report, out) -> None:
         say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
     if report.padding_only:
         say(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
-    say(f"probe report: {len(report.findings)} affected requests")
+    count = len(report.findings)
+    say(f"probe report: {count} affected request{'' if count == 1 else 's'}")
+
+
+def render_probe_warnings(report) -> None:
+    """A cut last line the report skipped: on stderr, in text and --json alike."""
+    for warning in report.warnings:
+        click.echo(printable(f"warning: {warning}"), err=True)

@@ -17,7 +17,10 @@ applies the decision tree an engineer would at 3 a.m.:
   their LoRA path with that request's adapter.
 
 Input is read as data from a file the user names: every line must be a JSON
-object of the probe's shape, or the command fails with the file and line.
+object of the probe's shape, or the command fails with the file and line;
+only a last line cut short (the probe stopped mid-write) is skipped, with a
+warning. The log is streamed: memory holds what the report keeps (a trail
+per affected request), not the file.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ KINDS = ("input", "output", "lora")
 MAX_LINE = 1 << 20  # a probe line is a few kB; anything longer is not one
 MAX_NAME = 512  # a module path inside a layer, a class name: a few dozen characters
 SHOWN_UNWATCHED = 8  # unwatched modules named in one finding, at most
-RUN = "_patchkit_run"  # set on each record: the index of the header before it (-1: none)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ProbeReport:
     headers: int
     findings: list[Finding]
     padding_only: int  # records whose bad rows were all padding (no request)
+    warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
 
     def to_json(self) -> dict:
         return {
@@ -74,39 +77,140 @@ class ProbeReport:
             "headers": self.headers,
             "padding_only": self.padding_only,
             "affected_requests": [f.to_json() for f in self.findings],
+            "warnings": self.warnings,
         }
 
 
-def read_log(path: Path) -> tuple[list[dict], list[dict]]:
-    """The step records and the header lines of a probe log.
+@dataclass(frozen=True)
+class Sighting:
+    """One bad record as one request's finding needs it (not the whole line: a line
+    names the batch's every request and adapter, and may be kept for each of them)."""
+
+    step: int
+    layer: int
+    module: str
+    kind: str
+    order: int
+    run: int  # the index of the header before it (-1: none)
+    adapter: str | None
+
+
+@dataclass
+class RequestTrail:
+    """What one request's finding needs: its records at its first bad step and first
+    bad layer there (the only ones judged), and per layer which compute the names of
+    its bad records pointed at (GDN or attention), over every step."""
+
+    first: list[Sighting] = field(default_factory=list)
+    compute: dict[int, int] = field(default_factory=dict)  # layer -> GDN | ATTENTION bits
+
+    def add(self, sighting: Sighting) -> None:
+        self.compute[sighting.layer] = self.compute.get(sighting.layer, 0) | _compute_bits(
+            sighting.module
+        )
+        if self.first:
+            at = (self.first[0].step, self.first[0].layer)
+            if (sighting.step, sighting.layer) > at:
+                return
+            if (sighting.step, sighting.layer) < at:
+                self.first.clear()
+        self.first.append(sighting)
+
+
+@dataclass
+class Tally:
+    """Everything the report keeps while the log streams by, line after line.
+
+    Its size is bounded by what the report shows (a trail per affected request,
+    the distinct step numbers, each header's unwatched modules), not by the
+    log's size: a healthy stats line is counted and dropped.
+    """
+
+    records: int = 0
+    padding_only: int = 0
+    steps: set[int] = field(default_factory=set)
+    unwatched: list[dict[int, dict[str, str]]] = field(default_factory=list)
+    trails: dict[str, RequestTrail] = field(default_factory=dict)
+
+    def add(self, entry: dict) -> None:
+        if "probe" in entry:  # each server start writes its own header
+            self.unwatched.append(unprobed_by_layer(entry))
+            return
+        self.records += 1
+        self.steps.add(entry["step"])
+        if not is_bad(entry):
+            return
+        if not entry["bad_requests"]:
+            self.padding_only += 1
+        adapters = entry.get("adapters", {})
+        order = entry.get("order", 0)
+        for request in entry["bad_requests"]:
+            sighting = Sighting(
+                entry["step"], entry["layer"], entry["module"], entry["kind"],
+                order if isinstance(order, int) and not isinstance(order, bool) else 0,
+                len(self.unwatched) - 1, adapters.get(request),
+            )  # fmt: skip
+            self.trails.setdefault(request, RequestTrail()).add(sighting)
+
+
+def read_log(path: Path, tally: Tally) -> list[str]:
+    """Stream the log's lines into ``tally``; return the warnings (a cut last line).
 
     Opened without blocking and checked to be a regular file before a byte is
     read: a FIFO (or a device) named as the log would block open() or read()
     forever. Lines are read at most MAX_LINE + 1 bytes at a time, so a file of
-    one endless line is refused without being held in memory.
+    one endless line is refused without being held in memory, and one line
+    ahead, so the last line is known as such: the probe writing into a full
+    file system, or killed mid-write, leaves a cut last line, which is skipped
+    with a warning when a probe line came before it (a file whose only line is
+    not JSON is not a probe log).
     """
     handle = _open_regular(path)
-    records: list[dict] = []
-    headers: list[dict] = []
+    seen = 0
     with handle:
-        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE + 1), b""), start=1):
+        for number, raw, last in _lines(handle):
             if len(raw) > MAX_LINE:
                 raise PatchkitError(
                     f"{path}:{number}: line longer than {MAX_LINE} bytes: not a nan-probe record"
                 )
             try:
-                line = raw.decode("utf-8", errors="strict")
-            except UnicodeDecodeError:
-                raise PatchkitError(f"{path}: not UTF-8 text (is it a nan-probe log?)") from None
-            entry = _parse(path, number, line)
-            if entry is None:
-                continue
-            if "probe" in entry:
-                headers.append(entry)
-            else:
-                entry[RUN] = len(headers) - 1  # each server start writes its own header
-                records.append(entry)
-    return records, headers
+                entry = _parse(path, number, _decoded(path, raw))
+            except CutLine as exc:
+                if not (last and seen):
+                    raise PatchkitError(str(exc)) from None
+                return [
+                    f"{path}:{number}: the last line is cut short ({exc.why}): skipped, "
+                    f"the {seen} lines before it are reported (the probe stopped mid-write: "
+                    "a full disk, or a killed server)"
+                ]
+            if entry is not None:
+                seen += 1
+                tally.add(entry)
+    return []
+
+
+class CutLine(PatchkitError):
+    """A line that is not (UTF-8) JSON: what a write cut short leaves as the last line."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+def _lines(handle):
+    """(number, raw line, whether it is the last) for each line, one line ahead."""
+    number, raw = 1, handle.readline(MAX_LINE + 1)
+    while raw:
+        following = handle.readline(MAX_LINE + 1)
+        yield number, raw, not following
+        number, raw = number + 1, following
+
+
+def _decoded(path: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise CutLine(f"{path}: not UTF-8 text (is it a nan-probe log?)", "not UTF-8") from None
 
 
 def _open_regular(path: Path):
@@ -138,9 +242,8 @@ def _parse(path: Path, number: int, line: str) -> dict | None:
     try:
         entry = json.loads(line)
     except (ValueError, RecursionError) as exc:
-        raise PatchkitError(
-            f"{where}: not JSON ({exc.__class__.__name__}): not a nan-probe log"
-        ) from None
+        name = exc.__class__.__name__
+        raise CutLine(f"{where}: not JSON ({name}): not a nan-probe log", "not JSON") from None
     if not isinstance(entry, dict):
         raise PatchkitError(f"{where}: a JSON object expected, got {type(entry).__name__}")
     if entry.get("probe") == "nan-probe":
@@ -213,22 +316,18 @@ def is_bad(record: dict) -> bool:
 
 def report(path: Path) -> ProbeReport:
     """Read the log and judge every request that had a non-finite row."""
-    records, headers = read_log(path)
-    bad = [r for r in records if is_bad(r)]
-    by_request: dict[str, list[dict]] = {}
-    for record in bad:
-        for request in record["bad_requests"]:
-            by_request.setdefault(request, []).append(record)
-    unwatched = [unprobed_by_layer(header) for header in headers]
-    findings = [judge(request, found, unwatched) for request, found in by_request.items()]
+    tally = Tally()
+    warnings = read_log(path, tally)
+    findings = [judge(request, trail, tally.unwatched) for request, trail in tally.trails.items()]
     findings.sort(key=lambda f: (f.step, f.layer, f.request))
     return ProbeReport(
         path=str(path),
-        steps=len({r["step"] for r in records}),
-        records=len(records),
-        headers=len(headers),
+        steps=len(tally.steps),
+        records=tally.records,
+        headers=len(tally.unwatched),
         findings=findings,
-        padding_only=sum(1 for r in bad if not r["bad_requests"]),
+        padding_only=tally.padding_only,
+        warnings=warnings,
     )
 
 
@@ -241,20 +340,18 @@ def unprobed_by_layer(header: dict) -> dict[int, dict[str, str]]:
     return found
 
 
-def judge(request: str, records: list[dict], unwatched: list[dict]) -> Finding:
+def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
     """The decision tree, at the first step and the first layer where the request went bad.
 
     ``unwatched`` holds, per header of the log, what that server's probe did not
     watch; a record belongs to the header written before it.
     """
-    step = min(r["step"] for r in records)
-    at_step = [r for r in records if r["step"] == step]
-    layer = min(r["layer"] for r in at_step)
-    here = [r for r in at_step if r["layer"] == layer]
-    adapter = next((r.get("adapters", {}).get(request) for r in here), None)
-    names = [_name(r) for r in sorted(here, key=_position)]
-    inputs = [r for r in here if r["kind"] == "input"]
-    projections = sorted((r for r in here if r["kind"] == "lora"), key=_position)
+    here = sorted(trail.first, key=_position)
+    step, layer = here[0].step, here[0].layer
+    adapter = next((s.adapter for s in trail.first), None)
+    names = [s.module for s in here]
+    inputs = [s for s in here if s.kind == "input"]
+    projections = [s for s in here if s.kind == "lora"]
     common = dict(request=request, adapter=adapter, step=step, layer=layer, bad_modules=names)
     if inputs:
         verdict = "hidden state already bad at the layer's input"
@@ -262,7 +359,7 @@ def judge(request: str, records: list[dict], unwatched: list[dict]) -> Finding:
         return Finding(**common, module="input", verdict=verdict, look_at=look_at)
     who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
     if projections:
-        first = projections[0]["module"]
+        first = projections[0].module
         look_at = (
             f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
             "lora_B) or the LoRA kernels (patchkit doctor)"
@@ -270,8 +367,8 @@ def judge(request: str, records: list[dict], unwatched: list[dict]) -> Finding:
         return Finding(**common, module=first, verdict=f"projection {first} bad first",
                        look_at=look_at)  # fmt: skip
     verdict = "every probed projection fine, the layer output bad"
-    look_at = f"the layer's own compute: {_compute_of(records, layer)}"
-    run = here[0][RUN]
+    look_at = f"the layer's own compute: {_compute_of(trail.compute.get(layer, 0))}"
+    run = trail.first[0].run
     modules = unwatched[run].get(layer, {}) if run >= 0 else {}
     if modules and adapter:
         look_at += (
@@ -288,22 +385,22 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN_UNWATCHED]) + (f" and {more} more" if more > 0 else "")
 
 
-def _position(record: dict) -> tuple[int, int]:
+def _position(sighting: Sighting) -> tuple[int, int]:
     """Input first, then the projections in their order, then the output."""
-    rank = {"input": 0, "lora": 1, "output": 2}[record["kind"]]
-    order = record.get("order", 0)
-    return rank, order if isinstance(order, int) else 0
+    return {"input": 0, "lora": 1, "output": 2}[sighting.kind], sighting.order
 
 
-def _name(record: dict) -> str:
-    return record["module"]
+GDN, ATTENTION = 1, 2
 
 
-def _compute_of(records: list[dict], layer: int) -> str:
-    """Attention, GDN or the MLP, by the module names the layer's records carry."""
-    names = " ".join(r["module"] for r in records if r["layer"] == layer)
-    if "linear_attn" in names:
+def _compute_bits(module: str) -> int:
+    return (GDN if "linear_attn" in module else 0) | (ATTENTION if "self_attn" in module else 0)
+
+
+def _compute_of(bits: int) -> str:
+    """Attention, GDN or the MLP, by the module names the layer's bad records carry."""
+    if bits & GDN:
         return "Gated DeltaNet (linear attention) or the MLP"
-    if "self_attn" in names:
+    if bits & ATTENTION:
         return "attention or the MLP"
     return "attention, Gated DeltaNet or the MLP"

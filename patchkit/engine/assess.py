@@ -56,6 +56,7 @@ class Assessment:
     notices: list[KnownIssue] = field(default_factory=list)
     record: PatchRecord | None = None
     stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
+    outdated: str = ""  # applied from an older catalogue: the warning that says so
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +102,17 @@ class TreeFiles:
 
     def overlay(self, relpath: str, data: bytes | None) -> None:
         self._overlay[relpath] = data
+
+    def without(self, patch_id: str, undo: list[FileChange]) -> TreeFiles:
+        """The files as they would be on disk with ``patch_id`` taken off (``undo``) and
+        its record gone: what a replacement of that patch is assessed on."""
+        state = self.state
+        rest = State(state.fs, {k: v for k, v in state.patches.items() if k != patch_id},
+                     state.vllm_version)  # fmt: skip
+        files = TreeFiles(self.tree, rest, self.order)
+        files._overlay = dict(self._overlay)
+        files._disk.update({change.path: change.after for change in undo})
+        return files
 
     def text(self, relpath: str) -> str | None:
         data = self.data(relpath)
@@ -165,6 +177,13 @@ def assess_with(
     return result
 
 
+def assess_replacement(patch: Patch, tree: VllmTree, files: TreeFiles) -> Assessment:
+    """The catalogue's current version of an applied patch, on ``files`` (the tree with
+    the applied version taken off: :meth:`TreeFiles.without`)."""
+    expected = patch.expected_for(tree.parsed_version)
+    return _from_decisions(patch, expected, files) or _from_variants(patch, expected, tree, files)
+
+
 def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> Assessment | None:
     """Trust our own record when the files still carry the hashes the stack of records wrote.
 
@@ -183,9 +202,15 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
         variant = patch.variant(record.variant)
         result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
         if variant is None or variant.sha256 != record.patch_sha256:
-            result.warnings.append(
-                f"{patch.id}: the patch file changed since it was applied; run "
-                f"`patchkit revert --only {patch.id}` then `patchkit apply --only {patch.id}`"
+            result.outdated = (
+                f"{patch.id}: the patch file changed since it was applied (applied from an "
+                f"older catalogue); `patchkit apply --only {patch.id}` replaces it with the "
+                f"current one (`patchkit revert --only {patch.id}` takes it off)"
+            )
+            result.warnings.append(result.outdated)
+            result.reason = (
+                f"applied from an older catalogue: `patchkit apply --only {patch.id}` "
+                "brings the current one"
             )
         return result
     if kinds == {STALE}:

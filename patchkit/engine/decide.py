@@ -20,6 +20,7 @@ from patchkit.catalogue.model import Catalogue, Patch
 from patchkit.engine.assess import (
     Assessment,
     TreeFiles,
+    assess_replacement,
     assess_with,
     chain_finding,
     force_refusal,
@@ -52,6 +53,7 @@ class Step:
     assessment: Assessment
     action: Action = Action.NONE
     changes: list[FileChange] = field(default_factory=list)
+    undo: list[FileChange] = field(default_factory=list)  # an older version taken off first
     note: str = ""  # why a patch asked for with --only is left as it is
 
     @property
@@ -75,7 +77,7 @@ class Plan:
     def writes(self) -> list[FileChange]:
         """One write per file, merged in the order the changes were planned (revert: from
         the top of the series down; ``steps`` are in series order for the report)."""
-        return merged([c for step in self.in_run_order() for c in step.changes])
+        return merged([c for s in self.in_run_order() for c in (*s.undo, *s.changes)])
 
     def in_run_order(self) -> list[Step]:
         return list(reversed(self.steps)) if self.command == REVERT else self.steps
@@ -125,6 +127,8 @@ def _plan_forward(
         assessment = assess_with(patch, tree, state, catalogue, files)
         step = Step(assessment)
         result.steps.append(step)
+        if result.command == APPLY and assessment.outdated and patch.id in options.only:
+            _replace(step, tree, files, options)
         _take_findings(result, assessment)
         if result.command == STATUS:
             _status_step(step, files)
@@ -147,6 +151,36 @@ def _plan_forward(
     if result.command == APPLY:
         result.drop = stale_records(state, catalogue, tree, [s.assessment.patch.id for s in
                                                              result.steps])  # fmt: skip
+
+
+def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
+    """`apply --only ID` on a patch applied from an older catalogue: the applied version
+    off and the current one on, in the run's one commit (an upgrade, as dpkg does it;
+    a revert then an apply would leave the tree without it if the second failed)."""
+    assessment = step.assessment
+    patch = assessment.patch
+    above = later_on_same_files(patch, assessment.files, files)
+    if above is not None:
+        raise PatchkitError(
+            f"{patch.id}: applied from an older catalogue, and {above[0]}, later in the "
+            f"series, is applied on {above[1]}: revert it first (patchkit revert --only "
+            f"{above[0]}); nothing was changed"
+        )
+    undo = revert_changes(assessment, files, force=False)
+    current = assess_replacement(patch, tree, files.without(patch.id, undo))
+    if current.state != PatchState.NEEDED:
+        raise PatchkitError(
+            f"{patch.id}: applied from an older catalogue, and the current one does not "
+            f"apply to the original files ({current.state}: {current.reason}); nothing was "
+            "changed"
+        )
+    assessment.warnings.remove(assessment.outdated)
+    assessment.variant, assessment.placements = current.variant, current.placements
+    assessment.reason = "replaced the version applied from an older catalogue"
+    step.undo, step.changes = undo, current.changes
+    step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
+    for change in [*undo, *current.changes]:
+        files.overlay(change.path, change.after)
 
 
 def _status_step(step: Step, files: TreeFiles) -> None:

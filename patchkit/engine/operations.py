@@ -163,14 +163,19 @@ def _execute(report: RunReport, state: State) -> None:
 
 
 def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str, bytes]:
-    """Add a record per applied patch to ``state``; return the backups to write."""
+    """Add a record per applied patch to ``state``; return the backups to write.
+
+    A backup that already holds the bytes (a patch replaced in place keeps its
+    original) is not written again: a failed commit removes what it wrote.
+    """
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     backups = {}
     for step in steps:
         patch_id, records = step.assessment.patch.id, []
         for change in step.changes:
             backup = backup_path(patch_id, change.path) if change.before is not None else None
-            if backup is not None:
+            kept = step.undo and backup and state.fs.read(f"{STATE_DIR}/{backup}", "state")
+            if backup is not None and kept != change.before:
                 backups[backup] = change.before
             records.append(FileRecord(change.path, _sha(change.before), _sha(change.after), backup))
         variant = step.assessment.variant

@@ -355,16 +355,12 @@ def _requests_of(bad, bounds: list[int], req_ids: list[str]) -> list[str]:
 def write_lines(path: str, records: list[dict]) -> None:
     """Append the records as JSON lines, one write (O_APPEND: ranks do not interleave).
 
-    Opened non-blocking and refused unless it is a regular file: a FIFO
-    without a reader would block open() (and a full pipe write()) inside
-    vLLM's model loading or its forward step for ever. Raises OSError.
+    The file is opened by :func:`open_log` each time (never through a link,
+    never another user's file). Raises OSError.
     """
     data = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records).encode()
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o644)
+    fd = open_log(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -372,10 +368,152 @@ def write_lines(path: str, records: list[dict]) -> None:
         os.close(fd)
 
 
+# ----- opening the log: a root server must not write where another user points it -----
+
+# Created 0600: the lines carry request ids (a client's X-Request-Id) and adapter
+# names, for the server's user (and root) to read with `patchkit probe report`.
+LOG_MODE = 0o600
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class LogRefused(OSError):
+    """A log path the probe will not write through (its strerror says why)."""
+
+
+def open_log(path: str) -> int:
+    """A descriptor appending to the log at ``path``, reached without following a link.
+
+    Why: vLLM often runs as root, and PATCHKIT_PROBE_LOG may name a file in a
+    directory other users write to. A plain open() follows a link planted
+    there (into a root-owned file, or a dangling one creating any file). So
+    the path is walked one directory descriptor at a time from / (or the
+    working directory), each component opened with O_NOFOLLOW|O_DIRECTORY:
+    a link anywhere is refused, and a component swapped for a link after it
+    was opened changes nothing (the walk holds the directory, not its name).
+    The log's directory must be one other users cannot change (see
+    :func:`_check_directory`); the file must be a regular file with one link,
+    owned by this process's effective user; a new one is made with O_EXCL.
+    Raises OSError: LogRefused for such a refusal.
+    """
+    *folders, name = path.split("/")
+    if name in ("", ".", ".."):
+        raise LogRefused(errno.EISDIR, "names a directory, not a file")
+    directory = os.open("/" if path.startswith("/") else ".", _DIRECTORY)
+    try:
+        for folder in folders:
+            if folder not in ("", "."):
+                inner = _open_directory(directory, folder)
+                os.close(directory)
+                directory = inner
+        _check_directory(os.fstat(directory))
+        return _open_file(directory, name)
+    finally:
+        os.close(directory)
+
+
+def _open_directory(directory: int, folder: str) -> int:
+    try:
+        return os.open(folder, _DIRECTORY, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        what = "a symbolic link" if _is_link(directory, folder) else "not a directory"
+        raise LogRefused(
+            exc.errno, f"{folder!r} is {what} (the log is never reached through a link)"
+        ) from None
+
+
+def _is_link(directory: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _check_directory(found: os.stat_result) -> None:
+    """The log's directory must be one no other user can rename a file into.
+
+    Owned by this user or root, and: not writable by group or others, or sticky
+    (/tmp: others may create files there, but not rename or remove ours, and
+    O_EXCL|O_NOFOLLOW makes a name they planted first fail, never followed).
+    A group-writable one is refused too (a member could rename another file of
+    the server's user onto the log's name); POSIX ACLs show in the group bits.
+    """
+    owner_ok = found.st_uid in (os.geteuid(), 0)
+    shared = found.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if owner_ok and (not shared or found.st_mode & stat.S_ISVTX):
+        return
+    whose = f"owned by uid {found.st_uid}" if not owner_ok else "writable by other users"
+    raise LogRefused(
+        errno.EPERM,
+        f"its directory is {whose} (mode {stat.S_IMODE(found.st_mode):o}, not sticky): "
+        "use a directory only the server's user or root can write to",
+    )
+
+
+def _open_file(directory: int, name: str) -> int:
+    """Open the existing log (checked by type before it is opened: no FIFO or device
+    is ever opened), or create it with O_EXCL; a name that appears in between is
+    looked at again, once."""
+    for _ in range(2):
+        try:
+            found = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except FileNotFoundError:
+            found = None
+        if found is not None:
+            _check_file(found)
+            return _checked(os.open(name, _APPEND, dir_fd=directory), found)
+        try:
+            fd = os.open(name, _APPEND | os.O_CREAT | os.O_EXCL, LOG_MODE, dir_fd=directory)
+        except FileExistsError:
+            continue
+        return _checked(fd, None)
+    raise LogRefused(errno.EEXIST, "appeared and changed while it was being created")
+
+
+def _checked(fd: int, expected: os.stat_result | None) -> int:
+    """``fd`` if it is the file looked at (same inode) and a fit one, else closed and refused."""
+    try:
+        found = os.fstat(fd)
+        if expected is not None and (found.st_dev, found.st_ino) != (
+            expected.st_dev,
+            expected.st_ino,
+        ):
+            raise LogRefused(errno.EAGAIN, "was replaced while it was being opened")
+        _check_file(found)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_file(found: os.stat_result) -> None:
+    """A regular file with one link, owned by this process's effective user."""
+    if stat.S_ISLNK(found.st_mode):
+        raise LogRefused(errno.ELOOP, "is a symbolic link (the log is never written through one)")
+    if not stat.S_ISREG(found.st_mode):
+        raise LogRefused(errno.EINVAL, "not a regular file")
+    if found.st_nlink != 1:
+        raise LogRefused(errno.EMLINK, f"has {found.st_nlink} hard links (one expected)")
+    if found.st_uid != os.geteuid():
+        raise LogRefused(
+            errno.EPERM,
+            f"owned by uid {found.st_uid}, not by the server's user (uid {os.geteuid()})",
+        )
+
+
 def _warn(path: str, exc: BaseException, what: str) -> None:
-    """One line on stderr: the probe must never take the server down with it."""
-    reason = getattr(exc, "strerror", None) or str(exc)
-    print(f"patchkit nan-probe: {path}: {reason}; {what}", file=sys.stderr, flush=True)
+    """One line on stderr: the probe must never take the server down with it.
+
+    The path comes from the environment and an unexpected error's text from
+    anywhere: a newline or an escape sequence in them is written escaped, so
+    the line stays one line.
+    """
+    reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+    line = f"{path}: {reason}; {what}"
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
+    print(f"patchkit nan-probe: {shown}", file=sys.stderr, flush=True)
 
 
 def _rank() -> int:
@@ -546,8 +684,9 @@ def install(runner) -> None:
     device = next(runner.model.parameters()).device
     try:
         _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device)
-    except OSError as exc:
-        # a directory, a FIFO, a missing folder, a full disk: vLLM still loads, unprobed
+    except Exception as exc:  # noqa: BLE001 - vLLM must load, probed or not
+        # a link, another user's file, a directory, a FIFO, a missing folder, a full
+        # disk (OSError), or anything unexpected: vLLM still loads, unprobed
         _warn(log_path, exc, f"the probe is off (set {LOG_ENV} to a file it can append to)")
         return
     atexit.register(_PROBE.flush)
