@@ -37,10 +37,13 @@ What vLLM answers, read from its code (0.17-0.33; file:line from 0.26.0):
 * An API key (`--api-key` / `VLLM_API_KEY` on the server) guards `/v1/*`; a
   wrong one gets 401 `{"error": "Unauthorized"}` (server_utils.py:91).
 
-Why httpx: a synchronous client with a separate connect timeout and a
-whole-exchange deadline, one small dependency, and the raw status and body of
-every answer. The official openai client is larger, retries on its own,
-and turns a 500's body into an exception that hides it. Why prometheus_client's
+Why httpx's transport, httpcore: one small dependency, the raw status and
+body of every answer, and a pluggable network backend, so each socket
+operation gets only the time the run's deadline leaves (patchkit.live.
+transport; a timeout per request is no bound on a server that trickles).
+The body comes undecoded and is decoded under a cap (patchkit.live.
+decoding). The official openai client is larger, retries on its own, and
+turns a 500's body into an exception that hides it. Why prometheus_client's
 parser: the exposition format has escapes, labels, `_total`/`_created`
 samples and comments that a regular expression gets wrong.
 
