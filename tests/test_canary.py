@@ -196,6 +196,12 @@ class FakeVLLM:
         return registry
 
     def exposition(self) -> bytes:
+        nan = self.metrics == "nan" or (self.metrics == "nan-later" and self.completions())
+        if nan:  # an exporter (or a proxy) writing NaN for the counter
+            return (
+                "# TYPE vllm:corrupted_requests_total counter\n"
+                f'vllm:corrupted_requests_total{{engine="0",model_name="{BASE}"}} NaN\n'
+            ).encode()
         if self.metrics == "untyped":  # an exporter that writes the counter without _total
             return (
                 "# HELP vllm:corrupted_requests Corrupted requests.\n"
@@ -237,6 +243,10 @@ class FakeVLLM:
             return 200, completion(body, [0] * 32, -0.01, text="!" * 32), JSON
         if behaviour == "nanlogprobs":
             return 200, completion(body, SANE_IDS, float("nan")), JSON
+        if behaviour in BAD_LOGPROBS:  # written as JSON's Infinity literals, as Python does
+            answer = completion(body, SANE_IDS, -0.5)
+            answer["choices"][0]["logprobs"]["token_logprobs"][:3] = BAD_LOGPROBS[behaviour]
+            return 200, answer, JSON
         answer = completion(body, SANE_IDS, -0.5)
         if behaviour == "nulllogprobs":
             answer["choices"][0]["logprobs"] = None
@@ -246,6 +256,11 @@ class FakeVLLM:
 
 
 JSON = "application/json"
+BAD_LOGPROBS = {
+    "inf-positive": [float("inf"), 5.0, -0.1],
+    "minus-inf": [float("-inf"), -0.1, -0.1],
+    "positive": [0.5, 1e-3, -0.1],
+}
 
 
 def error(message: str, kind: str, code: int) -> dict:
@@ -417,6 +432,24 @@ def test_nan_log_probabilities_are_bad():
 @pytest.mark.parametrize(
     "behaviour,evidence",
     [
+        ("inf-positive", "1 of 32 log-probabilities are infinite"),
+        ("inf-positive", "1 of 32 log-probabilities are positive (largest 5;"),
+        ("minus-inf", "1 of 32 log-probabilities are infinite"),
+        ("positive", "2 of 32 log-probabilities are positive (largest 0.5;"),
+    ],
+)
+def test_infinite_or_positive_log_probabilities_are_bad(behaviour, evidence):
+    """A log-probability is never above 0 and never infinite (vLLM floors -inf to -9999.0):
+    [Infinity, 5.0, -0.1] was judged ok."""
+    with FakeVLLM({BASE: "ok", "lora": behaviour}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1 and verdicts(report) == {BASE: "ok", "lora": "bad"}
+    assert evidence in " ".join(report["models"][1]["evidence"])
+
+
+@pytest.mark.parametrize(
+    "behaviour,evidence",
+    [
         ("nulllogprobs", "no log-probabilities in the answer"),
         ("nullentries", "29 of 32 log-probabilities missing (null)"),
     ],
@@ -486,6 +519,30 @@ def test_counter_variants_are_read(metrics):
     assert code == 1
     engines = 2 if metrics == "two-engines" else 1
     assert report["models"][1]["corrupted_delta"] == engines
+
+
+def test_a_nan_counter_is_unreadable_not_a_value():
+    """`nan -> nan` was printed, and NaN > NaN is false: no rise could ever show."""
+    with FakeVLLM(HEALTHY, metrics="nan") as server:
+        result = canary_cli(server.url)
+        code, report = canary_json(server.url)
+    assert result.exit_code == 0 and code == 0
+    assert "nan -> nan" not in result.stdout
+    assert not any(line.startswith(f"{canary.COUNTER}:") for line in result.stdout.splitlines())
+    assert "vllm:corrupted_requests_total on /metrics is nan, not a count: unreadable" in (
+        result.stdout
+    )
+    assert report["corrupted_requests"]["present"] is False
+    assert report["corrupted_requests"]["before"] is None
+
+
+def test_a_counter_turning_nan_while_a_model_ran_is_an_error_for_that_model():
+    with FakeVLLM({BASE: "ok", "lora": "ok"}, metrics="nan-later") as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert verdicts(report) == {BASE: "error", "lora": "error"}
+    assert "unreadable, so a rise in it cannot be seen" in report["models"][0]["evidence"][0]
+    assert report["corrupted_requests"]["after"] == 0  # the last readable value
 
 
 def test_absent_counter_is_said_and_does_not_fail():
@@ -683,8 +740,9 @@ def test_json_shape_of_a_failed_run():
     assert code == 1
     assert set(report) == {
         "ok", "exit_code", "error", "url", "vllm_version", "prompt_tokens", "new_tokens",
-        "models", "recheck", "corrupted_requests", "notes", "next_steps", "seconds",
+        "models", "recheck", "corrupted_requests", "notes", "skipped", "next_steps", "seconds",
     }  # fmt: skip
+    assert report["skipped"] == 0
     assert report["ok"] is False and report["exit_code"] == 1
     assert report["error"] == "adapter 'bad-lora' answers NaN"
     assert set(report["models"][1]) == {
@@ -719,9 +777,9 @@ def test_missing_dependencies_give_one_line():
     result = run_subprocess("canary", "--url", "http://127.0.0.1:1", code=code)
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "patchkit: error: patchkit canary needs httpx and prometheus-client: "
-        "pip install 'patchkit[canary]'"
-    )
+        "patchkit: error: patchkit canary needs httpx and prometheus-client in the Python "
+        "that runs patchkit: pip install httpx prometheus-client"
+    )  # the name `patchkit` on the public index is another project: never `patchkit[canary]`
 
 
 def test_other_commands_do_not_import_httpx():

@@ -37,10 +37,13 @@ What vLLM answers, read from its code (0.17-0.33; file:line from 0.26.0):
 * An API key (`--api-key` / `VLLM_API_KEY` on the server) guards `/v1/*`; a
   wrong one gets 401 `{"error": "Unauthorized"}` (server_utils.py:91).
 
-Why httpx: a synchronous client with a separate connect timeout and a
-whole-exchange deadline, one small dependency, and the raw status and body of
-every answer. The official openai client is larger, retries on its own,
-and turns a 500's body into an exception that hides it. Why prometheus_client's
+Why httpx's transport, httpcore: one small dependency, the raw status and
+body of every answer, and a pluggable network backend, so each socket
+operation gets only the time the run's deadline leaves (patchkit.live.
+transport; a timeout per request is no bound on a server that trickles).
+The body comes undecoded and is decoded under a cap (patchkit.live.
+decoding). The official openai client is larger, retries on its own, and
+turns a 500's body into an exception that hides it. Why prometheus_client's
 parser: the exposition format has escapes, labels, `_total`/`_created`
 samples and comments that a regular expression gets wrong.
 
@@ -51,6 +54,7 @@ or a cron job and never loads the server.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -59,24 +63,38 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 from patchkit.errors import PatchkitError
 from patchkit.symptoms import longest_zero_run
 
-MISSING_DEPS = "patchkit canary needs httpx and prometheus-client: pip install 'patchkit[canary]'"
+MISSING_DEPS = (
+    "patchkit canary needs httpx and prometheus-client in the Python that runs patchkit: "
+    "pip install httpx prometheus-client"
+)
 try:
+    import httpcore
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
-except ImportError as exc:  # the optional extra is not installed
+except ImportError as exc:  # the optional dependencies are not installed
     raise PatchkitError(MISSING_DEPS) from exc
+
+from patchkit.live import fields, transport  # noqa: E402 -- after the dependency check
+from patchkit.live.decoding import ACCEPTED, CappedBody, DecodeError, TooLarge  # noqa: E402
+from patchkit.live.fields import WrongShape  # noqa: E402
+from patchkit.live.transport import Deadline  # noqa: E402
 
 DEFAULT_PROMPT_TOKENS = 2000
 DEFAULT_TIMEOUT = 60.0  # seconds for the whole run, so a probe or cron job always ends
 NEW_TOKENS = 32
 CONNECT_TIMEOUT = 5.0  # a refused or unroutable address fails fast, not at the deadline
-MAX_BODY = 16 * 1024 * 1024  # a wrong URL must not fill memory
+MAX_BODY = 16 * 1024 * 1024  # decoded bytes of one answer: a wrong URL must not fill memory
+MAX_MODELS = 64  # checked per run; a server listing thousands must not outlast --timeout
+MAX_COUNTER_LINES = 1024  # of /metrics lines about the counter: one per model and engine
 # Greedy decoding after a NaN emits token id 0 (`!` in Qwen tokenizers) at every
 # step; 8 in a row never comes from a sane model continuing English prose.
 ZERO_RUN = 8
@@ -87,6 +105,9 @@ BANG_RUN = "!" * ZERO_RUN
 MIN_GREEDY_LOGPROB = -100.0
 COUNTER = "vllm:corrupted_requests_total"
 COUNTER_SAMPLES = (COUNTER, "vllm:corrupted_requests")  # without _total from other exporters
+COUNTER_LINES = tuple(  # the /metrics lines that can be about the counter
+    f"{lead}vllm:corrupted_requests" for lead in ("", "# TYPE ", "# HELP ")
+)
 NAN_MESSAGE = re.compile(r"not JSON compliant|\bnan\b|\binf(inity)?\b", re.IGNORECASE)
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 COUNTER_ABSENT = (
@@ -97,6 +118,10 @@ COUNTER_ABSENT = (
 
 class Unanswered(Exception):
     """A request got no HTTP answer (refused, timed out, budget spent); str() says which."""
+
+
+class Unreadable(Unanswered):
+    """An answer came but cannot be taken: too large, or its encoding broken or unknown."""
 
 
 @dataclass
@@ -110,11 +135,13 @@ class Exchange:
     body: str
     seconds: float
 
-    def json(self):
-        try:
-            return json.loads(self.body)  # accepts NaN/Infinity, which some proxies write
-        except ValueError:
-            return None
+    @cached_property
+    def data(self) -> object:
+        """The body as JSON, or None (not JSON, nested too deeply); parsed once."""
+        return fields.parse(self.body)
+
+    def json(self) -> object:
+        return self.data
 
 
 @dataclass
@@ -164,6 +191,7 @@ class Report:
     recheck: Verdict | None = None  # the base model again, after a bad adapter
     counter: dict = field(default_factory=dict)  # name, present, before, after
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
     seconds: float = 0.0
 
     @property
@@ -172,20 +200,30 @@ class Report:
         return bool(self.models) and all(v.verdict == "ok" for v in checked)
 
     def summary(self) -> str:
-        """One line: what is wrong (or that all is well)."""
+        """One line of at most fields.LINE characters: what is wrong (or that all is well).
+
+        Model names and evidence come from the server: each is escaped and cut,
+        and so is the whole line.
+        """
+        if self.ok:
+            more = f" ({len(self.skipped)} more not checked)" if self.skipped else ""
+            return f"all {len(self.models)} models answer sanely{more}"
         bad = [v for v in self.models if v.verdict == "bad"]
         others = [v for v in self.models if v.verdict not in ("ok", "bad")]
-        if self.ok:
-            return f"all {len(self.models)} models answer sanely"
         parts = []
         if bad:
-            names = ", ".join(f"{v.kind} '{v.model}'" for v in bad)
-            parts.append(f"{names} answer{'s' if len(bad) == 1 else ''} NaN")
+            names = ", ".join(f"{v.kind} '{fields.one_line(v.model, 60)}'" for v in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            parts.append(f"{names}{more} answer{'s' if len(bad) == 1 else ''} NaN")
         if self.recheck and self.recheck.verdict != "ok":
-            parts.append(f"the base model '{self.recheck.model}' went bad after it")
-        for v in others:
-            parts.append(f"'{v.model}' {v.verdict}: {v.evidence[0] if v.evidence else ''}")
-        return "; ".join(parts)
+            name = fields.one_line(self.recheck.model, 60)
+            parts.append(f"the base model '{name}' went bad after it")
+        for v in others[:3]:
+            evidence = v.evidence[0] if v.evidence else ""
+            parts.append(f"'{fields.one_line(v.model, 60)}' {v.verdict}: {evidence}")
+        if len(others) > 3:
+            parts.append(f"{len(others) - 3} more not ok")
+        return fields.one_line("; ".join(parts), fields.LINE)
 
     def next_steps(self) -> list[str]:
         return next_steps(self)
@@ -202,6 +240,7 @@ class Report:
             "recheck": self.recheck.to_json() if self.recheck else None,
             "corrupted_requests": self.counter,
             "notes": self.notes,
+            "skipped": len(self.skipped),  # the first few are named in notes
             "next_steps": self.next_steps(),
             "seconds": round(self.seconds, 2),
         }
@@ -290,26 +329,30 @@ def _estimate(text: str) -> int:
 
 
 class Server:
-    """An httpx client bound to a server root, an API key and a deadline for the whole run.
+    """A server root, an API key and the run's deadline; one request at a time.
 
-    Every request gets a connect timeout of at most CONNECT_TIMEOUT and must
-    finish before the deadline; the body is read in chunks so a server that
-    trickles bytes cannot outlast it. No retries: a probe must be fast and
-    say what it saw. The key goes only into the Authorization header and is
-    scrubbed from everything the canary prints.
+    Every socket operation gets only the time the deadline leaves
+    (patchkit.live.transport), and every answer is decoded under MAX_BODY
+    while it is read (patchkit.live.decoding). No retries and no redirects: a
+    probe must be fast and say what it saw. The key goes only into the
+    Authorization header and is scrubbed from everything the canary prints.
     """
 
-    def __init__(self, root: str, api_key: str | None, deadline: float, record: Path | None):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    def __init__(self, root: str, api_key: str | None, deadline: Deadline, record: Path | None):
         self.root, self.key, self.deadline, self.record = root, api_key, deadline, record
-        self.client = httpx.Client(base_url=root, headers=headers, follow_redirects=False)
+        self.url = httpx.URL(root)
+        self.headers = request_headers(self.url, api_key)
+        self.pool = transport.pool(deadline, CONNECT_TIMEOUT, httpx.create_ssl_context())
         self.exchanges = 0
 
     def close(self) -> None:
-        self.client.close()
+        self.pool.close()
+
+    def now(self) -> float:
+        return self.deadline.clock()
 
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline.remaining()
 
     def scrub(self, text: str) -> str:
         return scrub(text, self.key)
@@ -321,40 +364,57 @@ class Server:
         return self.send("POST", path, body)
 
     def send(self, method: str, path: str, body: dict | None) -> Exchange:
-        left = self.remaining()
-        if left <= 0:
+        if self.remaining() <= 0:
             raise Unanswered("the time budget (--timeout) ran out before this request")
-        timeout = httpx.Timeout(left, connect=min(CONNECT_TIMEOUT, left))
-        started = time.monotonic()
+        started = self.now()
         try:
-            with self.client.stream(method, path, json=body, timeout=timeout) as response:
-                chunks, size = [], 0
-                for chunk in response.iter_bytes():
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > MAX_BODY:
-                        raise Unanswered(f"{method} {path}: answer larger than {MAX_BODY} bytes")
-                    if time.monotonic() > self.deadline:
-                        raise httpx.ReadTimeout("deadline")
-                text = b"".join(chunks).decode("utf-8", errors="replace")
-        except httpx.ConnectTimeout:
+            status, raw = self.exchange(method, path, body)
+        except httpcore.ConnectTimeout:
             raise Unanswered(
-                f"cannot connect within {time.monotonic() - started:.0f} s (no answer to the "
+                f"cannot connect within {self.now() - started:.0f} s (no answer to the "
                 "connection attempt: a wrong address, or a firewall dropping packets)"
             ) from None
-        except httpx.TimeoutException:
+        except httpcore.TimeoutException:
             raise Unanswered(
-                f"{method} {path} got no answer within {time.monotonic() - started:.0f} s"
+                f"{method} {path} got no answer within {self.now() - started:.0f} s"
             ) from None
-        except httpx.ConnectError as exc:
+        except httpcore.ConnectError as exc:
             raise Unanswered(f"cannot connect ({self.scrub(_reason(exc))})") from None
-        except httpx.HTTPError as exc:
+        except TooLarge:
+            raise Unreadable(
+                f"{method} {path}: answer larger than {MAX_BODY} bytes (decoded)"
+            ) from None
+        except DecodeError as exc:
+            raise Unreadable(f"{method} {path}: {self.scrub(_reason(exc))}") from None
+        except HTTP_FAILURES as exc:
             raise Unanswered(f"{method} {path} failed: {self.scrub(_reason(exc))}") from None
-        exchange = Exchange(
-            method, path, body, response.status_code, text, time.monotonic() - started
-        )
+        text = raw.decode("utf-8", errors="replace")
+        exchange = Exchange(method, path, body, status, text, self.now() - started)
         self._save(exchange)
         return exchange
+
+    def exchange(self, method: str, path: str, body: dict | None) -> tuple[int, bytes]:
+        """The status and the decoded body; the deadline is checked between every piece."""
+        headers = list(self.headers)
+        content = None
+        if body is not None:
+            content = json.dumps(body).encode()
+            headers.append((b"Content-Type", b"application/json"))
+        target = httpcore.URL(
+            scheme=self.url.raw_scheme,
+            host=self.url.raw_host,
+            port=self.url.port,
+            target=self.url.raw_path.rstrip(b"/") + path.encode("ascii"),
+        )
+        with self.pool.stream(method.encode(), target, headers=headers, content=content) as answer:
+            codings = [v.decode("latin-1") for k, v in answer.headers if k.lower() == ENCODING]
+            decoded = CappedBody(codings, MAX_BODY, self.check_deadline)
+            for chunk in answer.iter_stream():
+                decoded.feed(chunk)
+            return answer.status, decoded.finish()
+
+    def check_deadline(self) -> None:
+        self.deadline.left(httpcore.ReadTimeout)
 
     def _save(self, exchange: Exchange) -> None:
         """With --record: one JSON file per exchange (no headers, so no key)."""
@@ -377,12 +437,43 @@ class Server:
             raise
 
 
+ENCODING = b"content-encoding"
+# What else httpcore raises: a malformed answer, a reset connection, an odd scheme.
+HTTP_FAILURES = (
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ProxyError,
+    httpcore.ConnectionNotAvailable,
+)
+
+
+def request_headers(url: httpx.URL, api_key: str | None) -> list[tuple[bytes, bytes]]:
+    """Host (with an IPv6 address's brackets), the codings the canary decodes, and the key.
+
+    A user:password@ in the URL is sent as Basic authentication instead of the
+    key, as httpx did.
+    """
+    headers = [
+        (b"Host", url.netloc),
+        (b"Accept", b"application/json, text/plain, */*"),
+        (b"Accept-Encoding", ACCEPTED.encode()),
+        (b"User-Agent", b"patchkit-canary"),
+    ]
+    if url.username or url.password:
+        pair = f"{url.username}:{url.password}".encode()
+        headers.append((b"Authorization", b"Basic " + base64.b64encode(pair)))
+    elif api_key:
+        headers.append((b"Authorization", f"Bearer {api_key}".encode()))
+    return headers
+
+
 def _reason(exc: Exception) -> str:
-    """The innermost cause's text: 'Connection refused', not httpx's wrapper."""
+    """The innermost cause's text: 'Connection refused', not a wrapper's; one short line."""
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
     text = str(exc) or type(exc).__name__
-    return re.sub(r"^\[Errno -?\d+\] ", "", text)
+    return fields.one_line(re.sub(r"^\[Errno -?\d+\] ", "", text))
 
 
 def normalize_url(url: str) -> str:
@@ -394,76 +485,135 @@ def normalize_url(url: str) -> str:
 
 
 def display_url(root: str) -> str:
-    """The root without user:password@, for every line the canary prints."""
+    """The root without user:password@, for every line the canary prints (cut if long)."""
     parsed = httpx.URL(root)
-    return str(parsed.copy_with(username=None, password=None)) if parsed.userinfo else root
+    shown = str(parsed.copy_with(username=None, password=None)) if parsed.userinfo else root
+    return fields.one_line(shown, 100)
 
 
-def error_message(exchange: Exchange) -> str:
-    """The message of a vLLM error body (`{"error": {"message"}}` or `{"error": "..."}`)."""
+def error_message(exchange: Exchange, api_key: str | None) -> str:
+    """The message of a vLLM error body (`{"error": {"message"}}` or `{"error": "..."}`),
+    the key scrubbed before it is cut (a cut key would escape the scrub), one short line."""
     data = exchange.json()
     if isinstance(data, dict):
         error = data.get("error", data.get("detail", data.get("message")))
         if isinstance(error, dict):
             error = error.get("message")
         if isinstance(error, str):
-            return error
-    return exchange.body.strip().splitlines()[0][:200] if exchange.body.strip() else ""
+            return fields.one_line(scrub(error[: fields.SERVER_TEXT * 4], api_key))
+    body = exchange.body.lstrip()[: fields.SERVER_TEXT * 4]
+    first = body.splitlines()[0] if body.strip() else ""
+    return fields.one_line(scrub(first, api_key))
 
 
 # ----- discovery and metrics -----
 
 
+def failure(message: str) -> PatchkitError:
+    """A one-line error of at most fields.LINE characters (its server text already escaped)."""
+    return PatchkitError(fields.one_line(message, fields.LINE))
+
+
 def list_models(server: Server) -> list[dict]:
-    """The model cards of `GET /v1/models`; a PatchkitError when the server cannot say."""
+    """The model cards of `GET /v1/models`, each with the types the canary relies on;
+    a PatchkitError (one line) when the server cannot say or says it wrongly."""
     where = display_url(server.root)
     try:
         answer = server.get("/v1/models")
+    except Unreadable as exc:
+        raise failure(f"{where} is not an OpenAI-compatible vLLM server: {exc}") from None
     except Unanswered as exc:
-        raise PatchkitError(
+        raise failure(
             f"cannot reach the vLLM server at {where}: {exc}; is it running, and are the "
             "host and port right?"
         ) from None
     if answer.status == 401:
-        raise PatchkitError(
+        raise failure(
             f"{where} answered 401 Unauthorized on /v1/models: pass the server's API key "
             "with --api-key or VLLM_API_KEY"
         )
     data = answer.json()
     if answer.status != 200 or not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        detail = error_message(answer) or "no model list"
-        raise PatchkitError(
+        detail = error_message(answer, server.key) or "no model list"
+        raise failure(
             f"{where} is not an OpenAI-compatible vLLM server: GET /v1/models answered "
-            f"HTTP {answer.status} ({server.scrub(detail)[:200]})"
+            f"HTTP {answer.status} ({detail})"
         )
-    return [card for card in data["data"] if isinstance(card, dict) and "id" in card]
+    try:
+        return model_cards(data["data"])
+    except WrongShape as exc:
+        raise failure(
+            f"{where} answered GET /v1/models with a model list the canary cannot read: "
+            f"{fields.one_line(server.scrub(str(exc)))}"
+        ) from None
+
+
+def model_cards(data: list) -> list[dict]:
+    """The cards, first of each id; WrongShape names the first field of the wrong type."""
+    by_id: dict[str, dict] = {}
+    for index, card in enumerate(data):
+        where = f"data[{index}]"
+        fields.obj(card, where)
+        fields.text(card.get("id"), f"{where}.id")
+        fields.text(card.get("parent"), f"{where}.parent", optional=True)
+        fields.count(card.get("max_model_len"), f"{where}.max_model_len", optional=True)
+        by_id.setdefault(card["id"], card)
+    return list(by_id.values())
 
 
 def server_version(server: Server) -> str | None:
-    """vLLM's version from `GET /version`, or None (older servers, proxies)."""
+    """vLLM's version from `GET /version`, or None (older servers, proxies, odd answers)."""
     try:
         data = server.get("/version").json()
     except Unanswered:
         return None
-    return data.get("version") if isinstance(data, dict) else None
+    version = data.get("version") if isinstance(data, dict) else None
+    return fields.one_line(version, 40) if isinstance(version, str) else None
 
 
-def read_counter(server: Server) -> tuple[float | None, str]:
-    """The sum of vllm:corrupted_requests_total over engines and models, or None and why."""
+class Reading(NamedTuple):
+    """What one read of the counter gave: a finite value, or None and why (unreadable:
+    the counter is there but is no count, which could hide a rise)."""
+
+    value: float | None
+    why: str = ""
+    unreadable: bool = False
+
+
+def read_counter(server: Server) -> Reading:
+    """The sum of vllm:corrupted_requests_total over engines and models, or why not.
+
+    Only the counter's own lines are parsed (a /metrics page of megabytes
+    costs the parser seconds), at most MAX_COUNTER_LINES of them. A NaN or
+    infinite sample makes the sum meaningless: NaN compares false with
+    everything, so `after > before` could never show a rise.
+    """
     try:
         answer = server.get("/metrics")
     except Unanswered as exc:
-        return None, f"/metrics not read: {exc}"
+        return Reading(None, f"/metrics not read: {exc}")
     if answer.status != 200:
-        return None, f"/metrics answered HTTP {answer.status}"
+        return Reading(None, f"/metrics answered HTTP {answer.status}")
+    lines = [line for line in answer.body.splitlines() if line.startswith(COUNTER_LINES)]
+    if len(lines) > MAX_COUNTER_LINES:
+        why = f"{COUNTER} has more than {MAX_COUNTER_LINES} lines on /metrics: unreadable"
+        return Reading(None, why, unreadable=True)
     try:
-        families = list(text_string_to_metric_families(answer.body))
+        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
     except Exception as exc:  # the parser raises ValueError and others on bad text
-        return None, f"/metrics is not Prometheus text ({type(exc).__name__}: {exc})"[:200]
+        why = f"{COUNTER} on /metrics is not Prometheus text ({type(exc).__name__}: {exc})"
+        return Reading(None, fields.one_line(why), unreadable=True)
     samples = [s for f in families for s in f.samples if s.name in COUNTER_SAMPLES]
     if not samples:
-        return None, COUNTER_ABSENT
-    return sum(s.value for s in samples), ""
+        return Reading(None, COUNTER_ABSENT)
+    odd = [s.value for s in samples if not math.isfinite(s.value)]
+    if odd:
+        why = (
+            f"{COUNTER} on /metrics is {odd[0]}, not a count: unreadable, so a rise in it "
+            "cannot be seen"
+        )
+        return Reading(None, why, unreadable=True)
+    return Reading(sum(s.value for s in samples))
 
 
 # ----- judging one model -----
@@ -492,23 +642,23 @@ def request_body(model: str, prompt: str, logprobs: bool) -> dict:
 def check_model(server: Server, card: dict, prompt: str) -> Verdict:
     """One completion with log-probabilities; after a failure, one without to see the text."""
     verdict = Verdict(model=card["id"], parent=card.get("parent"))
-    started = time.monotonic()
+    started = server.now()
     try:
         answer = server.post("/v1/completions", request_body(card["id"], prompt, True))
         verdict.http_status = answer.status
         if answer.status == 200:
             judge_completion(verdict, answer, with_logprobs=True)
         else:
-            message = server.scrub(error_message(answer))
+            message = error_message(answer, server.key)
             if NAN_MESSAGE.search(message):
-                verdict.mark("bad", f"HTTP {answer.status}: {message!r} (NaN log-probabilities)")
+                verdict.mark("bad", f"HTTP {answer.status}: '{message}' (NaN log-probabilities)")
             else:
-                verdict.mark("error", f"HTTP {answer.status}: {message!r}")
+                verdict.mark("error", f"HTTP {answer.status}: '{message}'")
             if answer.status != 404:
                 look_at_text(server, verdict, card["id"], prompt)
     except Unanswered as exc:
         verdict.mark("error", str(exc))
-    verdict.seconds = round(time.monotonic() - started, 2)
+    verdict.seconds = round(server.now() - started, 2)
     return verdict
 
 
@@ -518,42 +668,93 @@ def look_at_text(server: Server, verdict: Verdict, model: str, prompt: str) -> N
     if answer.status == 200:
         judge_completion(verdict, answer, with_logprobs=False)
     else:
-        message = server.scrub(error_message(answer))
-        verdict.evidence.append(f"without logprobs too: HTTP {answer.status}: {message!r}")
+        message = error_message(answer, server.key)
+        verdict.evidence.append(f"without logprobs too: HTTP {answer.status}: '{message}'")
+
+
+@dataclass
+class Completion:
+    """The fields of a completion the canary judges, each of the type vLLM writes."""
+
+    text: str
+    token_ids: list[int] | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    logprobs: list[float | None] | None  # None: the answer has none
+
+
+def read_completion(data: object) -> Completion:
+    """`choices[0]` and `usage` of a completion; WrongShape names a field of the wrong type."""
+    if data is None:
+        raise WrongShape("the answer is not JSON (or nested too deeply)")
+    answer = fields.obj(data, "the answer")
+    choices = fields.items(answer.get("choices"), "choices")
+    if not choices:
+        raise WrongShape("choices is empty")
+    choice = fields.obj(choices[0], "choices[0]")
+    logprobs = fields.obj(choice.get("logprobs"), "choices[0].logprobs", optional=True) or {}
+    usage = fields.obj(answer.get("usage"), "usage", optional=True) or {}
+    values = logprobs.get("token_logprobs")
+    where = "choices[0].logprobs.token_logprobs"
+    return Completion(
+        text=fields.text(choice.get("text"), "choices[0].text"),
+        token_ids=token_ids(choice, logprobs),
+        prompt_tokens=fields.count(usage.get("prompt_tokens"), "usage.prompt_tokens", True),
+        completion_tokens=fields.count(
+            usage.get("completion_tokens"), "usage.completion_tokens", True
+        ),
+        logprobs=None if values is None else fields.numbers(values, where),
+    )
 
 
 def judge_completion(verdict: Verdict, answer: Exchange, with_logprobs: bool) -> None:
     """Token-id-0 or `!` runs, NaN, missing or impossible log-probabilities."""
-    data = answer.json()
-    choices = data.get("choices") if isinstance(data, dict) else None
-    if not choices or not isinstance(choices[0], dict):
-        verdict.mark("error", f"HTTP {answer.status} but no choices in the answer")
+    try:
+        completion = read_completion(answer.json())
+    except WrongShape as exc:
+        verdict.mark("error", f"HTTP {answer.status} but {fields.one_line(str(exc))}")
         return
-    choice, usage = choices[0], data.get("usage") or {}
-    logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
-    verdict.text = str(choice.get("text", ""))
-    verdict.token_ids = token_ids(choice, logprobs)
-    verdict.prompt_tokens = usage.get("prompt_tokens", verdict.prompt_tokens)
-    verdict.completion_tokens = usage.get("completion_tokens", verdict.completion_tokens)
+    verdict.text = completion.text
+    verdict.token_ids = completion.token_ids
+    if completion.prompt_tokens is not None:
+        verdict.prompt_tokens = completion.prompt_tokens
+    if completion.completion_tokens is not None:
+        verdict.completion_tokens = completion.completion_tokens
     run = longest_zero_run(verdict.token_ids or [])
     if run >= ZERO_RUN:
         verdict.mark("bad", f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)")
     elif verdict.token_ids is None and BANG_RUN in verdict.text:
-        verdict.mark("bad", f"the text is a run of '!': {verdict.text[:40]!r}")
+        verdict.mark("bad", f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}")
     if with_logprobs:
-        judge_logprobs(verdict, logprobs)
+        judge_logprobs(verdict, completion.logprobs)
 
 
-def judge_logprobs(verdict: Verdict, logprobs: dict | None) -> None:
-    values = logprobs.get("token_logprobs") if logprobs else None
-    if not isinstance(values, list) or not values:
+def judge_logprobs(verdict: Verdict, values: list[float | None] | None) -> None:
+    """Bad: none, null entries, NaN, infinite, positive (a log-probability is at most 0)
+    or far below what a greedy token can have."""
+    if not values:
         verdict.mark("bad", "no log-probabilities in the answer (logprobs were asked for)")
         return
-    missing = sum(1 for v in values if not isinstance(v, (int, float)))
-    nan = sum(1 for v in values if isinstance(v, float) and math.isnan(v))
-    floor = [v for v in values if isinstance(v, (int, float)) and v < MIN_GREEDY_LOGPROB]
+    numbers = [v for v in values if v is not None]
+    missing = len(values) - len(numbers)
+    nan = sum(1 for v in numbers if math.isnan(v))
+    infinite = sum(1 for v in numbers if math.isinf(v))
+    positive = [v for v in numbers if math.isfinite(v) and v > 0]
+    floor = [v for v in numbers if math.isfinite(v) and v < MIN_GREEDY_LOGPROB]
     if nan:
         verdict.mark("bad", f"{nan} of {len(values)} log-probabilities are NaN")
+    if infinite:
+        verdict.mark(
+            "bad",
+            f"{infinite} of {len(values)} log-probabilities are infinite (vLLM writes -inf "
+            "as -9999.0, and none is ever +inf)",
+        )
+    if positive:
+        verdict.mark(
+            "bad",
+            f"{len(positive)} of {len(values)} log-probabilities are positive (largest "
+            f"{max(positive):.6g}; a log-probability is never above 0)",
+        )
     if missing:
         verdict.mark("bad", f"{missing} of {len(values)} log-probabilities missing (null)")
     if floor:
@@ -564,15 +765,15 @@ def judge_logprobs(verdict: Verdict, logprobs: dict | None) -> None:
         )
 
 
-def token_ids(choice: dict, logprobs: dict | None) -> list[int] | None:
+def token_ids(choice: dict, logprobs: dict) -> list[int] | None:
     """The completion's token ids: `token_ids`, else the `token_id:N` tokens of logprobs."""
-    ids = choice.get("token_ids")
-    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+    ids = fields.counts(choice.get("token_ids"), "choices[0].token_ids", optional=True)
+    if ids is not None:
         return ids
-    tokens = logprobs.get("tokens") if logprobs else None
-    if isinstance(tokens, list):
-        found = [TOKEN_ID.match(t) for t in tokens if isinstance(t, str)]
-        if found and all(found):
+    tokens = fields.texts(logprobs.get("tokens"), "choices[0].logprobs.tokens", optional=True)
+    if tokens:
+        found = [TOKEN_ID.match(t) for t in tokens]
+        if all(found):
             return [int(m.group(1)) for m in found]
     return None
 
@@ -580,7 +781,7 @@ def token_ids(choice: dict, logprobs: dict | None) -> list[int] | None:
 # ----- the run -----
 
 
-def fitting_prompt(card: dict, cards: list[dict], wanted: int) -> tuple[int, str | None]:
+def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, str | None]:
     """Shorten the prompt to fit the model's max_model_len (an adapter uses its parent's).
 
     The estimate of prompt_text can be off by half for an unusual tokenizer,
@@ -589,12 +790,17 @@ def fitting_prompt(card: dict, cards: list[dict], wanted: int) -> tuple[int, str
     """
     limit = card.get("max_model_len")
     if limit is None and card.get("parent"):
-        parent = next((c for c in cards if c["id"] == card["parent"]), {})
-        limit = parent.get("max_model_len")
+        limit = by_id.get(card["parent"], {}).get("max_model_len")
     if not isinstance(limit, int) or (wanted + NEW_TOKENS) * 1.5 <= limit:
         return wanted, None
     fitted = max(16, int((limit - NEW_TOKENS) / 1.5))
     return fitted, f"prompt shortened to about {fitted} tokens to fit max_model_len {limit}"
+
+
+def some_names(names: list[str], shown: int = 3) -> str:
+    """The first few names, each cut short, and how many more: a bounded list for one line."""
+    listed = ", ".join(fields.one_line(n, 40) for n in names[:shown]) or "nothing"
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list[Verdict]]:
@@ -602,7 +808,7 @@ def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list
     if not wanted:
         return sorted(cards, key=lambda c: bool(c.get("parent"))), []
     by_id = {c["id"]: c for c in cards}
-    served = ", ".join(by_id) or "nothing"
+    served = some_names(list(by_id), shown=5)
     missing = [
         Verdict(
             model=name,
@@ -622,36 +828,51 @@ def run(
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
     timeout: float = DEFAULT_TIMEOUT,
     record: Path | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Report:
-    """Check every model (or the ones named), one after the other, within ``timeout`` seconds."""
-    started = time.monotonic()
+    """Check every model (or the ones named), one after the other, within ``timeout`` seconds.
+
+    At most MAX_MODELS are checked; the rest are named in a note. ``clock``
+    (time.monotonic by default) is what the deadline reads, so tests can move
+    it instead of waiting.
+    """
+    deadline = Deadline(timeout, clock or time.monotonic)
+    started = deadline.clock()
     root = normalize_url(url)
     if record is not None:
         record.mkdir(parents=True, exist_ok=True)
-    server = Server(root, api_key or None, started + timeout, record)
+    server = Server(root, api_key or None, deadline, record)
     report = Report(url=display_url(root), prompt_tokens=prompt_tokens)
     try:
         cards = list_models(server)
+        by_id = {c["id"]: c for c in cards}
         report.version = server_version(server)
         targets, missing = select(cards, models)
-        value, why = read_counter(server)
-        report.counter = {"name": COUNTER, "present": value is not None, "before": value}
-        report.counter["after"] = value
-        if why:
-            report.notes.append(why)
+        if len(targets) > MAX_MODELS:
+            report.skipped = [c["id"] for c in targets[MAX_MODELS:]]
+            targets = targets[:MAX_MODELS]
+            report.notes.append(
+                f"{len(report.skipped)} more models not checked (at most {MAX_MODELS} a run; "
+                f"name them with --model): {some_names(report.skipped)}"
+            )
+        reading = read_counter(server)
+        report.counter = {"name": COUNTER, "present": reading.value is not None}
+        report.counter.update(before=reading.value, after=reading.value)
+        if reading.why:
+            report.notes.append(reading.why)
         for card in targets:
-            report.models.append(check_one(server, report, card, cards, prompt_tokens))
+            report.models.append(check_one(server, report, card, by_id, prompt_tokens))
         report.models += missing
         if not report.models:
             report.notes.append("the server lists no models")
-        recheck_base(server, report, cards, prompt_tokens)
+        recheck_base(server, report, by_id, prompt_tokens)
     finally:
         server.close()
-    report.seconds = time.monotonic() - started
+    report.seconds = deadline.clock() - started
     return report
 
 
-def check_one(server: Server, report: Report, card: dict, cards: list[dict], tokens: int):
+def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: int):
     """One model's verdict, with the counter read after its requests."""
     if server.remaining() <= 0:
         return Verdict(
@@ -660,35 +881,43 @@ def check_one(server: Server, report: Report, card: dict, cards: list[dict], tok
             verdict="not-checked",
             evidence=["the time budget (--timeout) ran out before this model"],
         )
-    fitted, note = fitting_prompt(card, cards, tokens)
+    fitted, note = fitting_prompt(card, by_id, tokens)
     verdict = check_model(server, card, prompt_text(fitted))
     if note:
         verdict.evidence.append(note)
     if report.counter["present"]:
-        before = report.counter["after"]
-        value, why = read_counter(server)
-        if value is not None:
-            report.counter["after"] = value
-            verdict.corrupted_delta = value - before
-            if value > before:
-                verdict.mark(
-                    "bad",
-                    f"{COUNTER} rose by {value - before:g} while its requests ran "
-                    "(other traffic on the server counts too)",
-                )
-        else:
-            verdict.evidence.append(why)
+        judge_counter(server, report, verdict)
     return verdict
 
 
-def recheck_base(server: Server, report: Report, cards: list[dict], tokens: int) -> None:
+def judge_counter(server: Server, report: Report, verdict: Verdict) -> None:
+    """A rise of the counter while the model's requests ran is bad; a counter that turned
+    unreadable (NaN) is an error, since it could hide one."""
+    before = report.counter["after"]
+    reading = read_counter(server)
+    if reading.value is None:
+        if reading.unreadable:
+            verdict.mark("error", reading.why)
+        else:
+            verdict.evidence.append(reading.why)
+        return
+    report.counter["after"] = reading.value
+    verdict.corrupted_delta = reading.value - before
+    if reading.value > before:
+        verdict.mark(
+            "bad",
+            f"{COUNTER} rose by {reading.value - before:g} while its requests ran "
+            "(other traffic on the server counts too)",
+        )
+
+
+def recheck_base(server: Server, report: Report, by_id: dict, tokens: int) -> None:
     """After a bad adapter, ask a sane base model again: confined, or is the server polluted?"""
     base = next((v for v in report.models if v.kind == "base" and v.verdict == "ok"), None)
     bad_adapter = any(v.kind == "adapter" and v.verdict == "bad" for v in report.models)
     if base is None or not bad_adapter or server.remaining() <= 0:
         return
-    card = next(c for c in cards if c["id"] == base.model)
-    report.recheck = check_one(server, report, card, cards, tokens)
+    report.recheck = check_one(server, report, by_id[base.model], by_id, tokens)
 
 
 # ----- output -----
@@ -730,7 +959,7 @@ def next_steps(report: Report) -> list[str]:
         steps.append("look at the server's log for the failed requests; check --timeout")
     if any(v.verdict == "not-served" for v in report.models):
         steps.append("check the --model names against GET /v1/models (listed in the evidence)")
-    if not report.counter.get("present"):
+    if COUNTER_ABSENT in report.notes:
         steps.append(
             "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
             f"counted in {COUNTER}"
