@@ -720,7 +720,7 @@ def test_missing_dependencies_give_one_line():
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "patchkit: error: patchkit canary needs httpx and prometheus-client: "
-        "pip install 'patchkit[canary]'"
+        "pip install 'httpx>=0.27' 'prometheus-client>=0.20'"
     )
 
 

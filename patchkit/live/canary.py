@@ -65,7 +65,11 @@ from pathlib import Path
 from patchkit.errors import PatchkitError
 from patchkit.symptoms import longest_zero_run
 
-MISSING_DEPS = "patchkit canary needs httpx and prometheus-client: pip install 'patchkit[canary]'"
+# The packages by name: `patchkit` on the public index is another project.
+MISSING_DEPS = (
+    "patchkit canary needs httpx and prometheus-client: "
+    "pip install 'httpx>=0.27' 'prometheus-client>=0.20'"
+)
 try:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
