@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 # ----- install lines name the packages (the index's `patchkit` is another project) -----
 
@@ -74,3 +75,61 @@ def test_canary_names_its_packages():
     from patchkit.live.canary import MISSING_DEPS
 
     assert "pip install 'httpx>=0.27' 'prometheus-client>=0.20'" in MISSING_DEPS
+
+
+# ----- a conflict points at the real site -----
+
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+COLUMN = "vllm/lora/layers/column_parallel_linear.py"
+
+
+def line_of(path: Path, text: str, after: str = "") -> int:
+    """The 1-based number of the first line that is ``text`` (stripped), after the first
+    line that starts with ``after``."""
+    lines = path.read_text().split("\n")
+    first = next(i for i, line in enumerate(lines) if line.strip().startswith(after))
+    return next(i for i in range(first, len(lines)) if lines[i].strip() == text) + 1
+
+
+def insert_after(path: Path, number: int, line: str) -> None:
+    lines = path.read_text().split("\n")
+    lines.insert(number, line)
+    path.write_text("\n".join(lines))
+
+
+def patch_line(root: Path, patch_id: str) -> str:
+    result = run_cli("status", "--target", str(root))
+    return next(line for line in result.output.splitlines() if line.strip().startswith(patch_id))
+
+
+def test_a_line_inserted_in_load_model_is_named_where_it_is(tree_0260: Path):
+    """nan-probe's third hunk sits ~1000 lines below its 0.17.0 header on 0.26.0; one line
+    added between its two context lines (a `)` and the drafter check in load_model) is
+    named there, not at the first `)` 800 lines away."""
+    runner = tree_0260 / RUNNER
+    drafter = line_of(runner, 'if hasattr(self, "drafter"):', after="def load_model(")
+    insert_after(runner, drafter - 1, "                pass")
+    line = patch_line(tree_0260, "nan-probe")
+    assert (
+        f"closest at line {drafter - 1}, where line {drafter} should be "
+        "'if hasattr(self, \"drafter\"):' but is 'pass'"
+    ) in line, line
+    applied = run_cli("apply", "--only", "nan-probe", "--target", str(tree_0260))
+    assert applied.exit_code == 1 and f"closest at line {drafter - 1}," in applied.stderr
+
+
+def test_partial_gdn_adapter_conflicts_are_named_exactly(tree_0260: Path):
+    """The hunk at expand_packed_lora's loop: a line inserted, then a line changed."""
+    column = tree_0260 / COLUMN
+    pristine = column.read_text()
+    loop = line_of(column, "for a_i, b_i in zip(lora_a, lora_b):")
+    insert_after(column, loop - 1, "        # a local note")
+    assert (
+        f"closest at line {loop - 3}, where line {loop} should be "
+        "'for a_i, b_i in zip(lora_a, lora_b):' but is '# a local note'"
+    ) in patch_line(tree_0260, "partial-gdn-adapter")
+    column.write_text(pristine.replace("        start_idx = 0\n", "        start_idx = 1\n", 1))
+    assert (
+        f"closest at line {loop - 3}, where line {loop - 1} should be 'start_idx = 0' "
+        "but is 'start_idx = 1'"
+    ) in patch_line(tree_0260, "partial-gdn-adapter")
