@@ -777,9 +777,9 @@ def test_missing_dependencies_give_one_line():
     result = run_subprocess("canary", "--url", "http://127.0.0.1:1", code=code)
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "patchkit: error: patchkit canary needs httpx and prometheus-client in the Python "
-        "that runs patchkit: pip install httpx prometheus-client"
-    )  # the name `patchkit` on the public index is another project: never `patchkit[canary]`
+        "patchkit: error: patchkit canary needs httpx and prometheus-client: "
+        "pip install 'httpx>=0.27' 'prometheus-client>=0.20'"
+    )
 
 
 def test_other_commands_do_not_import_httpx():

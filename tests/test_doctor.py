@@ -67,7 +67,7 @@ def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopp
     assert report["triton"]["ptxas_version"] == "12.8.93"
     assert report["vllm"]["version"] == "0.26.0"
     nan = verdict(report, NAN_BUG)
-    assert nan["status"] == "exposed" and nan["fix"] == "patchkit apply"
+    assert nan["status"] == "exposed" and nan["fix"] == f"patchkit apply --target {tree_0260}"
     assert verdict(report, PARTIAL_BUG)["status"] == "exposed"  # 0.21-0.28
 
     assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
@@ -158,7 +158,7 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     assert verdict(report, PARTIAL_BUG)["status"] == "not affected"
     new = copy_tree("0.29.0", tmp_path / "v29")
     partial = verdict(doctor(new), PARTIAL_BUG)
-    assert partial["status"] == "exposed" and partial["fix"] == "patchkit apply"
+    assert partial["status"] == "exposed" and partial["fix"] == f"patchkit apply --target {new}"
     assert run_cli("apply", "--target", str(new), "--only", "partial-gdn-adapter").exit_code == 0
     partial = verdict(doctor(new), PARTIAL_BUG)
     assert partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]

@@ -171,7 +171,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert all(h["instruction"] and h["address"].startswith("0x") for h in hazards[0]["hazards"])
     verdict = nan_verdict(before)
     assert verdict["status"] == "exposed" and "kernel scan" in verdict["reason"]
-    assert verdict["fix"] == "patchkit apply"
+    assert verdict["fix"] == f"patchkit apply --target {tree}"
 
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
     after = doctor_kernels(tree)
@@ -309,7 +309,8 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
     assert "compiled with Triton 3.7.1" in verdict["reason"]
     assert "vLLM here runs Triton 3.6.0" in verdict["reason"]
     assert "-m patchkit doctor --kernels" in verdict["reason"]
-    assert verdict["status"] == "exposed" and verdict["fix"] == "patchkit apply"  # by the rules
+    fix = f"patchkit apply --target {tree}"
+    assert verdict["status"] == "exposed" and verdict["fix"] == fix  # by the rules
     text = doctor(tree).stdout
     assert f"Triton next to vLLM: 3.6.0 ({tree / 'triton'}" in text
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import shlex
 import shutil
 import stat
 import struct
@@ -39,10 +41,10 @@ from patchkit.diagnosis.toolchain import (
 from patchkit.engine import operations
 from patchkit.engine.bytecode import bytecode_paths
 from patchkit.engine.decide import Assessment
-from patchkit.engine.fsutil import read_json_file
+from patchkit.engine.fsutil import read_json_file, write_cache_file
 from patchkit.engine.vocabulary import PatchState, Verdict
 from patchkit.errors import PatchkitError
-from patchkit.target.caches import cache_dirs, cache_entries
+from patchkit.target.caches import TRITON_CACHE, cache_dirs, cache_entries
 from patchkit.target.tree import VllmTree
 
 HOPPER = "9.0"
@@ -255,15 +257,85 @@ def _pyc_problem(tree: VllmTree, relpath: str, pyc_relpath: str, info) -> str:
 
 
 def old_caches(patched_at: float | None) -> list[OldCache]:
-    """Compile-cache entries written before the patched files were."""
+    """Compile-cache entries written before the patched files were, except those doctor's
+    own kernel scan wrote (:func:`scan_entries`)."""
     if patched_at is None:
         return []
+    ours = recorded_scan_entries()
     found = []
     for cache in cache_dirs():
-        older = [name for name, mtime in cache_entries(cache) if mtime < patched_at]
+        scanned = ours.get(str(cache.path), {})
+        older = [name for name, mtime in cache_entries(cache)
+                 if mtime < patched_at and scanned.get(name) != mtime]  # fmt: skip
         if older:
             found.append(OldCache(cache.name, str(cache.path), len(older)))
     return found
+
+
+# ----- the Triton cache entries doctor's own kernel scan writes -----
+#
+# `doctor --kernels` compiles vLLM's LoRA kernels with Triton to read their
+# SASS, and Triton keeps what it compiles in its cache. Such an entry is not
+# stale code: Triton finds an entry by a hash of the kernel's source, its
+# constants and the compile options, so after a patch vLLM reaches one only
+# for a kernel and config the patch left as they were, where it is what a
+# fresh compile gives. The scan names the entries it added (listed before and
+# after, so a vLLM compiling into the same cache meanwhile counts as the
+# scan's) in patchkit's cache; an entry still as the scan left it (same name,
+# same mtime) is not counted as older than the patch.
+
+SCAN_ENTRIES_FORMAT = 1
+MAX_SCAN_ENTRIES = 5_000  # a scan writes a few hundred; the record stays under 1 MiB
+
+
+def scan_entries_file() -> Path:
+    from patchkit.target.fetch import cache_root
+
+    return cache_root() / "kernel-scan" / "doctor-cache-entries.json"
+
+
+def recorded_scan_entries() -> dict[str, dict[str, float]]:
+    """{cache path: {entry name: mtime}} of the entries earlier scans wrote; {} if none."""
+    try:
+        data = read_json_file(scan_entries_file())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != SCAN_ENTRIES_FORMAT:
+        return {}
+    caches = data.get("caches")
+    if not isinstance(caches, dict):
+        return {}
+    return {
+        path: {n: m for n, m in entries.items() if isinstance(m, float)}
+        for path, entries in caches.items()
+        if isinstance(entries, dict)
+    }
+
+
+def cache_snapshot() -> dict[str, dict[str, float]]:
+    """{cache path: {entry name: mtime}} of Triton's cache now (the one the scan writes)."""
+    return {
+        str(c.path): dict(cache_entries(c))
+        for c in cache_dirs()
+        if c.name == TRITON_CACHE and c.path is not None
+    }
+
+
+def remember_scan_entries(before: dict[str, dict[str, float]]) -> None:
+    """Add the entries that appeared since ``before`` to the record (entries gone are dropped)."""
+    after = cache_snapshot()
+    record = recorded_scan_entries()
+    for path, entries in after.items():
+        kept = {n: m for n, m in record.get(path, {}).items() if entries.get(n) == m}
+        added = {n: m for n, m in entries.items() if n not in before.get(path, {})}
+        merged = {**kept, **added}
+        if merged:
+            record[path] = dict(list(merged.items())[-MAX_SCAN_ENTRIES:])
+    data = {"format": SCAN_ENTRIES_FORMAT, "caches": record}
+    try:
+        write_cache_file(scan_entries_file(), json.dumps(data).encode())
+    except OSError:
+        pass  # unwritable: the entries are counted as older than the patch, as before
 
 
 # ----- verdicts -----
@@ -339,7 +411,23 @@ def _rule_verdict(
         return BugVerdict(d.label, Verdict.EXPOSED, overridden[0][0], overridden[0][1])
     conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
     why = f"{', '.join(conflicts)} in conflict" if conflicts else "no patch for it is applied"
-    return BugVerdict(d.label, Verdict.EXPOSED, "; ".join([why, *off]), d.fix)
+    fix = _fix(d, report, states, patches)
+    return BugVerdict(d.label, Verdict.EXPOSED, "; ".join([why, *off]), fix)
+
+
+def _fix(
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> str:
+    """The bug's fix (`patchkit apply --target T`), unless its patches here are in conflict,
+    which apply refuses: then how to see why."""
+    conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
+    if conflicts and not any(states.get(p.id) == PatchState.NEEDED for p in patches):
+        return (
+            f"apply refuses {', '.join(conflicts)} while it is in conflict: `patchkit "
+            f"status{_target(report)}` names the line that differs; once that file is what "
+            f"the patch expects, {_with_target(d.fix, report)}"
+        )
+    return _with_target(d.fix, report)
 
 
 def triton_mismatch(report: DoctorReport) -> str:
@@ -422,7 +510,8 @@ def _scan_verdict(
             f"of an in-flight wgmma, e.g. {first.label()}: {where['instruction']} at "
             f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}"
         )
-        return BugVerdict(d.label, Verdict.EXPOSED, reason, _scan_fix(first, d, states, patches))
+        fix = _scan_fix(first, d, report, patches)
+        return BugVerdict(d.label, Verdict.EXPOSED, reason, fix)
     idle = [c for c in scan.cases if not c.called and c.verdict == "hazard"]
     also = (
         f"; hazard only in configs not run here, e.g. {idle[0].label()} ({idle[0].why_not_called})"
@@ -448,16 +537,17 @@ def _scan_verdict(
     return BugVerdict(d.label, Verdict.UNKNOWN if errors else status, evidence + also + unknown)
 
 
-def _scan_fix(case: Case, d: Diagnosis, states: dict[str, PatchState], patches: list[Patch]) -> str:
+def _scan_fix(case: Case, d: Diagnosis, report: DoctorReport, patches: list[Patch]) -> str:
+    states = report.states()
     if case.sources:
         return f"remove or retune {Path(case.sources[0]).name} (block_n 32 or num_stages 1)"
     if any(states.get(p.id) == PatchState.NEEDED for p in patches):
-        return d.fix
+        return _fix(d, report, states, patches)
     switches = [f"{s.env} unset ({p.id})" for p in patches for s, _ in _switched_off(p)]
     ptxas = (
         f"TRITON_PTXAS_PATH pointing at a ptxas >= {d.fixed_by_ptxas}" if d.fixed_by_ptxas else ""
     )
-    return ", or ".join(filter(None, [*switches, ptxas])) or d.fix
+    return ", or ".join(filter(None, [*switches, ptxas])) or _fix(d, report, states, patches)
 
 
 def _replacing_reason(states: dict[str, PatchState], patches: list[Patch]) -> str:
@@ -483,10 +573,46 @@ def _stale_verdict(report: DoctorReport) -> BugVerdict:
             Verdict.EXPOSED,
             f"{len(report.stale_bytecode)} stale .pyc, "
             f"{len(report.old_caches)} caches older than the patch",
-            "patchkit revert && patchkit apply --clear-caches",
+            _stale_fix(report),
         )
     reason = "bytecode matches its source; no older caches"
     return BugVerdict(bug, Verdict.NOT_AFFECTED, reason)
+
+
+def _stale_fix(report: DoctorReport) -> str:
+    """The least that fixes it. `apply --clear-caches` clears the caches on a patched tree
+    without touching it (no revert); it rewrites no file, so it removes no bytecode: the
+    stale .pyc files are deleted by hand (Python rebuilds them from the source)."""
+    steps = []
+    if report.stale_bytecode:
+        steps.append("delete the stale .pyc files listed (Python rebuilds them from the source)")
+    if report.old_caches:
+        steps.append(f"{_apply_command(report)} --clear-caches{_target(report)}")
+    return ", then ".join(steps)
+
+
+def _apply_command(report: DoctorReport) -> str:
+    """`patchkit apply`, limited to the applied patches when another is in conflict (a
+    plain apply refuses to run then, and would clear nothing)."""
+    states = report.states()
+    if not any(state == PatchState.CONFLICT for state in states.values()):
+        return "patchkit apply"
+    applied = [i for i, state in states.items() if state == PatchState.APPLIED]
+    return "patchkit apply" + "".join(f" --only {i}" for i in applied)
+
+
+def _target(report: DoctorReport) -> str:
+    """`` --target T`` for a command doctor suggests: the tree it looked at, whether the user
+    named it or patchkit found it (a command without it may patch another vLLM)."""
+    return f" --target {shlex.quote(str(report.tree.root))}" if report.tree else ""
+
+
+def _with_target(fix: str, report: DoctorReport) -> str:
+    """A catalogue's fix with ``--target`` added to each patchkit command in it."""
+    commands = fix.split(" && ")
+    if not all(c.startswith("patchkit ") for c in commands):
+        return fix
+    return " && ".join(c + _target(report) for c in commands)
 
 
 # ----- the whole report -----
@@ -536,7 +662,9 @@ def run(
     mtimes = [info.st_mtime for info in infos if info is not None]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
     if kernels is not None:
+        before = cache_snapshot()
         report.kernels = scan_kernels(tree, report, catalogue, kernels)
+        remember_scan_entries(before)
     report.verdicts = verdicts(report, tree.parsed_version, catalogue)
     return report
 

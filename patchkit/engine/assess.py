@@ -15,7 +15,12 @@ first) and decides whether to warn that the release is untested.
 
 from __future__ import annotations
 
+import os
+import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
 
 from patchkit.catalogue.model import Catalogue, Decision, Patch, Variant
 from patchkit.engine.hunks import Placement, apply_file_patch
@@ -154,7 +159,7 @@ def assess_with(
     expected = patch.expected_for(version)
     record = state.patches.get(patch.id)
     result = (
-        _from_record(patch, record, files)
+        _from_record(patch, record, files, catalogue)
         or _from_decisions(patch, expected, files)
         or _from_variants(patch, expected, tree, files)
     )
@@ -168,12 +173,16 @@ def assess_with(
             f"({catalogue.tested_span}): the code this patch fixes is not in it",
         )
     if not catalogue.is_tested(version):
-        result.warnings.insert(
-            0,
-            f"vLLM {tree.version} is not a tested release ({catalogue.tested_span}); "
-            "decided by content",
+        newest = newer_than_catalogue(catalogue, version)
+        beyond = (
+            f": it is newer than every release this catalogue was tested on (newest {newest}); "
+            "decided by content; a newer patchkit may cover it, or add the release "
+            "(CONTRIBUTING.md, 'A new vLLM release')"
+            if newest
+            else f" ({catalogue.tested_span}); decided by content"
         )
-    result.notices.extend(_notices(patch, tree, files))
+        result.warnings.insert(0, f"vLLM {tree.version} is not a tested release{beyond}")
+    result.notices.extend(_notices(result, tree, files))
     return result
 
 
@@ -184,7 +193,15 @@ def assess_replacement(patch: Patch, tree: VllmTree, files: TreeFiles) -> Assess
     return _from_decisions(patch, expected, files) or _from_variants(patch, expected, tree, files)
 
 
-def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> Assessment | None:
+def newer_than_catalogue(catalogue: Catalogue, version: Version | None) -> str:
+    """The newest tested release when ``version`` is newer than it; '' otherwise."""
+    newest = max(catalogue.tested_releases, key=Version)
+    return newest if version is not None and version > Version(newest) else ""
+
+
+def _from_record(
+    patch: Patch, record: PatchRecord | None, files: TreeFiles, catalogue: Catalogue
+) -> Assessment | None:
     """Trust our own record when the files still carry the hashes the stack of records wrote.
 
     For each file, the applied patches touching it form a chain in series
@@ -216,13 +233,18 @@ def _from_record(patch: Patch, record: PatchRecord | None, files: TreeFiles) -> 
     if kinds == {STALE}:
         return None
     return Assessment(
-        patch, CONFLICT, reason=_record_conflict(patch, record, findings, files), files=paths,
+        patch, CONFLICT, files=paths,
+        reason=_record_conflict(patch, record, findings, files, catalogue),
         record=record,
     )  # fmt: skip
 
 
 def _record_conflict(
-    patch: Patch, record: PatchRecord, findings: list[tuple[str, str]], files: TreeFiles
+    patch: Patch,
+    record: PatchRecord,
+    findings: list[tuple[str, str]],
+    files: TreeFiles,
+    catalogue: Catalogue,
 ) -> str:
     """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
     by_kind: dict[str, tuple[str, str]] = {}
@@ -245,13 +267,7 @@ def _record_conflict(
         )
     if EDITED in by_kind:
         path, top = by_kind[EDITED]
-        refusal = force_refusal(files, path)
-        if refusal:
-            return f"{path} was edited after patchkit applied {top}; {refusal}"
-        return (
-            f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
-            "--force` restores the original"
-        )
+        return _edited(path, top, files, catalogue)
     path, top = by_kind[STALE]
     rest = ", ".join(
         entry.path for entry, (kind, _) in zip(record.files, findings, strict=True)
@@ -269,6 +285,32 @@ def _record_conflict(
             "applied (vLLM partly reinstalled, or a file patchkit created was deleted)"
         )
     return f"{what}; `patchkit revert --only {top}` removes the rest ({rest})"
+
+
+def _edited(path: str, top: str, files: TreeFiles, catalogue: Catalogue) -> str:
+    """A file changed since patchkit applied ``top``: both ways out, each with what it costs."""
+    target = f"--target {shlex.quote(str(files.tree.root))}"
+    keep = (
+        f"; to keep the edit in the patch, `patchkit refresh {top} {target}` rewrites its "
+        "diff from the tree (CONTRIBUTING.md, 'Changing a patch')"
+        if source_checkout(catalogue.root)
+        else ""
+    )
+    refusal = force_refusal(files, path)
+    if refusal:
+        return f"{path} was edited after patchkit applied {top}; {refusal}{keep}"
+    return (
+        f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
+        f"--force {target}` restores the original and discards the edit{keep}"
+    )
+
+
+def source_checkout(root: Path) -> bool:
+    """Whether the catalogue at ``root`` is a maintainer's source checkout, where `refresh`
+    may write: a directory this user can write to, not inside an installed environment
+    (site-packages or dist-packages, where a pip upgrade would drop the change)."""
+    installed = {"site-packages", "dist-packages"}
+    return not installed & set(root.resolve().parts) and os.access(root, os.W_OK)
 
 
 def chain_finding(files: TreeFiles, relpath: str) -> tuple[FileFinding, str]:
@@ -451,17 +493,42 @@ def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFile
     )
 
 
-def _notices(patch: Patch, tree: VllmTree, files: TreeFiles) -> list[KnownIssue]:
+def _notices(result: Assessment, tree: VllmTree, files: TreeFiles) -> list[KnownIssue]:
     version = tree.parsed_version
     found = []
-    for notice in patch.notices:
+    for notice in result.patch.notices:
         in_range = version is not None and notice.versions.contains(version, prereleases=True)
         has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
         if notice.fixed_by and _applied(notice.fixed_by, files):
             continue
         if has_evidence and (in_range or (version is None and notice.evidence)):
-            found.append(KnownIssue(notice.message, notice.fixed_by))
+            remedy = _remedy(notice.fixed_by, result, tree)
+            message = f"{notice.message}; {remedy}" if remedy else notice.message
+            found.append(KnownIssue(message, notice.fixed_by))
     return found
+
+
+def _remedy(fixed_by: str, result: Assessment, tree: VllmTree) -> str:
+    """What the user can do about a known issue, by the state of the patch that fixes it
+    on this tree (a catalogue's notice states the facts only)."""
+    if not fixed_by:
+        return ""
+    if fixed_by != result.patch.id:
+        return f"patchkit's {fixed_by} fixes it"
+    if result.state == NEEDED:
+        return "`patchkit apply` fixes it"
+    if result.state == CONFLICT:
+        until = (
+            f"its files are vLLM {tree.version}'s own again (pip install --force-reinstall "
+            f"--no-deps vllm=={tree.version}, then `patchkit apply`)"
+            if tree.source == "metadata"
+            else f"{fixed_by} has a variant for this tree's code (CONTRIBUTING.md)"
+        )
+        return (
+            f"{fixed_by} is in conflict here, so patchkit cannot apply it (its line says what "
+            f"differs): until {until}, the issue stays"
+        )
+    return ""
 
 
 def _applied(patch_id: str, files: TreeFiles) -> bool:

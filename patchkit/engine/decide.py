@@ -14,6 +14,7 @@ result of patches 1..N-1; revert takes them off from the top.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 
 from patchkit.catalogue.model import Catalogue, Patch
@@ -24,6 +25,7 @@ from patchkit.engine.assess import (
     assess_with,
     chain_finding,
     force_refusal,
+    newer_than_catalogue,
 )
 from patchkit.engine.hunks import apply_file_patch
 from patchkit.engine.state import STATE_DIR, FileRecord, State
@@ -136,7 +138,7 @@ def _plan_forward(
         if assessment.state == PatchState.CONFLICT:
             raise PatchkitError(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
-                "(apply the others with --only)"
+                f"{_after_conflict(tree, catalogue)}"
             )
         if assessment.state == PatchState.NEEDED:
             _refuse_under_later(patch, assessment, files)
@@ -181,6 +183,21 @@ def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) 
     step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
     for change in [*undo, *current.changes]:
         files.overlay(change.path, change.after)
+
+
+def _after_conflict(tree: VllmTree, catalogue: Catalogue) -> str:
+    """What to do next when apply refuses a conflict; on a release newer than the
+    catalogue, that it is, and the three ways on."""
+    newest = newer_than_catalogue(catalogue, tree.parsed_version)
+    if not newest:
+        return "(apply the others with --only)"
+    target = f"--target {shlex.quote(str(tree.root))}"
+    return (
+        f"(vLLM {tree.version} is newer than every release this catalogue was tested on, "
+        f"the newest {newest}: a newer patchkit may cover it; `patchkit status {target}` "
+        f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your "
+        "own risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
+    )
 
 
 def _status_step(step: Step, files: TreeFiles) -> None:
@@ -396,7 +413,7 @@ def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: boo
     if not force:
         raise PatchkitError(
             f"{patch_id}: {assessment.reason.split(';')[0]}; revert refuses to overwrite those "
-            "edits (use --force to restore the original anyway); nothing was changed"
+            "edits (--force restores the original anyway and discards them); nothing was changed"
         )
     refusal = force_refusal(files, path)
     if refusal:

@@ -219,9 +219,11 @@ def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | Non
         expected = max(hunk.source_start - 1, 0) + shift
         found = _locate(parsed.lines, hunk.old, expected, lower)
         if found is None:
-            raise HunkMismatch(
-                path, hunk.index, hunk.header, _why_no_match(parsed, hunk, expected, shift)
-            )
+            # where the code moved to: the offset the hunk before was found at
+            drift = placements[-1].offset if placements else 0
+            near = max(hunk.source_start - 1, 0) + drift
+            why = _why_no_match(_Text.parse(text).lines, hunk, near)
+            raise HunkMismatch(path, hunk.index, hunk.header, why)
         _check_end_of_file(parsed, hunk, found, path)
         end = found + len(hunk.old)
         if end == len(parsed.lines):
@@ -265,31 +267,87 @@ def _check_end_of_file(parsed: _Text, hunk: Hunk, found: int, path: str) -> None
         )
 
 
-def _why_no_match(parsed: _Text, hunk: Hunk, expected: int, shift: int) -> str:
+def _why_no_match(lines: list[str], hunk: Hunk, near: int) -> str:
     """Describe the first differing line at the closest near-match of the hunk.
 
-    Line numbers are the original file's (``shift``: lines added by earlier hunks).
+    ``lines`` is the file before any hunk was applied, so the line numbers are
+    the file's own; ``near`` is where the hunk should be, counting the offset
+    the hunk before it was found at (code moves in blocks between releases).
     """
-    best, best_score = expected, -1
-    for start in range(max(len(parsed.lines) - len(hunk.old) + 1, 1)):
-        score = sum(
-            1 for i, want in enumerate(hunk.old) if start + i < len(parsed.lines)
-            and parsed.lines[start + i] == want
-        )  # fmt: skip
-        if score > best_score or (
-            score == best_score and abs(start - expected) < abs(best - expected)
-        ):
-            best, best_score = start, score
+    start = _closest(lines, hunk.old, near)
     for i, want in enumerate(hunk.old):
-        line_no = best + i
-        have = parsed.lines[line_no] if line_no < len(parsed.lines) else None
+        line_no = start + i
+        have = lines[line_no] if line_no < len(lines) else None
         if have != want:
             got = "end of file" if have is None else repr(_clip(have))
             return (
-                f"does not match anywhere in the file; closest at line {best + 1 - shift}, "
-                f"where line {line_no + 1 - shift} should be {_clip(want)!r} but is {got}"
+                f"does not match anywhere in the file; closest at line {start + 1}, "
+                f"where line {line_no + 1} should be {_clip(want)!r} but is {got}"
             )
     return "does not match anywhere in the file (it overlaps the hunk before it)"
+
+
+SLACK = 8  # lines inserted or removed inside a hunk that a near-match still spans
+CANDIDATES = 32  # places the alignment scores, the best by the cheap count first
+
+
+def _closest(lines: list[str], old: tuple[str, ...], near: int) -> int:
+    """The line where the hunk most nearly sits: where its lines line up best.
+
+    A line weighs 1/(how often it occurs in the file), so ``)`` or a blank
+    line hardly counts and a distinctive line does. Each occurrence of a hunk
+    line proposes a start (its position less its index in the hunk); the
+    best-voted starts are scored by a weighted alignment that lets a few
+    lines be inserted or removed between the hunk's lines (one line added
+    between two context lines must not send the match elsewhere). Ties go
+    to the start nearest ``near``. The start is where the alignment's first
+    matched line says the hunk begins.
+    """
+    wanted = set(old)
+    positions: dict[str, list[int]] = {line: [] for line in wanted}
+    for index, line in enumerate(lines):
+        if line in wanted:
+            positions[line].append(index)
+    weight = {line: 1 / len(found) for line, found in positions.items() if found}
+    votes: dict[int, float] = {}
+    for offset, line in enumerate(old):
+        for index in positions[line]:
+            votes[index - offset] = votes.get(index - offset, 0.0) + weight[line]
+    if not votes:
+        return min(max(near, 0), max(len(lines) - len(old), 0))
+    ranked = sorted(votes, key=lambda s: (-votes[s], abs(s - near)))[:CANDIDATES]
+    scored = [_aligned(lines, old, s, weight) for s in ranked]
+    best = max(scored, key=lambda found: (round(found[0], 9), -abs(found[1] - near)))
+    return best[1]
+
+
+def _aligned(
+    lines: list[str], old: tuple[str, ...], start: int, weight: dict[str, float]
+) -> tuple[float, int]:
+    """(weight of the best in-order alignment of ``old`` around ``start``, where it begins).
+
+    A weighted longest common subsequence of the hunk and the file's lines
+    from SLACK before ``start`` to SLACK past the hunk's end.
+    """
+    low = max(start - SLACK, 0)
+    window = lines[low : start + len(old) + SLACK]
+    rows, cols = len(old), len(window)
+    score = [[0.0] * (cols + 1) for _ in range(rows + 1)]
+    for i in range(rows - 1, -1, -1):
+        for j in range(cols - 1, -1, -1):
+            best = max(score[i + 1][j], score[i][j + 1])
+            if old[i] == window[j]:
+                best = max(best, weight[old[i]] + score[i + 1][j + 1])
+            score[i][j] = best
+    i = j = 0
+    while i < rows and j < cols:
+        if old[i] == window[j] and score[i][j] == weight[old[i]] + score[i + 1][j + 1]:
+            return score[0][0], max(low + j - i, 0)  # the first match, less its place in the hunk
+        if score[i + 1][j] >= score[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return score[0][0], start
 
 
 def _clip(line: str, width: int = 60) -> str:

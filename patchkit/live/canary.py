@@ -72,9 +72,10 @@ from typing import NamedTuple
 from patchkit.errors import PatchkitError
 from patchkit.symptoms import longest_zero_run
 
+# The packages by name: `patchkit` on the public index is another project.
 MISSING_DEPS = (
-    "patchkit canary needs httpx and prometheus-client in the Python that runs patchkit: "
-    "pip install httpx prometheus-client"
+    "patchkit canary needs httpx and prometheus-client: "
+    "pip install 'httpx>=0.27' 'prometheus-client>=0.20'"
 )
 try:
     import httpcore

@@ -56,7 +56,8 @@ def require_gpu():
         import torch
     except ImportError:
         raise PatchkitError(
-            "verify needs torch with CUDA (install patchkit[gpu] next to vLLM)"
+            "verify needs torch with CUDA: run it with the Python that serves vLLM, which "
+            "has it (--e2e also needs pip install 'transformers>=5.17' 'peft>=0.17')"
         ) from None
     if not torch.cuda.is_available():
         raise PatchkitError(

@@ -33,6 +33,7 @@ from patchkit.engine.safepath import Root, Usage, mount_id, mount_points_below, 
 from patchkit.errors import PatchkitError, os_error_line
 
 _HASH = re.compile(r"[A-Z2-7]{52}|[0-9a-f]{64}")
+TRITON_CACHE = "Triton kernel cache"
 
 
 def _triton_entry(fs: Root, name: str, mode: int) -> bool:
@@ -97,7 +98,7 @@ def cache_dirs() -> list[CacheDir]:
             _vllm_entry,
         ),
         CacheDir(
-            "Triton kernel cache",
+            TRITON_CACHE,
             triton_path if triton_path.is_absolute() else None,
             triton_source,
             _triton_entry,
