@@ -14,7 +14,7 @@ If a step fails inside the process, the files already written are restored
 from memory before the error is reported. Ctrl-C and SIGTERM are held while
 the run holds the lock (:mod:`patchkit.engine.signals`), so they never fall between
 a write and the record of it. If the process dies (kill -9, power loss), the
-journal stays behind and the next ``apply`` or ``revert`` calls
+journal stays behind and the next ``apply``, ``revert`` or ``refresh`` calls
 :func:`recover` first: before the commit point it restores the originals,
 after it only removes the journal. A journal entry is acted on only when a
 diff of the patches it names creates, changes or deletes that file.
