@@ -20,6 +20,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from patchkit.catalogue import journal
 from patchkit.catalogue.model import (
     DECISION_STATES,
     Bug,
@@ -55,6 +56,17 @@ def default_root() -> Path:
     return installed if installed.is_dir() else package.parent / "patches"
 
 
+def installed_catalogue(root: Path) -> bool:
+    """Whether ``root`` is a catalogue installed with patchkit (a wheel), not a source checkout.
+
+    An installed catalogue is package data (``site-packages/patchkit/patches``):
+    pip owns it, and a reinstall replaces it; ``refresh`` never writes there.
+    """
+    real = Path(os.path.realpath(root))
+    package = Path(__file__).resolve().parent.parent
+    return real == package / "patches" or bool({"site-packages", "dist-packages"} & set(real.parts))
+
+
 def load_catalogue(root: Path | None = None) -> Catalogue:
     root = Path(root) if root is not None else default_root()
     series_file = root / "series.toml"
@@ -66,6 +78,7 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
             raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
     if len(set(ids)) != len(ids):
         raise PatchkitError(f"{series_file}: series lists a patch twice")
+    journal.recover(root, [i for i in ids if isinstance(i, str)])  # a refresh killed mid-write
     bugs = _load_bugs(root / "bugs.toml")
     patches = tuple(_load_patch(root / patch_id, patch_id, bugs) for patch_id in ids)
     for patch in patches:

@@ -58,8 +58,13 @@ class Variant:
 
     @property
     def made(self) -> bool:
-        """False for a variant a maintainer has declared but not yet made with refresh."""
-        return self.diff_path.exists() or bool(self.created)
+        """False for a variant a maintainer has declared but not yet made with refresh.
+
+        The diff is what refresh makes (empty when the variant only creates
+        files), so it alone says: a variant that declares ``creates`` is not
+        made until refresh has written its diff and copied its files.
+        """
+        return self.diff_path.exists()
 
     @cached_property
     def diff_bytes(self) -> bytes:
@@ -72,7 +77,9 @@ class Variant:
 
     @cached_property
     def created_bytes(self) -> dict[str, bytes]:
-        found = {}
+        found: dict[str, bytes] = {}
+        if not self.made:
+            return found
         for relpath in self.created:
             source = self.files_dir / relpath
             try:
@@ -87,22 +94,13 @@ class Variant:
     @cached_property
     def sha256(self) -> str:
         """Of the diff and every created file (path and bytes): what was applied."""
-        digest = hashlib.sha256(self.diff_bytes)
-        for relpath, data in sorted(self.created_bytes.items()):
-            digest.update(b"\0" + relpath.encode() + b"\0" + data)
-        return digest.hexdigest()
+        return variant_sha256(self.diff_bytes, self.created_bytes)
 
     @cached_property
     def files(self) -> tuple[FilePatch, ...]:
-        text = self.diff_bytes.decode("utf-8", errors="replace")
-        changed = tuple(parse_diff(text, str(self.diff_path))) if text.strip() else ()
-        made = tuple(
-            created_file_patch(relpath, data.decode("utf-8", errors="surrogateescape"))
-            for relpath, data in self.created_bytes.items()
-        )
-        if not changed and not made and self.made:
-            raise PatchkitError(f"{self.diff_path}: no file changes found in the diff")
-        return changed + made
+        if not self.made:
+            return ()
+        return variant_files(self.diff_bytes, self.created_bytes, str(self.diff_path))
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -114,6 +112,31 @@ class Variant:
             if file_patch.path == relpath:
                 return file_patch
         raise PatchkitError(f"{self.diff_path}: no hunks for {relpath}")
+
+
+def variant_sha256(diff: bytes, created: dict[str, bytes]) -> str:
+    """A variant's sha256 from its diff and created files' bytes (refresh: before writing)."""
+    digest = hashlib.sha256(diff)
+    for relpath, data in sorted(created.items()):
+        digest.update(b"\0" + relpath.encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+def variant_files(diff: bytes, created: dict[str, bytes], origin: str) -> tuple[FilePatch, ...]:
+    """The file patches of a made variant: its diff's, then a new-file hunk per created file.
+
+    Bytes that are not UTF-8 stay themselves (surrogateescape), as the tree's
+    files are read, so a diff gives back exactly the bytes it was made from.
+    """
+    text = diff.decode("utf-8", errors="surrogateescape")
+    changed = tuple(parse_diff(text, origin)) if text.strip() else ()
+    made = tuple(
+        created_file_patch(relpath, data.decode("utf-8", errors="surrogateescape"))
+        for relpath, data in created.items()
+    )
+    if not changed and not made:
+        raise PatchkitError(f"{origin}: no file changes found in the diff")
+    return changed + made
 
 
 @dataclass(frozen=True)

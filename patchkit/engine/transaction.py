@@ -14,7 +14,7 @@ If a step fails inside the process, the files already written are restored
 from memory before the error is reported. Ctrl-C and SIGTERM are held while
 the run holds the lock (:mod:`patchkit.engine.signals`), so they never fall between
 a write and the record of it. If the process dies (kill -9, power loss), the
-journal stays behind and the next ``apply`` or ``revert`` calls
+journal stays behind and the next ``apply``, ``revert`` or ``refresh`` calls
 :func:`recover` first: before the commit point it restores the originals,
 after it only removes the journal. A journal entry is acted on only when a
 diff of the patches it names creates, changes or deletes that file.
@@ -203,10 +203,34 @@ def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -
     run's backups and journal are removed, and the tree is as before. If even
     the restore fails, the journal stays and the next run rolls back.
     """
+    written: list[FileChange] = []
+    try:
+        commit_or_undo(state, changes, backups, written)
+    except OSError as exc:
+        raise PatchkitError(
+            f"{os_error_line(exc, 'writing')}; the {len(written)} file(s) already "
+            "written were restored, nothing changed"
+        ) from None
+    state.fs.remove_tree(TXN_DIR, "journal")
+
+
+def commit_or_undo(
+    state: State,
+    changes: list[FileChange],
+    backups: dict[str, bytes],
+    written: list[FileChange] | None = None,
+) -> None:
+    """:func:`commit` up to and with the state file, for a caller with writes of its own.
+
+    On failure the tree is put back and the error raised as it came (the
+    caller puts its own files back and words the message); ``written`` says
+    how many tree files had been written. The journal is left for the caller
+    to remove once it has finished (the next run removes it otherwise).
+    """
     fs = state.fs
     new_state = state.to_bytes()
     stored: list[str] = []
-    written: list[FileChange] = []
+    written = [] if written is None else written
     try:
         fs.remove_tree(TXN_DIR, "journal")  # leftovers of a run that died before its journal
         for change in changes:
@@ -220,15 +244,9 @@ def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -
             written.append(change)  # recorded first: an undo of an unwritten file is a no-op
             _write(fs, change.path, change.after)
         fs.write(STATE_FILE, new_state, "state")
-    except BaseException as exc:
+    except BaseException:
         _undo(fs, written, stored)
-        if isinstance(exc, OSError):
-            raise PatchkitError(
-                f"{os_error_line(exc, 'writing')}; the {len(written)} file(s) already "
-                "written were restored, nothing changed"
-            ) from None
         raise
-    fs.remove_tree(TXN_DIR, "journal")
 
 
 def _expect(fs: Root, change: FileChange) -> None:
