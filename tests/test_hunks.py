@@ -120,3 +120,26 @@ def test_bad_diffs_are_rejected_with_the_file_name(diff, message):
     with pytest.raises(PatchkitError, match=message) as caught:
         parse_diff(diff, "patches/p/bad.diff")
     assert str(caught.value).startswith("patches/p/bad.diff")
+
+
+def test_a_file_mixing_line_endings_keeps_the_bytes_of_every_untouched_line():
+    """Lines a hunk does not touch come back byte for byte; added lines take \\r\\n."""
+    lines = ORIGINAL.splitlines(keepends=True)
+    mixed = "".join(line.replace("\n", "\r\n") if i % 3 == 0 else line
+                    for i, line in enumerate(lines))  # fmt: skip
+    text, _ = apply_file_patch(mixed, one())
+    kept = [line for line in mixed.splitlines(keepends=True)
+            if not line.startswith(("line 5", "line 16"))]  # fmt: skip
+    out = text.splitlines(keepends=True)
+    assert [line for line in out if line in kept] == kept
+    assert "line five\r\nline 5b\r\n" in text and "line sixteen\r\n" in text
+    back, _ = apply_file_patch(text, one().reversed())
+    assert back == mixed.replace("line 5\n", "line 5\r\n").replace("line 16\n", "line 16\r\n")
+
+
+def test_a_last_line_without_newline_keeps_its_carriage_return():
+    diff = "--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -1,2 +1,2 @@\n-a\n+A\n b\n"
+    text, _ = apply_file_patch("a\nb\n", one(diff))
+    assert text == "A\nb\n"
+    text, _ = apply_file_patch("a\r\nb\r\nc\r", one(diff))
+    assert text == "A\r\nb\r\nc\r"

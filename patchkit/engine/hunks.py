@@ -36,6 +36,7 @@ class Hunk:
     new: tuple[str, ...]
     old_ends_without_newline: bool = False
     new_ends_without_newline: bool = False
+    context: tuple[tuple[int, int], ...] = ()  # (index in old, index in new) of context lines
 
     def reversed(self) -> Hunk:
         return replace(
@@ -46,6 +47,7 @@ class Hunk:
             new=self.old,
             old_ends_without_newline=self.new_ends_without_newline,
             new_ends_without_newline=self.old_ends_without_newline,
+            context=tuple((n, o) for o, n in self.context),
         )
 
 
@@ -143,6 +145,7 @@ def _strip_prefix(name: str, origin: str) -> str:
 def _convert_hunk(index: int, hunk: unidiff.Hunk) -> Hunk:
     old: list[str] = []
     new: list[str] = []
+    context: list[tuple[int, int]] = []
     old_no_eol = new_no_eol = False
     previous = None
     for line in hunk:
@@ -151,6 +154,8 @@ def _convert_hunk(index: int, hunk: unidiff.Hunk) -> Hunk:
             old_no_eol |= previous in (" ", "-")
             new_no_eol |= previous in (" ", "+")
             continue
+        if line.line_type == " ":
+            context.append((len(old), len(new)))
         if line.line_type in (" ", "-"):
             old.append(value)
         if line.line_type in (" ", "+"):
@@ -168,14 +173,21 @@ def _convert_hunk(index: int, hunk: unidiff.Hunk) -> Hunk:
         new=tuple(new),
         old_ends_without_newline=old_no_eol,
         new_ends_without_newline=new_no_eol,
+        context=tuple(context),
     )
 
 
 @dataclass
 class _Text:
-    """A file split into lines without endings, with its ending style."""
+    """A file split into lines without endings, each line's own ending kept.
+
+    Why per line: a file that mixes ``\r\n`` and ``\n`` must come back with
+    the bytes of every line a hunk does not touch; lines a hunk adds take the
+    file's style (``\r\n`` when any line has it, as diffs carry ``\n``).
+    """
 
     lines: list[str]
+    crlf: list[bool]  # line i ended in \r\n (not \n); the last line without newline: False
     eol: str
     final_newline: bool
 
@@ -186,14 +198,28 @@ class _Text:
         final_newline = body[-1] == ""
         if final_newline:
             body.pop()
-        lines = [line[:-1] if line.endswith("\r") else line for line in body]
-        return cls(lines, eol, final_newline)
+        ended = len(body) if final_newline else len(body) - 1  # lines followed by \n
+        crlf = [i < ended and line.endswith("\r") for i, line in enumerate(body)]
+        lines = [line[:-1] if cr else line for line, cr in zip(body, crlf, strict=True)]
+        return cls(lines, crlf, eol, final_newline)
+
+    def replace(self, start: int, end: int, hunk: Hunk) -> None:
+        """Lines [start, end) become the hunk's new lines: its context lines keep their
+        own endings, the lines it adds take the file's style."""
+        endings = [self.eol == "\r\n"] * len(hunk.new)
+        for in_old, in_new in hunk.context:
+            endings[in_new] = self.crlf[start + in_old]
+        self.lines[start:end] = hunk.new
+        self.crlf[start:end] = endings
 
     def render(self) -> str:
         if not self.lines:
             return ""
-        text = self.eol.join(self.lines)
-        return text + self.eol if self.final_newline else text
+        endings = ["\r\n" if cr else "\n" for cr in self.crlf]
+        parts = [line + ending for line, ending in zip(self.lines, endings, strict=True)]
+        if not self.final_newline:
+            parts[-1] = self.lines[-1]
+        return "".join(parts)
 
 
 def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | None, list[Placement]]:
@@ -207,7 +233,8 @@ def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | Non
     if file_patch.creates:
         if text is not None:
             raise HunkMismatch(path, 1, first.header, "creates the file, but it exists")
-        new = _Text(list(first.new), "\n", not first.new_ends_without_newline)
+        lines = list(first.new)
+        new = _Text(lines, [False] * len(lines), "\n", not first.new_ends_without_newline)
         return new.render(), [Placement(path, 1, 1, 0)]
     if text is None:
         raise HunkMismatch(path, 1, first.header, "expects the file, but it is missing")
@@ -228,7 +255,7 @@ def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | Non
         end = found + len(hunk.old)
         if end == len(parsed.lines):
             parsed.final_newline = not hunk.new_ends_without_newline
-        parsed.lines[found:end] = hunk.new
+        parsed.replace(found, end, hunk)
         placements.append(Placement(path, hunk.index, found + 1, found - expected))
         lower = found + len(hunk.new)
         shift += len(hunk.new) - len(hunk.old)
