@@ -136,7 +136,7 @@ def test_the_text_report_names_request_layer_module_and_where_to_look(tmp_path):
     lines = run_cli("probe", "report", str(log)).stdout.splitlines()
     assert lines[1] == "  request b (adapter poisoned): first bad at step 5, layer 1, mlp.down_proj"
     assert lines[2].startswith("      projection mlp.down_proj bad first; look at the LoRA path")
-    assert lines[-1] == "probe report: 1 affected requests"
+    assert lines[-1] == "probe report: 1 affected request"
 
 
 def one_line_error(args, code: int, *needles: str) -> None:

@@ -176,7 +176,8 @@ class Report:
         bad = [v for v in self.models if v.verdict == "bad"]
         others = [v for v in self.models if v.verdict not in ("ok", "bad")]
         if self.ok:
-            return f"all {len(self.models)} models answer sanely"
+            n = len(self.models)
+            return f"all {n} models answer sanely" if n != 1 else "the 1 model answers sanely"
         parts = []
         if bad:
             names = ", ".join(f"{v.kind} '{v.model}'" for v in bad)
