@@ -27,17 +27,20 @@ class HunkMismatch(PatchkitError):
         super().__init__(f"{path}: hunk #{hunk_index} ({header}) {detail}")
 
 
-def os_error_line(exc: OSError, doing: str, too_long: str = "--target path") -> str:
+def os_error_line(
+    exc: OSError, doing: str, too_long: str = "--target path", path: object = None
+) -> str:
     """One line for an OSError while ``doing`` something: what, where, and advice that fits.
 
     Full disks, over-long paths, read-only file systems and missing
     permissions each get their own next step, instead of one generic hint.
     ``too_long`` names what to shorten when a path is too long (the option
-    or variable the path came from).
+    or variable the path came from). ``path`` names the file when the error
+    does not (a read() that fails carries no file name, an open() does).
     """
     import errno
 
-    where = exc.filename or "the tree"
+    where = exc.filename or path or "the tree"
     advice = {
         errno.ENOSPC: "no space left on the device; free some space and run the command again",
         errno.EDQUOT: "the disk quota is exhausted; free some space and run the command again",

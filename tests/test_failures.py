@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -339,23 +338,3 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(tree_0260
     assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]
     assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
     assert snapshot(tree_0260) == pristine
-
-
-def test_stdout_closed_early_is_not_blamed_on_the_tree(tree_0260: Path):
-    """`patchkit apply | head`: the reader leaves before the report. The apply stands,
-    and the one line says what happened (it used to say "accessing the tree failed")."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # nobody reads: the report's first write fails with EPIPE
-    command = [sys.executable, "-m", "patchkit", "apply", "--target", str(tree_0260)]
-    try:
-        done = subprocess.run(command, stdout=write_end, stderr=subprocess.PIPE, text=True)
-    finally:
-        os.close(write_end)
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [
-        "patchkit: error: stdout closed before the report was written (broken pipe); "
-        "`patchkit status` shows the tree"
-    ]
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
-    left_out = ("not-applicable", "opt-in")  # opt-in: plain apply never applies nan-probe
-    assert {p["state"] for p in status["patches"] if p["state"] not in left_out} == {"applied"}

@@ -5,10 +5,27 @@ nothing changed on disk), 2 usage error, 3 an unexpected internal error (a
 bug: one line and a hint; PATCHKIT_DEBUG=1 shows the traceback), 130
 interrupted (Ctrl-C). Every failure prints one line on stderr, and with
 ``--json`` also ``{"ok": false, "error": ...}`` on stdout.
+
+A report never contradicts the disk (the line dpkg and git hold: never say
+nothing was done when something was, never do something silently):
+
+- Once a command has changed the tree, the catalogue or a cache, it says so
+  to :class:`Outcome` (``outcome().done(lines)``). From then on no failure to
+  print its report (a full disk, a reader that left the pipe) or to tidy up
+  can exit 1: the command exits 0, and what it did and what failed go to
+  stderr. ``--json`` then prints no JSON and never a traceback.
+- A report lost before anything changed is a failure: exit 1, one line on
+  stderr naming the command.
+- A stdout that is closed when patchkit starts (``>&-``) could never carry a
+  report: every command refuses before doing anything, exit 1, one line on
+  stderr. (Left closed, the descriptor would go to the first file patchkit
+  opens, and a child's output into that file.) A closed stdin or stderr is
+  pointed at /dev/null for the same reason; the command runs.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -34,18 +51,88 @@ DEBUG_ENV = "PATCHKIT_DEBUG"
 EXIT_FAILURE, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
-def fail(message: str, code: int, as_json: bool) -> None:
+class Outcome:
+    """What the running command has done that stands, whatever happens to its report.
+
+    The one place that knows whether the disk changed: a command calls
+    :meth:`done` as soon as its engine has committed (and only then), with
+    the lines that say what it did. :func:`user_errors` reads it to choose
+    the exit status and what to say when the command cannot finish its
+    report.
+    """
+
+    def __init__(self, command: str):
+        self.command = command
+        self.lines: list[str] = []
+
+    def done(self, lines: list[str]) -> None:
+        self.lines.extend(lines)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.lines)
+
+
+OUTCOME = "patchkit.outcome"
+
+
+def outcome() -> Outcome:
+    """The running command's :class:`Outcome` (made by :func:`user_errors`)."""
+    return click.get_current_context().meta[OUTCOME]
+
+
+def fail(message: str, code: int, as_json: bool, done: Outcome | None = None) -> None:
     """One line on stderr (and the JSON error object on stdout), then exit ``code``.
 
     A path read from disk may hold a newline or another control character
     (a forged state entry); it is written escaped, so the error stays one line.
+    After the command changed something (``done``), a failure is a warning
+    followed by what it did, and exit 1 becomes 0: 1 says nothing changed.
     """
     message = render.printable(message)
+    changed = done is not None and done.changed
+    if changed and code == EXIT_FAILURE:
+        code = 0
     with signals.swallowed():  # the error is the last word: no second signal cuts it
-        if as_json:
-            render.emit_json({"ok": False, "error": message, "exit_code": code})
-        click.echo(f"patchkit: error: {message}", err=True)
+        if as_json and not changed:
+            try:
+                render.emit_json({"ok": False, "error": message, "exit_code": code})
+            except render.ReportLost:
+                silence_stdout()
+        render.warn(f"patchkit: {'warning' if code == 0 else 'error'}: {message}")
+        if changed:
+            render.warn(f"patchkit: what `patchkit {done.command}` did stands:")
+            for line in done.lines:
+                render.warn(f"patchkit:   {render.printable(line)}")
     sys.exit(code)
+
+
+def report_lost(done: Outcome, cause: OSError, as_json: bool) -> None:
+    """stdout could not take the report: say so on stderr; exit 0 if the command changed
+    anything (its work stands), else 1."""
+    silence_stdout()
+    why = {errno.EPIPE: "broken pipe: its reader left", errno.ENOSPC: "no space left on the "
+           "device"}.get(cause.errno, (cause.strerror or str(cause)).lower())  # fmt: skip
+    if done.changed:
+        fail(f"stdout could not take the report ({why})", EXIT_FAILURE, as_json, done)
+    fail(
+        f"stdout could not take the report of `patchkit {done.command}` ({why}); "
+        "nothing was changed",
+        EXIT_FAILURE,
+        False,  # no JSON either: stdout is gone
+    )
+
+
+def silence_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what the failed stream still buffers goes
+    there at exit, instead of failing again (Python's exit status 120 and a traceback)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a descriptor (tests): nothing to do
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 # What an interrupted command leaves behind, by command. Writes happen with
@@ -87,22 +174,26 @@ def user_errors(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         as_json = bool(kwargs.get("as_json"))
-        command = command_name(click.get_current_context())
+        ctx = click.get_current_context()
+        command = command_name(ctx)
+        done = ctx.meta[OUTCOME] = Outcome(command)
         try:
             return func(*args, **kwargs)
+        except render.ReportLost as exc:
+            report_lost(done, exc.cause, as_json)
+        except BrokenPipeError as exc:  # stdout written past render.out
+            report_lost(done, exc, as_json)
         except PatchkitError as exc:
-            fail(str(exc), getattr(exc, "exit_code", EXIT_FAILURE), as_json)
-        except BrokenPipeError:
-            stdout_closed()
+            fail(str(exc), getattr(exc, "exit_code", EXIT_FAILURE), as_json, done)
         except OSError as exc:
             shorter = "--dest path" if command == "fetch" else "--target path"
-            fail(os_error_line(exc, "accessing", too_long=shorter), EXIT_FAILURE, as_json)
+            fail(os_error_line(exc, "accessing", too_long=shorter), EXIT_FAILURE, as_json, done)
         except (click.ClickException, click.exceptions.Exit):
             raise  # usage errors: PatchkitGroup prints them, exit 2
         except KeyboardInterrupt:
-            fail(interrupted_message(command), EXIT_INTERRUPTED, as_json)
+            fail(interrupted_message(command), EXIT_INTERRUPTED, as_json, done)
         except signals.Terminated as exc:
-            fail(f"{exc} received; {interrupted_message(command)}", exc.exit_code, as_json)
+            fail(f"{exc} received; {interrupted_message(command)}", exc.exit_code, as_json, done)
         except Exception as exc:
             if os.environ.get(DEBUG_ENV) == "1":
                 traceback.print_exc()
@@ -112,21 +203,27 @@ def user_errors(func):
                 f"{DEBUG_ENV}=1 for the traceback and report it)",
                 EXIT_BUG,
                 as_json,
+                done,
             )
 
     return wrapper
 
 
-def stdout_closed() -> None:
-    """The reader of stdout went away (`patchkit apply | head`): say so, not that the
-    tree failed; the command had done its work or stopped where status shows."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    click.echo(
-        "patchkit: error: stdout closed before the report was written (broken pipe); "
-        "`patchkit status` shows the tree",
-        err=True,
-    )
-    sys.exit(EXIT_FAILURE)
+def standard_streams() -> bool:
+    """Whether stdout is open; a closed stdin, stdout or stderr now holds /dev/null.
+
+    Python sets sys.stdout to None when descriptor 1 was closed at start;
+    the first file opened would then get descriptor 1 (and print() or a
+    child process would write into it).
+    """
+    closed = {0: sys.stdin, 1: sys.stdout, 2: sys.stderr}
+    for fd, stream in closed.items():
+        if stream is None:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    return sys.stdout is not None
 
 
 class PatchkitGroup(click.Group):
@@ -134,13 +231,22 @@ class PatchkitGroup(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):
         args = list(sys.argv[1:] if args is None else args)
+        if not standard_streams():
+            render.warn(
+                "patchkit: error: stdout is closed, so patchkit could not report what it does; "
+                "nothing was done (send it to a file, a pipe or /dev/null instead)"
+            )
+            sys.exit(EXIT_FAILURE)
         signals.install()
         try:
             extra.pop("standalone_mode", None)
             result = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.UsageError as exc:
             if "--json" in args:
-                render.emit_json({"ok": False, "error": exc.format_message(), "exit_code": 2})
+                try:
+                    render.emit_json({"ok": False, "error": exc.format_message(), "exit_code": 2})
+                except render.ReportLost:
+                    silence_stdout()
             exc.show()
             sys.exit(EXIT_USAGE)
         except click.ClickException as exc:
@@ -164,6 +270,19 @@ def check_target(ctx, param, value: str | None) -> str | None:
 def check_version(ctx, param, value: str | None) -> str | None:
     if value is not None and not is_version(value):
         raise click.BadParameter(f"{value!r} is not a PEP 440 version (e.g. 0.26.0)")
+    return value
+
+
+def check_add(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """A --add path that is absolute, climbs out or is not under vllm/ is a usage error
+    (exit 2), caught before any work."""
+    from patchkit.engine.safepath import checked_relpath
+
+    for relpath in value:
+        try:
+            checked_relpath(relpath, "--add")
+        except PatchkitError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--add: "), ctx, param) from None
     return value
 
 
@@ -241,6 +360,8 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
 
 def show(result: operations.RunReport, as_json: bool) -> None:
     """The report of a finished run, written whole: a signal now would only cut it short."""
+    if result.changed:
+        outcome().done(render.run_changes(result))
     with signals.swallowed():
         render.emit_json(render.run_json(result)) if as_json else render.render_run(result)
 
@@ -307,6 +428,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
     "--add",
     multiple=True,
     metavar="PATH",
+    callback=check_add,
     help="Also put this file (vllm/...) into the patch; its original comes from --pristine.",
 )
 @click.option(
@@ -338,6 +460,7 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
     result = refresh_patch(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
+    outcome().done([render.refresh_summary(result)])
     if as_json:
         render.emit_json(result.to_json())
     else:
@@ -363,7 +486,8 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 
     progress = not as_json and sys.stderr.isatty()
     path = fetch_tree(version, dest, progress=progress)
-    render.emit_json({"ok": True, "path": str(path)}) if as_json else click.echo(str(path))
+    outcome().done([f"fetch: vLLM {version} is at {path}"])
+    render.emit_json({"ok": True, "path": str(path)}) if as_json else render.out(str(path))
 
 
 @main.command()
@@ -553,7 +677,7 @@ def doctor(
     if as_json:
         render.emit_json(result.to_json())
     else:
-        render.render_doctor(result, click.echo, verbose)
+        render.render_doctor(result, render.out, verbose)
 
 
 def check_url(ctx, param, value: str) -> str:
@@ -673,7 +797,7 @@ def probe_report(log_file: str, as_json: bool) -> None:
     if as_json:
         render.emit_json(result.to_json())
     else:
-        render.render_probe_report(result, click.echo)
+        render.render_probe_report(result, render.out)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -30,8 +30,41 @@ DONE = {Action.APPLIED: "applied now", Action.REVERTED: "reverted now",
         Action.WOULD_APPLY: "would apply"}  # fmt: skip
 
 
+class ReportLost(Exception):
+    """stdout could not take a line of the report: a full disk, a reader that left (EPIPE).
+
+    Not an OSError, so that no handler meant for the tree's files takes it for one:
+    the CLI decides what it means from what the command had done by then.
+    """
+
+    def __init__(self, cause: OSError):
+        self.cause = cause
+        super().__init__(cause.strerror or str(cause))
+
+
+def out(line: str = "") -> None:
+    """Write one line of a report to stdout: every line of every report goes through here."""
+    try:
+        click.echo(line)
+    except OSError as exc:
+        raise ReportLost(exc) from None
+
+
+def warn(line: str) -> None:
+    """One line on stderr; a stderr that cannot take it costs the line, not the command."""
+    try:
+        click.echo(line, err=True)
+    except OSError:
+        pass
+
+
 def emit_json(data: dict) -> None:
-    click.echo(json.dumps(data, indent=2))
+    out(json.dumps(data, indent=2))
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 file", "2 files", "0 files"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 # ----- status, apply, revert -----
@@ -39,18 +72,18 @@ def emit_json(data: dict) -> None:
 
 def render_run(report: RunReport) -> None:
     tree = report.tree
-    click.echo(f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})")
+    out(f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})")
     for note in report.notes:
-        click.echo(f"note: {note}")
+        out(f"note: {note}")
     width = max((len(s.assessment.patch.id) for s in report.steps), default=0)
     for step in report.steps:
         _render_step(report, step, width)
     for pyc in report.bytecode_removed:
-        click.echo(f"removed bytecode: {pyc}")
+        out(f"removed bytecode: {pyc}")
     _render_caches(report.caches_removed)
     for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
-    click.echo(summary(report))
+        warn(f"warning: {warning}")
+    out(summary(report))
 
 
 def _render_step(report: RunReport, step: Step, width: int) -> None:
@@ -62,26 +95,43 @@ def _render_step(report: RunReport, step: Step, width: int) -> None:
         detail = f"variant {a.variant.name}" if a.variant else ""
     if step.action in DONE:
         detail = f"{DONE[step.action]}; {detail}" if detail else DONE[step.action]
-    click.echo(f"  {a.patch.id:<{width}}  {step.state_after:<15}  {detail}".rstrip())
+    out(f"  {a.patch.id:<{width}}  {_state_column(report, step):<15}  {detail}".rstrip())
     if step.action in (Action.APPLIED, Action.WOULD_APPLY):
         for place in a.placements:
             offset = f" (offset {place.offset:+d} lines)" if place.offset else ""
-            click.echo(f"      {place.path}: hunk #{place.hunk} at line {place.line}{offset}")
+            out(f"      {place.path}: hunk #{place.hunk} at line {place.line}{offset}")
     for notice in report.notices(step):
-        click.echo(f"      known issue: {notice}")
+        out(f"      known issue: {notice}")
+
+
+def _state_column(report: RunReport, step: Step) -> str:
+    """The patch's state: after the run, or, for a dry run that wrote nothing, as it is now
+    (the detail says what the run would do: "would apply")."""
+    return str(step.assessment.state if report.options.dry_run else step.state_after)
+
+
+def run_changes(report: RunReport) -> list[str]:
+    """What a run that changed the tree did, and what went wrong after: the lines that go to
+    stderr when stdout cannot take the report."""
+    left_alone = [
+        f"left {c['name']} alone: {c['reason']}"
+        for c in report.caches_removed
+        if c["state"] not in ("cleared", "absent")
+    ]
+    return [summary(report)] + [f"warning: {w}" for w in report.warnings] + left_alone
 
 
 def _render_caches(caches: list[dict]) -> None:
     for cache in caches:
         if cache["state"] == "cleared":
-            click.echo(
+            out(
                 f"cleared {cache['name']}: {cache['path']} "
-                f"({cache['files']} files, {cache['bytes']} bytes)"
+                f"({counted(cache['files'], 'file')}, {counted(cache['bytes'], 'byte')})"
             )
         elif cache["state"] == "absent":
-            click.echo(f"no {cache['name']} at {cache['path']}: nothing to clear")
+            out(f"no {cache['name']} at {cache['path']}: nothing to clear")
         else:
-            click.echo(f"left {cache['name']} alone: {cache['reason']}", err=True)
+            warn(f"left {cache['name']} alone: {cache['reason']}")
 
 
 def summary(report: RunReport) -> str:
@@ -124,10 +174,12 @@ def run_json(report: RunReport) -> dict:
 def _step_json(report: RunReport, step: Step) -> dict:
     data = step.assessment.to_json()
     data["notices"] = report.notices(step)
-    data["state"] = str(step.state_after)
+    data["state"] = _state_column(report, step)
     if report.command != "status":
         data["state_before"] = str(step.assessment.state)
         data["action"] = str(step.action)
+        if report.options.dry_run:
+            data["would_leave"] = str(step.state_after)
         data["hunks"] = [
             {"file": p.path, "hunk": p.hunk, "line": p.line, "offset": p.offset}
             for p in step.assessment.placements
@@ -139,16 +191,28 @@ def _step_json(report: RunReport, step: Step) -> dict:
 
 
 def render_refresh(report) -> None:
-    click.echo(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
+    out(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
     for relpath in report.changed:
-        click.echo(f"  diff of {relpath}")
+        out(f"  diff of {relpath}")
     for path in report.created:
-        click.echo(f"  created file copied to {path}")
+        out(f"  created file copied to {path}")
     for relpath in report.unchanged:
-        click.echo(f"  {relpath} is back to its original: left out of the patch")
-    click.echo(
-        f"refresh: {len(report.changed)} diffed, {len(report.created)} created, "
-        f"{len(report.unchanged)} left out; review with git diff, then run the tests"
+        out(f"  {relpath} is back to its original: left out of the patch")
+    out(f"refresh: {_refresh_counts(report)}; review with git diff, then run the tests")
+
+
+def refresh_summary(report) -> str:
+    """One line: what a refresh wrote into the catalogue."""
+    return (
+        f"refresh: wrote {report.diff} (patch {report.patch_id}, variant {report.variant}): "
+        f"{_refresh_counts(report)}"
+    )
+
+
+def _refresh_counts(report) -> str:
+    return (
+        f"{len(report.changed)} diffed, {len(report.created)} created, "
+        f"{len(report.unchanged)} left out"
     )
 
 
@@ -157,32 +221,32 @@ def render_refresh(report) -> None:
 
 def render_verify(report) -> None:
     env = report.environment
-    click.echo(
+    out(
         f"GPU {env['gpu']} (sm {env['compute_capability']}), torch {env['torch']}, "
         f"Triton {env['triton']}, vLLM {env['vllm']} at {env['vllm_path']}"
     )
-    click.echo(f"LoRA ops in punica_gpu.py: {env['lora_backend']}; seed {env['seed']}")
+    out(f"LoRA ops in punica_gpu.py: {env['lora_backend']}; seed {env['seed']}")
     for p in report.patches:
-        click.echo(f"  {p['id']:<24}{p['state']}")
-    click.echo("")
-    click.echo(f"{'kernel check':<84}{'result':<8}{'rel.err':>9}  note")
+        out(f"  {p['id']:<24}{p['state']}")
+    out("")
+    out(f"{'kernel check':<84}{'result':<8}{'rel.err':>9}  note")
     for k in report.kernel:
         verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
         note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
-        click.echo(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
+        out(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
     for title, found in (("end-to-end check", report.e2e), ("model check", report.model)):
         if found:
-            click.echo("")
-            click.echo(f"{title:<60}{'result':<8}detail")
+            out("")
+            out(f"{title:<60}{'result':<8}detail")
             for c in found:
-                click.echo(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
-    click.echo("")
-    click.echo("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
+                out(f"{c.name:<60}{'ok' if c.ok else 'FAIL':<8}{c.detail}")
+    out("")
+    out("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
     failed = sum(1 for k in report.kernel if k.counts and not k.ok) + sum(
         1 for c in report.e2e + report.model if not c.ok
     )
-    verdict = "PASSED" if report.ok else f"FAILED ({failed} checks)"
-    click.echo(f"verify {verdict} in {report.seconds:.0f} s")
+    verdict = "PASSED" if report.ok else f"FAILED ({counted(failed, 'check')})"
+    out(f"verify {verdict} in {report.seconds:.0f} s")
 
 
 # ----- canary -----
@@ -193,10 +257,10 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     from patchkit.live import canary
 
     if as_json:
-        click.echo(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
+        out(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
     else:
         # model ids and answers come from the server: control characters escaped
-        render_canary(report, lambda line: click.echo(printable(canary.scrub(line, api_key))))
+        render_canary(report, lambda line: out(printable(canary.scrub(line, api_key))))
 
 
 def printable(line: str) -> str:
@@ -210,7 +274,8 @@ def render_canary(report, out) -> None:
     """The text report: a line per model, the counter, the verdict and the next steps."""
     version = f"vLLM {report.version}" if report.version else "server"
     out(
-        f"{version} at {report.url}: {len(report.models)} model(s), prompt ~{report.prompt_tokens}"
+        f"{version} at {report.url}: {counted(len(report.models), 'model')}, "
+        f"prompt ~{report.prompt_tokens}"
         f" tokens, {canary.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
     )
     width = max((len(v.model) for v in report.models), default=0)
@@ -256,22 +321,22 @@ def render_catalogue(catalogue: Catalogue) -> None:
     width = min(shutil.get_terminal_size((100, 24)).columns, 100)
 
     def wrapped(label: str, text: str) -> None:
-        click.echo(textwrap.fill(" ".join(text.split()), width, initial_indent=f"    {label}: ",
+        out(textwrap.fill(" ".join(text.split()), width, initial_indent=f"    {label}: ",
                                  subsequent_indent=" " * 8, break_on_hyphens=False))  # fmt: skip
 
     for patch in catalogue.patches:
-        click.echo(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
+        out(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
         if patch.opt_in:
             wrapped("opt-in", f"plain `patchkit apply` never applies it; `patchkit apply --only "
                     f"{patch.id}` adds it to the default set, `revert` takes it off")  # fmt: skip
         wrapped("why", patch.why)
         for variant in patch.variants:
-            click.echo(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
+            out(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
         for decision in patch.decisions:
             wrapped(f"{decision.versions}  {decision.state}", decision.reason)
         wrapped("upstream", ", ".join(patch.upstream))
         wrapped("remove when", patch.remove_when)
-    click.echo(textwrap.fill(f"tested releases: {', '.join(catalogue.tested_releases)}", width,
+    out(textwrap.fill(f"tested releases: {', '.join(catalogue.tested_releases)}", width,
                              subsequent_indent=" " * 4))  # fmt: skip
 
 
@@ -339,7 +404,7 @@ def render_doctor(report, echo, verbose: bool = False) -> None:
     for pyc in report.stale_bytecode:
         echo(f"stale bytecode: {pyc}")
     for c in report.old_caches:
-        echo(f"{c.name} {c.path}: {c.entries} entries older than the patch")
+        echo(f"{c.name} {c.path}: {counted(c.entries, 'entry', 'entries')} older than the patch")
     if report.kernels is not None:
         render_kernels(report.kernels, echo, verbose)
     echo("")
@@ -370,7 +435,8 @@ def render_kernels(scan, echo, verbose: bool = False) -> None:
     gpus = ", ".join(name.replace("NVIDIA ", "") for name in scan.gpus)
     echo(
         f"kernel scan (sm_90; Triton {t.triton}, ptxas {t.ptxas_version}, {scan.disassembler}; "
-        f"{len(scan.cases)} configs of {len(scan.by_kernel())} kernels from {scan.calls} calls "
+        f"{counted(len(scan.cases), 'config')} of {counted(len(scan.by_kernel()), 'kernel')} "
+        f"from {counted(scan.calls, 'call')} "
         f"on {gpus}; {'remembered, ' if scan.remembered else ''}{scan.seconds} s):"
     )
     for kernel, cases in scan.by_kernel().items():
@@ -388,23 +454,30 @@ def _kernel_lines(kernel: str, cases: list) -> list[str]:
     hazards = [c for c in runs if c.verdict == "hazard"]
     if hazards:
         lines.append(
-            f"{kernel}: hazard in {len(hazards)} of {len(runs)} configs this install runs "
+            f"{kernel}: hazard in {len(hazards)} of {counted(len(runs), 'config')} this "
+            "install runs "
             f"(first: {_first_hazard(hazards[0])})"
         )
     elif runs:
-        lines.append(f"{kernel}: no overwrite in the {len(runs)} configs this install runs")
+        lines.append(
+            f"{kernel}: no overwrite in the {counted(len(runs), 'config')} this install runs"
+        )
     if idle:
         idle_hazards = [c for c in idle if c.verdict == "hazard"]
         found = f"hazard in {len(idle_hazards)} of" if idle_hazards else "no overwrite in"
         lines.append(
-            f"{kernel}: {found} {len(idle)} configs not run here ({idle[0].why_not_called})"
+            f"{kernel}: {found} {counted(len(idle), 'config')} not run here "
+            f"({idle[0].why_not_called})"
         )
     if errors:
-        lines.append(f"{kernel}: error in {len(errors)} config(s) (first: {errors[0].error})")
+        lines.append(
+            f"{kernel}: error in {counted(len(errors), 'config')} (first: {errors[0].error})"
+        )
     approximate = [c for c in cases if c.approximate]
     if approximate:
         lines.append(
-            f"{kernel}: {len(approximate)} config(s) approximate ({approximate[0].approximate})"
+            f"{kernel}: {counted(len(approximate), 'config')} approximate "
+            f"({approximate[0].approximate})"
         )
     return lines
 
@@ -417,7 +490,7 @@ def _first_hazard(case) -> str:
 def _case_line(case) -> str:
     runs = "runs here" if case.called else f"not run: {case.why_not_called}"
     detail = case.error or (
-        f"{len(case.hazards)} overwrite(s), first {case.hazards[0]['instruction']} "
+        f"{counted(len(case.hazards), 'overwrite')}, first {case.hazards[0]['instruction']} "
         f"at {case.hazards[0]['address']}"
         if case.hazards
         else ""
@@ -442,7 +515,8 @@ def render_probe_report(report, out) -> None:
     def say(line: str) -> None:
         out(printable(line))
 
-    say(f"nan-probe log {report.path}: {report.records} records over {report.steps} steps")
+    records, steps = counted(report.records, "record"), counted(report.steps, "step")
+    say(f"nan-probe log {report.path}: {records} over {steps}")
     if not report.findings:
         say("no request had a NaN or Inf in any probed layer or projection")
     for f in report.findings:
@@ -452,12 +526,12 @@ def render_probe_report(report, out) -> None:
         say(f"      {f.verdict}; look at {f.look_at}")
         say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
     if report.padding_only:
-        say(f"{report.padding_only} records had bad rows in CUDA-graph padding only (no request)")
-    count = len(report.findings)
-    say(f"probe report: {count} affected request{'' if count == 1 else 's'}")
+        padding = counted(report.padding_only, "record")
+        say(f"{padding} had bad rows in CUDA-graph padding only (no request)")
+    say(f"probe report: {counted(len(report.findings), 'affected request')}")
 
 
 def render_probe_warnings(report) -> None:
     """A cut last line the report skipped: on stderr, in text and --json alike."""
     for warning in report.warnings:
-        click.echo(printable(f"warning: {warning}"), err=True)
+        warn(printable(f"warning: {warning}"))

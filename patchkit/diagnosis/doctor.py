@@ -572,7 +572,8 @@ def _stale_verdict(report: DoctorReport) -> BugVerdict:
             bug,
             Verdict.EXPOSED,
             f"{len(report.stale_bytecode)} stale .pyc, "
-            f"{len(report.old_caches)} caches older than the patch",
+            f"{len(report.old_caches)} cache{'s' if len(report.old_caches) != 1 else ''} older "
+            "than the patch",
             _stale_fix(report),
         )
     reason = "bytecode matches its source; no older caches"

@@ -287,7 +287,8 @@ def _take_findings(result: Plan, assessment: Assessment) -> None:
 
 
 def _fail_strict(warnings: list[str]) -> None:
-    more = f" (and {len(warnings) - 1} more warnings)" if len(warnings) > 1 else ""
+    n = len(warnings) - 1
+    more = f" (and {n} more warning{'s' if n != 1 else ''})" if n > 0 else ""
     raise PatchkitError(f"--strict: {warnings[0]}{more}; nothing was changed")
 
 

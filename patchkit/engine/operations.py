@@ -5,8 +5,9 @@ written until the whole plan exists: a conflict, or any warning under
 ``--strict``, stops the run with the tree untouched. While a run holds the
 tree's lock, Ctrl-C and SIGTERM are held (:mod:`patchkit.engine.signals`):
 they take effect when the run has finished the step it was in, never between
-a write and its record. What comes after the commit (stale bytecode, caches)
-can only warn.
+a write and its record. What comes after the commit (stale bytecode, backups,
+tidying ``.patchkit/``, caches) can only warn: once the tree has changed, no
+later failure may make the run look as if it had changed nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from patchkit.engine.state import (
 )
 from patchkit.engine.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
 from patchkit.engine.vocabulary import Action
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, os_error_line
 from patchkit.target import caches
 from patchkit.target.tree import VllmTree, sha256_bytes
 
@@ -48,6 +49,14 @@ class RunReport:
     bytecode_removed: list[str] = field(default_factory=list)
     caches_removed: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    wrote: bool = False  # the run committed its writes to the tree
+    recovered: bool = False  # it rolled an interrupted run back first
+
+    @property
+    def changed(self) -> bool:
+        """Whether the run changed anything on disk (the tree, bytecode, caches)."""
+        cleared = any(c["state"] == "cleared" for c in self.caches_removed)
+        return self.wrote or self.recovered or bool(self.bytecode_removed) or cleared
 
     @property
     def steps(self) -> list[Step]:
@@ -124,19 +133,43 @@ def _run(
             report.plan.warn("an interrupted run will be rolled back first by a real apply")
         return report
     notes: list[str] = []
+    report = None
     try:
         with _locked(tree, catalogue, notes) as state:
             report = RunReport(command, tree, plan(command, tree, catalogue, state, options))
             report.options = options
+            report.recovered = bool(notes)  # recover() says what it did, if anything
             if prepare is not None:
                 prepare(report.plan)
             _execute(report, state)
     except LockUnavailable as exc:
         report = _read_only(command, tree, catalogue, options, exc)
+    except (OSError, PatchkitError) as exc:  # after the commit: tidying .patchkit/, unlocking
+        if report is None or not report.wrote:
+            raise
+        report.plan.warn(_after_commit(exc, "tidying up"))
     report.notes[:0] = notes + report.plan.notes
     if options.clear_caches:
-        report.caches_removed = caches.clear_caches(tree.root)
+        _clear_caches(report)
     return report
+
+
+def _clear_caches(report: RunReport) -> None:
+    """Clear the caches, or say why not: never an error, the run's work stands either way."""
+    try:
+        report.caches_removed = caches.clear_caches(report.tree.root)
+    except (OSError, PatchkitError) as exc:  # e.g. the working directory was deleted
+        report.plan.warn(f"the caches were left alone: {_reason(exc, 'the caches')}")
+
+
+def _after_commit(exc: Exception, doing: str) -> str:
+    return f"the tree was changed as reported, but {doing} failed: {_reason(exc)}"
+
+
+def _reason(exc: Exception, where: str = "the tree") -> str:
+    if isinstance(exc, OSError):
+        return os_error_line(exc, "accessing", path=where)
+    return str(exc)
 
 
 def _execute(report: RunReport, state: State) -> None:
@@ -151,9 +184,13 @@ def _execute(report: RunReport, state: State) -> None:
     backups = _record_applied(report.tree, state, applied)
     writes = planned.writes()
     commit(state, writes, backups)
+    report.wrote = True
     for patch_id in [s.assessment.patch.id for s in reverted] + planned.drop:
         if patch_id not in state.patches:
-            state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
+            try:
+                state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
+            except (OSError, PatchkitError) as exc:
+                planned.warn(_after_commit(exc, f"removing the backups of {patch_id}"))
     planned.notes.extend(f"dropped the stale record of {i} (vLLM was reinstalled since)"
                          for i in planned.drop)  # fmt: skip
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])

@@ -208,7 +208,9 @@ class Report:
         """
         if self.ok:
             more = f" ({len(self.skipped)} more not checked)" if self.skipped else ""
-            return f"all {len(self.models)} models answer sanely{more}"
+            n = len(self.models)
+            sane = f"all {n} models answer sanely" if n != 1 else "the 1 model answers sanely"
+            return sane + more
         bad = [v for v in self.models if v.verdict == "bad"]
         others = [v for v in self.models if v.verdict not in ("ok", "bad")]
         parts = []

@@ -104,7 +104,8 @@ def health_checks(name: str, served: dict) -> list[Check]:
         Check(
             f"{name}: no run of token id 0",
             not zero_runs,
-            f"{len(zero_runs)} outputs with >= {ZERO_RUN} zeros in a row" + _naming(zero_runs),
+            f"{len(zero_runs)} output{'s' if len(zero_runs) != 1 else ''} with >= {ZERO_RUN} "
+            "zeros in a row" + _naming(zero_runs),
         )
     )
     return checks

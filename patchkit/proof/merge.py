@@ -305,7 +305,7 @@ class SafetensorsFile:
                     )
                 raw = f.read(length)
         except OSError as exc:
-            raise PatchkitError(os_error_line(exc, "reading")) from exc
+            raise PatchkitError(os_error_line(exc, "reading", path=self.path)) from exc
         try:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -1150,7 +1150,8 @@ class _Planner:
         if single:
             param = next(iter(self.expert_params[single[0]]))
             self.notes.append(
-                f"{len(single)} experts modules (e.g. {single[0]}) adapt one parameter "
+                f"{len(single)} experts module{'s' if len(single) != 1 else ''} (e.g. {single[0]}) "
+                "adapt one parameter "
                 f"({param}); vLLM 0.22-0.33 (_stack_moe_lora_weights) needs both gate_up_proj "
                 "and down_proj in a fused expert adapter and will not load it"
             )
