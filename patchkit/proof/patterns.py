@@ -95,7 +95,8 @@ class _Parser:
         return ch
 
     def fail(self, what: str) -> ValueError:
-        return ValueError(f"{what} at position {self.pos}")
+        # no position: it would count in PEFT's wrapper, not in the user's key
+        return ValueError(what)
 
     def parse(self):
         tree = self.alternation(0)
