@@ -147,6 +147,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import struct
 import tempfile
 from collections import OrderedDict
@@ -154,7 +155,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.engine.fsutil import decode_user_json, read_user_json
+from patchkit.engine.safepath import kind_of
 from patchkit.errors import PatchkitError, os_error_line
+from patchkit.proof.patterns import Matcher, compile_peft_key
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -186,7 +190,19 @@ _DTYPE_SIZES = {
     "F64": 8,
 }
 _MERGEABLE = ("F32", "F16", "BF16", "F64")
-_HEADER_LIMIT = 100 << 20
+# The largest safetensors header and model.safetensors.index.json read. Both
+# hold one entry per tensor, about 100-150 bytes: a 5 GB shard of a per-expert
+# MoE checkpoint, or a per-expert adapter of every expert of a 256-expert model
+# (89,000 tensors), stays under 16 MB, and an index of 300,000 tensors under
+# 32 MiB. A header parsed into Python objects takes several times its bytes,
+# so the cap is also what bounds the memory a hostile file can take.
+_MANIFEST_BYTES = 32 << 20
+# adapter_config.json and config.json: PEFT's and transformers' are a few kB,
+# a rank_pattern naming every module of a large model tens of kB.
+_CONFIG_BYTES = 1 << 20
+# Tensor dimensions (PyTorch tensors have at most 64; the product of the shape
+# stays a small integer).
+_MAX_DIMS = 64
 # The fused expert parameters of Qwen3.5-MoE in registration order (PEFT nests
 # target_parameters wrappers in this order: the first is the innermost base_layer).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -290,56 +306,79 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            self.size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            with _open_regular(self.path) as f:
+                info = os.fstat(f.fileno())
+                self.size, self._identity = info.st_size, (info.st_dev, info.st_ino)
                 head = f.read(8)
                 if len(head) < 8:
                     raise PatchkitError(
                         f"{self.path}: not a safetensors file (shorter than 8 bytes)"
                     )
                 (length,) = struct.unpack("<Q", head)
-                if length > _HEADER_LIMIT or 8 + length > self.size:
+                if length > _MANIFEST_BYTES or 8 + length > self.size:
                     raise PatchkitError(
-                        f"{self.path}: not a safetensors file (header length {length} "
-                        f"in a file of {self.size} bytes)"
+                        f"{self.path}: not a safetensors file patchkit reads (header length "
+                        f"{length} in a file of {self.size} bytes; at most {_MANIFEST_BYTES})"
                     )
                 raw = f.read(length)
         except OSError as exc:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path)) from exc
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PatchkitError(f"{self.path}: safetensors header is not JSON ({exc})") from exc
+            header = decode_user_json(raw, _MANIFEST_BYTES)
+        except ValueError as exc:
+            raise PatchkitError(f"{self.path}: safetensors header unusable: {exc}") from None
         if not isinstance(header, dict):
             raise PatchkitError(f"{self.path}: safetensors header is not a JSON object")
         self.header_bytes = head + raw
         self.data_start = 8 + length
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise PatchkitError(f"{self.path}: safetensors __metadata__ is not a JSON object")
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
-            try:
-                dtype = entry["dtype"]
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(x) for x in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise PatchkitError(f"{self.path}: bad header entry for {name}: {entry}") from exc
-            info = TensorInfo(name, dtype, shape, self.data_start + begin, self.data_start + end)
-            if not 0 <= begin <= end or info.end > self.size:
-                raise PatchkitError(
-                    f"{self.path}: {name} lies outside the file (bytes {begin}..{end} of "
-                    f"{self.size - self.data_start})"
-                )
-            size = _DTYPE_SIZES.get(dtype)
+            info = self._tensor_info(name, entry)
+            size = _DTYPE_SIZES.get(info.dtype)
             if size is not None and info.numel * size != info.nbytes:
                 raise PatchkitError(
-                    f"{self.path}: {name} is {dtype} {_shape(shape)} but holds {info.nbytes} bytes"
+                    f"{self.path}: {_shown(name)} is {info.dtype} {_shape(info.shape)} but "
+                    f"holds {info.nbytes} bytes"
                 )
             self.tensors[name] = info
         self._handle = None
 
+    def _tensor_info(self, name: str, entry: object) -> TensorInfo:
+        """One header entry, checked: a dtype name, a shape and two offsets inside the file."""
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
+        if not (
+            isinstance(dtype, str)
+            and _counts(shape)
+            and len(shape) <= _MAX_DIMS
+            and _counts(offsets)
+            and len(offsets) == 2
+        ):
+            raise PatchkitError(
+                f"{self.path}: header entry {_shown(name)} is not "
+                "{dtype: name, shape: [counts], data_offsets: [begin, end]}"
+            )
+        begin, end = offsets
+        info = TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
+        if begin > end or info.end > self.size:
+            raise PatchkitError(
+                f"{self.path}: {_shown(name)} lies outside the file (bytes {begin}..{end} of "
+                f"{self.size - self.data_start})"
+            )
+        return info
+
     def _file(self):
+        """The file again for its tensors' bytes: the same file the header came from."""
         if self._handle is None:
-            self._handle = open(self.path, "rb")
+            handle = _open_regular(self.path)
+            info = os.fstat(handle.fileno())
+            if (info.st_dev, info.st_ino) != self._identity:
+                handle.close()
+                raise PatchkitError(f"{self.path}: replaced since its header was read")
+            self._handle = handle
         return self._handle
 
     def close(self) -> None:
@@ -387,6 +426,47 @@ class SafetensorsFile:
         )
 
 
+def _open_regular(path: Path):
+    """A regular file opened for reading; never waits on a FIFO, never opens a device.
+
+    The type is checked before the open (a device is not opened at all) and on
+    the descriptor (what was opened is what is read): a FIFO named like a weight
+    file hung the read.
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return os.fdopen(fd, "rb")
+        os.close(fd)
+    raise PatchkitError(f"{path}: {kind_of(mode)}, not a regular file")
+
+
+def _counts(value: object) -> bool:
+    """A JSON list of non-negative integers (no bools, no floats)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _shown(value: object, width: int = 80) -> str:
+    """A value from a user's file for a one-line message: its repr (escaped), cut to width."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _user_json(path: Path, limit: int, what: str) -> dict:
+    """A JSON object from a model or adapter file, or one line naming the file."""
+    try:
+        data = read_user_json(path, limit)
+    except OSError as exc:
+        raise PatchkitError(os_error_line(exc, "reading")) from None
+    except ValueError as exc:
+        raise PatchkitError(f"{path}: unusable as {what}: {exc}") from None
+    if not isinstance(data, dict):
+        raise PatchkitError(f"{path}: not a JSON object ({what} expected)")
+    return data
+
+
 def save_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> None:
     """Write tensors (in the given order) as a safetensors file."""
     header: dict = {}
@@ -420,7 +500,7 @@ def save_safetensors(path: Path, tensors: dict, metadata: dict | None = None) ->
 def _safe_relname(name: str, where: Path) -> str:
     if os.path.isabs(name) or ".." in Path(name).parts:
         raise PatchkitError(
-            f"{where}: refuses weight file name {name!r} outside the model directory"
+            f"{where}: refuses weight file name {_shown(name)} outside the model directory"
         )
     return name
 
@@ -435,12 +515,17 @@ class _Checkpoint:
         index = model_dir / INDEX_NAME
         self.index_meta: dict | None = None
         if index.is_file():
-            try:
-                data = json.loads(index.read_text())
-                weight_map = data["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise PatchkitError(f"{index}: not a safetensors index ({exc})") from exc
-            self.index_meta = dict(data.get("metadata") or {})
+            data = _user_json(index, _MANIFEST_BYTES, "a safetensors index")
+            weight_map, meta = data.get("weight_map"), data.get("metadata") or {}
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
+                raise PatchkitError(
+                    f"{index}: weight_map is not a JSON object of tensor name to file name"
+                )
+            if not isinstance(meta, dict):
+                raise PatchkitError(f"{index}: metadata is not a JSON object")
+            self.index_meta = dict(meta)
             names = sorted({_safe_relname(v, index) for v in weight_map.values()})
         elif (model_dir / SINGLE_NAME).is_file():
             names = [SINGLE_NAME]
@@ -458,7 +543,7 @@ class _Checkpoint:
             if not path.is_file():
                 if not index.is_file():  # a FIFO or a dangling link found by the glob
                     raise PatchkitError(f"{path}: not a regular file (a weight file expected)")
-                raise PatchkitError(f"{index}: names {name}, which is not in {model_dir}")
+                raise PatchkitError(f"{index}: names {_shown(name)}, which is not in {model_dir}")
             shard = SafetensorsFile(path)
             self.shards[name] = shard
             for key in shard.tensors:
@@ -470,10 +555,7 @@ class _Checkpoint:
         self.config: dict = {}
         config = model_dir / "config.json"
         if config.is_file():
-            try:
-                self.config = json.loads(config.read_text())
-            except (OSError, ValueError) as exc:
-                raise PatchkitError(f"{config}: not JSON ({exc})") from exc
+            self.config = _user_json(config, _CONFIG_BYTES, "a model config")
 
     def info(self, key: str) -> TensorInfo:
         return self.shards[self.where[key]].tensors[key]
@@ -482,12 +564,14 @@ class _Checkpoint:
         return key in self.where
 
     def tied_embeddings(self) -> bool:
-        text = self.config.get("text_config") or {}
+        text = self.config.get("text_config")
+        text = text if isinstance(text, dict) else {}
         return bool(self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
     def architecture(self) -> str:
-        archs = self.config.get("architectures") or [""]
-        return str(archs[0])
+        archs = self.config.get("architectures")
+        first = archs[0] if isinstance(archs, list) and archs else ""
+        return first if isinstance(first, str) else ""
 
     def close(self) -> None:
         for shard in self.shards.values():
@@ -513,10 +597,13 @@ class _AdapterConfig:
     rank_pattern: dict
     alpha_pattern: dict
     target_parameters: list[str]
+    # Each pattern key, compiled (patterns.compile_peft_key): matched without backtracking.
+    matchers: dict[str, Matcher] = field(default_factory=dict, repr=False)
 
     def _pattern(self, pattern: dict, name: str):
+        """The value of the first key matching the name, PEFT's rule (get_pattern_key)."""
         for key, value in pattern.items():
-            if re.match(rf"(.*\.)?({key})$", name):
+            if self.matchers[key].match(name):
                 return value
         return None
 
@@ -533,37 +620,39 @@ class _AdapterConfig:
         return self.scale(self.r, self.alpha)
 
 
-def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
+def read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
+    """The adapter's r, alpha and patterns, every value checked; one line naming the key if not.
+
+    Read capped (1 MiB, FIFOs refused) and every pattern key compiled here,
+    so what is refused is refused before any file is written or GPU touched.
+    """
     path = adapter_dir / ADAPTER_CONFIG
     if not path.is_file():
         raise PatchkitError(f"adapter directory {adapter_dir} has no {ADAPTER_CONFIG}")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PatchkitError(f"{path}: not JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise PatchkitError(f"{path}: not a JSON object")
+    cfg = _user_json(path, _CONFIG_BYTES, "a PEFT adapter config")
 
     def refuse(what: str) -> PatchkitError:
         return PatchkitError(f"{path}: {what}; patchkit merges plain LoRA adapters only")
 
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise refuse(f"peft_type is {peft_type}, not LORA")
+        raise refuse(f"peft_type is {_shown(peft_type)[1:-1]}, not LORA")
     if cfg.get("use_dora"):
         raise refuse("use_dora is set (DoRA rescales columns by a magnitude vector)")
     if str(cfg.get("bias", "none")) != "none":
-        raise refuse(f"bias is {cfg.get('bias')!r} (the adapter trains base biases)")
+        raise refuse(f"bias is {_shown(cfg.get('bias'))} (the adapter trains base biases)")
     if cfg.get("lora_bias"):
         raise refuse("lora_bias is set (lora_B carries a bias)")
     if cfg.get("modules_to_save"):
-        raise refuse(f"modules_to_save is {cfg['modules_to_save']} (whole modules replaced)")
+        raise refuse(
+            f"modules_to_save is {_shown(cfg['modules_to_save'])} (whole modules replaced)"
+        )
     if cfg.get("trainable_token_indices"):
         raise refuse("trainable_token_indices is set (embedding rows replaced)")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() not in _OK_INITS:
         raise refuse(
-            f"init_lora_weights is {init!r} (PiSSA/OLoRA/CorDA/LoftQ change the base weights "
+            f"init_lora_weights is {_shown(init)} (PiSSA/OLoRA/CorDA/LoftQ change the base weights "
             "at init; convert the adapter with PEFT's path_initial_model_for_weight_conversion)"
         )
     if cfg.get("layer_replication"):
@@ -574,27 +663,28 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         raise refuse("use_qalora is set")
     if cfg.get("use_bdlora"):
         raise refuse("use_bdlora is set")
-    try:
-        r = int(cfg["r"])
-        alpha = float(cfg["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PatchkitError(f"{path}: needs numeric r and lora_alpha ({exc})") from exc
-    if r <= 0 or (isinstance(cfg["r"], float) and r != cfg["r"]):  # 4.7 is not read as 4
-        raise PatchkitError(f"{path}: r is {cfg['r']!r}; it must be a positive integer")
-    if not math.isfinite(alpha):
-        raise PatchkitError(f"{path}: lora_alpha is {alpha}; it must be a finite number")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    # 4.7 was read as 4, "8" and true as 8 and 1: only a number that is a whole rank counts
+    if not _is_number(r) or r != int(r) or r <= 0:
+        raise PatchkitError(f"{path}: r is {_shown(r)}; it must be a positive integer")
+    if not _is_number(alpha):
+        raise PatchkitError(f"{path}: lora_alpha is {_shown(alpha)}; it must be a number")
+    use_rslora = cfg.get("use_rslora") or False
+    if not isinstance(use_rslora, bool):  # "false" was read as true
+        raise PatchkitError(f"{path}: use_rslora is {_shown(use_rslora)}, not true or false")
     rank_pattern = _mapping(path, cfg, "rank_pattern")
     alpha_pattern = _mapping(path, cfg, "alpha_pattern")
     for key, value in rank_pattern.items():
-        if not isinstance(value, int) or value <= 0:
-            raise PatchkitError(f"{path}: rank_pattern[{key!r}] is {value!r}; ranks are positive")
+        if type(value) is not int or value <= 0:
+            raise PatchkitError(
+                f"{path}: rank_pattern[{_shown(key)}] is {_shown(value)}; ranks are "
+                "positive integers"
+            )
     for key, value in alpha_pattern.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise PatchkitError(f"{path}: alpha_pattern[{key!r}] is {value!r}; a finite number")
+        if not _is_number(value):
+            raise PatchkitError(
+                f"{path}: alpha_pattern[{_shown(key)}] is {_shown(value)}; a finite number"
+            )
     target_parameters = cfg.get("target_parameters") or []
     if isinstance(target_parameters, str):
         target_parameters = [target_parameters]
@@ -604,13 +694,39 @@ def _read_adapter_config(adapter_dir: Path) -> _AdapterConfig:
         raise PatchkitError(f"{path}: target_parameters is not a list of parameter names")
     return _AdapterConfig(
         path=path,
-        r=r,
-        alpha=alpha,
-        use_rslora=bool(cfg.get("use_rslora", False)),
+        r=int(r),
+        alpha=float(alpha),
+        use_rslora=use_rslora,
         rank_pattern=dict(rank_pattern),
         alpha_pattern=dict(alpha_pattern),
         target_parameters=list(target_parameters),
+        matchers=_matchers(path, rank_pattern, alpha_pattern),
     )
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool (JSON numbers: finite, read_user_json saw to that)."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _matchers(path: Path, rank_pattern: dict, alpha_pattern: dict) -> dict[str, Matcher]:
+    """Every pattern key compiled now, so a key that is refused is refused before any work.
+
+    PEFT and vLLM run each key through Python's re, where ``(.|.)*(.|.)*Q``
+    backtracks for ever; patterns.compile_peft_key matches the same names in
+    linear time, or refuses the key.
+    """
+    matchers = {}
+    for which, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        for key in pattern:
+            if key not in matchers:
+                try:
+                    matchers[key] = compile_peft_key(key)
+                except ValueError as exc:
+                    raise PatchkitError(
+                        f"{path}: {which} key {_shown(key)} is refused: {exc}"
+                    ) from None
+    return matchers
 
 
 def _mapping(path: Path, cfg: dict, key: str) -> dict:
@@ -1194,7 +1310,7 @@ def plan_merge(model_dir: Path | str, adapter_dir: Path | str) -> MergePlan:
     if not adapter_dir.is_dir():
         raise PatchkitError(f"adapter directory {adapter_dir} does not exist")
     ckpt = _Checkpoint(model_dir)
-    cfg = _read_adapter_config(adapter_dir)
+    cfg = read_adapter_config(adapter_dir)
     adapter = _AdapterTensors(adapter_dir)
     try:
         modules, notes = _module_keys(adapter)

@@ -160,10 +160,12 @@ def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[
 
 
 def adapter_rank(adapter_dir: Path) -> int:
-    """The largest rank an adapter uses (r and rank_pattern)."""
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    ranks = [int(config.get("r") or 8), *map(int, (config.get("rank_pattern") or {}).values())]
-    return max(ranks)
+    """The largest rank an adapter uses (r and rank_pattern), read as the merge reads it
+    (size-capped, every value checked: a raw json.loads had no cap and no checks)."""
+    from patchkit.proof import merge
+
+    config = merge.read_adapter_config(adapter_dir)
+    return max([config.r, *config.rank_pattern.values()])
 
 
 def weight_bytes(model_dir: Path) -> int:
