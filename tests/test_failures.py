@@ -136,6 +136,27 @@ def test_crash_between_writes_is_rolled_back_by_revert(tree_0260, two_file_catal
     assert snapshot(tree_0260) == pristine
 
 
+def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
+    tree_0260, two_file_catalogue
+):
+    """A roll-back changes the tree: a later refusal must not say nothing was changed."""
+    env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+    run_subprocess("apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
+    refuse = (
+        "import patchkit.engine.operations as o\n"
+        "from patchkit.errors import PatchkitError\n"
+        "def _refuse(*a, **k):\n"
+        "    raise PatchkitError('x: refused; nothing was changed')\n"
+        "o._execute = _refuse\n"
+    )
+    result = run_subprocess("apply", "--target", str(tree_0260), env=env, code=refuse)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and "nothing was changed" not in line, line
+    assert f"rolled back an interrupted run: restored {FILES[0]}; that stands" in line
+    assert "nothing else was changed" in line
+
+
 SLOW_COMMIT = """
 import time, patchkit.engine.operations as o
 _real = o.commit

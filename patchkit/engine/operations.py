@@ -122,6 +122,14 @@ def revert(
     return _run(REVERT, tree, catalogue, options, prepare)
 
 
+def _after_recovery(exc: OSError | PatchkitError, notes: list[str]) -> str:
+    """The error of a run that first rolled an interrupted run back: that roll-back
+    changed the tree and stands, so the line says so instead of "nothing was changed"."""
+    what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, "accessing")
+    what = what.replace("nothing was changed", "nothing else was changed")
+    return f"{what} (before that: {'; '.join(notes)}; that stands)"
+
+
 def _run(
     command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions, prepare
 ) -> RunReport:
@@ -146,6 +154,8 @@ def _run(
         report = _read_only(command, tree, catalogue, options, exc)
     except (OSError, PatchkitError) as exc:  # after the commit: tidying .patchkit/, unlocking
         if report is None or not report.wrote:
+            if notes:  # the roll-back of an interrupted run stands: the error must say so
+                raise PatchkitError(_after_recovery(exc, notes)) from None
             raise
         report.plan.warn(_after_commit(exc, "tidying up"))
     report.notes[:0] = notes + report.plan.notes
