@@ -293,7 +293,7 @@ def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     pristine = scan_calls(release_tree("0.26.0"), ONE_CALL)
     assert not any(c["approximate"] for c in pristine["cases"])
     text = doctor(tree).stdout
-    approximate = re.compile(r"  (\w+): \d+ config\(s\) approximate \(vLLM's host code used vllm")
+    approximate = re.compile(r"  (\w+): \d+ configs? approximate \(vLLM's host code used vllm")
     assert [m.group(1) for m in approximate.finditer(text)] == ["_lora_expand_kernel"]
 
 
