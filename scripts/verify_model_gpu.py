@@ -13,6 +13,13 @@ adapters saved with ``save_pretrained`` as a user would. Presets:
   layers (3 GDN + 1 attention, about 1.6 B parameters, 3.1 GB in bf16), and
   two rank-128 adapters: ``full`` (attention, GDN and MLP) and ``attn-mlp``
   (attention and MLP only). Built on the GPU when one is visible.
+- ``moe``: e2e's tiny Qwen3.5-MoE (4 layers, hidden 1024, 8 routed experts of
+  intermediate 256, top 2, a shared expert) and three rank-16 adapters on the
+  routed experts through PEFT's ``target_parameters``: ``down``
+  (``mlp.experts.down_proj`` only), ``gate_up`` (``mlp.experts.gate_up_proj``
+  only) and ``both`` (vLLM #48460, patch partial-moe-adapter: unpatched vLLM
+  loads only ``both``). PEFT writes the files; the factors are random, sized
+  as e2e's expert factors so that the experts' LoRA is clearly visible.
 
 ``--poison NAME`` also writes ``poisoned``: a copy of adapter NAME with an inf
 in one lora_B (layer 1's mlp.down_proj, as scripts/nan_probe_gpu.py does),
@@ -20,9 +27,11 @@ for the run that shows the check fails when it should (issue 19, item 6):
 served on the Triton backend (PATCHKIT_LORA_BACKEND=triton), `verify --model`
 must fail and name it.
 
-    python scripts/verify_model_gpu.py OUT [--preset user|wide27b] [--poison NAME]
+    python scripts/verify_model_gpu.py OUT [--preset user|wide27b|moe] [--poison NAME]
     python -m patchkit verify --model OUT/model --lora full=OUT/full \\
         --lora qkv=OUT/qkv --lora z=OUT/z [--tensor-parallel-size 2]
+    python -m patchkit verify --model OUT/model --lora down=OUT/down \\
+        --lora gate_up=OUT/gate_up --lora both=OUT/both        # --preset moe
 
 The commands and results of the run on the test H200 host are in
 docs/evidence.md; how a GPU sitting is planned and run is at its end.
@@ -38,7 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import TARGET_MODULES, qwen35_config, scale_lora_b  # noqa: E402
+from patchkit.proof.e2e import (  # noqa: E402
+    TARGET_MODULES,
+    qwen35_config,
+    qwen35_moe_config,
+    scale_lora_b,
+)
 
 ATTN_MLP = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 # name: (text config over e2e's TINY_TEXT, {adapter: (rank, target modules, lora_B scale)})
@@ -72,9 +86,20 @@ PRESETS = {
 }
 
 
+# The moe preset's adapters: the routed experts' fused parameters each trains.
+MOE_ADAPTERS = {
+    "down": ["mlp.experts.down_proj"],
+    "gate_up": ["mlp.experts.gate_up_proj"],
+    "both": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+MOE_RANK = 16
+
+
 def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
     """Save the model (bf16) and the preset's adapters under out; ``text`` overrides
     the preset's text config (the CPU dry run shrinks the widths with it)."""
+    if preset == "moe":
+        return build_moe(out, text)
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForConditionalGeneration
@@ -99,6 +124,36 @@ def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
     return built
 
 
+def build_moe(out: Path, text: dict | None = None) -> dict:
+    """The moe preset: a Qwen3.5-MoE and PEFT adapters on one or both expert parameters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(5)
+    model = Qwen3_5MoeForConditionalGeneration(qwen35_moe_config(**(text or {})))
+    model.to(torch.bfloat16).save_pretrained(out / "model")
+    del model
+    built = {"model": str(out / "model")}
+    for name, targets in MOE_ADAPTERS.items():
+        base = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+            out / "model", dtype=torch.bfloat16
+        )
+        config = LoraConfig(r=MOE_RANK, lora_alpha=MOE_RANK, target_modules=[],
+                            target_parameters=targets, exclude_modules=r".*visual.*")  # fmt: skip
+        peft_model = get_peft_model(base, config)
+        with torch.no_grad():  # A (r*E, in) and B (out, r*E), as e2e's expert factors
+            for param_name, param in peft_model.named_parameters():
+                if ".experts." in param_name and "lora_A" in param_name:
+                    param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+                elif ".experts." in param_name and "lora_B" in param_name:
+                    param.copy_(torch.randn_like(param) * (0.3 / MOE_RANK**0.5))
+        peft_model.save_pretrained(out / name)
+        built[name] = str(out / name)
+        print(f"adapter {name}: rank {MOE_RANK}, target_parameters {targets}")
+    return built
+
+
 def poison(source: Path, dest: Path) -> str:
     """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place)."""
     from scripts.nan_probe_gpu import poison as poison_copy
@@ -112,12 +167,13 @@ def poison(source: Path, dest: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="user")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, "moe"]), default="user")
     parser.add_argument("--poison", metavar="NAME", help="also write OUT/poisoned from NAME")
     args = parser.parse_args(argv)
-    if args.poison and args.poison not in PRESETS[args.preset][1]:
+    adapters = MOE_ADAPTERS if args.preset == "moe" else PRESETS[args.preset][1]
+    if args.poison and args.poison not in adapters:
         parser.error(f"--poison {args.poison}: the {args.preset} preset has "
-                     f"{', '.join(PRESETS[args.preset][1])}")  # fmt: skip
+                     f"{', '.join(adapters)}")  # fmt: skip
     build(args.out, args.preset)
     if args.poison:
         poison(args.out / args.poison, args.out / "poisoned")

@@ -35,9 +35,12 @@ WRAPPER_FILES = ("punica_gpu.py", "punica_base.py", "utils.py")
 MODULE = "patchkit_lora_matmul.py"
 
 
-def definitions(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
-    """Compile the named top-level definitions of a real source file into namespace."""
-    source = path.read_text()
+def definitions(
+    path: Path, names: tuple[str, ...], namespace: dict, source: str | None = None
+) -> dict:
+    """Compile the named top-level definitions of a real source file into namespace
+    (``source``: the file's text as a patch leaves it, instead of what is on disk)."""
+    source = path.read_text() if source is None else source
     lines = source.splitlines()
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
@@ -49,13 +52,18 @@ def definitions(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
     return namespace
 
 
-def methods(source: str, origin: str, cls: str, names: tuple[str, ...]) -> dict:
-    """The named methods of a class in a real source text, as plain functions."""
+def methods(
+    source: str, origin: str, cls: str, names: tuple[str, ...], namespace: dict | None = None
+) -> dict:
+    """The named methods of a class in a real source text, as plain functions.
+
+    Their globals are ``namespace`` (torch added), for names the methods reach.
+    """
     lines = source.splitlines()
     node = next(
         n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == cls
     )
-    namespace: dict = {"torch": torch}
+    namespace = {"torch": torch, **(namespace or {})}
     for item in node.body:
         if isinstance(item, ast.FunctionDef) and item.name in names:
             code = textwrap.dedent("\n".join(lines[item.lineno - 1 : item.end_lineno]))

@@ -74,6 +74,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
         "matmul-add-lora-linear": "applied",
         "split-in-proj-qkvz": "not-applicable",
         "partial-gdn-adapter": "applied",
+        "partial-moe-adapter": "applied",
         "nan-probe": "opt-in",  # a diagnostic: the image build leaves it out
     }
     changed = sorted(k for k, v in snapshot(site / "vllm").items() if pristine.get(k) != v)
@@ -84,6 +85,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
             "lora/punica_wrapper/patchkit_lora_matmul.py",
             "lora/layers/base.py",
             "lora/layers/column_parallel_linear.py",
+            "lora/model_manager.py",
         ]
     )
 

@@ -21,6 +21,7 @@ from tests.test_failures import REPORT_IMPORTS
 
 NAN_BUG = "vLLM #48590"
 PARTIAL_BUG = "vLLM #47639"
+MOE_BUG = "vLLM #48460"
 STALE = "stale bytecode"
 
 
@@ -164,12 +165,30 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     assert partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]
 
 
+@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])
+def test_the_one_expert_parameter_adapter_bug_is_named_until_the_patch_is_applied(
+    hopper: Path, tmp_path: Path, version: str
+):
+    from tests.conftest import copy_tree
+
+    root = copy_tree(version, tmp_path / "site")
+    moe = verdict(doctor(root), MOE_BUG)
+    assert moe["status"] == "exposed" and moe["fix"] == "patchkit apply"
+    assert "down_proj or only their gate_up_proj" in moe["bug"]
+    text = run_cli("doctor", "--target", str(root)).stdout
+    assert f"[exposed] {MOE_BUG}: adapter on only the experts' down_proj" in text
+    assert run_cli("apply", "--target", str(root), "--only", "partial-moe-adapter").exit_code == 0
+    moe = verdict(doctor(root), MOE_BUG)
+    assert moe["status"] == "protected" and "(partial-moe-adapter)" in moe["reason"]
+
+
 def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
     result = run_subprocess("doctor", code=REPORT_IMPORTS)  # this Python has no vLLM
     assert result.returncode == 0, result.stderr
     assert "vLLM: vLLM is not installed for this Python" in result.stdout
     assert "IMPORTED: []" in result.stderr
     assert "[unknown] vLLM #35286" in result.stdout and "[unknown] vLLM #47639" in result.stdout
+    assert "[unknown] vLLM #48460" in result.stdout
 
 
 def scan_case(verdict: str, called: bool = True, tuned: str = ""):

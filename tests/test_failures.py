@@ -183,6 +183,7 @@ def test_two_concurrent_applies(tree_0260: Path):
         "expand-block-n",
         "matmul-add-lora-linear",
         "partial-gdn-adapter",
+        "partial-moe-adapter",
     ]
 
 

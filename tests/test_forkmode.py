@@ -22,30 +22,34 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
     assert applied.exit_code == 0, applied.output
     assert git(checkout, "branch", "--show-current") == "patchkit/vllm-0.26.0"
     # One commit per applied patch, in series order.
-    assert git(checkout, "rev-parse", "HEAD~3") == start
-    message = git(checkout, "log", "-1", "--format=%B", "HEAD~2")
+    assert git(checkout, "rev-parse", "HEAD~4") == start
+    message = git(checkout, "log", "-1", "--format=%B", "HEAD~3")
     for part in ("block_n 32", "Why:", "https://github.com/vllm-project/vllm/issues/48590",
                  "Remove-When:", "Patchkit-Patch: expand-block-n"):  # fmt: skip
         assert part in message
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD~2") == UTILS
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD~3") == UTILS
     assert "Patchkit-Patch: matmul-add-lora-linear" in git(
-        checkout, "log", "-1", "--format=%B", "HEAD~1"
+        checkout, "log", "-1", "--format=%B", "HEAD~2"
     )
-    assert git(checkout, "show", "--name-only", "--format=", "HEAD~1").splitlines() == [
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD~2").splitlines() == [
         "vllm/lora/layers/base.py",
         "vllm/lora/punica_wrapper/patchkit_lora_matmul.py",
         "vllm/lora/punica_wrapper/punica_gpu.py",
     ]
-    assert "Patchkit-Patch: partial-gdn-adapter" in git(checkout, "log", "-1", "--format=%B")
+    assert "Patchkit-Patch: partial-gdn-adapter" in git(
+        checkout, "log", "-1", "--format=%B", "HEAD~1"
+    )
+    assert "Patchkit-Patch: partial-moe-adapter" in git(checkout, "log", "-1", "--format=%B")
+    assert git(checkout, "show", "--name-only", "--format=", "HEAD") == "vllm/lora/model_manager.py"
     assert git(checkout, "status", "--porcelain") == ""  # .patchkit/ is excluded
 
     again = run_cli("apply", "--target", str(checkout))
     assert again.exit_code == 0 and "apply: nothing to do" in again.stdout
-    assert git(checkout, "rev-list", "--count", "HEAD") == "5"
+    assert git(checkout, "rev-list", "--count", "HEAD") == "6"
 
     shutil.rmtree(checkout / ".patchkit")  # a fresh clone of the fork branch has no state
     from_git = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
-    block_n_commit = git(checkout, "rev-parse", "HEAD~2")
+    block_n_commit = git(checkout, "rev-parse", "HEAD~3")
     assert from_git["patches"][0]["state"] == "applied"
     assert from_git["patches"][0]["reason"] == (
         f"applied in commit {block_n_commit[:12]} (git history)"
@@ -53,11 +57,12 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
 
     reverted = run_cli("revert", "--target", str(checkout))
     assert reverted.exit_code == 0, reverted.output
-    reverts = [s.split(":")[0] for s in git(checkout, "log", "-3", "--format=%s").splitlines()]
+    reverts = [s.split(":")[0] for s in git(checkout, "log", "-4", "--format=%s").splitlines()]
     assert reverts == [
         "Revert patchkit expand-block-n",
         "Revert patchkit matmul-add-lora-linear",
         "Revert patchkit partial-gdn-adapter",
+        "Revert patchkit partial-moe-adapter",
     ]
     assert git(checkout, "diff", start, "HEAD") == ""  # content back to the starting commit
     assert git(checkout, "status", "--porcelain") == ""

@@ -66,10 +66,11 @@ def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
         "matmul-add-lora-linear": "applied",
         "split-in-proj-qkvz": "not-applicable",
         "partial-gdn-adapter": "applied",
+        "partial-moe-adapter": "applied",
         "nan-probe": "applied",
     }
     again = run_cli("apply", "--target", str(root))  # plain apply leaves it where it is
-    assert again.stdout.splitlines()[-1] == "apply: nothing to do; now 3 applied, 1 not-applicable"
+    assert again.stdout.splitlines()[-1] == "apply: nothing to do; now 4 applied, 1 not-applicable"
     off = run_cli("revert", "--target", str(root), "--only", "nan-probe")
     assert off.exit_code == 0, off.output
     assert "opt-in" in off.stdout.splitlines()[-1]
@@ -77,7 +78,7 @@ def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
     assert run_cli("apply", "--target", str(root), "--only", "nan-probe").exit_code == 0
     all_off = run_cli("revert", "--target", str(root))  # plain revert takes it off too
     assert all_off.exit_code == 0, all_off.output
-    assert all_off.stdout.splitlines()[-1].startswith("revert: 4 reverted now")
+    assert all_off.stdout.splitlines()[-1].startswith("revert: 5 reverted now")
     assert snapshot(root) == pristine
 
 
@@ -87,7 +88,7 @@ def test_plain_revert_does_not_mention_it_when_it_is_not_applied(tmp_path):
     reverted = run_cli("revert", "--target", str(root))
     assert "nan-probe" not in reverted.stdout
     assert (
-        reverted.stdout.splitlines()[-1] == "revert: 3 reverted now; now 3 needed, 1 not-applicable"
+        reverted.stdout.splitlines()[-1] == "revert: 4 reverted now; now 4 needed, 1 not-applicable"
     )
 
 

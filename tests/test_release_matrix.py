@@ -64,6 +64,14 @@ PARTIAL_GDN_ADAPTER = {
     **{v: ("needed", "backport-47640") for v in EXPAND_BLOCK_N if "0.21.0" <= v < "0.29.0"},
     **{v: ("needed", "coverage-after") for v in EXPAND_BLOCK_N if v >= "0.29.0"},
 }
+# Every release's _stack_moe_lora_weights (3D expert LoRA, from 0.17.0 on) asserts
+# both <experts>.base_layer (gate_up_proj) and <experts> (down_proj): an adapter
+# on one expert parameter cannot load anywhere. From 0.32 PEFTHelper matches
+# rank/alpha patterns against <experts> as down_proj, so the name comes too.
+PARTIAL_MOE_ADAPTER = {
+    **{v: ("needed", "single-parameter") for v in EXPAND_BLOCK_N if v < "0.32.0"},
+    **{v: ("needed", "single-parameter-patterns") for v in ("0.32.0", "0.33.0")},
+}
 # Opt-in: status says so until `apply --only nan-probe`; its two hooks in
 # gpu_model_runner.py apply to every release (the runner's lines are unchanged
 # since 0.17), so it stacks on the default set everywhere.
@@ -73,15 +81,26 @@ EXPECTED = {
     "matmul-add-lora-linear": MATMUL_ADD_LORA_LINEAR,
     "split-in-proj-qkvz": SPLIT_IN_PROJ_QKVZ,
     "partial-gdn-adapter": PARTIAL_GDN_ADAPTER,
+    "partial-moe-adapter": PARTIAL_MOE_ADAPTER,
     "nan-probe": NAN_PROBE,
 }
 NAN_PROBE_FILES = ["vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/patchkit_nan_probe.py"]
-# Known upstream bugs `status` must mention (notices, not warnings).
+# Known upstream bugs `status` must mention (notices, not warnings), in series order.
 NOTICES = {
-    **{v: "#38927" for v in ("0.19.0", "0.19.1")},
-    **{v: "#47639" for v in EXPAND_BLOCK_N if "0.21.0" <= v < "0.29.0"},
-    **{v: "#57851" for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")},
+    v: [
+        number
+        for number, holds in (
+            ("#38927", v in ("0.19.0", "0.19.1")),
+            ("#47639", "0.21.0" <= v < "0.29.0"),
+            ("#57851", v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")),
+            ("#48460", True),
+        )
+        if holds
+    ]
+    for v in EXPAND_BLOCK_N
 }
+# Their patches' notices (partial-gdn-adapter, partial-moe-adapter) go once applied.
+FIXED_BY_APPLY = {"#47639", "#57851", "#48460"}
 
 
 def test_every_listed_release_is_in_the_expectations():
@@ -107,9 +126,7 @@ def test_release(version: str, tmp_path: Path):
     for patch_id, table in EXPECTED.items():
         assert states[patch_id] == table[version]
     assert status["warnings"] == []
-    expected_notice = NOTICES.get(version)
-    assert len(status["notices"]) == (1 if expected_notice else 0), status["notices"]
-    assert expected_notice is None or expected_notice in status["notices"][0]
+    assert_notices(status["notices"], NOTICES[version])
 
     dry = run_cli("apply", "--target", str(root), "--dry-run", "--json")
     assert dry.exit_code == 0, dry.output
@@ -134,13 +151,20 @@ def test_release(version: str, tmp_path: Path):
     patched = status_json(root)
     done = {"applied", "upstream", "not-applicable"}
     assert {p["state"] for p in patched["patches"] if p["id"] != "nan-probe"} <= done
-    if expected_notice in ("#47639", "#57851"):  # fixed by partial-gdn-adapter: gone
-        assert patched["notices"] == []
+    left = [n for n in NOTICES[version] if n not in FIXED_BY_APPLY]
+    assert_notices(patched["notices"], left)
 
     stack_nan_probe(root, tmp_path, after_apply)
     reverted = run_cli("revert", "--target", str(root))
     assert reverted.exit_code == 0, reverted.output
     assert snapshot(root) == pristine
+
+
+def assert_notices(notices: list[str], numbers: list[str]) -> None:
+    """One notice per expected bug number, in order."""
+    assert len(notices) == len(numbers), notices
+    for notice, number in zip(notices, numbers, strict=True):
+        assert number in notice, (number, notice)
 
 
 def stack_nan_probe(root: Path, tmp_path: Path, default_set: dict) -> None:

@@ -18,6 +18,7 @@ from tests.test_hostile_two import one_line
 
 SPLIT = "split-in-proj-qkvz"
 PARTIAL = "partial-gdn-adapter"
+PARTIAL_MOE = "partial-moe-adapter"
 
 
 def patch_json(result, patch_id: str) -> dict:
@@ -48,15 +49,15 @@ def test_a_state_has_one_name_in_every_command(tree_0260):
 
 def test_apply_and_revert_end_with_one_summary_line(tree_0260):
     applied = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
-    assert applied[-1] == "apply: 3 applied now; now 3 applied, 1 not-applicable"
+    assert applied[-1] == "apply: 4 applied now; now 4 applied, 1 not-applicable"
     again = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
-    assert again[-1] == "apply: nothing to do; now 3 applied, 1 not-applicable"
+    assert again[-1] == "apply: nothing to do; now 4 applied, 1 not-applicable"
     reverted = run_cli("revert", "--target", str(tree_0260)).stdout.splitlines()
-    assert reverted[-1] == "revert: 3 reverted now; now 3 needed, 1 not-applicable"
+    assert reverted[-1] == "revert: 4 reverted now; now 4 needed, 1 not-applicable"
     dry = run_cli("apply", "--target", str(tree_0260), "--dry-run").stdout.splitlines()
     # states a dry run would leave, not "now" (the tree is unpatched)
     assert dry[-1] == (
-        "apply: 3 would apply; nothing was written; it would leave 3 applied, 1 not-applicable"
+        "apply: 4 would apply; nothing was written; it would leave 4 applied, 1 not-applicable"
     )
 
 
@@ -64,14 +65,13 @@ def test_a_notice_shows_once_under_its_patch_and_not_on_revert(tree_0260):
     status = run_cli("status", "--target", str(tree_0260))
     lines = status.stdout.splitlines()
     notice = [i for i, line in enumerate(lines) if "known issue:" in line]
-    assert len(notice) == 1 and lines[notice[0] - 1].split()[0] == PARTIAL
+    assert [lines[i - 1].split()[0] for i in notice] == [PARTIAL, PARTIAL_MOE]
     assert "known issue" not in status.stderr
     applied = run_cli("apply", "--target", str(tree_0260))
     assert "known issue" not in applied.output  # the patch that fixes it is applied now
-    assert (
-        patch_json(run_cli("status", "--target", str(tree_0260), "--json"), PARTIAL)["notices"]
-        == []
-    )
+    for patch_id in (PARTIAL, PARTIAL_MOE):
+        status = run_cli("status", "--target", str(tree_0260), "--json")
+        assert patch_json(status, patch_id)["notices"] == []
     assert run_cli("revert", "--target", str(tree_0260), "--only", PARTIAL).exit_code == 0
     reverted = run_cli("revert", "--target", str(tree_0260))
     assert "known issue" not in reverted.output

@@ -88,7 +88,8 @@ transformers marks only (E, in, out) experts such as GPT-OSS's); PEFT
 0.17-0.19 do not swap there and write A (r*E, out), B (in, r*E) with delta
 ``einsum("o r e, e r i -> e i o", B.reshape(in, r, E), A.reshape(E, r, out))``,
 which vLLM 0.22-0.33 refuses or misreads. vLLM also asserts both wrappers,
-so it cannot load an adapter on one of the two expert parameters. Checked
+so it cannot load an adapter on one of the two expert parameters (patchkit's
+partial-moe-adapter reads one by its shapes and zeroes the other). Checked
 by hand: transformers 5.24 with PEFT 0.19.0, 0.20.0 and 0.21.2, every merged
 tensor bit-identical to PEFT's ``merge_and_unload`` (float32, cast to bf16).
 The merge takes either layout, decided by the shapes (the PEFT >= 0.20 /
@@ -1269,7 +1270,8 @@ class _Planner:
                 f"{len(single)} experts module{'s' if len(single) != 1 else ''} (e.g. {single[0]}) "
                 "adapt one parameter "
                 f"({param}); vLLM 0.22-0.33 (_stack_moe_lora_weights) needs both gate_up_proj "
-                "and down_proj in a fused expert adapter and will not load it"
+                "and down_proj in a fused expert adapter and will not load it unless "
+                "partial-moe-adapter is applied (`patchkit apply`)"
             )
         if self.square:
             self.notes.append(
