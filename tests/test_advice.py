@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, run_cli, snapshot
+from tests.conftest import CATALOGUE, REPO, run_cli, snapshot
 
 # ----- install lines name the packages (the index's `patchkit` is another project) -----
 
@@ -399,3 +399,11 @@ def test_an_installed_catalogue_offers_revert_and_says_the_edit_goes(tree_0260, 
     )
     assert run_suggested(reason, "revert", env).exit_code == 0
     assert EDIT not in (tree_0260 / UTILS).read_text()  # as it said: the edit is gone
+
+
+def test_no_catalogue_notice_says_what_to_do_itself():
+    """status adds the advice by the patch's state; a notice that said it too printed it
+    twice ("`patchkit apply` fixes it; `patchkit apply` fixes it")."""
+    notices = [(p.id, n.message) for p in CATALOGUE.patches for n in p.notices]
+    said = [(patch, message) for patch, message in notices if "patchkit apply" in message]
+    assert not said, said

@@ -1269,7 +1269,7 @@ class _Planner:
             self.notes.append(
                 f"{len(single)} experts module{'s' if len(single) != 1 else ''} (e.g. {single[0]}) "
                 "adapt one parameter "
-                f"({param}); vLLM 0.22-0.33 (_stack_moe_lora_weights) needs both gate_up_proj "
+                f"({param}); vLLM 0.17-0.33 (_stack_moe_lora_weights) needs both gate_up_proj "
                 "and down_proj in a fused expert adapter and will not load it unless "
                 "partial-moe-adapter is applied (`patchkit apply`)"
             )
