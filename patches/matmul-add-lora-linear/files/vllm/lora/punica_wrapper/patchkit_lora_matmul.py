@@ -273,8 +273,15 @@ def _slot_shaped(tensors: list) -> bool:
 
 
 def _b_is_rank_major(b: torch.Tensor) -> bool:
+    """B (slots, 1, width, rank) stored as (slots, rank, width). A dimension of size 1
+    (one slot: vLLM's default max_loras) has no stride to check: torch's reshape
+    renumbers it."""
     slots, _, width, rank = b.shape
-    return b.stride(3) == width and b.stride(2) == 1 and b.stride(0) == rank * width
+    return (
+        (rank == 1 or b.stride(3) == width)
+        and (width == 1 or b.stride(2) == 1)
+        and (slots == 1 or b.stride(0) == rank * width)
+    )
 
 
 def _make_b_rank_major(b: torch.Tensor) -> None:
