@@ -1,23 +1,23 @@
 """Where a decode step's LoRA time goes at batch 1 and 4 with many adapter slots.
 
 Unpatched vLLM's Triton kernels touch only each row's own adapter; the torch
-path (matmul-add-lora-linear) multiplies every slot's A and B and masks, so at
-batch 1 it reads max_loras times the LoRA weights. This script measures that,
-per add_lora_linear call and summed over the LoRA modules of one decode step
-of the benchmark models, for:
+path's GEMM route (matmul-add-lora-linear) multiplies every slot's A and B and
+masks, so at batch 1 it reads max_loras times the LoRA weights. Decode-sized
+calls (at most min(GEMV_MAX_TOKENS, max_loras) tokens) now take the path's GEMV
+route instead: Triton GEMVs without tl.dot that read each row's own adapter.
+This script measures, per add_lora_linear call and summed over the LoRA modules
+of one decode step of the benchmark models:
 
   triton-default  unpatched vLLM's path: fp32 buffer, lora_shrink, lora_expand,
                   expand at block_n 128, 2 stages (what it picks on the H200)
-  torch           the patched wrapper's add_lora_linear (the default set)
-  gather          candidate: each row's own slot gathered (index_select), two
-                  batched GEMVs; torch only
-  gemv            candidate: a Triton GEMV per row's slot without tl.dot (so no
-                  wgmma, none of sm_90's register-A hazard), the split-K shrink's
-                  parts summed by the expand (deterministic, no atomics)
+  torch           the patched wrapper's add_lora_linear as installed (the default
+                  set): the GEMV route where it applies, else the GEMM route
+  torch-gemm      the same with the GEMV route off (the module's GEMV_MAX_TOKENS
+                  set to 0 while the call is captured): the path before it
 
 Each call is captured in a CUDA graph and replayed (triton.testing.
 do_bench_cudagraph, median). The kernels each path launches, with their GPU
-time, come from torch.profiler on the uncaptured call. Every candidate is
+time, come from torch.profiler on the uncaptured call. Every variant is
 checked against a float64 reference of the same call.
 
 Models (the LoRA modules of one layer; routed experts run in vLLM's fused MoE
@@ -72,7 +72,7 @@ MOE35B = {
 }
 MODELS = {"dense27b": DENSE27B, "moe35b": MOE35B}
 ADAPTER_SETS = ((2, 128), (8, 16), (16, 64))  # (slots, rank)
-VARIANTS = ("triton-default", "torch", "gather", "gemv")
+VARIANTS = ("triton-default", "torch", "torch-gemm")
 
 
 def per_step(model: dict, module: tuple) -> int:
@@ -80,105 +80,28 @@ def per_step(model: dict, module: tuple) -> int:
     return sum(model["layers"][kind] * n for kind, n in module[3].items())
 
 
-# ----- candidates -----
+# ----- the GEMM route, forced -----
 
 
-def gather_call(torch, a, b, mapping):
-    """Each row's own slot, gathered by index_select, then batched GEMVs."""
-    slots, _, rank, hidden = a[0].shape
-    a_slot = torch.cat([t.view(slots, rank, hidden) for t in a], dim=1).contiguous()
-    b_slot = [t.view(slots, t.size(2), rank).contiguous() for t in b]
+def torch_path_module():
+    """The torch path's module as punica_gpu imported it (its globals steer the route)."""
+    import importlib
 
-    def call(y, x, scale, widths):
-        tokens = x.size(0)
-        m = mapping[:tokens]
-        idx = m.clamp(min=0)
-        keep = (m >= 0).to(x.dtype).mul_(scale).unsqueeze(1)
-        h = torch.bmm(a_slot.index_select(0, idx), x.unsqueeze(2)).squeeze(2).mul_(keep)
-        offset = 0
-        for s, bs in enumerate(b_slot):
-            hs = h[:, s * rank : (s + 1) * rank].unsqueeze(2)
-            delta = torch.bmm(bs.index_select(0, idx), hs).squeeze(2)
-            y[:, offset : offset + bs.size(1)] += delta
-            offset += bs.size(1)
-
-    return call
+    return importlib.import_module("vllm.lora.punica_wrapper.patchkit_lora_matmul")
 
 
-def gemv_kernels():
-    import triton
-    import triton.language as tl
+def gemm_route(call):
+    """call, with the GEMV route off while it runs (and while a CUDA graph captures it)."""
+    module = torch_path_module()
 
-    @triton.jit
-    def shrink(x_ptr, a_ptr, part_ptr, map_ptr, K, N, stride_al, PER_SPLIT,
-               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        """part[t, split, n] = sum over this split's k of A[slot(t), n, k] * x[t, k]."""
-        t, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        slot = tl.load(map_ptr + t)
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if slot >= 0:
-            start = split * PER_SPLIT
-            for k0 in range(0, PER_SPLIT, BLOCK_K):
-                k = start + k0 + tl.arange(0, BLOCK_K)
-                kmask = (k < K) & (k < start + PER_SPLIT)
-                xv = tl.load(x_ptr + t * K + k, mask=kmask, other=0.0).to(tl.float32)
-                w = tl.load(a_ptr + slot * stride_al + n[:, None] * K + k[None, :],
-                            mask=(n[:, None] < N) & kmask[None, :], other=0.0)  # fmt: skip
-                acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-        tl.store(part_ptr + (t * SPLIT_K + split) * N + n, acc, mask=n < N)
+    def forced(y, x, scale, widths):
+        bound, module.GEMV_MAX_TOKENS = module.GEMV_MAX_TOKENS, 0
+        try:
+            call(y, x, scale, widths)
+        finally:
+            module.GEMV_MAX_TOKENS = bound
 
-    @triton.jit
-    def expand(part_ptr, b_ptr, y_ptr, map_ptr, N_PART, R, W, stride_yt, h_off, scale,
-               SPLIT_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-        """y[t, w] += scale * sum_r B[slot(t), w, r] * sum_split part[t, split, h_off + r]."""
-        t, wb = tl.program_id(0), tl.program_id(1)
-        slot = tl.load(map_ptr + t)
-        if slot >= 0:
-            r = tl.arange(0, BLOCK_R)
-            h = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for split in range(SPLIT_K):
-                h += tl.load(part_ptr + (t * SPLIT_K + split) * N_PART + h_off + r,
-                             mask=r < R, other=0.0)  # fmt: skip
-            w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
-            bw = tl.load(b_ptr + slot * W * R + w[:, None] * R + r[None, :],
-                         mask=(w[:, None] < W) & (r[None, :] < R), other=0.0)  # fmt: skip
-            delta = tl.sum(bw.to(tl.float32) * h[None, :], axis=1) * scale
-            out = y_ptr + t * stride_yt + w
-            old = tl.load(out, mask=w < W, other=0.0)
-            tl.store(out, (old.to(tl.float32) + delta).to(old.dtype), mask=w < W)
-
-    return shrink, expand
-
-
-def gemv_call(torch, triton, a, b, mapping):
-    """The Triton GEMV candidate; weights laid out slot-major as in gather_call."""
-    shrink, expand = gemv_kernels()
-    slots, _, rank, hidden = a[0].shape
-    a_slot = torch.cat([t.view(slots, rank, hidden) for t in a], dim=1).contiguous()
-    b_slot = [t.view(slots, t.size(2), rank).contiguous() for t in b]
-    n_part = a_slot.size(1)
-    split_k, block_n, block_k = 16, 16, 128
-    part = torch.empty(64, split_k, n_part, dtype=torch.float32, device=a_slot.device)
-
-    def call(y, x, scale, widths):
-        tokens = x.size(0)
-        m = mapping[:tokens]
-        grid = (tokens, triton.cdiv(n_part, block_n), split_k)
-        per_split = triton.cdiv(hidden, split_k)
-        shrink[grid](x, a_slot, part, m, hidden, n_part, a_slot.stride(0), per_split,
-                     SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
-        offset = 0
-        for s, bs in enumerate(b_slot):
-            width = bs.size(1)
-            out = y[:, offset:]
-            grid = (tokens, triton.cdiv(width, 128))
-            expand[grid](part, bs, out, m, n_part, rank, width, y.stride(0), s * rank, scale,
-                         SPLIT_K=split_k, BLOCK_W=128,
-                         BLOCK_R=triton.next_power_of_2(rank))  # fmt: skip
-            offset += width
-
-    return call
+    return forced
 
 
 # ----- one case -----
@@ -213,14 +136,16 @@ def case(torch, triton, hidden, widths, slots, rank, tokens) -> dict:
             h = a[s][slot, 0].double() @ x[t].double()
             reference[t, offset : offset + w] += b[s][slot, 0].double() @ h
         offset += w
+    torch_call = kernelcheck.lora_linear_call(wrapper, "torch", a, b)
     calls = {
         "triton-default": kernelcheck.lora_linear_call(wrapper, "triton", a, b),
-        "torch": kernelcheck.lora_linear_call(wrapper, "torch", a, b),
-        "gather": gather_call(torch, a, b, mapping),
-        "gemv": gemv_call(torch, triton, a, b, mapping),
+        "torch": torch_call,
+        "torch-gemm": gemm_route(torch_call),
     }
+    gemv = tokens <= min(torch_path_module().GEMV_MAX_TOKENS, slots)
     row = {"hidden": hidden, "widths": list(widths), "slots": slots, "rank": rank,
-           "tokens": tokens, "us": {}, "error": {}, "kernels": {}}  # fmt: skip
+           "tokens": tokens, "route": "gemv" if gemv else "gemm", "us": {}, "error": {},
+           "kernels": {}}  # fmt: skip
     for name, call in calls.items():
         y = y0.clone()
         forced = {"block_n": 128, "num_stages": 2} if name == "triton-default" else None
@@ -292,29 +217,29 @@ def render(meta: dict, results: dict) -> str:
     head = "| model | slots x rank | tokens | " + " | ".join(VARIANTS)
     rule = "|---" * (5 + len(VARIANTS)) + "|"
     lines += ["## One decode step's LoRA modules (sum of calls)", ""]
-    lines += [head + " | torch / triton | gemv / triton |", rule]
+    lines += [head + " | torch / triton | torch-gemm / triton |", rule]
     for t in results["steps"]:
         us = t["us"]
         lines.append(
             f"| {t['model']} | {t['slots']} x {t['rank']} | {t['tokens']} | "
             + " | ".join(f"{us[v]:.0f}" for v in VARIANTS)
             + f" | {us['torch'] / us['triton-default']:.2f}"
-            + f" | {us['gemv'] / us['triton-default']:.2f} |"
+            + f" | {us['torch-gemm'] / us['triton-default']:.2f} |"
         )
     head = head.replace("| model |", "| model | module |")
     lines += [
         "",
         "## Per call",
         "",
-        head + " | max rel. error (torch, gather, gemv) |",
+        head + " | torch's route | max rel. error (triton, torch, torch-gemm) |",
         rule + "---|",
     ]
     for r in results["rows"]:
-        err = ", ".join(f"{r['error'][v]:.1e}" for v in ("torch", "gather", "gemv"))
+        err = ", ".join(f"{r['error'][v]:.1e}" for v in VARIANTS)
         lines.append(
             f"| {r['model']} | {r['module']} | {r['slots']} x {r['rank']} | {r['tokens']} | "
             + " | ".join(f"{r['us'][v]:.1f}" for v in VARIANTS)
-            + f" | {err} |"
+            + f" | {r['route']} | {err} |"
         )
     lines += ["", "## Kernels of one call at batch 1 (GPU µs per call)", ""]
     for r in results["rows"]:

@@ -29,6 +29,7 @@ DENSE = {"_lora_shrink_kernel", "_lora_expand_kernel"}
 FP8 = {"_lora_shrink_kernel_fp8", "_lora_expand_kernel_fp8", "_fused_moe_lora_kernel_fp8"}
 MOE = {"_fused_moe_lora_kernel", "_fused_moe_lora_one_shot_kernel",
        "_fused_moe_lora_small_batch_kernel"}  # fmt: skip
+GEMV = {"_gemv_shrink_kernel", "_gemv_expand_kernel"}  # matmul-add-lora-linear's module
 KERNELS = {
     "0.22.0": DENSE | FP8 | MOE,
     "0.26.0": DENSE | FP8 | MOE,
@@ -206,8 +207,17 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     assert any(c["called"] for c in report["kernels"]["cases"] if c["family"] == "moe")
     verdict = nan_verdict(report)
     assert verdict["status"] == "protected" and "torch matmuls" in verdict["reason"]
+    gemv = [c for c in report["kernels"]["cases"] if c["family"] == "gemv"]
+    assert {c["kernel"] for c in gemv} == GEMV  # the torch path's own kernels: no wgmma
+    assert {c["verdict"] for c in gemv} == {"no-register-operand"}
+    adding = [c for c in gemv if c["constants"].get("ADD_INPUTS") is not False]
+    assert adding and all(c["called"] for c in adding)  # run here; writing: dual stream only
+    assert not any(c["called"] for c in gemv if c["constants"].get("ADD_INPUTS") is False)
     triton_backend = doctor_kernels(tree, PATCHKIT_LORA_BACKEND="triton")
     assert nan_verdict(triton_backend)["status"] == "exposed"
+    gemv = [c for c in triton_backend["kernels"]["cases"] if c["family"] == "gemv"]
+    assert gemv and not any(c["called"] for c in gemv)
+    assert "torch LoRA path" in gemv[0]["why_not_called"]
 
 
 def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
@@ -378,6 +388,53 @@ def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
     assert {c["constants"]["BLOCK_R"] for c in one_shot} == {16}  # rank 8, padded to 16
     qkv = [c for c in scan["cases"] if any("qkv_proj" in call for call in c["calls"])]
     assert qkv and all(c["constants"]["SLICE_NUM"] == 3 for c in qkv)
+
+
+def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_picks(tmp_path):
+    """The torch path's decode route launches Triton kernels of its own, from the module
+    the patch adds beside the punica wrapper: the scan finds them, runs the module's own
+    host code (gemv_linear) per layer, rank, batch and setting, and reads every config
+    it picks (ranks 16-128 give every BLOCK_R; adding and dual-stream writing): no
+    wgmma at all, so no register-A race. Only the batches the route takes launch."""
+    from tests.conftest import created_source, module_from_source
+
+    tree = copy_tree("0.26.0", tmp_path / "t")
+    only = ["--only", "matmul-add-lora-linear"]
+    assert run_cli("apply", "--target", str(tree), *only).exit_code == 0
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 128, "intermediate_size": 2816}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(text))
+    ranks = {"r": 16, "rank_pattern": {"a": 32, "b": 64, "c": 128}}
+    (adapter / "adapter_config.json").write_text(json.dumps(ranks))
+    done = subprocess.run(
+        [sys.executable, "-c", SCAN, str(tree), "patchkit gemv_linear", str(model), str(adapter)],
+        capture_output=True, text=True, env=scan_env(), timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    scan = json.loads(done.stdout)
+    assert GEMV <= set(scan["kernels"])  # found in the patched tree's source
+    gemv = [c for c in scan["cases"] if c["family"] == "gemv"]
+    assert {c["kernel"] for c in gemv} == GEMV
+    assert [(c["label"], c["verdict"], c["error"]) for c in gemv
+            if c["verdict"] != "no-register-operand" or c["hgmma"]] == []  # fmt: skip
+    assert not any(c["approximate"] for c in gemv)
+    module = module_from_source(
+        "patchkit_lora_matmul_scan", created_source("matmul-add-lora-linear",
+        "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"), tmp_path,
+    )  # fmt: skip
+    shrink = [c["constants"] for c in gemv if c["kernel"] == "_gemv_shrink_kernel"]
+    expand = [c["constants"] for c in gemv if c["kernel"] == "_gemv_expand_kernel"]
+    assert {(c["SPLIT_K"], c["BLOCK_N"], c["BLOCK_K"]) for c in shrink} == {
+        (module.GEMV_SPLIT_K, module.GEMV_BLOCK_N, module.GEMV_BLOCK_K)
+    }
+    assert {c["BLOCK_R"] for c in expand} == {16, 32, 64, 128}
+    assert {c["BLOCK_W"] for c in expand} == {module.GEMV_BLOCK_W}
+    assert {c["ADD_INPUTS"] for c in expand} == {True, False}
+    labels = {label for c in gemv for label in c["calls"]}
+    assert labels and all(", 1 tokens, " in label for label in labels)  # 16 > 4 slots
 
 
 def test_without_triton_the_scan_says_so_in_one_line_and_doctor_runs_on(tree_0260):

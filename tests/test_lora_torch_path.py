@@ -439,3 +439,28 @@ def test_batch_invariant_mode_keeps_vllms_triton_path(version, tmp_path, monkeyp
     assert punica_gpu.LORA_BACKEND == "triton"
     assert layer.lora_b_stacked[0].is_contiguous()
     assert [r.message.count("VLLM_BATCH_INVARIANT") for r in caplog.records] == [1]
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0"], indirect=True)
+def test_one_slot_keeps_b_laid_out_without_a_copy_per_call(wrapper_module):
+    """max_loras 1, vLLM's default: the slot dimension has size 1, so its stride is
+    free and torch's reshape renumbers it; B still counts as rank-major, and calls
+    read it in place (no copy per call, no fallback warning)."""
+    version, punica_gpu = wrapper_module
+    ops = punica_gpu.torch_lora_shrink.__globals__
+    wrapper = make_wrapper(punica_gpu, 1)
+    layer = Layer(version, (64,), 1, RANK, HIDDEN)
+    layer.set_mapping(wrapper)
+    a, b = adapter(1, (64,), RANK)
+    layer.load(0, a, b)
+    view = ops["stacked_b"](layer.lora_b_stacked[0])
+    assert view.data_ptr() == layer.lora_b_stacked[0].data_ptr()
+    assert torch.equal(view, b[0].T)
+    slots = [0, -1, 0]
+    update(wrapper, punica_gpu, slots, 1)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, HIDDEN, generator=gen).to(torch.bfloat16)
+    y = torch.zeros(3, 64, dtype=torch.bfloat16)
+    wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, (64,))
+    assert_close(y, reference(x, slots, {0: (a, b)}, (64,)))
+    assert not ops["_FALLBACKS"]

@@ -38,6 +38,9 @@ MAX_LORAS = 4  # vLLM's --max-loras default is 1; 4 serves several adapters at o
 MAX_TOKENS = 8192  # max_num_batched_tokens: sizes the metadata buffers only
 OPS = "vllm.lora.ops.triton_ops"
 PUNICA = "vllm.lora.punica_wrapper.punica_gpu"
+# The module matmul-add-lora-linear creates beside the punica wrapper: its decode
+# route launches Triton GEMV kernels of its own (gemv_linear).
+TORCH_PATH = "vllm.lora.punica_wrapper.patchkit_lora_matmul"
 DUAL_STREAM = "VLLM_LORA_ENABLE_DUAL_STREAM"
 NO_PDL = "VLLM_LORA_DISABLE_PDL"
 INVARIANT = "VLLM_BATCH_INVARIANT"
@@ -211,6 +214,7 @@ def calls(models: Iterable[Model], settings: Iterable[str]) -> list[Call]:
     found = []
     for model in models:
         found += dense_calls(model, tuple(settings))
+        found += gemv_calls(model, tuple(settings))
         found += moe_calls(model)
         found += fp8_calls(model)
     return found
@@ -264,6 +268,47 @@ def _linear(model, width, slices, tokens, rank, add_inputs):
         buffer = box.tensor((len(slices), tokens, rank), torch.float32)  # as add_lora_linear
         ops.lora_shrink(x, a, buffer, *meta, 1.0)
         ops.lora_expand(buffer, b, y, *meta, offset_start=0, add_inputs=add_inputs)
+
+    return run
+
+
+def gemv_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
+    """The torch path's ``add_lora_linear`` (matmul-add-lora-linear) per layer, batch,
+    rank and setting: its own host code (``gemv_linear``) decides whether the GEMV
+    kernels run and with which configs. Absent where the patch is not applied;
+    not under batch invariance, where the torch path is off."""
+    dtype = DTYPES[model.dtype]
+    found = []
+    for setting in (s for s in settings if s != "batch-invariant"):
+        writes = SETTINGS[setting][1]
+        for rank in model.ranks:
+            for tokens in BATCHES:
+                for name, width, slices in dense_layers(model):
+                    run = _gemv(model, width, slices, tokens, rank, not writes)
+                    layer = f"{name} ({len(slices)} slice{'s' if len(slices) > 1 else ''})"
+                    found.append(
+                        Call("gemv", "patchkit gemv_linear", layer, tokens, rank, dtype, setting,
+                             run)
+                    )  # fmt: skip
+    return found
+
+
+def _gemv(model, width, slices, tokens, rank, add_inputs):
+    """The tensors the torch path hands gemv_linear: A of the slices in one storage, B
+    rank-major (as adopt_layer lays them out), the batch's slot weights."""
+
+    def run(box: Sandbox) -> None:
+        if not (box.root / (TORCH_PATH.replace(".", "/") + ".py")).is_file():
+            raise Absent(TORCH_PATH)
+        torch, module = box.torch, box.module(TORCH_PATH)
+        dtype = getattr(torch, model.dtype)
+        x = box.tensor((tokens, width), dtype)
+        y = box.tensor((tokens, sum(slices)), dtype)
+        a_all = box.tensor((len(slices), MAX_LORAS, 1, rank, width), dtype)
+        a = [a_all[s] for s in range(len(slices))]
+        b = [box.tensor((MAX_LORAS, 1, rank, n), dtype).transpose(2, 3) for n in slices]
+        weights = box.tensor((MAX_TOKENS, MAX_LORAS), dtype)
+        module.gemv_linear(y, x, a, b, weights, 1.0, add_inputs)
 
     return run
 

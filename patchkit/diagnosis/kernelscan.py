@@ -40,6 +40,9 @@ from patchkit.diagnosis.toolchain import ScanUnavailable, Toolchain, disassemble
 from patchkit.target.tree import VllmTree
 
 OPS_DIR = "vllm/lora/ops/triton_ops"
+# Where the tree's LoRA kernels live: vLLM's ops, and a patch's module beside the punica
+# wrappers (matmul-add-lora-linear's GEMV kernels); pristine wrappers define none.
+KERNEL_DIRS = (OPS_DIR, "vllm/lora/punica_wrapper")
 FP8_OPS = ("lora_shrink_fp8", "lora_expand_fp8", "fused_moe_lora_fp8")
 CALL_SITES = ("vllm/lora", "vllm/model_executor")  # where vLLM would call an op from
 MOE_CONFIGS = "vllm/model_executor/layers/fused_moe/configs"  # tuned MoE configs vLLM ships
@@ -50,7 +53,7 @@ class Case:
     """One distinct compile of one kernel, and the calls of vLLM that reach it."""
 
     kernel: str
-    family: str  # dense | moe | fp8
+    family: str  # dense | gemv (the torch path's own kernels) | moe | fp8
     config: dict = field(default_factory=dict)  # block sizes, stages, warps (as launched)
     signature: dict = field(default_factory=dict)  # Triton's, as its JIT bound the launch
     constants: dict = field(default_factory=dict)
@@ -296,6 +299,8 @@ def _reached(case: Case, ev: Evaluation, environ, replaced: str, fp8_called: boo
     runs, why = configs.runs_here(ev.call, environ)
     if ev.call.family == "dense" and replaced:
         runs, why = False, replaced
+    if ev.call.family == "gemv" and not replaced:
+        runs, why = False, "the torch LoRA path (matmul-add-lora-linear) is off here"
     if ev.call.family == "fp8" and not fp8_called:
         runs, why = False, "no vLLM code calls the fp8 LoRA ops in this release"
     if runs:
@@ -327,9 +332,12 @@ def _unreached(kernels: list[str], cases: list[Case]) -> list[Case]:
 
 
 def launched_kernels(tree: VllmTree) -> list[str]:
-    """The @triton.jit kernels of the tree's LoRA ops that its own code launches (``k[grid](``)."""
+    """The @triton.jit kernels of the tree's LoRA code that it launches (``k[grid](``)."""
     jit, launched = [], set()
-    for path in sorted(tree.path(OPS_DIR).glob("*.py")):
+    paths = [
+        p for d in KERNEL_DIRS if tree.path(d).is_dir() for p in sorted(tree.path(d).glob("*.py"))
+    ]
+    for path in paths:
         module = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(module):
             if isinstance(node, ast.FunctionDef) and any(

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Torch matmuls in place of the punica Triton LoRA kernels (lora_shrink, lora_expand).
+"""Torch matmuls and dot-free Triton GEMVs in place of vLLM's punica LoRA kernels.
 
 Added to this vLLM tree by patchkit, patch `matmul-add-lora-linear`; `patchkit
 revert` removes it. Why: on sm_90 the Triton expand kernel can produce NaN
@@ -18,9 +18,16 @@ is imported) punica_gpu.py installs this path:
   more of the GPU reads A) and reduces the parts with a second batched GEMM
   whose left operand is the slot weights: reduce and mask in one kernel,
   three in all, where cuBLAS alone takes four there (its split-K GEMM has
-  its own reduce kernel). The choice depends only on shapes. There is no
-  host sync, so CUDA graphs capture it, and it is a custom op, opaque to
-  torch.compile, like vLLM's.
+  its own reduce kernel). There is no host sync, so CUDA graphs capture it,
+  and it is a custom op, opaque to torch.compile, like vLLM's.
+* A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
+  CUDA device, runs two Triton GEMV kernels instead, which read only each
+  row's own slot (found in the batch's slot weights, as the GEMMs mask):
+  one shrink for all slices, split over the hidden size into fp32 parts,
+  and one expand per slice that sums the parts, multiplies by the row's
+  slot weight and scale, and adds into (or writes) y. No tl.dot, so no
+  wgmma and none of sm_90's register-A hazard; no atomics, so the result
+  is deterministic. Every route is chosen by shapes only.
 * Every other call that reached the Triton kernels (add_shrink/add_expand,
   hence `_mcp_apply`; add_lora_embedding; add_lora_logits;
   apply_lora_full_linear) goes through `torch_lora_shrink` /
@@ -45,10 +52,12 @@ slot and the slot weights multiply, so every loaded weight must be finite:
 after each set_lora the new slot is checked once, and a non-finite value in
 its A or B is replaced by 0 there and the slot marked bad. A bad slot's
 weight is NaN instead of 1, so rows of that adapter come out NaN (as with
-the Triton kernels) and every other row is as without it. Loading the slot
-again, or removing the adapter, clears the mark. (A row whose own input is
+the Triton kernels) and every other row is as without it; the GEMV route
+multiplies each row by the same weight. Loading the slot again, or removing
+the adapter, clears the mark. (On the GEMM route a row whose own input is
 not finite gets NaN in its LoRA delta even without an adapter; its layer
-output is not finite anyway.)
+output is not finite anyway. The GEMV route leaves rows without a slot as
+they are.)
 
 PATCHKIT_LORA_BACKEND=triton keeps the Triton kernels, to compare without
 reverting. VLLM_BATCH_INVARIANT=1 does too (with one log line): vLLM's
@@ -56,11 +65,17 @@ batch-invariant mode overrides aten::mm and its own LoRA shrink, not this
 path.
 
 Cost per add_lora_linear call, T tokens, S slices, L slots (max_loras), r
-rank, H in, N = sum of slice widths: FLOPs 2*T*L*r*(S*H + N), L times the
-Triton kernels' (which skip other slots); a temporary of T*S*L*r elements
-(SPLIT_K_MAX_SPLIT times that for a split shrink). Per batch and model
-dtype: slot weights of max_num_batched_tokens * L elements, and of
-SPLIT_K_MAX_TOKENS * L * SPLIT_K_MAX_SPLIT elements for the split reduce.
+rank, H in, N = sum of slice widths. GEMMs: FLOPs 2*T*L*r*(S*H + N), L
+times the Triton kernels' (which skip other slots), and every slot's
+weights read; a temporary of T*S*L*r elements (SPLIT_K_MAX_SPLIT times that
+for a split shrink). GEMV (T <= min(GEMV_MAX_TOKENS, L)): each row reads its
+own adapter's S*r*H + r*N weights (rows of one adapter share them through
+L2), FLOPs 2*T*r*(S*H + N) on the CUDA cores, 1 + S launches, a temporary of
+T*GEMV_SPLIT_K*S*r float32 (192 KiB at 8 tokens, 3 slices of rank 128); on
+an H200 a decode step's LoRA modules took 0.40-1.02 of the GEMM route's time
+there (GEMV_MAX_TOKENS says where). Per batch and model dtype: slot weights of
+max_num_batched_tokens * L elements, and of SPLIT_K_MAX_TOKENS * L *
+SPLIT_K_MAX_SPLIT elements for the split reduce.
 """
 
 import logging
@@ -69,6 +84,12 @@ import sys
 import types
 
 import torch
+
+try:  # vLLM's CUDA installs have Triton; a CPU-only test environment may not
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 logger = logging.getLogger(__name__)
 
@@ -273,8 +294,15 @@ def _slot_shaped(tensors: list) -> bool:
 
 
 def _b_is_rank_major(b: torch.Tensor) -> bool:
+    """B (slots, 1, width, rank) stored as (slots, rank, width). A dimension of size 1
+    (one slot: vLLM's default max_loras) has no stride to check: torch's reshape
+    renumbers it."""
     slots, _, width, rank = b.shape
-    return b.stride(3) == width and b.stride(2) == 1 and b.stride(0) == rank * width
+    return (
+        (rank == 1 or b.stride(3) == width)
+        and (width == 1 or b.stride(2) == 1)
+        and (slots == 1 or b.stride(0) == rank * width)
+    )
 
 
 def _make_b_rank_major(b: torch.Tensor) -> None:
@@ -453,10 +481,205 @@ def _splits(x, lora_a, reduce_weights) -> bool:
     )
 
 
+# ----- few tokens: a Triton GEMV per row's own slot -----
+
+# A call of at most min(GEMV_MAX_TOKENS, max_loras) tokens takes the GEMV kernels
+# (on a CUDA device, Triton importable). The GEMV reads each row's own adapter, the
+# GEMM route every slot once, so the GEMV wins while rows <= slots. Per decode step
+# of the benchmark models' LoRA modules on an H200 (docs/evidence.md, the GEMV route: dense
+# 27B and 35B-A3B widths, 2-16 slots of rank 16-128), with rows <= slots, the GEMV
+# took 0.40-0.76 of the GEMM route's time at 1 token, 0.50-0.75 at 4 and 0.63-1.02
+# at 8. Beyond (more rows than slots, or than 8) it lost: 1.14 at 16 tokens on 16
+# dense slots, 1.32 at 8 tokens on 2. The bound depends on shapes only, so a CUDA
+# graph captured for a batch size replays the route it was captured with.
+GEMV_MAX_TOKENS = 8
+GEMV_SPLIT_K = 16  # shrink parts over the hidden size (fp32, summed by the expand)
+GEMV_BLOCK_N = 16  # shrink: A rows (slices * rank) per program
+GEMV_BLOCK_K = 128  # shrink: hidden columns per step
+GEMV_BLOCK_W = 128  # expand: output columns per program
+GEMV_MAX_BLOCK_R = 128  # expand: rank rows per step, the rank rounded up to a power of 2
+GEMV_NUM_WARPS = 4  # both kernels
+GEMV_BLOCK_L = 16  # both: slot weights read per step
+# Every config the kernels compile with: these constants, BLOCK_R = gemv_block_r(rank)
+# (16, 32, 64 or 128) and ADD_INPUTS (False for vLLM's dual stream); the kernel scan
+# (doctor --kernels) compiles those its shapes reach. No tl.dot: nothing lowers to wgmma.
+
+
+def _gemv_kernels():
+    """The GEMV kernels (shrink, expand), or None without Triton.
+
+    Defined when this module is imported: under TRITON_INTERPRET=1 they are
+    Triton's interpreter's, which runs them on CPU tensors (the CPU tests).
+    """
+    return (_gemv_shrink_kernel, _gemv_expand_kernel) if triton is not None else None
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_slots"])
+    def _gemv_shrink_kernel(x_ptr, a_ptr, w_ptr, part_ptr, hidden, rows, rank, num_slots,
+                            stride_x, stride_w, per_split, SPLIT_K: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_L: tl.constexpr):  # fmt: skip
+        """part[t, split, n] = sum over the split's hidden columns k of
+        A[slice(n), slot(t), rank(n), k] * x[t, k], n over slices * rank.
+
+        A is the layer's (slices * slots * rank, hidden) matrix; x is read in
+        A's dtype, as the GEMM route casts it. Rows without a slot write nothing.
+        The slot lookup is the expand's (its weight is the expand's to apply).
+        """
+        t, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.full((), -1, tl.int32)  # the row's slot: the one whose weight is not 0
+        weight = tl.zeros((), tl.float32)  # its weight: 1, or NaN for a bad adapter
+        for l0 in range(0, num_slots, BLOCK_L):
+            lane = l0 + tl.arange(0, BLOCK_L)
+            w = tl.load(w_ptr + t * stride_w + lane, mask=lane < num_slots, other=0.0)
+            own = w.to(tl.float32) != 0.0  # unordered: NaN counts
+            slot = tl.maximum(slot, tl.max(tl.where(own, lane, -1), axis=0))
+            weight += tl.sum(tl.where(own, w.to(tl.float32), 0.0), axis=0)
+        if slot >= 0:
+            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            row = ((n // rank) * num_slots + slot) * rank + n % rank
+            a_rows = a_ptr + row.to(tl.int64)[:, None] * hidden
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            start = split * per_split
+            for k0 in range(0, per_split, BLOCK_K):
+                k = start + k0 + tl.arange(0, BLOCK_K)
+                k_in = k < hidden
+                xv = tl.load(x_ptr + t * stride_x + k, mask=k_in, other=0.0)
+                xv = xv.to(a_ptr.dtype.element_ty).to(tl.float32)
+                a = tl.load(a_rows + k[None, :], mask=(n[:, None] < rows) & k_in[None, :],
+                            other=0.0)  # fmt: skip
+                acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+            tl.store(part_ptr + (t * SPLIT_K + split) * rows + n, acc, mask=n < rows)
+
+    @triton.jit(do_not_specialize=["num_slots", "part_offset", "scale"])
+    def _gemv_expand_kernel(part_ptr, b_ptr, y_ptr, w_ptr, rows, rank, width, num_slots,
+                            part_offset, stride_y, stride_w, scale, SPLIT_K: tl.constexpr,
+                            BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_L: tl.constexpr, ADD_INPUTS: tl.constexpr):  # fmt: skip
+        """y[t, w] (+)= scale * weight(t) * sum_r B[slot(t) * rank + r, w] * h[t, r],
+        h = the shrink's parts summed (this slice's rank columns, from part_offset).
+
+        B is one slice's rank-major (slots * rank, width) matrix. Rows without
+        a slot are not touched; with ADD_INPUTS False the others are written.
+        """
+        t, wb = tl.program_id(0), tl.program_id(1)
+        slot = tl.full((), -1, tl.int32)  # the row's slot: the one whose weight is not 0
+        weight = tl.zeros((), tl.float32)  # its weight: 1, or NaN for a bad adapter
+        for l0 in range(0, num_slots, BLOCK_L):
+            lane = l0 + tl.arange(0, BLOCK_L)
+            w = tl.load(w_ptr + t * stride_w + lane, mask=lane < num_slots, other=0.0)
+            own = w.to(tl.float32) != 0.0  # unordered: NaN counts
+            slot = tl.maximum(slot, tl.max(tl.where(own, lane, -1), axis=0))
+            weight += tl.sum(tl.where(own, w.to(tl.float32), 0.0), axis=0)
+        if slot >= 0:
+            cols = wb * BLOCK_W + tl.arange(0, BLOCK_W)
+            c_in = cols < width
+            acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+            parts = part_ptr + t * SPLIT_K * rows + part_offset
+            for r0 in range(0, rank, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                r_in = r < rank
+                h = tl.zeros([BLOCK_R], dtype=tl.float32)
+                for split in range(SPLIT_K):
+                    h += tl.load(parts + split * rows + r, mask=r_in, other=0.0)
+                b_rows = b_ptr + (slot * rank + r).to(tl.int64)[:, None] * width
+                b = tl.load(b_rows + cols[None, :], mask=r_in[:, None] & c_in[None, :], other=0.0)
+                acc += tl.sum(b.to(tl.float32) * h[:, None], axis=0)
+            delta = acc * (weight * scale)
+            out = y_ptr + t * stride_y + cols
+            if ADD_INPUTS:
+                old = tl.load(out, mask=c_in, other=0.0)
+                delta += old.to(tl.float32)
+            tl.store(out, delta.to(y_ptr.dtype.element_ty), mask=c_in)
+
+
+def _gemv_fits(y, x, lora_a, lora_b, weights) -> bool:
+    """Whether a call takes the GEMV kernels: at most min(GEMV_MAX_TOKENS, slots)
+    tokens, A in the shared layout, B rank-major, unit column strides (shapes and
+    strides only, never values)."""
+    if x.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1:
+        return False
+    a = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a]
+    b = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_b]
+    slots, _, rank, hidden = a[0].shape
+    return (
+        0 < x.size(0) <= min(GEMV_MAX_TOKENS, slots)
+        and _a_shared(a)
+        and hidden == x.size(1)
+        and all(_b_is_rank_major(w) and w.size(0) == slots and w.size(3) == rank for w in b)
+        and y.size(1) >= sum(w.size(2) for w in b)
+        and weights.size(0) >= x.size(0)
+        and weights.size(1) == slots
+        and weights.stride(1) == 1
+    )
+
+
+def gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs) -> bool:
+    """add_lora_linear through the GEMV kernels; False (nothing done) when the call
+    does not fit them or Triton cannot be imported.
+
+    One shrink launch for all slices (split over the hidden size into fp32
+    parts, a buffer of tokens x GEMV_SPLIT_K x slices*rank from the
+    allocator, the CUDA graph's pool when captured), one expand launch per
+    slice, which sums the parts: deterministic, no atomics. Each row reads
+    only its own slot's A and B, found in the batch's slot weights (so a
+    stale vLLM mapping is never read) and multiplied by its weight (NaN for
+    a bad adapter).
+    """
+    if triton is None or not _gemv_fits(y, x, lora_a, lora_b, weights):
+        return False
+    a = _a_matrix(lora_a)
+    num_tokens, hidden = x.shape
+    num_slots, rank = lora_a[0].size(0), lora_a[0].size(-2)
+    rows = len(lora_a) * rank
+    parts = torch.empty(num_tokens, GEMV_SPLIT_K, rows, dtype=torch.float32, device=x.device)
+    blocks = -(-hidden // GEMV_BLOCK_K)
+    per_split = -(-blocks // GEMV_SPLIT_K) * GEMV_BLOCK_K
+    grid = (num_tokens, -(-rows // GEMV_BLOCK_N), GEMV_SPLIT_K)
+    _gemv_shrink_kernel[grid](
+        x, a, weights, parts, hidden, rows, rank, num_slots, x.stride(0), weights.stride(0),
+        per_split, SPLIT_K=GEMV_SPLIT_K, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K,
+        BLOCK_L=GEMV_BLOCK_L, num_warps=GEMV_NUM_WARPS,
+    )  # fmt: skip
+    block_r = gemv_block_r(rank)
+    offset = 0
+    for s, stacked in enumerate(lora_b):
+        b = stacked_b(stacked)
+        width = b.size(1)
+        grid = (num_tokens, -(-width // GEMV_BLOCK_W))
+        _gemv_expand_kernel[grid](
+            parts, b, y[:, offset:], weights, rows, rank, width, num_slots, s * rank,
+            y.stride(0), weights.stride(0), float(scale), SPLIT_K=GEMV_SPLIT_K,
+            BLOCK_W=GEMV_BLOCK_W, BLOCK_R=block_r, BLOCK_L=GEMV_BLOCK_L,
+            ADD_INPUTS=bool(add_inputs), num_warps=GEMV_NUM_WARPS,
+        )  # fmt: skip
+        offset += width
+    return True
+
+
+def gemv_block_r(rank: int) -> int:
+    """The expand's rank rows per step: the rank rounded up to a power of 2, 16 to
+    GEMV_MAX_BLOCK_R (a larger rank takes several steps). 16, 32, 64 or 128."""
+    return min(max(16, 1 << (rank - 1).bit_length()), GEMV_MAX_BLOCK_R)
+
+
+def _gemv_device(x) -> bool:
+    """Whether the GEMV kernels run where x is: a CUDA device, or the CPU under
+    Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run them)."""
+    if x.is_cuda:
+        return True
+    kernels = _gemv_kernels() if x.device.type == "cpu" else None
+    return kernels is not None and type(kernels[0]).__name__ == "InterpretedFunction"
+
+
 def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag, scale,
             add_inputs):  # fmt: skip
     """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched."""
     if no_lora_flag.item():  # a CPU tensor, as the Triton ops check it
+        return
+    if _gemv_device(x) and gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs):
         return
     num_tokens = x.size(0)
     if _splits(x, lora_a, reduce_weights):
