@@ -1,3 +1,3 @@
-from patchkit.entry import main
+from patchkit.cli.entry import main
 
 main()

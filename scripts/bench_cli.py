@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from patchkit.catalogue.load import load_catalogue
-from patchkit.target.fetch import fetch
-from patchkit.target.tree import locate
+from patchkit.releases.fetch import fetch
+from patchkit.vllmtree.tree import locate
 
 
 def timed(command: list[str], cwd: Path | None = None) -> float:

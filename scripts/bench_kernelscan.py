@@ -90,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     trees = [Path(t) for t in args.target]
     if args.version:
-        from patchkit.target.fetch import fetch
+        from patchkit.releases.fetch import fetch
 
         trees += [fetch(v) for v in args.version]
     if not trees:

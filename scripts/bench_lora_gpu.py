@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patchkit.proof import kernelcheck  # noqa: E402
+from patchkit.verify import kernelcheck  # noqa: E402
 
 HIDDEN = 5120
 LAYERS = ((5120,), (17408, 17408), (12288, 1024, 1024))  # output slice widths

@@ -70,7 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import (  # noqa: E402
+from patchkit.verify.e2e import (  # noqa: E402
     MOE_TARGET_MODULES,
     TARGET_MODULES,
     qwen35_config,
@@ -160,7 +160,7 @@ def build(directory: Path, model: str = "dense27b", adapters: int = 4, rank: int
 
 def add_expert_factors(adapter: Path, rank: int, seed: int) -> None:
     """The routed experts' factors, as PEFT >= 0.20 saves `target_parameters` on
-    mlp.experts.gate_up_proj and mlp.experts.down_proj (patchkit.proof.e2e.build_moe)."""
+    mlp.experts.gate_up_proj and mlp.experts.down_proj (patchkit.verify.e2e.build_moe)."""
     import torch
     from safetensors.torch import load_file, save_file
 

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import RANK, TARGET_MODULES, VOCAB, qwen35_config  # noqa: E402
+from patchkit.verify.e2e import RANK, TARGET_MODULES, VOCAB, qwen35_config  # noqa: E402
 
 BASE_NAME = "tiny-qwen35"
 API_KEY = "canary-gpu-throwaway-key"  # a key only this run knows: the Bearer path, for real
@@ -106,7 +106,7 @@ def train_tokenizer(model_dir: Path) -> dict:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from patchkit.live.canary import prompt_text
+    from patchkit.canary.check import prompt_text
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -148,7 +148,7 @@ def check_tokenizer(model_dir: Path) -> dict:
     """Load it the way vLLM does (transformers' AutoTokenizer) and count a canary prompt."""
     from transformers import AutoTokenizer
 
-    from patchkit.live.canary import prompt_text
+    from patchkit.canary.check import prompt_text
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.convert_ids_to_tokens(0) != "!" or len(tokenizer) != VOCAB:

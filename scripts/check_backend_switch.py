@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patchkit.proof import e2e  # noqa: E402
+from patchkit.verify import e2e  # noqa: E402
 
 CHILD = r"""
 import importlib.util, json, os, sys

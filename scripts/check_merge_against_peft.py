@@ -173,7 +173,7 @@ def check(name: str, moe: bool, lora: dict, work: Path) -> bool:
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from patchkit.proof import merge
+    from patchkit.verify import merge
 
     model = build(moe)
     model_dir = work / f"model-{name}"

@@ -19,7 +19,7 @@
 # moe_align_block_size, moe_lora_align_block_size and moe_sum from _moe_C
 # (this bundle); silu_and_mul and the other activations from _C (b1). The
 # FlashInfer TRT-LLM LoRA experts are for sm_100 only; DeepGEMM is turned off
-# (VLLM_USE_DEEP_GEMM=0) by patchkit.proof.serving.
+# (VLLM_USE_DEEP_GEMM=0) by patchkit.verify.serving.
 #
 # The extension is CUDA code for several architectures and compresses
 # poorly (47.5 MB to about 40 MB): the bundle travels in a device call of its

@@ -5,7 +5,7 @@ Run on the test H200 with vLLM 0.26.0 patched with the default set and
 
     python3 scripts/nan_probe_gpu.py OUTDIR [--budget SECONDS]
 
-It builds the e2e tiny Qwen3.5 hybrid (patchkit.proof.e2e: 3 Gated DeltaNet
+It builds the e2e tiny Qwen3.5 hybrid (patchkit.verify.e2e: 3 Gated DeltaNet
 layers + 1 attention layer), two healthy rank-64 adapters and `poisoned`, a
 copy of healthy-b with an inf in the lora_B of layer 1's mlp.down_proj. Then,
 in parallel, one child per configuration, each with its own VLLM_CACHE_ROOT
@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import RANK, TARGET_MODULES, qwen35_config  # noqa: E402
+from patchkit.verify.e2e import RANK, TARGET_MODULES, qwen35_config  # noqa: E402
 
 POISON_LAYER = 1
 POISON_MODULE = "mlp.down_proj"

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patchkit.proof import kernelcheck  # noqa: E402
+from patchkit.verify import kernelcheck  # noqa: E402
 
 # (module, input width, output slice widths, count per layer kind)
 DENSE27B = {

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patchkit.proof.e2e import (  # noqa: E402
+from patchkit.verify.e2e import (  # noqa: E402
     TARGET_MODULES,
     qwen35_config,
     qwen35_moe_config,

@@ -23,8 +23,8 @@ from packaging.version import Version
 from patchkit.catalogue.load import load_catalogue
 from patchkit.catalogue.model import Variant
 from patchkit.cli.main import main
-from patchkit.engine.hunks import apply_file_patch
-from patchkit.target.fetch import fetch
+from patchkit.diffs.hunks import apply_file_patch
+from patchkit.releases.fetch import fetch
 
 REPO = Path(__file__).resolve().parent.parent
 CATALOGUE = load_catalogue()

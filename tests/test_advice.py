@@ -80,7 +80,7 @@ def test_no_install_line_names_patchkit_from_the_index():
 
 
 def test_canary_names_its_packages():
-    from patchkit.live.canary import MISSING_DEPS
+    from patchkit.canary.check import MISSING_DEPS
 
     assert "pip install 'httpx>=0.27' 'prometheus-client>=0.20'" in MISSING_DEPS
 

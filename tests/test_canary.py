@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from patchkit.live import canary
+from patchkit.canary import check
 from tests.conftest import run_cli, run_subprocess
 
 BASE = "Qwen/Qwen3.5-tiny"
@@ -281,7 +281,7 @@ def completion(body: dict, ids: list[int], logprob: float, text: str | None = No
             "tokens": tokens,
             "top_logprobs": [{t: logprob} for t in tokens],
         }
-    prompt_tokens = canary._estimate(body["prompt"])
+    prompt_tokens = check._estimate(body["prompt"])
     return {
         "id": "cmpl-0123456789abcdef",
         "object": "text_completion",
@@ -352,9 +352,9 @@ def test_healthy_base_and_two_adapters_pass_with_sound_requests():
     for request in sent:
         body = request["body"]
         assert body["temperature"] == 0 and body["logprobs"] == 1
-        assert body["max_tokens"] == canary.NEW_TOKENS
+        assert body["max_tokens"] == check.NEW_TOKENS
         assert body["return_tokens_as_token_ids"] is True and body["return_token_ids"] is True
-        assert 1800 <= canary._estimate(body["prompt"]) <= 2000
+        assert 1800 <= check._estimate(body["prompt"]) <= 2000
     salts = {r["body"]["cache_salt"] for r in sent}
     assert len(salts) == 3  # each long prefill really runs: no prefix-cache hit
 
@@ -528,7 +528,7 @@ def test_a_nan_counter_is_unreadable_not_a_value():
         code, report = canary_json(server.url)
     assert result.exit_code == 0 and code == 0
     assert "nan -> nan" not in result.stdout
-    assert not any(line.startswith(f"{canary.COUNTER}:") for line in result.stdout.splitlines())
+    assert not any(line.startswith(f"{check.COUNTER}:") for line in result.stdout.splitlines())
     assert "vllm:corrupted_requests_total on /metrics is nan, not a count: unreadable" in (
         result.stdout
     )
@@ -594,7 +594,7 @@ def test_server_that_accepts_but_never_answers_respects_timeout():
 
 def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(monkeypatch):
     """A full accept queue drops SYNs, as a firewall or a dead pod IP does."""
-    monkeypatch.setattr(canary, "CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setattr(check, "CONNECT_TIMEOUT", 1.0)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
@@ -655,11 +655,11 @@ def test_default_budget_is_sixty_seconds(monkeypatch):
 
     def fake_run(url, api_key, models, prompt_tokens, timeout, record):
         seen["timeout"] = timeout
-        return canary.Report(url=url, models=[canary.Verdict(model="m")])
+        return check.Report(url=url, models=[check.Verdict(model="m")])
 
-    monkeypatch.setattr(canary, "run", fake_run)
+    monkeypatch.setattr(check, "run", fake_run)
     assert canary_cli("http://127.0.0.1:1").exit_code == 0
-    assert seen["timeout"] == 60.0 == canary.DEFAULT_TIMEOUT
+    assert seen["timeout"] == 60.0 == check.DEFAULT_TIMEOUT
 
 
 @pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
@@ -701,7 +701,7 @@ def test_prompt_shortened_to_fit_max_model_len():
         code, report = canary_json(server.url)
     assert code == 0
     for request in server.completions():
-        assert canary._estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
+        assert check._estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
     assert "fit max_model_len 1024" in report["models"][1]["evidence"][0]
 
 
@@ -837,13 +837,13 @@ def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_lin
 
 
 def test_prompt_is_deterministic_varied_and_sized():
-    text = canary.prompt_text(2000)
-    assert text == canary.prompt_text(2000)
-    assert 1900 <= canary._estimate(text) <= 2000
+    text = check.prompt_text(2000)
+    assert text == check.prompt_text(2000)
+    assert 1900 <= check._estimate(text) <= 2000
     sentences = [s for s in text.replace("\n", " ").split(". ") if s]
     assert len(set(sentences)) > 0.9 * len(sentences)
-    assert canary._estimate(canary.prompt_text(200)) <= 200
-    assert canary.prompt_text(16).startswith("Here is a long story")
+    assert check._estimate(check.prompt_text(200)) <= 200
+    assert check.prompt_text(16).startswith("Here is a long story")
 
 
 def test_the_text_report_escapes_control_characters_the_server_sends():

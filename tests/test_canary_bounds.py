@@ -4,7 +4,7 @@ The servers here write raw HTTP on 127.0.0.1 (a socket per connection, in a
 thread), so they can do what no framework lets a handler do: stop after one
 byte, trickle headers, stack Content-Encodings, nest JSON a hundred thousand
 deep. Time is a `SkewClock`: the real monotonic clock plus jumps the server
-makes ("the server took 9 s"), handed to `canary.run`; the tests assert on
+makes ("the server took 9 s"), handed to `check.run`; the tests assert on
 its readings, never on wall time. Memory is bounded with RLIMIT_AS in a
 child process and with a byte counter on the decoder.
 """
@@ -21,8 +21,8 @@ import zlib
 
 import pytest
 
+from patchkit.canary import check
 from patchkit.errors import PatchkitError
-from patchkit.live import canary
 from tests.conftest import run_cli, run_subprocess
 from tests.test_canary import BASE, completion
 
@@ -156,11 +156,11 @@ def routes(**special):
 
 
 def run_with_clock(url: str, timeout: float, clock: SkewClock, **kw):
-    """canary.run with the skew clock: the report, or the one-line error, and the clock's
+    """check.run with the skew clock: the report, or the one-line error, and the clock's
     reading at the start and at the end."""
     start = clock()
     try:
-        outcome = canary.run(url, timeout=timeout, clock=clock, **kw)
+        outcome = check.run(url, timeout=timeout, clock=clock, **kw)
     except PatchkitError as exc:
         outcome = exc
     return outcome, clock() - start
@@ -246,7 +246,7 @@ def test_redirects_are_answers_not_followed():
 
 def test_a_name_lookup_that_hangs_is_cut_at_the_connect_deadline(monkeypatch):
     """getaddrinfo has no timeout of its own; the lookup runs in a thread given the time."""
-    from patchkit.live import transport
+    from patchkit.canary import transport
 
     release = threading.Event()
     calls = []
@@ -285,7 +285,7 @@ def counting_body(*args):
     """A CappedBody that records the largest piece that reached each stage: the byte
     counter of these tests (imported here: the module is new, and the CLI tests of this
     file run against any canary)."""
-    from patchkit.live import decoding
+    from patchkit.canary import decoding
 
     class CountingBody(decoding.CappedBody):
         def _push(self, level: int, data: bytes) -> None:
@@ -317,7 +317,7 @@ def test_every_coding_stops_at_the_cap_while_decoding(header):
     data = bytes(64 << 20)
     for coding in (c.strip() for c in header.split(",")):
         data = encode(data, coding)
-    from patchkit.live import decoding
+    from patchkit.canary import decoding
 
     body = counting_body([header], 1 << 20, lambda: None)
     with pytest.raises(decoding.TooLarge):
@@ -340,7 +340,7 @@ def test_every_coding_stops_at_the_cap_while_decoding(header):
     ],
 )
 def test_decoding_gives_the_bytes_back(codings, header):
-    from patchkit.live import decoding
+    from patchkit.canary import decoding
 
     data = json.dumps({"text": "the keeper " * 5000}).encode()
     wire = data
@@ -353,7 +353,7 @@ def test_decoding_gives_the_bytes_back(codings, header):
 
 
 def test_gzip_members_follow_each_other_and_other_codings_are_refused():
-    from patchkit.live import decoding
+    from patchkit.canary import decoding
 
     body = decoding.CappedBody(["gzip"], 1 << 20, lambda: None)
     body.feed(gzip.compress(b"one ") + gzip.compress(b"two"))

@@ -192,7 +192,7 @@ def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
 
 
 def scan_case(verdict: str, called: bool = True, tuned: str = ""):
-    from patchkit.diagnosis.kernelscan import Case
+    from patchkit.doctor.kernelscan import Case
 
     hazards = [{"address": "0x44e0", "instruction": "LDS.64 R90, [R140]", "wgmma": "0x46f0"}]
     return Case(
@@ -247,10 +247,10 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     from packaging.version import Version
 
     from patchkit.catalogue.load import load_catalogue
-    from patchkit.diagnosis.doctor import DoctorReport, Gpu, bug_groups, bug_verdict
-    from patchkit.diagnosis.kernelscan import ScanReport
-    from patchkit.diagnosis.toolchain import Toolchain
-    from patchkit.engine.vocabulary import PatchState, Verdict
+    from patchkit.doctor.doctor import DoctorReport, Gpu, bug_groups, bug_verdict
+    from patchkit.doctor.kernelscan import ScanReport
+    from patchkit.doctor.toolchain import Toolchain
+    from patchkit.vocabulary import PatchState, Verdict
 
     report = DoctorReport(gpus=[Gpu("NVIDIA H200", "9.0")])
     tools = Toolchain(triton="3.7.1", ptxas="/x/ptxas", ptxas_version=ptxas)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.engine.safepath import Root
-from patchkit.engine.transaction import TreeLock
+from patchkit.fs.safepath import Root
+from patchkit.patching.transaction import TreeLock
 from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
 from tests.helpers import FILES, MARK, make_catalogue
 
@@ -70,7 +70,7 @@ def test_malformed_patch_file(tree_0260: Path, tmp_path: Path):
 
 def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, monkeypatch):
     """The second file cannot be written: the first is restored, exit 1."""
-    import patchkit.engine.transaction as transaction
+    import patchkit.patching.transaction as transaction
 
     real_write = transaction._write
     calls = []
@@ -94,7 +94,7 @@ def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, mon
 
 
 CRASH_ON_SECOND_WRITE = """
-import os, patchkit.engine.transaction as t
+import os, patchkit.patching.transaction as t
 _real, _n = t._write, []
 def _crash(fs, path, data):
     _n.append(path)
@@ -143,7 +143,7 @@ def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
     run_subprocess("apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
     refuse = (
-        "import patchkit.engine.operations as o\n"
+        "import patchkit.patching.operations as o\n"
         "from patchkit.errors import PatchkitError\n"
         "def _refuse(*a, **k):\n"
         "    raise PatchkitError('x: refused; nothing was changed')\n"
@@ -158,7 +158,7 @@ def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
 
 
 SLOW_COMMIT = """
-import time, patchkit.engine.operations as o
+import time, patchkit.patching.operations as o
 _real = o.commit
 def _slow(*a, **k):
     time.sleep(1.5)

@@ -316,12 +316,12 @@ def test_usage_errors_print_json_with_json(tree_0260):
 
 
 def test_an_internal_error_exits_3_with_a_hint_and_a_traceback_on_request(tree_0260, monkeypatch):
-    import patchkit.engine.operations
+    import patchkit.patching.operations
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(patchkit.engine.operations, "status", broken)
+    monkeypatch.setattr(patchkit.patching.operations, "status", broken)
     result = run_cli("status", "--target", str(tree_0260))
     line = one_line_failure(result, code=3)
     assert "ZeroDivisionError: boom" in line and "PATCHKIT_DEBUG=1" in line
@@ -429,7 +429,7 @@ def test_a_symlinked_pycache_is_not_followed(site):
 def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
     """Staging of a dead fetch goes; a live one stays; so does a directory that only
     looks like one by its name (issue 18: recognised by patchkit's marker, not a pattern)."""
-    from patchkit.target.fetch import MARKER, STAGING_MARKER
+    from patchkit.releases.fetch import MARKER, STAGING_MARKER
 
     cache = tmp_path / "cache"
     tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
@@ -461,7 +461,7 @@ def test_pip_dies_with_a_killed_fetch(tmp_path):
             sys.executable,
             "-c",
             "import subprocess, sys, time\n"
-            "from patchkit.target.fetch import _die_with_parent\n"
+            "from patchkit.releases.fetch import _die_with_parent\n"
             "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent)\n"
             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
             "time.sleep(60)\n",

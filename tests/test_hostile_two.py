@@ -35,7 +35,7 @@ def sha(path: Path) -> str:
 
 def patchkit(*args: str, env: dict | None = None, timeout: float = 60, code: str = ""):
     """patchkit in a child Python (a hang fails the test instead of stopping the suite)."""
-    prelude = code + "\nfrom patchkit.entry import main\nmain()\n"
+    prelude = code + "\nfrom patchkit.cli.entry import main\nmain()\n"
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", prelude, *args],
@@ -517,7 +517,7 @@ def test_13_a_fifo_in_place_of_a_patched_file(slim):
 
 
 CRASH_AT_STATE = """
-import os, patchkit.engine.safepath as s
+import os, patchkit.fs.safepath as s
 _real = s.Root.write
 def _crash(self, relpath, data, origin):
     if relpath.endswith("state.json"):
@@ -651,7 +651,7 @@ def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout):
 
 
 def test_fetch_staging_cleanup_removes_the_marker_last(tmp_path):
-    from patchkit.target.fetch import STAGING_MARKER, _empty_staging
+    from patchkit.releases.fetch import STAGING_MARKER, _empty_staging
 
     staging = tmp_path / ".vllm-0.26.0-x"
     (staging / "tree" / "vllm").mkdir(parents=True)
@@ -706,7 +706,7 @@ def test_a_device_at_the_lock_is_refused_before_it_is_opened(slim):
         pytest.skip("mknod needs root")
     traced = subprocess.run(
         ["strace", "-f", "-qq", "-e", "trace=openat", sys.executable, "-c",
-         "from patchkit.entry import main; main()", "apply", "--target", str(slim)],
+         "from patchkit.cli.entry import main; main()", "apply", "--target", str(slim)],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
     ) if shutil.which("strace") else None  # fmt: skip
     result = patchkit("apply", "--target", str(slim))
@@ -720,7 +720,7 @@ def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, 
     user's directory between the marker read and the removal."""
     import ctypes
 
-    from patchkit.target import fetch
+    from patchkit.releases import fetch
 
     parent = tmp_path / "fr"
     staging, user = parent / "stg", parent / "userdir"
@@ -786,7 +786,7 @@ def test_a_component_swapped_back_to_a_directory_mid_walk_is_named_as_a_race(tmp
     """ENOTDIR at the open, a directory at the lstat: a race, not 'a directory, not a directory'."""
     import errno
 
-    from patchkit.engine import safepath
+    from patchkit.fs import safepath
 
     (tmp_path / "d").mkdir()
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
@@ -841,7 +841,7 @@ def test_a_fifo_named_config_json_is_refused_not_waited_on(tmp_path):
 def test_doctor_kernels_model_config_of_the_wrong_shape_is_one_line(tmp_path):
     """{} as config.json, a string hidden_size, a list as an adapter's rank_pattern:
     KeyError / ValueError / AttributeError, exit 3, before."""
-    from patchkit.diagnosis import configs
+    from patchkit.doctor import configs
     from patchkit.errors import PatchkitError
 
     model, adapter = tmp_path / "model", tmp_path / "adapter"

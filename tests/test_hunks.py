@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from patchkit.engine.hunks import apply_file_patch, parse_diff
+from patchkit.diffs.hunks import apply_file_patch, parse_diff
 from patchkit.errors import HunkMismatch, PatchkitError
 
 ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))

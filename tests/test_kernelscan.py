@@ -246,8 +246,9 @@ def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
 SCAN = """
 import json, sys
 from pathlib import Path
-from patchkit.diagnosis import configs, kernelscan
-from patchkit.target.tree import locate
+from patchkit.doctor import configs
+from patchkit.doctor import kernelscan
+from patchkit.vllmtree.tree import locate
 tree, wanted = locate(sys.argv[1]), sys.argv[2]
 models = configs.DEFAULT_MODELS
 if len(sys.argv) > 3:
@@ -351,7 +352,7 @@ def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbo
 
 
 def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
-    from patchkit.diagnosis.configs import model_from_dir
+    from patchkit.doctor.configs import model_from_dir
 
     model, adapter = tmp_path / "model", tmp_path / "adapter"
     model.mkdir()

@@ -1,30 +1,35 @@
-"""The package's layers hold (issue 21): every import points down or sideways, and no
-module imports itself back through others.
+"""The package's layers hold: the table in CONTRIBUTING.md, checked from the package names.
 
-Layers, lowest first: 1 primitives (errors and the engine's path, signal and
-diff code), 2 the tree and the catalogue, 3 the engine's runs and the
-target's caches and fetch, 4 fork mode, 5 diagnosis and proof, 6 the CLI.
-Lazy imports inside functions count too: they are dependencies all the same.
+A module imports from its own package or a lower layer, never from a higher
+layer or from another package of its own layer, and never back into itself
+through others. Lazy imports inside functions count too: they are
+dependencies all the same.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / "patchkit"
-LAYERS = {
-    1: ["patchkit.errors", "patchkit.symptoms", "patchkit.engine.safepath",
-        "patchkit.engine.fsutil", "patchkit.engine.signals", "patchkit.engine.hunks",
-        "patchkit.engine.diffs", "patchkit.engine.vocabulary"],
-    2: ["patchkit.target.tree", "patchkit.catalogue"],
-    3: ["patchkit.engine", "patchkit.target.caches", "patchkit.target.fetch"],
-    4: ["patchkit.target.forkmode"],
-    5: ["patchkit.diagnosis", "patchkit.proof", "patchkit.live"],
-    6: ["patchkit.cli", "patchkit.entry", "patchkit.__main__"],
-}  # fmt: skip
+ROW = re.compile(r"^\| (\d+) \| (.+) \|$")
+
+
+def layer_table() -> dict[str, int]:
+    """{package: layer} from CONTRIBUTING.md's table (``| 0 | `patchkit` (...) |``)."""
+    table = {}
+    for line in (REPO / "CONTRIBUTING.md").read_text().splitlines():
+        match = ROW.match(line)
+        if match:
+            for name in re.findall(r"`(patchkit[\w.]*)`", match[2]):
+                table[name] = int(match[1])
+    return table
+
+
+LAYERS = layer_table()
 
 
 def module_name(path: Path) -> str:
@@ -32,15 +37,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer(module: str) -> int:
-    """The layer of a module: the longest prefix listed in LAYERS wins."""
-    best, found = "", 0
-    for number, prefixes in LAYERS.items():
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
-                best, found = prefix, number
-    assert found, f"{module} is in no layer: add it to LAYERS"
-    return found
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def package_of(module: str) -> str:
+    """The table's name for a module: its package; `patchkit` for the root's own modules."""
+    if module == "patchkit.__main__":  # `python -m patchkit`: the CLI's, as the table says
+        return "patchkit.cli"
+    parts = module.split(".")
+    is_package = MODULES[module].name == "__init__.py"
+    return "patchkit" if len(parts) == 2 and not is_package else ".".join(parts[:2])
 
 
 def imports(path: Path) -> set[str]:
@@ -52,27 +58,32 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("patchkit"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                is_module = (REPO / Path(*candidate.split("."))).with_suffix(".py").is_file()
-                found.add(candidate if is_module else node.module)
-    return found
+                found.add(candidate if candidate in MODULES else node.module)
+    return found & MODULES.keys()
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def test_every_package_is_in_the_table():
+    missing = sorted({package_of(name) for name in MODULES} - LAYERS.keys())
+    assert not missing, f"add these to CONTRIBUTING.md's layer table: {missing}"
 
 
-def test_every_import_points_down_or_sideways():
-    wrong = [
-        f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
-        for name, path in MODULES.items()
-        for target in imports(path)
-        if layer(target) > layer(name)
-    ]
+def test_every_import_points_down_or_within_its_package():
+    wrong = []
+    for name, path in MODULES.items():
+        here = package_of(name)
+        for target in imports(path):
+            there = package_of(target)
+            if there == here:
+                continue
+            if LAYERS[there] > LAYERS[here]:
+                wrong.append(f"{name} (layer {LAYERS[here]}) imports {target} (layer up)")
+            elif LAYERS[there] == LAYERS[here]:
+                wrong.append(f"{name} imports {target}, a sibling package of its layer")
     assert not wrong, wrong
 
 
 def test_no_module_imports_itself_back():
-    graph = {name: imports(path) & MODULES.keys() for name, path in
-             MODULES.items()}  # fmt: skip
+    graph = {name: imports(path) for name, path in MODULES.items()}
     done: set[str] = set()
 
     def visit(name: str, stack: list[str]) -> None:
@@ -88,7 +99,27 @@ def test_no_module_imports_itself_back():
         visit(name, [])
 
 
+def test_no_import_is_renamed_to_read_well():
+    """`from patchkit.x import y as z` hides what a name is; name modules well instead."""
+    renamed = [
+        f"{module_name(path)}: {node.module}.{alias.name} as {alias.asname}"
+        for path in MODULES.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("patchkit")
+        for alias in node.names
+        if alias.asname
+    ]
+    assert not renamed, renamed
+
+
 def test_the_package_init_files_import_nothing():
-    """Empty __init__ files: importing patchkit.engine.hunks never drags the engine in."""
+    """Empty __init__ files: importing patchkit.diffs.hunks never drags the engine in."""
     for path in PACKAGE.rglob("__init__.py"):
         assert not imports(path), path
+
+
+def test_no_folder_is_named_like_build_output():
+    """Build tools, .gitignore templates and code browsers skip these names."""
+    named = {"target", "build", "dist", "out", "bin", "obj"}
+    found = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name in named]
+    assert not found, found

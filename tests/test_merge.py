@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from patchkit.errors import PatchkitError
-from patchkit.proof import merge
+from patchkit.verify import merge
 
 # ---------------------------------------------------------------------------
 # a safetensors writer and reader of the test's own

@@ -940,8 +940,8 @@ def test_the_replacement_of_an_older_probe_is_one_commit_a_failure_changes_nothi
 ):
     """A failure while the replacement is written leaves the older probe in place, not a
     tree without the probe (what revert-then-apply would leave)."""
-    from patchkit.engine.safepath import Root
-    from patchkit.engine.state import STATE_FILE
+    from patchkit.fs.safepath import Root
+    from patchkit.patching.state import STATE_FILE
 
     older = older_catalogue(tmp_path)
     root = copy_tree("0.26.0", tmp_path / "site")

@@ -1,4 +1,4 @@
-"""PEFT's pattern keys without backtracking (patchkit/proof/patterns.py).
+"""PEFT's pattern keys without backtracking (patchkit/verify/patterns.py).
 
 PEFT's get_pattern_key and vLLM 0.32+'s PEFTHelper._match_pattern (read in the
 0.33.0 wheel, vllm/lora/peft_helper.py) take the first key with
@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 
-from patchkit.proof.patterns import MAX_STATES, Matcher, compile_peft_key
+from patchkit.verify.patterns import MAX_STATES, Matcher, compile_peft_key
 
 
 def peft_match(key: str, name: str) -> bool:
@@ -171,7 +171,7 @@ def test_keys_that_make_re_backtrack_for_ever_finish_under_a_cpu_limit():
         f"""
         import resource
         resource.setrlimit(resource.RLIMIT_CPU, (20, 20))
-        from patchkit.proof.patterns import compile_peft_key
+        from patchkit.verify.patterns import compile_peft_key
         for key in {BACKTRACKING!r}:
             for name in ("a" * 5000, "model.layers.1.self_attn.q_proj" * 160):
                 print(key, len(name), compile_peft_key(key).match(name))

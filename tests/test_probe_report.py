@@ -262,12 +262,12 @@ def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path):
 
 def test_an_interrupt_names_the_command_as_typed(tmp_path, monkeypatch):
     """Ctrl-C/SIGTERM in `probe report` said "`patchkit report` changes nothing"."""
-    from patchkit.diagnosis import probe
+    from patchkit.probe import report as reader
 
     def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(probe, "report", interrupted)
+    monkeypatch.setattr(reader, "report", interrupted)
     result = run_cli("probe", "report", str(write_log(tmp_path, HEADER)))
     assert result.exit_code == 130
     assert result.stderr.strip() == (
@@ -484,7 +484,7 @@ def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_pa
     code = (
         "import re, resource, sys\n"
         "from patchkit.cli.main import main\n"
-        "from patchkit.diagnosis import probe\n"
+        "from patchkit.probe import report\n"
         "status = open('/proc/self/status').read()\n"
         "size = int(re.search(r'VmSize:\\s+(\\d+)', status).group(1)) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20),) * 2)\n"

@@ -124,7 +124,7 @@ def test_the_pristine_download_runs_with_signals_acted_on(tmp_path):
     log = tmp_path / "mask.json"
     prelude = f"""
 import json, signal
-import patchkit.target.fetch as fetching
+import patchkit.releases.fetch as fetching
 def fetch(version, dest=None):  # the download itself: the cached wheel tree, no network
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     open({str(log)!r}, "w").write(json.dumps(sorted(int(s) for s in blocked)))
@@ -300,7 +300,7 @@ def test_a_journal_whose_tree_path_holds_a_link_is_refused(tmp_path):
 
 def test_the_journal_reads_the_state_file_the_engine_writes():
     from patchkit.catalogue.journal import TREE_RECORD
-    from patchkit.engine.state import STATE_FILE
+    from patchkit.patching.state import STATE_FILE
 
     assert TREE_RECORD == STATE_FILE
 

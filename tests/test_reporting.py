@@ -184,7 +184,7 @@ def test_caches_that_cannot_be_cleared_after_apply_are_a_warning(tree_0260, tmp_
 
 TIDY_FAILS = """
 import errno, os
-from patchkit.engine import operations
+from patchkit.patching import operations
 def _tidy(fs, lock):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 operations.tidy = _tidy
@@ -277,9 +277,9 @@ def test_a_dry_run_shows_the_state_the_tree_is_in(tree_0260):
 
 def test_counts_are_in_their_number():
     """ "all 1 models answer sanely", "(and 1 more warnings)"."""
-    from patchkit.engine.decide import _fail_strict
+    from patchkit.canary.check import Report, Verdict
     from patchkit.errors import PatchkitError
-    from patchkit.live.canary import Report, Verdict
+    from patchkit.patching.decide import _fail_strict
 
     assert Report("http://h", models=[Verdict("m")]).summary() == "the 1 model answers sanely"
     assert Report("http://h", models=[Verdict("m"), Verdict("n")]).summary() == (

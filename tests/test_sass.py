@@ -7,7 +7,7 @@ then varied one property at a time.
 
 from __future__ import annotations
 
-from patchkit.diagnosis import sass
+from patchkit.doctor import sass
 
 # block_n 128, 2 stages, fp32 input: the pipelined loop of the unpatched default.
 PIPELINED = """

@@ -26,7 +26,7 @@ from tests.test_write_points import normalized, slim_tree
 
 STRACE = shutil.which("strace")
 SYSCALLS = ("rename", "renameat", "renameat2", "unlink", "unlinkat", "write", "fsync", "fdatasync")
-PATCHKIT = [sys.executable, "-c", "from patchkit.entry import main; main()"]
+PATCHKIT = [sys.executable, "-c", "from patchkit.cli.entry import main; main()"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
 
 pytestmark = pytest.mark.skipif(

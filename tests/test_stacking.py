@@ -130,7 +130,7 @@ def test_a_reinstalled_vllm_under_a_stale_stack_is_decided_by_content(pair):
 
 
 CRASH_AT_STATE_WRITE = """
-import os, patchkit.engine.safepath as s
+import os, patchkit.fs.safepath as s
 _real = s.Root.write
 def _crash(self, relpath, data, origin):
     if relpath.endswith("state.json"):

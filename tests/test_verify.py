@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from patchkit.proof import e2e, kernelcheck
+from patchkit.verify import e2e, kernelcheck
 from tests.conftest import run_cli, run_subprocess
 
 torch = pytest.importorskip("torch", reason="verify's checks need torch (the test extra)")

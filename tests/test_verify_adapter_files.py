@@ -6,7 +6,7 @@ the descriptor before a byte is read, parsed with its nesting and numbers
 bounded, and checked by type; every failure is one line naming the file and
 the key, exit 1 (bad content) or 2 (bad usage), decided before torch is
 imported and before anything is written. A rank_pattern key is matched
-without backtracking (patchkit/proof/patterns.py; its semantics are tested in
+without backtracking (patchkit/verify/patterns.py; its semantics are tested in
 tests/test_peft_patterns.py). Bounds are shown with RLIMIT_CPU and RLIMIT_AS
 in a child process, never with a clock.
 """
@@ -311,7 +311,7 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(user):
         import signal, sys
         signal.alarm(60)
         from patchkit.errors import PatchkitError
-        from patchkit.proof import merge
+        from patchkit.verify import merge
         try:
             merge.SafetensorsFile({str(fifo)!r})
         except PatchkitError as exc:

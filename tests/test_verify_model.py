@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.errors import PatchkitError, UsageProblem
-from patchkit.proof import e2e, merge, serving
-from patchkit.proof import model as user_model
+from patchkit.verify import e2e, merge, serving, usermodel
 from tests.conftest import run_cli, run_subprocess
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
@@ -161,7 +160,7 @@ def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
         config["text_config"].pop(key, None)
     path.write_text(json.dumps({**config, **values}))
     with pytest.raises(UsageProblem, match=r"config.json") as err:
-        user_model.prepare(user["model"], [("one", user["one"])], 1, None, 0)
+        usermodel.prepare(user["model"], [("one", user["one"])], 1, None, 0)
     assert "\n" not in str(err.value)
 
 
@@ -173,7 +172,7 @@ def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from patchkit.engine import signals
+    from patchkit.fs import signals
 
     started = []
 
@@ -224,24 +223,24 @@ def test_the_cli_refuses_tp_beyond_the_gpus_before_any_work():
 
 def test_prompt_lengths_follow_max_model_len():
     config = {"max_position_embeddings": 262144}
-    assert user_model.max_model_len(config, None) == 16400
-    assert user_model.prompt_lengths(16400) == [600, 3000, 16384]
-    assert user_model.prompt_lengths(2000) == [600, 1984]
-    assert user_model.prompt_lengths(616) == [600]
-    assert user_model.max_model_len({"max_position_embeddings": 8192}, None) == 8192
+    assert usermodel.max_model_len(config, None) == 16400
+    assert usermodel.prompt_lengths(16400) == [600, 3000, 16384]
+    assert usermodel.prompt_lengths(2000) == [600, 1984]
+    assert usermodel.prompt_lengths(616) == [600]
+    assert usermodel.max_model_len({"max_position_embeddings": 8192}, None) == 8192
     with pytest.raises(UsageProblem):
-        user_model.max_model_len(config, 615)
+        usermodel.max_model_len(config, 615)
 
 
 def test_prompts_avoid_special_ids_and_stay_in_the_plain_vocabulary():
     config = {"vocab_size": 12, "image_token_id": 3, "text_config": {}, "eos_token_id": 5}
-    prompts = user_model.make_prompts(config, [600, 3000], seed=1)
+    prompts = usermodel.make_prompts(config, [600, 3000], seed=1)
     assert [len(p) for p in prompts.values()] == [600, 3000]
     used = {t for p in prompts.values() for t in p}
     assert used == set(range(1, 12)) - {3, 5}
-    big = user_model.make_prompts({"vocab_size": 248320}, [600], seed=1)
-    assert max(big["p600"]) < user_model.PLAIN_VOCAB
-    assert big == user_model.make_prompts({"vocab_size": 248320}, [600], seed=1)
+    big = usermodel.make_prompts({"vocab_size": 248320}, [600], seed=1)
+    assert max(big["p600"]) < usermodel.PLAIN_VOCAB
+    assert big == usermodel.make_prompts({"vocab_size": 248320}, [600], seed=1)
 
 
 def test_engine_memory_and_lora_rank():
@@ -261,7 +260,7 @@ def test_engine_memory_and_lora_rank():
 def test_the_disk_the_references_need_is_said_before_anything_is_written(user, tmp_path):
     said = []
     adapters = {"one": user["one"], "two": user["two"]}
-    plans = user_model.plan_references(user["model"], adapters, tmp_path / "work", said.append)
+    plans = usermodel.plan_references(user["model"], adapters, tmp_path / "work", said.append)
     needed = 2 * sum(p.bytes_needed for p in plans.values())  # reference and rounding control
     assert needed > 0 and not (tmp_path / "work").exists()
     assert said[0].startswith("merged references: 2 adapter(s), each merged twice (")
@@ -274,7 +273,7 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 100, 100))
     before = listing(tmp_path)
     with pytest.raises(PatchkitError, match=r"need .* and 100 B is free; give --workdir"):
-        user_model.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
+        usermodel.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
     assert listing(tmp_path) == before
 
 
@@ -319,9 +318,9 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
     monkeypatch.setattr(serving, "serve_all", serve_all)
     work = tmp_path / "work"
     work.mkdir()
-    setup = user_model.prepare(user["model"], [("one", user["one"]), ("two", user["two"])], 1,
+    setup = usermodel.prepare(user["model"], [("one", user["one"]), ("two", user["two"])], 1,
                                3016, 0)  # fmt: skip
-    checks = user_model.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
+    checks = usermodel.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
     assert [c.name for c in checks if not c.ok] == []
     assert seen["merged"] == ["merged-one", "merged-two"]
     assert seen["rounding"] == ["rounding-one", "rounding-two"]
@@ -344,13 +343,13 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
     monkeypatch.setattr(serving, "serve_all", interrupted)
     work = tmp_path / "work"
     work.mkdir()
-    setup = user_model.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
     with pytest.raises(KeyboardInterrupt):
-        user_model.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
+        usermodel.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
     assert list(work.iterdir()) == []
     monkeypatch.setattr(serving, "serve_all", lambda *a: fake_served(["one"]))
     keep = tmp_path / "keep"
-    user_model.run_model(user["model"], setup, None, keep, (1 << 40, 1 << 40), print)
+    usermodel.run_model(user["model"], setup, None, keep, (1 << 40, 1 << 40), print)
     assert (keep / "merged-one" / "config.json").is_file()
     assert (keep / "rounding-one" / "config.json").is_file()
     merged = {f.name: f.read_bytes() for f in (keep / "merged-one").glob("*.safetensors")}
@@ -373,7 +372,7 @@ def failing(checks) -> list[str]:
 
 
 def test_compare_passes_a_clean_run():
-    assert failing(user_model.compare(fake_served(["one", "two"]), ["one", "two"])) == []
+    assert failing(usermodel.compare(fake_served(["one", "two"]), ["one", "two"])) == []
 
 
 def lora(served, mode="eager", name="one"):
@@ -412,7 +411,7 @@ def lora(served, mode="eager", name="one"):
 def test_compare_catches(damage, expected):
     served = fake_served(["one", "two"])
     damage(served)
-    assert expected in failing(user_model.compare(served, ["one", "two"]))
+    assert expected in failing(usermodel.compare(served, ["one", "two"]))
 
 
 def shift(group: dict, by: float) -> None:
@@ -434,7 +433,7 @@ def test_the_bound_is_the_references_own_rounding_times_the_factor(rounding, lor
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], rounding - 0.004)
     shift(lora(served), lora_off)
-    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
     assert row.ok is passes, row.detail
     assert checks["reference one: its own bf16 rounding"].ok
@@ -446,7 +445,7 @@ def test_the_references_rounding_is_taken_over_all_prompts():
     served = fake_served(["one"])
     shift({"p3000": served["rounding-one"]["runs"]["merged"]["p3000"]}, 0.026)  # 0.03 apart
     shift({"p600": lora(served)["p600"]}, 0.04)
-    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
     assert row.ok and "(<= 0.045)" in row.detail, row.detail
 
@@ -458,9 +457,9 @@ def test_a_control_with_one_wild_token_does_not_let_a_broken_position_by():
     served["rounding-one"]["runs"]["merged"]["p600"]["prompt_logprobs"][10] -= 6.0
     for position in (0, 300):
         lora(served)["p600"]["prompt_logprobs"][position] -= 8.0
-    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
-    assert not row.ok and f"(<= {user_model.MAX_CEILING})" in row.detail, row.detail
+    assert not row.ok and f"(<= {usermodel.MAX_CEILING})" in row.detail, row.detail
     assert checks["cudagraph: one 600 tokens vs merged"].ok
 
 
@@ -468,12 +467,12 @@ def test_a_bound_too_wide_for_the_adapters_effect_fails_as_too_coarse_to_tell():
     """An adapter that moves log-probs by 0.1 against the bound 0.03: 30 % of its
     effect, so the same adapter at 70 % of its strength could pass."""
     served = fake_served(["one"], effect=0.1)
-    row = {c.name: c for c in user_model.compare(served, ["one"])}[
+    row = {c.name: c for c in usermodel.compare(served, ["one"])}[
         "eager: one adapter differs from base"
     ]
     assert not row.ok and "too coarse to tell" in row.detail, row.detail
     served = fake_served(["one", "two", "three"], effect=0.1)  # `three` moves 0.3: 10 %
-    rows = {c.name: c for c in user_model.compare(served, ["one", "two", "three"])}
+    rows = {c.name: c for c in usermodel.compare(served, ["one", "two", "three"])}
     assert rows["eager: three adapter differs from base"].ok
 
 
@@ -481,7 +480,7 @@ def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], 0.2)
     shift(lora(served), 0.15)  # within 1.5 x the 0.2 apart: passes only on a reference this coarse
-    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     coarse = checks["reference one: its own bf16 rounding"]
     assert not coarse.ok and "too coarse in bf16 to judge a LoRA path by" in coarse.detail
 
@@ -491,7 +490,7 @@ def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
     for group in [served["merged-one"]["runs"]["merged"], lora(served), lora(served, "cudagraph")]:
         for request in group.values():
             request["prompt_logprobs"] = [v + 0.095 for v in request["prompt_logprobs"]]
-    checks = {c.name: c for c in user_model.compare(served, ["one"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     weak = checks["eager: one adapter differs from base"]
     assert not weak.ok and "too little to tell LoRA applied from not" in weak.detail
 
@@ -499,11 +498,11 @@ def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
 def test_e2e_checks_the_moe_case_like_a_user_model():
     """The MoE engines of --e2e are judged by model.compare under the moe- prefix."""
     served = fake_served(["moe"], prefix="moe-")
-    checks = user_model.compare(served, ["moe"], prefix="moe-")
+    checks = usermodel.compare(served, ["moe"], prefix="moe-")
     assert checks and failing(checks) == []
     assert "moe-eager: moe 600 tokens vs merged" in [c.name for c in checks]
     lora(served, "moe-cudagraph", "moe")["p3000"]["prompt_logprobs"][0] = -30.0
-    assert failing(user_model.compare(served, ["moe"], prefix="moe-")) == [
+    assert failing(usermodel.compare(served, ["moe"], prefix="moe-")) == [
         "moe-cudagraph: moe 3000 tokens vs merged"
     ]
     assert e2e.MOE_PROMPT_LENGTHS == [600, 3000]
@@ -514,7 +513,7 @@ def test_jobs_name_their_engines_and_requests():
              "max_model_len": 3016, "seed": 1, "gpu_memory_utilization": 0.05,
              "kv_cache_bytes": 1 << 30}  # fmt: skip
     adapters = {"one": Path("/a/one"), "two": Path("/a/two")}
-    requests = user_model.lora_requests(list(adapters), setup["prompts"])
+    requests = usermodel.lora_requests(list(adapters), setup["prompts"])
     assert requests == [
         ("base", "p600", None), ("base", "p3000", None),
         ("lora:one", "p600", "one"), ("lora:one", "p3000", "one"),
@@ -560,7 +559,7 @@ def test_an_engine_wide_health_row_names_the_adapter_whose_requests_went_bad():
     served = fake_served(["one", "two"])
     lora(served, name="two")["p600"]["prompt_logprobs"][3] = math.nan
     lora(served, name="two")["p3000"]["tokens"] = [0, 0, 0, 0]
-    checks = {c.name: c for c in user_model.compare(served, ["one", "two"])}
+    checks = {c.name: c for c in usermodel.compare(served, ["one", "two"])}
     assert checks["eager: no NaN log-probabilities"].detail == "1 NaN (in lora:two)"
     zero = checks["eager: no run of token id 0"]
     assert not zero.ok and zero.detail.endswith("zeros in a row (in lora:two)")

@@ -107,7 +107,7 @@ sys.addaudithook(_hook)
     [
         (["fetch", "0.26.0", "--dest", "DEST"], "subprocess.Popen", "True",
          "the destination is complete or untouched"),
-        (["doctor"], "import", "args[0] == 'patchkit.diagnosis.doctor'",
+        (["doctor"], "import", "args[0] == 'patchkit.doctor.doctor'",
          "`patchkit doctor` changes nothing"),
         (["apply", "--target", "TREE"], "os.rename", "True",
          "each patch is fully applied or not at all"),

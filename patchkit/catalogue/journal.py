@@ -38,11 +38,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.engine.fsutil import decode_json
-from patchkit.engine.safepath import Root, UnsafePath, checked_relpath
-from patchkit.engine.signals import held
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.target.tree import sha256_bytes
+from patchkit.fs.files import decode_json
+from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
+from patchkit.fs.signals import held
+from patchkit.vllmtree.tree import sha256_bytes
 
 JOURNAL_DIR = ".patchkit-refresh"
 JOURNAL = f"{JOURNAL_DIR}/journal.json"

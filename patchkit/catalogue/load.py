@@ -34,9 +34,9 @@ from patchkit.catalogue.model import (
     Switch,
     Variant,
 )
-from patchkit.engine.safepath import checked_relpath
 from patchkit.errors import PatchkitError
-from patchkit.target.tree import is_version
+from patchkit.fs.safepath import checked_relpath
+from patchkit.vllmtree.tree import is_version
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from patchkit.engine.hunks import FilePatch, created_file_patch, parse_diff
+from patchkit.diffs.hunks import FilePatch, created_file_patch, parse_diff
 from patchkit.errors import PatchkitError
 
 DECISION_STATES = ("upstream", "not-applicable")

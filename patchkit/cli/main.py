@@ -35,11 +35,12 @@ import click
 
 from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import render
-from patchkit.engine import operations, signals
-from patchkit.engine.decide import RunOptions, select
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.target import forkmode
-from patchkit.target.tree import is_version, locate
+from patchkit.forks import forkmode
+from patchkit.fs import signals
+from patchkit.patching import operations
+from patchkit.patching.decide import RunOptions, select
+from patchkit.vllmtree.tree import is_version, locate
 
 TARGET_HELP = (
     "Directory that contains vllm/ (site-packages, dist-packages or a vLLM checkout). "
@@ -136,7 +137,7 @@ def silence_stdout() -> None:
 
 
 # What an interrupted command leaves behind, by command. Writes happen with
-# Ctrl-C and SIGTERM held (patchkit.engine.signals), so a write step is never split.
+# Ctrl-C and SIGTERM held (patchkit.fs.signals), so a write step is never split.
 INTERRUPTED = {
     "apply": "interrupted; patchkit finished the step it was in, so each patch is fully "
     "applied or not at all (`patchkit status` shows which; `patchkit revert` undoes them)",
@@ -276,7 +277,7 @@ def check_version(ctx, param, value: str | None) -> str | None:
 def check_add(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     """A --add path that is absolute, climbs out or is not under vllm/ is a usage error
     (exit 2), caught before any work."""
-    from patchkit.engine.safepath import checked_relpath
+    from patchkit.fs.safepath import checked_relpath
 
     for relpath in value:
         try:
@@ -420,7 +421,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
     show(result, as_json)
 
 
-@main.command()
+@main.command("refresh")
 @click.argument("patch_id", metavar="ID")
 @target_options
 @click.option("--variant", metavar="NAME", help="The variant to write (default: the one applied).")
@@ -439,7 +440,7 @@ def revert(target, vllm_version, only, force, clear_caches, allow_dirty, as_json
 )
 @json_option
 @user_errors
-def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> None:
+def refresh_command(patch_id, target, vllm_version, variant, add, pristine, as_json) -> None:
     """Rewrite patch ID's diff from the tree it is applied to (maintainers; like quilt refresh).
 
     Apply the patch, edit the patched files in the tree, then refresh: the
@@ -449,15 +450,15 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
     """
     from pathlib import Path
 
-    from patchkit.engine.refresh import refresh as refresh_patch
-    from patchkit.engine.safepath import checked_relpath
+    from patchkit.fs.safepath import checked_relpath
+    from patchkit.patching.refresh import refresh
 
     catalogue = load_catalogue()
     check_only((patch_id,), catalogue)
     for relpath in add:
         checked_relpath(relpath, "--add")
     tree = locate(target, vllm_version)
-    result = refresh_patch(
+    result = refresh(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
     outcome().done([render.refresh_summary(result)])
@@ -467,7 +468,7 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
         render.render_refresh(result)
 
 
-@main.command()
+@main.command("fetch")
 @click.argument("version")
 @click.option(
     "--dest",
@@ -477,20 +478,20 @@ def refresh(patch_id, target, vllm_version, variant, add, pristine, as_json) -> 
 )
 @json_option
 @user_errors
-def fetch(version: str, dest: str | None, as_json: bool) -> None:
+def fetch_command(version: str, dest: str | None, as_json: bool) -> None:
     """Download vLLM VERSION's wheel and print the directory of its unpacked tree.
 
     Shows pip's progress on a terminal; quiet with --json or when stderr is not one.
     """
-    from patchkit.target.fetch import fetch as fetch_tree
+    from patchkit.releases.fetch import fetch
 
     progress = not as_json and sys.stderr.isatty()
-    path = fetch_tree(version, dest, progress=progress)
+    path = fetch(version, dest, progress=progress)
     outcome().done([f"fetch: vLLM {version} is at {path}"])
     render.emit_json({"ok": True, "path": str(path)}) if as_json else render.out(str(path))
 
 
-@main.command()
+@main.command("verify")
 @click.option(
     "--e2e",
     is_flag=True,
@@ -546,7 +547,7 @@ def fetch(version: str, dest: str | None, as_json: bool) -> None:
 )
 @json_option
 @user_errors
-def verify(
+def verify_command(
     e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep, as_json
 ) -> None:
     """Prove on this GPU that the installed vLLM's LoRA path gives sound numbers.
@@ -554,7 +555,7 @@ def verify(
     Needs an NVIDIA GPU, torch and the vLLM that this Python imports. Exit 1
     on any failed check.
     """
-    from patchkit.proof import verify as verifying
+    from patchkit.verify import runner
 
     request = verify_request(
         e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep
@@ -562,7 +563,7 @@ def verify(
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     say = functools.partial(click.echo, err=True)
-    result = verifying.run(load_catalogue(), request, say)
+    result = runner.run(load_catalogue(), request, say)
     render.emit_json(result.to_json()) if as_json else render.render_verify(result)
     sys.exit(0 if result.ok else 1)
 
@@ -572,8 +573,8 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
     from pathlib import Path
 
     from patchkit.errors import UsageProblem
-    from patchkit.proof import verify as verifying
-    from patchkit.proof.model import parse_lora
+    from patchkit.verify import runner
+    from patchkit.verify.usermodel import parse_lora
 
     if loras and model is None:
         raise UsageProblem("--lora needs --model DIR (the base model the adapters belong to)")
@@ -591,7 +592,7 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
         raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
     if keep is not None:
         _check_keep(Path(keep))
-    return verifying.Request(
+    return runner.Request(
         e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
         model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
         tensor_parallel_size=tp, max_model_len=max_model_len,
@@ -616,7 +617,7 @@ def _check_keep(keep) -> None:
         )
 
 
-@main.command()
+@main.command("doctor")
 @target_options
 @click.option(
     "--kernels",
@@ -643,7 +644,7 @@ def _check_keep(keep) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="With --kernels: one line per config.")
 @json_option
 @user_errors
-def doctor(
+def doctor_command(
     target: str | None,
     vllm_version: str | None,
     kernels: bool,
@@ -658,7 +659,7 @@ def doctor(
     """
     from pathlib import Path
 
-    from patchkit.diagnosis import doctor as doctoring
+    from patchkit.doctor import doctor
 
     if (model or adapters) and not kernels:
         raise click.UsageError("--model and --adapter go with --kernels")
@@ -670,10 +671,10 @@ def doctor(
         tree, tree_error = None, str(exc)
     request = None
     if kernels:
-        request = doctoring.ScanRequest(
+        request = doctor.ScanRequest(
             Path(model) if model else None, tuple(Path(a) for a in adapters)
         )
-    result = doctoring.run(tree, tree_error, load_catalogue(), kernels=request)
+    result = doctor.run(tree, tree_error, load_catalogue(), kernels=request)
     if as_json:
         render.emit_json(result.to_json())
     else:
@@ -706,7 +707,7 @@ def check_finite(ctx, param, value: float) -> float:
     return value
 
 
-@main.command()
+@main.command("canary")
 @click.option(
     "--url",
     metavar="URL",
@@ -752,7 +753,7 @@ def check_finite(ctx, param, value: float) -> float:
 )
 @json_option
 @user_errors
-def canary(url, api_key, models, prompt_tokens, timeout, record, as_json) -> None:
+def canary_command(url, api_key, models, prompt_tokens, timeout, record, as_json) -> None:
     """Ask a running vLLM server whether each model and LoRA adapter answers sanely.
 
     One long greedy prompt per model; NaN log-probabilities, runs of token id 0
@@ -761,14 +762,14 @@ def canary(url, api_key, models, prompt_tokens, timeout, record, as_json) -> Non
     """
     from pathlib import Path
 
-    from patchkit.live import canary as canary_check  # httpx, prometheus_client: only here
+    from patchkit.canary import check  # httpx, prometheus_client: only here
 
-    result = canary_check.run(
+    result = check.run(
         url, api_key, models, prompt_tokens, timeout, Path(record) if record else None
     )
     render.emit_canary(result, as_json, api_key)
     if not result.ok:
-        fail(canary_check.scrub(result.summary(), api_key), EXIT_FAILURE, False)
+        fail(check.scrub(result.summary(), api_key), EXIT_FAILURE, False)
 
 
 @main.group(cls=click.Group)
@@ -790,9 +791,9 @@ def probe_report(log_file: str, as_json: bool) -> None:
     """
     from pathlib import Path
 
-    from patchkit.diagnosis import probe as probe_log
+    from patchkit.probe import report
 
-    result = probe_log.report(Path(log_file))
+    result = report.report(Path(log_file))
     render.render_probe_warnings(result)
     if as_json:
         render.emit_json(result.to_json())

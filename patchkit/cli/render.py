@@ -1,7 +1,7 @@
 """Render reports for people (aligned text) and for machines (--json).
 
 Objects become text and JSON here and nowhere else. A patch's state is
-written with the same word in every command (:mod:`patchkit.engine.vocabulary`);
+written with the same word in every command (:mod:`patchkit.vocabulary`);
 apply and revert add what the run did to it, and end with one summary line.
 """
 
@@ -15,9 +15,9 @@ from collections import Counter
 import click
 
 from patchkit.catalogue.model import Catalogue
-from patchkit.engine.decide import Step
-from patchkit.engine.operations import RunReport
-from patchkit.engine.vocabulary import Action
+from patchkit.patching.decide import Step
+from patchkit.patching.operations import RunReport
+from patchkit.vocabulary import Action
 
 SOURCES = {
     "metadata": "dist-info metadata",
@@ -254,13 +254,13 @@ def render_verify(report) -> None:
 
 def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     """Print the canary's report as JSON or text, with the API key scrubbed from both."""
-    from patchkit.live import canary
+    from patchkit.canary import check
 
     if as_json:
-        out(canary.scrub(json.dumps(report.to_json(), indent=2), api_key))
+        out(check.scrub(json.dumps(report.to_json(), indent=2), api_key))
     else:
         # model ids and answers come from the server: control characters escaped
-        render_canary(report, lambda line: out(printable(canary.scrub(line, api_key))))
+        render_canary(report, lambda line: out(printable(check.scrub(line, api_key))))
 
 
 def printable(line: str) -> str:
@@ -269,14 +269,14 @@ def printable(line: str) -> str:
 
 
 def render_canary(report, out) -> None:
-    from patchkit.live import canary
-
     """The text report: a line per model, the counter, the verdict and the next steps."""
+    from patchkit.canary import check
+
     version = f"vLLM {report.version}" if report.version else "server"
     out(
         f"{version} at {report.url}: {counted(len(report.models), 'model')}, "
         f"prompt ~{report.prompt_tokens}"
-        f" tokens, {canary.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
+        f" tokens, {check.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
     )
     width = max((len(v.model) for v in report.models), default=0)
     for v in report.models:
@@ -287,7 +287,7 @@ def render_canary(report, out) -> None:
         out(f"  {_canary_label(r):<11} {r.model:<{width}}  {again}")
     counter = report.counter
     if counter.get("present"):
-        out(f"{canary.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
+        out(f"{check.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
     for note in report.notes:
         out(f"note: {note}")
     if report.ok:

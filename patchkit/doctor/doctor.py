@@ -1,0 +1,684 @@
+"""`patchkit doctor`: what in this environment exposes or protects it, without a GPU run.
+
+Reads files and runs `nvidia-smi` and Triton's `ptxas --version`; imports
+neither vLLM nor torch nor Triton, so it works in image builds and on
+machines without GPUs. Ends with a verdict per known bug. ``--kernels``
+also runs the kernel scan (:mod:`patchkit.doctor.kernelscan`, which
+imports torch and Triton); the #48590 verdict then rests on its SASS,
+provided the scan compiled with the Triton that vLLM here runs.
+
+The report stays objects (assessments, the scan's cases, str-enum
+verdicts) until the CLI prints it or turns it into JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import stat
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
+
+from patchkit.caches.compiled import TRITON_CACHE, cache_dirs, cache_entries
+from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant
+from patchkit.doctor import configs, kernelscan
+from patchkit.doctor.kernelscan import Case, ScanReport
+from patchkit.doctor.standins import GPUS, gpu_named
+from patchkit.doctor.toolchain import (
+    Toolchain,
+    TreeTriton,
+    same_triton,
+    toolchain,
+    tree_triton,
+)
+from patchkit.errors import PatchkitError
+from patchkit.fs.files import read_json_file, write_cache_file
+from patchkit.patching import operations
+from patchkit.patching.bytecode import bytecode_paths
+from patchkit.patching.decide import Assessment
+from patchkit.vllmtree.tree import VllmTree
+from patchkit.vocabulary import PatchState, Verdict
+
+HOPPER = "9.0"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    compute_capability: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A tuned-config file that changes what a patch protects."""
+
+    file: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class OldCache:
+    name: str
+    path: str
+    entries: int
+
+
+@dataclass
+class BugVerdict:
+    bug: str
+    status: Verdict
+    reason: str
+    fix: str = ""
+
+
+@dataclass
+class DoctorReport:
+    gpus: list[Gpu] = field(default_factory=list)
+    gpu_note: str = ""
+    toolchain: Toolchain = field(default_factory=Toolchain)
+    fixed_from: str | None = None  # the ptxas release that fixes the race
+    tree_triton: TreeTriton | None = None  # the Triton installed next to the tree
+    tree: VllmTree | None = None
+    tree_error: str = ""
+    patches: list[Assessment] = field(default_factory=list)
+    tuned_configs: list[Finding] = field(default_factory=list)  # every override check's findings
+    overrides: dict[str, list[Finding]] = field(default_factory=dict)  # the same, per patch id
+    stale_bytecode: list[str] = field(default_factory=list)
+    old_caches: list[OldCache] = field(default_factory=list)
+    kernels: ScanReport | None = None  # the --kernels scan, when asked for
+    verdicts: list[BugVerdict] = field(default_factory=list)
+
+    def states(self) -> dict[str, PatchState]:
+        return {a.patch.id: PatchState(a.state) for a in self.patches}
+
+    def vllm_ptxas(self) -> str | None:
+        """The version of the ptxas vLLM's Triton compiles with, as far as files tell."""
+        theirs = self.tree_triton
+        if theirs and theirs.version and not os.environ.get("TRITON_PTXAS_PATH"):
+            return theirs.ptxas_version
+        return self.toolchain.ptxas_version
+
+    def to_json(self) -> dict:
+        """The report as JSON: called by the CLI, nowhere else."""
+        triton = self.toolchain.to_json() | {"fixed_from": self.fixed_from}
+        triton["version"] = triton.pop("triton")
+        vllm = self.tree.describe() if self.tree else {"error": self.tree_error}
+        return {
+            "gpus": [dataclasses.asdict(g) for g in self.gpus],
+            "gpu_note": self.gpu_note,
+            "triton": triton,
+            "triton_next_to_vllm": self.tree_triton.to_json() if self.tree_triton else None,
+            "vllm": vllm,
+            "patches": [
+                {
+                    "id": a.patch.id,
+                    "state": str(a.state),
+                    "variant": a.variant.name if a.variant else None,
+                    "files": list(a.files),
+                }
+                for a in self.patches
+            ],  # fmt: skip
+            "tuned_configs": [dataclasses.asdict(f) for f in self.tuned_configs],
+            "stale_bytecode": self.stale_bytecode,
+            "old_caches": [dataclasses.asdict(c) for c in self.old_caches],
+            "kernels": self.kernels.to_json() if self.kernels else {},
+            "verdicts": [dataclasses.asdict(v) | {"status": str(v.status)} for v in self.verdicts],
+        }
+
+
+# ----- facts -----
+
+
+def gpus() -> tuple[list[Gpu], str]:
+    """Name and compute capability of each GPU nvidia-smi shows."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "no nvidia-smi on PATH: GPU not visible here"
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return [], f"nvidia-smi failed: {exc}"
+    found = []
+    for line in out.strip().splitlines():
+        name, _, capability = line.rpartition(",")
+        found.append(Gpu(name.strip(), capability.strip()))
+    return found, "" if found else "nvidia-smi lists no GPU"
+
+
+def tuned_configs(folder: str | None) -> list[Finding]:
+    """Expand config files in VLLM_TUNED_CONFIG_FOLDER that matter for num_slices=1."""
+    if not folder:
+        return []
+    found = []
+    for path in sorted(Path(folder).glob("*_EXPAND_*.json")):
+        try:
+            data = read_json_file(path)
+        except (OSError, ValueError) as exc:
+            found.append(Finding(str(path), f"unreadable: {exc}"))
+            continue
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            found.append(Finding(str(path), "not a {max_loras: {num_slices: ...}}"))
+            continue
+        for max_loras, by_slices in data.items():
+            found += _risky_leaves(path, max_loras, by_slices)
+    return found
+
+
+def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[Finding]:
+    if "1" not in by_slices:
+        problem = (
+            f"max_loras {max_loras} has no num_slices '1' entry: "
+            "single-slice expand raises KeyError"
+        )
+        return [Finding(str(path), problem)]
+    risky = [
+        c
+        for c in leaf_configs(by_slices["1"])
+        if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2
+    ]
+    if not risky:
+        return []
+    problem = (
+        f"max_loras {max_loras}: {len(risky)} num_slices=1 configs with block_n > 32 and "
+        "num_stages >= 2 replace the patched block_n 32"
+    )
+    return [Finding(str(path), problem)]
+
+
+def leaf_configs(node) -> list[dict]:
+    """The kernel configs (dicts with a block_n) anywhere below ``node``."""
+    if isinstance(node, dict) and "block_n" in node:
+        return [node]
+    if isinstance(node, dict):
+        return [leaf for child in node.values() for leaf in leaf_configs(child)]
+    return []
+
+
+OVERRIDE_CHECKS = {"tuned-lora-configs": tuned_configs}
+
+
+def override_findings(catalogue: Catalogue) -> dict[str, list[Finding]]:
+    """For each patch with an ``[overridden_by]`` check: what its setting does here."""
+    found = {}
+    for patch in catalogue.patches:
+        override = patch.overridden_by
+        if override is not None and override.check in OVERRIDE_CHECKS:
+            findings = OVERRIDE_CHECKS[override.check](os.environ.get(override.env))
+            if findings:
+                found[patch.id] = findings
+    return found
+
+
+def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
+    """.pyc files that do not match their source as Python would check them."""
+    stale = []
+    for relpath in relpaths:
+        info = tree.fs.lstat(relpath, "doctor")
+        if info is None or not stat.S_ISREG(info.st_mode):
+            continue
+        for pyc_relpath in bytecode_paths(tree.fs, relpath):
+            problem = _pyc_problem(tree, relpath, pyc_relpath, info)
+            if problem:
+                stale.append(f"{tree.fs.full(pyc_relpath)} ({problem})")
+    return stale
+
+
+def _pyc_problem(tree: VllmTree, relpath: str, pyc_relpath: str, info) -> str:
+    """Why a .pyc does not match its source; '' if it does."""
+    try:
+        header = (tree.fs.read(pyc_relpath, "doctor") or b"")[:16]
+    except PatchkitError as exc:
+        return f"unreadable: {exc}"
+    if len(header) < 16:
+        return "truncated"
+    flags, mtime, size = struct.unpack("<4xIII", header)
+    if flags & 1 and not flags & 2:
+        return "hash-based, unchecked: never re-validated"
+    if flags & 1:
+        source_hash = importlib.util.source_hash(tree.fs.read(relpath, "doctor") or b"")
+        return "hash differs from source" if header[8:16] != source_hash else ""
+    if mtime != int(info.st_mtime) & 0xFFFFFFFF or size != info.st_size & 0xFFFFFFFF:
+        return "built from another version of the source"
+    return ""
+
+
+def old_caches(patched_at: float | None) -> list[OldCache]:
+    """Compile-cache entries written before the patched files were, except those doctor's
+    own kernel scan wrote (:func:`scan_entries`)."""
+    if patched_at is None:
+        return []
+    ours = recorded_scan_entries()
+    found = []
+    for cache in cache_dirs():
+        scanned = ours.get(str(cache.path), {})
+        older = [name for name, mtime in cache_entries(cache)
+                 if mtime < patched_at and scanned.get(name) != mtime]  # fmt: skip
+        if older:
+            found.append(OldCache(cache.name, str(cache.path), len(older)))
+    return found
+
+
+# ----- the Triton cache entries doctor's own kernel scan writes -----
+#
+# `doctor --kernels` compiles vLLM's LoRA kernels with Triton to read their
+# SASS, and Triton keeps what it compiles in its cache. Such an entry is not
+# stale code: Triton finds an entry by a hash of the kernel's source, its
+# constants and the compile options, so after a patch vLLM reaches one only
+# for a kernel and config the patch left as they were, where it is what a
+# fresh compile gives. The scan names the entries it added (listed before and
+# after, so a vLLM compiling into the same cache meanwhile counts as the
+# scan's) in patchkit's cache; an entry still as the scan left it (same name,
+# same mtime) is not counted as older than the patch.
+
+SCAN_ENTRIES_FORMAT = 1
+MAX_SCAN_ENTRIES = 5_000  # a scan writes a few hundred; the record stays under 1 MiB
+
+
+def scan_entries_file() -> Path:
+    from patchkit.fs.places import cache_root
+
+    return cache_root() / "kernel-scan" / "doctor-cache-entries.json"
+
+
+def recorded_scan_entries() -> dict[str, dict[str, float]]:
+    """{cache path: {entry name: mtime}} of the entries earlier scans wrote; {} if none."""
+    try:
+        data = read_json_file(scan_entries_file())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != SCAN_ENTRIES_FORMAT:
+        return {}
+    caches = data.get("caches")
+    if not isinstance(caches, dict):
+        return {}
+    return {
+        path: {n: m for n, m in entries.items() if isinstance(m, float)}
+        for path, entries in caches.items()
+        if isinstance(entries, dict)
+    }
+
+
+def cache_snapshot() -> dict[str, dict[str, float]]:
+    """{cache path: {entry name: mtime}} of Triton's cache now (the one the scan writes)."""
+    return {
+        str(c.path): dict(cache_entries(c))
+        for c in cache_dirs()
+        if c.name == TRITON_CACHE and c.path is not None
+    }
+
+
+def remember_scan_entries(before: dict[str, dict[str, float]]) -> None:
+    """Add the entries that appeared since ``before`` to the record (entries gone are dropped)."""
+    after = cache_snapshot()
+    record = recorded_scan_entries()
+    for path, entries in after.items():
+        kept = {n: m for n, m in record.get(path, {}).items() if entries.get(n) == m}
+        added = {n: m for n, m in entries.items() if n not in before.get(path, {})}
+        merged = {**kept, **added}
+        if merged:
+            record[path] = dict(list(merged.items())[-MAX_SCAN_ENTRIES:])
+    data = {"format": SCAN_ENTRIES_FORMAT, "caches": record}
+    try:
+        write_cache_file(scan_entries_file(), json.dumps(data).encode())
+    except OSError:
+        pass  # unwritable: the entries are counted as older than the patch, as before
+
+
+# ----- verdicts -----
+
+
+def verdicts(
+    report: DoctorReport, version: Version | None, catalogue: Catalogue
+) -> list[BugVerdict]:
+    """One verdict per bug that the catalogue's patches declare, then the stale-code check."""
+    states = report.states()
+    found = [bug_verdict(report, version, states, group) for group in bug_groups(catalogue)]
+    found.append(_stale_verdict(report))
+    if report.tree is None:  # no vLLM tree: nothing to judge a bug of vLLM by
+        return [BugVerdict(v.bug, Verdict.UNKNOWN, "no vLLM found to judge by") for v in found]
+    return found
+
+
+def bug_groups(catalogue: Catalogue) -> list[list[Patch]]:
+    """The patches of each declared bug, in series order; bugs in order of first mention."""
+    groups: dict[tuple[str, ...], list[Patch]] = {}
+    for patch in catalogue.patches:
+        if patch.diagnosis is not None:
+            groups.setdefault(patch.diagnosis.bugs, []).append(patch)
+    return list(groups.values())
+
+
+def bug_verdict(
+    report: DoctorReport,
+    version: Version | None,
+    states: dict[str, PatchState],
+    patches: list[Patch],
+) -> BugVerdict:
+    """Judge one bug from its patches' declared diagnosis and this machine's facts."""
+    d = patches[0].diagnosis
+    if version is None:
+        return BugVerdict(d.label, Verdict.UNKNOWN, "no vLLM version to judge by")
+    if not d.affected.contains(version, prereleases=True):
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, f"vLLM {version} is not in {d.affected}")
+    unaffected = _machine_unaffected(report, d)
+    if unaffected:
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, unaffected)
+    scan = report.kernels
+    if d.kernel_scan and scan is not None and not scan.error:
+        mismatch = triton_mismatch(report)
+        if not mismatch:
+            return _scan_verdict(d, report, states, patches)
+        judged = _rule_verdict(d, report, states, patches)
+        judged.reason += f"; {mismatch}"
+        return judged
+    return _rule_verdict(d, report, states, patches)
+
+
+def _rule_verdict(
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> BugVerdict:
+    """The bug judged by patch states and settings (no kernel evidence)."""
+    upstream = [p.id for p in patches if states.get(p.id) == PatchState.UPSTREAM]
+    if upstream:
+        reason = f"fixed in this vLLM ({upstream[0]}: {PatchState.UPSTREAM})"
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, reason)
+    off, overridden, active = [], [], []
+    for patch in (p for p in patches if states.get(p.id) == PatchState.APPLIED):
+        disabled, replaced = _disabled(patch), _overridden(report, patch)
+        if disabled:
+            off.append(disabled)
+        elif replaced:
+            overridden.append(replaced)
+        else:
+            active.append(patch.diagnosis.protects)
+    if active:
+        return BugVerdict(d.label, Verdict.PROTECTED, "; ".join(active))
+    if overridden:
+        return BugVerdict(d.label, Verdict.EXPOSED, overridden[0][0], overridden[0][1])
+    conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
+    why = f"{', '.join(conflicts)} in conflict" if conflicts else "no patch for it is applied"
+    fix = _fix(d, report, states, patches)
+    return BugVerdict(d.label, Verdict.EXPOSED, "; ".join([why, *off]), fix)
+
+
+def _fix(
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> str:
+    """The bug's fix (`patchkit apply --target T`), unless its patches here are in conflict,
+    which apply refuses: then how to see why."""
+    conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
+    if conflicts and not any(states.get(p.id) == PatchState.NEEDED for p in patches):
+        return (
+            f"apply refuses {', '.join(conflicts)} while it is in conflict: `patchkit "
+            f"status{_target(report)}` names the line that differs; once that file is what "
+            f"the patch expects, {_with_target(d.fix, report)}"
+        )
+    return _with_target(d.fix, report)
+
+
+def triton_mismatch(report: DoctorReport) -> str:
+    """Why the scan's evidence is not about the Triton vLLM runs here; '' when it is."""
+    ours, theirs = report.toolchain, report.tree_triton
+    if theirs is None or theirs.version is None or same_triton(ours, theirs):
+        return ""
+    where = f" ({theirs.location})" if theirs.location else ""
+    python = theirs.python or "the Python of vLLM's environment"
+    target = f" --target {report.tree.root}" if report.tree else ""
+    return (
+        f"the kernel scan compiled with Triton {ours.triton} ({ours.location}), but vLLM here "
+        f"runs Triton {theirs.version}{where}, so the scan is not evidence for it; scan with that "
+        f"one: {python} -m patchkit doctor --kernels{target} (patchkit installed there)"
+    )
+
+
+def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> str:
+    """Why this machine cannot hit the bug (its GPUs, its ptxas); '' if it can."""
+    cc = d.needs_compute_capability
+    if cc and report.gpus and not any(g.compute_capability == cc for g in report.gpus):
+        return f"no GPU of compute capability {cc} here"
+    ptxas = report.vllm_ptxas()
+    if d.fixed_by_ptxas and _at_least(ptxas, d.fixed_by_ptxas):
+        return f"Triton's ptxas {ptxas} is {d.fixed_by_ptxas} or newer"
+    return ""
+
+
+def _disabled(patch: Patch) -> str:
+    """Why an applied patch's protection is switched off by its runtime settings; '' if not."""
+    offs = _switched_off(patch)
+    return f"{patch.id} is off ({', '.join(f'{s.env}={v}' for s, v in offs)})" if offs else ""
+
+
+def _switched_off(patch: Patch) -> list:
+    """(switch, value) for each of the patch's settings that turns it off here."""
+    found = [(s, s.turned_off(os.environ)) for s in patch.diagnosis.disabled_by]
+    return [(s, value) for s, value in found if value]
+
+
+def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
+    """(reason, fix) when a setting replaces the patched code path, per the patch's check."""
+    override = patch.overridden_by
+    if override is None or override.check not in OVERRIDE_CHECKS:
+        return None
+    found = report.overrides.get(patch.id, [])
+    if not found:
+        return None
+    return (
+        f"{override.env} replaces what {patch.id} patched: {found[0].problem}",
+        f"fix or remove the {override.env} files listed above",
+    )
+
+
+def _at_least(version: str | None, threshold: str) -> bool:
+    try:
+        have = tuple(int(p) for p in (version or "").split(".")[:2])
+        return have >= tuple(int(p) for p in threshold.split(".")[:2])
+    except ValueError:
+        return False
+
+
+def _scan_verdict(
+    d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
+) -> BugVerdict:
+    """The bug judged by the compiled kernels: a hazard this install runs, or none."""
+    scan = report.kernels
+    tools = scan.toolchain
+    ptxas = f"Triton {tools.triton}, ptxas {tools.ptxas_version or 'unknown'} ({tools.ptxas})"
+    if report.tree_triton is not None and report.tree_triton.version is None:
+        ptxas += "; no Triton installed next to vLLM to compare with"
+    runs = [c for c in scan.cases if c.called]
+    hazards = [c for c in runs if c.verdict == "hazard"]
+    if hazards:
+        tuned = [c for c in hazards if c.sources]
+        first = (tuned or hazards)[0]
+        where = first.hazards[0]
+        reason = (
+            f"kernel scan: {len(hazards)} config(s) this install runs overwrite the A registers "
+            f"of an in-flight wgmma, e.g. {first.label()}: {where['instruction']} at "
+            f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}"
+        )
+        fix = _scan_fix(first, d, report, patches)
+        return BugVerdict(d.label, Verdict.EXPOSED, reason, fix)
+    idle = [c for c in scan.cases if not c.called and c.verdict == "hazard"]
+    also = (
+        f"; hazard only in configs not run here, e.g. {idle[0].label()} ({idle[0].why_not_called})"
+        if idle
+        else ""
+    )
+    errors = [c for c in runs if c.verdict == "error"]
+    unknown = f"; {len(errors)} config(s) could not be scanned (see the scan)" if errors else ""
+    if not runs:
+        reason = next((c.why_not_called for c in scan.cases), "no Triton LoRA kernel runs")
+        return BugVerdict(d.label, Verdict.PROTECTED, f"kernel scan: {reason}{also}")
+    evidence = f"kernel scan: no overwrite in the {len(runs)} config(s) this install runs, {ptxas}"
+    approximate = [c for c in runs if c.approximate]
+    if approximate:
+        evidence += f"; {len(approximate)} of them approximate ({approximate[0].approximate})"
+    if d.fixed_by_ptxas and _at_least(tools.ptxas_version, d.fixed_by_ptxas):
+        evidence += f" (a ptxas from {d.fixed_by_ptxas} on keeps wgmma registers)"
+    protects = _replacing_reason(states, patches)
+    if protects:
+        evidence += f"; the dense LoRA kernels do not run: {protects}"
+    patched = any(states.get(p.id) == PatchState.APPLIED for p in patches)
+    status = Verdict.PROTECTED if patched else Verdict.NOT_AFFECTED
+    return BugVerdict(d.label, Verdict.UNKNOWN if errors else status, evidence + also + unknown)
+
+
+def _scan_fix(case: Case, d: Diagnosis, report: DoctorReport, patches: list[Patch]) -> str:
+    states = report.states()
+    if case.sources:
+        return f"remove or retune {Path(case.sources[0]).name} (block_n 32 or num_stages 1)"
+    if any(states.get(p.id) == PatchState.NEEDED for p in patches):
+        return _fix(d, report, states, patches)
+    switches = [f"{s.env} unset ({p.id})" for p in patches for s, _ in _switched_off(p)]
+    ptxas = (
+        f"TRITON_PTXAS_PATH pointing at a ptxas >= {d.fixed_by_ptxas}" if d.fixed_by_ptxas else ""
+    )
+    return ", or ".join(filter(None, [*switches, ptxas])) or _fix(d, report, states, patches)
+
+
+def _replacing_reason(states: dict[str, PatchState], patches: list[Patch]) -> str:
+    """The ``protects`` line of an applied, switched-on patch that replaces the dense kernels."""
+    for patch in patches:
+        diagnosis = patch.diagnosis
+        applied = states.get(patch.id) == PatchState.APPLIED
+        if diagnosis and diagnosis.replaces_kernels and applied and not _disabled(patch):
+            return diagnosis.protects
+    return ""
+
+
+def replaced_here(states: dict[str, PatchState], catalogue: Catalogue) -> str:
+    """Why vLLM's dense LoRA kernels do not run here (a patch replaces them), or ''."""
+    return _replacing_reason(states, list(catalogue.patches))
+
+
+def _stale_verdict(report: DoctorReport) -> BugVerdict:
+    bug = "stale bytecode or compile caches running unpatched code"
+    if report.stale_bytecode or report.old_caches:
+        return BugVerdict(
+            bug,
+            Verdict.EXPOSED,
+            f"{len(report.stale_bytecode)} stale .pyc, "
+            f"{len(report.old_caches)} cache{'s' if len(report.old_caches) != 1 else ''} older "
+            "than the patch",
+            _stale_fix(report),
+        )
+    reason = "bytecode matches its source; no older caches"
+    return BugVerdict(bug, Verdict.NOT_AFFECTED, reason)
+
+
+def _stale_fix(report: DoctorReport) -> str:
+    """The least that fixes it. `apply --clear-caches` clears the caches on a patched tree
+    without touching it (no revert); it rewrites no file, so it removes no bytecode: the
+    stale .pyc files are deleted by hand (Python rebuilds them from the source)."""
+    steps = []
+    if report.stale_bytecode:
+        steps.append("delete the stale .pyc files listed (Python rebuilds them from the source)")
+    if report.old_caches:
+        steps.append(f"{_apply_command(report)} --clear-caches{_target(report)}")
+    return ", then ".join(steps)
+
+
+def _apply_command(report: DoctorReport) -> str:
+    """`patchkit apply`, limited to the applied patches when another is in conflict (a
+    plain apply refuses to run then, and would clear nothing)."""
+    states = report.states()
+    if not any(state == PatchState.CONFLICT for state in states.values()):
+        return "patchkit apply"
+    applied = [i for i, state in states.items() if state == PatchState.APPLIED]
+    return "patchkit apply" + "".join(f" --only {i}" for i in applied)
+
+
+def _target(report: DoctorReport) -> str:
+    """`` --target T`` for a command doctor suggests: the tree it looked at, whether the user
+    named it or patchkit found it (a command without it may patch another vLLM)."""
+    return f" --target {shlex.quote(str(report.tree.root))}" if report.tree else ""
+
+
+def _with_target(fix: str, report: DoctorReport) -> str:
+    """A catalogue's fix with ``--target`` added to each patchkit command in it."""
+    commands = fix.split(" && ")
+    if not all(c.startswith("patchkit ") for c in commands):
+        return fix
+    return " && ".join(c + _target(report) for c in commands)
+
+
+# ----- the whole report -----
+
+
+@dataclass(frozen=True)
+class ScanRequest:
+    """What ``--kernels`` scans: a model's shapes (``--model``/``--adapter``) or the defaults."""
+
+    model: Path | None = None
+    adapters: tuple[Path, ...] = ()
+
+    def models(self) -> list[configs.Model]:
+        if self.model is not None:
+            return [configs.model_from_dir(self.model, self.adapters)]
+        if self.adapters:
+            ranks = tuple(sorted({r for a in self.adapters for r in configs.adapter_ranks(a)}))
+            return [dataclasses.replace(m, ranks=ranks) for m in configs.DEFAULT_MODELS]
+        return list(configs.DEFAULT_MODELS)
+
+
+def run(
+    tree: VllmTree | None,
+    tree_error: str,
+    catalogue: Catalogue,
+    kernels: ScanRequest | None = None,
+) -> DoctorReport:
+    report = DoctorReport(tree=tree, tree_error=tree_error)
+    report.gpus, report.gpu_note = gpus()
+    report.toolchain = toolchain()
+    report.fixed_from = next(
+        (p.diagnosis.fixed_by_ptxas for p in catalogue.patches
+         if p.diagnosis and p.diagnosis.fixed_by_ptxas), None,
+    )  # fmt: skip
+    report.overrides = override_findings(catalogue)
+    report.tuned_configs = [f for found in report.overrides.values() for f in found]
+    if tree is None:
+        report.verdicts = verdicts(report, None, catalogue)
+        return report
+    report.tree_triton = tree_triton(tree.root)
+    report.patches = [step.assessment for step in operations.status(tree, catalogue).steps]
+    relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
+    report.stale_bytecode = stale_bytecode(tree, relpaths)
+    applied = [f for a in report.patches if PatchState(a.state) == PatchState.APPLIED
+               for f in a.files]  # fmt: skip
+    infos = [tree.fs.lstat(f, "doctor") for f in applied]
+    mtimes = [info.st_mtime for info in infos if info is not None]
+    report.old_caches = old_caches(max(mtimes) if mtimes else None)
+    if kernels is not None:
+        before = cache_snapshot()
+        report.kernels = scan_kernels(tree, report, catalogue, kernels)
+        remember_scan_entries(before)
+    report.verdicts = verdicts(report, tree.parsed_version, catalogue)
+    return report
+
+
+def scan_kernels(
+    tree: VllmTree, report: DoctorReport, catalogue: Catalogue, request: ScanRequest
+) -> ScanReport:
+    """Run the --kernels scan for this tree, on this machine's Hopper GPUs (else H100/H200/H20)."""
+    hopper = [gpu_named(g.name) for g in report.gpus if g.compute_capability == HOPPER]
+    replaced = replaced_here(report.states(), catalogue)
+    return kernelscan.scan(tree, hopper or GPUS, request.models(), os.environ, replaced)
+
+
+def _paths(patch, tree: VllmTree) -> tuple[str, ...]:
+    entry = patch.expected_for(tree.parsed_version)
+    return entry.paths if isinstance(entry, Variant) else ()

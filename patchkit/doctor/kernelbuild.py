@@ -1,0 +1,138 @@
+"""Compile each distinct launch for sm_90, disassemble it, read the SASS; cache the reading.
+
+Compiling needs no GPU: Triton's ptxas and cuobjdump are in its wheel. A
+reading is cached under patchkit's cache, keyed by everything that decides
+the machine code: the launch's specialisation, the kernel's source (Triton's
+own hash of it and the functions it calls), the Triton release and the
+ptxas (path and version). A warm scan compiles nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchkit.doctor import sass
+from patchkit.doctor.signatures import Launch
+from patchkit.doctor.toolchain import Toolchain
+from patchkit.fs.files import decode_json, read_json_file, write_cache_file
+
+FORMAT = 1  # bump when a cached reading would mean something else
+MAX_SCAN_BYTES = 64 << 20  # a remembered scan of a few hundred cases is a few MB
+
+
+@dataclass
+class Reading:
+    """What the SASS of one compile shows."""
+
+    verdict: str  # hazard | clean | no-register-operand | error
+    hgmma: int = 0
+    register_a: int = 0
+    hazards: list[dict] = field(default_factory=list)
+    error: str = ""
+    compiled: bool = True  # False: Triton refused the kernel (deterministic, so cached too)
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def cache_dir() -> Path:
+    from patchkit.fs.places import cache_root
+
+    return cache_root() / "kernel-scan"
+
+
+def reading_key(launch: Launch, tools: Toolchain) -> str:
+    """Same key, same machine code: specialisation, kernel source, Triton, ptxas."""
+    parts = [FORMAT, launch.key, launch.jit.cache_key, tools.triton, tools.ptxas,
+             tools.ptxas_version]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def read_all(
+    launches: list[Launch], tools: Toolchain, disassemble: list[str]
+) -> dict[str, Reading]:
+    """A reading per launch key: from the cache, else compiled and read (in parallel).
+
+    Triton compiles in this process, so its active driver must be the
+    stand-in sm_90 one (:func:`patchkit.doctor.signatures.sm90`) around
+    this call.
+    """
+    readings, missing = {}, []
+    for launch in launches:
+        cached = _cached(reading_key(launch, tools))
+        if cached is not None:
+            readings[launch.key] = cached
+        else:
+            missing.append(launch)
+    if not missing:
+        return readings
+    with tempfile.TemporaryDirectory(prefix="patchkit-kernels-") as tmp:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            jobs = [(launch, Path(tmp) / f"{n}.cubin") for n, launch in enumerate(missing)]
+            found = pool.map(lambda job: _read(job[0], disassemble, job[1]), jobs)
+            for launch, reading in zip(missing, found, strict=True):
+                readings[launch.key] = reading
+                if reading.verdict != "error" or not reading.compiled:
+                    _store(reading_key(launch, tools), reading)
+    return readings
+
+
+def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
+    """Compile, disassemble and scan one launch; a compile error is a reading too."""
+    try:
+        cubin = launch.jit.preload(launch.data).asm["cubin"]
+    except Exception as exc:  # a compile error is a finding to report, not a crash
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        where = f"{lines[0]} " if len(lines) > 1 else ""  # Triton's "at 191:23:", then the cause
+        return Reading(
+            "error", error=f"{type(exc).__name__}: {where}{lines[-1]}"[:300], compiled=False
+        )
+    path.write_bytes(cubin)
+    done = subprocess.run([*disassemble, str(path)], capture_output=True, text=True, timeout=120)
+    if not done.stdout.strip():
+        return Reading("error", error=f"the disassembler printed nothing ({done.stderr.strip()})")
+    findings = sass.scan(done.stdout)
+    return Reading(
+        findings.verdict, findings.hgmma, findings.register_a,
+        [h.to_json() for h in findings.hazards],
+    )  # fmt: skip
+
+
+def _cached(key: str) -> Reading | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        data = read_json_file(path)
+        return Reading(**data) if isinstance(data, dict) else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _store(key: str, reading: Reading) -> None:
+    try:
+        write_cache_file(cache_dir() / f"{key}.json", json.dumps(reading.to_json()).encode())
+    except OSError:
+        pass  # a read-only cache only costs time
+
+
+def recall(key: str) -> dict | None:
+    """A whole scan's result remembered under ``key`` (see kernelscan.scan_key)."""
+    try:
+        raw = (cache_dir() / "scans" / f"{key}.json").read_bytes()
+        data = decode_json(raw, MAX_SCAN_BYTES)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def remember(key: str, result: dict) -> None:
+    try:
+        write_cache_file(cache_dir() / "scans" / f"{key}.json", json.dumps(result).encode())
+    except OSError:
+        pass  # a read-only cache only costs time

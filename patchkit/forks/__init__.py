@@ -1,0 +1,1 @@
+"""Layer 5: fork mode: patches turned into commits on a vLLM git checkout."""

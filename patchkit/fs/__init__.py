@@ -1,0 +1,3 @@
+"""Layer 1: paths walked by directory descriptors (safepath), settings and cache files
+(files), signals held across writes (signals), patchkit's own cache folder (places).
+"""

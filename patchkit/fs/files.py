@@ -1,0 +1,158 @@
+"""Reading settings files and writing patchkit's own cache, without hanging or half-writing.
+
+(Files of a vLLM tree go through :class:`patchkit.fs.safepath.Root` instead.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import tempfile
+from pathlib import Path
+
+from patchkit.fs.safepath import kind_of
+
+MAX_SETTINGS_BYTES = 1 << 20
+# Objects and arrays nested deeper than this in a model's or adapter's JSON are
+# refused: real ones nest 2-5 deep, and code that walks them stays far from
+# Python's recursion limit.
+MAX_USER_JSON_DEPTH = 64
+# Integers outside what safetensors and PyTorch store (int64, and u64 offsets).
+_INT_RANGE = (-(1 << 63), 1 << 64)
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def read_json_file(path: Path) -> object:
+    """A settings file's JSON; ValueError unless it is a regular file of sane size and depth.
+
+    The type is checked before the open and again on the descriptor, so a
+    FIFO or a device named like a config file is refused instead of waited on;
+    the size is checked on the descriptor before any byte is read.
+    """
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return decode_json(_read_capped(fd, MAX_SETTINGS_BYTES), MAX_SETTINGS_BYTES)
+
+
+def read_user_json(path: Path, limit: int = MAX_SETTINGS_BYTES) -> object:
+    """A model's or adapter's JSON file; ValueError unless it is a regular file of sane size.
+
+    Unlike :func:`read_json_file` a symbolic link is followed (a Hugging Face
+    cache snapshot is all links into ``blobs/``), but what it reaches is checked
+    by type before the open and again on the descriptor, so a FIFO named
+    config.json is refused instead of waited on for ever. A file larger than
+    ``limit`` bytes is refused by its size on the descriptor, before any byte
+    is read, and at most ``limit + 1`` bytes are ever read (a file that grows
+    meanwhile). The content must pass :func:`decode_user_json`. OSError when
+    absent.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{kind_of(mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return decode_user_json(_read_capped(fd, limit), limit)
+
+
+def _read_capped(fd: int, limit: int) -> bytes:
+    """At most limit + 1 bytes of an open regular file (the descriptor is closed)."""
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size} bytes, larger than the {limit} bytes allowed")
+        return handle.read(limit + 1)
+
+
+def decode_json(raw: bytes, limit: int) -> object:
+    """JSON from bytes; ValueError (never RecursionError) for anything too big, deep or odd."""
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+
+
+def decode_user_json(raw: bytes, limit: int) -> object:
+    """JSON from bytes as :func:`decode_json` reads it, every number usable, nesting bounded.
+
+    ``1e400`` reads as inf and NaN/Infinity are accepted by Python's json: both
+    are refused here, as are integers beyond 64 bits (a rank of 10**400 raised
+    OverflowError in the scale) and nesting deeper than
+    :data:`MAX_USER_JSON_DEPTH`. The ValueError is one line and names the key,
+    e.g. ``rank_pattern["q_proj"]``, or the line and column of bad syntax.
+    """
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_USER_JSON_DEPTH}") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    problem = _unusable(data)
+    if problem is not None:
+        raise ValueError(problem)
+    return data
+
+
+class _LongInteger(int):
+    """An integer written with more digits than any in range: kept as its digit count, so
+    the key can be named (Python's int() refuses 4,300 digits, with no key)."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    return _LongInteger(digits) if digits > 20 else int(text)
+
+
+def _unusable(data: object) -> str | None:
+    """The first key (in file order) whose value is too deep or a number out of range."""
+    todo = [(data, "", 1)]
+    while todo:
+        value, where, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_USER_JSON_DEPTH:
+                return f"{where or 'the top level'}: nested deeper than {MAX_USER_JSON_DEPTH}"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo.extend(reversed([(v, _key_path(where, k), depth + 1) for k, v in items]))
+        elif type(value) is float and not math.isfinite(value):
+            return f"{where or 'the value'} is {value}, not a finite number"
+        elif type(value) is _LongInteger:
+            return f"{where or 'the value'} is an integer of {int(value)} digits, out of range"
+        elif type(value) is int and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+            return f"{where or 'the value'} is {value}, an integer out of range"
+    return None
+
+
+def _key_path(where: str, key: str | int) -> str:
+    """rank_pattern["q_proj"], text_config.rope_scaling, architectures[0]; long keys cut."""
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    if _PLAIN_KEY.fullmatch(key) and len(key) <= 64:
+        return f"{where}.{key}" if where else key
+    shown = json.dumps(key if len(key) <= 64 else key[:61] + "...")
+    return f"{where}[{shown}]"
+
+
+def write_cache_file(path: Path, data: bytes) -> None:
+    """Write a file of patchkit's own cache atomically (a unique temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

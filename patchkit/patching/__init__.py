@@ -1,0 +1,3 @@
+"""Layer 4: apply, revert and refresh on a tree: the state record, the crash journal,
+the assessment of each patch, the plan, its execution, stale bytecode.
+"""

@@ -1,0 +1,539 @@
+"""Assess each patch's state on a tree, by content first and by version second.
+
+States:
+
+* ``needed``         - a variant's pristine side matches; applying is safe.
+* ``applied``        - patchkit's patched text is there.
+* ``upstream``       - this release already has the fix (content evidence).
+* ``not-applicable`` - this release's design makes the patch meaningless.
+* ``conflict``       - neither pristine nor patched: a fork, a hand edit, a
+  half-applied patch, or a file that differs from the wheel's RECORD.
+
+The version only orders the search (the variant listed for it is tried
+first) and decides whether to warn that the release is untested.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
+
+from patchkit.catalogue.model import Catalogue, Decision, Patch, Variant
+from patchkit.diffs.hunks import Placement, apply_file_patch
+from patchkit.errors import HunkMismatch
+from patchkit.fs.safepath import checked_relpath
+from patchkit.patching.state import FileRecord, PatchRecord, State
+from patchkit.patching.transaction import FileChange
+from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vocabulary import FileFinding, PatchState
+
+NEEDED, APPLIED, CONFLICT = PatchState.NEEDED, PatchState.APPLIED, PatchState.CONFLICT
+NOT_APPLICABLE = PatchState.NOT_APPLICABLE
+STALE, EDITED, FOREIGN = FileFinding.STALE, FileFinding.EDITED, FileFinding.FOREIGN
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    """A notice of the catalogue that holds on this tree; ``fixed_by`` a patch that ends it."""
+
+    message: str
+    fixed_by: str = ""
+
+
+@dataclass
+class Assessment:
+    """One patch's state on one tree, and what applying it would write."""
+
+    patch: Patch
+    state: PatchState
+    reason: str = ""
+    variant: Variant | None = None
+    files: tuple[str, ...] = ()
+    placements: list[Placement] = field(default_factory=list)
+    changes: list[FileChange] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # Known upstream bugs a user of this release should know about; shown under
+    # this patch by status and apply (not revert), never a failure (not --strict).
+    notices: list[KnownIssue] = field(default_factory=list)
+    record: PatchRecord | None = None
+    stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
+    outdated: str = ""  # applied from an older catalogue: the warning that says so
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.patch.id,
+            "state": str(self.state),
+            "reason": self.reason or None,
+            "variant": self.variant.name if self.variant else None,
+            "files": list(self.files),
+            "warnings": self.warnings,
+            "notices": [n.message for n in self.notices],
+        }
+
+
+class TreeFiles:
+    """The tree's files as a run sees them: read once, with the run's own edits on top.
+
+    Patches stack (quilt's model): patch N is assessed on the tree as patches
+    1..N-1 leave it. ``overlay`` puts a patch's result in place before the
+    next patch is assessed; ``state`` and ``order`` (the series) say which
+    applied patches already touch each file, in which order. Files are read
+    through the tree's open root (:class:`patchkit.fs.safepath.Root`), so a link
+    or a FIFO in place of a file is refused, never followed or waited on.
+    """
+
+    def __init__(self, tree: VllmTree, state: State | None = None, order: tuple[str, ...] = ()):
+        self.tree = tree
+        self.state = state
+        self.order = order
+        self._disk: dict[str, bytes | None] = {}
+        self._overlay: dict[str, bytes | None] = {}
+
+    def data(self, relpath: str) -> bytes | None:
+        if relpath in self._overlay:
+            return self._overlay[relpath]
+        return self.disk(relpath)
+
+    def disk(self, relpath: str) -> bytes | None:
+        """The file as it is on disk, before this run's edits."""
+        if relpath not in self._disk:
+            checked_relpath(relpath, "the catalogue")
+            self._disk[relpath] = self.tree.fs.read(relpath, "the catalogue")
+        return self._disk[relpath]
+
+    def overlay(self, relpath: str, data: bytes | None) -> None:
+        self._overlay[relpath] = data
+
+    def without(self, patch_id: str, undo: list[FileChange]) -> TreeFiles:
+        """The files as they would be on disk with ``patch_id`` taken off (``undo``) and
+        its record gone: what a replacement of that patch is assessed on."""
+        state = self.state
+        rest = State(state.fs, {k: v for k, v in state.patches.items() if k != patch_id},
+                     state.vllm_version)  # fmt: skip
+        files = TreeFiles(self.tree, rest, self.order)
+        files._overlay = dict(self._overlay)
+        files._disk.update({change.path: change.after for change in undo})
+        return files
+
+    def text(self, relpath: str) -> str | None:
+        data = self.data(relpath)
+        return None if data is None else data.decode("utf-8", errors="surrogateescape")
+
+    def sha256(self, relpath: str) -> str | None:
+        data = self.data(relpath)
+        return None if data is None else sha256_bytes(data)
+
+    def chain(self, relpath: str) -> list[tuple[str, FileRecord]]:
+        """(patch id, record) of each applied patch touching ``relpath``, in series order."""
+        if self.state is None:
+            return []
+        ids = list(self.order) + sorted(set(self.state.patches) - set(self.order))
+        return [
+            (patch_id, record)
+            for patch_id in ids
+            if patch_id in self.state.patches
+            for record in self.state.patches[patch_id].files
+            if record.path == relpath
+        ]
+
+    def base_sha256(self, relpath: str) -> str | None:
+        """The file before any patch: what the wheel's RECORD describes.
+
+        A chain of stale records (vLLM reinstalled since) says nothing about it.
+        """
+        chain = self.chain(relpath)
+        if chain and chain_finding(self, relpath)[0] != STALE:
+            return chain[0][1].pre_sha256
+        data = self.disk(relpath)
+        return None if data is None else sha256_bytes(data)
+
+
+def assess_with(
+    patch: Patch, tree: VllmTree, state: State, catalogue: Catalogue, files: TreeFiles
+) -> Assessment:
+    version = tree.parsed_version
+    expected = patch.expected_for(version)
+    record = state.patches.get(patch.id)
+    result = (
+        _from_record(patch, record, files, catalogue)
+        or _from_decisions(patch, expected, files)
+        or _from_variants(patch, expected, tree, files)
+    )
+    if record is not None and result.record is None:
+        result.record, result.stale_record = record, True
+    if result.state == CONFLICT and result.record is None and catalogue.predates(version):
+        result = Assessment(
+            patch,
+            NOT_APPLICABLE,
+            reason=f"vLLM {tree.version} predates the releases this catalogue covers "
+            f"({catalogue.tested_span}): the code this patch fixes is not in it",
+        )
+    if not catalogue.is_tested(version):
+        newest = newer_than_catalogue(catalogue, version)
+        beyond = (
+            f": it is newer than every release this catalogue was tested on (newest {newest}); "
+            "decided by content; a newer patchkit may cover it, or add the release "
+            "(CONTRIBUTING.md, 'A new vLLM release')"
+            if newest
+            else f" ({catalogue.tested_span}); decided by content"
+        )
+        result.warnings.insert(0, f"vLLM {tree.version} is not a tested release{beyond}")
+    result.notices.extend(_notices(result, tree, files))
+    return result
+
+
+def assess_replacement(patch: Patch, tree: VllmTree, files: TreeFiles) -> Assessment:
+    """The catalogue's current version of an applied patch, on ``files`` (the tree with
+    the applied version taken off: :meth:`TreeFiles.without`)."""
+    expected = patch.expected_for(tree.parsed_version)
+    return _from_decisions(patch, expected, files) or _from_variants(patch, expected, tree, files)
+
+
+def newer_than_catalogue(catalogue: Catalogue, version: Version | None) -> str:
+    """The newest tested release when ``version`` is newer than it; '' otherwise."""
+    newest = max(catalogue.tested_releases, key=Version)
+    return newest if version is not None and version > Version(newest) else ""
+
+
+def _from_record(
+    patch: Patch, record: PatchRecord | None, files: TreeFiles, catalogue: Catalogue
+) -> Assessment | None:
+    """Trust our own record when the files still carry the hashes the stack of records wrote.
+
+    For each file, the applied patches touching it form a chain in series
+    order (each one's ``pre`` is the one below's ``post``); the file must
+    hold the top one's ``post``. A record whose every file is back at its
+    ``pre``, or is now another release's own file, is stale (vLLM was
+    reinstalled): content decides, and the next apply or revert drops it.
+    """
+    if record is None:
+        return None
+    paths = tuple(f.path for f in record.files)
+    findings = [chain_finding(files, f.path) for f in record.files]
+    kinds = {kind for kind, _ in findings}
+    if kinds == {FileFinding.APPLIED}:
+        variant = patch.variant(record.variant)
+        result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
+        if variant is None or variant.sha256 != record.patch_sha256:
+            result.outdated = (
+                f"{patch.id}: the patch file changed since it was applied (applied from an "
+                f"older catalogue); `patchkit apply --only {patch.id}` replaces it with the "
+                f"current one (`patchkit revert --only {patch.id}` takes it off)"
+            )
+            result.warnings.append(result.outdated)
+            result.reason = (
+                f"applied from an older catalogue: `patchkit apply --only {patch.id}` "
+                "brings the current one"
+            )
+        return result
+    if kinds == {STALE}:
+        return None
+    return Assessment(
+        patch, CONFLICT, files=paths,
+        reason=_record_conflict(patch, record, findings, files, catalogue),
+        record=record,
+    )  # fmt: skip
+
+
+def _record_conflict(
+    patch: Patch,
+    record: PatchRecord,
+    findings: list[tuple[str, str]],
+    files: TreeFiles,
+    catalogue: Catalogue,
+) -> str:
+    """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
+    by_kind: dict[str, tuple[str, str]] = {}
+    for entry, (kind, top) in zip(record.files, findings, strict=True):
+        by_kind.setdefault(kind, (entry.path, top))
+    tree = files.tree
+    if FOREIGN in by_kind:
+        path, top = by_kind[FOREIGN]
+        return (
+            f"{path} is neither what {top} wrote nor vLLM {tree.version}'s own file (RECORD), "
+            f"and its backup is another release's file; reinstall vLLM (pip install "
+            f"--force-reinstall --no-deps vllm=={tree.version}), then `patchkit revert` drops "
+            "the old record"
+        )
+    unknown = [top for _, top in by_kind.values() if top not in files.order]
+    if unknown:
+        return (
+            f"{record.files[0].path} carries {unknown[0]!r}, a patch this patchkit does not "
+            "know, on top: revert that with the patchkit that applied it first"
+        )
+    if EDITED in by_kind:
+        path, top = by_kind[EDITED]
+        return _edited(path, top, files, catalogue)
+    path, top = by_kind[STALE]
+    rest = ", ".join(
+        entry.path for entry, (kind, _) in zip(record.files, findings, strict=True)
+        if kind == FileFinding.APPLIED
+    )  # fmt: skip
+    recorded = files.state.vllm_version if files.state else None
+    if recorded not in (None, tree.version):
+        what = (
+            f"vLLM was reinstalled ({tree.version} now, {recorded} when {patch.id} was "
+            f"applied) and {path} is that release's file"
+        )
+    else:
+        what = (
+            f"{path} is back to its original (or is gone) while the rest of {patch.id} is "
+            "applied (vLLM partly reinstalled, or a file patchkit created was deleted)"
+        )
+    return f"{what}; `patchkit revert --only {top}` removes the rest ({rest})"
+
+
+def _edited(path: str, top: str, files: TreeFiles, catalogue: Catalogue) -> str:
+    """A file changed since patchkit applied ``top``: both ways out, each with what it costs."""
+    target = f"--target {shlex.quote(str(files.tree.root))}"
+    keep = (
+        f"; to keep the edit in the patch, `patchkit refresh {top} {target}` rewrites its "
+        "diff from the tree (CONTRIBUTING.md, 'Changing a patch')"
+        if source_checkout(catalogue.root)
+        else ""
+    )
+    refusal = force_refusal(files, path)
+    if refusal:
+        return f"{path} was edited after patchkit applied {top}; {refusal}{keep}"
+    return (
+        f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
+        f"--force {target}` restores the original and discards the edit{keep}"
+    )
+
+
+def source_checkout(root: Path) -> bool:
+    """Whether the catalogue at ``root`` is a maintainer's source checkout, where `refresh`
+    may write: a directory this user can write to, not inside an installed environment
+    (site-packages or dist-packages, where a pip upgrade would drop the change)."""
+    installed = {"site-packages", "dist-packages"}
+    return not installed & set(root.resolve().parts) and os.access(root, os.W_OK)
+
+
+def chain_finding(files: TreeFiles, relpath: str) -> tuple[FileFinding, str]:
+    """(applied | stale | edited | foreign, the top patch) for one file's chain of records.
+
+    ``stale``: the file on disk is back to before the whole stack, or it is
+    now the installed release's own file (its RECORD hash) while the stack was
+    made on another one. ``foreign``: the RECORD names another release's file
+    than the stack was made on, and the file is neither: no backup may go there.
+    """
+    chain = files.chain(relpath)
+    current = files.sha256(relpath)
+    top_id, top = chain[-1]
+    bottom = chain[0][1].pre_sha256
+    recorded = files.tree.record.get(relpath)
+    if recorded is not None and recorded != bottom:
+        return (STALE if current == recorded else FOREIGN), top_id
+    linked = all(
+        below.post_sha256 == above.pre_sha256
+        for (_, below), (_, above) in zip(chain, chain[1:], strict=False)
+    )
+    if linked and current == top.post_sha256:
+        return FileFinding.APPLIED, top_id
+    on_disk = files.disk(relpath)
+    if (None if on_disk is None else sha256_bytes(on_disk)) == bottom:
+        return STALE, top_id
+    return EDITED, top_id
+
+
+def force_refusal(files: TreeFiles, relpath: str) -> str:
+    """Why ``--force`` may not restore the original of an edited file; '' when it may.
+
+    The backup (or, for a created file, its absence) belongs to the release
+    the patch was applied to. It may go over the file only if that is the
+    installed release: the RECORD lists the backup's hash for this path, or,
+    without a RECORD entry, the tree still reports the version the state
+    recorded.
+    """
+    tree, state = files.tree, files.state
+    bottom = files.chain(relpath)[0][1].pre_sha256
+    recorded = tree.record.get(relpath)
+    if recorded is not None:
+        return "" if recorded == bottom else "its backup is not this release's file"
+    if state is not None and state.vllm_version not in (None, tree.version):
+        return (
+            f"the patch was applied to vLLM {state.vllm_version} and this tree reports "
+            f"{tree.version}, so its backup may be another release's file; reinstall vLLM "
+            "and delete .patchkit/"
+        )
+    return ""
+
+
+def _from_decisions(
+    patch: Patch, expected: Variant | Decision | None, files: TreeFiles
+) -> Assessment | None:
+    ordered = sorted(patch.decisions, key=lambda d: d is not expected)
+    for decision in ordered:
+        if all(e.found_in(files.text(e.file) or "") for e in decision.evidence):
+            evidence_files = tuple(dict.fromkeys(e.file for e in decision.evidence))
+            state = PatchState(decision.state)
+            return Assessment(patch, state, reason=decision.reason, files=evidence_files)
+    return None
+
+
+def _from_variants(
+    patch: Patch, expected: Variant | Decision | None, tree: VllmTree, files: TreeFiles
+) -> Assessment:
+    ordered = sorted(patch.variants, key=lambda v: v is not expected)
+    for variant in ordered:
+        attempt = _try_variant(variant, files, reverse=False)
+        if attempt is not None:
+            result = _needed(patch, variant, attempt, tree, files)
+            if isinstance(expected, Variant) and variant is not expected:
+                result.warnings.append(
+                    f"{patch.id}: content matches variant {variant.name}, not "
+                    f"{expected.name} listed for vLLM {tree.version}"
+                )
+            if isinstance(expected, Decision):
+                result.warnings.append(
+                    f"{patch.id}: the catalogue lists vLLM {tree.version} as {expected.state}, "
+                    "but its evidence is not in this tree"
+                )
+            return result
+    for variant in ordered:
+        if _try_variant(variant, files, reverse=True) is not None:
+            return Assessment(
+                patch,
+                APPLIED,
+                reason=(
+                    "the patched text is present but patchkit has no record of applying it "
+                    "(applied by hand, or .patchkit/ was removed); revert reverse-applies the diff"
+                ),
+                variant=variant,
+                files=variant.paths,
+            )
+    return _conflict(patch, expected, files)
+
+
+def _try_variant(
+    variant: Variant, files: TreeFiles, reverse: bool
+) -> tuple[dict[str, str | None], list[Placement]] | None:
+    """New texts and placements if every hunk of the variant applies, else None."""
+    if not variant.files:
+        return None  # declared, not made yet (patchkit refresh makes it)
+    new_texts: dict[str, str | None] = {}
+    placements: list[Placement] = []
+    try:
+        for file_patch in variant.files:
+            fp = file_patch.reversed() if reverse else file_patch
+            new_text, where = apply_file_patch(files.text(fp.path), fp)
+            new_texts[fp.path] = new_text
+            placements.extend(where)
+    except HunkMismatch:
+        return None
+    return new_texts, placements
+
+
+def _needed(
+    patch: Patch,
+    variant: Variant,
+    attempt: tuple[dict[str, str | None], list[Placement]],
+    tree: VllmTree,
+    files: TreeFiles,
+) -> Assessment:
+    new_texts, placements = attempt
+    for path in new_texts:
+        recorded = tree.record.get(path)
+        if recorded is not None and files.base_sha256(path) != recorded:
+            return Assessment(
+                patch,
+                CONFLICT,
+                reason=(
+                    f"{path} differs from the sha256 in vLLM {tree.version}'s RECORD "
+                    "(edited, or not the wheel's file); reinstall vLLM "
+                    f"(pip install --force-reinstall --no-deps vllm=={tree.version}) to patch it"
+                ),
+                variant=variant,
+                files=variant.paths,
+            )
+    changes = [
+        FileChange(
+            path,
+            files.data(path),
+            None if text is None else text.encode("utf-8", errors="surrogateescape"),
+            (patch.id,),
+        )
+        for path, text in new_texts.items()
+    ]
+    return Assessment(
+        patch, NEEDED, variant=variant, files=variant.paths, placements=placements, changes=changes
+    )
+
+
+def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
+    variant = expected if isinstance(expected, Variant) else patch.variants[0]
+    if not variant.made:
+        return Assessment(
+            patch,
+            CONFLICT,
+            reason=f"variant {variant.name} is not made yet ({variant.diff_path.name} does not "
+            f"exist): make it on vLLM {variant.made_on} with `patchkit refresh {patch.id} "
+            f"--variant {variant.name} --add PATH ...` (CONTRIBUTING.md)",
+            variant=variant,
+        )
+    detail = "no variant matches"
+    try:
+        for file_patch in variant.files:
+            apply_file_patch(files.text(file_patch.path), file_patch)
+    except HunkMismatch as exc:
+        detail = str(exc)
+    return Assessment(
+        patch,
+        CONFLICT,
+        reason=(
+            f"variant {variant.name}: {detail}; the file is neither the pristine text "
+            f"this patch expects nor its patched text"
+        ),
+        variant=variant,
+        files=variant.paths,
+    )
+
+
+def _notices(result: Assessment, tree: VllmTree, files: TreeFiles) -> list[KnownIssue]:
+    version = tree.parsed_version
+    found = []
+    for notice in result.patch.notices:
+        in_range = version is not None and notice.versions.contains(version, prereleases=True)
+        has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
+        if notice.fixed_by and _applied(notice.fixed_by, files):
+            continue
+        if has_evidence and (in_range or (version is None and notice.evidence)):
+            remedy = _remedy(notice.fixed_by, result, tree)
+            message = f"{notice.message}; {remedy}" if remedy else notice.message
+            found.append(KnownIssue(message, notice.fixed_by))
+    return found
+
+
+def _remedy(fixed_by: str, result: Assessment, tree: VllmTree) -> str:
+    """What the user can do about a known issue, by the state of the patch that fixes it
+    on this tree (a catalogue's notice states the facts only)."""
+    if not fixed_by:
+        return ""
+    if fixed_by != result.patch.id:
+        return f"patchkit's {fixed_by} fixes it"
+    if result.state == NEEDED:
+        return "`patchkit apply` fixes it"
+    if result.state == CONFLICT:
+        until = (
+            f"its files are vLLM {tree.version}'s own again (pip install --force-reinstall "
+            f"--no-deps vllm=={tree.version}, then `patchkit apply`)"
+            if tree.source == "metadata"
+            else f"{fixed_by} has a variant for this tree's code (CONTRIBUTING.md)"
+        )
+        return (
+            f"{fixed_by} is in conflict here, so patchkit cannot apply it (its line says what "
+            f"differs): until {until}, the issue stays"
+        )
+    return ""
+
+
+def _applied(patch_id: str, files: TreeFiles) -> bool:
+    """Whether our record of ``patch_id`` still holds on the files (its fix is in place)."""
+    record = files.state.patches.get(patch_id) if files.state else None
+    return record is not None and all(
+        chain_finding(files, f.path)[0] == FileFinding.APPLIED for f in record.files
+    )

@@ -1,0 +1,469 @@
+"""Plan a run: which patches apply or revert, with which writes, in both directions.
+
+:func:`plan` assesses the selected patches (:mod:`patchkit.patching.assess`)
+on the tree as the run would leave it, and returns one :class:`Plan`: per
+patch its state before, the action, the file writes; the records to drop;
+the warnings. Nothing is written here; :mod:`patchkit.patching.operations`
+executes the plan. A plan that cannot be carried out safely (a conflict, a
+patch under another, an edit without ``--force``) raises PatchkitError, so
+nothing is ever half-planned.
+
+Patches stack in series order, as quilt's do: apply assesses patch N on the
+result of patches 1..N-1; revert takes them off from the top.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from patchkit.catalogue.model import Catalogue, Patch
+from patchkit.diffs.hunks import apply_file_patch
+from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.patching.assess import (
+    Assessment,
+    TreeFiles,
+    assess_replacement,
+    assess_with,
+    chain_finding,
+    force_refusal,
+    newer_than_catalogue,
+)
+from patchkit.patching.state import STATE_DIR, FileRecord, State
+from patchkit.patching.transaction import FileChange
+from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vocabulary import Action, FileFinding, PatchState
+
+APPLY, REVERT, STATUS = "apply", "revert", "status"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the user asked a run to do (the CLI's options, in one place)."""
+
+    only: tuple[str, ...] = ()
+    dry_run: bool = False
+    strict: bool = False
+    force: bool = False
+    clear_caches: bool = False
+
+
+@dataclass
+class Step:
+    """One patch in a plan: its assessment before the run and what the run does to it."""
+
+    assessment: Assessment
+    action: Action = Action.NONE
+    changes: list[FileChange] = field(default_factory=list)
+    undo: list[FileChange] = field(default_factory=list)  # an older version taken off first
+    note: str = ""  # why a patch asked for with --only is left as it is
+
+    @property
+    def state_after(self) -> PatchState:
+        """The state status will report once the run is done."""
+        if self.action in (Action.APPLIED, Action.WOULD_APPLY):
+            return PatchState.APPLIED
+        if self.action == Action.REVERTED:
+            return PatchState.OPT_IN if self.assessment.patch.opt_in else PatchState.NEEDED
+        return self.assessment.state
+
+
+@dataclass
+class Plan:
+    command: str
+    steps: list[Step] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)  # records that describe nothing any more
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def writes(self) -> list[FileChange]:
+        """One write per file, merged in the order the changes were planned (revert: from
+        the top of the series down; ``steps`` are in series order for the report)."""
+        return merged([c for s in self.in_run_order() for c in (*s.undo, *s.changes)])
+
+    def in_run_order(self) -> list[Step]:
+        return list(reversed(self.steps)) if self.command == REVERT else self.steps
+
+    def acting(self, action: Action) -> list[Step]:
+        """The steps that do ``action``, in the order the run does them."""
+        return [s for s in self.in_run_order() if s.action == action]
+
+    def warn(self, line: str) -> None:
+        if line not in self.warnings:  # e.g. "untested release", once, not per patch
+            self.warnings.append(line)
+
+
+def select(catalogue: Catalogue, only: tuple[str, ...], opt_in: bool = False) -> list[Patch]:
+    """The patches named by --only, in series order; without --only every patch except
+    the opt-in ones (diagnostics), unless ``opt_in`` (revert takes them off too)."""
+    for patch_id in only:
+        catalogue.get(patch_id)  # raises on an unknown id
+    if only:
+        return [p for p in catalogue.patches if p.id in only]
+    return [p for p in catalogue.patches if opt_in or not p.opt_in]
+
+
+def plan(
+    command: str, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> Plan:
+    """The plan for ``status``, ``apply`` or ``revert`` on this tree and state."""
+    result = Plan(command)
+    if command == REVERT:
+        _plan_revert(result, tree, catalogue, state, options)
+    else:
+        _plan_forward(result, tree, catalogue, state, options)
+    for line in unknown_warnings(state, catalogue, tree):
+        result.warn(line)
+    if command == APPLY and options.strict and result.warnings:
+        _fail_strict(result.warnings)
+    return result
+
+
+def _plan_forward(
+    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> None:
+    """Status and apply: each patch on the result of those before it in the series."""
+    files = TreeFiles(tree, state, catalogue.ids)
+    patches = catalogue.patches if result.command == STATUS else select(catalogue, options.only)
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        step = Step(assessment)
+        result.steps.append(step)
+        if result.command == APPLY and assessment.outdated and patch.id in options.only:
+            _replace(step, tree, files, options)
+        _take_findings(result, assessment)
+        if result.command == STATUS:
+            _status_step(step, files)
+            continue
+        if assessment.state == PatchState.CONFLICT:
+            raise PatchkitError(
+                f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
+                f"{_after_conflict(tree, catalogue)}"
+            )
+        if assessment.state == PatchState.NEEDED:
+            _refuse_under_later(patch, assessment, files)
+            stack(files, assessment)
+            step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
+            step.changes = assessment.changes
+        elif patch.id in options.only and assessment.state != PatchState.APPLIED:
+            result.warn(
+                f"{patch.id} was asked for with --only but is not applied: "
+                f"{assessment.state} ({assessment.reason})"
+            )
+    if result.command == APPLY:
+        result.drop = stale_records(state, catalogue, tree, [s.assessment.patch.id for s in
+                                                             result.steps])  # fmt: skip
+
+
+def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
+    """`apply --only ID` on a patch applied from an older catalogue: the applied version
+    off and the current one on, in the run's one commit (an upgrade, as dpkg does it;
+    a revert then an apply would leave the tree without it if the second failed)."""
+    assessment = step.assessment
+    patch = assessment.patch
+    above = later_on_same_files(patch, assessment.files, files)
+    if above is not None:
+        raise PatchkitError(
+            f"{patch.id}: applied from an older catalogue, and {above[0]}, later in the "
+            f"series, is applied on {above[1]}: revert it first (patchkit revert --only "
+            f"{above[0]}); nothing was changed"
+        )
+    undo = revert_changes(assessment, files, force=False)
+    current = assess_replacement(patch, tree, files.without(patch.id, undo))
+    if current.state != PatchState.NEEDED:
+        raise PatchkitError(
+            f"{patch.id}: applied from an older catalogue, and the current one does not "
+            f"apply to the original files ({current.state}: {current.reason}); nothing was "
+            "changed"
+        )
+    assessment.warnings.remove(assessment.outdated)
+    assessment.variant, assessment.placements = current.variant, current.placements
+    assessment.reason = "replaced the version applied from an older catalogue"
+    step.undo, step.changes = undo, current.changes
+    step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
+    for change in [*undo, *current.changes]:
+        files.overlay(change.path, change.after)
+
+
+def _after_conflict(tree: VllmTree, catalogue: Catalogue) -> str:
+    """What to do next when apply refuses a conflict; on a release newer than the
+    catalogue, that it is, and the three ways on."""
+    newest = newer_than_catalogue(catalogue, tree.parsed_version)
+    if not newest:
+        return "(apply the others with --only)"
+    target = f"--target {shlex.quote(str(tree.root))}"
+    return (
+        f"(vLLM {tree.version} is newer than every release this catalogue was tested on, "
+        f"the newest {newest}: a newer patchkit may cover it; `patchkit status {target}` "
+        f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your "
+        "own risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
+    )
+
+
+def _status_step(step: Step, files: TreeFiles) -> None:
+    """In status, a needed patch under an applied later one is said to be, not stacked."""
+    assessment = step.assessment
+    if assessment.state != PatchState.NEEDED:
+        return
+    if assessment.patch.opt_in:  # plain apply never applies it: not "needed"
+        _say_opt_in(assessment)
+        return
+    above = later_on_same_files(assessment.patch, assessment.variant.paths, files)
+    if above is None:
+        stack(files, assessment)  # what apply would see for the next patch
+    else:
+        assessment.reason = (
+            f"{above[0]}, later in the series, is applied on {above[1]}: revert it "
+            "first (patches stack in series order)"
+        )
+
+
+def _say_opt_in(assessment: Assessment) -> None:
+    """A needed opt-in patch is `opt-in`, in status and in revert alike (one name)."""
+    assessment.state = PatchState.OPT_IN
+    assessment.reason = (
+        f"not applied; a diagnostic: `patchkit apply --only {assessment.patch.id}` "
+        "adds it to the default set"
+    )
+
+
+def _refuse_under_later(patch: Patch, assessment: Assessment, files: TreeFiles) -> None:
+    above = later_on_same_files(patch, assessment.variant.paths, files)
+    if above is not None:
+        raise PatchkitError(
+            f"{patch.id}: {above[0]}, later in the series, is applied and also changes "
+            f"{above[1]}; patches stack in series order, so revert it first "
+            f"(patchkit revert --only {above[0]}), then apply both; nothing was changed"
+        )
+
+
+def _plan_revert(
+    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+) -> None:
+    """Revert: from the top of the series down, each patch on the files as the ones above
+    it leave them."""
+    unknown = [i for i, stale in unknown_records(state, catalogue, tree).items() if not stale]
+    if unknown and not options.only:
+        raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
+    patches = list(reversed(select(catalogue, options.only, opt_in=True)))
+    result.drop = stale_records(state, catalogue, tree, [p.id for p in patches])
+    for patch_id in result.drop:
+        state.patches.pop(patch_id, None)
+    files = TreeFiles(tree, state, catalogue.ids)
+    for patch in patches:
+        assessment = assess_with(patch, tree, state, catalogue, files)
+        changes = revert_changes(assessment, files, options.force)
+        if changes is None and patch.opt_in and patch.id not in options.only:
+            continue  # an opt-in patch that is not applied: nothing to say about it
+        if changes is None and patch.opt_in and assessment.state == PatchState.NEEDED:
+            _say_opt_in(assessment)  # revert --only nan-probe said "needed" here
+        step = Step(assessment)
+        result.steps.insert(0, step)  # reported in series order
+        if changes is None:
+            if patch.id in options.only:
+                result.warn(f"{patch.id} is not applied ({assessment.state})")
+            continue
+        above = later_on_same_files(patch, tuple(c.path for c in changes), files)
+        if above is not None:
+            raise PatchkitError(
+                f"{patch.id}: {above[0]} is applied on top of it in {above[1]}; revert "
+                f"{above[0]} first (patchkit revert --only {above[0]} --only {patch.id}); "
+                "nothing was changed"
+            )
+        for change in changes:
+            files.overlay(change.path, change.after)
+        state.patches.pop(patch.id, None)
+        step.action, step.changes = Action.REVERTED, changes
+
+
+def _take_findings(result: Plan, assessment: Assessment) -> None:
+    for line in assessment.warnings:
+        result.warn(line)
+    if assessment.stale_record:
+        result.notes.append(
+            f"{assessment.patch.id}: state.json's record of it no longer matches the files "
+            "(vLLM was reinstalled); the next apply or revert drops it"
+        )
+
+
+def _fail_strict(warnings: list[str]) -> None:
+    n = len(warnings) - 1
+    more = f" (and {n} more warning{'s' if n != 1 else ''})" if n > 0 else ""
+    raise PatchkitError(f"--strict: {warnings[0]}{more}; nothing was changed")
+
+
+# ----- stacking -----
+
+
+def stack(files: TreeFiles, assessment: Assessment) -> None:
+    """Put a needed patch's result in place, so the next patch is assessed on top of it."""
+    for change in assessment.changes:
+        files.overlay(change.path, change.after)
+
+
+def merged(changes: list[FileChange]) -> list[FileChange]:
+    """One write per file: the first change's before, the last change's after, every patch."""
+    by_path: dict[str, FileChange] = {}
+    for change in changes:
+        first = by_path.get(change.path, change)
+        patches = tuple(dict.fromkeys(first.patches + change.patches))
+        by_path[change.path] = FileChange(change.path, first.before, change.after, patches)
+    return [c for c in by_path.values() if c.before != c.after]
+
+
+def later_on_same_files(
+    patch: Patch, paths: tuple[str, ...], files: TreeFiles
+) -> tuple[str, str] | None:
+    """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
+
+    A stale record (vLLM reinstalled under it) does not count: nothing of it is there.
+    A recorded patch this catalogue lacks counts as later than every one it has
+    (the chain order puts it there): nothing goes back under it.
+    """
+    later = files.order[files.order.index(patch.id) + 1 :] if patch.id in files.order else ()
+    unknown = sorted(set(files.state.patches) - set(files.order)) if files.state else []
+    for other in [*later, *unknown]:
+        record = files.state.patches.get(other)
+        for path in (f.path for f in record.files) if record else ():
+            if path in paths and chain_finding(files, path)[0] != FileFinding.STALE:
+                return other, path
+    return None
+
+
+# ----- records that describe nothing, and records of patches this catalogue lacks -----
+
+
+def record_is_stale(state: State, patch_id: str, files: TreeFiles) -> bool:
+    return all(
+        chain_finding(files, f.path)[0] == FileFinding.STALE for f in state.patches[patch_id].files
+    )
+
+
+def unknown_records(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[str, bool]:
+    """Recorded patches this catalogue lacks: id -> whether all its files are stale on disk."""
+    files = TreeFiles(tree, state, catalogue.ids)
+    return {
+        patch_id: record_is_stale(state, patch_id, files)
+        for patch_id in state.patches
+        if patch_id not in catalogue.ids
+    }
+
+
+def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[str]:
+    records = unknown_records(state, catalogue, tree)
+    return [unknown_line(state, patch_id) for patch_id, stale in records.items() if not stale]
+
+
+def unknown_line(state: State, patch_id: str) -> str:
+    paths = ", ".join(f.path for f in state.patches[patch_id].files)
+    return (
+        f"{state.path} records patch {patch_id!r}, which this patchkit does not know; its "
+        f"files ({paths}) still hold what it wrote and were left alone: revert it with the "
+        "patchkit that applied it, or reinstall vLLM (pip install --force-reinstall "
+        f"--no-deps vllm) and delete {state.directory}"
+    )
+
+
+def stale_records(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[str]) -> list[str]:
+    """Records among ``ids`` (and of unknown patches) that describe nothing on disk any more.
+
+    Judged on the files as they are on disk (a fresh view, without planned writes).
+    """
+    files = TreeFiles(tree, state, catalogue.ids)
+    stale = [i for i in ids if i in state.patches and record_is_stale(state, i, files)]
+    unknown = unknown_records(state, catalogue, tree)
+    return stale + [i for i, is_stale in unknown.items() if is_stale]
+
+
+# ----- what undoes a patch -----
+
+
+def revert_changes(
+    assessment: Assessment, files: TreeFiles, force: bool
+) -> list[FileChange] | None:
+    """The writes that undo one patch; None when it is not applied.
+
+    Per file: one its patch left as it wrote it gets its original back; one
+    already back to its original (or a created file that is gone) is left;
+    an edited one only with ``--force`` and only to the original of the
+    release installed now; one of another release never.
+    """
+    record = assessment.record
+    if record is None or assessment.stale_record:
+        if assessment.state == PatchState.APPLIED:  # applied by hand, or without .patchkit/
+            return _reverse_apply(assessment, files)
+        return None
+    changes = []
+    for entry in record.files:
+        kind, _ = chain_finding(files, entry.path)
+        if kind == FileFinding.STALE:
+            continue
+        if kind == FileFinding.FOREIGN:
+            raise PatchkitError(
+                f"{assessment.patch.id}: conflict: {assessment.reason}; nothing was changed"
+            )
+        if kind == FileFinding.EDITED:
+            _check_force(assessment, files, entry.path, force)
+        changes.append(_restore(entry, files, assessment))
+    return changes
+
+
+def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: bool) -> None:
+    """An edited file is restored only with --force, and only to its own release's original."""
+    patch_id = assessment.patch.id
+    if not force:
+        raise PatchkitError(
+            f"{patch_id}: {assessment.reason.split(';')[0]}; revert refuses to overwrite those "
+            "edits (--force restores the original anyway and discards them); nothing was changed"
+        )
+    refusal = force_refusal(files, path)
+    if refusal:
+        raise PatchkitError(
+            f"{patch_id}: {files.tree.fs.full(path)} was edited and {refusal}; --force never "
+            "restores a file of another release; nothing was changed"
+        )
+
+
+def _restore(record: FileRecord, files: TreeFiles, assessment: Assessment) -> FileChange:
+    """The write that puts one file back to before the patch (from its backup, or rebuilt)."""
+    current = files.data(record.path)
+    patch_id = assessment.patch.id
+    if record.pre_sha256 is None:
+        return FileChange(record.path, current, None, (patch_id,))  # the patch created it
+    original = files.tree.fs.read(f"{STATE_DIR}/{record.backup}", str(files.state.path))
+    if original is not None and _sha(original) == record.pre_sha256:
+        return FileChange(record.path, current, original, (patch_id,))
+    rebuilt = _reverse_one(assessment, record.path, files)
+    if rebuilt is None or _sha(rebuilt) != record.pre_sha256:
+        raise PatchkitError(
+            f"{patch_id}: the backup of {record.path} is missing or damaged and "
+            "reverse-applying the diff does not give the original back; reinstall vLLM "
+            f"(pip install --force-reinstall --no-deps vllm=={files.state.vllm_version}); "
+            "nothing was changed"
+        )
+    return FileChange(record.path, current, rebuilt, (patch_id,))
+
+
+def _reverse_apply(assessment: Assessment, files: TreeFiles) -> list[FileChange]:
+    changes = []
+    for path in assessment.variant.paths:
+        rebuilt = _reverse_one(assessment, path, files)
+        changes.append(FileChange(path, files.data(path), rebuilt, (assessment.patch.id,)))
+    return changes
+
+
+def _reverse_one(assessment: Assessment, path: str, files: TreeFiles) -> bytes | None:
+    """The file with the variant's hunks for ``path`` undone; None if they do not match."""
+    variant = assessment.variant
+    file_patch = next((f for f in variant.files if f.path == path), None) if variant else None
+    if file_patch is None:
+        return None
+    try:
+        text, _ = apply_file_patch(files.text(path), file_patch.reversed())
+    except HunkMismatch:
+        return None
+    return None if text is None else text.encode("utf-8", errors="surrogateescape")
+
+
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)

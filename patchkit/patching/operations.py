@@ -1,0 +1,250 @@
+"""Carry out a plan: lock the tree, roll back an interrupted run, write all of it or none.
+
+:mod:`patchkit.patching.decide` plans; this module executes. Nothing is
+written until the whole plan exists: a conflict, or any warning under
+``--strict``, stops the run with the tree untouched. While a run holds the
+tree's lock, Ctrl-C and SIGTERM are held (:mod:`patchkit.fs.signals`):
+they take effect when the run has finished the step it was in, never between
+a write and its record. What comes after the commit (stale bytecode, backups,
+tidying ``.patchkit/``, caches) can only warn: once the tree has changed, no
+later failure may make the run look as if it had changed nothing.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from patchkit.caches import compiled
+from patchkit.catalogue.model import Catalogue
+from patchkit.errors import PatchkitError, os_error_line
+from patchkit.fs import signals
+from patchkit.patching import bytecode
+from patchkit.patching.decide import APPLY, REVERT, STATUS, Plan, RunOptions, Step, plan, select
+from patchkit.patching.state import (
+    STATE_DIR,
+    FileRecord,
+    PatchRecord,
+    State,
+    backup_path,
+    load_state,
+    sweep,
+    tidy,
+)
+from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
+from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vocabulary import Action
+
+__all__ = ["RunOptions", "RunReport", "apply", "revert", "select", "status"]
+
+
+@dataclass
+class RunReport:
+    """What a run found and did: the plan's steps plus what happened after the commit."""
+
+    command: str
+    tree: VllmTree
+    plan: Plan
+    options: RunOptions = field(default_factory=RunOptions)
+    bytecode_removed: list[str] = field(default_factory=list)
+    caches_removed: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    wrote: bool = False  # the run committed its writes to the tree
+    recovered: bool = False  # it rolled an interrupted run back first
+
+    @property
+    def changed(self) -> bool:
+        """Whether the run changed anything on disk (the tree, bytecode, caches)."""
+        cleared = any(c["state"] == "cleared" for c in self.caches_removed)
+        return self.wrote or self.recovered or bool(self.bytecode_removed) or cleared
+
+    @property
+    def steps(self) -> list[Step]:
+        return self.plan.steps
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.plan.warnings
+
+    def notices(self, step: Step) -> list[str]:
+        """The known issues to show under one patch: none on revert, none that a patch
+        applied by the end of this run fixes."""
+        if self.command == REVERT:
+            return []
+        fixed = {s.assessment.patch.id for s in self.steps if s.state_after == "applied"}
+        return [n.message for n in step.assessment.notices if n.fixed_by not in fixed]
+
+
+def state_of(tree: VllmTree, catalogue: Catalogue) -> State:
+    """The tree's state, each entry checked against the diffs of the patch it names."""
+    return load_state(tree.fs, catalogue.file_kinds)
+
+
+@contextmanager
+def _locked(tree: VllmTree, catalogue: Catalogue, notes: list[str]):
+    """Lock the tree, hold signals, roll back an interrupted run, yield the state; tidy."""
+    with TreeLock(tree.fs) as lock, signals.held():
+        try:
+            notes.extend(recover(tree.fs, catalogue.file_kinds))
+            state = state_of(tree, catalogue)
+            sweep(state)
+            yield state
+        finally:
+            tidy(tree.fs, lock)
+
+
+def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
+    """Assess every patch; reads files only."""
+    state = state_of(tree, catalogue)
+    report = RunReport(STATUS, tree, plan(STATUS, tree, catalogue, state, DEFAULTS))
+    if interrupted(tree.fs):
+        report.plan.warn(
+            "an earlier patchkit run was interrupted while writing; the next "
+            "`patchkit apply` or `patchkit revert` rolls it back"
+        )
+    return report
+
+
+DEFAULTS = RunOptions()
+
+
+def apply(
+    tree: VllmTree, catalogue: Catalogue, options: RunOptions = DEFAULTS, prepare=None
+) -> RunReport:
+    """Apply what the plan says. ``prepare(plan)`` runs under the lock before any write
+    (fork mode switches branch there); if it raises, nothing is written."""
+    return _run(APPLY, tree, catalogue, options, prepare)
+
+
+def revert(
+    tree: VllmTree, catalogue: Catalogue, options: RunOptions = DEFAULTS, prepare=None
+) -> RunReport:
+    return _run(REVERT, tree, catalogue, options, prepare)
+
+
+def _after_recovery(exc: OSError | PatchkitError, notes: list[str]) -> str:
+    """The error of a run that first rolled an interrupted run back: that roll-back
+    changed the tree and stands, so the line says so instead of "nothing was changed"."""
+    what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, "accessing")
+    what = what.replace("nothing was changed", "nothing else was changed")
+    return f"{what} (before that: {'; '.join(notes)}; that stands)"
+
+
+def _run(
+    command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions, prepare
+) -> RunReport:
+    select(catalogue, options.only)  # an unknown id fails before anything else
+    if options.dry_run:
+        state = state_of(tree, catalogue)
+        report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
+        if interrupted(tree.fs):
+            report.plan.warn("an interrupted run will be rolled back first by a real apply")
+        return report
+    notes: list[str] = []
+    report = None
+    try:
+        with _locked(tree, catalogue, notes) as state:
+            report = RunReport(command, tree, plan(command, tree, catalogue, state, options))
+            report.options = options
+            report.recovered = bool(notes)  # recover() says what it did, if anything
+            if prepare is not None:
+                prepare(report.plan)
+            _execute(report, state)
+    except LockUnavailable as exc:
+        report = _read_only(command, tree, catalogue, options, exc)
+    except (OSError, PatchkitError) as exc:  # after the commit: tidying .patchkit/, unlocking
+        if report is None or not report.wrote:
+            if notes:  # the roll-back of an interrupted run stands: the error must say so
+                raise PatchkitError(_after_recovery(exc, notes)) from None
+            raise
+        report.plan.warn(_after_commit(exc, "tidying up"))
+    report.notes[:0] = notes + report.plan.notes
+    if options.clear_caches:
+        _clear_caches(report)
+    return report
+
+
+def _clear_caches(report: RunReport) -> None:
+    """Clear the caches, or say why not: never an error, the run's work stands either way."""
+    try:
+        report.caches_removed = compiled.clear_caches(report.tree.root)
+    except (OSError, PatchkitError) as exc:  # e.g. the working directory was deleted
+        report.plan.warn(f"the caches were left alone: {_reason(exc, 'the caches')}")
+
+
+def _after_commit(exc: Exception, doing: str) -> str:
+    return f"the tree was changed as reported, but {doing} failed: {_reason(exc)}"
+
+
+def _reason(exc: Exception, where: str = "the tree") -> str:
+    if isinstance(exc, OSError):
+        return os_error_line(exc, "accessing", path=where)
+    return str(exc)
+
+
+def _execute(report: RunReport, state: State) -> None:
+    """Commit the plan's writes and records in one transaction, then remove stale bytecode."""
+    planned = report.plan
+    for patch_id in planned.drop:
+        state.patches.pop(patch_id, None)
+    applied = planned.acting(Action.APPLIED)
+    reverted = planned.acting(Action.REVERTED)
+    if not (applied or reverted or planned.drop):
+        return
+    backups = _record_applied(report.tree, state, applied)
+    writes = planned.writes()
+    commit(state, writes, backups)
+    report.wrote = True
+    for patch_id in [s.assessment.patch.id for s in reverted] + planned.drop:
+        if patch_id not in state.patches:
+            try:
+                state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
+            except (OSError, PatchkitError) as exc:
+                planned.warn(_after_commit(exc, f"removing the backups of {patch_id}"))
+    planned.notes.extend(f"dropped the stale record of {i} (vLLM was reinstalled since)"
+                         for i in planned.drop)  # fmt: skip
+    removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
+    report.bytecode_removed = removed
+    for line in problems:
+        planned.warn(line)
+
+
+def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str, bytes]:
+    """Add a record per applied patch to ``state``; return the backups to write.
+
+    A backup that already holds the bytes (a patch replaced in place keeps its
+    original) is not written again: a failed commit removes what it wrote.
+    """
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    backups = {}
+    for step in steps:
+        patch_id, records = step.assessment.patch.id, []
+        for change in step.changes:
+            backup = backup_path(patch_id, change.path) if change.before is not None else None
+            kept = step.undo and backup and state.fs.read(f"{STATE_DIR}/{backup}", "state")
+            if backup is not None and kept != change.before:
+                backups[backup] = change.before
+            records.append(FileRecord(change.path, _sha(change.before), _sha(change.after), backup))
+        variant = step.assessment.variant
+        state.patches[patch_id] = PatchRecord(patch_id, variant.sha256, variant.name, now, records)
+    if steps:
+        state.vllm_version = tree.version
+    return backups
+
+
+def _read_only(
+    command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions, exc: LockUnavailable
+) -> RunReport:
+    """On a tree patchkit cannot write, succeed only if the run would write nothing."""
+    state = state_of(tree, catalogue)
+    report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
+    acting = [s for s in report.steps if s.action != Action.NONE]
+    if interrupted(tree.fs) or acting or report.plan.drop:
+        raise PatchkitError(f"{exc}; nothing was changed") from None
+    report.notes.append("the tree is not writable, and nothing needed writing")
+    return report
+
+
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)

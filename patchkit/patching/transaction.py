@@ -1,0 +1,399 @@
+"""All-or-nothing writes to a vLLM tree.
+
+A run that changes files goes through :func:`commit`:
+
+1. the original of every file is copied to ``.patchkit/txn/orig/`` and the
+   journal (``txn/journal.json``: each file's sha256 before and after, the
+   patches that change it, and the sha256 of the state file the run will
+   write) is written atomically;
+2. each file is written through a temporary file and ``renameat``;
+3. the state file is written atomically (this is the commit point);
+4. ``txn/`` is removed.
+
+If a step fails inside the process, the files already written are restored
+from memory before the error is reported. Ctrl-C and SIGTERM are held while
+the run holds the lock (:mod:`patchkit.fs.signals`), so they never fall between
+a write and the record of it. If the process dies (kill -9, power loss), the
+journal stays behind and the next ``apply``, ``revert`` or ``refresh`` calls
+:func:`recover` first: before the commit point it restores the originals,
+after it only removes the journal. A journal entry is acted on only when a
+diff of the patches it names creates, changes or deletes that file.
+
+:class:`TreeLock` (``fcntl.flock`` on ``.patchkit/lock``) keeps two runs on
+the same tree from interleaving; a second run waits for the first.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+from patchkit.errors import PatchkitError, os_error_line
+from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
+from patchkit.fs.signals import held
+from patchkit.patching.state import (
+    STATE_DIR,
+    STATE_FILE,
+    TXN_DIR,
+    State,
+    check_no_links,
+    is_sha256,
+    load_json,
+)
+from patchkit.vllmtree.tree import sha256_bytes
+
+LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
+LOCK_FILE = f"{STATE_DIR}/lock"
+JOURNAL = f"{TXN_DIR}/journal.json"
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file's content before and after (None: absent), and the patches that change it."""
+
+    path: str  # relative to the tree root
+    before: bytes | None
+    after: bytes | None
+    patches: tuple[str, ...] = ()
+
+
+class LockUnavailable(PatchkitError):
+    """The lock file cannot be created: a read-only or foreign-owned tree.
+
+    A run that would write nothing can still succeed on such a tree.
+    """
+
+
+class TreeLock:
+    """An exclusive lock on one tree, waited for up to PATCHKIT_LOCK_TIMEOUT s (60)."""
+
+    def __init__(self, fs: Root):
+        self.fs = fs
+        self.timeout = _lock_timeout()
+        self._fd = -1
+        self._made: list[str] = []  # lock file and directory this lock made: undone on failure
+
+    @property
+    def path(self):
+        return self.fs.full(LOCK_FILE)
+
+    def _open(self) -> None:
+        check_no_links(self.fs)
+        try:
+            if self.fs.lstat(STATE_DIR, "lock") is None:
+                self._made.append(STATE_DIR)
+            found = self.fs.lstat(LOCK_FILE, "lock")
+            if found is None:
+                self._made.insert(0, LOCK_FILE)
+            elif not stat.S_ISREG(found.st_mode):  # refused by type before it is opened
+                raise UnsafePath(f"{self.path} is not a regular file; remove it")
+            with self.fs.directory(STATE_DIR, "lock", create=True) as directory:
+                fd = os.open(
+                    "lock",
+                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=directory,
+                )
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise UnsafePath(f"{self.path} is not a regular file; remove it")
+            self._fd = fd
+        except OSError as exc:
+            self._undo_created()
+            if exc.errno == errno.ELOOP:
+                raise UnsafePath(f"{self.path} is a symbolic link; remove it") from None
+            line = os_error_line(exc, "creating the lock")
+            if exc.errno in _UNWRITABLE:
+                raise LockUnavailable(line) from None
+            raise PatchkitError(f"{line}; nothing was changed") from None
+
+    def __enter__(self) -> TreeLock:
+        """Create and lock; signals are held while anything is made, not while waiting."""
+        try:
+            with held():
+                self._open()
+            deadline = time.monotonic() + self.timeout
+            while not self._try_lock():
+                if time.monotonic() >= deadline:
+                    raise PatchkitError(
+                        f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
+                        "let it finish, then run the command again"
+                    )
+                time.sleep(0.05)
+        except BaseException:
+            with held():
+                self._close()
+                self._undo_created()
+            raise
+        return self
+
+    def _try_lock(self) -> bool:
+        with held():
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if self._still_linked():
+                return True
+            # The holder before us removed the lock file (tidy); lock the new one.
+            self._close()
+            self._open()
+            return False
+
+    def _still_linked(self) -> bool:
+        found = self.fs.lstat(LOCK_FILE, "lock")
+        return found is not None and found.st_ino == os.fstat(self._fd).st_ino
+
+    def unlink_file(self) -> None:
+        """Unlink the lock file while still holding it (the tree's .patchkit/ is going away)."""
+        self.fs.unlink(LOCK_FILE, "lock")
+
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is not None:  # a failed run leaves no lock file or directory it made
+            with held():
+                self._undo_created()
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = -1
+
+    def _undo_created(self) -> None:
+        """Remove the lock file and ``.patchkit/`` (if empty) that this lock made.
+
+        Best effort: on a read-only tree nothing was made, and an error here
+        must not hide the one that ended the run.
+        """
+        made, self._made = self._made, []
+        for relpath in made:
+            try:
+                if relpath == LOCK_FILE:
+                    self.fs.unlink(LOCK_FILE, "lock")
+                elif self.fs.lstat(relpath, "lock") is not None:
+                    self.fs.rmdir(relpath, "lock")  # only if empty
+            except OSError:
+                pass
+
+
+def _lock_timeout() -> float:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "60")
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise PatchkitError(f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+def interrupted(fs: Root) -> bool:
+    """True when an earlier run died while writing (its journal is still there)."""
+    return fs.lstat(JOURNAL, "journal") is not None
+
+
+def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -> None:
+    """Write ``backups`` (paths relative to ``.patchkit/``), then ``changes``, then ``state``.
+
+    All or nothing: on any failure (a full disk, a permission error, a file
+    changed under the run) the files already written are restored, this
+    run's backups and journal are removed, and the tree is as before. If even
+    the restore fails, the journal stays and the next run rolls back.
+    """
+    written: list[FileChange] = []
+    try:
+        commit_or_undo(state, changes, backups, written)
+    except OSError as exc:
+        raise PatchkitError(
+            f"{os_error_line(exc, 'writing')}; the {len(written)} file(s) already "
+            "written were restored, nothing changed"
+        ) from None
+    state.fs.remove_tree(TXN_DIR, "journal")
+
+
+def commit_or_undo(
+    state: State,
+    changes: list[FileChange],
+    backups: dict[str, bytes],
+    written: list[FileChange] | None = None,
+) -> None:
+    """:func:`commit` up to and with the state file, for a caller with writes of its own.
+
+    On failure the tree is put back and the error raised as it came (the
+    caller puts its own files back and words the message); ``written`` says
+    how many tree files had been written. The journal is left for the caller
+    to remove once it has finished (the next run removes it otherwise).
+    """
+    fs = state.fs
+    new_state = state.to_bytes()
+    stored: list[str] = []
+    written = [] if written is None else written
+    try:
+        fs.remove_tree(TXN_DIR, "journal")  # leftovers of a run that died before its journal
+        for change in changes:
+            if change.before is not None:
+                _store(fs, f"{TXN_DIR}/orig/{change.path}", change.before, stored)
+        for relpath, data in backups.items():
+            _store(fs, f"{STATE_DIR}/{relpath}", data, stored)
+        _store(fs, JOURNAL, _journal(changes, new_state), stored)
+        for change in changes:
+            _expect(fs, change)
+            written.append(change)  # recorded first: an undo of an unwritten file is a no-op
+            _write(fs, change.path, change.after)
+        fs.write(STATE_FILE, new_state, "state")
+    except BaseException:
+        _undo(fs, written, stored)
+        raise
+
+
+def _expect(fs: Root, change: FileChange) -> None:
+    """The file must still be what the run assessed; someone else may have written it since."""
+    current = fs.read(change.path, "apply")
+    if _sha(current) != _sha(change.before):
+        raise PatchkitError(
+            f"{fs.full(change.path)} changed while patchkit was running; nothing was changed "
+            "(run the command again)"
+        )
+
+
+def _store(fs: Root, relpath: str, data: bytes, stored: list[str]) -> None:
+    """Write one of patchkit's own files under ``.patchkit/`` and remember it for undo."""
+    checked_relpath(relpath, str(fs.full(STATE_DIR)), top=STATE_DIR)
+    stored.append(relpath)
+    fs.write(relpath, data, "state")
+
+
+def _journal(changes: list[FileChange], new_state: bytes) -> bytes:
+    journal = {
+        "state_sha256": sha256_bytes(new_state),
+        "files": [
+            {
+                "path": c.path,
+                "before": _sha(c.before),
+                "after": _sha(c.after),
+                "patches": list(c.patches),
+            }
+            for c in changes
+        ],
+    }
+    return json.dumps(journal, indent=2).encode()
+
+
+def _undo(fs: Root, written: list[FileChange], stored: list[str]) -> None:
+    """Put the tree back after a failed commit; keep the journal if that fails."""
+    try:
+        for change in reversed(written):
+            fs.unlink_tmp(change.path, "rollback")
+            _write(fs, change.path, change.before)
+    except BaseException as exc:
+        raise PatchkitError(
+            f"restoring the tree after a failed write failed too ({exc}); the next "
+            "`patchkit apply` or `patchkit revert` rolls the run back from its journal"
+        ) from None
+    for relpath in stored:
+        fs.unlink(relpath, "rollback")
+        fs.unlink_tmp(relpath, "rollback")
+    fs.remove_tree(TXN_DIR, "rollback")
+
+
+def _write(fs: Root, relpath: str, data: bytes | None) -> None:
+    if data is None:
+        fs.unlink(relpath, "apply")
+    else:
+        fs.write(relpath, data, "apply")
+
+
+@dataclass(frozen=True)
+class _JournalEntry:
+    path: str
+    before: str | None
+    after: str | None
+
+
+def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
+    """The journal, validated like the state file and against the diffs of its patches."""
+    path = fs.full(JOURNAL)
+    try:
+        data = load_json(fs, JOURNAL, "journal")
+        if not isinstance(data, dict) or set(data) != {"state_sha256", "files"}:
+            raise ValueError("wrong keys")
+        if not isinstance(data["files"], list):
+            raise ValueError("files is not a list")
+        entries = [_journal_entry(raw, str(path), file_kinds) for raw in data["files"]]
+        if len({entry.path for entry in entries}) != len(entries):
+            raise ValueError("a file is listed twice (patchkit writes each file once)")
+        if not is_sha256(data["state_sha256"]):
+            raise ValueError("state_sha256 is not a sha256")
+    except (ValueError, TypeError, UnsafePath) as exc:
+        raise PatchkitError(
+            f"{path}: invalid journal ({exc}); it was not acted on. Reinstall vLLM "
+            f"(pip install --force-reinstall --no-deps vllm), then delete {path.parent}"
+        ) from None
+    return data["state_sha256"], entries
+
+
+def _journal_entry(raw: object, origin: str, file_kinds) -> _JournalEntry:
+    keys = {"path", "before", "after", "patches"}
+    if not isinstance(raw, dict) or set(raw) != keys or not isinstance(raw["patches"], list):
+        raise ValueError("a file entry is malformed")
+    path = checked_relpath(raw["path"], origin)
+    for key in ("before", "after"):
+        if raw[key] is not None and not is_sha256(raw[key]):
+            raise ValueError(f"{path}: {key} is not a sha256")
+    kinds: set[str] = set()
+    for patch_id in raw["patches"]:
+        known = file_kinds(patch_id) if isinstance(patch_id, str) else None
+        if known is None:
+            raise ValueError(f"{path}: names {str(patch_id)[:40]!r}, a patch this patchkit lacks")
+        kinds |= known.get(path, set())
+    if not kinds:
+        raise ValueError(f"{path}: no diff of the patches it names touches that file")
+    if None in (raw["before"], raw["after"]) and not kinds & {"creates", "deletes"}:
+        raise ValueError(f"{path}: absent before or after, but no diff creates or deletes it")
+    return _JournalEntry(path, raw["before"], raw["after"])
+
+
+def recover(fs: Root, file_kinds) -> list[str]:
+    """Finish or undo a run that died mid-write; returns what was done."""
+    if not interrupted(fs):
+        if fs.lstat(TXN_DIR, "journal") is not None:  # died before its journal: untouched
+            fs.remove_tree(TXN_DIR, "journal")
+        return []
+    state_sha, entries = _read_journal(fs, file_kinds)
+    for entry in entries:
+        fs.unlink_tmp(entry.path, "rollback")
+    if _sha(fs.read(STATE_FILE, "state")) == state_sha:
+        fs.remove_tree(TXN_DIR, "journal")
+        return ["an interrupted run had already committed; removed its journal"]
+    restored = []
+    for entry in entries:
+        current = _sha(fs.read(entry.path, "rollback"))
+        if current == entry.before:
+            continue
+        if current != entry.after:
+            raise PatchkitError(
+                f"{fs.full(entry.path)}: changed after an interrupted patchkit run, so it "
+                f"cannot be rolled back safely; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
+            )
+        if entry.before is None:
+            fs.unlink(entry.path, "rollback")
+        else:
+            original = fs.read(f"{TXN_DIR}/orig/{entry.path}", "journal")
+            if original is None or sha256_bytes(original) != entry.before:
+                raise PatchkitError(
+                    f"{fs.full(TXN_DIR)}: the journal's copy of {entry.path} is missing or "
+                    f"damaged; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
+                )
+            fs.write(entry.path, original, "rollback")
+        restored.append(entry.path)
+    fs.remove_tree(TXN_DIR, "journal")
+    return [f"rolled back an interrupted run: restored {p}" for p in restored] or [
+        "an interrupted run had changed nothing; removed its journal"
+    ]
+
+
+def _sha(data: bytes | None) -> str | None:
+    return None if data is None else sha256_bytes(data)

@@ -1,0 +1,1 @@
+"""Layer 3: pristine vLLM release trees, fetched from the real PyPI wheels."""

@@ -1,0 +1,144 @@
+"""The checks `verify --e2e` and `verify --model` apply to what vLLM served.
+
+Both judge teacher-forced prompt log-probabilities, not generated tokens:
+random weights (the e2e models) and tensor parallelism (a different
+reduction order) turn near-ties into different greedy tokens while the
+log-probabilities stay within bf16 rounding. A served result is
+``{"corrupted_requests": n, "runs": {label: {prompt: request} | {"error": ...}}}``
+with a request ``{"prompt_logprobs", "tokens", "token_logprobs"}``
+(patchkit.verify.serving writes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from patchkit.symptoms import longest_zero_run
+
+# A run of this many token-id-0 tokens is the "!!!!" symptom.
+ZERO_RUN = 3
+# The same request twice (before/after other requests) must agree within
+# run-to-run noise: the Triton shrink kernel sums split-k partials with
+# atomic adds (order not fixed), which moved a 50-token prompt's log-probs by
+# up to 8e-3 on the test H200. Carried-over GDN state or a stale adapter slot
+# moves them by about the LoRA effect (0.3 in the e2e models).
+REPEAT_MAX_TOL = 0.05
+
+
+@dataclass
+class Check:
+    """One named pass/fail with the number that decided it."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def diff(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and max absolute difference (inf when lengths differ or a value is NaN)."""
+    if len(a) != len(b) or not a:
+        return float("inf"), float("inf")
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    if any(d != d for d in diffs):
+        return float("inf"), float("inf")
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def count_nan(values: list[float]) -> int:
+    return sum(1 for v in values if v != v)
+
+
+def served_error(runs: dict, label: str) -> str | None:
+    """Why ``label``'s requests have no results (an adapter that did not load), or None."""
+    group = runs.get(label)
+    if group is None:
+        return "not run"
+    return group.get("error")
+
+
+def logprobs(runs: dict, label: str, prompt: str) -> list[float]:
+    """The prompt log-probabilities of one request; [] when it was not served."""
+    group = runs.get(label) or {}
+    request = group.get(prompt)
+    return request["prompt_logprobs"] if isinstance(request, dict) else []
+
+
+def engine_ran(name: str, served: dict) -> list[Check]:
+    """[] when the engine ran; else the failed check, and a second start noted when one ran."""
+    if "error" in served:
+        return [Check(f"{name}: vLLM ran", False, served["error"])]
+    if "first_attempt" in served:
+        return [
+            Check(f"{name}: engine started (second attempt, alone)", True, served["first_attempt"])
+        ]
+    return []
+
+
+def health_checks(name: str, served: dict) -> list[Check]:
+    """No NaN counted by vLLM, none in the log-probabilities, no run of token 0."""
+    corrupted = served["corrupted_requests"]
+    checks = [
+        Check(
+            f"{name}: vllm:corrupted_requests",
+            corrupted == 0,
+            f"{corrupted} (VLLM_COMPUTE_NANS_IN_LOGITS=1)",
+        )
+    ]
+    every = [
+        (label, r)
+        for label, group in served["runs"].items()
+        for r in group.values()
+        if isinstance(r, dict)
+    ]
+    nan = [(label, count_nan(r["prompt_logprobs"] + r["token_logprobs"])) for label, r in every]
+    nan_total = sum(n for _, n in nan)
+    checks.append(
+        Check(
+            f"{name}: no NaN log-probabilities",
+            nan_total == 0,
+            f"{nan_total} NaN" + _naming([label for label, n in nan if n]),
+        )
+    )
+    zero_runs = [label for label, r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
+    checks.append(
+        Check(
+            f"{name}: no run of token id 0",
+            not zero_runs,
+            f"{len(zero_runs)} output{'s' if len(zero_runs) != 1 else ''} with >= {ZERO_RUN} "
+            "zeros in a row" + _naming(zero_runs),
+        )
+    )
+    return checks
+
+
+def _naming(labels: list[str]) -> str:
+    """' (in lora:poisoned, ...)': which requests of an engine went bad, so an
+    engine-wide row still names the adapter (the engine serves them all)."""
+    names = list(dict.fromkeys(labels))
+    return f" (in {', '.join(names)})" if names else ""
+
+
+def bound_check(title: str, values: list[float], reference: list[float], bounds) -> Check:
+    """``values`` within (mean, max) absolute difference ``bounds`` of ``reference``."""
+    mean_tol, max_tol = bounds
+    mean, worst = diff(values, reference)
+    return Check(
+        title,
+        mean <= mean_tol and worst <= max_tol,
+        f"mean |d logprob| {mean:.4f} (<= {mean_tol}), max {worst:.3f} (<= {max_tol})",
+    )
+
+
+def repeat_check(name: str, runs: dict, again: str, first: str, title: str) -> Check:
+    """The same request later in the run answers as it did first (no state carried over)."""
+    missing = served_error(runs, again) or served_error(runs, first)
+    if missing:
+        return Check(f"{name}: {title}", False, f"not served: {missing}")
+    names = list(runs[again])
+    worst = max(diff(logprobs(runs, again, n), logprobs(runs, first, n))[1] for n in names)
+    same_tokens = all(runs[again][n]["tokens"] == runs[first][n]["tokens"] for n in names)
+    return Check(
+        f"{name}: {title}",
+        worst <= REPEAT_MAX_TOL and same_tokens,
+        f"max |d logprob| {worst:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {same_tokens}",
+    )

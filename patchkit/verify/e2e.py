@@ -1,0 +1,428 @@
+"""End-to-end check for `patchkit verify --e2e`: a tiny Qwen3.5 hybrid under vLLM with LoRA.
+
+Everything is built locally, nothing is downloaded: a random Qwen3.5 model
+(3 Gated DeltaNet layers + 1 attention layer) made with transformers, a
+rank-64 PEFT adapter on the attention, GDN and MLP projections, and token-id
+prompts of about 50, 600 and 3000 tokens. transformers + PEFT in float32 give
+the reference prompt log-probabilities; vLLM serves the same model twice, in
+eager mode and with torch.compile + CUDA graphs, each in its own process.
+
+A tiny Qwen3.5-MoE hybrid (8 routed experts, top 2, and a shared expert in
+every layer) with an adapter on attention, GDN, the shared expert and the
+routed experts (vLLM's fused_moe_lora) is served beside it and checked like
+`verify --model`, against the adapter merged into the weights
+(patchkit.verify.usermodel). Every engine runs through patchkit.verify.serving, on
+--tensor-parallel-size GPUs each, all side by side when they fit.
+
+Random weights make greedy tokens a poor comparison (near-ties diverge), so
+the checks compare teacher-forced prompt log-probabilities instead.
+torch, transformers, peft and vllm are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from patchkit.verify import checks, serving, usermodel
+from patchkit.verify.checks import Check
+
+PROMPT_LENGTHS = (50, 600, 3000)
+VOCAB = 4096
+RANK = 64
+TARGET_MODULES = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
+    r"|gate_proj|up_proj|down_proj)"
+)
+# Adapters that train one member of the fused GDN in_proj_qkvz only (vLLM
+# #47639 / #57851): each is served on one prompt and checked like the full one.
+PARTIAL_ADAPTERS = {
+    "lora_qkv": r".*language_model.*\.in_proj_qkv",
+    "lora_z": r".*language_model.*\.in_proj_z",
+}
+PARTIAL_PROMPT = "p600"
+PARTIAL_EFFECT_MIN = 0.01  # one projection of three GDN layers: a smaller, still clear effect
+# Teacher-forced prompt log-probabilities, vLLM (bf16) against transformers
+# (float32 from the same bf16 weights): mean and max absolute difference.
+LOGPROB_MEAN_TOL = 0.03
+LOGPROB_MAX_TOL = 0.3
+# LoRA must move the log-probabilities by clearly more than that noise.
+LORA_EFFECT_MIN = 0.1  # about a third of the effect the adapter is built with
+MODES = serving.MODES
+__all__ = ["Check", "compare", "run_e2e"]
+
+
+def prompts(seed: int) -> dict[str, list[int]]:
+    """Token-id prompts; ids stay below the image/video special tokens (4090+)."""
+    rnd = random.Random(seed)
+    return {f"p{n}": [rnd.randrange(1, 4000) for _ in range(n)] for n in PROMPT_LENGTHS}
+
+
+TINY_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_position_embeddings=8192,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+
+
+def qwen35_config(**text):
+    """A Qwen3.5 hybrid (transformers' Qwen3_5Config): TINY_TEXT with `text` over it.
+
+    The vision tower is one tiny layer; vLLM serves the text model only
+    (language_model_only). Loads in transformers 5.17 and vLLM 0.22-0.26.
+    """
+    from transformers import Qwen3_5Config
+
+    return _with_vision(Qwen3_5Config, {**TINY_TEXT, **text})
+
+
+def _with_vision(config_class, text: dict):
+    """A Qwen3.5 (or -MoE) config: ``text``, a one-layer vision tower, special ids 4090-4093."""
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=text["hidden_size"])  # fmt: skip
+    return config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=4090,
+        video_token_id=4091,
+        vision_start_token_id=4092,
+        vision_end_token_id=4093,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
+    """Save a random tiny Qwen3.5 hybrid and a random rank-64 adapter under workdir."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model_dir, adapter_dir = workdir / "model", workdir / "adapter"
+    save_random(Qwen3_5ForConditionalGeneration, qwen35_config(), seed, model_dir, adapter_dir,
+                TARGET_MODULES)  # fmt: skip
+    for kind, target in PARTIAL_ADAPTERS.items():
+        base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16)
+        config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=target, init_lora_weights=False)
+        partial = scale_lora_b(get_peft_model(base, config), 0.3)
+        partial.save_pretrained(partial_dir(adapter_dir, kind))
+    return model_dir, adapter_dir
+
+
+def save_random(model_class, config, seed: int, model_dir: Path, adapter_dir: Path, targets):
+    """Save a random bf16 model and a random rank-64 PEFT adapter on ``targets``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    lora = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets, init_lora_weights=False)
+    scale_lora_b(get_peft_model(model, lora), 0.3).save_pretrained(adapter_dir)
+
+
+def scale_lora_b(peft_model, factor: float):
+    """Scale PEFT's random lora_B (init_lora_weights=False) so LoRA is visible, logits sane."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(factor)
+    return peft_model
+
+
+def partial_dir(adapter_dir: Path, kind: str) -> Path:
+    """Where the partial adapter ``kind`` is saved, beside the full one."""
+    return adapter_dir.parent / f"adapter-{kind}"
+
+
+def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int, device: str) -> dict:
+    """transformers + PEFT, float32: per prompt, base and LoRA log-probs of tokens 1..n-1."""
+    import torch
+    from peft import PeftModel
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device).eval()
+    out: dict = {"base": {}, "lora": {}}
+    with torch.no_grad():
+        for name, ids in prompts(seed).items():
+            out["base"][name] = _token_logprobs(model, ids, device)
+        peft_model = PeftModel.from_pretrained(model, adapter_dir).to(device).eval()
+        for name, ids in prompts(seed).items():
+            out["lora"][name] = _token_logprobs(peft_model, ids, device)
+        for kind in PARTIAL_ADAPTERS:  # each on a fresh base: PEFT wraps the model in place
+            base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+            partial = PeftModel.from_pretrained(base, partial_dir(adapter_dir, kind))
+            partial.to(device).eval()
+            ids = prompts(seed)[PARTIAL_PROMPT]
+            out[kind] = {PARTIAL_PROMPT: _token_logprobs(partial, ids, device)}
+            del base, partial
+    del model
+    return out
+
+
+def _token_logprobs(model, ids: list[int], device: str) -> list[float]:
+    import torch
+
+    tokens = torch.tensor([ids], device=device)
+    logits = model(input_ids=tokens).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, tokens[0, 1:, None]).squeeze(1).tolist()
+
+
+# ----- the MoE case: attention, GDN, shared expert and routed experts under LoRA -----
+
+MOE_TEXT = dict(
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+MOE_TARGET_MODULES = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj"
+    r"|shared_expert\.gate_proj|shared_expert\.up_proj|shared_expert\.down_proj)"
+)
+MOE_PROMPT_LENGTHS = [600, 3000]
+
+
+def qwen35_moe_config(**text):
+    """A Qwen3.5-MoE hybrid (transformers' Qwen3_5MoeConfig): TINY_TEXT with 8 routed
+    experts (top 2) and a shared expert in every layer (vLLM's Qwen3NextSparseMoeBlock),
+    `text` over it."""
+    from transformers import Qwen3_5MoeConfig
+
+    tiny = {k: v for k, v in TINY_TEXT.items() if k != "intermediate_size"}
+    return _with_vision(Qwen3_5MoeConfig, tiny | MOE_TEXT | text)
+
+
+def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
+    """Save a random tiny Qwen3.5-MoE and a rank-64 adapter on attention, GDN and experts.
+
+    PEFT makes the linear modules' factors; the routed experts' factors are
+    written in the layout PEFT >= 0.20 saves for ``target_parameters`` and
+    vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
+    gate_up_proj: A (r*E, hidden), B (2*I, r*E); ``<experts>.lora_{A,B}`` is
+    down_proj: A (r*E, I), B (hidden, r*E); see patchkit/verify/merge.py),
+    so the case does not depend on the PEFT release installed.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    model_dir, adapter_dir = workdir / "moe-model", workdir / "moe-adapter"
+    save_random(Qwen3_5MoeForConditionalGeneration, qwen35_moe_config(), seed + 1, model_dir,
+                adapter_dir, MOE_TARGET_MODULES)  # fmt: skip
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    tensors |= _expert_factors(torch, seed)
+    save_file(tensors, adapter_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config_file.write_text(json.dumps(config, indent=2))
+    return model_dir, adapter_dir
+
+
+def _expert_factors(torch, seed: int) -> dict:
+    """Random expert factors of every layer, sized so the experts' LoRA is clearly visible."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    hidden, inter, experts = TINY_TEXT["hidden_size"], MOE_TEXT["moe_intermediate_size"], 8
+    out = {}
+    for layer in range(TINY_TEXT["num_hidden_layers"]):
+        root = f"base_model.model.model.language_model.layers.{layer}.mlp.experts"
+        for wrapper, d_out, d_in in (
+            (root + ".base_layer", 2 * inter, hidden),
+            (root, hidden, inter),
+        ):
+            a = torch.randn(RANK * experts, d_in, generator=gen) / d_in**0.5
+            b = torch.randn(d_out, RANK * experts, generator=gen) * (0.3 / RANK**0.5)
+            out[f"{wrapper}.lora_A.weight"] = a.to(torch.bfloat16)
+            out[f"{wrapper}.lora_B.weight"] = b.to(torch.bfloat16)
+    return out
+
+
+# ----- serving: every engine of the run at once -----
+
+
+def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> list:
+    """The dense model with the full and both partial adapters, in each mode."""
+    loras = {"full": str(adapter_dir)}
+    loras |= {kind: str(partial_dir(adapter_dir, kind)) for kind in PARTIAL_ADAPTERS}
+    requests = [(label, name, "full" if label.startswith("lora") else None) for label, name in PLAN]
+    # Last: an adapter that does not load must not hide the other results.
+    requests += [(kind, PARTIAL_PROMPT, kind) for kind in PARTIAL_ADAPTERS]
+    return [
+        serving.Job(
+            name=mode,
+            model=str(model_dir),
+            mode=mode,
+            prompts=prompts(seed),
+            requests=requests,
+            loras=loras,
+            max_lora_rank=RANK,
+            max_model_len=4096,
+            seed=seed,
+            **memory,
+        )
+        for mode in MODES
+    ]
+
+
+def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
+    """The MoE model with its adapter in each mode, its merged reference and rounding control."""
+    moe_dir, moe_adapter = build_moe(workdir, seed)
+    adapters = {"moe": moe_adapter}
+    plans = usermodel.plan_references(moe_dir, adapters, workdir, say)
+    references = usermodel.write_references(plans, workdir, say, seed)
+    config = usermodel.read_config(moe_dir)
+    setup = {
+        "prompts": usermodel.make_prompts(config, MOE_PROMPT_LENGTHS, seed),
+        "max_model_len": 4096,
+        "seed": seed,
+        **memory,
+    }
+    return usermodel.jobs(moe_dir, adapters, references, setup, prefix="moe-")
+
+
+def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:
+    """Each e2e engine's memory settings, and how many fit side by side."""
+    total, free = gpu
+    kv = 2 * serving.GIB
+    size = usermodel.weight_bytes(model_dir) * 3  # the MoE model is about three times larger
+    fraction = serving.engine_memory(size, VOCAB, tp, kv, total)
+    memory = {"tensor_parallel_size": tp, "gpu_memory_utilization": fraction, "kv_cache_bytes": kv}
+    return memory, serving.side_by_side(fraction, 0.9 * free / total)
+
+
+def run_e2e(
+    workdir: Path,
+    seed: int,
+    tp: int = 1,
+    gpu: tuple[int, int] = (1, 1),
+    say=lambda line: None,
+    timeout: float = 540.0,
+) -> list[Check]:
+    """Build, reference, serve every engine (dense and MoE, both modes), compare."""
+    model_dir, adapter_dir = build_model(workdir, seed)
+    # The reference runs first and keeps its memory until the end.
+    reference = reference_logprobs(model_dir, adapter_dir, seed, "cuda")
+    (workdir / "reference.json").write_text(json.dumps(reference))
+    memory, at_once = engine_memory(model_dir, tp, gpu)
+    engines = dense_jobs(model_dir, adapter_dir, seed, memory)
+    engines += moe_jobs(workdir, seed, memory, say)
+    say(f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}")
+    served = serving.serve_all(engines, workdir, timeout, at_once)
+    (workdir / "served.json").write_text(json.dumps(served))
+    dense = [check for mode in MODES for check in compare(mode, served[mode], reference)]
+    return dense + usermodel.compare(served, ["moe"], prefix="moe-")
+
+
+# ----- the checks of the dense case, against transformers + PEFT -----
+
+# The requests of one dense engine, in order: (label, prompt). LoRA labels use the adapter.
+PLAN = (
+    ("base", "p50"), ("base", "p600"), ("base", "p3000"),
+    ("lora", "p50"), ("lora", "p600"), ("lora", "p3000"),
+    ("lora_after_long", "p50"),
+    ("base_after_lora", "p50"), ("base_after_lora", "p600"), ("base_after_lora", "p3000"),
+)  # fmt: skip
+
+
+def compare(mode: str, served: dict, reference: dict) -> list[Check]:
+    """The e2e checks for one mode."""
+    ran = checks.engine_ran(mode, served)
+    if "error" in served:
+        return ran
+    runs = served["runs"]
+    return [
+        *ran,
+        *checks.health_checks(mode, served),
+        *_reference_checks(mode, runs, reference),
+        _effect_check(mode, runs),
+        checks.repeat_check(
+            mode, runs, "base_after_lora", "base", "base after LoRA equals base before"
+        ),
+        *_partial_checks(mode, runs, reference),
+        checks.repeat_check(
+            mode, runs, "lora_after_long", "lora", "short prompt after a long one unaffected"
+        ),
+    ]
+
+
+BOUNDS = (LOGPROB_MEAN_TOL, LOGPROB_MAX_TOL)
+
+
+def _reference_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
+    """Base and LoRA prompt log-probabilities within bounds of transformers + PEFT."""
+    return [
+        checks.bound_check(
+            f"{mode}: {kind} {name[1:]} tokens vs transformers",
+            checks.logprobs(runs, kind, name),
+            reference[kind][name],
+            BOUNDS,
+        )
+        for kind in ("base", "lora")
+        for name in reference[kind]
+    ]
+
+
+def _effect_check(mode: str, runs: dict) -> Check:
+    """The adapter visibly changes the output (it was applied at all)."""
+    error = checks.served_error(runs, "lora")
+    if error:
+        return Check(f"{mode}: LoRA output differs from base", False, f"not served: {error}")
+    effect = min(
+        checks.diff(checks.logprobs(runs, "lora", n), checks.logprobs(runs, "base", n))[0]
+        for n in runs["lora"]
+    )
+    return Check(
+        f"{mode}: LoRA output differs from base",
+        effect >= LORA_EFFECT_MIN,
+        f"smallest mean |LoRA - base| {effect:.4f} (>= {LORA_EFFECT_MIN})",
+    )
+
+
+def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
+    """Each partial GDN adapter: it loads, matches transformers + PEFT, and changes the output."""
+    checks = []
+    for kind in PARTIAL_ADAPTERS:
+        error = checks.served_error(runs, kind)
+        if error:
+            checks.append(Check(f"{mode}: {kind} adapter served", False, error))
+            continue
+        values = checks.logprobs(runs, kind, PARTIAL_PROMPT)
+        checks.append(
+            checks.bound_check(
+                f"{mode}: {kind} adapter vs transformers",
+                values,
+                reference[kind][PARTIAL_PROMPT],
+                BOUNDS,
+            )
+        )
+        effect = checks.diff(values, checks.logprobs(runs, "base", PARTIAL_PROMPT))[0]
+        checks.append(
+            Check(
+                f"{mode}: {kind} adapter differs from base",
+                effect >= PARTIAL_EFFECT_MIN,
+                f"mean |LoRA - base| {effect:.4f} (>= {PARTIAL_EFFECT_MIN})",
+            )
+        )
+    return checks

@@ -1,0 +1,188 @@
+"""`patchkit verify`: prove on this machine's GPU that the installed vLLM's LoRA path is sound.
+
+It runs against the vLLM that this Python imports, patched or not, and says
+which patches are applied. Kernel checks always run; `--e2e` adds the tiny
+Qwen3.5 and Qwen3.5-MoE + LoRA serving run (patchkit.verify.e2e), `--model`
+the user's own model and adapters against merged references
+(patchkit.verify.usermodel); both serve through patchkit.verify.serving, on
+`--tensor-parallel-size` GPUs per engine. Exit 1 on any failed check that
+applies to this install. torch and vllm are imported only here, lazily, so
+the other commands never load them.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from patchkit.catalogue.model import Catalogue
+from patchkit.errors import PatchkitError
+from patchkit.patching import operations
+from patchkit.vllmtree.tree import VllmTree, locate
+
+
+@dataclass
+class VerifyReport:
+    environment: dict
+    patches: list[dict]
+    kernel: list = field(default_factory=list)
+    e2e: list = field(default_factory=list)
+    model: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        kernel_ok = all(k.ok for k in self.kernel if k.counts)
+        return kernel_ok and all(c.ok for c in self.e2e + self.model)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "environment": self.environment,
+            "patches": self.patches,
+            "kernel_checks": [asdict(k) for k in self.kernel],
+            "e2e_checks": [asdict(c) for c in self.e2e],
+            "model_checks": [asdict(c) for c in self.model],
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def require_gpu():
+    """torch with a visible CUDA GPU, or a one-line error."""
+    try:
+        import torch
+    except ImportError:
+        raise PatchkitError(
+            "verify needs torch with CUDA: run it with the Python that serves vLLM, which "
+            "has it (--e2e also needs pip install 'transformers>=5.17' 'peft>=0.17')"
+        ) from None
+    if not torch.cuda.is_available():
+        raise PatchkitError(
+            "verify needs an NVIDIA GPU and none is visible to torch "
+            "(torch.cuda.is_available() is False); run it on the GPU server"
+        )
+    return torch
+
+
+def importable_tree() -> VllmTree:
+    """The vLLM this Python imports (verify checks what actually runs)."""
+    try:
+        return locate(None)
+    except PatchkitError:
+        raise PatchkitError(
+            "verify checks the vLLM this Python imports, and there is none; "
+            "run it with the Python that serves vLLM"
+        ) from None
+
+
+def environment(torch, tree: VllmTree) -> dict:
+    import importlib.metadata
+
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    from patchkit.verify.kernelcheck import installed_backend
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "torch": torch.__version__,
+        "triton": triton,
+        "vllm": tree.version,
+        "vllm_path": str(tree.root),
+        "lora_backend": installed_backend(),
+    }
+
+
+@dataclass
+class Request:
+    """What `patchkit verify` was asked to do (the CLI's options)."""
+
+    e2e: bool = False
+    seed: int | None = None
+    keep: Path | None = None
+    model: Path | None = None
+    loras: list = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    workdir: Path | None = None
+
+
+def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> VerifyReport:
+    """Usage first, then the GPU (its absence is the likelier error), then the importable vLLM.
+
+    Everything --model can refuse (its config, the prompt lengths, the disk
+    the merged references need) is decided before any GPU work.
+    """
+    started = time.monotonic()
+    seed = random.SystemRandom().randrange(2**31) if request.seed is None else request.seed
+    setup = None
+    if request.model is not None:
+        from patchkit.verify import usermodel
+
+        setup = usermodel.prepare(request.model, request.loras, request.tensor_parallel_size,
+                              request.max_model_len, seed)  # fmt: skip
+        # The adapters are read and the disk is said here, not after the kernel
+        # checks and --e2e's minutes on the GPU: a bad adapter fails first.
+        base = usermodel.reference_base(_model_keep(request), request.workdir)
+        setup["plans"] = usermodel.plan_references(request.model, setup["adapters"], base, say)
+    torch = require_gpu()
+    from patchkit.verify.serving import check_tensor_parallel
+
+    check_tensor_parallel(request.tensor_parallel_size, torch.cuda.device_count())
+    tree = importable_tree()
+    patches = [
+        {
+            "id": s.assessment.patch.id,
+            "state": str(s.assessment.state),
+            "variant": s.assessment.variant.name if s.assessment.variant else None,
+        }
+        for s in operations.status(tree, catalogue).steps
+    ]
+    try:
+        from patchkit.verify import kernelcheck
+
+        env = {**environment(torch, tree), "seed": seed,
+               "tensor_parallel_size": request.tensor_parallel_size}  # fmt: skip
+        report = VerifyReport(env, patches)
+        report.kernel = kernelcheck.trigger_cases(seed) + kernelcheck.wrapper_cases(seed)
+    except ImportError as exc:
+        raise PatchkitError(f"cannot import vLLM's LoRA code from {tree.root}: {exc}") from None
+    gpu = gpu_memory(torch, request.tensor_parallel_size)
+    if request.e2e:
+        report.e2e = _run_e2e(seed, request, gpu, say)
+    if setup is not None:
+        from patchkit.verify import usermodel
+
+        report.model = usermodel.run_model(
+            request.model, setup, request.workdir, _model_keep(request), gpu, say
+        )
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _model_keep(request: Request) -> Path | None:
+    """Where --model's files go under --keep (--e2e's go in --keep itself)."""
+    return request.keep / "model" if request.keep is not None else None
+
+
+def gpu_memory(torch, tp: int) -> tuple[int, int]:
+    """Total memory of one GPU and the least free on the GPUs the engines use."""
+    free = [torch.cuda.mem_get_info(i) for i in range(tp)]
+    return min(t for _, t in free), min(f for f, _ in free)
+
+
+def _run_e2e(seed: int, request: Request, gpu: tuple[int, int], say) -> list:
+    from patchkit.verify import e2e
+
+    tp = request.tensor_parallel_size
+    if request.keep is not None:
+        request.keep.mkdir(parents=True, exist_ok=True)
+        return e2e.run_e2e(request.keep, seed, tp, gpu, say)
+    with tempfile.TemporaryDirectory(prefix="patchkit-e2e-", dir=request.workdir) as workdir:
+        return e2e.run_e2e(Path(workdir), seed, tp, gpu, say)

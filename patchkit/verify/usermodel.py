@@ -1,0 +1,557 @@
+"""`patchkit verify --model DIR --lora NAME=DIR`: the user's own model and adapters under vLLM.
+
+vLLM serves the model with every adapter (LoRA on, eager and CUDA-graph
+mode), and, as the reference, each adapter merged into a copy of the base
+weights (patchkit.verify.merge: W + scale * B @ A, experts included) served
+without LoRA. No transformers forward is needed, so a model that only fits
+on its serving GPUs can be checked there. Prompts: 600, 3000 and the
+largest that fits (at most 16k tokens, below --max-model-len), token ids
+drawn from the model's plain vocabulary.
+
+Bounds. LoRA served in bf16 computes x W + s (x A^T) B^T: base output and
+LoRA output are each rounded to bf16 and added; the merged reference
+rounds W + s B A to bf16 once, per weight. Where the delta is small
+against W, that rounding moves a weight by up to half a bf16 step of W, a
+perturbation of every changed weight; how much it moves the output grows
+with the model's width and depth (measured on the test H200: mean
+0.012-0.015 on an 8-layer stand-in, 0.032-0.034 on a Qwen3.5-27B-wide
+cut; vLLM's own Triton kernels as far from the reference as patchkit's
+torch path, docs/evidence.md). A fixed bound is therefore either too
+tight for a large model or too loose for a small one, so each adapter gets
+a rounding control: the same merge rounded stochastically (an equally
+valid bf16 version of the same float32 weights), served like the
+reference. How far the two references answer apart is the reference's own
+precision, and LoRA may differ from the reference by ROUNDING_FACTOR times
+that, never less than MERGED_BOUNDS.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from patchkit.errors import PatchkitError, UsageProblem
+from patchkit.fs.files import read_user_json
+from patchkit.verify import checks, serving
+from patchkit.verify.checks import Check
+
+PROMPT_LENGTHS = (600, 3000)
+LONGEST = 16384
+# (mean, max) |LoRA served - merged reference| of prompt log-probabilities that
+# always passes, whatever the rounding control says: --e2e's bounds against
+# transformers (the 8-layer stand-in measured 0.0116-0.0153 / 0.049-0.098 at
+# TP=2, docs/evidence.md).
+MERGED_BOUNDS = (0.03, 0.3)
+# LoRA vs the reference may reach this many times the distance between the two
+# roundings of the reference. Were the output linear in the weights, that distance
+# would be about sqrt(3) times the reference's own error (nearest rounding's error
+# spread is a step / sqrt(12), the difference's a step / 2), so this allows about
+# 2.6 times the reference's error; measured on the H200, LoRA sat at 0.9-1.4
+# times the distance (docs/evidence.md)...
+ROUNDING_FACTOR = 1.5
+# ...unless the roundings differ by more than this (mean): then the reference is
+# too coarse to judge a LoRA path by, and the run says so instead of passing on it.
+ROUNDING_LIMIT = 0.1
+# The max bound never widens past this many nats: in a MoE model a near-tied
+# routing choice that flips moves single tokens by up to 1.4 between the two
+# roundings, but a bug that breaks a few positions (a chunk boundary, the first
+# token) moves them further, and a control with one wild token must not let it by.
+MAX_CEILING = 2.0
+# LoRA must move the output by at least this share of what the merged adapter does...
+EFFECT_SHARE = 0.5
+# ...and the adapter must move it clearly more than bf16 noise, or the check cannot tell...
+EFFECT_FLOOR = 0.01
+# ...and clearly more than the bound allows LoRA to be off, or an adapter applied at
+# a fraction of its strength would pass (on the H200 the bound was 9-12 % of the
+# effect: MoE 0.06 of 0.60, 27B-wide `full` 0.052 of 0.45, `attn-mlp` 0.03 of 0.25).
+RESOLUTION_LIMIT = 0.25
+# Qwen tokenizers' plain BPE tokens lie below their special tokens (151643+ in
+# Qwen2/3, 248044+ in Qwen3.5); prompts use ids below this.
+PLAIN_VOCAB = 150000
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+WAVE_TIMEOUT = 1800.0
+
+
+def parse_lora(value: str) -> tuple[str, Path]:
+    """NAME=DIR of one --lora, or one line (exit 2)."""
+    name, sep, path = value.partition("=")
+    # fullmatch: NAME's "$" also matches before a trailing newline ("one\n" passed)
+    if not sep or not NAME.fullmatch(name) or not path:
+        raise UsageProblem(
+            f"--lora {value!r}: expected NAME=DIR (NAME of letters, digits, '.', '_', '-')"
+        )
+    directory = Path(path)
+    if not (directory / "adapter_config.json").is_file():
+        raise UsageProblem(f"--lora {name}: {directory} holds no adapter_config.json")
+    return name, directory
+
+
+def read_config(model_dir: Path) -> dict:
+    """The model's text config (a multimodal model's text_config), or one line (exit 2)."""
+    path = model_dir / "config.json"
+    try:
+        config = read_user_json(path)  # a FIFO named config.json hung read_text()
+    except OSError as exc:
+        raise UsageProblem(
+            f"--model {model_dir}: no readable config.json there ({exc.strerror})"
+        ) from None
+    except ValueError as exc:
+        raise UsageProblem(f"--model {model_dir}: config.json is unusable ({exc})") from None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(text or {}, dict):
+        raise UsageProblem(f"--model {model_dir}: config.json is not a model config (an object)")
+    merged = {**config, **(text or {})}
+    for key in ("vocab_size", "max_position_embeddings"):
+        value = merged.get(key)
+        # a string, a float or a negative number here raised ValueError/OverflowError
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageProblem(
+                f"--model {model_dir}: config.json: {key} is {value!r}, not a positive integer"
+            )
+    return merged
+
+
+def max_model_len(config: dict, asked: int | None) -> int:
+    """--max-model-len, or 16k plus the generated tokens, within the model's positions."""
+    positions = config.get("max_position_embeddings") or LONGEST + serving.GENERATED
+    length = asked or min(LONGEST + serving.GENERATED, positions)
+    if length < PROMPT_LENGTHS[0] + serving.GENERATED:
+        raise UsageProblem(
+            f"--max-model-len {length}: the checks need at least "
+            f"{PROMPT_LENGTHS[0] + serving.GENERATED} tokens"
+        )
+    return length
+
+
+def prompt_lengths(length: int) -> list[int]:
+    """600, 3000 and the largest prompt that fits (at most 16k), without repeats."""
+    longest = min(LONGEST, length - serving.GENERATED)
+    return sorted({n for n in PROMPT_LENGTHS if n <= longest} | {longest})
+
+
+def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[int]]:
+    """Token-id prompts from the plain vocabulary, none of the config's special ids."""
+    top = min(config.get("vocab_size") or PLAIN_VOCAB, PLAIN_VOCAB)
+    special = {v for k, v in config.items() if k.endswith("token_id") and isinstance(v, int)}
+    # Drawing and skipping special ids never ended when the vocabulary held no
+    # plain id (vocab_size 2 with a pad id 1): refused first. The draw itself is
+    # unchanged, so a seed gives the prompts it gave before.
+    if all(token in special for token in range(1, top)):
+        raise UsageProblem(
+            f"config.json: vocab_size {top} leaves no plain token id to build prompts from"
+        )
+    rnd = random.Random(seed)
+    out = {}
+    for n in lengths:
+        ids: list[int] = []
+        while len(ids) < n:
+            token = rnd.randrange(1, top)
+            if token not in special:
+                ids.append(token)
+        out[f"p{n}"] = ids
+    return out
+
+
+def adapter_rank(adapter_dir: Path) -> int:
+    """The largest rank an adapter uses (r and rank_pattern), read as the merge reads it
+    (size-capped, every value checked: a raw json.loads had no cap and no checks)."""
+    from patchkit.verify import merge
+
+    config = merge.read_adapter_config(adapter_dir)
+    return max([config.r, *config.rank_pattern.values()])
+
+
+def weight_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+# ----- the merged references: plan, say, write, remove -----
+
+
+def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, say) -> dict:
+    """Plan every merge (headers only), say the disk they need, refuse when it is not free.
+
+    Nothing is written before this returns, so a refusal leaves the disk as it was.
+    """
+    from patchkit.verify import merge
+
+    plans = {name: merge.plan_merge(model_dir, path) for name, path in adapters.items()}
+    needed = 2 * sum(plan.bytes_needed for plan in plans.values())  # reference and control
+    free = shutil.disk_usage(_existing(workdir)).free
+    say(
+        f"merged references: {len(plans)} adapter(s), each merged twice (rounded to nearest, "
+        f"and stochastically as the measure of the reference's own bf16 precision), need "
+        f"{merge.human_bytes(needed)} under {workdir} ({merge.human_bytes(free)} free); "
+        "removed afterwards unless --keep"
+    )
+    for plan in plans.values():
+        for note in plan.notes:
+            say(f"note: {note}")
+    if needed > free:
+        raise PatchkitError(
+            f"the merged references need {merge.human_bytes(needed)} under {workdir} and "
+            f"{merge.human_bytes(free)} is free; give --workdir a disk with more space"
+        )
+    return plans
+
+
+def _existing(path: Path) -> Path:
+    """The nearest existing directory at or above path (where disk_usage can look)."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+# The two references of an adapter: its engines are PREFIX-KIND-NAME.
+REFERENCES = ("merged", "rounding")
+
+
+def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
+    """Each merged checkpoint under workdir/merged-NAME, and its rounding control
+    (the same merge rounded stochastically) under workdir/rounding-NAME."""
+    from patchkit.verify import merge
+
+    out = {}
+    for number, (name, plan) in enumerate(plans.items()):
+        say(f"writing merged reference and rounding control for {name}")
+        out[name] = {kind: workdir / f"{kind}-{name}" for kind in REFERENCES}
+        merge.write_merged(plan, out[name]["merged"])
+        control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
+        merge.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
+    return out
+
+
+# ----- the engines -----
+
+
+def lora_requests(adapters: list[str], prompts: dict) -> list[tuple[str, str, str | None]]:
+    """Base, every adapter, a short prompt after the longest, base again: in this order."""
+    names = list(prompts)
+    plan = [("base", p, None) for p in names]
+    for adapter in adapters:
+        plan += [(f"lora:{adapter}", p, adapter) for p in names]
+    plan.append(("lora_after_long", names[0], adapters[0]))
+    plan += [("base_after_lora", p, None) for p in names]
+    return plan
+
+
+def jobs(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    references: dict[str, dict[str, Path]],
+    setup: dict,
+    prefix: str = "",
+) -> list[serving.Job]:
+    """The LoRA engine in each mode, and one eager engine per reference and control."""
+    prompts = setup["prompts"]
+    common = {
+        k: setup[k]
+        for k in (
+            "tensor_parallel_size",
+            "max_model_len",
+            "seed",
+            "gpu_memory_utilization",
+            "kv_cache_bytes",
+        )
+    }
+    rank = serving.lora_rank_limit(max(adapter_rank(p) for p in adapters.values()))
+    out = [
+        serving.Job(
+            name=f"{prefix}{mode}",
+            model=str(model_dir),
+            mode=mode,
+            prompts=prompts,
+            requests=lora_requests(list(adapters), prompts),
+            loras={n: str(p) for n, p in adapters.items()},
+            max_lora_rank=rank,
+            **common,
+        )
+        for mode in serving.MODES
+    ]
+    requests = [("merged", p, None) for p in prompts]
+    for name, paths in references.items():
+        for kind in REFERENCES:
+            out.append(
+                serving.Job(
+                    name=f"{prefix}{kind}-{name}",
+                    model=str(paths[kind]),
+                    mode="eager",
+                    prompts=prompts,
+                    requests=requests,
+                    **common,
+                )
+            )
+    return out
+
+
+# ----- the checks -----
+
+
+def compare(served: dict, adapters: list[str], prefix: str = "") -> list[Check]:
+    """Every check of one `--model` run: the references, then each mode."""
+    out = []
+    floors = {}  # per adapter, the reference's own rounding, measured once for every mode
+    for name in adapters:
+        result = served[f"{prefix}merged-{name}"]
+        label = f"{prefix}reference {name} (merged, no LoRA)"
+        out += checks.engine_ran(label, result)
+        if "error" not in result:
+            out += checks.health_checks(label, result)
+        floors[name] = rounding_floors(served, name, prefix)
+        out += rounding_check(f"{prefix}reference {name}", served, name, prefix, floors[name])
+    for mode in serving.MODES:
+        result = served[f"{prefix}{mode}"]
+        out += compare_mode(f"{prefix}{mode}", result, served, adapters, prefix, floors)
+    return out
+
+
+def compare_mode(
+    name: str, result: dict, served: dict, adapters: list[str], prefix: str, floors: dict
+):
+    """One LoRA engine: health, each adapter against its merged reference, the repeats."""
+    ran = checks.engine_ran(name, result)
+    if "error" in result:
+        return ran
+    runs = result["runs"]
+    out = ran + checks.health_checks(name, result)
+    for adapter in adapters:
+        merged = _reference_runs(served, "merged", adapter, prefix)
+        out += adapter_checks(name, adapter, runs, merged, floors[adapter])
+    out.append(
+        checks.repeat_check(
+            name, runs, "base_after_lora", "base", "base after LoRA equals base before"
+        )
+    )
+    out.append(
+        checks.repeat_check(
+            name,
+            runs,
+            "lora_after_long",
+            f"lora:{adapters[0]}",
+            "short prompt after a long one unaffected",
+        )
+    )
+    return out
+
+
+def _reference_runs(served: dict, kind: str, adapter: str, prefix: str) -> dict | None:
+    return served.get(f"{prefix}{kind}-{adapter}", {}).get("runs", {}).get("merged")
+
+
+def rounding_floors(served: dict, adapter: str, prefix: str) -> dict[str, tuple[float, float]]:
+    """Per prompt, (mean, max) |reference - rounding control|: the reference's own
+    precision. {} when either did not run or a value is not finite."""
+    merged = _reference_runs(served, "merged", adapter, prefix)
+    control = _reference_runs(served, "rounding", adapter, prefix)
+    if not merged or not control:
+        return {}
+    floors = {}
+    for prompt, request in merged.items():
+        other = control.get(prompt)
+        if not isinstance(request, dict) or not isinstance(other, dict):
+            return {}
+        floor = checks.diff(request["prompt_logprobs"], other["prompt_logprobs"])
+        if not all(math.isfinite(v) for v in floor):
+            return {}
+        floors[prompt] = floor
+    return floors
+
+
+def rounding_check(
+    label: str, served: dict, adapter: str, prefix: str, floors: dict[str, tuple[float, float]]
+) -> list[Check]:
+    """The rounding control ran, and the reference is precise enough to judge LoRA by
+    (``floors``: rounding_floors of this adapter)."""
+    control = served[f"{prefix}rounding-{adapter}"]
+    ran = checks.engine_ran(f"{label} (rounding control)", control)
+    if "error" in control or "error" in served[f"{prefix}merged-{adapter}"]:
+        return ran
+    title = f"{label}: its own bf16 rounding"
+    if not floors:
+        why = (
+            "no finite distance between the two references: NaN or inf in their answers "
+            "(the merged weights hold them), or a prompt missing from one of them"
+        )
+        return [*ran, Check(title, False, why)]
+    means = [f[0] for f in floors.values()]
+    detail = (
+        f"mean |nearest - stochastic| {min(means):.4f}-{max(means):.4f} (<= {ROUNDING_LIMIT}), "
+        f"max {max(f[1] for f in floors.values()):.3f}; LoRA allowed {ROUNDING_FACTOR}x that"
+    )
+    if max(means) > ROUNDING_LIMIT:
+        detail += ": the reference is too coarse in bf16 to judge a LoRA path by"
+    return [*ran, Check(title, max(means) <= ROUNDING_LIMIT, detail)]
+
+
+def bounds_for(floors: dict[str, tuple[float, float]] | None) -> tuple[float, float]:
+    """MERGED_BOUNDS, widened to ROUNDING_FACTOR x the reference's own rounding.
+
+    The rounding is one perturbation of the adapter's weights, so its size is
+    taken over all prompts (the largest mean and max), not prompt by prompt:
+    one prompt's distance is a sample of it, and in a MoE model a sample that
+    a few routing flips decide (on the H200 the MoE reference's two roundings
+    differed by 0.031 on 600 tokens and 0.040 on 3000).
+    """
+    if not floors:
+        return MERGED_BOUNDS
+    mean = max(f[0] for f in floors.values())
+    worst = max(f[1] for f in floors.values())
+    return (
+        max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * mean, 4)),
+        min(MAX_CEILING, max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * worst, 3))),
+    )
+
+
+def adapter_checks(
+    name: str, adapter: str, runs: dict, merged: dict | None, floors: dict | None = None
+) -> list[Check]:
+    """The adapter loaded, matches its merged reference within the reference's own
+    precision (``floors``, per prompt, taken together by bounds_for), and changes
+    the output."""
+    label = f"lora:{adapter}"
+    error = checks.served_error(runs, label)
+    if error:
+        return [Check(f"{name}: {adapter} adapter served", False, error)]
+    if not merged:
+        return [Check(f"{name}: {adapter} vs merged", False, "the merged reference did not run")]
+    out = []
+    bounds = bounds_for(floors)
+    for prompt in runs[label]:
+        title = f"{name}: {adapter} {prompt[1:]} tokens vs merged"
+        out.append(
+            checks.bound_check(
+                title,
+                checks.logprobs(runs, label, prompt),
+                merged[prompt]["prompt_logprobs"],
+                bounds,
+            )
+        )
+    out.append(effect_check(name, adapter, runs, merged, bounds[0]))
+    return out
+
+
+def effect_check(
+    name: str, adapter: str, runs: dict, merged: dict, bound: float = MERGED_BOUNDS[0]
+) -> Check:
+    """LoRA moves the output by at least half of what the merged adapter moves it.
+
+    Served with the adapter silently not applied, LoRA equals base; the
+    merged reference says how far it should be. An adapter whose merged
+    effect is below EFFECT_FLOOR cannot be told from noise, and one whose
+    effect the mean ``bound`` is more than RESOLUTION_LIMIT of cannot be told
+    from the same adapter applied at a fraction of its strength: both fail,
+    with the reason, rather than passing on nothing.
+    """
+    label = f"lora:{adapter}"
+    served, wanted = [], []
+    for prompt in runs[label]:
+        base = checks.logprobs(runs, "base", prompt)
+        served.append(checks.diff(checks.logprobs(runs, label, prompt), base)[0])
+        wanted.append(checks.diff(merged[prompt]["prompt_logprobs"], base)[0])
+    share = min(s / w if w else 0.0 for s, w in zip(served, wanted, strict=True))
+    title = f"{name}: {adapter} adapter differs from base"
+    if min(wanted) < EFFECT_FLOOR:
+        return Check(
+            title,
+            False,
+            f"the merged adapter moves log-probs by {min(wanted):.4f} "
+            f"only (< {EFFECT_FLOOR}): too little to tell LoRA applied from not",
+        )
+    resolution = bound / min(wanted)
+    detail = (
+        f"mean |LoRA - base| {min(served):.4f}, merged {min(wanted):.4f}; "
+        f"smallest share {share:.2f} (>= {EFFECT_SHARE}); the bound is "
+        f"{resolution:.0%} of the effect (<= {RESOLUTION_LIMIT:.0%})"
+    )
+    if resolution > RESOLUTION_LIMIT:
+        detail += (
+            f": an adapter applied at {1 - resolution:.0%} of its strength could pass, "
+            "too coarse to tell"
+        )
+    return Check(title, share >= EFFECT_SHARE and resolution <= RESOLUTION_LIMIT, detail)
+
+
+# ----- the whole run -----
+
+
+def prepare(
+    model_dir: Path, loras: list[tuple[str, Path]], tp: int, asked_len: int | None, seed: int
+) -> dict:
+    """What is decided before any GPU work: config, prompt lengths, prompts (exit 2 if bad)."""
+    names = [n for n, _ in loras]
+    if len(set(names)) != len(names):
+        raise UsageProblem(f"--lora: a NAME given twice ({', '.join(names)})")
+    config = read_config(model_dir)
+    length = max_model_len(config, asked_len)
+    return {
+        "config": config,
+        "adapters": dict(loras),
+        "tensor_parallel_size": tp,
+        "max_model_len": length,
+        "prompts": make_prompts(config, prompt_lengths(length), seed),
+        "seed": seed,
+    }
+
+
+def with_memory(setup: dict, model_dir: Path, gpu: tuple[int, int]) -> tuple[dict, int]:
+    """Add each engine's memory to setup; return how many engines run side by side."""
+    total, free = gpu
+    kv = 2 * serving.GIB
+    vocab = setup["config"].get("vocab_size") or PLAIN_VOCAB
+    fraction = serving.engine_memory(
+        weight_bytes(model_dir), vocab, setup["tensor_parallel_size"], kv, total
+    )
+    setup = {**setup, "gpu_memory_utilization": fraction, "kv_cache_bytes": kv}
+    return setup, serving.side_by_side(fraction, 0.9 * free / total)
+
+
+def run_model(
+    model_dir: Path,
+    setup: dict,
+    workdir: Path | None,
+    keep: Path | None,
+    gpu: tuple[int, int],
+    say: Callable[[str], None],
+) -> list[Check]:
+    """Plan and write the merged references, serve everything, compare; clean up unless keep."""
+    adapters = setup["adapters"]
+    plans = setup.get("plans") or plan_references(
+        model_dir, adapters, reference_base(keep, workdir), say
+    )
+    work = _workdir(keep, workdir)
+    try:
+        references = write_references(plans, work, say, setup["seed"])
+        setup, at_once = with_memory(setup, model_dir, gpu)
+        say(
+            f"serving {model_dir}: {2 * len(adapters) + 2} engines, {at_once} at a time, "
+            f"prompts {', '.join(p[1:] for p in setup['prompts'])} tokens"
+        )
+        served = serving.serve_all(
+            jobs(model_dir, adapters, references, setup), work, WAVE_TIMEOUT, at_once
+        )
+        (work / "served.json").write_text(json.dumps(served))
+        return compare(served, list(adapters))
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def reference_base(keep: Path | None, workdir: Path | None) -> Path:
+    """The directory whose disk the merged references go on."""
+    return keep if keep is not None else Path(workdir or tempfile.gettempdir())
+
+
+def _workdir(keep: Path | None, workdir: Path | None) -> Path:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        return keep
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="patchkit-verify-", dir=workdir))

@@ -1,0 +1,1 @@
+"""Layer 2: the vLLM tree patchkit works on: where it is, which release, its RECORD."""

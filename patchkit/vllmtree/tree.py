@@ -1,0 +1,252 @@
+"""Find the vLLM tree to work on and tell which version it is, without importing it.
+
+A *tree* is the directory that contains the ``vllm/`` package: a
+site-packages / dist-packages directory, or the root of a vLLM source
+checkout. Importing vllm would pull in torch and CUDA (seconds, and it may
+fail on a build machine), so everything here reads files only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import hashlib
+import importlib.util
+import io
+import os
+import re
+from dataclasses import dataclass, field
+from email.parser import HeaderParser
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from patchkit.errors import PatchkitError, UsageProblem
+from patchkit.fs.safepath import Root
+
+VERSION_ENV = "PATCHKIT_VLLM_VERSION"
+MAX_VERSION_LENGTH = 200  # PEP 440 sets none; 5,000 digits overflow int() on the way
+MAX_METADATA_BYTES = 64 << 20
+
+
+@dataclass
+class VllmTree:
+    """A directory holding ``vllm/``, its version and its wheel RECORD if any."""
+
+    root: Path
+    version: str  # as reported, local label kept ("0.26.0+cu130")
+    source: str  # metadata | git | file | override | unknown
+    record: dict[str, str] = field(default_factory=dict)  # relpath -> sha256 hex
+    git_root: Path | None = None
+    fs: Root | None = field(default=None, repr=False, compare=False)  # root, held open
+
+    @property
+    def parsed_version(self) -> Version | None:
+        """The version without its local label, for range matching; None if unparsable."""
+        try:
+            return Version(Version(self.version).public)
+        except InvalidVersion:
+            return None
+
+    def path(self, relpath: str) -> Path:
+        return self.root / relpath
+
+    def describe(self) -> dict:
+        return {"version": self.version, "path": str(self.root), "source": self.source}
+
+
+def is_version(text: object) -> bool:
+    """Whether ``text`` is a PEP 440 version (0.26.0, 0.26.0+cu130) of a sane length."""
+    if not isinstance(text, str) or len(text) > MAX_VERSION_LENGTH:
+        return False
+    try:
+        Version(text)
+    except (InvalidVersion, ValueError):
+        return False
+    return True
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def locate(target: str | None, version_override: str | None = None) -> VllmTree:
+    """The tree at ``target``, or the vLLM importable by this interpreter."""
+    root = _target_root(Path(target)) if target else _importable_root()
+    override = version_override or os.environ.get(VERSION_ENV)
+    fs = Root.open(root)
+    tree = _detect(root, fs)
+    tree.fs = fs
+    if override:
+        tree.version, tree.source = override, "override"
+    return tree
+
+
+TARGET_ADVICE = (
+    "pass the directory that contains vllm/ (site-packages, dist-packages or the root of a "
+    "vLLM checkout), or leave --target out to use the vLLM this Python imports"
+)
+
+
+def _target_root(target: Path) -> Path:
+    """The tree root named by --target; the same usage error (exit 2) in every command."""
+    if not target.is_dir():
+        raise UsageProblem(f"--target {target}: no such directory; {TARGET_ADVICE}")
+    if target.name == "vllm" and (target / "__init__.py").is_file():
+        target = target.parent  # accept the package directory itself too
+    if not (target / "vllm" / "__init__.py").is_file():
+        raise UsageProblem(f"--target {target}: no vllm/ package there; {TARGET_ADVICE}")
+    return target.resolve()
+
+
+def _importable_root() -> Path:
+    # find_spec on a top-level name locates the package without executing it.
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        import sys
+
+        raise PatchkitError(
+            f"vLLM is not installed for this Python ({sys.executable}); pass "
+            "--target DIR (the directory that contains vllm/), or run "
+            "`patchkit fetch VERSION` to get a release tree"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    return package_dir.parent.resolve()
+
+
+def _detect(root: Path, fs: Root) -> VllmTree:
+    dist_info = _dist_info(root, fs)
+    if dist_info is not None:
+        version = _metadata_version(fs, dist_info)
+        return VllmTree(root, version, "metadata", _read_record(fs, dist_info))
+    git_root = _git_root(root)
+    if git_root is not None:
+        described = _git_version(git_root)
+        if described:
+            return VllmTree(root, described, "git", git_root=git_root)
+    from_file = _version_file(fs)
+    if from_file:
+        return VllmTree(root, from_file, "file", git_root=git_root)
+    return VllmTree(root, "unknown", "unknown", git_root=git_root)
+
+
+def _dist_info(root: Path, fs: Root) -> str | None:
+    """The vllm-*.dist-info whose RECORD lists vllm/__init__.py."""
+    candidates = [n for n in fs.names("", "dist-info") if re.fullmatch(r"vllm-.*\.dist-info", n)]
+    owning = [name for name in candidates if _lists_vllm(fs, name)]
+    if len(owning) > 1:
+        raise PatchkitError(
+            f"{root}: several vLLM installs claim vllm/ ({', '.join(owning)}); remove the "
+            "stale dist-info or reinstall vLLM"
+        )
+    return owning[0] if owning else None
+
+
+def _metadata_text(fs: Root, relpath: str) -> str | None:
+    """A dist-info file as text; PatchkitError naming it when it is not sane text."""
+    data = fs.read(relpath, "dist-info")
+    if data is None:
+        return None
+    if len(data) > MAX_METADATA_BYTES:
+        raise PatchkitError(f"{fs.full(relpath)}: larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchkitError(
+            f"{fs.full(relpath)}: not UTF-8 (byte {exc.start}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)"
+        ) from None
+
+
+def _lists_vllm(fs: Root, dist_info: str) -> bool:
+    text = _metadata_text(fs, f"{dist_info}/RECORD")
+    if text is None:
+        return fs.lstat(f"{dist_info}/METADATA", "dist-info") is not None
+    return any(row and row[0] == "vllm/__init__.py" for row in _record_rows(fs, dist_info, text))
+
+
+def _record_rows(fs: Root, dist_info: str, text: str) -> list[list[str]]:
+    try:
+        return list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise PatchkitError(
+            f"{fs.full(dist_info)}/RECORD: not a valid RECORD ({exc}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)"
+        ) from None
+
+
+def _metadata_version(fs: Root, dist_info: str) -> str:
+    relpath = f"{dist_info}/METADATA"
+    text = _metadata_text(fs, relpath)
+    version = HeaderParser().parsestr(text).get("Version") if text is not None else None
+    if not version:
+        raise PatchkitError(f"{fs.full(relpath)}: no Version header")
+    version = version.strip()
+    if not is_version(version):
+        raise PatchkitError(
+            f"{fs.full(relpath)}: Version {version[:40]!r} is not a PEP 440 version; pass "
+            "--vllm-version"
+        )
+    return version
+
+
+def _read_record(fs: Root, dist_info: str) -> dict[str, str]:
+    """RECORD rows as relpath -> sha256 hex; rows without a hash are skipped."""
+    text = _metadata_text(fs, f"{dist_info}/RECORD")
+    if text is None:
+        return {}
+    hashes = {}
+    for row in _record_rows(fs, dist_info, text):
+        if len(row) >= 2 and row[1].startswith("sha256="):
+            hashes[row[0]] = _record_digest(fs, dist_info, row)
+    return hashes
+
+
+def _record_digest(fs: Root, dist_info: str, row: list[str]) -> str:
+    """A RECORD hash (urlsafe base64, unpadded) as hex; PatchkitError when it is no sha256."""
+    digest = row[1][len("sha256=") :]
+    try:
+        raw = base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise PatchkitError(
+            f"{fs.full(dist_info)}/RECORD: {row[0][:80]}: {row[1][:60]!r} is not a sha256; "
+            "reinstall vLLM (pip install --force-reinstall --no-deps vllm)"
+        )
+    return raw.hex()
+
+
+def _git_root(root: Path) -> Path | None:
+    for directory in (root, *root.parents):
+        if (directory / ".git").exists():
+            return directory
+    return None
+
+
+def _git_version(git_root: Path) -> str | None:
+    """``git describe --tags``: v0.26.0 -> 0.26.0, v0.26.0-3-gabc -> 0.26.0+3.gabc."""
+    try:
+        import git  # gitpython; imported here so status stays fast elsewhere
+
+        described = git.Repo(git_root).git.describe("--tags", "--long", "--match", "v[0-9]*")
+    except Exception:  # no tags, not a repository, git missing: fall back to files
+        return None
+    match = re.fullmatch(r"v(.+)-(\d+)-g([0-9a-f]+)", described.strip())
+    if not match:
+        return None
+    base, distance, sha = match.groups()
+    return base if distance == "0" else f"{base}+{distance}.g{sha}"
+
+
+def _version_file(fs: Root) -> str | None:
+    text = _metadata_text(fs, "vllm/_version.py")
+    if text is None:
+        return None
+    match = re.search(
+        r"^(?:__version__|version)\s*=\s*(?:\w+\s*=\s*)?['\"]([^'\"]+)['\"]",
+        text,
+        re.MULTILINE,
+    )
+    return match.group(1) if match and is_version(match.group(1)) else None
