@@ -402,14 +402,14 @@ def _effect_check(mode: str, runs: dict) -> Check:
 
 def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
     """Each partial GDN adapter: it loads, matches transformers + PEFT, and changes the output."""
-    checks = []
+    out = []
     for kind in PARTIAL_ADAPTERS:
         error = checks.served_error(runs, kind)
         if error:
-            checks.append(Check(f"{mode}: {kind} adapter served", False, error))
+            out.append(Check(f"{mode}: {kind} adapter served", False, error))
             continue
         values = checks.logprobs(runs, kind, PARTIAL_PROMPT)
-        checks.append(
+        out.append(
             checks.bound_check(
                 f"{mode}: {kind} adapter vs transformers",
                 values,
@@ -418,11 +418,11 @@ def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
             )
         )
         effect = checks.diff(values, checks.logprobs(runs, "base", PARTIAL_PROMPT))[0]
-        checks.append(
+        out.append(
             Check(
                 f"{mode}: {kind} adapter differs from base",
                 effect >= PARTIAL_EFFECT_MIN,
                 f"mean |LoRA - base| {effect:.4f} (>= {PARTIAL_EFFECT_MIN})",
             )
         )
-    return checks
+    return out
