@@ -2,7 +2,7 @@
 
 vLLM serves the model with every adapter (LoRA on, eager and CUDA-graph
 mode), and, as the reference, each adapter merged into a copy of the base
-weights (patchkit.verify.merge: W + scale * B @ A, experts included) served
+weights (patchkit.verify.mergewrite: W + scale * B @ A, experts included) served
 without LoRA. No transformers forward is needed, so a model that only fits
 on its serving GPUs can be checked there. Prompts: 600, 3000 and the
 largest that fits (at most 16k tokens, below --max-model-len), token ids
@@ -161,9 +161,9 @@ def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[
 def adapter_rank(adapter_dir: Path) -> int:
     """The largest rank an adapter uses (r and rank_pattern), read as the merge reads it
     (size-capped, every value checked: a raw json.loads had no cap and no checks)."""
-    from patchkit.verify import merge
+    from patchkit.verify import adapterfiles
 
-    config = merge.read_adapter_config(adapter_dir)
+    config = adapterfiles.read_adapter_config(adapter_dir)
     return max([config.r, *config.rank_pattern.values()])
 
 
@@ -179,15 +179,15 @@ def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, s
 
     Nothing is written before this returns, so a refusal leaves the disk as it was.
     """
-    from patchkit.verify import merge
+    from patchkit.verify import mergeplan
 
-    plans = {name: merge.plan_merge(model_dir, path) for name, path in adapters.items()}
+    plans = {name: mergeplan.plan_merge(model_dir, path) for name, path in adapters.items()}
     needed = 2 * sum(plan.bytes_needed for plan in plans.values())  # reference and control
     free = shutil.disk_usage(_existing(workdir)).free
     say(
         f"merged references: {len(plans)} adapter(s), each merged twice (rounded to nearest, "
         f"and stochastically as the measure of the reference's own bf16 precision), need "
-        f"{merge.human_bytes(needed)} under {workdir} ({merge.human_bytes(free)} free); "
+        f"{mergeplan.human_bytes(needed)} under {workdir} ({mergeplan.human_bytes(free)} free); "
         "removed afterwards unless --keep"
     )
     for plan in plans.values():
@@ -195,8 +195,8 @@ def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, s
             say(f"note: {note}")
     if needed > free:
         raise PatchkitError(
-            f"the merged references need {merge.human_bytes(needed)} under {workdir} and "
-            f"{merge.human_bytes(free)} is free; give --workdir a disk with more space"
+            f"the merged references need {mergeplan.human_bytes(needed)} under {workdir} and "
+            f"{mergeplan.human_bytes(free)} is free; give --workdir a disk with more space"
         )
     return plans
 
@@ -216,15 +216,15 @@ REFERENCES = ("merged", "rounding")
 def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
     """Each merged checkpoint under workdir/merged-NAME, and its rounding control
     (the same merge rounded stochastically) under workdir/rounding-NAME."""
-    from patchkit.verify import merge
+    from patchkit.verify import mergewrite
 
     out = {}
     for number, (name, plan) in enumerate(plans.items()):
         say(f"writing merged reference and rounding control for {name}")
         out[name] = {kind: workdir / f"{kind}-{name}" for kind in REFERENCES}
-        merge.write_merged(plan, out[name]["merged"])
+        mergewrite.write_merged(plan, out[name]["merged"])
         control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
-        merge.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
+        mergewrite.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
     return out
 
 
