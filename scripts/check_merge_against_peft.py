@@ -6,9 +6,10 @@ saves them in bf16 (transformers splits the fused experts into per-expert
 tensors on save), makes PEFT LoRA adapters with random factors on them
 (attention, GDN, MLP, shared expert, fused experts through
 ``target_parameters``; rsLoRA and rank/alpha patterns in some), and compares
-every tensor ``patchkit.merge`` writes with ``merge_and_unload()`` of the same
-adapter in float32, cast to bf16. The expert layout PEFT writes depends on
-its version (see patchkit/merge.py), so run it under each PEFT of interest:
+every tensor ``patchkit.verify.mergewrite`` writes with ``merge_and_unload()``
+of the same adapter in float32, cast to bf16. The expert layout PEFT writes
+depends on its version (see docs/research/merge-notes.md), so run it under
+each PEFT of interest:
 
     pip install -e '.[gpu]'            # transformers + peft (no GPU needed here)
     python scripts/check_merge_against_peft.py [--keep DIR]
@@ -173,7 +174,7 @@ def check(name: str, moe: bool, lora: dict, work: Path) -> bool:
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from patchkit.verify import merge
+    from patchkit.verify import mergeplan, mergewrite
 
     model = build(moe)
     model_dir = work / f"model-{name}"
@@ -188,8 +189,8 @@ def check(name: str, moe: bool, lora: dict, work: Path) -> bool:
     peft_model.save_pretrained(adapter_dir)
     ref = peft_model.to(torch.float32).merge_and_unload().state_dict()
 
-    plan = merge.plan_merge(model_dir, adapter_dir)
-    merge.write_merged(plan, work / f"merged-{name}")
+    plan = mergeplan.plan_merge(model_dir, adapter_dir)
+    mergewrite.write_merged(plan, work / f"merged-{name}")
     out = {}
     for f in (work / f"merged-{name}").glob("*.safetensors"):
         out.update(load_file(f))

@@ -1,4 +1,4 @@
-"""The merged reference of `verify --model` (patchkit/merge.py), on tiny Qwen3.5 checkpoints.
+"""The merged reference of `verify --model` (verify/mergeplan.py, mergewrite.py) on tiny Qwen3.5.
 
 The checkpoints and adapters are written here with a safetensors writer of
 the test's own, and read back with a reader of its own, so the expected
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from patchkit.errors import PatchkitError
-from patchkit.verify import merge
+from patchkit.verify import checkpoint, mergeplan, mergewrite, safetensorsfile
 
 # ---------------------------------------------------------------------------
 # a safetensors writer and reader of the test's own
@@ -192,7 +192,7 @@ def write_checkpoint(
     for name, group in groups.items():
         st_write(path / name, group)
         weight_map.update({k: name for k in group})
-    (path / merge.INDEX_NAME).write_text(
+    (path / checkpoint.INDEX_NAME).write_text(
         json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=1)
     )
     (path / "config.json").write_text(
@@ -288,7 +288,7 @@ def merged_tensors(dest: Path) -> dict[str, torch.Tensor]:
 
 
 def check_index(dest: Path) -> dict:
-    index = json.loads((dest / merge.INDEX_NAME).read_text())
+    index = json.loads((dest / checkpoint.INDEX_NAME).read_text())
     weight_map = index["weight_map"]
     seen = {}
     total = 0
@@ -302,9 +302,9 @@ def check_index(dest: Path) -> dict:
 
 
 def run_merge(tmp_path: Path, model: Path, adapter: Path, name="merged"):
-    plan = merge.plan_merge(model, adapter)
+    plan = mergeplan.plan_merge(model, adapter)
     dest = tmp_path / name
-    merge.write_merged(plan, dest)
+    mergewrite.write_merged(plan, dest)
     return plan, dest
 
 
@@ -447,13 +447,13 @@ def test_byte_estimate_and_links(tmp_path):
         written += path.stat().st_size
     assert written == plan.bytes_needed
     expected = sum((model / n).stat().st_size for n in plan.rewrite + plan.copy)
-    assert plan.bytes_needed == expected + (dest / merge.INDEX_NAME).stat().st_size
+    assert plan.bytes_needed == expected + (dest / checkpoint.INDEX_NAME).stat().st_size
     for name in plan.link:  # linked, so byte-identical and free
         assert (dest / name).read_bytes() == (model / name).read_bytes()
         assert (dest / name).is_symlink() or (dest / name).stat().st_ino == (
             model / name
         ).stat().st_ino
-    assert merge.human_bytes(plan.bytes_needed) in plan.describe()[0]
+    assert mergeplan.human_bytes(plan.bytes_needed) in plan.describe()[0]
 
 
 def test_rewritten_shard_keeps_every_other_byte(tmp_path):
@@ -471,7 +471,7 @@ def test_rewritten_shard_keeps_every_other_byte(tmp_path):
         (dest / "model.safetensors").read_bytes(),
     )
     assert len(before) == len(after)
-    with merge.SafetensorsFile(model / "model.safetensors") as f:
+    with safetensorsfile.SafetensorsFile(model / "model.safetensors") as f:
         info = f.tensors[m + ".weight"]
     assert before[: info.begin] == after[: info.begin] and before[info.end :] == after[info.end :]
     assert before[info.begin : info.end] != after[info.begin : info.end]
@@ -724,7 +724,7 @@ def test_rank_that_contradicts_the_config_is_refused(tmp_path):
     m = f"{VL}layers.1.self_attn.o_proj"
     adapter = write_adapter(tmp_path / "lora", {m: lin((H, 8), 8, seed=1)}, r=4)
     with pytest.raises(PatchkitError, match=r"rank 8 but adapter_config.json gives r=4") as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     assert "\n" not in str(err.value)
 
 
@@ -750,7 +750,7 @@ def test_adapter_config_values_of_the_wrong_kind_are_one_line(tmp_path, config):
     path = adapter / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     with pytest.raises(PatchkitError, match="adapter_config.json") as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     assert "\n" not in str(err.value)
 
 
@@ -763,7 +763,7 @@ def test_a_weight_file_that_is_a_fifo_is_named_as_such(tmp_path):
     factors = {f"{VL}layers.1.self_attn.q_proj": lin((16, H), 2, seed=1)}
     adapter = write_adapter(tmp_path / "lora", factors)
     with pytest.raises(PatchkitError) as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     weights = model / "model.safetensors"
     assert str(err.value) == f"{weights}: not a regular file (a weight file expected)"
 
@@ -804,15 +804,15 @@ def test_row_blocks_bound_reads_and_give_the_same_bytes(tmp_path, monkeypatch):
     )
     _, whole = run_merge(tmp_path, model, adapter, "whole")
     rows_read = []
-    real = merge.SafetensorsFile.read_rows
+    real = safetensorsfile.SafetensorsFile.read_rows
 
     def spy(self, name, row0, nrows):
         rows_read.append((name, nrows * self.tensors[name].shape[-1]))
         return real(self, name, row0, nrows)
 
-    monkeypatch.setattr(merge.SafetensorsFile, "read_rows", spy)
-    monkeypatch.setattr(merge, "_CHUNK_ELEMENTS", 5 * H)  # 5 rows: blocks straddle experts
-    monkeypatch.setattr(merge, "_CACHE_BYTES", 1)  # factors evicted and read again
+    monkeypatch.setattr(safetensorsfile.SafetensorsFile, "read_rows", spy)
+    monkeypatch.setattr(mergewrite, "_CHUNK_ELEMENTS", 5 * H)  # 5 rows: blocks straddle experts
+    monkeypatch.setattr(mergewrite, "_CACHE_BYTES", 1)  # factors evicted and read again
     _, blocks = run_merge(tmp_path, model, adapter, "blocks")
     assert rows_read and max(n for _, n in rows_read) <= 5 * H
     assert max(n for _, n in rows_read if n) >= 4  # down_proj rows are 6 wide: blocks of 13 rows
@@ -864,7 +864,7 @@ def test_unsupported_peft_features_are_refused(tmp_path, case):
     model = write_checkpoint(tmp_path / "model", base_tensors())
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors(), **config)
     with pytest.raises(PatchkitError) as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -873,7 +873,7 @@ def _refuse(tmp_path, factors, match, base=None, tie=False, **config):
     model = write_checkpoint(tmp_path / "model", base or base_tensors(), tie=tie)
     adapter = write_adapter(tmp_path / "lora", factors, **config)
     with pytest.raises(PatchkitError) as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     text = str(err.value)
     assert "\n" not in text
     for part in match:
@@ -946,7 +946,7 @@ def test_missing_lora_b_is_refused(tmp_path):
         tmp_path / "lora", {}, _extra={f"base_model.model.{O_PROJ}.lora_A.weight": torch.ones(4, 8)}
     )
     with pytest.raises(PatchkitError, match="has lora_A but no lora_B"):
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
 
 
 def test_missing_files_and_corrupt_headers(tmp_path):
@@ -954,14 +954,14 @@ def test_missing_files_and_corrupt_headers(tmp_path):
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
     (adapter / "adapter_config.json").unlink()
     with pytest.raises(PatchkitError, match="has no adapter_config.json"):
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     adapter = write_adapter(tmp_path / "lora2", {})
     with pytest.raises(PatchkitError, match="holds no LoRA factors"):
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     adapter = write_adapter(tmp_path / "lora3", _o_proj_factors())
     (model / SHARDS[2]).write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(PatchkitError, match="not a safetensors file") as err:
-        merge.plan_merge(model, adapter)
+        mergeplan.plan_merge(model, adapter)
     assert "\n" not in str(err.value)
 
 
@@ -973,38 +973,38 @@ def test_missing_files_and_corrupt_headers(tmp_path):
 def test_write_refuses_full_disk_busy_dest_and_changed_source(tmp_path, monkeypatch):
     model = write_checkpoint(tmp_path / "model", base_tensors())
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
-    plan = merge.plan_merge(model, adapter)
+    plan = mergeplan.plan_merge(model, adapter)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
     with pytest.raises(PatchkitError, match="exists and is not empty"):
-        merge.write_merged(plan, busy)
+        mergewrite.write_merged(plan, busy)
 
     class Usage:
         free = plan.bytes_needed - 1
 
-    monkeypatch.setattr(merge.shutil, "disk_usage", lambda _: Usage)
+    monkeypatch.setattr(mergewrite.shutil, "disk_usage", lambda _: Usage)
     with pytest.raises(PatchkitError, match="needs .* is free"):
-        merge.write_merged(plan, tmp_path / "out")
+        mergewrite.write_merged(plan, tmp_path / "out")
     monkeypatch.undo()
     shard = model / SHARDS[1]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     with pytest.raises(PatchkitError, match="changed since the merge was planned"):
-        merge.write_merged(plan, tmp_path / "out")
+        mergewrite.write_merged(plan, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     model = write_checkpoint(tmp_path / "model", base_tensors())
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
-    plan = merge.plan_merge(model, adapter)
+    plan = mergeplan.plan_merge(model, adapter)
 
     def boom(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(merge, "_rewrite_shard", boom)
+    monkeypatch.setattr(mergewrite, "_rewrite_shard", boom)
     with pytest.raises(KeyboardInterrupt):
-        merge.write_merged(plan, tmp_path / "out")
+        mergewrite.write_merged(plan, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora", "model"]
     assert all(p.exists() for p in (model / n for n in SHARDS))
 
@@ -1014,13 +1014,13 @@ def test_merged_checkpoint_context_cleans_up(tmp_path):
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
     lines = []
     work = tmp_path / "work"
-    with merge.merged_checkpoint(model, adapter, work, progress=lines.append) as (dest, plan):
+    with mergewrite.merged_checkpoint(model, adapter, work, progress=lines.append) as (dest, plan):
         assert (dest / SHARDS[1]).is_file() and plan.rewrite == [SHARDS[1]]
         inside = sorted(p.name for p in dest.iterdir())
     assert not dest.exists()
     assert all((model / n).is_file() for n in SHARDS)
     assert lines[0].startswith("merged copy of") and "merging " + SHARDS[1] in lines
-    assert merge.INDEX_NAME in inside
+    assert checkpoint.INDEX_NAME in inside
 
 
 # ---------------------------------------------------------------------------
@@ -1037,12 +1037,12 @@ def test_safetensors_reader_and_writer_round_trip(tmp_path):
         "i64": torch.arange(-3, 9, dtype=torch.int64).reshape(3, 4),
         "empty": torch.zeros(0, 4),
     }
-    merge.save_safetensors(tmp_path / "a.safetensors", tensors, metadata={"format": "pt"})
+    safetensorsfile.save_safetensors(tmp_path / "a.safetensors", tensors, metadata={"format": "pt"})
     back = st_read(tmp_path / "a.safetensors")
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     st_write(tmp_path / "b.safetensors", tensors)
-    with merge.SafetensorsFile(tmp_path / "b.safetensors") as f:
+    with safetensorsfile.SafetensorsFile(tmp_path / "b.safetensors") as f:
         for name, t in tensors.items():
             assert torch.equal(f.tensor(name), t), name
         assert torch.equal(f.read_rows("bf16", 2, 3), tensors["bf16"].reshape(6, 4)[2:5])
@@ -1052,13 +1052,13 @@ def test_safetensors_reader_and_writer_round_trip(tmp_path):
 def test_unchanged_shards_are_symlinked_when_hard_links_fail(tmp_path, monkeypatch):
     model = write_checkpoint(tmp_path / "model", base_tensors())
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
-    plan = merge.plan_merge(model, adapter)
+    plan = mergeplan.plan_merge(model, adapter)
 
     def no_link(src, dst):
         raise OSError(18, "Invalid cross-device link")
 
-    monkeypatch.setattr(merge.os, "link", no_link)
-    done = merge.write_merged(plan, tmp_path / "out")
+    monkeypatch.setattr(mergewrite.os, "link", no_link)
+    done = mergewrite.write_merged(plan, tmp_path / "out")
     assert done == {SHARDS[0]: "symlink", SHARDS[1]: "merged", SHARDS[2]: "symlink"}
     for name in (SHARDS[0], SHARDS[2]):
         assert (tmp_path / "out" / name).resolve() == (model / name).resolve()
@@ -1066,9 +1066,9 @@ def test_unchanged_shards_are_symlinked_when_hard_links_fail(tmp_path, monkeypat
     def no_symlink(src, dst):
         raise OSError(1, "Operation not permitted")
 
-    monkeypatch.setattr(merge.os, "symlink", no_symlink)
+    monkeypatch.setattr(mergewrite.os, "symlink", no_symlink)
     with pytest.raises(PatchkitError, match="cannot hard-link or symlink") as err:
-        merge.write_merged(plan, tmp_path / "out2")
+        mergewrite.write_merged(plan, tmp_path / "out2")
     assert "\n" not in str(err.value) and not (tmp_path / "out2").exists()
 
 
@@ -1081,9 +1081,9 @@ def test_the_rounding_control_rounds_each_merged_value_to_a_neighbour_at_random(
     mods = all_dense_modules()
     factors = {m: lin(shape, 4, seed=i) for i, (m, shape) in enumerate(mods.items())}
     adapter = write_adapter(tmp_path / "lora", factors)
-    plan = merge.plan_merge(model, adapter)
+    plan = mergeplan.plan_merge(model, adapter)
     for name, seed in (("near", None), ("a", 1), ("b", 1), ("c", 2)):
-        merge.write_merged(plan, tmp_path / name, stochastic_seed=seed)
+        mergewrite.write_merged(plan, tmp_path / name, stochastic_seed=seed)
     near, a, b, c = (merged_tensors(tmp_path / n) for n in ("near", "a", "b", "c"))
     moved = total = 0
     for key in base:
@@ -1114,7 +1114,7 @@ def test_the_rounding_control_rounds_each_merged_value_to_a_neighbour_at_random(
 def test_stochastic_rounding_keeps_nan_and_inf():
     generator = torch.Generator().manual_seed(0)
     values = torch.tensor([math.nan, math.inf, -math.inf, 1.0, -0.0, 3.4e38])  # last: finite
-    rounded = merge.round_stochastically(values, generator)
+    rounded = mergewrite.round_stochastically(values, generator)
     assert rounded.dtype == torch.bfloat16
     assert torch.isnan(rounded[0]) and rounded[1:3].isinf().all() and rounded[3] == 1.0
     assert rounded[4] == 0 and math.copysign(1, float(rounded[4])) < 0
@@ -1128,7 +1128,7 @@ def test_stochastic_rounding_is_right_on_average_value_by_value(value):
     a factor, is caught here (symmetric remainders over many values would hide it)."""
     generator = torch.Generator().manual_seed(3)
     block = torch.full((100_000,), value, dtype=torch.float32)
-    rounded = merge.round_stochastically(block, generator).float()
+    rounded = mergewrite.round_stochastically(block, generator).float()
     low = block.to(torch.bfloat16).float()[0]  # these values lie nearer their lower neighbour
     step = float(torch.nextafter(low.to(torch.bfloat16), torch.tensor(math.copysign(9, value),
         dtype=torch.bfloat16)).float() - low)  # fmt: skip
@@ -1146,9 +1146,9 @@ def test_the_rounding_control_of_a_float32_checkpoint_holds_bf16_values(tmp_path
     model = write_checkpoint(tmp_path / "model", base)
     module = f"{VL}layers.0.mlp.down_proj"
     factors = {module: lin(all_dense_modules()[module], 4, seed=5)}
-    plan = merge.plan_merge(model, write_adapter(tmp_path / "lora", factors))
-    merge.write_merged(plan, tmp_path / "near")
-    merge.write_merged(plan, tmp_path / "control", stochastic_seed=4)
+    plan = mergeplan.plan_merge(model, write_adapter(tmp_path / "lora", factors))
+    mergewrite.write_merged(plan, tmp_path / "near")
+    mergewrite.write_merged(plan, tmp_path / "control", stochastic_seed=4)
     key = module + ".weight"
     near = merged_tensors(tmp_path / "near")[key]
     control = merged_tensors(tmp_path / "control")[key]

@@ -30,7 +30,7 @@ release's own. The names bound for the code: ``FusedMoE3DWithLoRA`` /
 checks); ``PIN_MEMORY`` / ``is_pin_memory_available`` say no pinning (CPU);
 ``re`` is the standard library's for peft_helper.py's ``regex`` (the
 patterns used here are plain). The result is checked against PEFT's own
-reading of the layout (as patchkit/verify/merge.py has it): expert e's delta
+reading of the layout (as patchkit/verify/mergeplan.py has it): expert e's delta
 is ``B.view(out, r, E)[:, :, e] @ A.view(E, r, in)[e]`` times the scaling.
 """
 

@@ -311,9 +311,9 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(user):
         import signal, sys
         signal.alarm(60)
         from patchkit.errors import PatchkitError
-        from patchkit.verify import merge
+        from patchkit.verify import safetensorsfile
         try:
-            merge.SafetensorsFile({str(fifo)!r})
+            safetensorsfile.SafetensorsFile({str(fifo)!r})
         except PatchkitError as exc:
             print(exc)
         sys.exit(0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.errors import PatchkitError, UsageProblem
-from patchkit.verify import e2e, merge, serving, usermodel
+from patchkit.verify import e2e, mergeplan, serving, usermodel
 from tests.conftest import run_cli, run_subprocess
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
@@ -264,7 +264,7 @@ def test_the_disk_the_references_need_is_said_before_anything_is_written(user, t
     needed = 2 * sum(p.bytes_needed for p in plans.values())  # reference and rounding control
     assert needed > 0 and not (tmp_path / "work").exists()
     assert said[0].startswith("merged references: 2 adapter(s), each merged twice (")
-    assert f" need {merge.human_bytes(needed)} under" in said[0]
+    assert f" need {mergeplan.human_bytes(needed)} under" in said[0]
     assert f"under {tmp_path / 'work'}" in said[0] and "removed afterwards unless --keep" in said[0]
 
 

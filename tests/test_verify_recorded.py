@@ -44,7 +44,7 @@ def test_the_moe_case_served_at_tp1_passes_against_its_reference_and_control():
 
 def test_the_moe_case_served_at_tp2_passes_with_the_tp1_rounding():
     tp1, tp2 = recorded(1), recorded(2)
-    floors = usermodel.rounding_floors(tp1, "moe", "moe-")
+    floors = usermodel.rounding_floors(usermodel.Served.from_json(tp1, ["moe"], "moe-"), "moe")
     merged = tp2["moe-merged-moe"]["runs"]["merged"]
     for mode in ("moe-eager", "moe-cudagraph"):
         checks = usermodel.adapter_checks(mode, "moe", tp2[mode]["runs"], merged, floors)

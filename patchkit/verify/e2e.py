@@ -49,7 +49,8 @@ LOGPROB_MEAN_TOL = 0.03
 LOGPROB_MAX_TOL = 0.3
 # LoRA must move the log-probabilities by clearly more than that noise.
 LORA_EFFECT_MIN = 0.1  # about a third of the effect the adapter is built with
-MODES = serving.MODES
+# The MoE case's engines share served.json with the dense ones: their names start with this.
+MOE_PREFIX = "moe-"
 __all__ = ["Check", "compare", "run_e2e"]
 
 
@@ -221,7 +222,7 @@ def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
     written in the layout PEFT >= 0.20 saves for ``target_parameters`` and
     vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
     gate_up_proj: A (r*E, hidden), B (2*I, r*E); ``<experts>.lora_{A,B}`` is
-    down_proj: A (r*E, I), B (hidden, r*E); see patchkit/verify/merge.py),
+    down_proj: A (r*E, I), B (hidden, r*E); see docs/research/merge-notes.md),
     so the case does not depend on the PEFT release installed.
     """
     import torch
@@ -271,9 +272,9 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
     requests += [(kind, PARTIAL_PROMPT, kind) for kind in PARTIAL_ADAPTERS]
     return [
         serving.Job(
-            name=mode,
+            name=engine.name,
             model=str(model_dir),
-            mode=mode,
+            mode=engine.mode,
             prompts=prompts(seed),
             requests=requests,
             loras=loras,
@@ -282,7 +283,7 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
             seed=seed,
             **memory,
         )
-        for mode in MODES
+        for engine in usermodel.lora_engines()
     ]
 
 
@@ -299,7 +300,7 @@ def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
         "seed": seed,
         **memory,
     }
-    return usermodel.jobs(moe_dir, adapters, references, setup, prefix="moe-")
+    return usermodel.jobs(moe_dir, adapters, references, setup, prefix=MOE_PREFIX)
 
 
 def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:
@@ -331,8 +332,12 @@ def run_e2e(
     say(f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}")
     served = serving.serve_all(engines, workdir, timeout, at_once)
     (workdir / "served.json").write_text(json.dumps(served))
-    dense = [check for mode in MODES for check in compare(mode, served[mode], reference)]
-    return dense + usermodel.compare(served, ["moe"], prefix="moe-")
+    dense = [
+        check
+        for lora in usermodel.Served.from_json(served, []).lora()
+        for check in compare(lora.engine.mode, lora.result, reference)
+    ]
+    return dense + usermodel.compare(served, ["moe"], prefix=MOE_PREFIX)
 
 
 # ----- the checks of the dense case, against transformers + PEFT -----
@@ -402,14 +407,14 @@ def _effect_check(mode: str, runs: dict) -> Check:
 
 def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
     """Each partial GDN adapter: it loads, matches transformers + PEFT, and changes the output."""
-    checks = []
+    out = []
     for kind in PARTIAL_ADAPTERS:
         error = checks.served_error(runs, kind)
         if error:
-            checks.append(Check(f"{mode}: {kind} adapter served", False, error))
+            out.append(Check(f"{mode}: {kind} adapter served", False, error))
             continue
         values = checks.logprobs(runs, kind, PARTIAL_PROMPT)
-        checks.append(
+        out.append(
             checks.bound_check(
                 f"{mode}: {kind} adapter vs transformers",
                 values,
@@ -418,11 +423,11 @@ def _partial_checks(mode: str, runs: dict, reference: dict) -> list[Check]:
             )
         )
         effect = checks.diff(values, checks.logprobs(runs, "base", PARTIAL_PROMPT))[0]
-        checks.append(
+        out.append(
             Check(
                 f"{mode}: {kind} adapter differs from base",
                 effect >= PARTIAL_EFFECT_MIN,
                 f"mean |LoRA - base| {effect:.4f} (>= {PARTIAL_EFFECT_MIN})",
             )
         )
-    return checks
+    return out

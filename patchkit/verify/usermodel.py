@@ -2,7 +2,7 @@
 
 vLLM serves the model with every adapter (LoRA on, eager and CUDA-graph
 mode), and, as the reference, each adapter merged into a copy of the base
-weights (patchkit.verify.merge: W + scale * B @ A, experts included) served
+weights (patchkit.verify.mergewrite: W + scale * B @ A, experts included) served
 without LoRA. No transformers forward is needed, so a model that only fits
 on its serving GPUs can be checked there. Prompts: 600, 3000 and the
 largest that fits (at most 16k tokens, below --max-model-len), token ids
@@ -34,6 +34,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.errors import PatchkitError, UsageProblem
@@ -161,9 +162,9 @@ def make_prompts(config: dict, lengths: list[int], seed: int) -> dict[str, list[
 def adapter_rank(adapter_dir: Path) -> int:
     """The largest rank an adapter uses (r and rank_pattern), read as the merge reads it
     (size-capped, every value checked: a raw json.loads had no cap and no checks)."""
-    from patchkit.verify import merge
+    from patchkit.verify import adapterfiles
 
-    config = merge.read_adapter_config(adapter_dir)
+    config = adapterfiles.read_adapter_config(adapter_dir)
     return max([config.r, *config.rank_pattern.values()])
 
 
@@ -179,15 +180,15 @@ def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, s
 
     Nothing is written before this returns, so a refusal leaves the disk as it was.
     """
-    from patchkit.verify import merge
+    from patchkit.verify import mergeplan
 
-    plans = {name: merge.plan_merge(model_dir, path) for name, path in adapters.items()}
+    plans = {name: mergeplan.plan_merge(model_dir, path) for name, path in adapters.items()}
     needed = 2 * sum(plan.bytes_needed for plan in plans.values())  # reference and control
     free = shutil.disk_usage(_existing(workdir)).free
     say(
         f"merged references: {len(plans)} adapter(s), each merged twice (rounded to nearest, "
         f"and stochastically as the measure of the reference's own bf16 precision), need "
-        f"{merge.human_bytes(needed)} under {workdir} ({merge.human_bytes(free)} free); "
+        f"{mergeplan.human_bytes(needed)} under {workdir} ({mergeplan.human_bytes(free)} free); "
         "removed afterwards unless --keep"
     )
     for plan in plans.values():
@@ -195,8 +196,8 @@ def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, s
             say(f"note: {note}")
     if needed > free:
         raise PatchkitError(
-            f"the merged references need {merge.human_bytes(needed)} under {workdir} and "
-            f"{merge.human_bytes(free)} is free; give --workdir a disk with more space"
+            f"the merged references need {mergeplan.human_bytes(needed)} under {workdir} and "
+            f"{mergeplan.human_bytes(free)} is free; give --workdir a disk with more space"
         )
     return plans
 
@@ -209,26 +210,95 @@ def _existing(path: Path) -> Path:
     return path
 
 
-# The two references of an adapter: its engines are PREFIX-KIND-NAME.
+# The two references of an adapter: merged and rounded to nearest, and its rounding
+# control (the same merge rounded stochastically), each served by an engine of its own.
 REFERENCES = ("merged", "rounding")
 
 
 def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
     """Each merged checkpoint under workdir/merged-NAME, and its rounding control
     (the same merge rounded stochastically) under workdir/rounding-NAME."""
-    from patchkit.verify import merge
+    from patchkit.verify import mergewrite
 
     out = {}
     for number, (name, plan) in enumerate(plans.items()):
         say(f"writing merged reference and rounding control for {name}")
         out[name] = {kind: workdir / f"{kind}-{name}" for kind in REFERENCES}
-        merge.write_merged(plan, out[name]["merged"])
+        mergewrite.write_merged(plan, out[name]["merged"])
         control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
-        merge.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
+        mergewrite.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
     return out
 
 
 # ----- the engines -----
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One vLLM engine of a run: the LoRA engine in one mode, or one adapter's reference."""
+
+    name: str  # its job's name: its log, its files and its entry in served.json
+    mode: str  # serving.MODES: eager, or torch.compile + CUDA graphs
+    kind: str  # "lora" (every adapter, LoRA on), or one of REFERENCES (merged, no LoRA)
+    adapter: str | None = None  # the adapter a reference is merged from; None for "lora"
+
+
+def lora_engines(prefix: str = "") -> list[Engine]:
+    """The LoRA engine in each mode, named PREFIX+MODE."""
+    return [Engine(f"{prefix}{mode}", mode, "lora") for mode in serving.MODES]
+
+
+def reference_engines(adapters: list[str], prefix: str = "") -> list[Engine]:
+    """Each adapter's references, served eager without LoRA, named PREFIX+KIND-ADAPTER."""
+    return [
+        Engine(f"{prefix}{kind}-{adapter}", "eager", kind, adapter)
+        for adapter in adapters
+        for kind in REFERENCES
+    ]
+
+
+def engines(adapters: list[str], prefix: str = "") -> list[Engine]:
+    """Every engine of a run, in the order they start. Names are made only here and in
+    the two functions above; a prefix keeps two runs apart in one served.json (--e2e's
+    MoE case is "moe-")."""
+    return lora_engines(prefix) + reference_engines(adapters, prefix)
+
+
+@dataclass
+class EngineServed:
+    """What one engine served: its result as patchkit.verify.serving wrote it,
+    ``{"corrupted_requests", "runs", ...}`` or ``{"error": ...}`` (checks reads it)."""
+
+    engine: Engine
+    result: dict
+
+    @property
+    def runs(self) -> dict:
+        """{request label: {prompt: request}}; {} when the engine did not run."""
+        return self.result.get("runs", {})
+
+
+@dataclass
+class Served:
+    """Every engine of a run and what it served, found by what the engine is."""
+
+    engines: list[EngineServed]
+
+    @classmethod
+    def from_json(cls, served: dict, adapters: list[str], prefix: str = "") -> Served:
+        """served.json's form, ``{engine name: result}`` (what serving.serve_all returns
+        and recorded runs hold), read for the engines of a run of these adapters."""
+        return cls([EngineServed(e, served[e.name]) for e in engines(adapters, prefix)])
+
+    def lora(self) -> list[EngineServed]:
+        """The LoRA engines, one per mode, in serving.MODES order."""
+        return [s for s in self.engines if s.engine.kind == "lora"]
+
+    def reference(self, kind: str, adapter: str) -> EngineServed:
+        """The engine serving ``adapter``'s reference of ``kind`` (one of REFERENCES)."""
+        return next(
+            s for s in self.engines if s.engine.kind == kind and s.engine.adapter == adapter
+        )
 
 
 def lora_requests(adapters: list[str], prompts: dict) -> list[tuple[str, str, str | None]]:
@@ -264,30 +334,29 @@ def jobs(
     rank = serving.lora_rank_limit(max(adapter_rank(p) for p in adapters.values()))
     out = [
         serving.Job(
-            name=f"{prefix}{mode}",
+            name=engine.name,
             model=str(model_dir),
-            mode=mode,
+            mode=engine.mode,
             prompts=prompts,
             requests=lora_requests(list(adapters), prompts),
             loras={n: str(p) for n, p in adapters.items()},
             max_lora_rank=rank,
             **common,
         )
-        for mode in serving.MODES
+        for engine in lora_engines(prefix)
     ]
     requests = [("merged", p, None) for p in prompts]
-    for name, paths in references.items():
-        for kind in REFERENCES:
-            out.append(
-                serving.Job(
-                    name=f"{prefix}{kind}-{name}",
-                    model=str(paths[kind]),
-                    mode="eager",
-                    prompts=prompts,
-                    requests=requests,
-                    **common,
-                )
+    for engine in reference_engines(list(references), prefix):
+        out.append(
+            serving.Job(
+                name=engine.name,
+                model=str(references[engine.adapter][engine.kind]),
+                mode=engine.mode,
+                prompts=prompts,
+                requests=requests,
+                **common,
             )
+        )
     return out
 
 
@@ -295,34 +364,37 @@ def jobs(
 
 
 def compare(served: dict, adapters: list[str], prefix: str = "") -> list[Check]:
-    """Every check of one `--model` run: the references, then each mode."""
+    """Every check of one `--model` run: the references, then each mode.
+
+    ``served`` is served.json's form (serving.serve_all's, or a recorded run's),
+    read here once into what each engine served.
+    """
+    run = Served.from_json(served, adapters, prefix)
     out = []
     floors = {}  # per adapter, the reference's own rounding, measured once for every mode
     for name in adapters:
-        result = served[f"{prefix}merged-{name}"]
+        result = run.reference("merged", name).result
         label = f"{prefix}reference {name} (merged, no LoRA)"
         out += checks.engine_ran(label, result)
         if "error" not in result:
             out += checks.health_checks(label, result)
-        floors[name] = rounding_floors(served, name, prefix)
-        out += rounding_check(f"{prefix}reference {name}", served, name, prefix, floors[name])
-    for mode in serving.MODES:
-        result = served[f"{prefix}{mode}"]
-        out += compare_mode(f"{prefix}{mode}", result, served, adapters, prefix, floors)
+        floors[name] = rounding_floors(run, name)
+        out += rounding_check(f"{prefix}reference {name}", run, name, floors[name])
+    for lora in run.lora():
+        out += compare_mode(lora, run, adapters, floors)
     return out
 
 
-def compare_mode(
-    name: str, result: dict, served: dict, adapters: list[str], prefix: str, floors: dict
-):
+def compare_mode(lora: EngineServed, run: Served, adapters: list[str], floors: dict):
     """One LoRA engine: health, each adapter against its merged reference, the repeats."""
+    name, result = lora.engine.name, lora.result
     ran = checks.engine_ran(name, result)
     if "error" in result:
         return ran
     runs = result["runs"]
     out = ran + checks.health_checks(name, result)
     for adapter in adapters:
-        merged = _reference_runs(served, "merged", adapter, prefix)
+        merged = _reference_runs(run, "merged", adapter)
         out += adapter_checks(name, adapter, runs, merged, floors[adapter])
     out.append(
         checks.repeat_check(
@@ -341,15 +413,15 @@ def compare_mode(
     return out
 
 
-def _reference_runs(served: dict, kind: str, adapter: str, prefix: str) -> dict | None:
-    return served.get(f"{prefix}{kind}-{adapter}", {}).get("runs", {}).get("merged")
+def _reference_runs(run: Served, kind: str, adapter: str) -> dict | None:
+    return run.reference(kind, adapter).runs.get("merged")
 
 
-def rounding_floors(served: dict, adapter: str, prefix: str) -> dict[str, tuple[float, float]]:
+def rounding_floors(run: Served, adapter: str) -> dict[str, tuple[float, float]]:
     """Per prompt, (mean, max) |reference - rounding control|: the reference's own
     precision. {} when either did not run or a value is not finite."""
-    merged = _reference_runs(served, "merged", adapter, prefix)
-    control = _reference_runs(served, "rounding", adapter, prefix)
+    merged = _reference_runs(run, "merged", adapter)
+    control = _reference_runs(run, "rounding", adapter)
     if not merged or not control:
         return {}
     floors = {}
@@ -365,13 +437,13 @@ def rounding_floors(served: dict, adapter: str, prefix: str) -> dict[str, tuple[
 
 
 def rounding_check(
-    label: str, served: dict, adapter: str, prefix: str, floors: dict[str, tuple[float, float]]
+    label: str, run: Served, adapter: str, floors: dict[str, tuple[float, float]]
 ) -> list[Check]:
     """The rounding control ran, and the reference is precise enough to judge LoRA by
     (``floors``: rounding_floors of this adapter)."""
-    control = served[f"{prefix}rounding-{adapter}"]
+    control = run.reference("rounding", adapter).result
     ran = checks.engine_ran(f"{label} (rounding control)", control)
-    if "error" in control or "error" in served[f"{prefix}merged-{adapter}"]:
+    if "error" in control or "error" in run.reference("merged", adapter).result:
         return ran
     title = f"{label}: its own bf16 rounding"
     if not floors:
