@@ -30,7 +30,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from patchkit.catalogue.model import Decision, Variant
+from patchkit.catalogue.model import Decision, Notice, Variant
 from tests.conftest import CATALOGUE, RELEASES, copy_tree, run_cli, snapshot
 
 # ----- the survey: facts written by hand, never derived -----
@@ -94,8 +94,8 @@ def test_the_catalogue_keeps_the_surveyed_facts(version: str):
         state, variant = listed[patch_id]
         [fact] = surveyed(table, version)
         assert (variant or state) == fact, (patch_id, version, listed[patch_id])
-    assert_notices([n.message for n in listed_notices(version)],
-                   surveyed(SURVEYED_NOTICES, version))  # fmt: skip
+    numbers = surveyed(SURVEYED_NOTICES, version)
+    assert_notices([n.message for n in listed_notices(version)], numbers)
 
 
 # ----- what the catalogue lists for a release -----
@@ -116,7 +116,7 @@ def expected_states(version: str) -> dict[str, tuple[str, str | None]]:
     return found
 
 
-def listed_notices(version: str) -> list:
+def listed_notices(version: str) -> list[Notice]:
     """The catalogue's notices for a release, in series order."""
     return [
         notice
@@ -192,7 +192,7 @@ def assert_notices(notices: list[str], numbers: list[str]) -> None:
         assert number in notice, (number, notice)
 
 
-def assert_listed(shown: list[str], listed: list) -> None:
+def assert_listed(shown: list[str], listed: list[Notice]) -> None:
     """Status shows the catalogue's notices, in order, each with what to do after it."""
     assert len(shown) == len(listed), shown
     for line, notice in zip(shown, listed, strict=True):
