@@ -21,7 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import CATALOGUE, REPO, run_cli, snapshot
+from packaging.version import Version
+
+from tests.conftest import CATALOGUE, RELEASES, REPO, run_cli, snapshot
 
 # ----- install lines name the packages (the index's `patchkit` is another project) -----
 
@@ -300,17 +302,20 @@ def relabel(root: Path, version: str) -> None:
 
 
 NEWER = "newer than every release this catalogue was tested on"
+# The newest tested release, and the next minor one: untested until a maintainer adds it.
+NEWEST = max(RELEASES, key=Version)
+UNTESTED = f"{Version(NEWEST).major}.{Version(NEWEST).minor + 1}.0"
 
 
 def test_apply_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
-    relabel(tree_0260, "0.34.0")
+    relabel(tree_0260, UNTESTED)
     status = run_cli("status", "--target", str(tree_0260), "--json")
-    assert json.loads(status.stdout)["vllm"]["version"] == "0.34.0"
+    assert json.loads(status.stdout)["vllm"]["version"] == UNTESTED
     # its code still fits every patch: applied, with the warning that says why to look
     applied = run_cli("apply", "--target", str(tree_0260))
     assert applied.exit_code == 0
     assert (
-        f"vLLM 0.34.0 is not a tested release: it is {NEWER} (newest 0.33.0); decided by "
+        f"vLLM {UNTESTED} is not a tested release: it is {NEWER} (newest {NEWEST}); decided by "
         "content; a newer patchkit may cover it, or add the release (CONTRIBUTING.md, "
         "'A new vLLM release')"
     ) in applied.stderr
@@ -318,7 +323,7 @@ def test_apply_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
 
 def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
     """As a release whose code moved: one line added in expand_packed_lora."""
-    relabel(tree_0260, "0.34.0")
+    relabel(tree_0260, UNTESTED)
     column = tree_0260 / COLUMN
     loop = line_of(column, "for a_i, b_i in zip(lora_a, lora_b):")
     insert_after(column, loop - 1, "        # a local note")
@@ -329,7 +334,7 @@ def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
     assert line.startswith("patchkit: error: partial-gdn-adapter: conflict: ")
     target = f"--target {tree_0260}"
     assert line.endswith(
-        f"nothing was changed (vLLM 0.34.0 is {NEWER}, the newest 0.33.0: a newer patchkit "
+        f"nothing was changed (vLLM {UNTESTED} is {NEWER}, the newest {NEWEST}: a newer patchkit "
         f"may cover it; `patchkit status {target}` shows which patches fit, `patchkit apply "
         f"--only ID {target}` applies one at your own risk; CONTRIBUTING.md, 'A new vLLM "
         "release', says how to add the release)"

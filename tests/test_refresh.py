@@ -1,4 +1,4 @@
-"""`patchkit refresh` (issue 21): diffs are made from trees, never kept by hand.
+"""`patchkit refresh`: diffs are made from trees, never kept by hand.
 
 The drift test refreshes every variant of the shipped catalogue on the real
 release tree it is made on (``made_on``) into a copy of the catalogue, and
@@ -19,6 +19,9 @@ from tests.conftest import CATALOGUE, copy_tree, release_tree, run_cli, snapshot
 from tests.helpers import stacked_catalogue
 
 VARIANTS = [(p.id, v) for p in CATALOGUE.patches for v in p.variants]
+# Each id carries the release the variant is made on, so `pytest -k 0.34.0` selects
+# the refresh of every variant made on 0.34.0 with the rest of that release's tests.
+VARIANT_IDS = [f"{p}/{v.name}@{v.made_on}" for p, v in VARIANTS]
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 
 
@@ -28,7 +31,7 @@ def catalogue_copy(tmp_path: Path) -> tuple[Path, dict]:
     return root, {"PATCHKIT_PATCHES_DIR": str(root)}
 
 
-@pytest.mark.parametrize("patch_id,variant", VARIANTS, ids=[f"{p}/{v.name}" for p, v in VARIANTS])
+@pytest.mark.parametrize("patch_id,variant", VARIANTS, ids=VARIANT_IDS)
 def test_every_diff_is_what_refresh_makes_on_its_release(tmp_path, patch_id, variant):
     root, env = catalogue_copy(tmp_path)
     tree = copy_tree(variant.made_on, tmp_path / "site")
