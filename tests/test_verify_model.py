@@ -114,7 +114,7 @@ def test_keep_never_writes_over_a_directory_that_holds_files(user, tmp_path):
     assert (user["model"] / "config.json").read_bytes() == before
     empty = tmp_path / "empty"
     empty.mkdir()
-    from patchkit.cli.main import verify_request
+    from patchkit.cli.commands.verify import verify_request
 
     assert verify_request(False, None, (), 1, None, None, None, str(empty)).keep == empty
     assert verify_request(False, None, (), 1, None, None, None, str(tmp_path / "new")).keep

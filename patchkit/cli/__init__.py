@@ -1,4 +1,5 @@
-"""The command line (layer 6): parse options, call one layer below, render the result.
+"""The command line (layer 7): parse options, call the layers below, render the result.
 
-Objects become text or JSON only here (render).
+main builds the group; commands/ holds the commands; outcome says how one ends,
+with exits' statuses. Objects become text or JSON only here (render).
 """

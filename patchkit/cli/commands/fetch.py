@@ -1,0 +1,34 @@
+"""fetch: a release's pristine tree from its PyPI wheel."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from patchkit.cli import render
+from patchkit.cli.options import json_option
+from patchkit.cli.outcome import outcome, user_errors
+
+
+@click.command("fetch")
+@click.argument("version")
+@click.option(
+    "--dest",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Unpack here instead of the cache.",
+)
+@json_option
+@user_errors
+def fetch_command(version: str, dest: str | None, as_json: bool) -> None:
+    """Download vLLM VERSION's wheel and print the directory of its unpacked tree.
+
+    Shows pip's progress on a terminal; quiet with --json or when stderr is not one.
+    """
+    from patchkit.releases.fetch import fetch
+
+    progress = not as_json and sys.stderr.isatty()
+    path = fetch(version, dest, progress=progress)
+    outcome().done([f"fetch: vLLM {version} is at {path}"])
+    render.emit_json({"ok": True, "path": str(path)}) if as_json else render.out(str(path))

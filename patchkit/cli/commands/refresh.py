@@ -1,0 +1,72 @@
+"""refresh: rewrite a patch's diff from the tree it is applied to (maintainers)."""
+
+from __future__ import annotations
+
+import click
+
+from patchkit.catalogue.load import load_catalogue
+from patchkit.cli import render
+from patchkit.cli.options import check_only, json_option, target_options
+from patchkit.cli.outcome import outcome, user_errors
+from patchkit.errors import PatchkitError
+from patchkit.vllmtree.tree import locate
+
+
+def check_add(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """A --add path that is absolute, climbs out or is not under vllm/ is a usage error
+    (exit 2), caught before any work."""
+    from patchkit.fs.safepath import checked_relpath
+
+    for relpath in value:
+        try:
+            checked_relpath(relpath, "--add")
+        except PatchkitError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--add: "), ctx, param) from None
+    return value
+
+
+@click.command("refresh")
+@click.argument("patch_id", metavar="ID")
+@target_options
+@click.option("--variant", metavar="NAME", help="The variant to write (default: the one applied).")
+@click.option(
+    "--add",
+    multiple=True,
+    metavar="PATH",
+    callback=check_add,
+    help="Also put this file (vllm/...) into the patch; its original comes from --pristine.",
+)
+@click.option(
+    "--pristine",
+    metavar="DIR",
+    type=click.Path(file_okay=False, exists=True),
+    help="A pristine tree of the same release, for --add (default: `patchkit fetch VERSION`).",
+)
+@json_option
+@user_errors
+def refresh_command(patch_id, target, vllm_version, variant, add, pristine, as_json) -> None:
+    """Rewrite patch ID's diff from the tree it is applied to (maintainers; like quilt refresh).
+
+    Apply the patch, edit the patched files in the tree, then refresh: the
+    variant's diff is made from the originals patchkit keeps to the files as
+    they are, files the patch creates are copied back to patches/ID/files/,
+    and the tree's record follows, so status still says applied.
+    """
+    from pathlib import Path
+
+    from patchkit.fs.safepath import checked_relpath
+    from patchkit.patching.refresh import refresh
+
+    catalogue = load_catalogue()
+    check_only((patch_id,), catalogue)
+    for relpath in add:
+        checked_relpath(relpath, "--add")
+    tree = locate(target, vllm_version)
+    result = refresh(
+        tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
+    )
+    outcome().done([render.refresh_summary(result)])
+    if as_json:
+        render.emit_json(result.to_json())
+    else:
+        render.render_refresh(result)

@@ -1,0 +1,140 @@
+"""verify: prove on a GPU that the installed vLLM's LoRA path gives sound numbers."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+
+from patchkit.catalogue.load import load_catalogue
+from patchkit.cli import exits, render
+from patchkit.cli.options import json_option
+from patchkit.cli.outcome import user_errors
+
+
+@click.command("verify")
+@click.option(
+    "--e2e",
+    is_flag=True,
+    help="Also serve a tiny Qwen3.5 and a Qwen3.5-MoE with LoRA in vLLM (~5 min).",
+)
+@click.option(
+    "--model",
+    metavar="DIR",
+    help="Also serve this model with each --lora adapter and compare it against the adapter "
+    "merged into a copy of the weights (served without LoRA).",
+)
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="With --model: a PEFT LoRA adapter to check (repeatable).",
+)
+@click.option(
+    "--tensor-parallel-size",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Serve every engine of --e2e and --model on N GPUs (at most the GPUs visible).",
+)
+@click.option(
+    "--max-model-len",
+    type=int,
+    metavar="L",
+    help="With --model: vLLM's max_model_len; the longest prompt is L - 16, at most 16384 "
+    "(default: 16400, or the model's max_position_embeddings when smaller).",
+)
+@click.option(
+    "--workdir",
+    metavar="DIR",
+    help="Where the merged references and vLLM's logs go (default: the system temp dir); "
+    "removed afterwards.",
+)
+@click.option(
+    "--seed",
+    metavar="N",
+    type=int,
+    envvar="PATCHKIT_VERIFY_SEED",
+    help="Seed for the random inputs (default: a fresh one each run).",
+)
+@click.option(
+    "--keep",
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Work in this new or empty directory and keep it: the e2e models, the merged "
+    "references, the served results and vLLM's logs.",
+)
+@json_option
+@user_errors
+def verify_command(
+    e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep, as_json
+) -> None:
+    """Prove on this GPU that the installed vLLM's LoRA path gives sound numbers.
+
+    Needs an NVIDIA GPU, torch and the vLLM that this Python imports. Exit 1
+    on any failed check.
+    """
+    from patchkit.verify import runner
+
+    request = verify_request(
+        e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep
+    )
+    if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    say = functools.partial(click.echo, err=True)
+    result = runner.run(load_catalogue(), request, say)
+    render.emit_json(result.to_json()) if as_json else render.render_verify(result)
+    sys.exit(exits.OK if result.ok else exits.FAILURE)
+
+
+def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
+    """verify's options checked together: each problem is one line, exit 2, nothing done."""
+    from pathlib import Path
+
+    from patchkit.errors import UsageProblem
+    from patchkit.verify import runner
+    from patchkit.verify.usermodel import parse_lora
+
+    if loras and model is None:
+        raise UsageProblem("--lora needs --model DIR (the base model the adapters belong to)")
+    if model is not None and not loras:
+        raise UsageProblem("--model needs at least one --lora NAME=DIR")
+    if max_model_len is not None and model is None:
+        raise UsageProblem("--max-model-len goes with --model")
+    if model is not None and not Path(model).is_dir():
+        raise UsageProblem(f"--model {model}: not a directory")
+    if workdir is not None and not Path(workdir).is_dir():
+        raise UsageProblem(f"--workdir {workdir}: not a directory")
+    if workdir is not None and keep is not None:
+        raise UsageProblem("--workdir and --keep: give one (--keep works in its directory)")
+    if tp < 1:
+        raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
+    if keep is not None:
+        _check_keep(Path(keep))
+    return runner.Request(
+        e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
+        model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
+        tensor_parallel_size=tp, max_model_len=max_model_len,
+        workdir=Path(workdir) if workdir else None,
+    )  # fmt: skip
+
+
+def _check_keep(keep) -> None:
+    """--keep DIR must be new or empty: verify writes model/, adapter/, served.json, vLLM's
+    logs and caches there by fixed names, and would overwrite a user's files of those names
+    (a --keep pointing at a folder that holds their own model, the vLLM tree, or /)."""
+    from patchkit.errors import UsageProblem
+
+    try:
+        occupied = keep.exists() and any(keep.iterdir())
+    except OSError as exc:
+        raise UsageProblem(f"--keep {keep}: cannot read it ({exc.strerror})") from None
+    if occupied:
+        raise UsageProblem(
+            f"--keep {keep}: not empty; give a new or empty directory (verify writes its "
+            "models, references and logs there by fixed names)"
+        )

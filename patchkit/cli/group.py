@@ -1,0 +1,54 @@
+"""The `patchkit` group's own endings: before any command runs, or when click refuses one.
+
+A command's own failures are :func:`patchkit.cli.outcome.user_errors`'s; this
+class handles what comes before it: a stdout closed at start, a usage error
+(with ``--json``, the JSON error object too), Ctrl-C, SIGTERM or SIGHUP while
+click still parses.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from patchkit.cli import exits, render
+from patchkit.cli.outcome import silence_stdout, standard_streams
+from patchkit.fs import signals
+
+
+class PatchkitGroup(click.Group):
+    """A click group whose usage errors honour --json and whose Ctrl-C exits 130."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        if not standard_streams():
+            render.warn(
+                "patchkit: error: stdout is closed, so patchkit could not report what it does; "
+                "nothing was done (send it to a file, a pipe or /dev/null instead)"
+            )
+            sys.exit(exits.FAILURE)
+        signals.install()
+        try:
+            extra.pop("standalone_mode", None)
+            result = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            if "--json" in args:
+                try:
+                    render.emit_json(
+                        {"ok": False, "error": exc.format_message(), "exit_code": exits.USAGE}
+                    )
+                except render.ReportLost:
+                    silence_stdout()
+            exc.show()
+            sys.exit(exits.USAGE)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("patchkit: error: interrupted; nothing was done", err=True)
+            sys.exit(exits.INTERRUPTED)
+        except signals.Terminated as exc:
+            click.echo(f"patchkit: error: {exc} received; nothing was done", err=True)
+            sys.exit(exc.exit_code)
+        sys.exit(result if isinstance(result, int) else exits.OK)
