@@ -463,7 +463,7 @@ def refresh_command(patch_id, target, vllm_version, variant, add, pristine, as_j
     )
     outcome().done([render.refresh_summary(result)])
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.refresh_json(result))
     else:
         render.render_refresh(result)
 
@@ -564,7 +564,7 @@ def verify_command(
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     say = functools.partial(click.echo, err=True)
     result = runner.run(load_catalogue(), request, say)
-    render.emit_json(result.to_json()) if as_json else render.render_verify(result)
+    render.emit_json(render.verify_json(result)) if as_json else render.render_verify(result)
     sys.exit(0 if result.ok else 1)
 
 
@@ -676,9 +676,9 @@ def doctor_command(
         )
     result = doctor.run(tree, tree_error, load_catalogue(), kernels=request)
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.doctor_json(result))
     else:
-        render.render_doctor(result, render.out, verbose)
+        render.render_doctor(result, verbose)
 
 
 def check_url(ctx, param, value: str) -> str:
@@ -796,9 +796,9 @@ def probe_report(log_file: str, as_json: bool) -> None:
     result = report.report(Path(log_file))
     render.render_probe_warnings(result)
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.probe_json(result))
     else:
-        render.render_probe_report(result, render.out)
+        render.render_probe_report(result)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -79,9 +79,6 @@ class Model:
     top_k: int = 0
     moe_intermediate: int = 0
 
-    def to_json(self) -> dict:
-        return dict(vars(self))
-
 
 DEFAULT_MODELS = (
     Model("Qwen3.5-27B (dense layers)", hidden=5120, intermediate=17408, q=6144, kv=1024),
@@ -182,9 +179,6 @@ class Call:
             f"{self.entry} {self.layer}, {self.tokens} tokens, rank {self.rank}, "
             f"{self.dtype}{setting}"
         )
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "run"} | {"label": self.label()}
 
 
 @dataclass

@@ -63,17 +63,6 @@ class Assessment:
     stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
     outdated: str = ""  # applied from an older catalogue: the warning that says so
 
-    def to_json(self) -> dict:
-        return {
-            "id": self.patch.id,
-            "state": str(self.state),
-            "reason": self.reason or None,
-            "variant": self.variant.name if self.variant else None,
-            "files": list(self.files),
-            "warnings": self.warnings,
-            "notices": [n.message for n in self.notices],
-        }
-
 
 class TreeFiles:
     """The tree's files as a run sees them: read once, with the run's own edits on top.

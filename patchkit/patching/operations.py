@@ -48,7 +48,7 @@ class RunReport:
     plan: Plan
     options: RunOptions = field(default_factory=RunOptions)
     bytecode_removed: list[str] = field(default_factory=list)
-    caches_removed: list[dict] = field(default_factory=list)
+    caches_removed: list[compiled.CacheResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     wrote: bool = False  # the run committed its writes to the tree
     recovered: bool = False  # it rolled an interrupted run back first
@@ -56,7 +56,7 @@ class RunReport:
     @property
     def changed(self) -> bool:
         """Whether the run changed anything on disk (the tree, bytecode, caches)."""
-        cleared = any(c["state"] == "cleared" for c in self.caches_removed)
+        cleared = any(c.removed for c in self.caches_removed)
         return self.wrote or self.recovered or bool(self.bytecode_removed) or cleared
 
     @property

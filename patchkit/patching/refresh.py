@@ -64,18 +64,6 @@ class RefreshReport:
     created: list[Path] = field(default_factory=list)  # sources copied back to files/
     added: list[str] = field(default_factory=list)  # --add: files newly in the patch
 
-    def to_json(self) -> dict:
-        return {
-            "ok": True,
-            "patch": self.patch_id,
-            "variant": self.variant,
-            "diff": str(self.diff),
-            "changed": self.changed,
-            "unchanged": self.unchanged,
-            "created": [str(p) for p in self.created],
-            "added": self.added,
-        }
-
 
 @dataclass
 class _Plan:

@@ -53,9 +53,6 @@ class Finding:
     look_at: str
     bad_modules: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass
 class ProbeReport:
@@ -66,19 +63,6 @@ class ProbeReport:
     findings: list[Finding]
     padding_only: int  # records whose bad rows were all padding (no request)
     warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
-
-    def to_json(self) -> dict:
-        return {
-            "ok": True,
-            "command": "probe report",
-            "file": self.path,
-            "records": self.records,
-            "steps": self.steps,
-            "headers": self.headers,
-            "padding_only": self.padding_only,
-            "affected_requests": [f.to_json() for f in self.findings],
-            "warnings": self.warnings,
-        }
 
 
 @dataclass(frozen=True)
