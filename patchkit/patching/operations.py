@@ -29,11 +29,12 @@ from patchkit.patching.state import (
     State,
     backup_path,
     load_state,
+    record_sha256,
     sweep,
     tidy,
 )
 from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
-from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action
 
 __all__ = ["RunOptions", "RunReport", "apply", "revert", "select", "status"]
@@ -225,7 +226,8 @@ def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str
             kept = step.undo and backup and state.fs.read(f"{STATE_DIR}/{backup}", "state")
             if backup is not None and kept != change.before:
                 backups[backup] = change.before
-            records.append(FileRecord(change.path, _sha(change.before), _sha(change.after), backup))
+            before, after = record_sha256(change.before), record_sha256(change.after)
+            records.append(FileRecord(change.path, before, after, backup))
         variant = step.assessment.variant
         state.patches[patch_id] = PatchRecord(patch_id, variant.sha256, variant.name, now, records)
     if steps:
@@ -244,7 +246,3 @@ def _read_only(
         raise PatchkitError(f"{exc}; nothing was changed") from None
     report.notes.append("the tree is not writable, and nothing needed writing")
     return report
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)

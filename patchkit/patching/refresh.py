@@ -48,6 +48,7 @@ from patchkit.patching.state import (
     State,
     backup_path,
     load_state,
+    record_sha256,
     sweep,
 )
 from patchkit.patching.transaction import TreeLock, commit_or_undo, recover
@@ -272,7 +273,7 @@ def _records(
         if original is not None and now == original:
             continue  # no longer part of the patch
         backup = None if original is None else backup_path(patch_id, relpath)
-        records.append(FileRecord(relpath, _sha(original), _sha(now), backup))
+        records.append(FileRecord(relpath, record_sha256(original), record_sha256(now), backup))
     return records
 
 
@@ -427,10 +428,6 @@ def _now() -> str:
     from datetime import datetime, timezone
 
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)
 
 
 def _bytes(text: str | None) -> bytes | None:
