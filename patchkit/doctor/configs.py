@@ -28,7 +28,7 @@ from pathlib import Path
 from patchkit.doctor.signatures import Launch, capturing
 from patchkit.doctor.standins import Gpu, Sandbox
 from patchkit.errors import PatchkitError
-from patchkit.fs.files import read_user_json
+from patchkit.fs.files import read_json_file
 
 # A decode step of 1 and of 16 sequences (1 is a constant to Triton, 16 divisible by
 # 16; the MoE layer takes its small-batch and naive paths there), a prefill of 1000
@@ -146,7 +146,7 @@ def _json_object(path: Path) -> dict:
     ValueError (exit 3), and a FIFO named config.json hung doctor.
     """
     try:
-        data = read_user_json(path)
+        data = read_json_file(path, user=True)
     except OSError as exc:
         raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
