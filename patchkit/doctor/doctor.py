@@ -238,8 +238,11 @@ def old_caches(patched_at: float | None) -> list[OldCache]:
     found = []
     for cache in cache_dirs():
         scanned = ours.get(str(cache.path), {})
-        older = [name for name, mtime in cache_entries(cache)
-                 if mtime < patched_at and scanned.get(name) != mtime]  # fmt: skip
+        older = [
+            name
+            for name, mtime in cache_entries(cache)
+            if mtime < patched_at and scanned.get(name) != mtime
+        ]
         if older:
             found.append(OldCache(cache.name, str(cache.path), len(older)))
     return found
@@ -620,9 +623,13 @@ def run(
     report.gpus, report.gpu_note = gpus()
     report.toolchain = toolchain()
     report.fixed_from = next(
-        (p.diagnosis.fixed_by_ptxas for p in catalogue.patches
-         if p.diagnosis and p.diagnosis.fixed_by_ptxas), None,
-    )  # fmt: skip
+        (
+            p.diagnosis.fixed_by_ptxas
+            for p in catalogue.patches
+            if p.diagnosis and p.diagnosis.fixed_by_ptxas
+        ),
+        None,
+    )
     report.overrides = override_findings(catalogue)
     report.tuned_configs = [f for found in report.overrides.values() for f in found]
     if tree is None:
@@ -632,8 +639,9 @@ def run(
     report.patches = [step.assessment for step in operations.status(tree, catalogue).steps]
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)
-    applied = [f for a in report.patches if PatchState(a.state) == PatchState.APPLIED
-               for f in a.files]  # fmt: skip
+    applied = [
+        f for a in report.patches if PatchState(a.state) == PatchState.APPLIED for f in a.files
+    ]
     infos = [tree.fs.lstat(f, "doctor") for f in applied]
     mtimes = [info.st_mtime for info in infos if info is not None]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)
