@@ -130,10 +130,14 @@ class Tally:
         order = entry.get("order", 0)
         for request in entry["bad_requests"]:
             sighting = Sighting(
-                entry["step"], entry["layer"], entry["module"], entry["kind"],
+                entry["step"],
+                entry["layer"],
+                entry["module"],
+                entry["kind"],
                 order if isinstance(order, int) and not isinstance(order, bool) else 0,
-                len(self.unwatched) - 1, adapters.get(request),
-            )  # fmt: skip
+                len(self.unwatched) - 1,
+                adapters.get(request),
+            )
             self.trails.setdefault(request, RequestTrail()).add(sighting)
 
 
@@ -348,8 +352,9 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
             f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
             "lora_B) or the LoRA kernels (patchkit doctor)"
         )
-        return Finding(**common, module=first, verdict=f"projection {first} bad first",
-                       look_at=look_at)  # fmt: skip
+        return Finding(
+            **common, module=first, verdict=f"projection {first} bad first", look_at=look_at
+        )
     verdict = "every probed projection fine, the layer output bad"
     look_at = f"the layer's own compute: {_compute_of(trail.compute.get(layer, 0))}"
     run = trail.first[0].run
