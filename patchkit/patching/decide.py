@@ -151,8 +151,9 @@ def _plan_forward(
                 f"{assessment.state} ({assessment.reason})"
             )
     if result.command == APPLY:
-        result.drop = stale_records(state, catalogue, tree, [s.assessment.patch.id for s in
-                                                             result.steps])  # fmt: skip
+        result.drop = stale_records(
+            state, catalogue, tree, [s.assessment.patch.id for s in result.steps]
+        )
 
 
 def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:

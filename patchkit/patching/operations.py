@@ -203,8 +203,9 @@ def _execute(report: RunReport, state: State) -> None:
                 state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
             except (OSError, PatchkitError) as exc:
                 planned.warn(_after_commit(exc, f"removing the backups of {patch_id}"))
-    planned.notes.extend(f"dropped the stale record of {i} (vLLM was reinstalled since)"
-                         for i in planned.drop)  # fmt: skip
+    planned.notes.extend(
+        f"dropped the stale record of {i} (vLLM was reinstalled since)" for i in planned.drop
+    )
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
     report.bytecode_removed = removed
     for line in problems:

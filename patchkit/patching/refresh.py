@@ -154,8 +154,7 @@ def _plan(
         raise PatchkitError(f"{patch.id} has no variant {variant_name!r} (it has: {known})")
     recorded = {f.path for f in record.files} if record else set()
     if record is None:  # patch-package's way: the patch is made from the edits
-        record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name,
-                                                       _now(), [])  # fmt: skip
+        record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name, _now(), [])
     originals = _originals(tree, state, record.files, add, pristine)
     above = later_on_same_files(patch, tuple(originals), TreeFiles(tree, state, catalogue.ids))
     if above is not None:
