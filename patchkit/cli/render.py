@@ -38,8 +38,11 @@ SOURCES = {
     "override": "--vllm-version / PATCHKIT_VLLM_VERSION",
     "unknown": "not found",
 }
-DONE = {Action.APPLIED: "applied now", Action.REVERTED: "reverted now",
-        Action.WOULD_APPLY: "would apply"}  # fmt: skip
+DONE = {
+    Action.APPLIED: "applied now",
+    Action.REVERTED: "reverted now",
+    Action.WOULD_APPLY: "would apply",
+}
 
 
 class ReportLost(Exception):
@@ -413,14 +416,24 @@ def render_catalogue(catalogue: Catalogue) -> None:
     width = min(shutil.get_terminal_size((100, 24)).columns, 100)
 
     def wrapped(label: str, text: str) -> None:
-        out(textwrap.fill(" ".join(text.split()), width, initial_indent=f"    {label}: ",
-                                 subsequent_indent=" " * 8, break_on_hyphens=False))  # fmt: skip
+        out(
+            textwrap.fill(
+                " ".join(text.split()),
+                width,
+                initial_indent=f"    {label}: ",
+                subsequent_indent=" " * 8,
+                break_on_hyphens=False,
+            )
+        )
 
     for patch in catalogue.patches:
         out(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
         if patch.opt_in:
-            wrapped("opt-in", f"plain `patchkit apply` never applies it; `patchkit apply --only "
-                    f"{patch.id}` adds it to the default set, `revert` takes it off")  # fmt: skip
+            wrapped(
+                "opt-in",
+                f"plain `patchkit apply` never applies it; `patchkit apply --only "
+                f"{patch.id}` adds it to the default set, `revert` takes it off",
+            )
         wrapped("why", patch.why)
         for variant in patch.variants:
             out(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
@@ -428,8 +441,8 @@ def render_catalogue(catalogue: Catalogue) -> None:
             wrapped(f"{decision.versions}  {decision.state}", decision.reason)
         wrapped("upstream", ", ".join(patch.upstream))
         wrapped("remove when", patch.remove_when)
-    out(textwrap.fill(f"tested releases: {', '.join(catalogue.tested_releases)}", width,
-                             subsequent_indent=" " * 4))  # fmt: skip
+    tested = f"tested releases: {', '.join(catalogue.tested_releases)}"
+    out(textwrap.fill(tested, width, subsequent_indent=" " * 4))
 
 
 def catalogue_json(catalogue: Catalogue) -> dict:
