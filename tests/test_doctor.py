@@ -193,8 +193,9 @@ def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
 
 def scan_case(verdict: str, called: bool = True, tuned: str = ""):
     from patchkit.doctor.kernelscan import Case
+    from patchkit.doctor.sass import Hazard
 
-    hazards = [{"address": "0x44e0", "instruction": "LDS.64 R90, [R140]", "wgmma": "0x46f0"}]
+    hazards = [Hazard(0x44E0, "LDS.64 R90, [R140]", (90, 91), 0x46F0)]
     return Case(
         kernel="_lora_expand_kernel",
         family="dense",

@@ -248,13 +248,14 @@ import json, sys
 from pathlib import Path
 from patchkit.doctor import configs
 from patchkit.doctor import kernelscan
+from patchkit.cli import render
 from patchkit.vllmtree.tree import locate
 tree, wanted = locate(sys.argv[1]), sys.argv[2]
 models = configs.DEFAULT_MODELS
 if len(sys.argv) > 3:
     models = [configs.model_from_dir(Path(sys.argv[3]), [Path(a) for a in sys.argv[4:]])]
 report = kernelscan.scan(tree, models=models, select=lambda call: wanted in call.label())
-print(json.dumps(report.to_json()))
+print(json.dumps(render.scan_json(report)))
 """
 
 

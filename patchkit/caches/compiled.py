@@ -28,6 +28,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs.safepath import Root, Usage, mount_id, mount_points_below, remove_entry
@@ -141,7 +142,26 @@ def _ancestor_ids(path: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
-def clear_caches(tree_root: Path) -> list[dict]:
+CacheState = Literal["cleared", "absent", "left-alone"]
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """What clearing one cache did: cleared (and how much), absent, or left alone and why."""
+
+    name: str
+    path: str  # the cache's path, or how the environment named it when it gave no usable path
+    state: CacheState
+    files: int = 0  # removed
+    bytes: int = 0
+    reason: str | None = None  # why it was left alone, or why there was nothing to clear
+
+    @property
+    def removed(self) -> bool:
+        return self.state == "cleared"
+
+
+def clear_caches(tree_root: Path) -> list[CacheResult]:
     """Clear each cache that passes :func:`refusal`; report what went, or why not."""
     from patchkit.fs.places import cache_root
 
@@ -149,13 +169,12 @@ def clear_caches(tree_root: Path) -> list[dict]:
     return [_clear_one(cache, protected, tree_root) for cache in cache_dirs()]
 
 
-def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> dict:
-    entry = {"name": cache.name, "path": str(cache.path or cache.source)}
+def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> CacheResult:
+    path = str(cache.path or cache.source)
 
-    def result(state: str, usage: Usage | None = None, reason: str | None = None) -> dict:
-        usage, removed = usage or Usage(), state == "cleared"
-        return {**entry, "state": state, "removed": removed, "files": usage.files,
-                "bytes": usage.bytes, "reason": reason}  # fmt: skip
+    def result(state: CacheState, usage: Usage | None = None, reason: str | None = None):
+        usage = usage or Usage()
+        return CacheResult(cache.name, path, state, usage.files, usage.bytes, reason)
 
     if cache.path is None:
         return result("left-alone", reason=f"{cache.source} is not an absolute path")

@@ -180,9 +180,6 @@ class Verdict:
             self.verdict = verdict
         self.evidence.append(evidence)
 
-    def to_json(self) -> dict:
-        return {"kind": self.kind, **asdict(self)}
-
 
 @dataclass
 class Report:
@@ -231,26 +228,6 @@ class Report:
 
     def next_steps(self) -> list[str]:
         return next_steps(self)
-
-    def to_json(self) -> dict:
-        data = {
-            "ok": self.ok,
-            "exit_code": 0 if self.ok else 1,
-            "url": self.url,
-            "vllm_version": self.version,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": NEW_TOKENS,
-            "models": [v.to_json() for v in self.models],
-            "recheck": self.recheck.to_json() if self.recheck else None,
-            "corrupted_requests": self.counter,
-            "notes": self.notes,
-            "skipped": len(self.skipped),  # the first few are named in notes
-            "next_steps": self.next_steps(),
-            "seconds": round(self.seconds, 2),
-        }
-        if not self.ok:
-            data["error"] = self.summary()
-        return data
 
 
 # ----- the prompt -----

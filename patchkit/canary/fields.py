@@ -52,20 +52,21 @@ def _wrong(where: str, value: object, wanted: str) -> WrongShape:
     return WrongShape(f"{where} is {type_name(value)}, not {wanted}")
 
 
-def obj(value: object, where: str, optional: bool = False) -> dict | None:
+def _typed(value: object, where: str, optional: bool, kind: type, wanted: str):
+    """``value`` when it is a ``kind`` (or None and ``optional``); else WrongShape at ``where``."""
     if value is None and optional:
         return None
-    if not isinstance(value, dict):
-        raise _wrong(where, value, "an object")
+    if not isinstance(value, kind):
+        raise _wrong(where, value, wanted)
     return value
+
+
+def obj(value: object, where: str, optional: bool = False) -> dict | None:
+    return _typed(value, where, optional, dict, "an object")
 
 
 def text(value: object, where: str, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise _wrong(where, value, "a string")
-    return value
+    return _typed(value, where, optional, str, "a string")
 
 
 def count(value: object, where: str, optional: bool = False) -> int | None:
@@ -80,11 +81,7 @@ def count(value: object, where: str, optional: bool = False) -> int | None:
 
 
 def items(value: object, where: str, optional: bool = False) -> list | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, list):
-        raise _wrong(where, value, "a list")
-    return value
+    return _typed(value, where, optional, list, "a list")
 
 
 def counts(value: object, where: str, optional: bool = False) -> list[int] | None:

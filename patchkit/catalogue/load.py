@@ -228,8 +228,14 @@ def _variant(table: dict, directory: Path, origin: Path) -> Variant:
     )
 
 
-BUG_FACTS = ("title", "affected", "fix", "needs_compute_capability", "fixed_by_ptxas",
-             "kernel_scan")  # fmt: skip
+BUG_FACTS = (
+    "title",
+    "affected",
+    "fix",
+    "needs_compute_capability",
+    "fixed_by_ptxas",
+    "kernel_scan",
+)
 
 
 def _diagnosis(table: dict | None, origin: Path, bugs: dict) -> Diagnosis | None:

@@ -3,10 +3,19 @@
 Objects become text and JSON here and nowhere else. A patch's state is
 written with the same word in every command (:mod:`patchkit.vocabulary`);
 apply and revert add what the run did to it, and end with one summary line.
+
+One way to print: every line for stdout goes through :func:`out` (a report's
+text and its JSON alike), every line for stderr through :func:`warn`. Text
+that must be filtered first (the canary's API key, control characters from a
+server or a log) is filtered on the way into them, never printed some other
+way. Each command's JSON is made by one ``*_json`` function here; the engine's
+objects carry no ``to_json`` (the verify report's still does, and
+:func:`verify_json` is where that one is called).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import textwrap
@@ -14,7 +23,10 @@ from collections import Counter
 
 import click
 
+from patchkit.caches.compiled import CacheResult
 from patchkit.catalogue.model import Catalogue
+from patchkit.doctor import sass
+from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
 from patchkit.vocabulary import Action
@@ -26,8 +38,11 @@ SOURCES = {
     "override": "--vllm-version / PATCHKIT_VLLM_VERSION",
     "unknown": "not found",
 }
-DONE = {Action.APPLIED: "applied now", Action.REVERTED: "reverted now",
-        Action.WOULD_APPLY: "would apply"}  # fmt: skip
+DONE = {
+    Action.APPLIED: "applied now",
+    Action.REVERTED: "reverted now",
+    Action.WOULD_APPLY: "would apply",
+}
 
 
 class ReportLost(Exception):
@@ -59,7 +74,13 @@ def warn(line: str) -> None:
 
 
 def emit_json(data: dict) -> None:
+    """A command's JSON (one of the ``*_json`` functions below), on stdout."""
     out(json.dumps(data, indent=2))
+
+
+def _fields(obj) -> dict:
+    """A dataclass's fields as a dict, in their order, values as they are (not walked)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
@@ -114,24 +135,24 @@ def run_changes(report: RunReport) -> list[str]:
     """What a run that changed the tree did, and what went wrong after: the lines that go to
     stderr when stdout cannot take the report."""
     left_alone = [
-        f"left {c['name']} alone: {c['reason']}"
+        f"left {c.name} alone: {c.reason}"
         for c in report.caches_removed
-        if c["state"] not in ("cleared", "absent")
+        if c.state not in ("cleared", "absent")
     ]
     return [summary(report)] + [f"warning: {w}" for w in report.warnings] + left_alone
 
 
-def _render_caches(caches: list[dict]) -> None:
+def _render_caches(caches: list[CacheResult]) -> None:
     for cache in caches:
-        if cache["state"] == "cleared":
+        if cache.state == "cleared":
             out(
-                f"cleared {cache['name']}: {cache['path']} "
-                f"({counted(cache['files'], 'file')}, {counted(cache['bytes'], 'byte')})"
+                f"cleared {cache.name}: {cache.path} "
+                f"({counted(cache.files, 'file')}, {counted(cache.bytes, 'byte')})"
             )
-        elif cache["state"] == "absent":
-            out(f"no {cache['name']} at {cache['path']}: nothing to clear")
+        elif cache.state == "absent":
+            out(f"no {cache.name} at {cache.path}: nothing to clear")
         else:
-            warn(f"left {cache['name']} alone: {cache['reason']}")
+            warn(f"left {cache.name} alone: {cache.reason}")
 
 
 def summary(report: RunReport) -> str:
@@ -166,13 +187,25 @@ def run_json(report: RunReport) -> dict:
         data.update(
             dry_run=report.options.dry_run,
             bytecode_removed=report.bytecode_removed,
-            caches_removed=report.caches_removed,
+            caches_removed=[_cache_json(c) for c in report.caches_removed],
         )
     return data
 
 
+def _cache_json(cache: CacheResult) -> dict:
+    return {
+        "name": cache.name,
+        "path": cache.path,
+        "state": cache.state,
+        "removed": cache.removed,
+        "files": cache.files,
+        "bytes": cache.bytes,
+        "reason": cache.reason,
+    }
+
+
 def _step_json(report: RunReport, step: Step) -> dict:
-    data = step.assessment.to_json()
+    data = _assessment_json(step.assessment)
     data["notices"] = report.notices(step)
     data["state"] = _state_column(report, step)
     if report.command != "status":
@@ -180,11 +213,25 @@ def _step_json(report: RunReport, step: Step) -> dict:
         data["action"] = str(step.action)
         if report.options.dry_run:
             data["would_leave"] = str(step.state_after)
-        data["hunks"] = [
-            {"file": p.path, "hunk": p.hunk, "line": p.line, "offset": p.offset}
-            for p in step.assessment.placements
-        ] if step.action in (Action.APPLIED, Action.WOULD_APPLY) else []  # fmt: skip
+        shown = step.action in (Action.APPLIED, Action.WOULD_APPLY)
+        data["hunks"] = [_placement_json(p) for p in step.assessment.placements] if shown else []
     return data
+
+
+def _assessment_json(a: Assessment) -> dict:
+    return {
+        "id": a.patch.id,
+        "state": str(a.state),
+        "reason": a.reason or None,
+        "variant": a.variant.name if a.variant else None,
+        "files": list(a.files),
+        "warnings": a.warnings,
+        "notices": [n.message for n in a.notices],
+    }
+
+
+def _placement_json(place) -> dict:
+    return {"file": place.path, "hunk": place.hunk, "line": place.line, "offset": place.offset}
 
 
 # ----- refresh -----
@@ -214,6 +261,19 @@ def _refresh_counts(report) -> str:
         f"{len(report.changed)} diffed, {len(report.created)} created, "
         f"{len(report.unchanged)} left out"
     )
+
+
+def refresh_json(report) -> dict:
+    return {
+        "ok": True,
+        "patch": report.patch_id,
+        "variant": report.variant,
+        "diff": str(report.diff),
+        "changed": report.changed,
+        "unchanged": report.unchanged,
+        "created": [str(p) for p in report.created],
+        "added": report.added,
+    }
 
 
 # ----- verify -----
@@ -249,6 +309,12 @@ def render_verify(report) -> None:
     out(f"verify {verdict} in {report.seconds:.0f} s")
 
 
+def verify_json(report) -> dict:
+    """verify's JSON, still made by its report (patchkit.verify is being split; it moves here
+    with the rest once that is done)."""
+    return report.to_json()
+
+
 # ----- canary -----
 
 
@@ -257,10 +323,11 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     from patchkit.canary import check
 
     if as_json:
-        out(check.scrub(json.dumps(report.to_json(), indent=2), api_key))
-    else:
+        out(check.scrub(json.dumps(canary_json(report), indent=2), api_key))
+        return
+    for line in canary_lines(report):
         # model ids and answers come from the server: control characters escaped
-        render_canary(report, lambda line: out(printable(check.scrub(line, api_key))))
+        out(printable(check.scrub(line, api_key)))
 
 
 def printable(line: str) -> str:
@@ -268,34 +335,35 @@ def printable(line: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
-def render_canary(report, out) -> None:
-    """The text report: a line per model, the counter, the verdict and the next steps."""
+def canary_lines(report) -> list[str]:
+    """The text report: a line per model, the counter, the verdict and the next steps
+    (as they are: :func:`emit_canary` scrubs and escapes them on the way out)."""
     from patchkit.canary import check
 
     version = f"vLLM {report.version}" if report.version else "server"
-    out(
+    lines = [
         f"{version} at {report.url}: {counted(len(report.models), 'model')}, "
         f"prompt ~{report.prompt_tokens}"
         f" tokens, {check.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
-    )
+    ]
     width = max((len(v.model) for v in report.models), default=0)
     for v in report.models:
-        out(f"  {_canary_label(v):<11} {v.model:<{width}}  {v.kind:<7}  {_canary_detail(v)}")
+        lines.append(
+            f"  {_canary_label(v):<11} {v.model:<{width}}  {v.kind:<7}  {_canary_detail(v)}"
+        )
     if report.recheck:
         r = report.recheck
         again = f"again after the bad adapter: {_canary_detail(r)}"
-        out(f"  {_canary_label(r):<11} {r.model:<{width}}  {again}")
+        lines.append(f"  {_canary_label(r):<11} {r.model:<{width}}  {again}")
     counter = report.counter
     if counter.get("present"):
-        out(f"{check.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
-    for note in report.notes:
-        out(f"note: {note}")
+        lines.append(f"{check.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
+    lines += [f"note: {note}" for note in report.notes]
     if report.ok:
-        out(f"OK: {report.summary()}")
-        return
-    out(f"FAILED: {report.summary()}")
-    for number, step in enumerate(report.next_steps(), start=1):
-        out(f"  {number}. {step}")
+        return lines + [f"OK: {report.summary()}"]
+    lines.append(f"FAILED: {report.summary()}")
+    steps = enumerate(report.next_steps(), start=1)
+    return lines + [f"  {number}. {step}" for number, step in steps]
 
 
 def _canary_label(v) -> str:
@@ -314,6 +382,33 @@ def _canary_detail(v) -> str:
     return "; ".join(v.evidence + [", ".join(facts)])
 
 
+def canary_json(report) -> dict:
+    from patchkit.canary import check
+
+    data = {
+        "ok": report.ok,
+        "exit_code": 0 if report.ok else 1,
+        "url": report.url,
+        "vllm_version": report.version,
+        "prompt_tokens": report.prompt_tokens,
+        "new_tokens": check.NEW_TOKENS,
+        "models": [_canary_verdict_json(v) for v in report.models],
+        "recheck": _canary_verdict_json(report.recheck) if report.recheck else None,
+        "corrupted_requests": report.counter,
+        "notes": report.notes,
+        "skipped": len(report.skipped),  # the first few are named in notes
+        "next_steps": report.next_steps(),
+        "seconds": round(report.seconds, 2),
+    }
+    if not report.ok:
+        data["error"] = report.summary()
+    return data
+
+
+def _canary_verdict_json(v) -> dict:
+    return {"kind": v.kind, **dataclasses.asdict(v)}
+
+
 # ----- list -----
 
 
@@ -321,14 +416,24 @@ def render_catalogue(catalogue: Catalogue) -> None:
     width = min(shutil.get_terminal_size((100, 24)).columns, 100)
 
     def wrapped(label: str, text: str) -> None:
-        out(textwrap.fill(" ".join(text.split()), width, initial_indent=f"    {label}: ",
-                                 subsequent_indent=" " * 8, break_on_hyphens=False))  # fmt: skip
+        out(
+            textwrap.fill(
+                " ".join(text.split()),
+                width,
+                initial_indent=f"    {label}: ",
+                subsequent_indent=" " * 8,
+                break_on_hyphens=False,
+            )
+        )
 
     for patch in catalogue.patches:
         out(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
         if patch.opt_in:
-            wrapped("opt-in", f"plain `patchkit apply` never applies it; `patchkit apply --only "
-                    f"{patch.id}` adds it to the default set, `revert` takes it off")  # fmt: skip
+            wrapped(
+                "opt-in",
+                f"plain `patchkit apply` never applies it; `patchkit apply --only "
+                f"{patch.id}` adds it to the default set, `revert` takes it off",
+            )
         wrapped("why", patch.why)
         for variant in patch.variants:
             out(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
@@ -336,8 +441,8 @@ def render_catalogue(catalogue: Catalogue) -> None:
             wrapped(f"{decision.versions}  {decision.state}", decision.reason)
         wrapped("upstream", ", ".join(patch.upstream))
         wrapped("remove when", patch.remove_when)
-    out(textwrap.fill(f"tested releases: {', '.join(catalogue.tested_releases)}", width,
-                             subsequent_indent=" " * 4))  # fmt: skip
+    tested = f"tested releases: {', '.join(catalogue.tested_releases)}"
+    out(textwrap.fill(tested, width, subsequent_indent=" " * 4))
 
 
 def catalogue_json(catalogue: Catalogue) -> dict:
@@ -380,60 +485,60 @@ def catalogue_json(catalogue: Catalogue) -> dict:
 # ----- doctor -----
 
 
-def render_doctor(report, echo, verbose: bool = False) -> None:
+def render_doctor(report, verbose: bool = False) -> None:
     """doctor's report as text: facts, the kernel scan (one line per kernel and verdict,
     or per config with ``verbose``), then one verdict per bug."""
     for g in report.gpus:
-        echo(f"GPU: {g.name} (compute capability {g.compute_capability})")
+        out(f"GPU: {g.name} (compute capability {g.compute_capability})")
     if not report.gpus:
-        echo(f"GPU: {report.gpu_note}")
+        out(f"GPU: {report.gpu_note}")
     t = report.toolchain
     where = f" ({t.ptxas_source}: {t.ptxas})" if t.ptxas else ""
     fixed = f"; fixed from {report.fixed_from}" if report.fixed_from else ""
     located = f" ({t.location})" if t.location else ""
-    echo(
+    out(
         f"Triton {t.triton or 'not installed'}{located}; "
         f"ptxas for sm_90: {t.ptxas_version or 'unknown'}{where}{fixed}"
     )
     if report.tree is None:
-        echo(f"vLLM: {report.tree_error}")
+        out(f"vLLM: {report.tree_error}")
     else:
-        _render_tree(report, echo)
+        _render_tree(report)
     for c in report.tuned_configs:
-        echo(f"tuned config {c.file}: {c.problem}")
+        out(f"tuned config {c.file}: {c.problem}")
     for pyc in report.stale_bytecode:
-        echo(f"stale bytecode: {pyc}")
+        out(f"stale bytecode: {pyc}")
     for c in report.old_caches:
-        echo(f"{c.name} {c.path}: {counted(c.entries, 'entry', 'entries')} older than the patch")
+        out(f"{c.name} {c.path}: {counted(c.entries, 'entry', 'entries')} older than the patch")
     if report.kernels is not None:
-        render_kernels(report.kernels, echo, verbose)
-    echo("")
+        render_kernels(report.kernels, verbose)
+    out("")
     for v in report.verdicts:
-        echo(f"[{v.status}] {v.bug}")
-        echo(f"    {v.reason}" + (f"; fix: {v.fix}" if v.fix and v.status == "exposed" else ""))
+        out(f"[{v.status}] {v.bug}")
+        out(f"    {v.reason}" + (f"; fix: {v.fix}" if v.fix and v.status == "exposed" else ""))
 
 
-def _render_tree(report, echo) -> None:
+def _render_tree(report) -> None:
     tree, theirs = report.tree, report.tree_triton
-    echo(f"vLLM {tree.version} at {tree.root}")
+    out(f"vLLM {tree.version} at {tree.root}")
     if theirs is not None and theirs.version:
         ptxas = f", ptxas {theirs.ptxas_version}" if theirs.ptxas_version else ""
-        echo(f"Triton next to vLLM: {theirs.version} ({theirs.location}{ptxas})")
+        out(f"Triton next to vLLM: {theirs.version} ({theirs.location}{ptxas})")
     elif theirs is not None:
-        echo(f"Triton next to vLLM: none (no triton-*.dist-info in {tree.root})")
+        out(f"Triton next to vLLM: none (no triton-*.dist-info in {tree.root})")
     width = max((len(a.patch.id) for a in report.patches), default=0)
     for a in report.patches:
-        echo(f"  {a.patch.id:<{width}}  {a.state}")
+        out(f"  {a.patch.id:<{width}}  {a.state}")
 
 
-def render_kernels(scan, echo, verbose: bool = False) -> None:
+def render_kernels(scan, verbose: bool = False) -> None:
     """The scan: a header, then per kernel one line per verdict (``verbose``: per config)."""
     if scan.error:
-        echo(f"kernel scan: {scan.error}")
+        out(f"kernel scan: {scan.error}")
         return
     t = scan.toolchain
     gpus = ", ".join(name.replace("NVIDIA ", "") for name in scan.gpus)
-    echo(
+    out(
         f"kernel scan (sm_90; Triton {t.triton}, ptxas {t.ptxas_version}, {scan.disassembler}; "
         f"{counted(len(scan.cases), 'config')} of {counted(len(scan.by_kernel()), 'kernel')} "
         f"from {counted(scan.calls, 'call')} "
@@ -442,7 +547,7 @@ def render_kernels(scan, echo, verbose: bool = False) -> None:
     for kernel, cases in scan.by_kernel().items():
         lines = [_case_line(c) for c in cases] if verbose else _kernel_lines(kernel, cases)
         for line in lines:
-            echo(f"  {line}")
+            out(f"  {line}")
 
 
 def _kernel_lines(kernel: str, cases: list) -> list[str]:
@@ -484,15 +589,17 @@ def _kernel_lines(kernel: str, cases: list) -> list[str]:
 
 def _first_hazard(case) -> str:
     hazard = case.hazards[0]
-    return f"{case.shape()}, {case.calls[0]}: {hazard['instruction']} at {hazard['address']}"
+    where = sass.address(hazard.address)
+    return f"{case.shape()}, {case.calls[0]}: {hazard.instruction} at {where}"
 
 
 def _case_line(case) -> str:
     runs = "runs here" if case.called else f"not run: {case.why_not_called}"
+    first = case.hazards[0] if case.hazards else None
     detail = case.error or (
-        f"{counted(len(case.hazards), 'overwrite')}, first {case.hazards[0]['instruction']} "
-        f"at {case.hazards[0]['address']}"
-        if case.hazards
+        f"{counted(len(case.hazards), 'overwrite')}, first {first.instruction} "
+        f"at {sass.address(first.address)}"
+        if first
         else ""
     )
     approximate = f"; approximate: {case.approximate}" if case.approximate else ""
@@ -501,10 +608,63 @@ def _case_line(case) -> str:
     )
 
 
+def doctor_json(report) -> dict:
+    triton = _fields(report.toolchain) | {"fixed_from": report.fixed_from}
+    triton["version"] = triton.pop("triton")
+    theirs = report.tree_triton
+    return {
+        "gpus": [_fields(g) for g in report.gpus],
+        "gpu_note": report.gpu_note,
+        "triton": triton,
+        "triton_next_to_vllm": _fields(theirs) if theirs else None,
+        "vllm": report.tree.describe() if report.tree else {"error": report.tree_error},
+        "patches": [_doctor_patch_json(a) for a in report.patches],
+        "tuned_configs": [_fields(f) for f in report.tuned_configs],
+        "stale_bytecode": report.stale_bytecode,
+        "old_caches": [_fields(c) for c in report.old_caches],
+        "kernels": scan_json(report.kernels) if report.kernels else {},
+        "verdicts": [_fields(v) | {"status": str(v.status)} for v in report.verdicts],
+    }
+
+
+def _doctor_patch_json(a: Assessment) -> dict:
+    return {
+        "id": a.patch.id,
+        "state": str(a.state),
+        "variant": a.variant.name if a.variant else None,
+        "files": list(a.files),
+    }
+
+
+def scan_json(scan) -> dict:
+    """The kernel scan's JSON (doctor --json's ``kernels``)."""
+    nested = ("cases", "models", "toolchain")
+    data = {k: v for k, v in _fields(scan).items() if k not in nested}
+    data["toolchain"] = _fields(scan.toolchain) if scan.toolchain else None
+    data["models"] = [_fields(m) for m in scan.models]
+    data["cases"] = [_case_json(c) for c in scan.cases]
+    return data
+
+
+def _case_json(case) -> dict:
+    hazards = [hazard_json(h) for h in case.hazards]
+    return _fields(case) | {"hazards": hazards, "label": case.label()}
+
+
+def hazard_json(hazard: sass.Hazard) -> dict:
+    """A hazard as doctor's JSON and cuobjdump name its parts: addresses in hex, registers R<n>."""
+    return {
+        "address": sass.address(hazard.address),
+        "instruction": hazard.instruction,
+        "registers": [f"R{r}" for r in hazard.registers],
+        "wgmma": sass.address(hazard.wgmma_address),
+    }
+
+
 # ----- probe report -----
 
 
-def render_probe_report(report, out) -> None:
+def render_probe_report(report) -> None:
     """Per affected request: where it first went bad, the verdict, where to look.
 
     Request ids (a client's X-Request-Id), adapter and module names come from the
@@ -529,6 +689,20 @@ def render_probe_report(report, out) -> None:
         padding = counted(report.padding_only, "record")
         say(f"{padding} had bad rows in CUDA-graph padding only (no request)")
     say(f"probe report: {counted(len(report.findings), 'affected request')}")
+
+
+def probe_json(report) -> dict:
+    return {
+        "ok": True,
+        "command": "probe report",
+        "file": report.path,
+        "records": report.records,
+        "steps": report.steps,
+        "headers": report.headers,
+        "padding_only": report.padding_only,
+        "affected_requests": [_fields(f) for f in report.findings],
+        "warnings": report.warnings,
+    }
 
 
 def render_probe_warnings(report) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from patchkit.doctor.signatures import Launch, capturing
 from patchkit.doctor.standins import Gpu, Sandbox
 from patchkit.errors import PatchkitError
-from patchkit.fs.files import read_user_json
+from patchkit.fs.files import read_json_file
 
 # A decode step of 1 and of 16 sequences (1 is a constant to Triton, 16 divisible by
 # 16; the MoE layer takes its small-batch and naive paths there), a prefill of 1000
@@ -81,9 +81,6 @@ class Model:
     experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0
-
-    def to_json(self) -> dict:
-        return dict(vars(self))
 
 
 DEFAULT_MODELS = (
@@ -152,7 +149,7 @@ def _json_object(path: Path) -> dict:
     ValueError (exit 3), and a FIFO named config.json hung doctor.
     """
     try:
-        data = read_user_json(path)
+        data = read_json_file(path, user=True)
     except OSError as exc:
         raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
@@ -185,9 +182,6 @@ class Call:
             f"{self.entry} {self.layer}, {self.tokens} tokens, rank {self.rank}, "
             f"{self.dtype}{setting}"
         )
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "run"} | {"label": self.label()}
 
 
 @dataclass
@@ -245,15 +239,31 @@ def dense_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
                     run = _linear(model, width, slices, tokens, rank, not writes)
                     layer = f"{name} ({len(slices)} slice{'s' if len(slices) > 1 else ''})"
                     found.append(
-                        Call("dense", "lora_shrink+lora_expand", layer, tokens, rank, dtype,
-                             setting, run)
-                    )  # fmt: skip
+                        Call(
+                            "dense",
+                            "lora_shrink+lora_expand",
+                            layer,
+                            tokens,
+                            rank,
+                            dtype,
+                            setting,
+                            run,
+                        )
+                    )
                 if dense_layers(model):  # embeddings always add (the setting decides PDL)
                     run = _embedding(model, tokens, rank, True)
                     found.append(
-                        Call("dense", "lora_expand", "embed_tokens (model-dtype input)", tokens,
-                             rank, dtype, setting, run)
-                    )  # fmt: skip
+                        Call(
+                            "dense",
+                            "lora_expand",
+                            "embed_tokens (model-dtype input)",
+                            tokens,
+                            rank,
+                            dtype,
+                            setting,
+                            run,
+                        )
+                    )
     return found
 
 
@@ -348,9 +358,10 @@ def moe_calls(model: Model) -> list[Call]:
                 run = _moe(model, tokens, rank, sharded)
                 layer = f"experts ({model.experts} experts, top-{model.top_k})"
                 found.append(
-                    Call("moe", "add_lora_w13+add_lora_w2", layer, tokens, rank, dtype,
-                         setting, run)
-                )  # fmt: skip
+                    Call(
+                        "moe", "add_lora_w13+add_lora_w2", layer, tokens, rank, dtype, setting, run
+                    )
+                )
     return found
 
 
@@ -398,8 +409,13 @@ def _moe_by_op(box: Sandbox, wrapper, model: Model, rank: int, w13: dict, sharde
     with the naive-assignment rule of later releases. Approximate, and labelled so."""
     box.used("the configs vllm/lora/layers/fused_moe.py picks (the scan uses get_lora_op_configs)")
     dtype = getattr(box.torch, model.dtype)
-    e, k, inter, hidden, tokens = (model.experts, model.top_k, model.moe_intermediate,
-                                   model.hidden, w13["num_tokens"])  # fmt: skip
+    e, k, inter, hidden, tokens = (
+        model.experts,
+        model.top_k,
+        model.moe_intermediate,
+        model.hidden,
+        w13["num_tokens"],
+    )
     punica = box.module(PUNICA).PunicaWrapperGPU
     w2 = dict(
         y=box.tensor((tokens, k, hidden), dtype), x=box.tensor((tokens * k, inter), dtype),
@@ -466,14 +482,30 @@ def fp8_calls(model: Model) -> list[Call]:
         for tokens in BATCHES:
             if model.intermediate:
                 found.append(
-                    Call("fp8", "lora_shrink_fp8+lora_expand_fp8", "down_proj (1 slice)", tokens,
-                         rank, dtype, "", _fp8_linear(model, tokens, rank))
-                )  # fmt: skip
+                    Call(
+                        "fp8",
+                        "lora_shrink_fp8+lora_expand_fp8",
+                        "down_proj (1 slice)",
+                        tokens,
+                        rank,
+                        dtype,
+                        "",
+                        _fp8_linear(model, tokens, rank),
+                    )
+                )
             if model.experts:
                 found.append(
-                    Call("fp8", "fused_moe_lora_fp8", "experts, down (sorted tokens)", tokens,
-                         rank, dtype, "", _fp8_moe(model, tokens, rank))
-                )  # fmt: skip
+                    Call(
+                        "fp8",
+                        "fused_moe_lora_fp8",
+                        "experts, down (sorted tokens)",
+                        tokens,
+                        rank,
+                        dtype,
+                        "",
+                        _fp8_moe(model, tokens, rank),
+                    )
+                )
     return found
 
 
@@ -541,8 +573,9 @@ def _fp8_moe(model: Model, tokens: int, rank: int):
         torch, fp8 = box.torch, box.torch.float8_e4m3fn
         e, k, inter, hidden = model.experts, model.top_k, model.moe_intermediate, model.hidden
         wrapper = _Wrapper(box.module(PUNICA).PunicaWrapperGPU, box, tokens)
-        config = {op: _moe_config(box, f"w2_{op}", tokens, model, rank, 1)
-                  for op in ("shrink", "expand")}  # fmt: skip
+        config = {
+            op: _moe_config(box, f"w2_{op}", tokens, model, rank, 1) for op in ("shrink", "expand")
+        }
         adapter_enabled = box.tensor((MAX_LORAS + 1,), torch.int32)
         mapping, sorted_ids, expert_ids, padded = wrapper.moe_lora_align_block_size(
             box.tensor((tokens, k), torch.int32), tokens, config["shrink"]["BLOCK_SIZE_M"], e,
@@ -619,8 +652,10 @@ def evaluate(box: Sandbox, call: Call, gpu: Gpu, base: dict[str, str]) -> Evalua
             result.vllm_raises = _raised_by_vllm(exc, box) and not uses.dummies
     result.launches = [launch for launch, _ in launches]
     result.leaned = {launch.key: list(used) for launch, (used, _) in launches if used}
-    result.read = {launch.key: sorted({_shown(Path(f), box.root) for f in files})
-                   for launch, (_, files) in launches}  # fmt: skip
+    result.read = {
+        launch.key: sorted({_shown(Path(f), box.root) for f in files})
+        for launch, (_, files) in launches
+    }
     result.approximate = list(uses.dummies)
     result.files = sorted({_shown(Path(f), box.root) for f in uses.files})
     return result

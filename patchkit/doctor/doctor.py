@@ -25,11 +25,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from patchkit.caches.compiled import TRITON_CACHE, cache_dirs, cache_entries
 from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant
-from patchkit.doctor import configs, kernelscan
+from patchkit.doctor import configs, kernelscan, sass
 from patchkit.doctor.kernelscan import Case, ScanReport
 from patchkit.doctor.standins import GPUS, gpu_named
 from patchkit.doctor.toolchain import (
@@ -105,33 +105,6 @@ class DoctorReport:
         if theirs and theirs.version and not os.environ.get("TRITON_PTXAS_PATH"):
             return theirs.ptxas_version
         return self.toolchain.ptxas_version
-
-    def to_json(self) -> dict:
-        """The report as JSON: called by the CLI, nowhere else."""
-        triton = self.toolchain.to_json() | {"fixed_from": self.fixed_from}
-        triton["version"] = triton.pop("triton")
-        vllm = self.tree.describe() if self.tree else {"error": self.tree_error}
-        return {
-            "gpus": [dataclasses.asdict(g) for g in self.gpus],
-            "gpu_note": self.gpu_note,
-            "triton": triton,
-            "triton_next_to_vllm": self.tree_triton.to_json() if self.tree_triton else None,
-            "vllm": vllm,
-            "patches": [
-                {
-                    "id": a.patch.id,
-                    "state": str(a.state),
-                    "variant": a.variant.name if a.variant else None,
-                    "files": list(a.files),
-                }
-                for a in self.patches
-            ],  # fmt: skip
-            "tuned_configs": [dataclasses.asdict(f) for f in self.tuned_configs],
-            "stale_bytecode": self.stale_bytecode,
-            "old_caches": [dataclasses.asdict(c) for c in self.old_caches],
-            "kernels": self.kernels.to_json() if self.kernels else {},
-            "verdicts": [dataclasses.asdict(v) | {"status": str(v.status)} for v in self.verdicts],
-        }
 
 
 # ----- facts -----
@@ -265,8 +238,11 @@ def old_caches(patched_at: float | None) -> list[OldCache]:
     found = []
     for cache in cache_dirs():
         scanned = ours.get(str(cache.path), {})
-        older = [name for name, mtime in cache_entries(cache)
-                 if mtime < patched_at and scanned.get(name) != mtime]  # fmt: skip
+        older = [
+            name
+            for name, mtime in cache_entries(cache)
+            if mtime < patched_at and scanned.get(name) != mtime
+        ]
         if older:
             found.append(OldCache(cache.name, str(cache.path), len(older)))
     return found
@@ -483,10 +459,11 @@ def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
 
 
 def _at_least(version: str | None, threshold: str) -> bool:
+    """Whether ``version``'s major.minor is ``threshold``'s or later (ptxas: '12.8.93');
+    False when it is unknown or not a version."""
     try:
-        have = tuple(int(p) for p in (version or "").split(".")[:2])
-        return have >= tuple(int(p) for p in threshold.split(".")[:2])
-    except ValueError:
+        return Version(version or "").release[:2] >= Version(threshold).release[:2]
+    except InvalidVersion:
         return False
 
 
@@ -507,8 +484,9 @@ def _scan_verdict(
         where = first.hazards[0]
         reason = (
             f"kernel scan: {len(hazards)} config(s) this install runs overwrite the A registers "
-            f"of an in-flight wgmma, e.g. {first.label()}: {where['instruction']} at "
-            f"{where['address']} (HGMMA at {where['wgmma']}); {ptxas}"
+            f"of an in-flight wgmma, e.g. {first.label()}: {where.instruction} at "
+            f"{sass.address(where.address)} (HGMMA at {sass.address(where.wgmma_address)}); "
+            f"{ptxas}"
         )
         fix = _scan_fix(first, d, report, patches)
         return BugVerdict(d.label, Verdict.EXPOSED, reason, fix)
@@ -645,9 +623,13 @@ def run(
     report.gpus, report.gpu_note = gpus()
     report.toolchain = toolchain()
     report.fixed_from = next(
-        (p.diagnosis.fixed_by_ptxas for p in catalogue.patches
-         if p.diagnosis and p.diagnosis.fixed_by_ptxas), None,
-    )  # fmt: skip
+        (
+            p.diagnosis.fixed_by_ptxas
+            for p in catalogue.patches
+            if p.diagnosis and p.diagnosis.fixed_by_ptxas
+        ),
+        None,
+    )
     report.overrides = override_findings(catalogue)
     report.tuned_configs = [f for found in report.overrides.values() for f in found]
     if tree is None:
@@ -657,8 +639,9 @@ def run(
     report.patches = [step.assessment for step in operations.status(tree, catalogue).steps]
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)
-    applied = [f for a in report.patches if PatchState(a.state) == PatchState.APPLIED
-               for f in a.files]  # fmt: skip
+    applied = [
+        f for a in report.patches if PatchState(a.state) == PatchState.APPLIED for f in a.files
+    ]
     infos = [tree.fs.lstat(f, "doctor") for f in applied]
     mtimes = [info.st_mtime for info in infos if info is not None]
     report.old_caches = old_caches(max(mtimes) if mtimes else None)

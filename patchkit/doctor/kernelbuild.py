@@ -9,6 +9,7 @@ ptxas (path and version). A warm scan compiles nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,15 +32,39 @@ MAX_SCAN_BYTES = 64 << 20  # a remembered scan of a few hundred cases is a few M
 class Reading:
     """What the SASS of one compile shows."""
 
-    verdict: str  # hazard | clean | no-register-operand | error
+    verdict: sass.KernelVerdict
     hgmma: int = 0
     register_a: int = 0
-    hazards: list[dict] = field(default_factory=list)
+    hazards: list[sass.Hazard] = field(default_factory=list)
     error: str = ""
     compiled: bool = True  # False: Triton refused the kernel (deterministic, so cached too)
 
-    def to_json(self) -> dict:
-        return dict(vars(self))
+    def record(self) -> dict:
+        """The reading as patchkit's cache keeps it (:meth:`stored` reads it back)."""
+        return dataclasses.asdict(self) | {"hazards": [hazard_record(h) for h in self.hazards]}
+
+    @classmethod
+    def stored(cls, data: dict) -> Reading:
+        return cls(**data | {"hazards": [stored_hazard(h) for h in data["hazards"]]})
+
+
+# A hazard in patchkit's cache, as FORMAT 1 wrote it: addresses in hex, registers as R<n>.
+
+
+def hazard_record(hazard: sass.Hazard) -> dict:
+    return {
+        "address": sass.address(hazard.address),
+        "instruction": hazard.instruction,
+        "registers": [f"R{r}" for r in hazard.registers],
+        "wgmma": sass.address(hazard.wgmma_address),
+    }
+
+
+def stored_hazard(data: dict) -> sass.Hazard:
+    registers = tuple(int(r.removeprefix("R")) for r in data["registers"])
+    return sass.Hazard(
+        int(data["address"], 16), data["instruction"], registers, int(data["wgmma"], 16)
+    )
 
 
 def cache_dir() -> Path:
@@ -50,8 +75,14 @@ def cache_dir() -> Path:
 
 def reading_key(launch: Launch, tools: Toolchain) -> str:
     """Same key, same machine code: specialisation, kernel source, Triton, ptxas."""
-    parts = [FORMAT, launch.key, launch.jit.cache_key, tools.triton, tools.ptxas,
-             tools.ptxas_version]  # fmt: skip
+    parts = [
+        FORMAT,
+        launch.key,
+        launch.jit.cache_key,
+        tools.triton,
+        tools.ptxas,
+        tools.ptxas_version,
+    ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -99,24 +130,21 @@ def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
     if not done.stdout.strip():
         return Reading("error", error=f"the disassembler printed nothing ({done.stderr.strip()})")
     findings = sass.scan(done.stdout)
-    return Reading(
-        findings.verdict, findings.hgmma, findings.register_a,
-        [h.to_json() for h in findings.hazards],
-    )  # fmt: skip
+    return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
 
 
 def _cached(key: str) -> Reading | None:
     path = cache_dir() / f"{key}.json"
     try:
         data = read_json_file(path)
-        return Reading(**data) if isinstance(data, dict) else None
-    except (OSError, ValueError, TypeError):
+        return Reading.stored(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
 def _store(key: str, reading: Reading) -> None:
     try:
-        write_cache_file(cache_dir() / f"{key}.json", json.dumps(reading.to_json()).encode())
+        write_cache_file(cache_dir() / f"{key}.json", json.dumps(reading.record()).encode())
     except OSError:
         pass  # a read-only cache only costs time
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.doctor import configs, kernelbuild, signatures
+from patchkit.doctor import configs, kernelbuild, sass, signatures
 from patchkit.doctor.configs import Call, Evaluation, Model
 from patchkit.doctor.standins import GPUS, REAL, Gpu, Sandbox
 from patchkit.doctor.toolchain import ScanUnavailable, Toolchain, disassembler, toolchain
@@ -62,10 +62,10 @@ class Case:
     approximate: str = ""  # why vLLM may not build it exactly so; "" when it does
     called: bool = True
     why_not_called: str = ""
-    verdict: str = ""  # hazard | clean | no-register-operand | error
+    verdict: sass.KernelVerdict = "error"
     hgmma: int = 0
     register_a: int = 0
-    hazards: list[dict] = field(default_factory=list)
+    hazards: list[sass.Hazard] = field(default_factory=list)
     error: str = ""
     key: str = ""
 
@@ -91,9 +91,6 @@ class Case:
         shape = f" {self.shape()}" if self.shape() else ""
         return f"{self.kernel}{shape}{reached}"
 
-    def to_json(self) -> dict:
-        return dict(vars(self)) | {"label": self.label()}
-
 
 @dataclass
 class ScanReport:
@@ -117,22 +114,26 @@ class ScanReport:
             grouped.setdefault(case.kernel, []).append(case)
         return grouped
 
-    def to_json(self) -> dict:
-        data = {k: v for k, v in vars(self).items() if k not in ("cases", "models", "toolchain")}
-        data["toolchain"] = self.toolchain.to_json() if self.toolchain else None
-        data["models"] = [m.to_json() for m in self.models]
-        data["cases"] = [c.to_json() for c in self.cases]
+    def record(self) -> dict:
+        """The scan as patchkit's cache remembers it (:meth:`stored` reads it back)."""
+        data = dataclasses.asdict(self)
+        for case, stored in zip(self.cases, data["cases"], strict=True):
+            stored["hazards"] = [kernelbuild.hazard_record(h) for h in case.hazards]
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> ScanReport:
-        """A remembered scan back as objects (the inverse of :meth:`to_json`)."""
+    def stored(cls, data: dict) -> ScanReport:
         report = cls(**{k: v for k, v in data.items() if k not in ("cases", "models", "toolchain")})
         report.toolchain = Toolchain(**data["toolchain"]) if data["toolchain"] else None
         report.models = [Model(**m | {"ranks": tuple(m["ranks"])}) for m in data["models"]]
-        names = {f.name for f in dataclasses.fields(Case)}
-        report.cases = [Case(**{k: v for k, v in c.items() if k in names}) for c in data["cases"]]
+        report.cases = [_stored_case(c) for c in data["cases"]]
         return report
+
+
+def _stored_case(data: dict) -> Case:
+    names = {f.name for f in dataclasses.fields(Case)}
+    hazards = [kernelbuild.stored_hazard(h) for h in data["hazards"]]
+    return Case(**{k: v for k, v in data.items() if k in names} | {"hazards": hazards})
 
 
 def scan(
@@ -156,7 +157,7 @@ def scan(
     key = scan_key(tree, report, environ, replaced) if select is None else None
     remembered = kernelbuild.recall(key) if key else None
     if remembered is not None:
-        found = ScanReport.from_json(remembered)
+        found = ScanReport.stored(remembered)
         found.remembered, found.seconds = True, round(time.monotonic() - started, 1)
         return found
     try:
@@ -180,7 +181,7 @@ def scan(
     report.cases += _unreached(report.kernels, report.cases)
     report.seconds = round(time.monotonic() - started, 1)
     if key:
-        kernelbuild.remember(key, report.to_json())
+        kernelbuild.remember(key, report.record())
     return report
 
 
@@ -196,8 +197,8 @@ def scan_key(tree: VllmTree, report: ScanReport, environ: Mapping[str, str], rep
         except OSError:
             digest.update(b"-")
     settings = {k: v for k, v in environ.items() if k.startswith(("VLLM_", "TRITON_"))}
-    facts = [report.gpus, [m.to_json() for m in report.models], settings, replaced,
-             report.toolchain.to_json()]  # fmt: skip
+    models = [dataclasses.asdict(m) for m in report.models]
+    facts = [report.gpus, models, settings, replaced, dataclasses.asdict(report.toolchain)]
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -273,19 +274,31 @@ def _cases(evaluations, launches, readings, environ, replaced, fp8_called) -> li
 
 def _new_case(launch, ev: Evaluation, reading) -> Case:
     return Case(
-        kernel=launch.kernel, family=ev.call.family, config=launch.config(),
-        signature=launch.signature(), constants=launch.constants(), key=launch.key,
-        verdict=reading.verdict, hgmma=reading.hgmma, register_a=reading.register_a,
-        hazards=reading.hazards, error=reading.error, called=False,
-    )  # fmt: skip
+        kernel=launch.kernel,
+        family=ev.call.family,
+        config=launch.config(),
+        signature=launch.signature(),
+        constants=launch.constants(),
+        key=launch.key,
+        verdict=reading.verdict,
+        hgmma=reading.hgmma,
+        register_a=reading.register_a,
+        hazards=reading.hazards,
+        error=reading.error,
+        called=False,
+    )
 
 
 def _error_case(ev: Evaluation, key: str) -> Case:
     whose = "vLLM's own code raises" if ev.vllm_raises else "the scan could not follow vLLM"
     return Case(
-        kernel=ev.call.entry, family=ev.call.family, verdict="error", key=key, called=False,
+        kernel=ev.call.entry,
+        family=ev.call.family,
+        verdict="error",
+        key=key,
+        called=False,
         error=f"{whose}: {ev.error}",
-    )  # fmt: skip
+    )
 
 
 def _reached(case: Case, ev: Evaluation, environ, replaced: str, fp8_called: bool) -> None:
@@ -324,7 +337,7 @@ def _unreached(kernels: list[str], cases: list[Case]) -> list[Case]:
             called=False,
             key=f"unreached:{k}",
             error=f"the tree launches {k}, but no call of the scan reaches it",
-        )  # fmt: skip
+        )
         for k in kernels
         if k not in reached
     ]

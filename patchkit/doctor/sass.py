@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _REG = re.compile(r"R(\d+)$")
 _HGMMA_A_REGS = 4  # a 64xNx16 bf16/fp16 A fragment: 4 registers per thread
 # opcodes whose first operand is not a register they write
 _NO_DESTINATION = ("ST", "RED", "BRA", "BAR", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "EXIT")
+
+# What one compile's SASS shows ("error": it could not be compiled or read).
+KernelVerdict = Literal["hazard", "clean", "no-register-operand", "error"]
+
+
+def address(value: int) -> str:
+    """An instruction's address as the listing names it: ``0x44e0`` (``/*44e0*/``)."""
+    return f"0x{value:04x}"
 
 
 @dataclass(frozen=True)
@@ -86,14 +95,6 @@ class Hazard:
     registers: tuple[int, ...]
     wgmma_address: int  # the in-flight HGMMA whose A fragment is overwritten
 
-    def to_json(self) -> dict:
-        return {
-            "address": f"0x{self.address:04x}",
-            "instruction": self.instruction,
-            "registers": [f"R{r}" for r in self.registers],
-            "wgmma": f"0x{self.wgmma_address:04x}",
-        }
-
 
 @dataclass
 class Findings:
@@ -102,7 +103,7 @@ class Findings:
     hazards: list[Hazard] = field(default_factory=list)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> KernelVerdict:
         if self.hazards:
             return "hazard"
         return "clean" if self.register_a else "no-register-operand"

@@ -218,9 +218,12 @@ class _Cuda:
     def get_device_properties(self, device=None):
         gpu = self._sandbox.gpu
         return types.SimpleNamespace(
-            name=gpu.name, major=9, minor=0, multi_processor_count=gpu.sms,
+            name=gpu.name,
+            major=9,
+            minor=0,
+            multi_processor_count=gpu.sms,
             shared_memory_per_block_optin=gpu.shared_memory,
-        )  # fmt: skip
+        )
 
 
 class _Os(types.ModuleType):
@@ -404,7 +407,7 @@ class Sandbox:
                 name,
                 direct_register_custom_op=lambda *a, **k: None,
                 async_tensor_h2d=self._h2d,
-            ),  # fmt: skip
+            ),
             "vllm.utils.mem_utils": lambda: _namespace(
                 name, get_max_shared_memory_bytes=lambda *a, **k: self.gpu.shared_memory
             ),
@@ -415,7 +418,7 @@ class Sandbox:
                 name,
                 tensor_model_parallel_all_reduce=lambda t: t,
                 tensor_model_parallel_all_gather=lambda t, *a, **k: t,
-            ),  # fmt: skip
+            ),
             "vllm._custom_ops": lambda: _CustomOps(self),
             "vllm.model_executor.layers.fused_moe": lambda: _namespace(
                 name, get_config=lambda: None

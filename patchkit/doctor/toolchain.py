@@ -35,9 +35,6 @@ class Toolchain:
     ptxas_source: str | None = None  # TRITON_PTXAS_PATH | bundled
     ptxas_version: str | None = None
 
-    def to_json(self) -> dict:
-        return dict(vars(self))
-
     def describe(self) -> str:
         """'Triton 3.7.1 (/x/triton), ptxas 12.8.93 (bundled: /x/ptxas)'."""
         if not self.triton:
@@ -105,9 +102,6 @@ class TreeTriton:
     location: str | None
     python: str | None  # the environment's Python, when the tree is a venv's site-packages
     ptxas_version: str | None = None  # of its bundled ptxas
-
-    def to_json(self) -> dict:
-        return dict(vars(self))
 
 
 def tree_triton(root: Path) -> TreeTriton:

@@ -25,37 +25,33 @@ _INT_RANGE = (-(1 << 63), 1 << 64)
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def read_json_file(path: Path) -> object:
-    """A settings file's JSON; ValueError unless it is a regular file of sane size and depth.
+def read_json_file(path: Path, limit: int = MAX_SETTINGS_BYTES, *, user: bool = False) -> object:
+    """A JSON file; ValueError unless it is a regular file of at most ``limit`` bytes.
 
     The type is checked before the open and again on the descriptor, so a
-    FIFO or a device named like a config file is refused instead of waited on;
-    the size is checked on the descriptor before any byte is read.
+    FIFO or a device named like a config file is refused instead of waited
+    on; the size is checked on the descriptor before any byte is read, and at
+    most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
+    OSError when absent.
+
+    A settings file or one of patchkit's own (the default) is never read
+    through a symbolic link. ``user`` is for a model's or adapter's file: a
+    link is followed (a Hugging Face cache snapshot is all links into
+    ``blobs/``), what it reaches is checked as above, and the content must
+    pass :func:`decode_user_json` (every number usable, nesting bounded).
     """
-    info = os.lstat(path)
+    info = os.stat(path) if user else os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    return decode_json(_read_capped(fd, MAX_SETTINGS_BYTES), MAX_SETTINGS_BYTES)
+    follow = 0 if user else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | follow | os.O_CLOEXEC)
+    decode = decode_user_json if user else decode_json
+    return decode(_read_capped(fd, limit), limit)
 
 
 def read_user_json(path: Path, limit: int = MAX_SETTINGS_BYTES) -> object:
-    """A model's or adapter's JSON file; ValueError unless it is a regular file of sane size.
-
-    Unlike :func:`read_json_file` a symbolic link is followed (a Hugging Face
-    cache snapshot is all links into ``blobs/``), but what it reaches is checked
-    by type before the open and again on the descriptor, so a FIFO named
-    config.json is refused instead of waited on for ever. A file larger than
-    ``limit`` bytes is refused by its size on the descriptor, before any byte
-    is read, and at most ``limit + 1`` bytes are ever read (a file that grows
-    meanwhile). The content must pass :func:`decode_user_json`. OSError when
-    absent.
-    """
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{kind_of(mode)}, not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    return decode_user_json(_read_capped(fd, limit), limit)
+    """:func:`read_json_file` with ``user=True``, by the name verify/ calls it."""
+    return read_json_file(path, limit, user=True)
 
 
 def _read_capped(fd: int, limit: int) -> bytes:

@@ -511,8 +511,12 @@ def _statx():
         try:
             function = ctypes.CDLL(None, use_errno=True).statx
             function.argtypes = [
-                ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p,
-            ]  # fmt: skip
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_int,
+                ctypes.c_uint,
+                ctypes.c_char_p,
+            ]
             function.restype = ctypes.c_int
         except (OSError, AttributeError):
             function = None

@@ -63,17 +63,6 @@ class Assessment:
     stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
     outdated: str = ""  # applied from an older catalogue: the warning that says so
 
-    def to_json(self) -> dict:
-        return {
-            "id": self.patch.id,
-            "state": str(self.state),
-            "reason": self.reason or None,
-            "variant": self.variant.name if self.variant else None,
-            "files": list(self.files),
-            "warnings": self.warnings,
-            "notices": [n.message for n in self.notices],
-        }
-
 
 class TreeFiles:
     """The tree's files as a run sees them: read once, with the run's own edits on top.
@@ -112,8 +101,9 @@ class TreeFiles:
         """The files as they would be on disk with ``patch_id`` taken off (``undo``) and
         its record gone: what a replacement of that patch is assessed on."""
         state = self.state
-        rest = State(state.fs, {k: v for k, v in state.patches.items() if k != patch_id},
-                     state.vllm_version)  # fmt: skip
+        rest = State(
+            state.fs, {k: v for k, v in state.patches.items() if k != patch_id}, state.vllm_version
+        )
         files = TreeFiles(self.tree, rest, self.order)
         files._overlay = dict(self._overlay)
         files._disk.update({change.path: change.after for change in undo})
@@ -233,10 +223,12 @@ def _from_record(
     if kinds == {STALE}:
         return None
     return Assessment(
-        patch, CONFLICT, files=paths,
+        patch,
+        CONFLICT,
+        files=paths,
         reason=_record_conflict(patch, record, findings, files, catalogue),
         record=record,
-    )  # fmt: skip
+    )
 
 
 def _record_conflict(
@@ -270,9 +262,10 @@ def _record_conflict(
         return _edited(path, top, files, catalogue)
     path, top = by_kind[STALE]
     rest = ", ".join(
-        entry.path for entry, (kind, _) in zip(record.files, findings, strict=True)
+        entry.path
+        for entry, (kind, _) in zip(record.files, findings, strict=True)
         if kind == FileFinding.APPLIED
-    )  # fmt: skip
+    )
     recorded = files.state.vllm_version if files.state else None
     if recorded not in (None, tree.version):
         what = (

@@ -29,9 +29,9 @@ from patchkit.patching.assess import (
     force_refusal,
     newer_than_catalogue,
 )
-from patchkit.patching.state import STATE_DIR, FileRecord, State
+from patchkit.patching.state import STATE_DIR, FileRecord, State, record_sha256
 from patchkit.patching.transaction import FileChange
-from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action, FileFinding, PatchState
 
 APPLY, REVERT, STATUS = "apply", "revert", "status"
@@ -151,8 +151,9 @@ def _plan_forward(
                 f"{assessment.state} ({assessment.reason})"
             )
     if result.command == APPLY:
-        result.drop = stale_records(state, catalogue, tree, [s.assessment.patch.id for s in
-                                                             result.steps])  # fmt: skip
+        result.drop = stale_records(
+            state, catalogue, tree, [s.assessment.patch.id for s in result.steps]
+        )
 
 
 def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
@@ -431,10 +432,10 @@ def _restore(record: FileRecord, files: TreeFiles, assessment: Assessment) -> Fi
     if record.pre_sha256 is None:
         return FileChange(record.path, current, None, (patch_id,))  # the patch created it
     original = files.tree.fs.read(f"{STATE_DIR}/{record.backup}", str(files.state.path))
-    if original is not None and _sha(original) == record.pre_sha256:
+    if original is not None and record_sha256(original) == record.pre_sha256:
         return FileChange(record.path, current, original, (patch_id,))
     rebuilt = _reverse_one(assessment, record.path, files)
-    if rebuilt is None or _sha(rebuilt) != record.pre_sha256:
+    if rebuilt is None or record_sha256(rebuilt) != record.pre_sha256:
         raise PatchkitError(
             f"{patch_id}: the backup of {record.path} is missing or damaged and "
             "reverse-applying the diff does not give the original back; reinstall vLLM "
@@ -463,7 +464,3 @@ def _reverse_one(assessment: Assessment, path: str, files: TreeFiles) -> bytes |
     except HunkMismatch:
         return None
     return None if text is None else text.encode("utf-8", errors="surrogateescape")
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)

@@ -29,11 +29,12 @@ from patchkit.patching.state import (
     State,
     backup_path,
     load_state,
+    record_sha256,
     sweep,
     tidy,
 )
 from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
-from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action
 
 __all__ = ["RunOptions", "RunReport", "apply", "revert", "select", "status"]
@@ -48,7 +49,7 @@ class RunReport:
     plan: Plan
     options: RunOptions = field(default_factory=RunOptions)
     bytecode_removed: list[str] = field(default_factory=list)
-    caches_removed: list[dict] = field(default_factory=list)
+    caches_removed: list[compiled.CacheResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     wrote: bool = False  # the run committed its writes to the tree
     recovered: bool = False  # it rolled an interrupted run back first
@@ -56,7 +57,7 @@ class RunReport:
     @property
     def changed(self) -> bool:
         """Whether the run changed anything on disk (the tree, bytecode, caches)."""
-        cleared = any(c["state"] == "cleared" for c in self.caches_removed)
+        cleared = any(c.removed for c in self.caches_removed)
         return self.wrote or self.recovered or bool(self.bytecode_removed) or cleared
 
     @property
@@ -202,8 +203,9 @@ def _execute(report: RunReport, state: State) -> None:
                 state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
             except (OSError, PatchkitError) as exc:
                 planned.warn(_after_commit(exc, f"removing the backups of {patch_id}"))
-    planned.notes.extend(f"dropped the stale record of {i} (vLLM was reinstalled since)"
-                         for i in planned.drop)  # fmt: skip
+    planned.notes.extend(
+        f"dropped the stale record of {i} (vLLM was reinstalled since)" for i in planned.drop
+    )
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
     report.bytecode_removed = removed
     for line in problems:
@@ -225,7 +227,8 @@ def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str
             kept = step.undo and backup and state.fs.read(f"{STATE_DIR}/{backup}", "state")
             if backup is not None and kept != change.before:
                 backups[backup] = change.before
-            records.append(FileRecord(change.path, _sha(change.before), _sha(change.after), backup))
+            before, after = record_sha256(change.before), record_sha256(change.after)
+            records.append(FileRecord(change.path, before, after, backup))
         variant = step.assessment.variant
         state.patches[patch_id] = PatchRecord(patch_id, variant.sha256, variant.name, now, records)
     if steps:
@@ -244,7 +247,3 @@ def _read_only(
         raise PatchkitError(f"{exc}; nothing was changed") from None
     report.notes.append("the tree is not writable, and nothing needed writing")
     return report
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)

@@ -48,6 +48,7 @@ from patchkit.patching.state import (
     State,
     backup_path,
     load_state,
+    record_sha256,
     sweep,
 )
 from patchkit.patching.transaction import TreeLock, commit_or_undo, recover
@@ -63,18 +64,6 @@ class RefreshReport:
     unchanged: list[str] = field(default_factory=list)  # back to their original: left out
     created: list[Path] = field(default_factory=list)  # sources copied back to files/
     added: list[str] = field(default_factory=list)  # --add: files newly in the patch
-
-    def to_json(self) -> dict:
-        return {
-            "ok": True,
-            "patch": self.patch_id,
-            "variant": self.variant,
-            "diff": str(self.diff),
-            "changed": self.changed,
-            "unchanged": self.unchanged,
-            "created": [str(p) for p in self.created],
-            "added": self.added,
-        }
 
 
 @dataclass
@@ -165,8 +154,7 @@ def _plan(
         raise PatchkitError(f"{patch.id} has no variant {variant_name!r} (it has: {known})")
     recorded = {f.path for f in record.files} if record else set()
     if record is None:  # patch-package's way: the patch is made from the edits
-        record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name,
-                                                       _now(), [])  # fmt: skip
+        record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name, _now(), [])
     originals = _originals(tree, state, record.files, add, pristine)
     above = later_on_same_files(patch, tuple(originals), TreeFiles(tree, state, catalogue.ids))
     if above is not None:
@@ -284,7 +272,7 @@ def _records(
         if original is not None and now == original:
             continue  # no longer part of the patch
         backup = None if original is None else backup_path(patch_id, relpath)
-        records.append(FileRecord(relpath, _sha(original), _sha(now), backup))
+        records.append(FileRecord(relpath, record_sha256(original), record_sha256(now), backup))
     return records
 
 
@@ -439,10 +427,6 @@ def _now() -> str:
     from datetime import datetime, timezone
 
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)
 
 
 def _bytes(text: str | None) -> bytes | None:

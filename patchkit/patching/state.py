@@ -30,6 +30,7 @@ from pathlib import Path
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import decode_json
 from patchkit.fs.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
+from patchkit.vllmtree.tree import sha256_bytes
 
 STATE_DIR = ".patchkit"
 STATE_FILE = f"{STATE_DIR}/state.json"
@@ -39,6 +40,11 @@ FORMAT = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PATCH_ID = re.compile(r"[a-z0-9][a-z0-9-]*")
 MAX_JSON_BYTES = 16 << 20  # far above any real state or journal; refuses absurd input early
+
+
+def record_sha256(data: bytes | None) -> str | None:
+    """The sha256 a record or a journal keeps of a file's bytes; None for no file."""
+    return None if data is None else sha256_bytes(data)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from patchkit.patching.state import (
     check_no_links,
     is_sha256,
     load_json,
+    record_sha256,
 )
 from patchkit.vllmtree.tree import sha256_bytes
 
@@ -252,7 +253,7 @@ def commit_or_undo(
 def _expect(fs: Root, change: FileChange) -> None:
     """The file must still be what the run assessed; someone else may have written it since."""
     current = fs.read(change.path, "apply")
-    if _sha(current) != _sha(change.before):
+    if record_sha256(current) != record_sha256(change.before):
         raise PatchkitError(
             f"{fs.full(change.path)} changed while patchkit was running; nothing was changed "
             "(run the command again)"
@@ -272,8 +273,8 @@ def _journal(changes: list[FileChange], new_state: bytes) -> bytes:
         "files": [
             {
                 "path": c.path,
-                "before": _sha(c.before),
-                "after": _sha(c.after),
+                "before": record_sha256(c.before),
+                "after": record_sha256(c.after),
                 "patches": list(c.patches),
             }
             for c in changes
@@ -365,12 +366,12 @@ def recover(fs: Root, file_kinds) -> list[str]:
     state_sha, entries = _read_journal(fs, file_kinds)
     for entry in entries:
         fs.unlink_tmp(entry.path, "rollback")
-    if _sha(fs.read(STATE_FILE, "state")) == state_sha:
+    if record_sha256(fs.read(STATE_FILE, "state")) == state_sha:
         fs.remove_tree(TXN_DIR, "journal")
         return ["an interrupted run had already committed; removed its journal"]
     restored = []
     for entry in entries:
-        current = _sha(fs.read(entry.path, "rollback"))
+        current = record_sha256(fs.read(entry.path, "rollback"))
         if current == entry.before:
             continue
         if current != entry.after:
@@ -393,7 +394,3 @@ def recover(fs: Root, file_kinds) -> list[str]:
     return [f"rolled back an interrupted run: restored {p}" for p in restored] or [
         "an interrupted run had changed nothing; removed its journal"
     ]
-
-
-def _sha(data: bytes | None) -> str | None:
-    return None if data is None else sha256_bytes(data)

@@ -53,9 +53,6 @@ class Finding:
     look_at: str
     bad_modules: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass
 class ProbeReport:
@@ -66,19 +63,6 @@ class ProbeReport:
     findings: list[Finding]
     padding_only: int  # records whose bad rows were all padding (no request)
     warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
-
-    def to_json(self) -> dict:
-        return {
-            "ok": True,
-            "command": "probe report",
-            "file": self.path,
-            "records": self.records,
-            "steps": self.steps,
-            "headers": self.headers,
-            "padding_only": self.padding_only,
-            "affected_requests": [f.to_json() for f in self.findings],
-            "warnings": self.warnings,
-        }
 
 
 @dataclass(frozen=True)
@@ -146,10 +130,14 @@ class Tally:
         order = entry.get("order", 0)
         for request in entry["bad_requests"]:
             sighting = Sighting(
-                entry["step"], entry["layer"], entry["module"], entry["kind"],
+                entry["step"],
+                entry["layer"],
+                entry["module"],
+                entry["kind"],
                 order if isinstance(order, int) and not isinstance(order, bool) else 0,
-                len(self.unwatched) - 1, adapters.get(request),
-            )  # fmt: skip
+                len(self.unwatched) - 1,
+                adapters.get(request),
+            )
             self.trails.setdefault(request, RequestTrail()).add(sighting)
 
 
@@ -364,8 +352,9 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
             f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
             "lora_B) or the LoRA kernels (patchkit doctor)"
         )
-        return Finding(**common, module=first, verdict=f"projection {first} bad first",
-                       look_at=look_at)  # fmt: skip
+        return Finding(
+            **common, module=first, verdict=f"projection {first} bad first", look_at=look_at
+        )
     verdict = "every probed projection fine, the layer output bad"
     look_at = f"the layer's own compute: {_compute_of(trail.compute.get(layer, 0))}"
     run = trail.first[0].run

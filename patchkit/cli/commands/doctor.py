@@ -71,6 +71,6 @@ def doctor_command(
         )
     result = doctor.run(tree, tree_error, load_catalogue(), kernels=request)
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.doctor_json(result))
     else:
-        render.render_doctor(result, render.out, verbose)
+        render.render_doctor(result, verbose)

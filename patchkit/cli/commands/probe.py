@@ -33,6 +33,6 @@ def probe_report(log_file: str, as_json: bool) -> None:
     result = report.report(Path(log_file))
     render.render_probe_warnings(result)
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.probe_json(result))
     else:
-        render.render_probe_report(result, render.out)
+        render.render_probe_report(result)

@@ -67,6 +67,6 @@ def refresh_command(patch_id, target, vllm_version, variant, add, pristine, as_j
     )
     outcome().done([render.refresh_summary(result)])
     if as_json:
-        render.emit_json(result.to_json())
+        render.emit_json(render.refresh_json(result))
     else:
         render.render_refresh(result)

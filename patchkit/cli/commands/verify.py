@@ -87,7 +87,7 @@ def verify_command(
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     say = functools.partial(click.echo, err=True)
     result = runner.run(load_catalogue(), request, say)
-    render.emit_json(result.to_json()) if as_json else render.render_verify(result)
+    render.emit_json(render.verify_json(result)) if as_json else render.render_verify(result)
     sys.exit(exits.OK if result.ok else exits.FAILURE)
 
 
