@@ -360,3 +360,39 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(tree_0260
     assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]
     assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
     assert snapshot(tree_0260) == pristine
+
+
+def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applied(tmp_path):
+    """EIO at apply's last fsync (the directory's, after state.json's rename) left a
+    .patchkit/state.json recording patches on a tree whose files were put back, and
+    empty .patchkit/backups/ folders, while the message said nothing changed."""
+    from tests.test_signals import ENV, PATCHKIT, STRACE, default_dispositions
+    from tests.test_write_points import slim_tree
+
+    if STRACE is None:
+        pytest.skip("strace is not installed (apt-get install strace)")
+    pristine = slim_tree(tmp_path / "pristine")
+
+    def traced(work: Path, extra: list[str]):
+        shutil.copytree(pristine, work, symlinks=True)
+        command = [STRACE, "-qq", *extra, *PATCHKIT, "apply", "--target", str(work)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV,
+                              preexec_fn=default_dispositions)  # fmt: skip
+
+    log = tmp_path / "fsyncs.log"
+    assert traced(tmp_path / "count", ["-o", str(log), "-e", "trace=fsync"]).returncode == 0
+    count = sum(line.startswith("fsync(") for line in log.read_text().splitlines())
+    assert count > 5
+    before = snapshot(pristine)
+    for n in range(1, count + 1):
+        work = tmp_path / f"eio-{n}"
+        result = traced(work, ["-o", "/dev/null", "-e", "trace=fsync", "-e",
+                               f"inject=fsync:error=EIO:when={n}"])  # fmt: skip
+        if result.returncode == 1:
+            assert "nothing" in result.stderr, (n, result.stderr)
+            assert snapshot(work) == before, (n, result.stderr)
+        else:
+            assert result.returncode == 0, (n, result.stderr)
+            status = run_cli("status", "--target", str(work), "--json")
+            states = {p["state"] for p in json.loads(status.stdout)["patches"]}
+            assert "needed" not in states, (n, states)

@@ -514,3 +514,24 @@ def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, tmp_path, sys
         seen.add(settled(scenario, work, f"SIGKILL at {syscall} #{n}"))
         shutil.rmtree(work)
     assert "before" in seen
+
+
+@needs_strace
+def test_an_io_error_at_every_fsync_leaves_before_or_after_and_says_which(scenario, tmp_path):
+    """EIO at the directory fsync after state.json's rename was reported as "nothing was
+    changed" while the tree's record kept the new entry (and status then advised an apply
+    that threw the maintainer's edit away)."""
+    log = tmp_path / "fsyncs.log"
+    done = traced_refresh(scenario, tmp_path / "count", ["-o", str(log), "-e", "trace=fsync"])
+    assert done.returncode == 0, done.stderr
+    count = len(syscall_names(log, ("fsync",)))
+    assert count > 5
+    for n in range(1, count + 1):
+        work = tmp_path / f"eio-{n}"
+        inject = ["-o", "/dev/null", "-e", "trace=fsync", "-e", f"inject=fsync:error=EIO:when={n}"]
+        result = traced_refresh(scenario, work, inject)
+        end = settled(scenario, work, f"EIO at fsync #{n}")
+        if result.returncode == 1:
+            assert "nothing was changed" in result.stderr and end == "before", (n, result.stderr)
+        else:
+            assert result.returncode == 0 and end == "after", (n, result.stderr)

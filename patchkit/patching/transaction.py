@@ -230,6 +230,7 @@ def commit_or_undo(
     """
     fs = state.fs
     new_state = state.to_bytes()
+    old_state = fs.read(STATE_FILE, "state")
     stored: list[str] = []
     written = [] if written is None else written
     try:
@@ -247,7 +248,23 @@ def commit_or_undo(
         fs.write(STATE_FILE, new_state, "state")
     except BaseException:
         _undo(fs, written, stored)
+        _restore_state(fs, old_state, new_state)
         raise
+
+
+def _restore_state(fs: Root, old: bytes | None, new: bytes) -> None:
+    """The state file as it was, when the failure came after its rename (the directory's
+    fsync): the tree is back, so its record must be too, or status would describe a
+    patch that is not there. Best effort: an error here must not hide the first one."""
+    try:
+        if fs.read(STATE_FILE, "rollback") != new or old == new:
+            return
+        if old is None:
+            fs.unlink(STATE_FILE, "rollback")
+        else:
+            fs.write(STATE_FILE, old, "rollback")
+    except OSError:
+        pass
 
 
 def _expect(fs: Root, change: FileChange) -> None:
@@ -297,7 +314,16 @@ def _undo(fs: Root, written: list[FileChange], stored: list[str]) -> None:
     for relpath in stored:
         fs.unlink(relpath, "rollback")
         fs.unlink_tmp(relpath, "rollback")
+        _remove_empty_parents(fs, relpath)
     fs.remove_tree(TXN_DIR, "rollback")
+
+
+def _remove_empty_parents(fs: Root, relpath: str) -> None:
+    """The folders a stored backup made under .patchkit/, once empty (a failed first
+    apply leaves no .patchkit/backups/<id>/ behind)."""
+    parts = relpath.split("/")[:-1]
+    while len(parts) > 1 and fs.rmdir("/".join(parts), "rollback"):
+        parts.pop()
 
 
 def _write(fs: Root, relpath: str, data: bytes | None) -> None:
