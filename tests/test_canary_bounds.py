@@ -421,6 +421,9 @@ def test_every_error_line_is_one_short_line_whatever_the_server_writes():
     for model in report["models"]:
         for evidence in model["evidence"]:
             assert len(evidence) <= LINE_LIMIT and "\n" not in evidence
+    long_lines = [line for line in text.stdout.splitlines() if len(line) > LINE_LIMIT]
+    assert not long_lines, [len(line) for line in long_lines]  # the per-model lines too
+    assert "\x1b" not in text.stdout
 
 
 # ----- hostile JSON -----

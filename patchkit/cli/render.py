@@ -320,14 +320,14 @@ def verify_json(report) -> dict:
 
 def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     """Print the canary's report as JSON or text, with the API key scrubbed from both."""
-    from patchkit.canary import check
+    from patchkit.canary import check, fields
 
     if as_json:
         out(check.scrub(json.dumps(canary_json(report), indent=2), api_key))
         return
     for line in canary_lines(report):
-        # model ids and answers come from the server: control characters escaped
-        out(printable(check.scrub(line, api_key)))
+        # model ids and answers come from the server: escaped, and no line past LINE
+        out(fields.one_line(check.scrub(line, api_key), fields.LINE))
 
 
 def printable(line: str) -> str:
@@ -335,10 +335,13 @@ def printable(line: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
+MODEL_NAME = 80  # characters of a model's name in the canary's per-model lines
+
+
 def canary_lines(report) -> list[str]:
     """The text report: a line per model, the counter, the verdict and the next steps
     (as they are: :func:`emit_canary` scrubs and escapes them on the way out)."""
-    from patchkit.canary import check
+    from patchkit.canary import check, fields
 
     version = f"vLLM {report.version}" if report.version else "server"
     lines = [
@@ -346,15 +349,17 @@ def canary_lines(report) -> list[str]:
         f"prompt ~{report.prompt_tokens}"
         f" tokens, {check.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
     ]
-    width = max((len(v.model) for v in report.models), default=0)
+    name = {id(v): fields.one_line(v.model, MODEL_NAME) for v in report.models}
+    width = max(map(len, name.values()), default=0)
     for v in report.models:
         lines.append(
-            f"  {_canary_label(v):<11} {v.model:<{width}}  {v.kind:<7}  {_canary_detail(v)}"
+            f"  {_canary_label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  {_canary_detail(v)}"
         )
     if report.recheck:
         r = report.recheck
         again = f"again after the bad adapter: {_canary_detail(r)}"
-        lines.append(f"  {_canary_label(r):<11} {r.model:<{width}}  {again}")
+        recheck_name = fields.one_line(r.model, MODEL_NAME)
+        lines.append(f"  {_canary_label(r):<11} {recheck_name:<{width}}  {again}")
     counter = report.counter
     if counter.get("present"):
         lines.append(f"{check.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
