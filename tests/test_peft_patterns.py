@@ -192,3 +192,39 @@ def test_the_backtracking_keys_agree_with_re_where_re_still_ends():
     for key in BACKTRACKING:
         for name in ("aaaaab", "aaaaaa", "x.y.Q", "a.a.c", "a=a=", "ab.c!"):
             assert compile_peft_key(key).match(name) == peft_match(key, name), (key, name)
+
+
+@pytest.mark.parametrize("key", ["(a?){6000}", "((a?){90}){60}", "(a?){1000}"])
+def test_patterns_of_more_states_than_a_module_path_needs_are_refused(key):
+    """These compiled to 5,400-12,000 states and took 7-11 s and 2 GB against one
+    3,000-character name; a PEFT key is a module path of tens of states."""
+    with pytest.raises(ValueError, match="states|repeat count"):
+        compile_peft_key(key)
+
+
+def test_a_pattern_asked_about_many_hostile_names_stops_at_its_work_limit(monkeypatch):
+    """Linear per name is not bounded over a hostile adapter's many long names: the
+    matcher counts the states it visits and gives up past MAX_WORK, in one ValueError
+    (here with a small MAX_WORK, so the test does not spend the real one)."""
+    from patchkit.verify import patterns
+
+    monkeypatch.setattr(patterns, "MAX_WORK", 200_000)
+    matcher = compile_peft_key("(a?){400}")
+    rng = random.Random(7)
+    with pytest.raises(ValueError, match="module path"):
+        for _ in range(10_000):
+            matcher.match(".".join("a" * rng.randrange(1, 400) for _ in range(8)))
+    assert patterns.MAX_WORK < matcher.work <= patterns.MAX_WORK + patterns.MAX_STATES
+
+
+def test_real_keys_over_a_large_model_stay_far_below_the_work_limit():
+    from patchkit.verify import patterns
+
+    names = [f"base_model.model.model.language_model.layers.{layer}.{module}.{expert}"
+             for layer in range(64) for module in ("mlp.experts", "self_attn.q_proj")
+             for expert in range(64)]  # fmt: skip
+    for key in (r"model.layers.\d+.self_attn.q_proj", r"(q|k|v)_proj", r".*\.layers\.(1|2)\..*"):
+        matcher = compile_peft_key(key)
+        for name in names:
+            matcher.match(name)
+        assert matcher.work < patterns.MAX_WORK // 100, (key, matcher.work)

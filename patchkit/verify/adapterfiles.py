@@ -44,16 +44,23 @@ class AdapterConfig:
     # Each pattern key, compiled (patterns.compile_peft_key): matched without backtracking.
     matchers: dict[str, Matcher] = field(default_factory=dict, repr=False)
 
-    def _pattern(self, pattern: dict, name: str):
-        """The value of the first key matching the name, PEFT's rule (get_pattern_key)."""
+    def _pattern(self, which: str, pattern: dict, name: str):
+        """The value of the first key matching the name, PEFT's rule (get_pattern_key);
+        a key whose matching runs past patterns.MAX_WORK is refused in one line."""
         for key, value in pattern.items():
-            if self.matchers[key].match(name):
+            try:
+                found = self.matchers[key].match(name)
+            except ValueError as exc:
+                raise PatchkitError(
+                    f"{self.path}: {which} key {shown(key)} is refused: {exc}"
+                ) from None
+            if found:
                 return value
         return None
 
     def rank_alpha(self, name: str) -> tuple[int, float]:
-        rank = self._pattern(self.rank_pattern, name)
-        alpha = self._pattern(self.alpha_pattern, name)
+        rank = self._pattern("rank_pattern", self.rank_pattern, name)
+        alpha = self._pattern("alpha_pattern", self.alpha_pattern, name)
         return (self.r if rank is None else int(rank)), (self.alpha if alpha is None else alpha)
 
     def scale(self, rank: int, alpha: float) -> float:

@@ -24,12 +24,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# States of one compiled pattern; `a{1000}` unrolls to 1000 of them.
-MAX_STATES = 20_000
+# States of one compiled pattern; `a{500}` unrolls to 500 of them. PEFT's keys are
+# module paths with a `\d+` or an alternation: tens of states. Each step touches at most
+# this many, so time and memory per character stay small.
+MAX_STATES = 1_000
 # Groups nested deeper than this are refused (the parser recurses per group).
 MAX_NESTING = 100
-# Cached steps of one pattern; past this the cache starts over (memory stays bounded).
-MAX_CACHED = 4096
+# Cached steps of one pattern; past this the cache starts over (memory stays bounded:
+# 1024 sets of at most MAX_STATES states).
+MAX_CACHED = 1024
+# States one pattern may visit over all the names it is asked about (a few seconds of
+# Python at most). A hostile key on hostile names stops here with ValueError instead of
+# taking minutes: the work is linear, but names and patterns come from the same files.
+MAX_WORK = 5_000_000
 
 _SPECIAL = set(".^$*+?{}[]\\|()")
 _CATEGORIES = {
@@ -314,6 +321,7 @@ class Matcher:
         self._start = _emit(self._nfa, tree, self._accept)
         self._closures: dict = {}
         self._steps: dict = {}
+        self.work = 0  # states visited so far, by the steps and closures not cached
 
     def match(self, text: str) -> bool:
         n = len(text)
@@ -332,6 +340,7 @@ class Matcher:
         key = (states, ch)
         found = self._steps.get(key)
         if found is None:
+            self._spend(len(states))
             found = frozenset(
                 s.out[0]
                 for s in (self._nfa.states[i] for i in states)
@@ -351,6 +360,7 @@ class Matcher:
         holds = {"start": at_start, "end": at_end, "dollar": dollar}
         seen, todo = set(states), list(states)
         while todo:
+            self._spend(1)
             state = self._nfa.states[todo.pop()]
             if state.kind == "split" or (state.kind == "assert" and holds[state.anchor]):
                 for target in state.out:
@@ -358,6 +368,14 @@ class Matcher:
                         seen.add(target)
                         todo.append(target)
         return self._remember(self._closures, key, frozenset(seen))
+
+    def _spend(self, states: int) -> None:
+        self.work += states
+        if self.work > MAX_WORK:
+            raise ValueError(
+                f"matching it against the model's module names takes more than {MAX_WORK:,} "
+                "steps; a PEFT key is a module path, not a program"
+            )
 
     @staticmethod
     def _remember(cache: dict, key, value: frozenset) -> frozenset:
