@@ -123,3 +123,18 @@ def test_no_folder_is_named_like_build_output():
     named = {"target", "build", "dist", "out", "bin", "obj"}
     found = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name in named]
     assert not found, found
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages a wheel carries: a package left out imports here
+    (the checkout is on the path) and fails in every installed copy (the Docker step)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
