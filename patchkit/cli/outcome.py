@@ -96,8 +96,10 @@ def report_lost(done: Outcome, cause: OSError, as_json: bool) -> None:
     """stdout could not take the report: say so on stderr; exit 0 if the command changed
     anything (its work stands), else 1."""
     silence_stdout()
-    why = {errno.EPIPE: "broken pipe: its reader left", errno.ENOSPC: "no space left on the "
-           "device"}.get(cause.errno, (cause.strerror or str(cause)).lower())  # fmt: skip
+    why = {
+        errno.EPIPE: "broken pipe: its reader left",
+        errno.ENOSPC: "no space left on the device",
+    }.get(cause.errno, (cause.strerror or str(cause)).lower())
     if done.changed:
         fail(f"stdout could not take the report ({why})", exits.FAILURE, as_json, done)
     fail(

@@ -180,9 +180,14 @@ class Snapshot:
         files = {path: fs.read(path, "fork mode") for path in [*paths, *_state_files(fs)]}
         git_fs = checkout.git_fs
         return cls(
-            checkout, head_ref, repo.head.commit.hexsha, refs,
-            git_fs.read(INDEX, "git"), git_fs.read(EXCLUDE, "git"), files,
-        )  # fmt: skip
+            checkout,
+            head_ref,
+            repo.head.commit.hexsha,
+            refs,
+            git_fs.read(INDEX, "git"),
+            git_fs.read(EXCLUDE, "git"),
+            files,
+        )
 
     def restore(self) -> None:
         repo, fs = self.checkout.repo, self.checkout.tree.fs

@@ -109,8 +109,9 @@ def remove_stale_staging(directory: Path) -> list[Path]:
 
 def _remove_if_dead_staging(fs: Root, name: str) -> bool:
     try:
-        staging = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          dir_fd=fs.fd)  # fmt: skip
+        staging = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fs.fd
+        )
     except OSError:
         return False  # not a directory, a link, or gone
     with Root(fs.full(name), staging) as held_open:  # closes the descriptor
@@ -148,8 +149,9 @@ def _remove_staging(directory: Path, name: str) -> None:
     """Remove this run's own staging directory (signals held: all of it or the marker stays)."""
     try:
         with held(), Root.open(directory) as fs:
-            staging = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=fs.fd)  # fmt: skip
+            staging = os.open(
+                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fs.fd
+            )
             try:
                 _empty_staging(staging, directory / name)
             finally:
@@ -184,11 +186,23 @@ def _download(version: str, directory: Path, progress: bool = False) -> Path:
         print(f"downloading vllm=={version} with pip (about 300 MB)...", file=sys.stderr)
     verbosity = ["--progress-bar", "on"] if progress else ["--quiet"]
     command = [
-        sys.executable, "-m", "pip", "download", *verbosity, "--no-deps",
-        "--only-binary", ":all:", "--python-version", "3.12", "--implementation", "cp",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        *verbosity,
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
         *[arg for platform in PLATFORMS for arg in ("--platform", platform)],
-        "--dest", str(directory), f"vllm=={version}",
-    ]  # fmt: skip
+        "--dest",
+        str(directory),
+        f"vllm=={version}",
+    ]
     result = subprocess.run(
         command,
         stdout=sys.stderr if progress else subprocess.PIPE,

@@ -97,8 +97,13 @@ def qwen35_config(**text):
 
 def _with_vision(config_class, text: dict):
     """A Qwen3.5 (or -MoE) config: ``text``, a one-layer vision tower, special ids 4090-4093."""
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
-                  out_hidden_size=text["hidden_size"])  # fmt: skip
+    vision = dict(
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+    )
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -117,8 +122,14 @@ def build_model(workdir: Path, seed: int) -> tuple[Path, Path]:
     from transformers import Qwen3_5ForConditionalGeneration
 
     model_dir, adapter_dir = workdir / "model", workdir / "adapter"
-    save_random(Qwen3_5ForConditionalGeneration, qwen35_config(), seed, model_dir, adapter_dir,
-                TARGET_MODULES)  # fmt: skip
+    save_random(
+        Qwen3_5ForConditionalGeneration,
+        qwen35_config(),
+        seed,
+        model_dir,
+        adapter_dir,
+        TARGET_MODULES,
+    )
     for kind, target in PARTIAL_ADAPTERS.items():
         base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16)
         config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=target, init_lora_weights=False)
@@ -230,8 +241,14 @@ def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     model_dir, adapter_dir = workdir / "moe-model", workdir / "moe-adapter"
-    save_random(Qwen3_5MoeForConditionalGeneration, qwen35_moe_config(), seed + 1, model_dir,
-                adapter_dir, MOE_TARGET_MODULES)  # fmt: skip
+    save_random(
+        Qwen3_5MoeForConditionalGeneration,
+        qwen35_moe_config(),
+        seed + 1,
+        model_dir,
+        adapter_dir,
+        MOE_TARGET_MODULES,
+    )
     tensors = load_file(adapter_dir / "adapter_model.safetensors")
     tensors |= _expert_factors(torch, seed)
     save_file(tensors, adapter_dir / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -344,11 +361,17 @@ def run_e2e(
 
 # The requests of one dense engine, in order: (label, prompt). LoRA labels use the adapter.
 PLAN = (
-    ("base", "p50"), ("base", "p600"), ("base", "p3000"),
-    ("lora", "p50"), ("lora", "p600"), ("lora", "p3000"),
+    ("base", "p50"),
+    ("base", "p600"),
+    ("base", "p3000"),
+    ("lora", "p50"),
+    ("lora", "p600"),
+    ("lora", "p3000"),
     ("lora_after_long", "p50"),
-    ("base_after_lora", "p50"), ("base_after_lora", "p600"), ("base_after_lora", "p3000"),
-)  # fmt: skip
+    ("base_after_lora", "p50"),
+    ("base_after_lora", "p600"),
+    ("base_after_lora", "p3000"),
+)
 
 
 def compare(mode: str, served: dict, reference: dict) -> list[Check]:

@@ -125,8 +125,9 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
     if request.model is not None:
         from patchkit.verify import usermodel
 
-        setup = usermodel.prepare(request.model, request.loras, request.tensor_parallel_size,
-                              request.max_model_len, seed)  # fmt: skip
+        setup = usermodel.prepare(
+            request.model, request.loras, request.tensor_parallel_size, request.max_model_len, seed
+        )
         # The adapters are read and the disk is said here, not after the kernel
         # checks and --e2e's minutes on the GPU: a bad adapter fails first.
         base = usermodel.reference_base(_model_keep(request), request.workdir)
@@ -147,8 +148,11 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
     try:
         from patchkit.verify import kernelcheck
 
-        env = {**environment(torch, tree), "seed": seed,
-               "tensor_parallel_size": request.tensor_parallel_size}  # fmt: skip
+        env = {
+            **environment(torch, tree),
+            "seed": seed,
+            "tensor_parallel_size": request.tensor_parallel_size,
+        }
         report = VerifyReport(env, patches)
         report.kernel = kernelcheck.trigger_cases(seed) + kernelcheck.wrapper_cases(seed)
     except ImportError as exc:

@@ -116,11 +116,15 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
     if keep is not None:
         _check_keep(Path(keep))
     return runner.Request(
-        e2e=e2e, seed=seed, keep=Path(keep) if keep else None,
-        model=Path(model) if model else None, loras=[parse_lora(v) for v in loras],
-        tensor_parallel_size=tp, max_model_len=max_model_len,
+        e2e=e2e,
+        seed=seed,
+        keep=Path(keep) if keep else None,
+        model=Path(model) if model else None,
+        loras=[parse_lora(v) for v in loras],
+        tensor_parallel_size=tp,
+        max_model_len=max_model_len,
         workdir=Path(workdir) if workdir else None,
-    )  # fmt: skip
+    )
 
 
 def _check_keep(keep) -> None:
