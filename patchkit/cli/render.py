@@ -25,6 +25,7 @@ import click
 
 from patchkit.caches.compiled import CacheResult
 from patchkit.catalogue.model import Catalogue
+from patchkit.cli import exits
 from patchkit.doctor import sass
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
@@ -392,7 +393,7 @@ def canary_json(report) -> dict:
 
     data = {
         "ok": report.ok,
-        "exit_code": 0 if report.ok else 1,
+        "exit_code": exits.OK if report.ok else exits.FAILURE,
         "url": report.url,
         "vllm_version": report.version,
         "prompt_tokens": report.prompt_tokens,
