@@ -266,7 +266,7 @@ def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     cold scan of 0.26.0 writes about 150) are not "older than the patch"; an entry
     someone else wrote before the patch is, and so is one of the scan's rewritten since."""
     from tests.conftest import copy_tree
-    from tests.test_kernelscan import scan_env
+    from tests.kernelscan_helpers import scan_env
 
     tree = copy_tree("0.26.0", tmp_path / "site-packages")
     env = {**scan_env(), **caches_env(tmp_path)}  # a cold scan: it compiles into an empty cache

@@ -23,8 +23,8 @@ import pytest
 
 from patchkit.canary import check
 from patchkit.errors import PatchkitError
+from tests.canary_helpers import BASE, completion
 from tests.conftest import run_cli, run_subprocess
-from tests.test_canary import BASE, completion
 
 LINE_LIMIT = 300
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli, run_subprocess
-from tests.test_failures import REPORT_IMPORTS
+from tests.helpers import REPORT_IMPORTS
 
 NAN_BUG = "vLLM #48590"
 PARTIAL_BUG = "vLLM #47639"

@@ -15,7 +15,7 @@ import pytest
 from patchkit.fs.safepath import Root
 from patchkit.patching.transaction import TreeLock
 from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
-from tests.helpers import FILES, MARK, make_catalogue
+from tests.helpers import FILES, MARK, REPORT_IMPORTS, make_catalogue
 
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 BLOCK_N_LINE = '"block_n": 64 if num_slices > 1 else 128,'
@@ -325,13 +325,6 @@ def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
     strict = run_cli("apply", "--target", str(root), "--only", "expand-block-n", "--strict")
     assert strict.exit_code == 1
     assert snapshot(root) == before
-
-
-REPORT_IMPORTS = """
-import atexit, sys
-atexit.register(lambda: print("IMPORTED:", sorted(
-    m for m in ("vllm", "torch", "git", "triton") if m in sys.modules), file=sys.stderr))
-"""
 
 
 def test_status_imports_neither_vllm_nor_torch(tree_0260: Path):

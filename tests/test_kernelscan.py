@@ -11,19 +11,17 @@ that Triton (keyed by its version), so a second run compiles nothing.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TEST_CACHE, copy_tree, release_tree, run_cli
+from tests.conftest import TEST_CACHE, copy_tree, release_tree, run_cli
+from tests.kernelscan_helpers import TRITON, scan_env, triton_site
 
-TRITON = "3.7.1"
 NAN_BUG = "vLLM #48590"
 DENSE = {"_lora_shrink_kernel", "_lora_expand_kernel"}
 FP8 = {"_lora_shrink_kernel_fp8", "_lora_expand_kernel_fp8", "_fused_moe_lora_kernel_fp8"}
@@ -35,62 +33,6 @@ KERNELS = {
     "0.33.0": DENSE | FP8 | MOE | {"_lora_shrink_reduce_kernel"},
 }
 READ = {"hazard", "clean", "no-register-operand"}  # verdicts of a kernel that was compiled and read
-
-
-def triton_site(version: str = TRITON) -> Path:
-    """Triton ``version`` installed (--target) into the tests' cache; downloaded on first use."""
-    site = TEST_CACHE / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}"
-    if (site / "triton" / "__init__.py").is_file():
-        return site
-    TEST_CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".triton-") as tmp:
-        pip = [sys.executable, "-m", "pip", "-q"]
-        download = ["download", "--no-deps", "--only-binary", ":all:", "-d", tmp]
-        subprocess.run([*pip, *download, f"triton=={version}"], check=True)
-        wheel = next(Path(tmp).glob("triton-*.whl"))
-        target = Path(tmp) / "site"
-        subprocess.run(
-            [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-            check=True,
-        )
-        os.replace(target, site)
-    return site
-
-
-TORCH_PACKAGES = ("torch", "torchgen", "functorch", "filelock", "typing_extensions", "sympy",
-                  "mpmath", "networkx", "jinja2", "markupsafe", "fsspec")  # fmt: skip
-
-
-def torch_site() -> Path:
-    """The tests' CPU torch and what it imports, linked into one directory for a .pth.
-
-    The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
-    vLLM environment has; an image-like test venv gets it through this.
-    """
-    import importlib.util
-
-    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
-    site.mkdir(parents=True, exist_ok=True)
-    for name in TORCH_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        origin = Path(spec.origin)
-        source = origin.parent if origin.name == "__init__.py" else origin
-        link = site / source.name
-        if not link.exists():
-            link.symlink_to(source)
-    return site
-
-
-def scan_env(version: str = TRITON) -> dict:
-    """A child patchkit that imports Triton ``version``; caches kept per Triton version."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TRITON_"))}
-    env.pop("PATCHKIT_LORA_BACKEND", None)
-    env["PYTHONPATH"] = f"{triton_site(version)}{os.pathsep}{REPO}"
-    env["TRITON_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-cache")
-    env["PATCHKIT_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-readings")  # scans, SASS
-    return env
 
 
 def doctor(tree: Path, *args: str, version: str = TRITON, **extra: str):

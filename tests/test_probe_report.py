@@ -10,24 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
+from tests.helpers import record, write_log
 
 HEADER = {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []}
-
-
-def record(step, layer, module, kind, bad, order=-1, requests=("a", "b"), adapters=None):
-    """One probe line as the module writes it (rows counted as Inf)."""
-    return {
-        "step": step, "rank": 0, "layer": layer, "module": module, "kind": kind,
-        "order": order, "nan_rows": 0, "inf_rows": len(bad), "absmax": 1.0, "tokens": 8,
-        "requests": list(requests), "adapters": adapters or {}, "time": 0.0,
-        "bad_requests": list(bad),
-    }  # fmt: skip
-
-
-def write_log(tmp_path: Path, *lines) -> Path:
-    path = tmp_path / "probe.jsonl"
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
 
 
 def report(path: Path) -> dict:

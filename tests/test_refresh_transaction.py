@@ -22,9 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CATALOGUE, REPO, release_tree, run_cli, snapshot
-from tests.test_signals import ENV, PATCHKIT, STRACE, default_dispositions
-from tests.test_write_points import HOOK, MARK, Zygote, normalized, slim_tree
+from tests.conftest import (
+    CATALOGUE,
+    PATCHKIT,
+    REPO,
+    normalized,
+    release_tree,
+    run_cli,
+    slim_tree,
+    snapshot,
+)
+from tests.fault_helpers import ENV, HOOK, MARK, STRACE, Zygote, default_dispositions
 
 MATMUL = "matmul-add-lora-linear"
 CREATED = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"

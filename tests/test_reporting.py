@@ -299,7 +299,7 @@ def test_render_counts_in_their_number():
 
 
 def test_the_probe_report_counts_in_their_number(tmp_path):
-    from tests.test_probe_report import record, write_log
+    from tests.helpers import record, write_log
 
     log = write_log(tmp_path, record(5, 1, "mlp.down_proj", "lora", ["b"], order=5))
     lines = run_cli("probe", "report", str(log)).stdout.splitlines()

@@ -16,6 +16,7 @@ import pytest
 
 from patchkit.verify import e2e, kernelcheck
 from tests.conftest import run_cli, run_subprocess
+from tests.helpers import failing
 
 torch = pytest.importorskip("torch", reason="verify's checks need torch (the test extra)")
 has_gpu_and_vllm = torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")
@@ -110,10 +111,6 @@ def served(mode_noise=0.0):
         runs[kind] = {e2e.PARTIAL_PROMPT: {"prompt_logprobs": list(partial), "tokens": [5],
                                            "token_logprobs": [-1.0]}}  # fmt: skip
     return {"mode": "eager", "corrupted_requests": 0, "runs": runs}, reference
-
-
-def failing(checks) -> list[str]:
-    return [c.name for c in checks if not c.ok]
 
 
 def test_compare_passes_a_clean_run():

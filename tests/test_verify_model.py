@@ -22,9 +22,10 @@ import pytest
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import e2e, merge, serving, usermodel
 from tests.conftest import run_cli, run_subprocess
+from tests.helpers import failing
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
-from tests.test_merge import (  # noqa: E402
+from tests.checkpoint_helpers import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     VL,
@@ -365,10 +366,6 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
 
 
 # ----- the checks of --model on served results -----
-
-
-def failing(checks) -> list[str]:
-    return [c.name for c in checks if not c.ok]
 
 
 def test_compare_passes_a_clean_run():

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.conftest import CATALOGUE, release_tree, run_cli, run_subprocess
-from tests.test_hostile_two import one_line
+from tests.helpers import one_line
 
 SPLIT = "split-in-proj-qkvz"
 PARTIAL = "partial-gdn-adapter"
