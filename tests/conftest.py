@@ -253,10 +253,12 @@ def git(root: Path, *args: str) -> str:
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    """vllm/ of the real 0.26.0 wheel, committed, tagged v0.26.0, plus one local commit."""
+    """vllm/ of the real 0.26.0 wheel (its slim part), committed, tagged v0.26.0, plus one
+    local commit: fork mode reads and commits only the files the patches touch."""
     root = tmp_path / "vllm-fork"
-    root.mkdir()
-    shutil.copytree(release_tree("0.26.0") / "vllm", root / "vllm")
+    slim_tree(root)
+    for dist_info in root.glob("vllm-*.dist-info"):  # a checkout has no dist-info
+        shutil.rmtree(dist_info)
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
     git(root, "commit", "-qm", "vLLM 0.26.0")
