@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import CATALOGUE, REPO, run_cli, snapshot
 
 # ----- install lines name the packages (the index's `patchkit` is another project) -----
@@ -261,6 +263,7 @@ def test_0_29_names_what_it_still_gets_wrong(tmp_path: Path):
     )
 
 
+@pytest.mark.network
 def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     """`doctor --kernels`, `apply`, `doctor`: the Triton entries the scan compiled (a
     cold scan of 0.26.0 writes about 150) are not "older than the patch"; an entry

@@ -57,6 +57,7 @@ def test_dockerfile_stages():
     assert stages[-1].base == "patched"  # the default target is the patched image
 
 
+@pytest.mark.network
 def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
     runner, site = image
     patched = stage(parse(DOCKERFILE), "patched")

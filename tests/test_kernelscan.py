@@ -67,6 +67,7 @@ def single_slice_fp32_expand(report: dict) -> list[dict]:
     return [c for c in found if c["signature"]["input_ptr"] == "*fp32"]
 
 
+@pytest.mark.network
 @pytest.mark.parametrize(
     "version, triton",
     [("0.22.0", TRITON), ("0.26.0", TRITON), ("0.33.0", TRITON), ("0.26.0", "3.6.0")],  # fmt: skip
@@ -91,6 +92,7 @@ def test_every_lora_kernel_the_release_launches_is_compiled_and_read(version, tr
     assert "fp8" in fp8[0]["why_not_called"]
 
 
+@pytest.mark.network
 def test_the_fp8_moe_kernel_is_reported_as_vllm_ships_it():
     """vLLM's fp8 MoE LoRA kernel reads B as the output dtype, so w8a8 (fp8 activations,
     bf16 output) does not compile: the scan says so for that kernel, and it is not run."""
@@ -101,6 +103,7 @@ def test_the_fp8_moe_kernel_is_reported_as_vllm_ships_it():
     assert not any(c["called"] for c in fp8_moe)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("version", ["0.26.0", "0.30.0"])
 def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path, version):
     tree = copy_tree(version, tmp_path / "t")
@@ -123,6 +126,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert "no overwrite" in nan_verdict(after)["reason"]
 
 
+@pytest.mark.network
 def test_0330_ships_one_stage_and_is_clean():
     report = doctor_kernels(release_tree("0.33.0"))
     expand = single_slice_fp32_expand(report)
@@ -135,6 +139,7 @@ def test_0330_ships_one_stage_and_is_clean():
     assert "VLLM_BATCH_INVARIANT" in reduce[0]["why_not_called"]
 
 
+@pytest.mark.network
 def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
     only = ["--only", "matmul-add-lora-linear"]
@@ -152,6 +157,7 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     assert nan_verdict(triton_backend)["status"] == "exposed"
 
 
+@pytest.mark.network
 def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
@@ -203,6 +209,7 @@ def scan_calls(tree: Path, wanted: str, **extra: str) -> dict:
 ONE_CALL = "down_proj (1 slice), 16 tokens, rank 64"
 
 
+@pytest.mark.network
 def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
     ptxas = TEST_CACHE / f"triton-{TRITON}-ptxas-copy" / "ptxas"  # kept: its readings stay warm
     if not ptxas.is_file():
@@ -214,6 +221,7 @@ def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
     assert scan["toolchain"]["ptxas_version"] == "12.8.93"
 
 
+@pytest.mark.network
 def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     """A launcher that asks an unmodelled vLLM helper is still compiled, but never passes
     for vLLM's own choice: the case says which stand-in it leaned on."""
@@ -240,6 +248,7 @@ def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     assert [m.group(1) for m in approximate.finditer(text)] == ["_lora_expand_kernel"]
 
 
+@pytest.mark.network
 def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "site-packages")
     info = tree / "triton-3.6.0.dist-info"
@@ -262,6 +271,7 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
     assert "vLLM here runs" not in same["reason"] and "kernel scan:" in same["reason"]
 
 
+@pytest.mark.network
 def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbose():
     tree = release_tree("0.26.0")
     report = doctor_kernels(tree)
@@ -283,6 +293,7 @@ def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbo
     assert any(ln.startswith("  [hazard] _lora_expand_kernel block M64 N128 K32") for ln in configs)
 
 
+@pytest.mark.network
 def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
     from patchkit.doctor.configs import model_from_dir
 

@@ -37,6 +37,7 @@ def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
     assert json.loads(as_json.stdout)["ok"] is False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not has_gpu_and_vllm, reason="needs a CUDA GPU and vLLM: run `patchkit verify` on a GPU host"
 )

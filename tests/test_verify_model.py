@@ -526,6 +526,7 @@ def test_jobs_name_their_engines_and_requests():
     ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")),
     reason="needs a CUDA GPU and vLLM: run scripts/verify_gpu_proof.sh on a GPU host",
