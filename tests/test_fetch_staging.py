@@ -117,7 +117,7 @@ def test_a_marker_with_an_impossible_pid_is_a_dead_fetch(tmp_path):
 
 
 def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, monkeypatch):
-    """Attack round three H4: the staging directory is exchanged (renameat2) with a
+    """The staging directory is exchanged (renameat2) with a
     user's directory between the marker read and the removal."""
     import ctypes
 

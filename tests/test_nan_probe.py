@@ -581,7 +581,7 @@ def test_the_module_needs_no_vllm():
     assert "vllm" not in roots and "torch" in roots
 
 
-# ----- review round: the log path must never crash or stall the server -----
+# ----- the log path must never crash or stall the server -----
 
 
 @pytest.fixture

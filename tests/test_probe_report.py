@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_subprocess
 from tests.helpers import record, write_log
 
 HEADER = {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []}
@@ -185,22 +185,16 @@ def test_probe_report_imports_neither_vllm_nor_torch(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
-# ----- review round: hostile logs -----
+# ----- hostile logs -----
 
 
 def test_a_fifo_is_refused_by_type_not_waited_on(tmp_path):
     """A FIFO named as the log blocked open() forever (no writer): refused, exit 1."""
     import os
-    import subprocess
-    import sys
 
     fifo = tmp_path / "probe.jsonl"
     os.mkfifo(fifo)
-    code = "from patchkit.cli.main import main\nmain()\n"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "probe", "report", str(fifo)],
-        capture_output=True, text=True, timeout=20,
-    )  # fmt: skip
+    done = run_subprocess("probe", "report", str(fifo), timeout=20)
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and str(fifo) in lines[0] and "not a regular file" in lines[0]

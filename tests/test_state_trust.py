@@ -220,7 +220,7 @@ def test_an_unknown_patch_whose_files_are_back_is_dropped(slim_tree_0260):
 
 
 def test_revert_only_never_restores_under_a_patch_this_patchkit_lacks(slim_tree_0260):
-    """Attack round three M1: a newer patchkit's patch stacked on expand-block-n's file."""
+    """A newer patchkit's patch stacked on expand-block-n's file."""
     assert (
         run_cli("apply", "--target", str(slim_tree_0260), "--only", "expand-block-n").exit_code == 0
     )
