@@ -194,6 +194,7 @@ def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, t
     assert stale_verdict(doctor_json(tree_0260, env))["status"] == "not affected"
 
 
+@pytest.mark.slow
 def test_stale_bytecode_is_deleted_not_reverted(tree_0260: Path, tmp_path: Path):
     """apply rewrites nothing on a patched tree, so it removes no .pyc: the fix says to
     delete them, and for old caches as well, the apply that clears them."""

@@ -42,6 +42,7 @@ def test_an_empty_cache_variable_never_deletes_the_working_directory(tmp_path, v
         assert caches[0]["removed"] is False and "not an absolute path" in caches[0]["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "where",
     ["user-files", "symlink", "ancestor-of-tree", "home", "inside-tree"],
@@ -71,6 +72,7 @@ def test_a_cache_variable_pointing_at_user_data_is_left_alone(tmp_path, where):
     assert all(k.startswith("work/t/vllm/") or k.startswith("work/t/.patchkit") for k in changed)
 
 
+@pytest.mark.slow
 def test_a_real_cache_is_cleared_and_its_directory_kept(tmp_path):
     work = tmp_path / "work"
     tree = slim_tree(work / "t")
@@ -96,6 +98,7 @@ def clear(tree: Path, home: Path, **env: str) -> dict:
     return {c["name"].split()[0]: c for c in data["caches_removed"]}
 
 
+@pytest.mark.slow
 def test_clear_caches_never_crosses_a_bind_mount(tmp_path, slim_tree_0260, bind_mount):
     victim = tmp_path / "data"  # files only: Triton's layout, so only the mount check stops it
     victim.mkdir()
@@ -136,6 +139,7 @@ def test_cache_links_above_the_last_component_are_not_followed(tmp_path, slim_tr
     assert kernel.read_bytes() == b"k" and (vllm_real / "graph").read_bytes() == b"g"
 
 
+@pytest.mark.slow
 def test_an_absent_cache_is_not_reported_as_cleared(tmp_path, slim_tree_0260):
     home = tmp_path / "home"
     home.mkdir()

@@ -74,7 +74,9 @@ class FakeVLLM:
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for serve_forever's next poll: 0.5 s a test by default
+        serve = lambda: self.httpd.serve_forever(poll_interval=0.01)  # noqa: E731
+        self.thread = threading.Thread(target=serve, daemon=True)
 
     @property
     def url(self) -> str:
@@ -88,6 +90,7 @@ class FakeVLLM:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers, then body: no 40 ms delayed-ACK wait each
 
             def log_message(self, *args):
                 pass
@@ -334,6 +337,7 @@ def test_text_output_of_a_healthy_server():
 # ----- NaN evidence -----
 
 
+@pytest.mark.slow
 def test_adapter_answering_bangs_with_token_id_zero_is_named():
     with FakeVLLM({BASE: "ok", "sql-lora": "ok", "bad-lora": "bang"}) as server:
         result = canary_cli(server.url)
@@ -450,6 +454,7 @@ def test_base_model_bad_says_lora_is_not_the_only_cause():
 # ----- /metrics -----
 
 
+@pytest.mark.slow
 def test_counter_rising_during_one_model_blames_that_model_only():
     with FakeVLLM({BASE: "ok", "a": "ok", "b": "corrupt", "c": "ok"}) as server:
         code, report = canary_json(server.url)
@@ -534,6 +539,7 @@ def test_unreachable_server_json():
     assert data["ok"] is False and data["exit_code"] == 1 and "cannot reach" in data["error"]
 
 
+@pytest.mark.slow
 def test_server_that_accepts_but_never_answers_respects_timeout():
     with socket.socket() as listener:  # the kernel accepts; nobody reads or answers
         listener.bind(("127.0.0.1", 0))
@@ -545,6 +551,7 @@ def test_server_that_accepts_but_never_answers_respects_timeout():
     assert "got no answer within 2 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(monkeypatch):
     """A full accept queue drops SYNs, as a firewall or a dead pod IP does."""
     monkeypatch.setattr(check, "CONNECT_TIMEOUT", 1.0)
@@ -566,6 +573,7 @@ def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(mon
     assert "cannot connect within 1 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_server_trickling_its_answer_is_cut_at_the_deadline():
     """Each byte comes within the read timeout; only the whole-run deadline stops it."""
     with socket.socket() as listener:
@@ -593,6 +601,7 @@ def test_server_trickling_its_answer_is_cut_at_the_deadline():
     assert "got no answer within 2 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_hanging_model_ends_the_run_at_the_deadline():
     with FakeVLLM({BASE: "ok", "slow": "hang", "after": "ok"}) as server:
         started = time.monotonic()
@@ -661,6 +670,7 @@ def test_prompt_shortened_to_fit_max_model_len():
 # ----- the API key -----
 
 
+@pytest.mark.slow
 def test_api_key_is_sent_as_bearer_and_never_printed(tmp_path: Path):
     with FakeVLLM({BASE: "ok", "leaky": "leaky"}, api_key=KEY) as server:
         text = canary_cli(server.url, "--api-key", KEY, "--record", str(tmp_path))
@@ -765,6 +775,7 @@ def test_record_writes_each_exchange(tmp_path: Path):
     assert json.loads(exchange["body"])["choices"][0]["token_ids"] == SANE_IDS[:32]
 
 
+@pytest.mark.slow
 def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_line(tmp_path):
     """--record DIR in a shared place: a symlink named like a record file made the
     canary overwrite the file it points to (write_text follows links)."""

@@ -170,6 +170,7 @@ o.commit = _slow
 """
 
 
+@pytest.mark.slow
 def test_two_concurrent_applies(slim_tree_0260: Path):
     """The second run waits for the lock, then finds the patch applied."""
     command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli.main import main\nmain()\n"]
@@ -319,6 +320,7 @@ def test_only_unknown_id_is_a_usage_error(slim_tree_0260: Path):
     assert "unknown patch 'no-such-patch'" in result.output
 
 
+@pytest.mark.slow
 def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
     root = copy_tree("0.33.0", tmp_path / "sp")
     before = snapshot(root)

@@ -20,6 +20,7 @@ import pytest
 from tests.conftest import REPO, copy_tree, run_cli
 
 
+@pytest.mark.slow
 def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
     """Staging of a dead fetch goes; a live one stays; so does a directory that only
     looks like one by its name (issue 18: recognised by patchkit's marker, not a pattern)."""
@@ -105,6 +106,7 @@ def test_fetch_staging_cleanup_removes_the_marker_last(tmp_path):
     assert order[-1] == STAGING_MARKER and list(staging.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_marker_with_an_impossible_pid_is_a_dead_fetch(tmp_path):
     cache = tmp_path / "cache"
     tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")

@@ -14,10 +14,13 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import git, release_tree, run_cli, run_subprocess, snapshot
 from tests.helpers import UTILS, one_line
 
 
+@pytest.mark.slow
 def test_status_apply_status_revert_on_a_fork(checkout: Path):
     start = git(checkout, "rev-parse", "HEAD")
     status = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
@@ -104,6 +107,7 @@ def test_dirty_checkout_is_refused_unless_allowed(checkout: Path):
     assert git(checkout, "status", "--porcelain") == "M FORK.md"
 
 
+@pytest.mark.slow
 def test_version_from_version_file_without_tags(tmp_path: Path):
     root = tmp_path / "untagged"
     root.mkdir()
@@ -144,6 +148,7 @@ def git_state(root: Path) -> tuple:
     )
 
 
+@pytest.mark.slow
 def test_fork_mode_without_a_git_identity_changes_nothing(checkout):
     before = git_state(checkout)
     line = one_line(run_subprocess("apply", "--target", str(checkout), env=NO_IDENTITY))
@@ -157,6 +162,7 @@ def reject_commits(root: Path) -> None:
     hook.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_a_rejecting_pre_commit_hook_leaves_the_checkout_as_before(checkout):
     reject_commits(checkout)
     before = git_state(checkout)
@@ -165,6 +171,7 @@ def test_a_rejecting_pre_commit_hook_leaves_the_checkout_as_before(checkout):
     assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
 
 
+@pytest.mark.slow
 def test_a_rejecting_hook_during_revert_leaves_the_checkout_as_before(checkout):
     assert run_subprocess("apply", "--target", str(checkout), env=IDENTITY).returncode == 0
     reject_commits(checkout)
@@ -176,6 +183,7 @@ def test_a_rejecting_hook_during_revert_leaves_the_checkout_as_before(checkout):
     assert (checkout / ".patchkit" / "state.json").read_bytes() == state
 
 
+@pytest.mark.slow
 def test_an_invalid_branch_name_is_a_usage_error(checkout):
     before = git_state(checkout)
     line = one_line(
@@ -186,6 +194,7 @@ def test_an_invalid_branch_name_is_a_usage_error(checkout):
     assert git_state(checkout) == before
 
 
+@pytest.mark.slow
 def test_fork_mode_never_writes_through_links_in_dot_git(tmp_path, checkout):
     victim = tmp_path / "victim"
     victim.write_text("mine\n")
@@ -197,6 +206,7 @@ def test_fork_mode_never_writes_through_links_in_dot_git(tmp_path, checkout):
     assert victim.read_text() == "mine\n"
 
 
+@pytest.mark.slow
 def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
     exclude = checkout / ".git" / "info" / "exclude"
     exclude.unlink(missing_ok=True)
@@ -214,6 +224,7 @@ exit 0
 """
 
 
+@pytest.mark.slow
 def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout):
     hook = checkout / ".git" / "hooks" / "pre-commit"
     hook.write_text(SIGNAL_PARENT_HOOK)

@@ -439,6 +439,7 @@ def test_a_bad_line_before_the_last_still_fails_the_report(tmp_path):
     one_line_error([str(shape)], 1, f"{shape}:2", "'step': int expected")
 
 
+@pytest.mark.slow
 def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_path):
     """A 102 MB log took 1.37 GB: every record was kept. 96 MiB of stats lines (every
     point every step, as PATCHKIT_PROBE_STATS=1 writes them) with one bad request, read

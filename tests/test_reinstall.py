@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import copy_tree, normalized, release_tree, run_cli, slim_tree, snapshot
 from tests.helpers import CREATED, PUNICA, UTILS, stacked_catalogue
 
@@ -28,6 +30,7 @@ def reinstall(tree: Path, version: str) -> None:
         shutil.copytree(dist_info, tree / dist_info.name)
 
 
+@pytest.mark.slow
 def test_after_a_reinstall_as_another_release_no_backup_goes_over_its_files(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "site")
     assert run_cli("apply", "--target", str(tree)).exit_code == 0

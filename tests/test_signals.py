@@ -88,6 +88,7 @@ def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, si
     return result.returncode, None if problem is None else f"{where}: {problem}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command, start):
     copy = tmp_path / "count"

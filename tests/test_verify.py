@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="verify's checks need torch (the tes
 has_gpu_and_vllm = torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
     result = run_subprocess("verify")

@@ -209,6 +209,7 @@ def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
     serving.check_tensor_parallel(2, 2)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_tp_beyond_the_gpus_before_any_work():
     """torch is made to see one GPU; the refusal comes before vLLM is looked for."""
     fake_gpu = "import torch\ntorch.cuda.is_available = lambda: True\n"

@@ -80,6 +80,7 @@ def walk(references, zygote, tmp_path: Path, start: str, command: str, mode: str
         at += 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_sigkill_at_every_write_point_leaves_no_debris(
     references, zygote, tmp_path, command, start
@@ -95,6 +96,7 @@ def test_sigkill_at_every_write_point_leaves_no_debris(
     assert points > 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
     references, zygote, tmp_path, command, start
@@ -107,6 +109,7 @@ def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
         assert normalized(tree) == references["pristine_snapshot"], f"Ctrl-C at write {at}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_full_disk_at_every_write_changes_nothing(references, zygote, tmp_path, command, start):
     failures = 0
