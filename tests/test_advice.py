@@ -176,6 +176,7 @@ def old_triton_entry(cache: Path, name: str = TRITON_KEY) -> Path:
     return entry
 
 
+@pytest.mark.slow
 def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, tmp_path: Path):
     """The command doctor gives is the least that works, run as given: the caches go, the
     tree stays as it is."""

@@ -136,6 +136,7 @@ def test_add_lora_linear_matches_float64_reference(ops, params, add_inputs, dtyp
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.slow
 def test_no_adapter_in_the_batch_gives_exactly_no_change(ops):
     case = Case(7, 25, 4, 3, (64, 32), 64, torch.bfloat16)
     case.mapping[:] = -1

@@ -19,6 +19,7 @@ from tests.conftest import REPO, run_subprocess
 from tests.helpers import UTILS, one_error_line, one_line
 
 
+@pytest.mark.slow
 def test_a_fifo_in_place_of_a_patched_file(slim_tree_0260):
     (slim_tree_0260 / UTILS).unlink()
     os.mkfifo(slim_tree_0260 / UTILS)

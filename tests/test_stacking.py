@@ -154,6 +154,7 @@ def test_a_crash_mid_apply_of_the_pair_is_rolled_back(pair):
     assert states(tree, env) == {"lower": "applied", "upper": "applied"}
 
 
+@pytest.mark.slow
 def test_concurrent_runs_on_the_pair_serialise(pair):
     tree, env = pair
     pristine = snapshot(tree)

@@ -154,6 +154,7 @@ def test_a_journal_that_lists_a_file_twice_is_refused(slim_tree_0260):
     assert snapshot(slim_tree_0260) == before
 
 
+@pytest.mark.slow
 def test_a_state_path_with_a_newline_gives_one_line(slim_tree_0260):
     """A forged path may hold a newline; the error still fits one line (written escaped)."""
     assert run_cli("apply", "--target", str(slim_tree_0260)).exit_code == 0

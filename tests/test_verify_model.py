@@ -165,6 +165,7 @@ def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     """SIGTERM (CI, `timeout`, Kubernetes) reaches only patchkit, raised as Terminated in
     wait(): the vLLM engine children went on holding the GPUs, orphaned, while the
