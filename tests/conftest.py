@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -112,18 +113,121 @@ def run_cli(*args: str, env: dict | None = None):
     return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
 
 
-def run_subprocess(*args: str, env: dict | None = None, code: str | None = None):
-    """Run patchkit in a child Python; ``code`` runs first (to inject faults)."""
-    prelude = (code or "") + "\nfrom patchkit.cli.main import main\nmain()\n"
-    full_env = {**os.environ, **(env or {})}
+def applied(tree: Path) -> Path:
+    """Apply the default set to ``tree`` in-process; the path of its state file."""
+    assert run_cli("apply", "--target", str(tree)).exit_code == 0
+    return tree / ".patchkit" / "state.json"
+
+
+ENTRY = "\nfrom patchkit.cli.entry import main\nmain()\n"
+PATCHKIT = [sys.executable, "-c", ENTRY]  # the console script's start, for strace and friends
+
+
+def run_subprocess(
+    *args: str,
+    env: dict | None = None,
+    code: str | None = None,
+    cwd: Path | None = None,
+    timeout: float = 120,
+):
+    """Run patchkit in a child Python, started as the console script starts it.
+
+    ``code`` runs first (to inject faults); ``env`` is laid over this process's
+    environment, a None value unsetting a variable; the child imports this
+    checkout's patchkit. A hang fails the test after ``timeout`` seconds instead
+    of stopping the suite.
+    """
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    full_env = {name: value for name, value in full_env.items() if value is not None}
     return subprocess.run(
-        [sys.executable, "-c", prelude, *args], capture_output=True, text=True, env=full_env
+        [sys.executable, "-c", (code or "") + ENTRY, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
     )
 
 
 @pytest.fixture
 def tree_0260(tmp_path: Path) -> Path:
+    """A copy of the whole 0.26.0 tree (2,241 files): for what reads beyond the patched files."""
     return copy_tree("0.26.0", tmp_path / "site-packages")
+
+
+# The real 0.26.0 files that apply, revert, status and the decisions read, with
+# the wheel's dist-info (its RECORD and METADATA name the release): a tree of
+# ~300 files instead of ~2,250, for tests that copy a tree many times or need
+# one on a small file system.
+SLIM = (
+    "vllm/__init__.py",
+    "vllm/lora",
+    "vllm/model_executor/models/qwen3_5.py",
+    "vllm/model_executor/layers/mamba/gdn_linear_attn.py",
+)
+
+
+def slim_tree(dest: Path) -> Path:
+    """SLIM of the real 0.26.0 wheel, copied to ``dest``."""
+    source = release_tree("0.26.0")
+    for relpath in SLIM:
+        if not (source / relpath).exists():
+            continue  # gdn_linear_attn.py: only in some releases
+        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
+        if (source / relpath).is_dir():
+            shutil.copytree(source / relpath, dest / relpath)
+        else:
+            shutil.copy2(source / relpath, dest / relpath)
+    for dist_info in source.glob("vllm-*.dist-info"):
+        shutil.copytree(dist_info, dest / dist_info.name)
+    return dest
+
+
+@pytest.fixture
+def slim_tree_0260(tmp_path: Path) -> Path:
+    """A slim real 0.26.0 tree: every file the default set patches or reads, and the dist-info."""
+    return slim_tree(tmp_path / "t")
+
+
+def normalized(root: Path) -> dict[str, str]:
+    """snapshot(), with state.json's timestamps left out (a re-apply writes its own)."""
+    digests = snapshot(root)
+    state = root / ".patchkit" / "state.json"
+    if state.is_file():
+        data = json.loads(state.read_text())
+        for patch in data["patches"]:
+            patch.pop("applied_at")
+        text = json.dumps(data, sort_keys=True).encode()
+        digests[".patchkit/state.json"] = hashlib.sha256(text).hexdigest()
+    return digests
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> tuple[Path, Path]:
+    """(T, V): a slim 0.26.0 tree and a victim directory beside it, with two files in V."""
+    tree = slim_tree(tmp_path / "T")
+    victim = tmp_path / "V"
+    victim.mkdir()
+    (victim / "a.txt").write_text("precious a\n")
+    (victim / "d.txt").write_text("precious d\n")
+    return tree, victim
+
+
+@pytest.fixture
+def bind_mount(tmp_path):
+    """mount(source, target): a bind mount, undone after the test; skips where refused."""
+    mounts = []
+
+    def mount(source: Path, target: Path) -> None:
+        done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.decode().strip()}")
+        mounts.append(target)
+
+    yield mount
+    for target in mounts:
+        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 @pytest.fixture
@@ -149,10 +253,12 @@ def git(root: Path, *args: str) -> str:
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    """vllm/ of the real 0.26.0 wheel, committed, tagged v0.26.0, plus one local commit."""
+    """vllm/ of the real 0.26.0 wheel (its slim part), committed, tagged v0.26.0, plus one
+    local commit: fork mode reads and commits only the files the patches touch."""
     root = tmp_path / "vllm-fork"
-    root.mkdir()
-    shutil.copytree(release_tree("0.26.0") / "vllm", root / "vllm")
+    slim_tree(root)
+    for dist_info in root.glob("vllm-*.dist-info"):  # a checkout has no dist-info
+        shutil.rmtree(dist_info)
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
     git(root, "commit", "-qm", "vLLM 0.26.0")

@@ -1,9 +1,84 @@
-"""Build small test catalogues whose diffs are made from real vLLM files."""
+"""Helpers shared by test modules (no test module imports from another).
+
+Small test catalogues whose diffs are made from real vLLM files; the checks
+every "one line, no traceback" test makes; digests; probe log records.
+Fixtures, real trees and the ways to run patchkit are in conftest.py.
+"""
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 from pathlib import Path
+
+# The files the default set patches (and creates) in a 0.26.0 tree.
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+PUNICA = "vllm/lora/punica_wrapper/punica_gpu.py"
+CREATED = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
+
+NESTED = "[" * 100_000 + "]" * 100_000  # JSON nested deeper than any parser's recursion
+
+# For a child patchkit: which heavy modules it imported, printed at exit.
+REPORT_IMPORTS = """
+import atexit, sys
+atexit.register(lambda: print("IMPORTED:", sorted(
+    m for m in ("vllm", "torch", "git", "triton") if m in sys.modules), file=sys.stderr))
+"""
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def one_line_failure(result, code: int = 1) -> str:
+    """An in-process run (run_cli) that failed with exactly one error line, no traceback."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("patchkit: error:"), result.stderr
+    return lines[0]
+
+
+def one_line(result, code: int = 1) -> str:
+    """A child run (run_subprocess) that failed with one error line ("known issue" notes aside)."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [ln for ln in result.stderr.strip().splitlines() if not ln.startswith("known issue")]
+    assert len(lines) == 1 and lines[0].startswith("patchkit: error:"), result.stderr
+    return lines[0]
+
+
+def one_error_line(done, code: int, *needles: str) -> None:
+    """A child run with exit ``code`` and one error line among others, naming each needle."""
+    assert done.returncode == code, done.stderr
+    lines = [x for x in done.stderr.strip().splitlines() if x.startswith("patchkit: error: ")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def failing(checks) -> list[str]:
+    """The names of the verify checks that did not pass."""
+    return [c.name for c in checks if not c.ok]
+
+
+def record(step, layer, module, kind, bad, order=-1, requests=("a", "b"), adapters=None):
+    """One probe line as the module writes it (rows counted as Inf)."""
+    return {
+        "step": step, "rank": 0, "layer": layer, "module": module, "kind": kind,
+        "order": order, "nan_rows": 0, "inf_rows": len(bad), "absmax": 1.0, "tokens": 8,
+        "requests": list(requests), "adapters": adapters or {}, "time": 0.0,
+        "bad_requests": list(bad),
+    }  # fmt: skip
+
+
+def write_log(tmp_path: Path, *lines) -> Path:
+    """A probe log of ``lines`` (records or raw text), one per line."""
+    path = tmp_path / "probe.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
 
 FILES = (
     "vllm/lora/ops/triton_ops/utils.py",

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from packaging.version import Version
 
 from tests.conftest import CATALOGUE, RELEASES, REPO, run_cli, snapshot
@@ -128,21 +129,21 @@ def test_a_line_inserted_in_load_model_is_named_where_it_is(tree_0260: Path):
     assert applied.exit_code == 1 and f"closest at line {drafter - 1}," in applied.stderr
 
 
-def test_partial_gdn_adapter_conflicts_are_named_exactly(tree_0260: Path):
+def test_partial_gdn_adapter_conflicts_are_named_exactly(slim_tree_0260: Path):
     """The hunk at expand_packed_lora's loop: a line inserted, then a line changed."""
-    column = tree_0260 / COLUMN
+    column = slim_tree_0260 / COLUMN
     pristine = column.read_text()
     loop = line_of(column, "for a_i, b_i in zip(lora_a, lora_b):")
     insert_after(column, loop - 1, "        # a local note")
     assert (
         f"closest at line {loop - 3}, where line {loop} should be "
         "'for a_i, b_i in zip(lora_a, lora_b):' but is '# a local note'"
-    ) in patch_line(tree_0260, "partial-gdn-adapter")
+    ) in patch_line(slim_tree_0260, "partial-gdn-adapter")
     column.write_text(pristine.replace("        start_idx = 0\n", "        start_idx = 1\n", 1))
     assert (
         f"closest at line {loop - 3}, where line {loop - 1} should be 'start_idx = 0' "
         "but is 'start_idx = 1'"
-    ) in patch_line(tree_0260, "partial-gdn-adapter")
+    ) in patch_line(slim_tree_0260, "partial-gdn-adapter")
 
 
 # ----- doctor's stale-cache verdict -----
@@ -176,6 +177,7 @@ def old_triton_entry(cache: Path, name: str = TRITON_KEY) -> Path:
     return entry
 
 
+@pytest.mark.slow
 def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, tmp_path: Path):
     """The command doctor gives is the least that works, run as given: the caches go, the
     tree stays as it is."""
@@ -194,6 +196,7 @@ def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, t
     assert stale_verdict(doctor_json(tree_0260, env))["status"] == "not affected"
 
 
+@pytest.mark.slow
 def test_stale_bytecode_is_deleted_not_reverted(tree_0260: Path, tmp_path: Path):
     """apply rewrites nothing on a patched tree, so it removes no .pyc: the fix says to
     delete them, and for old caches as well, the apply that clears them."""
@@ -224,28 +227,28 @@ def notices(root: Path) -> list[str]:
     return next(p for p in patches if p["id"] == PARTIAL)["notices"]
 
 
-def test_a_needed_fix_is_offered_and_0_29_is_not_said_to_fix_it(tree_0260: Path):
+def test_a_needed_fix_is_offered_and_0_29_is_not_said_to_fix_it(slim_tree_0260: Path):
     """0.29.0 (#47640) loads an in_proj_qkv-only adapter; an in_proj_z-only one still
     raises there (tests/test_partial_adapter.py runs both on 0.29.0's real code)."""
-    (notice,) = notices(tree_0260)
+    (notice,) = notices(slim_tree_0260)
     assert "fixed in 0.29.0" not in notice
     assert "0.29.0 (PR #47640) loads an in_proj_qkv-only adapter" in notice
     assert "in_proj_z-only one still raises there (PR #57851, open)" in notice
     assert notice.endswith("; `patchkit apply` fixes it")
 
 
-def test_a_fix_in_conflict_is_not_offered(tree_0260: Path):
-    column = tree_0260 / COLUMN
+def test_a_fix_in_conflict_is_not_offered(slim_tree_0260: Path):
+    column = slim_tree_0260 / COLUMN
     loop = line_of(column, "for a_i, b_i in zip(lora_a, lora_b):")
     insert_after(column, loop - 1, "        # a local note")
-    (notice,) = notices(tree_0260)
+    (notice,) = notices(slim_tree_0260)
     assert "patchkit apply` fixes it" not in notice
     assert (
         "partial-gdn-adapter is in conflict here, so patchkit cannot apply it (its line says "
         "what differs): until its files are vLLM 0.26.0's own again (pip install "
         "--force-reinstall --no-deps vllm==0.26.0, then `patchkit apply`), the issue stays"
     ) in notice
-    report = json.loads(run_cli("doctor", "--target", str(tree_0260), "--json").stdout)
+    report = json.loads(run_cli("doctor", "--target", str(slim_tree_0260), "--json").stdout)
     verdict = next(v for v in report["verdicts"] if v["bug"].startswith("vLLM #47639"))
     assert verdict["status"] == "exposed"
     assert verdict["fix"].startswith("apply refuses partial-gdn-adapter while it is in conflict")
@@ -263,12 +266,13 @@ def test_0_29_names_what_it_still_gets_wrong(tmp_path: Path):
     )
 
 
+@pytest.mark.network
 def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     """`doctor --kernels`, `apply`, `doctor`: the Triton entries the scan compiled (a
     cold scan of 0.26.0 writes about 150) are not "older than the patch"; an entry
     someone else wrote before the patch is, and so is one of the scan's rewritten since."""
     from tests.conftest import copy_tree
-    from tests.test_kernelscan import scan_env
+    from tests.kernelscan_helpers import scan_env
 
     tree = copy_tree("0.26.0", tmp_path / "site-packages")
     env = {**scan_env(), **caches_env(tmp_path)}  # a cold scan: it compiles into an empty cache
@@ -307,12 +311,12 @@ NEWEST = max(RELEASES, key=Version)
 UNTESTED = f"{Version(NEWEST).major}.{Version(NEWEST).minor + 1}.0"
 
 
-def test_apply_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
-    relabel(tree_0260, UNTESTED)
-    status = run_cli("status", "--target", str(tree_0260), "--json")
+def test_apply_on_a_newer_release_says_so_and_what_to_do(slim_tree_0260: Path):
+    relabel(slim_tree_0260, UNTESTED)
+    status = run_cli("status", "--target", str(slim_tree_0260), "--json")
     assert json.loads(status.stdout)["vllm"]["version"] == UNTESTED
     # its code still fits every patch: applied, with the warning that says why to look
-    applied = run_cli("apply", "--target", str(tree_0260))
+    applied = run_cli("apply", "--target", str(slim_tree_0260))
     assert applied.exit_code == 0
     assert (
         f"vLLM {UNTESTED} is not a tested release: it is {NEWER} (newest {NEWEST}); decided by "
@@ -321,18 +325,18 @@ def test_apply_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
     ) in applied.stderr
 
 
-def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
+def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(slim_tree_0260: Path):
     """As a release whose code moved: one line added in expand_packed_lora."""
-    relabel(tree_0260, UNTESTED)
-    column = tree_0260 / COLUMN
+    relabel(slim_tree_0260, UNTESTED)
+    column = slim_tree_0260 / COLUMN
     loop = line_of(column, "for a_i, b_i in zip(lora_a, lora_b):")
     insert_after(column, loop - 1, "        # a local note")
-    before = snapshot(tree_0260)
-    applied = run_cli("apply", "--target", str(tree_0260))
-    assert applied.exit_code == 1 and snapshot(tree_0260) == before
+    before = snapshot(slim_tree_0260)
+    applied = run_cli("apply", "--target", str(slim_tree_0260))
+    assert applied.exit_code == 1 and snapshot(slim_tree_0260) == before
     (line,) = applied.stderr.strip().splitlines()
     assert line.startswith("patchkit: error: partial-gdn-adapter: conflict: ")
-    target = f"--target {tree_0260}"
+    target = f"--target {slim_tree_0260}"
     assert line.endswith(
         f"nothing was changed (vLLM {UNTESTED} is {NEWER}, the newest {NEWEST}: a newer patchkit "
         f"may cover it; `patchkit status {target}` shows which patches fit, `patchkit apply "
@@ -340,9 +344,9 @@ def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(tree_0260: Path):
         "release', says how to add the release)"
     )
     # the same conflict on a tested release keeps the short advice
-    relabel(tree_0260, "0.26.0")
+    relabel(slim_tree_0260, "0.26.0")
     assert (
-        run_cli("apply", "--target", str(tree_0260))
+        run_cli("apply", "--target", str(slim_tree_0260))
         .stderr.strip()
         .endswith("nothing was changed (apply the others with --only)")
     )
@@ -375,10 +379,10 @@ def run_suggested(reason: str, name: str, env: dict):
     return run_cli(*shlex.split(quoted)[1:], env=env)
 
 
-def test_in_a_source_checkout_refresh_keeps_the_edit(tree_0260: Path, tmp_path: Path):
+def test_in_a_source_checkout_refresh_keeps_the_edit(slim_tree_0260: Path, tmp_path: Path):
     env = catalogue_at(tmp_path / "checkout" / "patches")
-    reason = edited_after_apply(tree_0260, env)
-    target = f"--target {tree_0260}"
+    reason = edited_after_apply(slim_tree_0260, env)
+    target = f"--target {slim_tree_0260}"
     assert (
         f"`patchkit revert --only expand-block-n --force {target}` restores the original and "
         "discards the edit; to keep the edit in the patch, `patchkit refresh expand-block-n "
@@ -387,23 +391,23 @@ def test_in_a_source_checkout_refresh_keeps_the_edit(tree_0260: Path, tmp_path: 
     assert run_suggested(reason, "refresh", env).exit_code == 0
     diff = (tmp_path / "checkout/patches/expand-block-n/block-k-32.diff").read_text()
     assert f"+{EDIT}\n" in diff
-    assert EDIT in (tree_0260 / UTILS).read_text()
-    status = run_cli("status", "--target", str(tree_0260), "--json", env=env)
+    assert EDIT in (slim_tree_0260 / UTILS).read_text()
+    status = run_cli("status", "--target", str(slim_tree_0260), "--json", env=env)
     states = {p["id"]: p["state"] for p in json.loads(status.stdout)["patches"]}
     assert states["expand-block-n"] == "applied"
 
 
-def test_an_installed_catalogue_offers_revert_and_says_the_edit_goes(tree_0260, tmp_path):
+def test_an_installed_catalogue_offers_revert_and_says_the_edit_goes(slim_tree_0260, tmp_path):
     installed = tmp_path / "lib/python3.12/site-packages/patchkit/patches"
     env = catalogue_at(installed)
-    reason = edited_after_apply(tree_0260, env)
+    reason = edited_after_apply(slim_tree_0260, env)
     assert "refresh" not in reason
     assert reason.endswith(
-        f"`patchkit revert --only expand-block-n --force --target {tree_0260}` restores the "
+        f"`patchkit revert --only expand-block-n --force --target {slim_tree_0260}` restores the "
         "original and discards the edit"
     )
     assert run_suggested(reason, "revert", env).exit_code == 0
-    assert EDIT not in (tree_0260 / UTILS).read_text()  # as it said: the edit is gone
+    assert EDIT not in (slim_tree_0260 / UTILS).read_text()  # as it said: the edit is gone
 
 
 def test_no_catalogue_notice_says_what_to_do_itself():

@@ -38,9 +38,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from patchkit.canary import check
+from tests.canary_helpers import BASE, completion
 from tests.conftest import run_cli, run_subprocess
 
-BASE = "Qwen/Qwen3.5-tiny"
 KEY = "sk-canary-secret-4711"
 NAN_MESSAGE = "Out of range float values are not JSON compliant: nan"
 SANE_IDS = [785, 1790, 6556, 11, 279, 1156, 572, 2087, 916, 279] * 4
@@ -74,7 +74,9 @@ class FakeVLLM:
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for serve_forever's next poll: 0.5 s a test by default
+        serve = lambda: self.httpd.serve_forever(poll_interval=0.01)  # noqa: E731
+        self.thread = threading.Thread(target=serve, daemon=True)
 
     @property
     def url(self) -> str:
@@ -88,6 +90,7 @@ class FakeVLLM:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers, then body: no 40 ms delayed-ACK wait each
 
             def log_message(self, *args):
                 pass
@@ -267,53 +270,6 @@ def error(message: str, kind: str, code: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def completion(body: dict, ids: list[int], logprob: float, text: str | None = None) -> dict:
-    """A CompletionResponse as vLLM 0.26.0 writes it, honouring the request's options."""
-    ids = ids[: body.get("max_tokens", 16)]
-    text = " the keeper" * (len(ids) // 2) if text is None else text[: len(ids)]
-    as_ids = body.get("return_tokens_as_token_ids")
-    tokens = [f"token_id:{i}" if as_ids else ("!" if i == 0 else "x") for i in ids]
-    logprobs = None
-    if body.get("logprobs") is not None:
-        logprobs = {
-            "text_offset": list(range(len(ids))),
-            "token_logprobs": [logprob] * len(ids),
-            "tokens": tokens,
-            "top_logprobs": [{t: logprob} for t in tokens],
-        }
-    prompt_tokens = check._estimate(body["prompt"])
-    return {
-        "id": "cmpl-0123456789abcdef",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body["model"],
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": ids if body.get("return_token_ids") else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + len(ids),
-            "completion_tokens": len(ids),
-            "prompt_tokens_details": None,
-        },
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
 def canary_cli(url: str, *args: str, env: dict | None = None):
     return run_cli("canary", "--url", url, *args, env=env)
 
@@ -381,6 +337,7 @@ def test_text_output_of_a_healthy_server():
 # ----- NaN evidence -----
 
 
+@pytest.mark.slow
 def test_adapter_answering_bangs_with_token_id_zero_is_named():
     with FakeVLLM({BASE: "ok", "sql-lora": "ok", "bad-lora": "bang"}) as server:
         result = canary_cli(server.url)
@@ -497,6 +454,7 @@ def test_base_model_bad_says_lora_is_not_the_only_cause():
 # ----- /metrics -----
 
 
+@pytest.mark.slow
 def test_counter_rising_during_one_model_blames_that_model_only():
     with FakeVLLM({BASE: "ok", "a": "ok", "b": "corrupt", "c": "ok"}) as server:
         code, report = canary_json(server.url)
@@ -581,6 +539,7 @@ def test_unreachable_server_json():
     assert data["ok"] is False and data["exit_code"] == 1 and "cannot reach" in data["error"]
 
 
+@pytest.mark.slow
 def test_server_that_accepts_but_never_answers_respects_timeout():
     with socket.socket() as listener:  # the kernel accepts; nobody reads or answers
         listener.bind(("127.0.0.1", 0))
@@ -592,6 +551,7 @@ def test_server_that_accepts_but_never_answers_respects_timeout():
     assert "got no answer within 2 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(monkeypatch):
     """A full accept queue drops SYNs, as a firewall or a dead pod IP does."""
     monkeypatch.setattr(check, "CONNECT_TIMEOUT", 1.0)
@@ -613,6 +573,7 @@ def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(mon
     assert "cannot connect within 1 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_server_trickling_its_answer_is_cut_at_the_deadline():
     """Each byte comes within the read timeout; only the whole-run deadline stops it."""
     with socket.socket() as listener:
@@ -640,6 +601,7 @@ def test_server_trickling_its_answer_is_cut_at_the_deadline():
     assert "got no answer within 2 s" in result.stderr
 
 
+@pytest.mark.slow
 def test_hanging_model_ends_the_run_at_the_deadline():
     with FakeVLLM({BASE: "ok", "slow": "hang", "after": "ok"}) as server:
         started = time.monotonic()
@@ -708,6 +670,7 @@ def test_prompt_shortened_to_fit_max_model_len():
 # ----- the API key -----
 
 
+@pytest.mark.slow
 def test_api_key_is_sent_as_bearer_and_never_printed(tmp_path: Path):
     with FakeVLLM({BASE: "ok", "leaky": "leaky"}, api_key=KEY) as server:
         text = canary_cli(server.url, "--api-key", KEY, "--record", str(tmp_path))
@@ -812,6 +775,7 @@ def test_record_writes_each_exchange(tmp_path: Path):
     assert json.loads(exchange["body"])["choices"][0]["token_ids"] == SANE_IDS[:32]
 
 
+@pytest.mark.slow
 def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_line(tmp_path):
     """--record DIR in a shared place: a symlink named like a record file made the
     canary overwrite the file it points to (write_text follows links)."""

@@ -23,8 +23,8 @@ import pytest
 
 from patchkit.canary import check
 from patchkit.errors import PatchkitError
+from tests.canary_helpers import BASE, completion
 from tests.conftest import run_cli, run_subprocess
-from tests.test_canary import BASE, completion
 
 LINE_LIMIT = 300
 
@@ -166,6 +166,7 @@ def run_with_clock(url: str, timeout: float, clock: SkewClock, **kw):
     return outcome, clock() - start
 
 
+@pytest.mark.slow
 def test_one_byte_just_before_the_deadline_then_silence_ends_at_the_deadline():
     """The read after that byte got the request's whole timeout again: --timeout 10 took 19 s."""
     clock = SkewClock()
@@ -366,6 +367,7 @@ def test_gzip_members_follow_each_other_and_other_codings_are_refused():
         decoding.CappedBody(["gzip, gzip, gzip, gzip, gzip"], 1 << 20, lambda: None)
 
 
+@pytest.mark.slow
 def test_a_stacked_gzip_bomb_stays_within_a_memory_limit():
     """`Content-Encoding: gzip, gzip`, about 1 kB: the old canary decoded it whole (4.2 GB
     for the reported 3,477 bytes). In a child limited to 256 MiB of address space the
@@ -387,6 +389,7 @@ def test_a_stacked_gzip_bomb_stays_within_a_memory_limit():
 # ----- many models, long lines -----
 
 
+@pytest.mark.slow
 def test_at_most_64_models_are_checked_and_the_rest_named_in_one_line():
     """100,000 listed models took 13.7 s at --timeout 10 and printed a 7.8 MB error line."""
     names = [BASE] + [f"lora-{i:06d}" for i in range(100_000)]

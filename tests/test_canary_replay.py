@@ -42,7 +42,8 @@ class Replay:
             self.answers[key(exchange["method"], exchange["path"], request)].append(exchange)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        serve = lambda: self.httpd.serve_forever(poll_interval=0.01)  # noqa: E731
+        threading.Thread(target=serve, daemon=True).start()  # shutdown() waits for a poll
 
     @property
     def url(self) -> str:
@@ -61,6 +62,7 @@ class Replay:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers, then body: no 40 ms delayed-ACK wait each
 
             def log_message(self, *args):
                 pass
@@ -107,6 +109,7 @@ def test_the_recorded_healthy_server_passes():
     assert report["vllm_version"] == "0.26.0"
 
 
+@pytest.mark.slow
 def test_the_recorded_poisoned_adapter_is_named_and_only_it():
     code, report = canary("poisoned")
     assert code == 1

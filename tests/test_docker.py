@@ -34,12 +34,12 @@ def image(tmp_path_factory) -> tuple[ImageRunner, Path]:
     shutil.copytree(pristine / "vllm", site / "vllm")
     dist_info = next(pristine.glob("vllm-*.dist-info"))
     shutil.copytree(dist_info, site / dist_info.name)
-    from tests.test_kernelscan import torch_site, triton_site
+    from tests.kernelscan_helpers import torch_site, triton_site
 
     (site / "triton.pth").write_text(f"{triton_site()}\n")  # the image's own Triton
     (site / "torch.pth").write_text(f"{torch_site()}\n")  # and torch, as vLLM images have
     runner = ImageRunner(context=REPO, image_root=root, python_bin=python / "bin")
-    from tests.test_kernelscan import scan_env
+    from tests.kernelscan_helpers import scan_env
 
     caches = scan_env()  # the kernel scan's Triton and SASS caches, shared with its own tests
     runner.env.update({k: caches[k] for k in ("TRITON_CACHE_DIR", "PATCHKIT_CACHE_DIR")})
@@ -57,6 +57,7 @@ def test_dockerfile_stages():
     assert stages[-1].base == "patched"  # the default target is the patched image
 
 
+@pytest.mark.network
 def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
     runner, site = image
     patched = stage(parse(DOCKERFILE), "patched")

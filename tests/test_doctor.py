@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli, run_subprocess
-from tests.test_failures import REPORT_IMPORTS
+from tests.helpers import REPORT_IMPORTS
 
 NAN_BUG = "vLLM #48590"
 PARTIAL_BUG = "vLLM #47639"
@@ -62,6 +62,7 @@ def verdict(report: dict, bug: str) -> dict:
     return next(v for v in report["verdicts"] if v["bug"].startswith(bug))
 
 
+@pytest.mark.slow
 def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopper: Path):
     report = doctor(tree_0260)
     assert report["gpus"] == [{"name": "NVIDIA H200", "compute_capability": "9.0"}]
@@ -87,6 +88,7 @@ def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopp
     assert "torch matmuls" in torch_path["reason"]
 
 
+@pytest.mark.slow
 def test_a_setting_that_turns_the_only_fix_off_is_named(tree_0260: Path, hopper: Path):
     only = ["--only", "matmul-add-lora-linear"]
     assert run_cli("apply", "--target", str(tree_0260), *only).exit_code == 0
@@ -97,6 +99,7 @@ def test_a_setting_that_turns_the_only_fix_off_is_named(tree_0260: Path, hopper:
         assert f"matmul-add-lora-linear is off ({env}={value})" in off["reason"]
 
 
+@pytest.mark.slow
 def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hopper: Path):
     folder = hopper / "tuned"
     folder.mkdir()
@@ -113,6 +116,7 @@ def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hop
     assert verdict(report, NAN_BUG)["status"] == "exposed"
 
 
+@pytest.mark.slow
 def test_other_gpus_and_new_ptxas_are_not_affected(tree_0260: Path, hopper: Path):
     executable(hopper / "bin" / "nvidia-smi", "NVIDIA A100-SXM4-80GB, 8.0")
     assert verdict(doctor(tree_0260), NAN_BUG)["status"] == "not affected"
@@ -123,6 +127,7 @@ def test_other_gpus_and_new_ptxas_are_not_affected(tree_0260: Path, hopper: Path
     assert verdict(report, NAN_BUG)["status"] == "not affected"
 
 
+@pytest.mark.slow
 def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper: Path):
     module = tree_0260 / "vllm/lora/punica_wrapper/punica_gpu.py"
     cache_entry = hopper / "vllm-cache" / "torch_compile_cache" / "abc123"
@@ -150,6 +155,7 @@ def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper
     assert doctor(tree_0260)["stale_bytecode"] == []
 
 
+@pytest.mark.slow
 def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     from tests.conftest import copy_tree
 
@@ -165,6 +171,7 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     assert partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])
 def test_the_one_expert_parameter_adapter_bug_is_named_until_the_patch_is_applied(
     hopper: Path, tmp_path: Path, version: str

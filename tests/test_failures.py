@@ -15,24 +15,24 @@ import pytest
 from patchkit.fs.safepath import Root
 from patchkit.patching.transaction import TreeLock
 from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
-from tests.helpers import FILES, MARK, make_catalogue
+from tests.helpers import FILES, MARK, REPORT_IMPORTS, make_catalogue
 
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 BLOCK_N_LINE = '"block_n": 64 if num_slices > 1 else 128,'
 
 
-def test_drifted_file_differs_from_record(tree_0260: Path):
+def test_drifted_file_differs_from_record(slim_tree_0260: Path):
     """An edit elsewhere in the file still lets the hunk apply, but RECORD catches it."""
-    path = tree_0260 / UTILS
+    path = slim_tree_0260 / UTILS
     path.write_text(path.read_text() + "# local edit\n")
-    before = snapshot(tree_0260)
-    result = run_cli("apply", "--target", str(tree_0260))
+    before = snapshot(slim_tree_0260)
+    result = run_cli("apply", "--target", str(slim_tree_0260))
     assert result.exit_code == 1
     assert "expand-block-n: conflict" in result.stderr
     assert UTILS in result.stderr and "RECORD" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    assert snapshot(tree_0260) == before
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    assert snapshot(slim_tree_0260) == before
+    status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "conflict"
 
 
@@ -52,23 +52,23 @@ def test_drifted_hunk_without_record_names_the_hunk(tree_0260: Path):
     assert status["vllm"]["source"] == "file" and status["vllm"]["version"] == "0.26.0"
 
 
-def test_malformed_patch_file(tree_0260: Path, tmp_path: Path):
+def test_malformed_patch_file(slim_tree_0260: Path, tmp_path: Path):
     catalogue = make_catalogue(
         tmp_path / "cat",
         release_tree("0.26.0"),
         diff_text="--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n",
     )
-    before = snapshot(tree_0260)
+    before = snapshot(slim_tree_0260)
     result = run_cli(
-        "apply", "--target", str(tree_0260), env={"PATCHKIT_PATCHES_DIR": str(catalogue)}
+        "apply", "--target", str(slim_tree_0260), env={"PATCHKIT_PATCHES_DIR": str(catalogue)}
     )
     assert result.exit_code == 1
     assert "two-files.diff: malformed unified diff" in result.stderr
     assert "Traceback" not in result.output
-    assert snapshot(tree_0260) == before
+    assert snapshot(slim_tree_0260) == before
 
 
-def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, monkeypatch):
+def test_unwritable_file_mid_apply_rolls_back(slim_tree_0260, two_file_catalogue, monkeypatch):
     """The second file cannot be written: the first is restored, exit 1."""
     import patchkit.patching.transaction as transaction
 
@@ -82,15 +82,18 @@ def test_unwritable_file_mid_apply_rolls_back(tree_0260, two_file_catalogue, mon
         real_write(fs, path, data)
 
     monkeypatch.setattr(transaction, "_write", failing_write)
-    before = snapshot(tree_0260)
+    before = snapshot(slim_tree_0260)
     result = run_cli(
-        "apply", "--target", str(tree_0260), env={"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
+        "apply",
+        "--target",
+        str(slim_tree_0260),
+        env={"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)},
     )
     assert result.exit_code == 1
     assert "permission denied" in result.stderr.lower()
     assert "restored, nothing changed" in result.stderr
     assert calls[:2] == list(FILES)  # the second write failed; then the undo writes
-    assert snapshot(tree_0260) == before
+    assert snapshot(slim_tree_0260) == before
 
 
 CRASH_ON_SECOND_WRITE = """
@@ -105,43 +108,43 @@ t._write = _crash
 """
 
 
-def test_crash_between_writes_is_rolled_back_by_next_apply(tree_0260, two_file_catalogue):
+def test_crash_between_writes_is_rolled_back_by_next_apply(slim_tree_0260, two_file_catalogue):
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
-    pristine = snapshot(tree_0260)
+    pristine = snapshot(slim_tree_0260)
     crashed = run_subprocess(
-        "apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE
+        "apply", "--target", str(slim_tree_0260), env=env, code=CRASH_ON_SECOND_WRITE
     )
     assert crashed.returncode == 137
-    first, second = (tree_0260 / f for f in FILES)
+    first, second = (slim_tree_0260 / f for f in FILES)
     assert MARK in first.read_text() and MARK not in second.read_text()  # half-applied
 
-    status = run_cli("status", "--target", str(tree_0260), env=env)
+    status = run_cli("status", "--target", str(slim_tree_0260), env=env)
     assert "interrupted" in status.stderr
 
-    recovered = run_cli("apply", "--target", str(tree_0260), env=env)
+    recovered = run_cli("apply", "--target", str(slim_tree_0260), env=env)
     assert recovered.exit_code == 0, recovered.output
     assert f"rolled back an interrupted run: restored {FILES[0]}" in recovered.stdout
     assert MARK in first.read_text() and MARK in second.read_text()
-    assert run_cli("revert", "--target", str(tree_0260), env=env).exit_code == 0
-    assert snapshot(tree_0260) == pristine
+    assert run_cli("revert", "--target", str(slim_tree_0260), env=env).exit_code == 0
+    assert snapshot(slim_tree_0260) == pristine
 
 
-def test_crash_between_writes_is_rolled_back_by_revert(tree_0260, two_file_catalogue):
+def test_crash_between_writes_is_rolled_back_by_revert(slim_tree_0260, two_file_catalogue):
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
-    pristine = snapshot(tree_0260)
-    run_subprocess("apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
-    result = run_cli("revert", "--target", str(tree_0260), env=env)
+    pristine = snapshot(slim_tree_0260)
+    run_subprocess("apply", "--target", str(slim_tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
+    result = run_cli("revert", "--target", str(slim_tree_0260), env=env)
     assert result.exit_code == 0, result.output
     assert "rolled back an interrupted run" in result.stdout
-    assert snapshot(tree_0260) == pristine
+    assert snapshot(slim_tree_0260) == pristine
 
 
 def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
-    tree_0260, two_file_catalogue
+    slim_tree_0260, two_file_catalogue
 ):
     """A roll-back changes the tree: a later refusal must not say nothing was changed."""
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
-    run_subprocess("apply", "--target", str(tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
+    run_subprocess("apply", "--target", str(slim_tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
     refuse = (
         "import patchkit.patching.operations as o\n"
         "from patchkit.errors import PatchkitError\n"
@@ -149,7 +152,7 @@ def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
         "    raise PatchkitError('x: refused; nothing was changed')\n"
         "o._execute = _refuse\n"
     )
-    result = run_subprocess("apply", "--target", str(tree_0260), env=env, code=refuse)
+    result = run_subprocess("apply", "--target", str(slim_tree_0260), env=env, code=refuse)
     assert result.returncode == 1, result.stderr
     line = result.stderr.strip()
     assert "\n" not in line and "nothing was changed" not in line, line
@@ -167,10 +170,11 @@ o.commit = _slow
 """
 
 
-def test_two_concurrent_applies(tree_0260: Path):
+@pytest.mark.slow
+def test_two_concurrent_applies(slim_tree_0260: Path):
     """The second run waits for the lock, then finds the patch applied."""
     command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli.main import main\nmain()\n"]
-    args = ["apply", "--target", str(tree_0260), "--json"]
+    args = ["apply", "--target", str(slim_tree_0260), "--json"]
     first = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
     time.sleep(0.7)  # the first run is inside its lock, sleeping before the commit
     second = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
@@ -178,7 +182,7 @@ def test_two_concurrent_applies(tree_0260: Path):
     assert [first.returncode, second.returncode] == [0, 0]
     actions = [(o["patches"][0]["action"], o["patches"][0]["state"]) for o in outputs]
     assert actions == [("applied", "applied"), ("none", "applied")]
-    state = json.loads(((tree_0260 / ".patchkit") / "state.json").read_text())
+    state = json.loads(((slim_tree_0260 / ".patchkit") / "state.json").read_text())
     assert [p["id"] for p in state["patches"]] == [
         "expand-block-n",
         "matmul-add-lora-linear",
@@ -187,16 +191,16 @@ def test_two_concurrent_applies(tree_0260: Path):
     ]
 
 
-def test_lock_timeout_is_a_clear_error(tree_0260: Path):
-    before = snapshot(tree_0260)
-    with Root.open(tree_0260) as fs, TreeLock(fs):
+def test_lock_timeout_is_a_clear_error(slim_tree_0260: Path):
+    before = snapshot(slim_tree_0260)
+    with Root.open(slim_tree_0260) as fs, TreeLock(fs):
         result = run_subprocess(
-            "apply", "--target", str(tree_0260), env={"PATCHKIT_LOCK_TIMEOUT": "0.3"}
+            "apply", "--target", str(slim_tree_0260), env={"PATCHKIT_LOCK_TIMEOUT": "0.3"}
         )
     assert result.returncode == 1
     assert "another patchkit run holds" in result.stderr
-    shutil.rmtree(tree_0260 / ".patchkit")  # the lock file this test made
-    assert snapshot(tree_0260) == before
+    shutil.rmtree(slim_tree_0260 / ".patchkit")  # the lock file this test made
+    assert snapshot(slim_tree_0260) == before
 
 
 @pytest.mark.parametrize("command", ["status", "apply", "revert", "doctor"])
@@ -228,15 +232,15 @@ def set_version(root: Path, version: str) -> None:
     metadata.write_text(text.replace("Version: 0.26.0", f"Version: {version}", 1))
 
 
-def test_unknown_version_with_matching_content_works_and_warns(tree_0260: Path):
-    set_version(tree_0260, "0.30.1rc1.dev630+g18f8f9602")
-    before = snapshot(tree_0260)
-    strict = run_cli("apply", "--target", str(tree_0260), "--strict")
+def test_unknown_version_with_matching_content_works_and_warns(slim_tree_0260: Path):
+    set_version(slim_tree_0260, "0.30.1rc1.dev630+g18f8f9602")
+    before = snapshot(slim_tree_0260)
+    strict = run_cli("apply", "--target", str(slim_tree_0260), "--strict")
     assert strict.exit_code == 1
     assert "--strict: vLLM 0.30.1rc1.dev630+g18f8f9602 is not a tested release" in strict.stderr
-    assert snapshot(tree_0260) == before
+    assert snapshot(slim_tree_0260) == before
 
-    result = run_cli("apply", "--target", str(tree_0260), "--json")
+    result = run_cli("apply", "--target", str(slim_tree_0260), "--json")
     assert result.exit_code == 0
     report = json.loads(result.stdout)
     assert report["vllm"]["version"] == "0.30.1rc1.dev630+g18f8f9602"
@@ -244,78 +248,79 @@ def test_unknown_version_with_matching_content_works_and_warns(tree_0260: Path):
     assert any("not a tested release" in w for w in report["warnings"])
 
 
-def test_unknown_version_with_other_content_is_a_conflict(tree_0260: Path):
-    set_version(tree_0260, "0.40.0")
-    shutil.rmtree(next(tree_0260.glob("vllm-*.dist-info")) / "RECORD", ignore_errors=True)
-    (next(tree_0260.glob("vllm-*.dist-info")) / "RECORD").unlink(missing_ok=True)
-    path = tree_0260 / UTILS
+def test_unknown_version_with_other_content_is_a_conflict(slim_tree_0260: Path):
+    set_version(slim_tree_0260, "0.40.0")
+    shutil.rmtree(next(slim_tree_0260.glob("vllm-*.dist-info")) / "RECORD", ignore_errors=True)
+    (next(slim_tree_0260.glob("vllm-*.dist-info")) / "RECORD").unlink(missing_ok=True)
+    path = slim_tree_0260 / UTILS
     path.write_text(path.read_text().replace(BLOCK_N_LINE, '"block_n": select_block_n(),'))
-    before = snapshot(tree_0260)
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    before = snapshot(slim_tree_0260)
+    status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "conflict"
     assert "hunk #1" in status["patches"][0]["reason"]
-    result = run_cli("apply", "--target", str(tree_0260))
+    result = run_cli("apply", "--target", str(slim_tree_0260))
     assert result.exit_code == 1 and "conflict" in result.stderr
-    assert snapshot(tree_0260) == before
+    assert snapshot(slim_tree_0260) == before
 
 
-def test_edited_after_patching_revert_refuses_then_force(tree_0260: Path):
-    pristine = snapshot(tree_0260)
-    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
-    path = tree_0260 / UTILS
+def test_edited_after_patching_revert_refuses_then_force(slim_tree_0260: Path):
+    pristine = snapshot(slim_tree_0260)
+    assert run_cli("apply", "--target", str(slim_tree_0260)).exit_code == 0
+    path = slim_tree_0260 / UTILS
     path.write_text(path.read_text() + "# edited after patching\n")
-    edited = snapshot(tree_0260)
-    refused = run_cli("revert", "--target", str(tree_0260))
+    edited = snapshot(slim_tree_0260)
+    refused = run_cli("revert", "--target", str(slim_tree_0260))
     assert refused.exit_code == 1
     assert "edited after patchkit applied expand-block-n" in refused.stderr
     assert "--force" in refused.stderr
-    assert snapshot(tree_0260) == edited
-    forced = run_cli("revert", "--target", str(tree_0260), "--force")
+    assert snapshot(slim_tree_0260) == edited
+    forced = run_cli("revert", "--target", str(slim_tree_0260), "--force")
     assert forced.exit_code == 0, forced.output
-    assert snapshot(tree_0260) == pristine
+    assert snapshot(slim_tree_0260) == pristine
 
 
-def test_revert_without_backup_reverse_applies(tree_0260: Path):
-    pristine = snapshot(tree_0260)
-    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
-    shutil.rmtree(tree_0260 / ".patchkit")  # state and backups lost
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+def test_revert_without_backup_reverse_applies(slim_tree_0260: Path):
+    pristine = snapshot(slim_tree_0260)
+    assert run_cli("apply", "--target", str(slim_tree_0260)).exit_code == 0
+    shutil.rmtree(slim_tree_0260 / ".patchkit")  # state and backups lost
+    status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "applied"
     assert "no record" in status["patches"][0]["reason"]
-    assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
-    assert snapshot(tree_0260) == pristine
+    assert run_cli("revert", "--target", str(slim_tree_0260)).exit_code == 0
+    assert snapshot(slim_tree_0260) == pristine
 
 
-def test_reinstalled_tree_makes_the_record_stale(tree_0260: Path):
-    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
-    shutil.copy2(release_tree("0.26.0") / UTILS, tree_0260 / UTILS)  # pip reinstall
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+def test_reinstalled_tree_makes_the_record_stale(slim_tree_0260: Path):
+    assert run_cli("apply", "--target", str(slim_tree_0260)).exit_code == 0
+    shutil.copy2(release_tree("0.26.0") / UTILS, slim_tree_0260 / UTILS)  # pip reinstall
+    status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "needed"
-    again = run_cli("apply", "--target", str(tree_0260), "--json")
+    again = run_cli("apply", "--target", str(slim_tree_0260), "--json")
     assert json.loads(again.stdout)["patches"][0]["action"] == "applied"
 
 
-def test_changed_patch_file_is_reported(tree_0260: Path, two_file_catalogue: Path):
+def test_changed_patch_file_is_reported(slim_tree_0260: Path, two_file_catalogue: Path):
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
-    assert run_cli("apply", "--target", str(tree_0260), env=env).exit_code == 0
+    assert run_cli("apply", "--target", str(slim_tree_0260), env=env).exit_code == 0
     diff = two_file_catalogue / "two-files" / "two-files.diff"
     diff.write_text(diff.read_text().replace("@@ -", "@@ -", 1) + "\n")
-    after_apply = snapshot(tree_0260)
-    result = run_cli("apply", "--target", str(tree_0260), env=env)
+    after_apply = snapshot(slim_tree_0260)
+    result = run_cli("apply", "--target", str(slim_tree_0260), env=env)
     assert result.exit_code == 0
     assert "the patch file changed since it was applied" in result.stderr
     assert "patchkit revert --only two-files" in result.stderr
-    strict = run_cli("apply", "--target", str(tree_0260), "--strict", env=env)
+    strict = run_cli("apply", "--target", str(slim_tree_0260), "--strict", env=env)
     assert strict.exit_code == 1
-    assert snapshot(tree_0260) == after_apply
+    assert snapshot(slim_tree_0260) == after_apply
 
 
-def test_only_unknown_id_is_a_usage_error(tree_0260: Path):
-    result = run_cli("apply", "--target", str(tree_0260), "--only", "no-such-patch")
+def test_only_unknown_id_is_a_usage_error(slim_tree_0260: Path):
+    result = run_cli("apply", "--target", str(slim_tree_0260), "--only", "no-such-patch")
     assert result.exit_code == 2
     assert "unknown patch 'no-such-patch'" in result.output
 
 
+@pytest.mark.slow
 def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
     root = copy_tree("0.33.0", tmp_path / "sp")
     before = snapshot(root)
@@ -327,21 +332,14 @@ def test_only_a_patch_that_is_upstream_warns_and_strict_fails(tmp_path: Path):
     assert snapshot(root) == before
 
 
-REPORT_IMPORTS = """
-import atexit, sys
-atexit.register(lambda: print("IMPORTED:", sorted(
-    m for m in ("vllm", "torch", "git", "triton") if m in sys.modules), file=sys.stderr))
-"""
-
-
-def test_status_imports_neither_vllm_nor_torch(tree_0260: Path):
+def test_status_imports_neither_vllm_nor_torch(slim_tree_0260: Path):
     """status must work on GPU-less build machines and stay fast: files only."""
-    result = run_subprocess("status", "--target", str(tree_0260), code=REPORT_IMPORTS)
+    result = run_subprocess("status", "--target", str(slim_tree_0260), code=REPORT_IMPORTS)
     assert result.returncode == 0, result.stderr
     assert "IMPORTED: []" in result.stderr
 
 
-def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(tree_0260: Path):
+def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(slim_tree_0260: Path):
     """Seen on the test H200: vLLM's files unpacked again over a patched tree.
 
     punica_gpu.py is back to the wheel's, the new patchkit_lora_matmul.py is still
@@ -350,16 +348,16 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(tree_0260
     the file patchkit created, whose bytes are still what it wrote (issue 18: no
     --force needed for what is safe).
     """
-    pristine = snapshot(tree_0260)
-    assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
+    pristine = snapshot(slim_tree_0260)
+    assert run_cli("apply", "--target", str(slim_tree_0260)).exit_code == 0
     punica = "vllm/lora/punica_wrapper/punica_gpu.py"
-    (tree_0260 / punica).write_bytes((release_tree("0.26.0") / punica).read_bytes())
-    status = json.loads(run_cli("status", "--target", str(tree_0260), "--json").stdout)
+    (slim_tree_0260 / punica).write_bytes((release_tree("0.26.0") / punica).read_bytes())
+    status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
     assert matmul["state"] == "conflict" and "partly reinstalled" in matmul["reason"]
     assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]
-    assert run_cli("revert", "--target", str(tree_0260)).exit_code == 0
-    assert snapshot(tree_0260) == pristine
+    assert run_cli("revert", "--target", str(slim_tree_0260)).exit_code == 0
+    assert snapshot(slim_tree_0260) == pristine
 
 
 def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applied(tmp_path):

@@ -1,16 +1,26 @@
-"""Fork mode on a real vLLM 0.26.0 tree committed to git, tagged v0.26.0, with local commits."""
+"""Fork mode: a vLLM checkout in git is patched by commits on a branch, or not at all.
+
+On a real vLLM 0.26.0 tree committed to git, tagged v0.26.0, with local
+commits: one commit per patch on patchkit's branch, conflicts with local
+commits named; and on any git failure (no identity, a rejecting hook, a bad
+branch name, a link or FIFO in .git, a signal during the commit) the
+checkout is exactly as before: same HEAD, branch, index and files.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-from tests.conftest import git, release_tree, run_cli
+import pytest
 
-UTILS = "vllm/lora/ops/triton_ops/utils.py"
+from tests.conftest import git, release_tree, run_cli, run_subprocess, snapshot
+from tests.helpers import UTILS, one_line
 
 
+@pytest.mark.slow
 def test_status_apply_status_revert_on_a_fork(checkout: Path):
     start = git(checkout, "rev-parse", "HEAD")
     status = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
@@ -97,6 +107,7 @@ def test_dirty_checkout_is_refused_unless_allowed(checkout: Path):
     assert git(checkout, "status", "--porcelain") == "M FORK.md"
 
 
+@pytest.mark.slow
 def test_version_from_version_file_without_tags(tmp_path: Path):
     root = tmp_path / "untagged"
     root.mkdir()
@@ -104,3 +115,124 @@ def test_version_from_version_file_without_tags(tmp_path: Path):
     git(root, "init", "-q")
     status = json.loads(run_cli("status", "--target", str(root), "--json").stdout)
     assert status["vllm"] == {"version": "0.26.0", "path": str(root), "source": "file"}
+
+
+GIT_ENV = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+IDENTITY = {
+    **GIT_ENV,
+    **{f"GIT_{who}_NAME": "Fork Dev" for who in ("AUTHOR", "COMMITTER")},
+    **{f"GIT_{who}_EMAIL": "dev@example.invalid" for who in ("AUTHOR", "COMMITTER")},
+}
+
+
+NO_IDENTITY = {
+    **GIT_ENV,
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "user.useConfigOnly",
+    "GIT_CONFIG_VALUE_0": "true",
+}
+
+
+def git_state(root: Path) -> tuple:
+    return (
+        git(root, "rev-parse", "HEAD"),
+        git(root, "branch", "--show-current"),
+        git(root, "branch", "--list"),
+        git(root, "status", "--porcelain", "--ignored"),
+        snapshot(root / "vllm"),
+        git(
+            root, "ls-files", "--stage"
+        ),  # the index's entries (git status refreshes its stat data)
+    )
+
+
+@pytest.mark.slow
+def test_fork_mode_without_a_git_identity_changes_nothing(checkout):
+    before = git_state(checkout)
+    line = one_line(run_subprocess("apply", "--target", str(checkout), env=NO_IDENTITY))
+    assert "user.name" in line and "user.email" in line and "nothing was changed" in line
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+def reject_commits(root: Path) -> None:
+    hook = root / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho 'policy: no commits on Fridays' >&2\nexit 1\n")
+    hook.chmod(0o755)
+
+
+@pytest.mark.slow
+def test_a_rejecting_pre_commit_hook_leaves_the_checkout_as_before(checkout):
+    reject_commits(checkout)
+    before = git_state(checkout)
+    line = one_line(run_subprocess("apply", "--target", str(checkout), env=IDENTITY))
+    assert "no commits on Fridays" in line and "as before" in line
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+@pytest.mark.slow
+def test_a_rejecting_hook_during_revert_leaves_the_checkout_as_before(checkout):
+    assert run_subprocess("apply", "--target", str(checkout), env=IDENTITY).returncode == 0
+    reject_commits(checkout)
+    before = git_state(checkout)
+    state = (checkout / ".patchkit" / "state.json").read_bytes()
+    line = one_line(run_subprocess("revert", "--target", str(checkout), env=IDENTITY))
+    assert "no commits on Fridays" in line
+    assert git_state(checkout) == before
+    assert (checkout / ".patchkit" / "state.json").read_bytes() == state
+
+
+@pytest.mark.slow
+def test_an_invalid_branch_name_is_a_usage_error(checkout):
+    before = git_state(checkout)
+    line = one_line(
+        run_subprocess("apply", "--target", str(checkout), "--branch", "bad..name", env=IDENTITY),
+        code=2,
+    )
+    assert "bad..name" in line
+    assert git_state(checkout) == before
+
+
+@pytest.mark.slow
+def test_fork_mode_never_writes_through_links_in_dot_git(tmp_path, checkout):
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    exclude = checkout / ".git" / "info" / "exclude"
+    exclude.unlink(missing_ok=True)
+    exclude.symlink_to(victim)
+    line = one_line(run_subprocess("apply", "--target", str(checkout), env=IDENTITY))
+    assert "symbolic link" in line
+    assert victim.read_text() == "mine\n"
+
+
+@pytest.mark.slow
+def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
+    exclude = checkout / ".git" / "info" / "exclude"
+    exclude.unlink(missing_ok=True)
+    os.mkfifo(exclude)
+    line = one_line(run_subprocess("apply", "--target", str(checkout), "--allow-dirty",
+                             env=IDENTITY, timeout=30))  # fmt: skip
+    assert "a FIFO" in line
+
+
+SIGNAL_PARENT_HOOK = """#!/bin/sh
+# SIGTERM to patchkit (git's parent) while this commit runs; the commit then succeeds.
+kill -TERM $(ps -o ppid= -p $PPID)
+sleep 1
+exit 0
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout):
+    hook = checkout / ".git" / "hooks" / "pre-commit"
+    hook.write_text(SIGNAL_PARENT_HOOK)
+    hook.chmod(0o755)
+    before = git_state(checkout)
+    result = run_subprocess("apply", "--target", str(checkout), env=IDENTITY, timeout=60)
+    assert result.returncode == 143, result.stderr
+    import time
+
+    time.sleep(2)  # had git gone on alone, its commit would land now
+    assert git_state(checkout) == before and not (checkout / ".patchkit").exists()

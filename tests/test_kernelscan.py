@@ -11,19 +11,17 @@ that Triton (keyed by its version), so a second run compiles nothing.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TEST_CACHE, copy_tree, release_tree, run_cli
+from tests.conftest import TEST_CACHE, copy_tree, release_tree, run_cli
+from tests.kernelscan_helpers import TRITON, scan_env, triton_site
 
-TRITON = "3.7.1"
 NAN_BUG = "vLLM #48590"
 DENSE = {"_lora_shrink_kernel", "_lora_expand_kernel"}
 FP8 = {"_lora_shrink_kernel_fp8", "_lora_expand_kernel_fp8", "_fused_moe_lora_kernel_fp8"}
@@ -36,62 +34,6 @@ KERNELS = {
     "0.33.0": DENSE | FP8 | MOE | {"_lora_shrink_reduce_kernel"},
 }
 READ = {"hazard", "clean", "no-register-operand"}  # verdicts of a kernel that was compiled and read
-
-
-def triton_site(version: str = TRITON) -> Path:
-    """Triton ``version`` installed (--target) into the tests' cache; downloaded on first use."""
-    site = TEST_CACHE / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}"
-    if (site / "triton" / "__init__.py").is_file():
-        return site
-    TEST_CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".triton-") as tmp:
-        pip = [sys.executable, "-m", "pip", "-q"]
-        download = ["download", "--no-deps", "--only-binary", ":all:", "-d", tmp]
-        subprocess.run([*pip, *download, f"triton=={version}"], check=True)
-        wheel = next(Path(tmp).glob("triton-*.whl"))
-        target = Path(tmp) / "site"
-        subprocess.run(
-            [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-            check=True,
-        )
-        os.replace(target, site)
-    return site
-
-
-TORCH_PACKAGES = ("torch", "torchgen", "functorch", "filelock", "typing_extensions", "sympy",
-                  "mpmath", "networkx", "jinja2", "markupsafe", "fsspec")  # fmt: skip
-
-
-def torch_site() -> Path:
-    """The tests' CPU torch and what it imports, linked into one directory for a .pth.
-
-    The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
-    vLLM environment has; an image-like test venv gets it through this.
-    """
-    import importlib.util
-
-    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
-    site.mkdir(parents=True, exist_ok=True)
-    for name in TORCH_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        origin = Path(spec.origin)
-        source = origin.parent if origin.name == "__init__.py" else origin
-        link = site / source.name
-        if not link.exists():
-            link.symlink_to(source)
-    return site
-
-
-def scan_env(version: str = TRITON) -> dict:
-    """A child patchkit that imports Triton ``version``; caches kept per Triton version."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TRITON_"))}
-    env.pop("PATCHKIT_LORA_BACKEND", None)
-    env["PYTHONPATH"] = f"{triton_site(version)}{os.pathsep}{REPO}"
-    env["TRITON_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-cache")
-    env["PATCHKIT_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-readings")  # scans, SASS
-    return env
 
 
 def doctor(tree: Path, *args: str, version: str = TRITON, **extra: str):
@@ -126,6 +68,7 @@ def single_slice_fp32_expand(report: dict) -> list[dict]:
     return [c for c in found if c["signature"]["input_ptr"] == "*fp32"]
 
 
+@pytest.mark.network
 @pytest.mark.parametrize(
     "version, triton",
     [("0.22.0", TRITON), ("0.26.0", TRITON), ("0.33.0", TRITON), ("0.26.0", "3.6.0")],  # fmt: skip
@@ -150,6 +93,7 @@ def test_every_lora_kernel_the_release_launches_is_compiled_and_read(version, tr
     assert "fp8" in fp8[0]["why_not_called"]
 
 
+@pytest.mark.network
 def test_the_fp8_moe_kernel_is_reported_as_vllm_ships_it():
     """vLLM's fp8 MoE LoRA kernel reads B as the output dtype, so w8a8 (fp8 activations,
     bf16 output) does not compile: the scan says so for that kernel, and it is not run."""
@@ -160,6 +104,7 @@ def test_the_fp8_moe_kernel_is_reported_as_vllm_ships_it():
     assert not any(c["called"] for c in fp8_moe)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("version", ["0.26.0", "0.30.0"])
 def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path, version):
     tree = copy_tree(version, tmp_path / "t")
@@ -182,6 +127,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert "no overwrite" in nan_verdict(after)["reason"]
 
 
+@pytest.mark.network
 def test_0330_ships_one_stage_and_is_clean():
     report = doctor_kernels(release_tree("0.33.0"))
     expand = single_slice_fp32_expand(report)
@@ -194,6 +140,7 @@ def test_0330_ships_one_stage_and_is_clean():
     assert "VLLM_BATCH_INVARIANT" in reduce[0]["why_not_called"]
 
 
+@pytest.mark.network
 def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
     only = ["--only", "matmul-add-lora-linear"]
@@ -220,6 +167,7 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     assert "torch LoRA path" in gemv[0]["why_not_called"]
 
 
+@pytest.mark.network
 def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "t")
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
@@ -272,6 +220,7 @@ def scan_calls(tree: Path, wanted: str, **extra: str) -> dict:
 ONE_CALL = "down_proj (1 slice), 16 tokens, rank 64"
 
 
+@pytest.mark.network
 def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
     ptxas = TEST_CACHE / f"triton-{TRITON}-ptxas-copy" / "ptxas"  # kept: its readings stay warm
     if not ptxas.is_file():
@@ -283,6 +232,7 @@ def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
     assert scan["toolchain"]["ptxas_version"] == "12.8.93"
 
 
+@pytest.mark.network
 def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     """A launcher that asks an unmodelled vLLM helper is still compiled, but never passes
     for vLLM's own choice: the case says which stand-in it leaned on."""
@@ -309,6 +259,7 @@ def test_host_code_the_scan_cannot_follow_is_labelled_approximate(tmp_path):
     assert [m.group(1) for m in approximate.finditer(text)] == ["_lora_expand_kernel"]
 
 
+@pytest.mark.network
 def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "site-packages")
     info = tree / "triton-3.6.0.dist-info"
@@ -331,6 +282,7 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
     assert "vLLM here runs" not in same["reason"] and "kernel scan:" in same["reason"]
 
 
+@pytest.mark.network
 def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbose():
     tree = release_tree("0.26.0")
     report = doctor_kernels(tree)
@@ -352,6 +304,7 @@ def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbo
     assert any(ln.startswith("  [hazard] _lora_expand_kernel block M64 N128 K32") for ln in configs)
 
 
+@pytest.mark.network
 def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
     from patchkit.doctor.configs import model_from_dir
 

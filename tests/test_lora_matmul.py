@@ -118,6 +118,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("add_inputs", [True, False])
 @pytest.mark.parametrize("params", CASES)
@@ -135,6 +136,7 @@ def test_add_lora_linear_matches_float64_reference(ops, params, add_inputs, dtyp
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.slow
 def test_no_adapter_in_the_batch_gives_exactly_no_change(ops):
     case = Case(7, 25, 4, 3, (64, 32), 64, torch.bfloat16)
     case.mapping[:] = -1
@@ -223,6 +225,7 @@ def test_nan_in_a_row_without_lora_stays_in_that_row(ops):
     assert torch.isfinite(y[1:]).all()
 
 
+@pytest.mark.slow
 def test_runs_under_torch_compile_fullgraph_with_dynamic_token_count(ops):
     """No graph breaks (fullgraph) and the same numbers as eager, at two token counts."""
     torch._dynamo.reset()

@@ -87,6 +87,7 @@ def assert_close(result, expected):
     assert_close_to(result, expected, torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper_module", PATCHED, indirect=True)
 def test_add_lora_linear_through_the_real_wrapper(wrapper_module):
     version, punica_gpu = wrapper_module
@@ -404,6 +405,7 @@ def test_embedding_and_logits_through_the_real_wrapper(wrapper_module):
         assert_close(out[t : t + 1], (logits[t].double() + delta).unsqueeze(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper_module", ["0.26.0"], indirect=True)
 def test_the_wrapper_call_compiles_fullgraph_with_a_dynamic_token_count(wrapper_module):
     version, punica_gpu = wrapper_module

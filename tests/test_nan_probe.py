@@ -49,6 +49,7 @@ def test_list_shows_it_as_opt_in():
     assert "nan-probe" in run_cli("list").stdout
 
 
+@pytest.mark.slow
 def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
     root = copy_tree("0.26.0", tmp_path / "site")
     pristine = snapshot(root)
@@ -109,6 +110,7 @@ def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_p
     assert snapshot(root) == before
 
 
+@pytest.mark.slow
 def test_revert_after_a_reinstall_does_not_advise_what_it_has_just_done(tmp_path):
     """pip installs 0.21.0 over a patched 0.26.0 (its files over ours, ours left): revert
     removed the created files, then printed '`patchkit revert --only nan-probe` removes
@@ -160,6 +162,7 @@ def line_of(node: ast.AST, name: str) -> int:
                and ast.unparse(c.func) == name)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_hooks_sit_where_only_real_steps_reach_them(version):
     """after_forward is in _model_forward, which only execute_model calls (never
@@ -535,6 +538,7 @@ def test_a_dummy_run_writes_the_buffer_and_no_line(probe, tmp_path, monkeypatch)
     assert records(log)[1:] == []
 
 
+@pytest.mark.slow
 def test_the_hook_traces_into_a_compiled_graph(probe, tmp_path, monkeypatch):
     """torch.compile(fullgraph=True): Dynamo traces the subclass and the op (its fake
     impl), Inductor compiles the rest on the CPU; the op still writes the buffer."""
@@ -581,7 +585,7 @@ def test_the_module_needs_no_vllm():
     assert "vllm" not in roots and "torch" in roots
 
 
-# ----- review round: the log path must never crash or stall the server -----
+# ----- the log path must never crash or stall the server -----
 
 
 @pytest.fixture
@@ -891,6 +895,7 @@ def older_catalogue(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_current_one(tmp_path):
     """A server patched before the log opener was fixed keeps appending through links:
     status said only 'applied', and `apply --only nan-probe` did nothing."""

@@ -263,6 +263,7 @@ VERSIONS = ["0.17.0", "0.20.2", "0.21.0", "0.23.0", "0.24.0", "0.26.0", "0.31.0"
 WITH_PATTERNS = ["0.32.0", "0.33.0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [1, 2])
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("trained", ["down", "gate_up"])

@@ -9,25 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_subprocess
+from tests.helpers import record, write_log
 
 HEADER = {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []}
-
-
-def record(step, layer, module, kind, bad, order=-1, requests=("a", "b"), adapters=None):
-    """One probe line as the module writes it (rows counted as Inf)."""
-    return {
-        "step": step, "rank": 0, "layer": layer, "module": module, "kind": kind,
-        "order": order, "nan_rows": 0, "inf_rows": len(bad), "absmax": 1.0, "tokens": 8,
-        "requests": list(requests), "adapters": adapters or {}, "time": 0.0,
-        "bad_requests": list(bad),
-    }  # fmt: skip
-
-
-def write_log(tmp_path: Path, *lines) -> Path:
-    path = tmp_path / "probe.jsonl"
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
 
 
 def report(path: Path) -> dict:
@@ -200,22 +185,16 @@ def test_probe_report_imports_neither_vllm_nor_torch(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
-# ----- review round: hostile logs -----
+# ----- hostile logs -----
 
 
 def test_a_fifo_is_refused_by_type_not_waited_on(tmp_path):
     """A FIFO named as the log blocked open() forever (no writer): refused, exit 1."""
     import os
-    import subprocess
-    import sys
 
     fifo = tmp_path / "probe.jsonl"
     os.mkfifo(fifo)
-    code = "from patchkit.cli.main import main\nmain()\n"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "probe", "report", str(fifo)],
-        capture_output=True, text=True, timeout=20,
-    )  # fmt: skip
+    done = run_subprocess("probe", "report", str(fifo), timeout=20)
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and str(fifo) in lines[0] and "not a regular file" in lines[0]
@@ -460,6 +439,7 @@ def test_a_bad_line_before_the_last_still_fails_the_report(tmp_path):
     one_line_error([str(shape)], 1, f"{shape}:2", "'step': int expected")
 
 
+@pytest.mark.slow
 def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_path):
     """A 102 MB log took 1.37 GB: every record was kept. 96 MiB of stats lines (every
     point every step, as PATCHKIT_PROBE_STATS=1 writes them) with one bad request, read

@@ -31,6 +31,7 @@ def catalogue_copy(tmp_path: Path) -> tuple[Path, dict]:
     return root, {"PATCHKIT_PATCHES_DIR": str(root)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patch_id,variant", VARIANTS, ids=VARIANT_IDS)
 def test_every_diff_is_what_refresh_makes_on_its_release(tmp_path, patch_id, variant):
     root, env = catalogue_copy(tmp_path)
@@ -44,6 +45,7 @@ def test_every_diff_is_what_refresh_makes_on_its_release(tmp_path, patch_id, var
     assert snapshot(root) == snapshot(CATALOGUE.root), f"{patch_id}/{variant.name} drifted"
 
 
+@pytest.mark.slow
 def test_edit_then_refresh_rewrites_the_diff_and_keeps_the_tree_applied(tmp_path):
     root, env = catalogue_copy(tmp_path)
     tree = copy_tree("0.26.0", tmp_path / "site")
@@ -84,6 +86,7 @@ def test_a_created_file_edited_in_the_tree_goes_back_to_its_source(tmp_path):
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_refresh_refuses_a_patch_that_is_not_applied(tmp_path):
     root, env = catalogue_copy(tmp_path)
     tree = copy_tree("0.26.0", tmp_path / "site")
@@ -92,6 +95,7 @@ def test_refresh_refuses_a_patch_that_is_not_applied(tmp_path):
     assert snapshot(root) == snapshot(CATALOGUE.root)
 
 
+@pytest.mark.slow
 def test_refresh_refuses_a_patch_with_a_later_one_on_its_file(tmp_path):
     catalogue = stacked_catalogue(tmp_path / "catalogue", release_tree("0.26.0"))
     env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
@@ -104,6 +108,7 @@ def test_refresh_refuses_a_patch_with_a_later_one_on_its_file(tmp_path):
     assert run_cli("refresh", "upper", "--target", str(tree), env=env).exit_code == 0
 
 
+@pytest.mark.slow
 def test_refresh_add_puts_another_file_into_the_patch(tmp_path):
     root, env = catalogue_copy(tmp_path)
     tree = copy_tree("0.26.0", tmp_path / "site")
@@ -121,6 +126,7 @@ def test_refresh_add_puts_another_file_into_the_patch(tmp_path):
     assert snapshot(tree) == snapshot(copy_tree("0.26.0", tmp_path / "fresh"))
 
 
+@pytest.mark.slow
 def test_a_new_patch_is_made_from_edits_of_a_pristine_tree(tmp_path):
     """patch-package's way: declare the patch, edit a fetched tree, refresh with --add."""
     from tests.helpers import make_catalogue

@@ -22,9 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CATALOGUE, REPO, release_tree, run_cli, snapshot
-from tests.test_signals import ENV, PATCHKIT, STRACE, default_dispositions
-from tests.test_write_points import HOOK, MARK, Zygote, normalized, slim_tree
+from tests.conftest import (
+    CATALOGUE,
+    PATCHKIT,
+    REPO,
+    normalized,
+    release_tree,
+    run_cli,
+    slim_tree,
+    snapshot,
+)
+from tests.fault_helpers import ENV, HOOK, MARK, STRACE, Zygote, default_dispositions
 
 MATMUL = "matmul-add-lora-linear"
 CREATED = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
@@ -393,6 +401,7 @@ def walk_points(scenario, zygote, tmp_path: Path, mode: str):
         at += 1
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_write_point_is_recovered_by_the_next_command(scenario, zygote, tmp_path):
     seen = set()
     for at, work, result in walk_points(scenario, zygote, tmp_path, "kill"):
@@ -401,6 +410,7 @@ def test_sigkill_at_every_write_point_is_recovered_by_the_next_command(scenario,
     assert seen == {"before", "after"}
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_every_write_point_says_what_it_left(scenario, zygote, tmp_path):
     seen = set()
     for at, work, result in walk_points(scenario, zygote, tmp_path, "interrupt"):
@@ -413,6 +423,7 @@ def test_ctrl_c_at_every_write_point_says_what_it_left(scenario, zygote, tmp_pat
     assert "before" in seen
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_every_write_point_changes_nothing(scenario, zygote, tmp_path):
     failures = 0
     for at, work, result in walk_points(scenario, zygote, tmp_path, "enospc"):
@@ -455,6 +466,7 @@ def file_writes(scenario, tmp_path: Path) -> list[int]:
     return [n for n, line in enumerate(calls, 1) if not line.startswith(("write(1,", "write(2,"))]
 
 
+@pytest.mark.slow
 @needs_strace
 def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, tmp_path):
     points = file_writes(scenario, tmp_path)
@@ -473,6 +485,7 @@ def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, tmp
 RENAMES = ("rename", "renameat", "renameat2")
 
 
+@pytest.mark.slow
 @needs_strace
 def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, tmp_path):
     log = tmp_path / "renames.log"
@@ -496,6 +509,7 @@ def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, 
     assert ends[calls[0], 1] == "before"  # the first rename: everything is put back
 
 
+@pytest.mark.slow
 @needs_strace
 @pytest.mark.parametrize("syscall", ["write", "renameat", "unlinkat"])
 def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, tmp_path, syscall):

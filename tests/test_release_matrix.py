@@ -139,6 +139,7 @@ def status_json(root: Path) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_release(version: str, tmp_path: Path):
     root = copy_tree(version, tmp_path / "site-packages")

@@ -83,6 +83,7 @@ def assert_done(done, what: str) -> None:
     assert f"patchkit:   {what}" in lines, lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("json_flag", [(), ("--json",)], ids=["text", "json"])
 def test_apply_and_revert_into_a_full_disk_exit_0_and_say_what_they_did(tree_0260, json_flag):
     """Both changed the tree and used to exit 1 "accessing the tree failed: no space left
@@ -96,6 +97,7 @@ def test_apply_and_revert_into_a_full_disk_exit_0_and_say_what_they_did(tree_026
     assert states(tree_0260) == {"needed"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("json_flag", [(), ("--json",)], ids=["text", "json"])
 def test_a_report_lost_before_any_change_exits_1_and_names_the_command(tree_0260, json_flag):
     """status changes nothing: losing its report is its failure, said in one line."""
@@ -109,6 +111,7 @@ def test_a_report_lost_before_any_change_exits_1_and_names_the_command(tree_0260
     assert snapshot(tree_0260) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["list", "status"])
 def test_a_reader_that_leaves_is_named_for_the_command_that_ran(tree_0260, command):
     """`patchkit list | head -2` used to print "`patchkit status` shows the tree"."""
@@ -299,7 +302,7 @@ def test_render_counts_in_their_number():
 
 
 def test_the_probe_report_counts_in_their_number(tmp_path):
-    from tests.test_probe_report import record, write_log
+    from tests.helpers import record, write_log
 
     log = write_log(tmp_path, record(5, 1, "mlp.down_proj", "lora", ["b"], order=5))
     lines = run_cli("probe", "report", str(log)).stdout.splitlines()

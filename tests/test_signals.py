@@ -13,38 +13,21 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_write_points import normalized, slim_tree
+from tests.conftest import PATCHKIT, normalized, slim_tree
+from tests.fault_helpers import ENV, STRACE, default_dispositions
 
-STRACE = shutil.which("strace")
 SYSCALLS = ("rename", "renameat", "renameat2", "unlink", "unlinkat", "write", "fsync", "fdatasync")
-PATCHKIT = [sys.executable, "-c", "from patchkit.cli.entry import main; main()"]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
 
 pytestmark = pytest.mark.skipif(
     STRACE is None or subprocess.run([STRACE, "-o", "/dev/null", "true"]).returncode != 0,
     reason="strace is not installed or cannot trace here (apt-get install strace)",
 )
-
-
-def default_dispositions() -> None:
-    """In the child: SIGINT and SIGTERM acted on, whoever started the tests.
-
-    A shell without job control starts a background command (`pytest &`) with
-    SIGINT ignored; the ignore is inherited through strace by patchkit, which
-    (as Python does, like nohup'ed programs) then lets Ctrl-C pass. That is
-    right for patchkit and wrong for this test, which must see the signals.
-    """
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def traced(args: list[str], strace_args: list[str]) -> subprocess.CompletedProcess:
@@ -105,6 +88,7 @@ def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, si
     return result.returncode, None if problem is None else f"{where}: {problem}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command, start):
     copy = tmp_path / "count"

@@ -17,13 +17,13 @@ from subprocess import PIPE
 
 import pytest
 
-from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
+from tests.conftest import release_tree, run_cli, run_subprocess, slim_tree, snapshot
 from tests.helpers import LOWER, STACKED_FILE, UPPER, stacked_catalogue
 
 
 @pytest.fixture
 def pair(tmp_path: Path) -> tuple[Path, dict]:
-    tree = copy_tree("0.26.0", tmp_path / "site")
+    tree = slim_tree(tmp_path / "site")
     catalogue = stacked_catalogue(tmp_path / "catalogue", release_tree("0.26.0"))
     return tree, {"PATCHKIT_PATCHES_DIR": str(catalogue)}
 
@@ -88,7 +88,7 @@ def test_upper_alone_needs_lower_underneath(pair):
 
 def test_a_lower_patch_is_not_slid_under_an_applied_upper_one(tmp_path):
     """Independent hunks: upper applies alone, but lower may not go in below it afterwards."""
-    tree = copy_tree("0.26.0", tmp_path / "site")
+    tree = slim_tree(tmp_path / "site")
     catalogue = stacked_catalogue(tmp_path / "cat", release_tree("0.26.0"), independent=True)
     env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
     assert run_cli("apply", "--target", str(tree), "--only", "upper", env=env).exit_code == 0
@@ -154,6 +154,7 @@ def test_a_crash_mid_apply_of_the_pair_is_rolled_back(pair):
     assert states(tree, env) == {"lower": "applied", "upper": "applied"}
 
 
+@pytest.mark.slow
 def test_concurrent_runs_on_the_pair_serialise(pair):
     tree, env = pair
     pristine = snapshot(tree)

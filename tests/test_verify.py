@@ -16,11 +16,13 @@ import pytest
 
 from patchkit.verify import e2e, kernelcheck
 from tests.conftest import run_cli, run_subprocess
+from tests.helpers import failing
 
 torch = pytest.importorskip("torch", reason="verify's checks need torch (the test extra)")
 has_gpu_and_vllm = torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
     result = run_subprocess("verify")
@@ -36,6 +38,7 @@ def test_without_a_gpu_verify_says_so_in_one_line_and_exits_1():
     assert json.loads(as_json.stdout)["ok"] is False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not has_gpu_and_vllm, reason="needs a CUDA GPU and vLLM: run `patchkit verify` on a GPU host"
 )
@@ -110,10 +113,6 @@ def served(mode_noise=0.0):
         runs[kind] = {e2e.PARTIAL_PROMPT: {"prompt_logprobs": list(partial), "tokens": [5],
                                            "token_logprobs": [-1.0]}}  # fmt: skip
     return {"mode": "eager", "corrupted_requests": 0, "runs": runs}, reference
-
-
-def failing(checks) -> list[str]:
-    return [c.name for c in checks if not c.ok]
 
 
 def test_compare_passes_a_clean_run():

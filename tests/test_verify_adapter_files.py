@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import run_cli, run_subprocess
 
 torch = pytest.importorskip("torch", reason="the test checkpoints are written with torch")
-from tests.test_merge import (  # noqa: E402
+from tests.checkpoint_helpers import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     VL,

@@ -22,9 +22,10 @@ import pytest
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import e2e, mergeplan, serving, usermodel
 from tests.conftest import run_cli, run_subprocess
+from tests.helpers import failing
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
-from tests.test_merge import (  # noqa: E402
+from tests.checkpoint_helpers import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     VL,
@@ -164,6 +165,7 @@ def test_a_config_with_unusable_sizes_is_one_line_not_a_hang(user, values):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     """SIGTERM (CI, `timeout`, Kubernetes) reaches only patchkit, raised as Terminated in
     wait(): the vLLM engine children went on holding the GPUs, orphaned, while the
@@ -208,6 +210,7 @@ def test_tensor_parallel_beyond_the_visible_gpus_is_refused():
     serving.check_tensor_parallel(2, 2)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_tp_beyond_the_gpus_before_any_work():
     """torch is made to see one GPU; the refusal comes before vLLM is looked for."""
     fake_gpu = "import torch\ntorch.cuda.is_available = lambda: True\n"
@@ -365,10 +368,6 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
 
 
 # ----- the checks of --model on served results -----
-
-
-def failing(checks) -> list[str]:
-    return [c.name for c in checks if not c.ok]
 
 
 def test_compare_passes_a_clean_run():
@@ -529,6 +528,7 @@ def test_jobs_name_their_engines_and_requests():
     ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")),
     reason="needs a CUDA GPU and vLLM: run scripts/verify_gpu_proof.sh on a GPU host",

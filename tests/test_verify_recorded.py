@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.verify import usermodel
+from tests.helpers import failing
 
 DATA = Path(__file__).parent / "data"
 
@@ -29,10 +30,6 @@ def recorded(tp: int) -> dict:
     path = DATA / f"h200-2026-11-30h-moe-tp{tp}-served.json.gz"
     with gzip.open(path, "rt") as handle:
         return json.load(handle)
-
-
-def failing(checks) -> list[str]:
-    return [c.name for c in checks if not c.ok]
 
 
 def test_the_moe_case_served_at_tp1_passes_against_its_reference_and_control():

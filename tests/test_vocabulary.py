@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.conftest import CATALOGUE, release_tree, run_cli, run_subprocess
-from tests.test_hostile_two import one_line
+from tests.helpers import one_line
 
 SPLIT = "split-in-proj-qkvz"
 PARTIAL = "partial-gdn-adapter"
@@ -26,8 +26,8 @@ def patch_json(result, patch_id: str) -> dict:
     return next(p for p in json.loads(result.stdout)["patches"] if p["id"] == patch_id)
 
 
-def test_a_state_has_one_name_in_every_command(tree_0260):
-    target = ["--target", str(tree_0260), "--json"]
+def test_a_state_has_one_name_in_every_command(slim_tree_0260):
+    target = ["--target", str(slim_tree_0260), "--json"]
     assert patch_json(run_cli("status", *target), SPLIT)["state"] == "not-applicable"
     applied = patch_json(run_cli("apply", *target), SPLIT)
     assert (applied["state"], applied["state_before"], applied["action"]) == (
@@ -41,39 +41,39 @@ def test_a_state_has_one_name_in_every_command(tree_0260):
     assert block_n["state"] == "needed"
     words = {"needed", "applied", "upstream", "not-applicable", "conflict", "opt-in"}
     for command in ("status", "apply", "revert"):
-        text = run_cli(command, "--target", str(tree_0260)).stdout
+        text = run_cli(command, "--target", str(slim_tree_0260)).stdout
         for line in text.splitlines():
             if line.startswith("  ") and not line.startswith("      "):
                 assert line.split()[1] in words, line
 
 
-def test_apply_and_revert_end_with_one_summary_line(tree_0260):
-    applied = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
+def test_apply_and_revert_end_with_one_summary_line(slim_tree_0260):
+    applied = run_cli("apply", "--target", str(slim_tree_0260)).stdout.splitlines()
     assert applied[-1] == "apply: 4 applied now; now 4 applied, 1 not-applicable"
-    again = run_cli("apply", "--target", str(tree_0260)).stdout.splitlines()
+    again = run_cli("apply", "--target", str(slim_tree_0260)).stdout.splitlines()
     assert again[-1] == "apply: nothing to do; now 4 applied, 1 not-applicable"
-    reverted = run_cli("revert", "--target", str(tree_0260)).stdout.splitlines()
+    reverted = run_cli("revert", "--target", str(slim_tree_0260)).stdout.splitlines()
     assert reverted[-1] == "revert: 4 reverted now; now 4 needed, 1 not-applicable"
-    dry = run_cli("apply", "--target", str(tree_0260), "--dry-run").stdout.splitlines()
+    dry = run_cli("apply", "--target", str(slim_tree_0260), "--dry-run").stdout.splitlines()
     # states a dry run would leave, not "now" (the tree is unpatched)
     assert dry[-1] == (
         "apply: 4 would apply; nothing was written; it would leave 4 applied, 1 not-applicable"
     )
 
 
-def test_a_notice_shows_once_under_its_patch_and_not_on_revert(tree_0260):
-    status = run_cli("status", "--target", str(tree_0260))
+def test_a_notice_shows_once_under_its_patch_and_not_on_revert(slim_tree_0260):
+    status = run_cli("status", "--target", str(slim_tree_0260))
     lines = status.stdout.splitlines()
     notice = [i for i, line in enumerate(lines) if "known issue:" in line]
     assert [lines[i - 1].split()[0] for i in notice] == [PARTIAL, PARTIAL_MOE]
     assert "known issue" not in status.stderr
-    applied = run_cli("apply", "--target", str(tree_0260))
+    applied = run_cli("apply", "--target", str(slim_tree_0260))
     assert "known issue" not in applied.output  # the patch that fixes it is applied now
     for patch_id in (PARTIAL, PARTIAL_MOE):
-        status = run_cli("status", "--target", str(tree_0260), "--json")
+        status = run_cli("status", "--target", str(slim_tree_0260), "--json")
         assert patch_json(status, patch_id)["notices"] == []
-    assert run_cli("revert", "--target", str(tree_0260), "--only", PARTIAL).exit_code == 0
-    reverted = run_cli("revert", "--target", str(tree_0260))
+    assert run_cli("revert", "--target", str(slim_tree_0260), "--only", PARTIAL).exit_code == 0
+    reverted = run_cli("revert", "--target", str(slim_tree_0260))
     assert "known issue" not in reverted.output
 
 
@@ -115,8 +115,10 @@ sys.addaudithook(_hook)
          "`patchkit status` changes nothing"),
     ],
 )  # fmt: skip
-def test_ctrl_c_prints_the_message_of_its_command(tmp_path, tree_0260, args, event, test, words):
-    args = [str(tmp_path / "dest") if a == "DEST" else str(tree_0260) if a == "TREE" else a
+def test_ctrl_c_prints_the_message_of_its_command(
+    tmp_path, slim_tree_0260, args, event, test, words
+):
+    args = [str(tmp_path / "dest") if a == "DEST" else str(slim_tree_0260) if a == "TREE" else a
             for a in args]  # fmt: skip
     result = run_subprocess(*args, code=INTERRUPT_AT.format(event=event, test=test))
     line = one_line(result, code=130)

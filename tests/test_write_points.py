@@ -12,101 +12,17 @@ orphan backups, no journal.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import REPO, release_tree, snapshot
+from tests.conftest import normalized, slim_tree
+from tests.fault_helpers import HOOK, MARK, Zygote
 
 # The real 0.26.0 files that apply, revert and the decisions read, with the
 # wheel's dist-info: a tree of ~300 files instead of ~2,250, so that each of
 # the hundreds of runs below copies little.
-SLIM = (
-    "vllm/__init__.py",
-    "vllm/lora",
-    "vllm/model_executor/models/qwen3_5.py",
-    "vllm/model_executor/layers/mamba/gdn_linear_attn.py",
-)
-
-
-def slim_tree(dest: Path) -> Path:
-    source = release_tree("0.26.0")
-    for relpath in SLIM:
-        if not (source / relpath).exists():
-            continue  # gdn_linear_attn.py: only in some releases
-        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
-        if (source / relpath).is_dir():
-            shutil.copytree(source / relpath, dest / relpath)
-        else:
-            shutil.copy2(source / relpath, dest / relpath)
-    for dist_info in source.glob("vllm-*.dist-info"):
-        shutil.copytree(dist_info, dest / dist_info.name)
-    return dest
-
-
-HOOK = r"""
-import errno, os, signal, sys
-_ROOT, _MODE, _AT = {root!r}, {mode!r}, {at}
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_EVENTS = {{"os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.chmod"}}
-_seen = [0]
-
-def _hook(event, args):
-    if event == "open":
-        if not (isinstance(args[2], int) and args[2] & _WRITE):
-            return
-        creating = True
-    elif event in _EVENTS:
-        creating = event == "os.mkdir"
-    else:
-        return
-    path = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else ""
-    if path.startswith("/") and not path.startswith(_ROOT):
-        return
-    _seen[0] += 1
-    if _seen[0] != _AT:
-        return
-    sys.stderr.write("FAULT-POINT-REACHED\n")
-    sys.stderr.flush()
-    if _MODE == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if _MODE == "interrupt":
-        raise KeyboardInterrupt
-    if _MODE == "enospc" and creating:
-        raise OSError(errno.ENOSPC, "No space left on device", path)
-
-sys.addaudithook(_hook)
-"""
-
-
-MARK = "FAULT-POINT-REACHED\n"
-
-
-class Zygote:
-    """tests/zygote.py in a child: each run is a fork of a warm patchkit process."""
-
-    def __init__(self):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "zygote.py")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-
-    def run(self, *args: str, code: str = "") -> SimpleNamespace:
-        self.process.stdin.write(json.dumps({"args": list(args), "code": code}) + "\n")
-        self.process.stdin.flush()
-        return SimpleNamespace(**json.loads(self.process.stdout.readline()))
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +47,6 @@ def clean_run(zygote: Zygote, tree: Path, command: str):
     result = zygote.run(command, "--target", str(tree))
     assert result.returncode == 0, result.stderr
     return result
-
-
-def normalized(root: Path) -> dict[str, str]:
-    """snapshot(), with state.json's timestamps left out (a re-apply writes its own)."""
-    digests = snapshot(root)
-    state = root / ".patchkit" / "state.json"
-    if state.is_file():
-        data = json.loads(state.read_text())
-        for patch in data["patches"]:
-            patch.pop("applied_at")
-        text = json.dumps(data, sort_keys=True).encode()
-        digests[".patchkit/state.json"] = hashlib.sha256(text).hexdigest()
-    return digests
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +80,7 @@ def walk(references, zygote, tmp_path: Path, start: str, command: str, mode: str
         at += 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_sigkill_at_every_write_point_leaves_no_debris(
     references, zygote, tmp_path, command, start
@@ -192,6 +96,7 @@ def test_sigkill_at_every_write_point_leaves_no_debris(
     assert points > 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
     references, zygote, tmp_path, command, start
@@ -204,6 +109,7 @@ def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
         assert normalized(tree) == references["pristine_snapshot"], f"Ctrl-C at write {at}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_full_disk_at_every_write_changes_nothing(references, zygote, tmp_path, command, start):
     failures = 0

@@ -1,0 +1,74 @@
+"""A Triton wheel and the tests' CPU torch for a child patchkit that scans kernels.
+
+Triton is downloaded once into the tests' cache (keyed by its version) and
+put on the child's PYTHONPATH, with its own Triton cache and patchkit
+readings beside it. Used by the doctor --kernels, advice and Docker tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import REPO, TEST_CACHE
+
+TRITON = "3.7.1"
+
+
+def triton_site(version: str = TRITON) -> Path:
+    """Triton ``version`` installed (--target) into the tests' cache; downloaded on first use."""
+    site = TEST_CACHE / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}"
+    if (site / "triton" / "__init__.py").is_file():
+        return site
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".triton-") as tmp:
+        pip = [sys.executable, "-m", "pip", "-q"]
+        download = ["download", "--no-deps", "--only-binary", ":all:", "-d", tmp]
+        subprocess.run([*pip, *download, f"triton=={version}"], check=True)
+        wheel = next(Path(tmp).glob("triton-*.whl"))
+        target = Path(tmp) / "site"
+        subprocess.run(
+            [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+            check=True,
+        )
+        os.replace(target, site)
+    return site
+
+
+TORCH_PACKAGES = ("torch", "torchgen", "functorch", "filelock", "typing_extensions", "sympy",
+                  "mpmath", "networkx", "jinja2", "markupsafe", "fsspec")  # fmt: skip
+
+
+def torch_site() -> Path:
+    """The tests' CPU torch and what it imports, linked into one directory for a .pth.
+
+    The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
+    vLLM environment has; an image-like test venv gets it through this.
+    """
+    import importlib.util
+
+    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
+    site.mkdir(parents=True, exist_ok=True)
+    for name in TORCH_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        source = origin.parent if origin.name == "__init__.py" else origin
+        link = site / source.name
+        if not link.exists():
+            link.symlink_to(source)
+    return site
+
+
+def scan_env(version: str = TRITON) -> dict:
+    """A child patchkit that imports Triton ``version``; caches kept per Triton version."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TRITON_"))}
+    env.pop("PATCHKIT_LORA_BACKEND", None)
+    env["PYTHONPATH"] = f"{triton_site(version)}{os.pathsep}{REPO}"
+    env["TRITON_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-cache")
+    env["PATCHKIT_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-readings")  # scans, SASS
+    return env

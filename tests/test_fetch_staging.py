@@ -1,0 +1,149 @@
+"""fetch removes only its own dead staging directories, the marker last.
+
+A staging directory is patchkit's by its marker, not its name; it is dead
+when the marker's process is gone (or could never have existed); a live
+one, a look-alike, or a user's directory swapped in under the staging name
+is kept. The download child dies with a killed fetch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, copy_tree, run_cli
+
+
+@pytest.mark.slow
+def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
+    """Staging of a dead fetch goes; a live one stays; so does a directory that only
+    looks like one by its name (issue 18: recognised by patchkit's marker, not a pattern)."""
+    from patchkit.releases.fetch import MARKER, STAGING_MARKER
+
+    cache = tmp_path / "cache"
+    tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
+    assert (tree / MARKER).is_file()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = cache / "trees" / ".vllm-0.27.0-abc123"
+    (stale / "tree" / "vllm").mkdir(parents=True)
+    (stale / STAGING_MARKER).write_text(json.dumps({"pid": dead.pid, "start": "1"}))
+    alive = cache / "trees" / ".vllm-0.28.0-def456"
+    alive.mkdir()
+    (alive / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "start": None}))
+    lookalike = cache / "trees" / f".vllm-notes-pid{dead.pid}-x"
+    lookalike.mkdir()
+    (lookalike / "mine.txt").write_text("mine\n")
+    result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
+    assert result.stderr == ""  # quiet in --json and without a terminal
+    assert not stale.exists() and alive.is_dir()
+    assert (lookalike / "mine.txt").read_text() == "mine\n"
+
+
+def test_pip_dies_with_a_killed_fetch(tmp_path):
+    """The download child gets the parent-death signal: SIGKILL of patchkit ends it too."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "from patchkit.releases.fetch import _die_with_parent\n"
+            "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "time.sleep(60)\n",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    for _ in range(100):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            return  # a zombie waiting for init to reap it: dead
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("the download child outlived the killed fetch")
+
+
+def test_fetch_staging_cleanup_removes_the_marker_last(tmp_path):
+    from patchkit.releases.fetch import STAGING_MARKER, _empty_staging
+
+    staging = tmp_path / ".vllm-0.26.0-x"
+    (staging / "tree" / "vllm").mkdir(parents=True)
+    (staging / "vllm-0.26.0.whl").write_bytes(b"w" * 10)
+    (staging / STAGING_MARKER).write_text('{"pid": 1}')
+    order = []
+    real_unlink = os.unlink
+
+    def recording(name, *args, **kwargs):
+        order.append(str(name))
+        return real_unlink(name, *args, **kwargs)
+
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.unlink = recording
+        _empty_staging(fd, staging)
+    finally:
+        os.unlink = real_unlink
+        os.close(fd)
+    assert order[-1] == STAGING_MARKER and list(staging.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_marker_with_an_impossible_pid_is_a_dead_fetch(tmp_path):
+    cache = tmp_path / "cache"
+    tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
+    stale = cache / "trees" / ".vllm-x"
+    stale.mkdir()
+    (stale / ".patchkit-staging").write_text('{"pid": 4294967296}')
+    result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and tree.is_dir()
+
+
+def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, monkeypatch):
+    """The staging directory is exchanged (renameat2) with a
+    user's directory between the marker read and the removal."""
+    import ctypes
+
+    from patchkit.releases import fetch
+
+    parent = tmp_path / "fr"
+    staging, user = parent / "stg", parent / "userdir"
+    staging.mkdir(parents=True)
+    (staging / fetch.STAGING_MARKER).write_text('{"pid": 2147483646}')
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious\n")
+    libc = ctypes.CDLL(None, use_errno=True)
+    real = fetch._dead_marker
+
+    swapped = []
+
+    def swap_after_reading(staging_root):
+        dead = real(staging_root)
+        if not swapped:  # once: the first directory looked at is the staging one
+            swapped.append(libc.renameat2(-100, bytes(staging), -100, bytes(user), 2))
+        return dead
+
+    monkeypatch.setattr(fetch, "_dead_marker", swap_after_reading)
+    fetch.remove_stale_staging(parent)
+    assert swapped == [0]
+    assert (parent / "stg" / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
+    assert not (parent / "userdir" / fetch.STAGING_MARKER).exists()  # the real staging, emptied

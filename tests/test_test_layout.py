@@ -1,0 +1,80 @@
+"""The test suite's own layout: what a maintainer relies on when adding a test.
+
+No test module imports from another (shared helpers live in conftest.py,
+helpers.py and tests/<topic>_helpers.py, so a test file can be moved, split or
+deleted without breaking a second one); every marker a test uses is
+registered (pytest runs with --strict-markers); and `.ci/run` runs exactly
+the README's test command, whose fast subset goes first.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the tomli backport, as patchkit's catalogue loader uses
+    import tomli as tomllib
+
+TESTS = REPO / "tests"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "tests." * (node.level > 0) + (node.module or "")
+            found.add(base)
+            found |= {f"{base}.{alias.name}".replace("..", ".") for alias in node.names}
+    return found
+
+
+def test_no_test_module_imports_from_another():
+    test_modules = {f"tests.{p.stem}" for p in TESTS.glob("test_*.py")}
+    offenders = {
+        path.name: sorted(imported_modules(path) & (test_modules - {f"tests.{path.stem}"}))
+        for path in sorted(TESTS.glob("*.py"))
+    }
+    offenders = {name: mods for name, mods in offenders.items() if mods}
+    assert offenders == {}, f"move what they share into tests/helpers.py: {offenders}"
+
+
+def test_the_layout_check_sees_an_import_from_a_test_module(tmp_path):
+    """The check above can fail: each way of writing the import is seen."""
+    for line in (
+        "from tests.test_merge import lin",
+        "import tests.test_merge",
+        "from .test_merge import lin",
+        "from tests import test_merge",
+        "def f():\n    from tests.test_merge import lin",
+    ):
+        (tmp_path / "test_x.py").write_text(line + "\n")
+        assert "tests.test_merge" in imported_modules(tmp_path / "test_x.py"), line
+
+
+def test_every_marker_used_is_registered():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--strict-markers" in config["addopts"]
+    registered = {line.split(":")[0].strip() for line in config["markers"]}
+    used = set()
+    for path in TESTS.glob("test_*.py"):
+        used |= set(re.findall(r"pytest\.mark\.(\w+)", path.read_text()))
+    builtin = {"parametrize", "skipif", "skip", "xfail", "usefixtures", "filterwarnings"}
+    assert used - builtin <= registered, used - builtin - registered
+    assert {"slow", "network", "gpu"} <= registered
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    readme = (REPO / "README.md").read_text()
+    [command] = [line for line in readme.splitlines() if "ruff check . &&" in line]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert command in ci, "README's test command and .ci/run must be the same command"
+    assert '-m "not slow and not network"' in command  # the fast subset first
