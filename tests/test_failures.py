@@ -360,12 +360,13 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(slim_tree
     assert snapshot(slim_tree_0260) == pristine
 
 
+@pytest.mark.slow
 def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applied(tmp_path):
     """EIO at apply's last fsync (the directory's, after state.json's rename) left a
     .patchkit/state.json recording patches on a tree whose files were put back, and
     empty .patchkit/backups/ folders, while the message said nothing changed."""
-    from tests.test_signals import ENV, PATCHKIT, STRACE, default_dispositions
-    from tests.test_write_points import slim_tree
+    from tests.conftest import PATCHKIT, slim_tree
+    from tests.fault_helpers import ENV, STRACE, default_dispositions
 
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")

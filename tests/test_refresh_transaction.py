@@ -530,6 +530,7 @@ def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, tmp_path, sys
     assert "before" in seen
 
 
+@pytest.mark.slow
 @needs_strace
 def test_an_io_error_at_every_fsync_leaves_before_or_after_and_says_which(scenario, tmp_path):
     """EIO at the directory fsync after state.json's rename was reported as "nothing was

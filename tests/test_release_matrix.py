@@ -243,6 +243,7 @@ class FakePlatform:
         return self.capability == capability
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])
 def test_patched_block_n_is_32_on_sm90_only(version: str, tmp_path: Path):
     """Evaluate the patched expression from the real patched file on fake platforms."""

@@ -8,9 +8,8 @@ One way to print: every line for stdout goes through :func:`out` (a report's
 text and its JSON alike), every line for stderr through :func:`warn`. Text
 that must be filtered first (the canary's API key, control characters from a
 server or a log) is filtered on the way into them, never printed some other
-way. Each command's JSON is made by one ``*_json`` function here; the engine's
-objects carry no ``to_json`` (the verify report's still does, and
-:func:`verify_json` is where that one is called).
+way. Each command's JSON is made by one ``*_json`` function here; no object
+below the CLI carries a ``to_json``.
 """
 
 from __future__ import annotations
@@ -311,9 +310,16 @@ def render_verify(report) -> None:
 
 
 def verify_json(report) -> dict:
-    """verify's JSON, still made by its report (patchkit.verify is being split; it moves here
-    with the rest once that is done)."""
-    return report.to_json()
+    """verify's JSON: the environment, the patches, and every check as its fields."""
+    return {
+        "ok": report.ok,
+        "environment": report.environment,
+        "patches": report.patches,
+        "kernel_checks": [dataclasses.asdict(k) for k in report.kernel],
+        "e2e_checks": [dataclasses.asdict(c) for c in report.e2e],
+        "model_checks": [dataclasses.asdict(c) for c in report.model],
+        "seconds": round(report.seconds, 1),
+    }
 
 
 # ----- canary -----

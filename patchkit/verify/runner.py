@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.catalogue.model import Catalogue
@@ -37,17 +37,6 @@ class VerifyReport:
     def ok(self) -> bool:
         kernel_ok = all(k.ok for k in self.kernel if k.counts)
         return kernel_ok and all(c.ok for c in self.e2e + self.model)
-
-    def to_json(self) -> dict:
-        return {
-            "ok": self.ok,
-            "environment": self.environment,
-            "patches": self.patches,
-            "kernel_checks": [asdict(k) for k in self.kernel],
-            "e2e_checks": [asdict(c) for c in self.e2e],
-            "model_checks": [asdict(c) for c in self.model],
-            "seconds": round(self.seconds, 1),
-        }
 
 
 def require_gpu():
