@@ -516,6 +516,20 @@ def _gemv_kernels():
 
 if triton is not None:
 
+    @triton.jit
+    def _row_slot(w_ptr, t, stride_w, num_slots, BLOCK_L: tl.constexpr):
+        """Row t's slot (the one whose weight is not 0; -1 for none) and its weight (1, or
+        NaN for a bad adapter), from the batch's slot weights."""
+        slot = tl.full((), -1, tl.int32)
+        weight = tl.zeros((), tl.float32)
+        for l0 in range(0, num_slots, BLOCK_L):
+            lane = l0 + tl.arange(0, BLOCK_L)
+            w = tl.load(w_ptr + t * stride_w + lane, mask=lane < num_slots, other=0.0)
+            own = w.to(tl.float32) != 0.0  # unordered: NaN counts
+            slot = tl.maximum(slot, tl.max(tl.where(own, lane, -1), axis=0))
+            weight += tl.sum(tl.where(own, w.to(tl.float32), 0.0), axis=0)
+        return slot, weight
+
     @triton.jit(do_not_specialize=["num_slots"])
     def _gemv_shrink_kernel(x_ptr, a_ptr, w_ptr, part_ptr, hidden, rows, rank, num_slots,
                             stride_x, stride_w, per_split, SPLIT_K: tl.constexpr,
@@ -529,14 +543,7 @@ if triton is not None:
         The slot lookup is the expand's (its weight is the expand's to apply).
         """
         t, nb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        slot = tl.full((), -1, tl.int32)  # the row's slot: the one whose weight is not 0
-        weight = tl.zeros((), tl.float32)  # its weight: 1, or NaN for a bad adapter
-        for l0 in range(0, num_slots, BLOCK_L):
-            lane = l0 + tl.arange(0, BLOCK_L)
-            w = tl.load(w_ptr + t * stride_w + lane, mask=lane < num_slots, other=0.0)
-            own = w.to(tl.float32) != 0.0  # unordered: NaN counts
-            slot = tl.maximum(slot, tl.max(tl.where(own, lane, -1), axis=0))
-            weight += tl.sum(tl.where(own, w.to(tl.float32), 0.0), axis=0)
+        slot, weight = _row_slot(w_ptr, t, stride_w, num_slots, BLOCK_L)
         if slot >= 0:
             n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             row = ((n // rank) * num_slots + slot) * rank + n % rank
@@ -565,14 +572,7 @@ if triton is not None:
         a slot are not touched; with ADD_INPUTS False the others are written.
         """
         t, wb = tl.program_id(0), tl.program_id(1)
-        slot = tl.full((), -1, tl.int32)  # the row's slot: the one whose weight is not 0
-        weight = tl.zeros((), tl.float32)  # its weight: 1, or NaN for a bad adapter
-        for l0 in range(0, num_slots, BLOCK_L):
-            lane = l0 + tl.arange(0, BLOCK_L)
-            w = tl.load(w_ptr + t * stride_w + lane, mask=lane < num_slots, other=0.0)
-            own = w.to(tl.float32) != 0.0  # unordered: NaN counts
-            slot = tl.maximum(slot, tl.max(tl.where(own, lane, -1), axis=0))
-            weight += tl.sum(tl.where(own, w.to(tl.float32), 0.0), axis=0)
+        slot, weight = _row_slot(w_ptr, t, stride_w, num_slots, BLOCK_L)
         if slot >= 0:
             cols = wb * BLOCK_W + tl.arange(0, BLOCK_W)
             c_in = cols < width
