@@ -3,17 +3,18 @@
 Unpatched vLLM's Triton kernels touch only each row's own adapter; the torch
 path's GEMM route (matmul-add-lora-linear) multiplies every slot's A and B and
 masks, so at batch 1 it reads max_loras times the LoRA weights. Decode-sized
-calls (at most min(GEMV_MAX_TOKENS, max_loras) tokens) now take the path's GEMV
+calls (at most min(GEMV_MAX_TOKENS, max_loras) tokens) can take the path's GEMV
 route instead: Triton GEMVs without tl.dot that read each row's own adapter.
 This script measures, per add_lora_linear call and summed over the LoRA modules
 of one decode step of the benchmark models:
 
   triton-default  unpatched vLLM's path: fp32 buffer, lora_shrink, lora_expand,
                   expand at block_n 128, 2 stages (what it picks on the H200)
-  torch           the patched wrapper's add_lora_linear as installed (the default
-                  set): the GEMV route where it applies, else the GEMM route
-  torch-gemm      the same with the GEMV route off (the module's GEMV_MAX_TOKENS
-                  set to 0 while the call is captured): the path before it
+  torch           the patched wrapper's add_lora_linear with its GEMV route on
+                  (PATCHKIT_LORA_GEMV=1, set here): the GEMV route where it
+                  applies, else the GEMM route
+  torch-gemm      the same with the GEMV route off (the default set as installed,
+                  the route being opt-in)
 
 Each call is captured in a CUDA graph and replayed (triton.testing.
 do_bench_cudagraph, median). The kernels each path launches, with their GPU
@@ -90,16 +91,16 @@ def torch_path_module():
     return importlib.import_module("vllm.lora.punica_wrapper.patchkit_lora_matmul")
 
 
-def gemm_route(call):
-    """call, with the GEMV route off while it runs (and while a CUDA graph captures it)."""
+def route(call, gemv: bool):
+    """call, with the GEMV route on or off while it runs (and while a graph captures it)."""
     module = torch_path_module()
 
     def forced(y, x, scale, widths):
-        bound, module.GEMV_MAX_TOKENS = module.GEMV_MAX_TOKENS, 0
+        was, module.GEMV_ENABLED = module.GEMV_ENABLED, gemv
         try:
             call(y, x, scale, widths)
         finally:
-            module.GEMV_MAX_TOKENS = bound
+            module.GEMV_ENABLED = was
 
     return forced
 
@@ -139,8 +140,8 @@ def case(torch, triton, hidden, widths, slots, rank, tokens) -> dict:
     torch_call = kernelcheck.lora_linear_call(wrapper, "torch", a, b)
     calls = {
         "triton-default": kernelcheck.lora_linear_call(wrapper, "triton", a, b),
-        "torch": torch_call,
-        "torch-gemm": gemm_route(torch_call),
+        "torch": route(torch_call, gemv=True),
+        "torch-gemm": route(torch_call, gemv=False),
     }
     gemv = tokens <= min(torch_path_module().GEMV_MAX_TOKENS, slots)
     row = {"hidden": hidden, "widths": list(widths), "slots": slots, "rank": rank,

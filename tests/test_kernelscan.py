@@ -157,6 +157,10 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     gemv = [c for c in report["kernels"]["cases"] if c["family"] == "gemv"]
     assert {c["kernel"] for c in gemv} == GEMV  # the torch path's own kernels: no wgmma
     assert {c["verdict"] for c in gemv} == {"no-register-operand"}
+    assert not any(c["called"] for c in gemv)  # the GEMV route is opt-in
+    assert "PATCHKIT_LORA_GEMV=1" in gemv[0]["why_not_called"]
+    opted_in = doctor_kernels(tree, PATCHKIT_LORA_GEMV="1")
+    gemv = [c for c in opted_in["kernels"]["cases"] if c["family"] == "gemv"]
     adding = [c for c in gemv if c["constants"].get("ADD_INPUTS") is not False]
     assert adding and all(c["called"] for c in adding)  # run here; writing: dual stream only
     assert not any(c["called"] for c in gemv if c["constants"].get("ADD_INPUTS") is False)

@@ -35,7 +35,7 @@ MODULE = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
 NO_TRITON = "no Triton here (pip install triton 'numpy<2.3' runs it in Triton's interpreter)"
 
 
-def import_module(name: str, directory, interpret: bool):
+def import_module(name: str, directory, interpret: bool, gemv: bool = True):
     """The catalogue's module, imported fresh; its kernels are the interpreter's if asked.
 
     Triton picks interpreter or compiler when a kernel is defined (at import).
@@ -46,6 +46,7 @@ def import_module(name: str, directory, interpret: bool):
     saved = dict(vars(impl)) if impl is not None else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1" if interpret else "0")
+        mp.setenv("PATCHKIT_LORA_GEMV", "1" if gemv else "")  # the route is opt-in
         module = module_from_source(name, created_source(PATCH, MODULE), directory)
     if saved is not None:
         vars(impl).clear()
@@ -382,3 +383,16 @@ def test_without_the_interpreter_cpu_calls_take_the_gemm_route(tmp_path):
     m = import_module("patchkit_lora_matmul_compiled", tmp_path, interpret=False)
     assert m._gemv_kernels() is not None
     assert not m._gemv_device(torch.zeros(1, 8))
+
+
+def test_the_gemv_route_is_off_unless_asked_for(tmp_path):
+    """Until serving throughput judges it against unpatched vLLM, decode-sized calls take
+    the GEMM route unless PATCHKIT_LORA_GEMV=1: gemv_linear declines, whatever the shapes."""
+    m = import_module("patchkit_lora_matmul_gemv_off", tmp_path, interpret=False, gemv=False)
+    assert not m.GEMV_ENABLED
+    slots, rank, hidden, width = 4, 8, 64, 32
+    a_all = torch.zeros(1, slots, 1, rank, hidden)
+    b = [torch.zeros(slots, 1, rank, width).transpose(2, 3)]
+    y, x = torch.zeros(1, width), torch.zeros(1, hidden)
+    weights = torch.zeros(8, slots)
+    assert not m._gemv_fits(y, x, [a_all[0]], b, weights)

@@ -318,6 +318,7 @@ def _gemv(model, width, slices, tokens, rank, add_inputs):
         a = [a_all[s] for s in range(len(slices))]
         b = [box.tensor((MAX_LORAS, 1, rank, n), dtype).transpose(2, 3) for n in slices]
         weights = box.tensor((MAX_TOKENS, MAX_LORAS), dtype)
+        module.GEMV_ENABLED = True  # opt-in (PATCHKIT_LORA_GEMV=1): read what it would pick
         module.gemv_linear(y, x, a, b, weights, 1.0, add_inputs)
 
     return run

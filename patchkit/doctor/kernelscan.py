@@ -39,6 +39,7 @@ from patchkit.doctor.toolchain import ScanUnavailable, Toolchain, disassembler, 
 from patchkit.vllmtree.tree import VllmTree
 
 OPS_DIR = "vllm/lora/ops/triton_ops"
+GEMV_ENV = "PATCHKIT_LORA_GEMV"  # matmul-add-lora-linear's GEMV route: on only when "1"
 # Where the tree's LoRA kernels live: vLLM's ops, and a patch's module beside the punica
 # wrappers (matmul-add-lora-linear's GEMV kernels); pristine wrappers define none.
 KERNEL_DIRS = (OPS_DIR, "vllm/lora/punica_wrapper")
@@ -196,7 +197,9 @@ def scan_key(tree: VllmTree, report: ScanReport, environ: Mapping[str, str], rep
             digest.update(path.read_bytes() if path.suffix == ".py" else _stamp(path))
         except OSError:
             digest.update(b"-")
-    settings = {k: v for k, v in environ.items() if k.startswith(("VLLM_", "TRITON_"))}
+    settings = {
+        k: v for k, v in environ.items() if k.startswith(("VLLM_", "TRITON_")) or k == GEMV_ENV
+    }
     models = [dataclasses.asdict(m) for m in report.models]
     facts = [report.gpus, models, settings, replaced, dataclasses.asdict(report.toolchain)]
     digest.update(json.dumps(facts, sort_keys=True).encode())
@@ -313,6 +316,8 @@ def _reached(case: Case, ev: Evaluation, environ, replaced: str, fp8_called: boo
         runs, why = False, replaced
     if ev.call.family == "gemv" and not replaced:
         runs, why = False, "the torch LoRA path (matmul-add-lora-linear) is off here"
+    elif ev.call.family == "gemv" and environ.get(GEMV_ENV, "").strip() != "1":
+        runs, why = False, f"the torch path's GEMV route is opt-in ({GEMV_ENV}=1 turns it on)"
     if ev.call.family == "fp8" and not fp8_called:
         runs, why = False, "no vLLM code calls the fp8 LoRA ops in this release"
     if runs:

@@ -20,8 +20,9 @@ is imported) punica_gpu.py installs this path:
   three in all, where cuBLAS alone takes four there (its split-K GEMM has
   its own reduce kernel). There is no host sync, so CUDA graphs capture it,
   and it is a custom op, opaque to torch.compile, like vLLM's.
-* A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
-  CUDA device, runs two Triton GEMV kernels instead, which read only each
+* With PATCHKIT_LORA_GEMV=1 (opt-in until serving throughput has judged it
+  against unpatched vLLM), a decode-sized call, at most min(GEMV_MAX_TOKENS,
+  max_loras) tokens on a CUDA device, runs two Triton GEMV kernels instead, which read only each
   row's own slot (found in the batch's slot weights, as the GEMMs mask):
   one shrink for all slices, split over the hidden size into fp32 parts,
   and one expand per slice that sums the parts, multiplies by the row's
@@ -493,6 +494,13 @@ def _splits(x, lora_a, reduce_weights) -> bool:
 # dense slots, 1.32 at 8 tokens on 2. The bound depends on shapes only, so a CUDA
 # graph captured for a batch size replays the route it was captured with.
 GEMV_MAX_TOKENS = 8
+# Off unless PATCHKIT_LORA_GEMV=1 (read once, at import): the route has passed its
+# checks on the H200 (rows without a slot bit-identical, a bad adapter's rows NaN,
+# CUDA graphs, verify --e2e) and costs 0.33-0.62 of vLLM's Triton kernels per decode
+# step, but a change to the LoRA path is judged by serving throughput side by side
+# with unpatched vLLM, which has not run yet.
+GEMV_ENV = "PATCHKIT_LORA_GEMV"
+GEMV_ENABLED = os.environ.get(GEMV_ENV, "").strip() == "1"
 GEMV_SPLIT_K = 16  # shrink parts over the hidden size (fp32, summed by the expand)
 GEMV_BLOCK_N = 16  # shrink: A rows (slices * rank) per program
 GEMV_BLOCK_K = 128  # shrink: hidden columns per step
@@ -599,7 +607,7 @@ def _gemv_fits(y, x, lora_a, lora_b, weights) -> bool:
     """Whether a call takes the GEMV kernels: at most min(GEMV_MAX_TOKENS, slots)
     tokens, A in the shared layout, B rank-major, unit column strides (shapes and
     strides only, never values)."""
-    if x.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1:
+    if not GEMV_ENABLED or x.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1:
         return False
     a = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a]
     b = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_b]
