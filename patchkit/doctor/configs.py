@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import traceback
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,44 +226,35 @@ def dense_layers(model: Model) -> list[tuple[str, int, tuple[int, ...]]]:
     return layers
 
 
+def _grid(model: Model, settings) -> Iterator[tuple[str, bool, int, int]]:
+    """(setting, add_inputs, rank, tokens) in the order the scan reports its calls."""
+    for setting in settings:
+        writes = SETTINGS[setting][1]
+        for rank in model.ranks:
+            for tokens in BATCHES:
+                yield setting, not writes, rank, tokens
+
+
+def _layer_label(name: str, slices: tuple[int, ...]) -> str:
+    return f"{name} ({len(slices)} slice{'s' if len(slices) > 1 else ''})"
+
+
 def dense_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
     """``add_lora_linear`` (shrink into an fp32 buffer, expand from it) and
     ``add_lora_embedding`` (expand from the model dtype), per layer, batch, rank, setting."""
     dtype = DTYPES[model.dtype]
     found = []
-    for setting in settings:
-        writes = SETTINGS[setting][1]
-        for rank in model.ranks:
-            for tokens in BATCHES:
-                for name, width, slices in dense_layers(model):
-                    run = _linear(model, width, slices, tokens, rank, not writes)
-                    layer = f"{name} ({len(slices)} slice{'s' if len(slices) > 1 else ''})"
-                    found.append(
-                        Call(
-                            "dense",
-                            "lora_shrink+lora_expand",
-                            layer,
-                            tokens,
-                            rank,
-                            dtype,
-                            setting,
-                            run,
-                        )
-                    )
-                if dense_layers(model):  # embeddings always add (the setting decides PDL)
-                    run = _embedding(model, tokens, rank, True)
-                    found.append(
-                        Call(
-                            "dense",
-                            "lora_expand",
-                            "embed_tokens (model-dtype input)",
-                            tokens,
-                            rank,
-                            dtype,
-                            setting,
-                            run,
-                        )
-                    )
+    for setting, add_inputs, rank, tokens in _grid(model, settings):
+        for name, width, slices in dense_layers(model):
+            run = _linear(model, width, slices, tokens, rank, add_inputs)
+            label = _layer_label(name, slices)
+            found.append(
+                Call("dense", "lora_shrink+lora_expand", label, tokens, rank, dtype, setting, run)
+            )
+        if dense_layers(model):  # embeddings always add (the setting decides PDL)
+            run = _embedding(model, tokens, rank, True)
+            label = "embed_tokens (model-dtype input)"
+            found.append(Call("dense", "lora_expand", label, tokens, rank, dtype, setting, run))
     return found
 
 
@@ -289,17 +280,14 @@ def gemv_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
     not under batch invariance, where the torch path is off."""
     dtype = DTYPES[model.dtype]
     found = []
-    for setting in (s for s in settings if s != "batch-invariant"):
-        writes = SETTINGS[setting][1]
-        for rank in model.ranks:
-            for tokens in BATCHES:
-                for name, width, slices in dense_layers(model):
-                    run = _gemv(model, width, slices, tokens, rank, not writes)
-                    layer = f"{name} ({len(slices)} slice{'s' if len(slices) > 1 else ''})"
-                    found.append(
-                        Call("gemv", "patchkit gemv_linear", layer, tokens, rank, dtype, setting,
-                             run)
-                    )  # fmt: skip
+    torch_path_on = tuple(s for s in settings if s != "batch-invariant")
+    for setting, add_inputs, rank, tokens in _grid(model, torch_path_on):
+        for name, width, slices in dense_layers(model):
+            run = _gemv(model, width, slices, tokens, rank, add_inputs)
+            label = _layer_label(name, slices)
+            found.append(
+                Call("gemv", "patchkit gemv_linear", label, tokens, rank, dtype, setting, run)
+            )
     return found
 
 
