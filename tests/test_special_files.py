@@ -93,3 +93,23 @@ def test_a_fifo_named_config_json_is_refused_not_waited_on(tmp_path):
     one_error_line(verify, 2, str(model), "config.json", "not a regular file")
     doctor = run_subprocess("doctor", "--kernels", "--model", str(model), "--target", str(model))
     assert doctor.returncode in (1, 2) and "Traceback" not in doctor.stderr, doctor.stderr
+
+
+def test_an_entry_that_vanishes_during_the_mount_check_is_not_a_mount(tmp_path, monkeypatch):
+    """Another run renames its temporary file away between the listing and the check:
+    status once failed with '....patchkit-tmp is a mount point' under concurrent applies."""
+    from patchkit.fs import safepath
+
+    listed = safepath._children
+
+    def with_a_ghost(fd, path):
+        yield "ghost.patchkit-tmp", os.stat(tmp_path / "real"), path / "ghost.patchkit-tmp"
+        yield from listed(fd, path)
+
+    (tmp_path / "real").write_text("x")
+    monkeypatch.setattr(safepath, "_children", with_a_ghost)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert safepath.mount_points_below(fd, tmp_path) is None
+    finally:
+        os.close(fd)

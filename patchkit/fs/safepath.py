@@ -459,7 +459,8 @@ def mount_points_below(fd: int, path: Path) -> str | None:
         if stat.S_ISLNK(found.st_mode):
             continue
         if not stat.S_ISDIR(found.st_mode):
-            if _entry_mount(fd, name) != mount:
+            entry = _entry_mount(fd, name)
+            if entry is not _GONE and entry != mount:
                 return str(full)
             continue
         with _opened_dir(fd, name) as child:
@@ -469,10 +470,19 @@ def mount_points_below(fd: int, path: Path) -> str | None:
     return None
 
 
+_GONE = object()
+
+
 def _entry_mount(fd: int, name: str) -> object:
-    """The mount of a non-directory entry, opened with O_PATH (never read, never followed)."""
+    """The mount of a non-directory entry, opened with O_PATH (never read, never followed).
+
+    _GONE when the entry vanished after it was listed (another run's temporary file
+    renamed into place): nothing is there, so nothing is mounted there; any other
+    error still counts as a mount of its own."""
     try:
         handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except FileNotFoundError:
+        return _GONE
     except OSError:
         return None
     try:
