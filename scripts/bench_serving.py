@@ -18,6 +18,8 @@ patched file) and its own empty compile cache:
   only:<patch>         `patchkit apply --only <patch>`, for each patch this release needs
   default              `patchkit apply` (torch LoRA path)
   default+triton       the same tree, PATCHKIT_LORA_BACKEND=triton
+  default+gemv         the same tree, PATCHKIT_LORA_GEMV=1 (the torch path's GEMV route
+                       for decode steps of at most 8 tokens); only when asked for by --configs
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        item 5: the probe's cost); only when asked for by --configs
@@ -219,6 +221,11 @@ def config_patches(site: Path) -> dict[str, list[str]]:
 
 
 PROBE = "default+nan-probe"
+# Configurations served from the default tree with an environment variable set.
+SAME_TREE = {
+    "default+triton": {"PATCHKIT_LORA_BACKEND": "triton"},
+    "default+gemv": {"PATCHKIT_LORA_GEMV": "1"},
+}
 
 
 def make_sites(
@@ -230,7 +237,7 @@ def make_sites(
     every ratio is to it); None keeps them all but default+nan-probe.
     """
     configs = config_patches(site)
-    known = [*configs, "default+triton", PROBE]
+    known = [*configs, *SAME_TREE, PROBE]
     if base not in known:
         raise SystemExit(f"--base {base}: this release has {', '.join(known)}")
     if wanted is not None:
@@ -241,7 +248,7 @@ def make_sites(
         keep = {base, *wanted}
         if PROBE in keep:
             configs[PROBE] = configs["default"]
-        if "default+triton" in keep:
+        if keep & set(SAME_TREE):
             keep.add("default")  # the same tree
         configs = {name: patches for name, patches in configs.items() if name in keep}
     sites = {}
@@ -260,8 +267,9 @@ def make_sites(
             patches = [*patches, "nan-probe"]
             env = {"PATCHKIT_PROBE_LOG": str(work / f"probe-{stem(name)}.jsonl")}
         sites[name] = {"site": str(target), "patches": patches, "env": env}
-    if wanted is None or "default+triton" in wanted:
-        sites["default+triton"] = {**sites["default"], "env": {"PATCHKIT_LORA_BACKEND": "triton"}}
+    for name, env in SAME_TREE.items():
+        if (wanted is None and name == "default+triton") or (wanted and name in wanted):
+            sites[name] = {**sites["default"], "env": env}
     if wanted is not None and "default" not in {base, *wanted}:
         del sites["default"]
     return sites
@@ -461,7 +469,12 @@ class Engine:
 
 
 def start(
-    work: Path, site: Path, wanted: list[str] | None, deadline: float, base: str = "unpatched"
+    work: Path,
+    site: Path,
+    wanted: list[str] | None,
+    deadline: float,
+    base: str = "unpatched",
+    workloads: list[str] | None = None,
 ) -> dict:
     """Patch the trees, start one engine per configuration, wait until all are ready."""
     configs = make_sites(site, work, wanted, base)
@@ -471,7 +484,7 @@ def start(
     }
     results: dict = {"configs": configs, "rounds": [], "start_s": {}, "errors": {},
                      "pids": {name: e.pid for name, e in engines.items()},
-                     "base": base}  # fmt: skip
+                     "base": base, "workloads": workloads or list(WORKLOADS)}  # fmt: skip
     for name, engine in engines.items():
         try:
             results["start_s"][name] = engine.wait_for(lambda m: m.get("ready"), deadline)[
@@ -512,7 +525,7 @@ def measure(work: Path, results: dict, engines: dict[str, Engine], rounds: int, 
         order = list(engines)
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         try:
-            for workload in WORKLOADS:
+            for workload in results.get("workloads", WORKLOADS):
                 for leg, name in mirrored(order):
                     result = engines[name].ask(workload, round_, deadline)
                     results["rounds"].append({"config": name, "leg": leg, **result})
@@ -522,6 +535,23 @@ def measure(work: Path, results: dict, engines: dict[str, Engine], rounds: int, 
             break
         round_times.append(time.monotonic() - began)
         save_partial(work, results)
+
+
+def measured(results: dict) -> list[str]:
+    """The workloads that have counted rows, in WORKLOADS' order."""
+    seen = {r["workload"] for r in results["rounds"] if "workload" in r}
+    return [w for w in WORKLOADS if w in seen] or list(WORKLOADS)
+
+
+def pick_workloads(kinds: list[str] | None) -> list[str]:
+    """--workloads decode_b1 prefill ...: each kind's _lora and _base workloads."""
+    if not kinds:
+        return list(WORKLOADS)
+    known = sorted({w.rsplit("_", 1)[0] for w in WORKLOADS})
+    unknown = [k for k in kinds if k not in known]
+    if unknown:
+        raise SystemExit(f"--workloads {' '.join(unknown)}: known are {', '.join(known)}")
+    return [w for w in WORKLOADS if w.rsplit("_", 1)[0] in kinds]
 
 
 def mirrored(order: list[str]) -> list[tuple[int, str]]:
@@ -570,7 +600,7 @@ def table(results: dict, meta: dict) -> str:
         f"per-round ratios to {base}, their lower quartile (q1) and their range",
         configs,
     )
-    for workload in WORKLOADS:
+    for workload in measured(results):
         by_round = per_round(counted, workload)
         cells = []
         for name in configs:
@@ -619,7 +649,7 @@ def leg_table(counted: list[dict], configs: list[str], base: str = "unpatched") 
         f"fastest tok/s, and each as % of {base}'s",
         configs,
     )
-    for workload in WORKLOADS:
+    for workload in measured({"rounds": counted}):
         stats = {}
         for name in configs:
             legs = sorted(r["tok_s"] for r in counted
@@ -669,6 +699,9 @@ def main() -> int:
     go.add_argument("--configs", nargs="+", metavar="NAME",
                     help="only these configurations beside the base (default: all but "
                          f"{PROBE})")  # fmt: skip
+    go.add_argument("--workloads", nargs="+", metavar="KIND",
+                    help="only these workloads, each with LoRA and base: decode_b64, "
+                         "decode_b4, decode_b1, prefill (default: all)")  # fmt: skip
     go.add_argument(
         "--after",
         type=Path,
@@ -700,7 +733,8 @@ def main() -> int:
         return 0
     deadline = time.monotonic() + args.deadline
     if args.step == "run":
-        start(args.dir, args.site, args.configs, deadline, args.base)
+        start(args.dir, args.site, args.configs, deadline, args.base,
+              pick_workloads(args.workloads))  # fmt: skip
         wait_for_file(args.after, deadline)
     results, engines = attach(args.dir)
     measure(args.dir, results, engines, args.rounds, deadline)
