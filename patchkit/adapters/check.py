@@ -27,29 +27,26 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.adapters import nonfinite
+from patchkit.adapters import nonfinite, targetcheck
 from patchkit.adapters.directory import Directory
 from patchkit.adapters.modelshapes import EXPERT_PARAMS, ModelShapes, architecture, model_shapes
+from patchkit.adapters.names import (
+    ADAPTER_CONFIG,
+    ADAPTER_SAFETENSORS,
+    PEFT_PREFIX,
+    PICKLES,
+    layer_and_name,
+)
 from patchkit.adapters.report import Kind, Report
 from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims, shown
 from patchkit.errors import PatchkitError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_SAFETENSORS = "adapter_model.safetensors"
-PICKLES = ("adapter_model.bin", "adapter_model.pt")
-PEFT_PREFIX = "base_model.model."
 SCALE_RANGE = (1 / 64, 16.0)
 SKIPPED_MODEL = "shapes and targets against the model: skipped (no --model)"
 SKIPPED_TARGET = (
     "what a vLLM release refuses or ignores (single-parameter expert adapters, partial GDN "
     "adapters, modules its LoRA code does not wrap): skipped (no --target)"
 )
-_LAYER = re.compile(r"(?:model\.(?:language_model\.)?|language_model\.model\.)?layers\.(\d+)\.(.+)")
-_TOP = {
-    "model.embed_tokens": "embed_tokens",
-    "model.language_model.embed_tokens": "embed_tokens",
-    "lm_head": "lm_head",
-}
 
 
 @dataclass
@@ -107,8 +104,6 @@ def check(
     if target is None:
         report.skipped.append(SKIPPED_TARGET)
     else:
-        from patchkit.adapters import targetcheck
-
         targetcheck.check_release(adapter, shapes, _arch(model_dir), target, report)
     return report
 
@@ -393,15 +388,6 @@ def _arch(model_dir) -> str:
         return ""
 
 
-def layer_and_name(module: str) -> tuple[int | None, str] | None:
-    """(layer, name under the layer) of a language-model module, (None, name) for the
-    embeddings, None for another part (the vision tower, mtp)."""
-    if module in _TOP:
-        return None, _TOP[module]
-    match = _LAYER.fullmatch(module)
-    return (int(match[1]), match[2]) if match else None
-
-
 def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
     other = []
     experts: dict[int, dict[str, Factors]] = {}
@@ -502,10 +488,16 @@ def expert_params(adapter_params: list[str], found: dict) -> dict[str, str]:
     """Which expert parameter each experts module trains, PEFT's nesting: with two target
     parameters ``experts.base_layer`` is gate_up_proj and ``experts`` down_proj; with one,
     ``experts`` is that one ("" when the config does not say: judged by shape)."""
-    named = [p for p in EXPERT_PARAMS if any(t.endswith("experts." + p) for t in adapter_params)]
+    named = [p for p in EXPERT_PARAMS if any(_names_param(t, p) for t in adapter_params)]
     if "mlp.experts.base_layer" in found:
         return {"mlp.experts.base_layer": "gate_up_proj", "mlp.experts": "down_proj"}
     return {"mlp.experts": named[0] if len(named) == 1 else ""}
+
+
+def _names_param(name: str, param: str) -> bool:
+    """PEFT's match of a target_parameters entry: the parameter's full name or a suffix of it
+    at a dot (``gate_up_proj``, ``experts.gate_up_proj``, ``model...mlp.experts.gate_up_proj``)."""
+    return name == param or name.endswith("experts." + param)
 
 
 def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report) -> None:
@@ -580,7 +572,7 @@ def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> No
                 )
     for name in adapter.target_parameters:
         param = name.rsplit(".", 1)[-1]
-        if not name.endswith(tuple("experts." + p for p in EXPERT_PARAMS)) or not shapes.moe:
+        if not any(_names_param(name, p) for p in EXPERT_PARAMS) or not shapes.moe:
             report.add(
                 Kind.TARGET,
                 ADAPTER_CONFIG,

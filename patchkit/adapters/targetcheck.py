@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from patchkit.adapters.check import ADAPTER_SAFETENSORS, layer_and_name
+from patchkit.adapters.names import ADAPTER_SAFETENSORS, layer_and_name
 from patchkit.adapters.release import lora_support
 from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
+from patchkit.errors import PatchkitError
 from patchkit.patching import operations
 from patchkit.vllmtree.tree import VllmTree
 
@@ -96,9 +97,12 @@ def _partial_gdn(adapter, tree: VllmTree, assessment, report: Report) -> None:
 
 
 def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
-    support = lora_support(tree, arch) if arch else None
-    if support is None:
+    try:
+        support = lora_support(tree, arch) if arch else None
         why = f"architecture {arch}" if arch else "no --model to name the architecture"
+    except PatchkitError as exc:
+        support, why = None, str(exc)
+    if support is None:
         report.skipped.append(
             f"modules vLLM {tree.version}'s LoRA code wraps: skipped ({why}; patchkit reads "
             "the Qwen3.5/3.6 and Qwen3-Next model files)"
