@@ -8,10 +8,11 @@ attention/GDN projections) in bf16, over as many layers as make ~1 GB; the
 values are random finite bf16 (a 16 MiB random block repeated), with one NaN
 in the last tensor, so every byte is read and judged and the check must find
 it. ``--worst`` makes every element +Inf instead: every chunk then takes the
-path that counts and locates the bad values. The config.json has the 35B-A3B widths (hidden 2048, 256 experts,
-moe_intermediate 512). Each run is a fresh process (what an init container
-pays), with the page cache warm from writing the file; prints seconds per
-run, s/GB of the median, and the child's peak RSS.
+path that counts and locates the bad values. The config.json has the 35B-A3B
+widths (hidden 2048, 256 experts, moe_intermediate 512). Each run is a fresh
+process (what an init container pays), with the page cache warm from writing
+the file; prints seconds per run, s/GB of the median, and the child's peak
+RSS.
 
     python scripts/bench_adapter_check.py [--layers 6] [--runs 3] [--keep DIR]
 """
