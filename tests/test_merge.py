@@ -34,8 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from patchkit.adapters import safetensorsfile
 from patchkit.errors import PatchkitError
-from patchkit.verify import checkpoint, mergeplan, mergewrite, safetensorsfile
+from patchkit.verify import checkpoint, mergeplan, mergewrite
 from tests.checkpoint_helpers import (
     HEAD_DIM,
     HEADS,

@@ -311,7 +311,7 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(user):
         import signal, sys
         signal.alarm(60)
         from patchkit.errors import PatchkitError
-        from patchkit.verify import safetensorsfile
+        from patchkit.adapters import safetensorsfile
         try:
             safetensorsfile.SafetensorsFile({str(fifo)!r})
         except PatchkitError as exc:

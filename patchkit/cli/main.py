@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from patchkit.cli import exits
-from patchkit.cli.commands import canary, doctor, fetch, patching, probe, refresh, verify
+from patchkit.cli.commands import adapter, canary, doctor, fetch, patching, probe, refresh, verify
 from patchkit.cli.group import PatchkitGroup
 
 
@@ -36,6 +36,7 @@ for command in (
     doctor.doctor_command,
     canary.canary_command,
     probe.probe,
+    adapter.adapter,
 ):
     main.add_command(command)
 

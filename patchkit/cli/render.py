@@ -721,3 +721,40 @@ def render_probe_warnings(report) -> None:
     """A cut last line the report skipped: on stderr, in text and --json alike."""
     for warning in report.warnings:
         warn(printable(f"warning: {warning}"))
+
+
+# ----- adapter check -----
+
+
+def render_adapter_check(report) -> None:
+    """One line per finding (kind, file, tensor, what), the checks skipped, one summary line.
+
+    Tensor names and messages come from the user's files: escaped, one line each.
+    """
+    for f in report.findings:
+        where = f"{f.file}: {f.tensor}" if f.tensor else f.file
+        out(printable(f"{f.kind}: {where}: {f.message}"))
+    for note in report.notes:
+        out(printable(f"note: {note}"))
+    for skipped in report.skipped:
+        out(f"skipped: {skipped}")
+    release = f", vLLM {report.vllm_version}" if report.vllm_version else ""
+    scanned = f"{counted(report.tensors, 'tensor')}, {report.bytes_scanned / 1e6:.1f} MB scanned"
+    verdict = "clean" if report.ok else counted(len(report.findings), "finding")
+    out(printable(f"adapter check {report.adapter}{release}: {verdict} ({scanned})"))
+
+
+def adapter_check_json(report) -> dict:
+    return {
+        "ok": report.ok,
+        "exit_code": exits.OK if report.ok else exits.FAILURE,
+        "adapter": report.adapter,
+        "model": report.model,
+        "target": report.target,
+        "vllm_version": report.vllm_version,
+        "tensors": report.tensors,
+        "bytes_scanned": report.bytes_scanned,
+        "findings": [_fields(f) | {"kind": str(f.kind)} for f in report.findings],
+        "skipped": report.skipped,
+        "notes": report.notes,
+    }

@@ -20,10 +20,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import SafetensorsFile, dtype_name, shown
 from patchkit.errors import PatchkitError
 from patchkit.verify.checkpoint import CONFIG_BYTES, user_json
 from patchkit.verify.patterns import Matcher, compile_peft_key
-from patchkit.verify.safetensorsfile import SafetensorsFile, dtype_name, shown
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_SAFETENSORS = "adapter_model.safetensors"

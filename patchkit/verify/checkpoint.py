@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import MANIFEST_BYTES, SafetensorsFile, TensorInfo, shown
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs.files import read_user_json
-from patchkit.verify.safetensorsfile import MANIFEST_BYTES, SafetensorsFile, TensorInfo, shown
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import dims
 from patchkit.errors import PatchkitError
 from patchkit.verify.adapterfiles import (
     ADAPTER_CONFIG,
@@ -29,7 +30,6 @@ from patchkit.verify.adapterfiles import (
     read_adapter_config,
 )
 from patchkit.verify.checkpoint import INDEX_NAME, Checkpoint
-from patchkit.verify.safetensorsfile import dims
 
 _MERGEABLE = ("F32", "F16", "BF16", "F64")
 # The fused expert parameters of Qwen3.5-MoE in registration order (PEFT nests

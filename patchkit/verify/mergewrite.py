@@ -20,11 +20,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, tensor_bytes, torch_dtype
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.verify.adapterfiles import AdapterTensors, FactorCache
 from patchkit.verify.checkpoint import INDEX_NAME
 from patchkit.verify.mergeplan import MergePlan, Piece, human_bytes, plan_merge
-from patchkit.verify.safetensorsfile import SafetensorsFile, TensorInfo, tensor_bytes, torch_dtype
 
 # Elements of one row block of a weight while it is merged (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24

@@ -125,12 +125,18 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """A safetensors file read lazily: the header at open, tensor bytes on request."""
+    """A safetensors file read lazily: the header at open, tensor bytes on request.
 
-    def __init__(self, path: Path):
+    ``opener`` opens the file (a regular file, for reading, in binary): by
+    default by its path; `adapter check` passes one that opens it through the
+    adapter directory's descriptor and refuses a link out of it.
+    """
+
+    def __init__(self, path: Path, opener=None):
         self.path = Path(path)
+        self._opener = opener or (lambda: _open_regular(self.path))
         try:
-            with _open_regular(self.path) as f:
+            with self._opener() as f:
                 info = os.fstat(f.fileno())
                 self.size, self._identity = info.st_size, (info.st_dev, info.st_ino)
                 head = f.read(8)
@@ -197,7 +203,7 @@ class SafetensorsFile:
     def _file(self):
         """The file again for its tensors' bytes: the same file the header came from."""
         if self._handle is None:
-            handle = _open_regular(self.path)
+            handle = self._opener()
             info = os.fstat(handle.fileno())
             if (info.st_dev, info.st_ino) != self._identity:
                 handle.close()
@@ -217,12 +223,20 @@ class SafetensorsFile:
         self.close()
 
     def read_bytes(self, begin: int, length: int) -> bytearray:
+        buf = bytearray(length)
+        self.read_into(begin, memoryview(buf))
+        return buf
+
+    def read_into(self, begin: int, buf: memoryview) -> None:
+        """Fill ``buf`` from byte ``begin`` on (a file cut short since its header: one line)."""
         f = self._file()
         f.seek(begin)
-        buf = bytearray(length)
-        if f.readinto(buf) != length:
-            raise PatchkitError(f"{self.path}: truncated at byte {begin + length}")
-        return buf
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:])
+            if not n:
+                raise PatchkitError(f"{self.path}: truncated at byte {begin + got}")
+            got += n
 
     def read_rows(self, name: str, row0: int, nrows: int):
         """Rows [row0, row0 + nrows) of a tensor viewed as (rows, shape[-1])."""

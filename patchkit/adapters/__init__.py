@@ -1,0 +1,1 @@
+"""LoRA adapters read as files: safetensors headers checked, tensors scanned, shapes judged."""

@@ -1,0 +1,581 @@
+"""`patchkit adapter check`: a PEFT LoRA adapter judged before any server loads it.
+
+``check(adapter_dir, model_dir, target, max_rank)`` reads the adapter's
+adapter_config.json and the header of adapter_model.safetensors, scans
+every floating-point tensor for NaN/Inf (:mod:`patchkit.adapters.nonfinite`,
+in chunks), and, given the model's config.json, the shapes of every factor
+(:mod:`patchkit.adapters.modelshapes`); given a vLLM tree, what that release
+would refuse or ignore (:mod:`patchkit.adapters.release` and the catalogue's
+patch states). Everything is a :class:`Finding` naming the file and the
+tensor; nothing imports torch or vLLM, nothing is written.
+
+The scale range. vLLM multiplies B @ A by lora_alpha / r (rsLoRA: lora_alpha
+/ sqrt(r)). Accepted: 1/64 <= scale <= 16. PEFT's default (r 8, alpha 8) is 1;
+the common recipes are alpha = r or 2r (1 or 2), QLoRA's r 64, alpha 16 is
+0.25, rsLoRA's alpha 16 at r 64 is 2. A scale of 16 (alpha = 16 r, e.g. r 8,
+alpha 128) is already eight times the largest recipe, and beyond it a bf16
+delta of trained factors easily exceeds the base weights; below 1/64 (alpha 1
+at r 128) the adapter moves the outputs by a few percent of what it learned,
+which in practice is alpha taken for the scale (alpha 1 meaning "scale 1").
+Zero or negative alpha makes the adapter a no-op or flips its sign.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchkit.adapters import nonfinite, targetcheck
+from patchkit.adapters.directory import Directory
+from patchkit.adapters.modelshapes import EXPERT_PARAMS, ModelShapes, architecture, model_shapes
+from patchkit.adapters.names import (
+    ADAPTER_CONFIG,
+    ADAPTER_SAFETENSORS,
+    PEFT_PREFIX,
+    PICKLES,
+    layer_and_name,
+)
+from patchkit.adapters.report import Kind, Report
+from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims, shown
+from patchkit.errors import PatchkitError
+
+SCALE_RANGE = (1 / 64, 16.0)
+SKIPPED_MODEL = "shapes and targets against the model: skipped (no --model)"
+SKIPPED_TARGET = (
+    "what a vLLM release refuses or ignores (single-parameter expert adapters, partial GDN "
+    "adapters, modules its LoRA code does not wrap): skipped (no --target)"
+)
+
+
+@dataclass
+class Factors:
+    """One adapter module: its lora_A and lora_B (or lora_embedding_A/B) headers."""
+
+    module: str  # the name under base_model.model.
+    embedding: bool = False
+    a: TensorInfo | None = None
+    b: TensorInfo | None = None
+
+
+@dataclass
+class _Adapter:
+    config: dict | None
+    r: int | None
+    ranks: set[int] = field(default_factory=set)  # r and every rank_pattern value
+    target_parameters: list[str] = field(default_factory=list)
+    modules: dict[str, Factors] = field(default_factory=dict)
+
+
+def check(
+    adapter_dir: Path | str,
+    model_dir: Path | str | None = None,
+    target=None,
+    max_rank: int | None = None,
+) -> Report:
+    """Every problem of one adapter, as typed findings.
+
+    ``target`` is a located :class:`patchkit.vllmtree.tree.VllmTree` (or None);
+    ``verify --model`` calls this first and reports the findings as rows.
+    A directory that cannot be opened at all raises PatchkitError.
+    """
+    adapter_dir = Path(adapter_dir)
+    report = Report(
+        str(adapter_dir),
+        str(model_dir) if model_dir else None,
+        str(target.root) if target else None,
+        vllm_version=target.version if target else None,
+    )
+    with Directory(adapter_dir) as folder:
+        adapter = _read_config(folder, report, max_rank)
+        st = _open_weights(folder, report)
+        if st is not None:
+            with st:
+                _read_tensors(st, adapter, report)
+                _check_pairs(adapter, report, max_rank)
+    shapes = None
+    if model_dir is None:
+        report.skipped.append(SKIPPED_MODEL)
+    else:
+        shapes = _model(Path(model_dir), report)
+        if shapes is not None:
+            _check_model(adapter, shapes, report)
+    if target is None:
+        report.skipped.append(SKIPPED_TARGET)
+    else:
+        targetcheck.check_release(adapter, shapes, _arch(model_dir), target, report)
+    return report
+
+
+# ----- adapter_config.json -----
+
+
+def _read_config(folder: Directory, report: Report, max_rank: int | None) -> _Adapter:
+    where = ADAPTER_CONFIG
+    if not folder.has(ADAPTER_CONFIG):
+        report.add(
+            Kind.CONFIG, where, "", "missing; vLLM reads r, lora_alpha and target_modules from it"
+        )
+        return _Adapter(None, None)
+    try:
+        cfg = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
+    except PatchkitError as exc:
+        report.add(Kind.CONFIG, where, "", _after_path(str(exc), folder.path / where))
+        return _Adapter(None, None)
+    adapter = _Adapter(cfg, None)
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
+    if missing:
+        report.add(
+            Kind.CONFIG,
+            where,
+            ", ".join(missing),
+            f"missing {', '.join(missing)}; vLLM refuses the adapter (PEFTHelper.from_dict)",
+        )
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        report.add(Kind.CONFIG, where, "peft_type", f"is {shown(peft_type)}, not LORA")
+    for key, why in (
+        ("use_dora", "vLLM does not support DoRA"),
+        ("modules_to_save", "vLLM only supports modules_to_save being None"),
+    ):
+        if cfg.get(key):
+            report.add(Kind.CONFIG, where, key, f"is {shown(cfg[key])}; {why}")
+    if cfg.get("bias", "none") != "none":
+        report.add(Kind.CONFIG, where, "bias", f"is {shown(cfg['bias'])}; vLLM refuses it")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if "r" in cfg and not (type(r) is int and r > 0):
+        report.add(Kind.CONFIG, where, "r", f"is {shown(r)}; a positive integer expected")
+    elif "r" in cfg:
+        adapter.r = r
+        adapter.ranks.add(r)
+        if max_rank is not None and r > max_rank:
+            report.add(
+                Kind.RANK_LIMIT,
+                where,
+                "r",
+                f"r {r} is above --max-lora-rank {max_rank}; vLLM refuses the adapter "
+                "('LoRA rank ... is greater than max_lora_rank')",
+            )
+    if "lora_alpha" in cfg and not _is_number(alpha):
+        report.add(Kind.CONFIG, where, "lora_alpha", f"is {shown(alpha)}; a number expected")
+        alpha = None
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        report.add(Kind.CONFIG, where, "use_rslora", f"is {shown(rslora)}, not true or false")
+        rslora = False
+    targets = cfg.get("target_modules")
+    if "target_modules" in cfg and not _names_or_regex(targets):
+        report.add(
+            Kind.CONFIG, where, "target_modules", f"is {shown(targets)}; a list of names or a str"
+        )
+    params = cfg.get("target_parameters") or []
+    params = [params] if isinstance(params, str) else params
+    if not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
+        report.add(Kind.CONFIG, where, "target_parameters", "is not a list of parameter names")
+        params = []
+    adapter.target_parameters = params
+    patterns = {}
+    for key in ("rank_pattern", "alpha_pattern"):
+        value = cfg.get(key) or {}
+        if not isinstance(value, dict):
+            report.add(Kind.CONFIG, where, key, "is not a JSON object (module pattern to value)")
+            value = {}
+        patterns[key] = value
+    for name, rank in patterns["rank_pattern"].items():
+        if type(rank) is int and rank > 0:
+            adapter.ranks.add(rank)
+        else:
+            report.add(Kind.CONFIG, where, f"rank_pattern[{shown(name)}]", f"is {shown(rank)}")
+    if adapter.r is not None and alpha is not None:
+        _check_scale(report, adapter.r, alpha, rslora, "lora_alpha / r")
+        for name, a in patterns["alpha_pattern"].items():
+            if _is_number(a):
+                _check_scale(report, adapter.r, a, rslora, f"alpha_pattern[{shown(name)}] / r")
+    return adapter
+
+
+def _check_scale(report: Report, r: int, alpha: float, rslora: bool, what: str) -> None:
+    scale = alpha / math.sqrt(r) if rslora else alpha / r
+    low, high = SCALE_RANGE
+    if not low <= scale <= high:
+        formula = f"{alpha:g} / sqrt({r})" if rslora else f"{alpha:g} / {r}"
+        report.add(
+            Kind.SCALING,
+            ADAPTER_CONFIG,
+            "lora_alpha",
+            f"scale {what}{' (rsLoRA)' if rslora else ''} = {formula} = {scale:.4g}, outside "
+            f"[1/64, 16] (README: adapter check, scale range)",
+        )
+
+
+def _is_number(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _names_or_regex(value: object) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _after_path(message: str, path: Path) -> str:
+    """A PatchkitError's text without the path it starts with (the finding names the file)."""
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+# ----- the weights file -----
+
+
+def _open_weights(folder: Directory, report: Report) -> SafetensorsFile | None:
+    if not folder.has(ADAPTER_SAFETENSORS):
+        pickled = [name for name in PICKLES if folder.has(name)]
+        if pickled:
+            report.add(
+                Kind.FILE,
+                pickled[0],
+                "",
+                "refused: a pickle, which loading runs as code and patchkit does not read; "
+                "convert it to adapter_model.safetensors (PEFT's save_pretrained writes one)",
+            )
+        else:
+            report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", "missing: the adapter has no weights")
+        return None
+    path = folder.path / ADAPTER_SAFETENSORS
+    try:
+        return SafetensorsFile(path, opener=lambda: folder.open(ADAPTER_SAFETENSORS))
+    except PatchkitError as exc:
+        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", _after_path(str(exc), path))
+        return None
+
+
+def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> None:
+    """Each tensor: scanned for NaN/Inf and filed under its module, or named as no factor."""
+    file = ADAPTER_SAFETENSORS
+    report.tensors = len(st.tensors)
+    for key, info in st.tensors.items():
+        if info.dtype in nonfinite.FLOATS and info.numel:
+            try:
+                bad = nonfinite.scan(st, info)
+            except PatchkitError as exc:  # cut short since its header was read
+                report.add(Kind.FILE, file, key, _after_path(str(exc), st.path))
+                return
+            report.bytes_scanned += info.nbytes
+            if bad is not None:
+                report.add(
+                    Kind.NONFINITE,
+                    file,
+                    key,
+                    f"{bad.count} non-finite of {info.numel} ({bad.nan} NaN, {bad.inf} Inf); "
+                    f"first at flat index {bad.first} ({bad.first_value}), {info.dtype} "
+                    f"{dims(info.shape)}",
+                )
+        elif info.dtype not in ("F64",):
+            report.add(Kind.NAME, file, key, f"is {info.dtype}; LoRA factors are floating point")
+        _file_factor(key, info, adapter, report)
+
+
+def _file_factor(key: str, info: TensorInfo, adapter: _Adapter, report: Report) -> None:
+    name = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
+    if name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")):
+        report.notes.append(f"{key}: a full embedding copy; vLLM skips it, so does this check")
+        return
+    match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
+    embedding = False
+    if match is None:
+        match = re.fullmatch(r"(.+)\.lora_embedding_([AB])", name)
+        embedding = True
+    if match is None:
+        report.add(
+            Kind.NAME,
+            ADAPTER_SAFETENSORS,
+            key,
+            "is no LoRA factor vLLM reads ('... is unsupported LoRA weight'; DoRA magnitudes, "
+            "biases and modules_to_save copies are refused)",
+        )
+        return
+    factors = adapter.modules.setdefault(match[1], Factors(match[1], embedding))
+    if match[2] == "A":
+        factors.a = info
+    else:
+        factors.b = info
+
+
+def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> None:
+    """A with B, their ranks, their rank against r and --max-lora-rank (no model needed)."""
+    file = ADAPTER_SAFETENSORS
+    for module, f in adapter.modules.items():
+        if f.a is None or f.b is None:
+            have, lack = ("A", "B") if f.b is None else ("B", "A")
+            report.add(Kind.NAME, file, (f.a or f.b).name, f"lora_{have} without lora_{lack}")
+            continue
+        if len(f.a.shape) != 2 or len(f.b.shape) != 2:
+            report.add(
+                Kind.SHAPE,
+                file,
+                f.a.name,
+                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)} are not both matrices",
+            )
+            continue
+        if f.a.shape[0] != f.b.shape[1]:
+            transposed = f.a.shape[1] == f.b.shape[0]
+            report.add(
+                Kind.LAYOUT if transposed else Kind.RANK,
+                file,
+                f.a.name,
+                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)}: "
+                + (
+                    "transposed (PEFT saves lora_A (r, in), lora_B (out, r))"
+                    if transposed
+                    else f"rank {f.a.shape[0]} in lora_A but {f.b.shape[1]} in lora_B"
+                ),
+            )
+            continue
+        if _is_experts(module):
+            continue  # rank = rows / experts: judged with the model
+        _judge_rank(report, adapter, f, f.a.shape[0], max_rank)
+
+
+def _judge_rank(report: Report, adapter: _Adapter, f: Factors, rank: int, max_rank) -> None:
+    if adapter.ranks and rank not in adapter.ranks:
+        report.add(
+            Kind.RANK,
+            ADAPTER_SAFETENSORS,
+            f.a.name,
+            f"rank {rank}, but {ADAPTER_CONFIG} gives r={adapter.r}"
+            + (" and rank_pattern no such rank" if len(adapter.ranks) > 1 else ""),
+        )
+    if max_rank is not None and rank > max_rank and rank != adapter.r:
+        report.add(
+            Kind.RANK_LIMIT,
+            ADAPTER_SAFETENSORS,
+            f.a.name,
+            f"rank {rank} is above --max-lora-rank {max_rank}",
+        )
+
+
+def _is_experts(module: str) -> bool:
+    return bool(re.search(r"\.experts(\.base_layer)*$", module))
+
+
+# ----- against the model -----
+
+
+def _model(model_dir: Path, report: Report) -> ModelShapes | None:
+    where = str(model_dir / "config.json")
+    try:
+        with Directory(model_dir) as folder:
+            config = folder.read_json("config.json", "a model config")
+        shapes = model_shapes(config, where)
+    except PatchkitError as exc:
+        raise PatchkitError(f"--model: {exc}") from None
+    if shapes is None:
+        report.skipped.append(
+            f"shapes against the model: skipped ({architecture(config) or 'no architecture'} "
+            "in config.json; patchkit knows Qwen3.5/3.6 and Qwen3-Next widths)"
+        )
+    return shapes
+
+
+def _arch(model_dir) -> str:
+    if model_dir is None:
+        return ""
+    try:
+        with Directory(Path(model_dir)) as folder:
+            return architecture(folder.read_json("config.json", "a model config"))
+    except PatchkitError:
+        return ""
+
+
+def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
+    other = []
+    experts: dict[int, dict[str, Factors]] = {}
+    for module, f in adapter.modules.items():
+        if f.a is None or f.b is None or len(f.a.shape) != 2 or len(f.b.shape) != 2:
+            continue
+        place = layer_and_name(module)
+        if place is None:
+            other.append(module)
+            continue
+        layer, name = place
+        if layer is None:
+            _check_embedding(f, name, shapes, report)
+        elif layer >= shapes.layers:
+            report.add(
+                Kind.TARGET,
+                ADAPTER_SAFETENSORS,
+                f.a.name,
+                f"layer {layer}: the model has {shapes.layers} layers (0-{shapes.layers - 1})",
+            )
+        elif re.fullmatch(r"mlp\.experts(\.base_layer)*", name):
+            experts.setdefault(layer, {})[name] = f
+        else:
+            _check_linear(f, layer, name, shapes, report)
+    for layer, found in experts.items():
+        _check_experts(adapter, layer, found, shapes, report)
+    if other:
+        report.notes.append(
+            f"{len(other)} modules outside the language model's layers (e.g. {other[0]}): "
+            "shapes not checked"
+        )
+    _check_targets(adapter, shapes, report)
+
+
+def _check_embedding(f: Factors, name: str, shapes: ModelShapes, report: Report) -> None:
+    want = (shapes.vocab, shapes.hidden)  # embed_tokens: A (r, vocab), B (hidden, r)
+    a, b = f.a.shape, f.b.shape
+    if f.embedding:
+        ok = a[1] == shapes.vocab and b[0] == shapes.hidden
+        need = f"lora_embedding_A (r, {shapes.vocab}), lora_embedding_B ({shapes.hidden}, r)"
+    else:
+        ok = a[1] == want[1] and b[0] == want[0]
+        need = f"lora_A (r, {shapes.hidden}), lora_B ({shapes.vocab}, r)"
+    if not ok:
+        report.add(
+            Kind.SHAPE,
+            ADAPTER_SAFETENSORS,
+            f.a.name,
+            f"{name}: A {dims(a)} and B {dims(b)} do not fit the model (needs {need})",
+        )
+
+
+def _check_linear(f: Factors, layer: int, name: str, shapes: ModelShapes, report: Report) -> None:
+    per_expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
+    if per_expert and shapes.moe:
+        if int(per_expert[1]) >= shapes.experts:
+            report.add(
+                Kind.TARGET,
+                ADAPTER_SAFETENSORS,
+                f.a.name,
+                f"expert {per_expert[1]}: the model has {shapes.experts} experts",
+            )
+            return
+        want = shapes.expert_proj[per_expert[2]]
+    else:
+        modules = shapes.layer_modules(layer)
+        if name not in modules:
+            kind = shapes.layer_types[layer]
+            report.add(
+                Kind.TARGET,
+                ADAPTER_SAFETENSORS,
+                f.a.name,
+                f"the model has no {name} in layer {layer} ({kind}, "
+                f"{'MoE' if shapes.moe else 'dense'} {shapes.architecture})",
+            )
+            return
+        want = modules[name]
+    _fit(f, want, f"layers.{layer}.{name}", report)
+
+
+def _fit(f: Factors, want: tuple[int, int], where: str, report: Report) -> None:
+    out, inp = want
+    a, b = f.a.shape, f.b.shape
+    if a[1] == inp and b[0] == out:
+        return
+    transposed = a[1] == out and b[0] == inp
+    report.add(
+        Kind.LAYOUT if transposed else Kind.SHAPE,
+        ADAPTER_SAFETENSORS,
+        f.a.name,
+        f"lora_A {dims(a)} and lora_B {dims(b)} "
+        + ("are swapped in/out" if transposed else "do not fit")
+        + f" {where} ({out}, {inp}): needs lora_A (r, {inp}), lora_B ({out}, r)",
+    )
+
+
+def expert_params(adapter_params: list[str], found: dict) -> dict[str, str]:
+    """Which expert parameter each experts module trains, PEFT's nesting: with two target
+    parameters ``experts.base_layer`` is gate_up_proj and ``experts`` down_proj; with one,
+    ``experts`` is that one ("" when the config does not say: judged by shape)."""
+    named = [p for p in EXPERT_PARAMS if any(_names_param(t, p) for t in adapter_params)]
+    if "mlp.experts.base_layer" in found:
+        return {"mlp.experts.base_layer": "gate_up_proj", "mlp.experts": "down_proj"}
+    return {"mlp.experts": named[0] if len(named) == 1 else ""}
+
+
+def _names_param(name: str, param: str) -> bool:
+    """PEFT's match of a target_parameters entry: the parameter's full name or a suffix of it
+    at a dot (``gate_up_proj``, ``experts.gate_up_proj``, ``model...mlp.experts.gate_up_proj``)."""
+    return name == param or name.endswith("experts." + param)
+
+
+def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report) -> None:
+    file = ADAPTER_SAFETENSORS
+    if not shapes.moe:
+        for f in found.values():
+            report.add(Kind.TARGET, file, f.a.name, "the model has no routed experts (dense)")
+        return
+    params = expert_params(adapter.target_parameters, found)
+    for name, f in found.items():
+        if name not in params:
+            report.add(Kind.LAYOUT, file, f.a.name, "nested deeper than PEFT's two parameters")
+            continue
+        a, b = f.a.shape, f.b.shape
+        n = shapes.experts
+        if a[0] % n:
+            report.add(
+                Kind.SHAPE,
+                file,
+                f.a.name,
+                f"lora_A {dims(a)}: rows are not a multiple of the {n} experts (r * E)",
+            )
+            continue
+        fits, legacy = [], []
+        for param in [params[name]] if params[name] else EXPERT_PARAMS:
+            _, d1, d2 = shapes.expert_params[param]
+            if a[1] == d2 and b[0] == d1:
+                fits.append(param)
+            elif a[1] == d1 and b[0] == d2:
+                legacy.append(param)
+        where = f"layers.{layer}.mlp.experts"
+        if fits:
+            if not params[name]:
+                report.notes.append(f"{where}: one expert parameter, by its shapes {fits[0]}")
+            _judge_rank(report, adapter, f, a[0] // n, None)
+            continue
+        wants = "; ".join(
+            f"{p} {dims(shapes.expert_params[p])}: lora_A (r*{n}, {shapes.expert_params[p][2]}), "
+            f"lora_B ({shapes.expert_params[p][1]}, r*{n})"
+            for p in ([params[name]] if params[name] else EXPERT_PARAMS)
+        )
+        report.add(
+            Kind.LAYOUT if legacy else Kind.SHAPE,
+            file,
+            f.a.name,
+            f"lora_A {dims(a)} and lora_B {dims(b)} "
+            + (
+                "are PEFT <= 0.19's layout (lora_A (r*E, out)); vLLM and PEFT >= 0.20 read "
+                "(r*E, in): re-save with PEFT >= 0.20"
+                if legacy
+                else "fit no expert parameter"
+            )
+            + f" ({where} {wants})",
+        )
+
+
+def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
+    """target_modules and target_parameters the model has no module or parameter for."""
+    cfg = adapter.config or {}
+    targets = cfg.get("target_modules")
+    held = {m.rsplit(".", 1)[-1] for m in adapter.modules}
+    if isinstance(targets, list):
+        for name in targets:
+            last = name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+            if last not in shapes.module_names() and last not in held:
+                report.add(
+                    Kind.TARGET,
+                    ADAPTER_CONFIG,
+                    "target_modules",
+                    f"names {shown(name)}: {shapes.architecture} has no such module and the "
+                    "adapter holds no tensor for it",
+                )
+    for name in adapter.target_parameters:
+        param = name.rsplit(".", 1)[-1]
+        if not any(_names_param(name, p) for p in EXPERT_PARAMS) or not shapes.moe:
+            report.add(
+                Kind.TARGET,
+                ADAPTER_CONFIG,
+                "target_parameters",
+                f"names {shown(name)}: the model has no parameter {param} on routed experts",
+            )

@@ -1,0 +1,129 @@
+"""`adapter check --target`: what one installed vLLM release would refuse or ignore.
+
+Three things, each read from the tree, not from its version number alone:
+
+- an adapter on one expert parameter (``<experts>.lora_A`` with no
+  ``<experts>.base_layer``): every release from 0.17.0 stops at ``assert
+  gate_up_proj_lora is not None`` in ``_stack_moe_lora_weights`` unless
+  ``partial-moe-adapter`` is applied. The catalogue's notice for that patch
+  holds exactly when its evidence (that assert) is in the tree's
+  model_manager.py and the patch is not applied, so the notice is the test;
+- a GDN layer adapted in only one of in_proj_qkv / in_proj_z: from 0.21.0
+  vLLM packs them into in_proj_qkvz and ``expand_packed_lora`` crashes on
+  the missing member (0.21-0.28 both ways; 0.29+ only when in_proj_qkv is
+  the missing one), unless ``partial-gdn-adapter`` is applied; again the
+  patch's notices decide;
+- modules the release's LoRA loader refuses by name
+  (:mod:`patchkit.adapters.release`).
+"""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from patchkit.adapters.names import ADAPTER_SAFETENSORS, layer_and_name
+from patchkit.adapters.release import lora_support
+from patchkit.adapters.report import Kind, Report
+from patchkit.catalogue.load import load_catalogue
+from patchkit.errors import PatchkitError
+from patchkit.patching import operations
+from patchkit.vllmtree.tree import VllmTree
+
+MOE_PATCH = "partial-moe-adapter"
+GDN_PATCH = "partial-gdn-adapter"
+# From 0.29.0 (vLLM PR #47640) an in_proj_qkv-only layer loads; in_proj_z-only still raises.
+GDN_QKV_ONLY_LOADS = Version("0.29.0")
+
+
+def check_release(adapter, shapes, arch: str, tree: VllmTree, report: Report) -> None:
+    report.vllm_version = tree.version
+    assessments = {
+        s.assessment.patch.id: s.assessment for s in operations.status(tree, load_catalogue()).steps
+    }
+    _single_parameter_experts(adapter, tree, assessments.get(MOE_PATCH), report)
+    _partial_gdn(adapter, tree, assessments.get(GDN_PATCH), report)
+    _unwrapped(adapter, arch, tree, report)
+
+
+def _by_layer(adapter) -> dict[int, dict[str, object]]:
+    layers: dict[int, dict[str, object]] = {}
+    for module, f in adapter.modules.items():
+        place = layer_and_name(module)
+        if place is not None and place[0] is not None:
+            layers.setdefault(place[0], {})[place[1]] = f
+    return layers
+
+
+def _first_factor(f) -> str:
+    return (f.a or f.b).name
+
+
+def _single_parameter_experts(adapter, tree: VllmTree, assessment, report: Report) -> None:
+    notices = [n.message for n in assessment.notices] if assessment else []
+    if not notices:
+        return  # the patch is applied, or the release does not have the assert
+    for layer, names in sorted(_by_layer(adapter).items()):
+        if "mlp.experts" in names and "mlp.experts.base_layer" not in names:
+            report.add(
+                Kind.RELEASE,
+                ADAPTER_SAFETENSORS,
+                _first_factor(names["mlp.experts"]),
+                f"layer {layer}: an adapter on one expert parameter; vLLM {tree.version} stops "
+                f"at `assert gate_up_proj_lora is not None` (_stack_moe_lora_weights) unless "
+                f"{MOE_PATCH} is applied (`patchkit apply --target {tree.root}`)",
+            )
+
+
+def _partial_gdn(adapter, tree: VllmTree, assessment, report: Report) -> None:
+    notices = [n.message for n in assessment.notices] if assessment else []
+    if not notices:
+        return  # applied, not applicable (0.17-0.20: separate modules), or fixed upstream
+    version = tree.parsed_version
+    for layer, names in sorted(_by_layer(adapter).items()):
+        qkv, z = "linear_attn.in_proj_qkv" in names, "linear_attn.in_proj_z" in names
+        if qkv == z:
+            continue
+        if qkv and version is not None and version >= GDN_QKV_ONLY_LOADS:
+            continue
+        have, lack = ("in_proj_qkv", "in_proj_z") if qkv else ("in_proj_z", "in_proj_qkv")
+        report.add(
+            Kind.RELEASE,
+            ADAPTER_SAFETENSORS,
+            _first_factor(names[f"linear_attn.{have}"]),
+            f"layer {layer}: {have} without {lack}; vLLM {tree.version} packs them as "
+            f"in_proj_qkvz and expand_packed_lora fails on the missing one unless {GDN_PATCH} "
+            f"is applied (`patchkit apply --target {tree.root}`)",
+        )
+
+
+def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
+    try:
+        support = lora_support(tree, arch) if arch else None
+        why = f"architecture {arch}" if arch else "no --model to name the architecture"
+    except PatchkitError as exc:
+        support, why = None, str(exc)
+    if support is None:
+        report.skipped.append(
+            f"modules vLLM {tree.version}'s LoRA code wraps: skipped ({why}; patchkit reads "
+            "the Qwen3.5/3.6 and Qwen3-Next model files)"
+        )
+        return
+    for module, f in sorted(adapter.modules.items()):
+        if "base_layer" in module:  # vLLM's check skips these names
+            continue
+        if support.refuses(module):
+            per_expert = ".experts." in module and module.split(".experts.")[1][:1].isdigit()
+            hint = (
+                " (a per-expert adapter on a 3D-expert model: re-save it with PEFT "
+                "target_parameters, or serve with --enable-mixed-moe-lora-format where the "
+                "release has it)"
+                if per_expert and support.is_3d
+                else ""
+            )
+            report.add(
+                Kind.RELEASE,
+                ADAPTER_SAFETENSORS,
+                _first_factor(f),
+                f"vLLM {tree.version} refuses the adapter: its LoRA code wraps no module "
+                f"named like {module} for {arch}{hint}",
+            )
