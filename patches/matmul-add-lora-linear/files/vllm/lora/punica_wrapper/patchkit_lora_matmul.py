@@ -55,10 +55,13 @@ its A or B is replaced by 0 there and the slot marked bad. A bad slot's
 weight is NaN instead of 1, so rows of that adapter come out NaN (as with
 the Triton kernels) and every other row is as without it; the GEMV route
 multiplies each row by the same weight. Loading the slot again, or removing
-the adapter, clears the mark. (On the GEMM route a row whose own input is
-not finite gets NaN in its LoRA delta even without an adapter; its layer
-output is not finite anyway. The GEMV route leaves rows without a slot as
-they are.)
+the adapter, clears the mark. The quarantine is said once per load, naming
+the adapter (the worker's add_adapter tells this module which request it
+loads) and its first non-finite tensor in layer order; with nan-probe on, a
+record goes to the probe log too, for `patchkit probe report`. (On the
+GEMM route a row whose own input is not finite gets NaN in its LoRA delta
+even without an adapter; its layer output is not finite anyway. The GEMV
+route leaves rows without a slot as they are.)
 
 PATCHKIT_LORA_BACKEND=triton keeps the Triton kernels, to compare without
 reverting. VLLM_BATCH_INVARIANT=1 does too (with one log line): vLLM's
