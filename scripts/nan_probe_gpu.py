@@ -22,10 +22,25 @@ and PATCHKIT_PROBE_LOG:
   requests, 64-token prompts, 128 new tokens) and prefill (16 requests of
   2000 tokens, 1 new token), tokens per second.
 
-Then it checks what issue 20 asks: with Triton, the report names layer 1 and
-mlp.down_proj and only `poisoned` requests; with the torch path, only
-`poisoned` rows are bad (the quarantine); the healthy phase has zero records;
-and prints the throughput ratios. summary.json holds it all.
+Then it checks: with Triton, the report names layer 1 and mlp.down_proj and
+only `poisoned` requests; with the torch path, only `poisoned` rows are bad
+(the quarantine), the log holds the quarantine's record and the report names
+layer 1, mlp.down_proj and lora_B from it; the healthy phase has zero
+records; and prints the throughput ratios. summary.json holds it all.
+
+    python3 scripts/nan_probe_gpu.py OUTDIR --model moe35b [--budget SECONDS]
+
+serves the Qwen3.5-MoE at 35B-A3B widths instead (scripts/bench_serving.py's
+moe35b: 8 layers, 256 routed experts top 8, a shared expert; built on the GPU
+into OUTDIR/work, reused by a later run), a rank-16 adapter `healthy` on
+attention, GDN, the shared expert and the routed experts, and `poison-shared`,
+a copy with inf in three values of layer 1's mlp.shared_expert.down_proj
+lora_B; one configuration, the default torch path under CUDA graphs
+(`torch-cudagraph`), no bench. Its checks: the healthy phase writes no record,
+only `poison-shared` requests are bad, the engine log has the quarantine's line
+naming the adapter, layer 1 and the tensor, the probe log has its record, and
+`patchkit probe report` names layer 1, mlp.shared_expert.down_proj and lora_B
+(not layer 0's first projection) and `patchkit adapter check`.
 """
 
 from __future__ import annotations
@@ -46,6 +61,14 @@ from patchkit.verify.e2e import RANK, TARGET_MODULES, qwen35_config  # noqa: E40
 
 POISON_LAYER = 1
 POISON_MODULE = "mlp.down_proj"
+MOE_POISON_MODULE = "mlp.shared_expert.down_proj"
+MOE_RANK = 16
+MOE_ENGINE_ARGS = dict(
+    max_lora_rank=MOE_RANK, max_loras=2, gpu_memory_utilization=0.5,
+    kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=8,
+    max_num_batched_tokens=2048, enable_prefix_caching=False,
+    compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+)  # fmt: skip
 PROOFS = [(b, m) for b in ("triton", "torch") for m in ("eager", "cudagraph")]
 ENGINE_ARGS = dict(
     enable_lora=True, max_lora_rank=RANK, max_loras=3, skip_tokenizer_init=True,
@@ -78,20 +101,48 @@ def build(work: Path, seed: int = 0) -> dict:
         adapters[name] = str(work / name)
         peft_model.save_pretrained(adapters[name])
     adapters["poisoned"] = str(work / "poisoned")
-    tensor = poison(Path(adapters["healthy-b"]), Path(adapters["poisoned"]))
-    return {"model": str(work / "model"), "adapters": adapters, "poisoned_tensor": tensor}
+    tensor = poison(Path(adapters["healthy-b"]), Path(adapters["poisoned"]), POISON_MODULE, 1)
+    return {"model": str(work / "model"), "adapters": adapters, "poisoned_tensor": tensor,
+            "poisoned": "poisoned", "poison": {"layer": POISON_LAYER, "module": POISON_MODULE,
+            "tensor": "lora_B"}}  # fmt: skip
 
 
-def poison(source: Path, dest: Path) -> str:
-    """Copy an adapter; write inf into lora_B[0, 0] of layer POISON_LAYER's down_proj."""
+def build_moe(work: Path) -> dict:
+    """The 35B-A3B-wide MoE (bench_serving.py's moe35b), `healthy` and `poison-shared`
+    (rank 16, attention, GDN, shared and routed experts); a finished build is reused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_serving
+
+    healthy, poisoned = work / "healthy", work / "poison-shared"
+    if not (work / "built.json").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        bench_serving.build(work, model="moe35b", adapters=1, rank=MOE_RANK)
+        (work / "adapter-0").rename(healthy)
+        tensor = poison(healthy, poisoned, MOE_POISON_MODULE, 3)
+        (work / "built.json").write_text(json.dumps({"poisoned_tensor": tensor}))
+    tensor = json.loads((work / "built.json").read_text())["poisoned_tensor"]
+    return {
+        "model": str(work / "model"), "adapters": {"healthy": str(healthy),
+        "poison-shared": str(poisoned)}, "poisoned_tensor": tensor, "poisoned": "poison-shared",
+        "poison": {"layer": POISON_LAYER, "module": MOE_POISON_MODULE, "tensor": "lora_B"},
+        "engine_args": MOE_ENGINE_ARGS,
+        "phases": [["healthy", ["base", "healthy"]],
+                   ["poisoned", ["healthy", "poison-shared", "base"]]],
+        "prompt": 64, "new": 8,
+    }  # fmt: skip
+
+
+def poison(source: Path, dest: Path, module: str, count: int) -> str:
+    """Copy an adapter; write inf into lora_B[:count, 0] of layer POISON_LAYER's module."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, dest)
     path = dest / "adapter_model.safetensors"
     tensors = load_file(str(path))
-    wanted = f"layers.{POISON_LAYER}.{POISON_MODULE}.lora_B"
+    wanted = f"layers.{POISON_LAYER}.{module}.lora_B"
     name = next(n for n in sorted(tensors) if wanted in n)
-    tensors[name][0, 0] = float("inf")
+    tensors[name][:count, 0] = float("inf")
     save_file(tensors, str(path), metadata={"format": "pt"})
     return name
 
@@ -125,13 +176,15 @@ def start(role: str, out: Path, built: Path, env: dict, *extra: str) -> subproce
 def engine(built: dict, eager: bool):
     from vllm import LLM
 
-    return LLM(model=built["model"], enforce_eager=eager, **ENGINE_ARGS)
+    args = {**ENGINE_ARGS, **built.get("engine_args", {})}
+    return LLM(model=built["model"], enforce_eager=eager, **args)
 
 
 def lora(built: dict, name: str):
+    """The adapter's request: ids 1, 2, ... in the order built lists them."""
     from vllm.lora.request import LoRARequest
 
-    number = {"healthy-a": 1, "healthy-b": 2, "poisoned": 3}[name]
+    number = list(built["adapters"]).index(name) + 1
     return LoRARequest(name, number, built["adapters"][name])
 
 
@@ -160,9 +213,10 @@ def proof_child(out: Path, built: dict, mode: str) -> None:
     started = time.monotonic()
     llm = engine(built, eager=(mode == "eager"))
     result = {"engine_seconds": time.monotonic() - started, "phases": {}}
-    for phase, names in (("healthy", ["base", "healthy-a", "healthy-b"]),
-                         ("poisoned", ["healthy-a", "poisoned", "base"])):  # fmt: skip
-        requests = generate(llm, built, names, length=600, new=16)
+    phases = built.get("phases") or (("healthy", ["base", "healthy-a", "healthy-b"]),
+                                     ("poisoned", ["healthy-a", "poisoned", "base"]))  # fmt: skip
+    for phase, names in phases:
+        requests = generate(llm, built, names, built.get("prompt", 600), built.get("new", 16))
         probe_module.flush()
         result["phases"][phase] = {"requests": requests, "probe_steps": probe_module._PROBE.step}
     (out / "result.json").write_text(json.dumps(result, indent=1))
@@ -226,16 +280,53 @@ def check_proof(out: Path, backend: str) -> dict:
     healthy_bad = [r for r in steps if r["step"] < healthy_steps]
     findings = report.get("affected_requests", [])
     adapters = sorted({f["adapter"] or "base" for f in findings})
+    built = json.loads((out.parent / "built.json").read_text())
+    poisoned = built.get("poisoned", "poisoned")
+    bad = built.get("poison", {"layer": POISON_LAYER, "module": POISON_MODULE, "tensor": "lora_B"})
     checks = {
         "healthy_phase_zero_records": not healthy_bad,
-        "only_poisoned_requests_bad": adapters == ["poisoned"],
+        "only_poisoned_requests_bad": adapters == [poisoned],
     }
     if backend == "triton":
         checks["report_names_layer_and_projection"] = bool(findings) and all(
-            f["layer"] == POISON_LAYER and f["module"] == POISON_MODULE for f in findings
+            f["layer"] == bad["layer"] and f["module"] == bad["module"] for f in findings
         )
+    else:
+        checks.update(quarantine_checks(out, records, findings, poisoned, bad))
     return {"checks": checks, "findings": findings, "engine_seconds": result["engine_seconds"],
-            "records": len(steps), "poisoned_tokens": _tokens(result, "poisoned")}  # fmt: skip
+            "records": len(steps), "poisoned_tokens": _tokens(result, poisoned),
+            "quarantines": report.get("quarantines", []),
+            "quarantine_lines": quarantine_lines(out)}  # fmt: skip
+
+
+def quarantine_lines(out: Path) -> list[str]:
+    """The torch path's quarantine lines in the engine's log, as vLLM printed them."""
+    log = (out / "child.log").read_text(errors="replace").splitlines()
+    return [x for x in log if "patchkit LoRA torch path" in x][:4]
+
+
+def quarantine_checks(out: Path, records: list, findings: list, poisoned: str, bad: dict) -> dict:
+    """The torch path's quarantine, named: its engine log line, its probe record, and
+    the report naming the tensor from it (not layer 0's first projection)."""
+    want = (bad["layer"], bad["module"], bad["tensor"])
+    events = [r for r in records if r.get("event") == "quarantine"]
+    line = f"adapter '{poisoned}' (id "
+    named = f"layer {bad['layer']} {bad['module']} {bad['tensor']} has non-finite values"
+    return {
+        "engine_log_names_adapter_and_tensor": any(
+            line in x and named in x for x in quarantine_lines(out)
+        ),
+        "probe_log_has_quarantine_record": [
+            (e["adapter"], e["layer"], e["module"], e["tensor"]) for e in events
+        ]
+        == [(poisoned, *want)],
+        "report_names_layer_and_tensor": bool(findings)
+        and all(
+            (f["layer"], f["module"], f.get("tensor")) == want
+            and (f.get("command") or "").startswith("patchkit adapter check ")
+            for f in findings
+        ),
+    }
 
 
 def _tokens(result: dict, name: str) -> list[int]:
@@ -272,13 +363,16 @@ def wait(child: subprocess.Popen, until: float) -> None:
         child.wait()
 
 
-def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench: bool) -> int:
+def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench: bool,
+           model: str = "tiny") -> int:  # fmt: skip
     """Build, then run the proof children and the bench; ``serial`` runs one engine
     start at a time (vLLM's memory profiling fails when another process on the GPU
     frees memory meanwhile, seen on the H200 with six engines starting at once)."""
     deadline = time.time() + budget
     out.mkdir(parents=True, exist_ok=True)
-    built = build(out / "work")
+    started = time.monotonic()
+    built = build_moe(out / "work") if model == "moe35b" else build(out / "work")
+    built["build_seconds"] = time.monotonic() - started
     built_file = out / "built.json"
     built_file.write_text(json.dumps(built, indent=1))
     ready = out / "proofs-done"
@@ -317,6 +411,15 @@ def judge(out: Path) -> int:
     summary["bench"] = bench_summary(out / "bench")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
+    for name, proof in summary["proofs"].items():  # the lines that prove it, last
+        passed = proof.get("checks") and all(proof["checks"].values())
+        print(f"{name}: {'PASS' if passed else 'FAIL'} {proof.get('checks', proof)}")
+        for line in proof.get("quarantine_lines", [])[:1]:
+            print(f"  engine log: {line.strip()}")
+        for finding in proof.get("findings", [])[:2]:
+            print(f"  report: request {finding['request']} ({finding['adapter']}): "
+                  f"layer {finding['layer']} {finding['module']} {finding.get('tensor')}: "
+                  f"{finding['verdict']}")  # fmt: skip
     ok = all(all(p.get("checks", {"x": False}).values()) for p in summary["proofs"].values())
     return 0 if ok else 1
 
@@ -345,9 +448,15 @@ def main() -> int:
         "--no-bench", action="store_true",
         help="the proofs only (scripts/bench_serving.py measures the cost)",
     )  # fmt: skip
+    parser.add_argument(
+        "--model", choices=("tiny", "moe35b"), default="tiny",
+        help="moe35b: the 35B-A3B-wide MoE, shared-expert poison, torch-cudagraph only",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.check:
         return judge(args.out)
+    if args.model == "moe35b":
+        return parent(args.out, args.budget, ["torch-cudagraph"], True, False, "moe35b")
     return parent(args.out, args.budget, args.proofs.split(","), args.serial, not args.no_bench)
 
 

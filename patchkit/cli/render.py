@@ -689,14 +689,22 @@ def render_probe_report(report) -> None:
 
     records, steps = counted(report.records, "record"), counted(report.steps, "step")
     say(f"nan-probe log {report.path}: {records} over {steps}")
+    for q in report.quarantines:
+        say(f"  quarantined at load: {q.named()}: {q.cause()}; check it: {q.command()}")
+    if report.quarantines_not_listed:
+        say(f"  and {counted(report.quarantines_not_listed, 'more quarantine')}")
     if not report.findings:
         say("no request had a NaN or Inf in any probed layer or projection")
     for f in report.findings:
         adapter = f" (adapter {f.adapter})" if f.adapter else ""
         where = f"step {f.step}, layer {f.layer}, {f.module}"
-        say(f"  request {f.request}{adapter}: first bad at {where}")
+        if f.tensor:  # its adapter's quarantine, not the first bad projection, is the cause
+            say(f"  request {f.request}{adapter}: bad from step {f.step}, its adapter quarantined")
+        else:
+            say(f"  request {f.request}{adapter}: first bad at {where}")
         say(f"      {f.verdict}; look at {f.look_at}")
-        say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
+        if not f.tensor:
+            say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
     if report.padding_only:
         padding = counted(report.padding_only, "record")
         say(f"{padding} had bad rows in CUDA-graph padding only (no request)")
@@ -713,6 +721,8 @@ def probe_json(report) -> dict:
         "headers": report.headers,
         "padding_only": report.padding_only,
         "affected_requests": [_fields(f) for f in report.findings],
+        "quarantines": [_fields(q) | {"command": q.command()} for q in report.quarantines],
+        "quarantines_not_listed": report.quarantines_not_listed,
         "warnings": report.warnings,
     }
 

@@ -16,6 +16,15 @@ applies the decision tree an engineer would at 3 a.m.:
   header names LoRA modules it does not watch in that layer (MoE experts),
   their LoRA path with that request's adapter.
 
+Before the tree: the torch LoRA path (matmul-add-lora-linear) quarantines an
+adapter with a non-finite weight at load, which makes every row of it NaN from
+its first LoRA projection on, so its rows point at layer 0 whatever tensor is
+bad. With the probe on it writes a ``quarantine`` record (adapter, layer,
+module, lora_A or lora_B, counts); a request of that adapter, bad after that
+record, is judged by it: the report names the tensor and the command that
+checks the adapter's files, not the projection where the NaN showed. Every
+quarantine is listed too, served or not.
+
 Input is read as data from a file the user names: every line must be a JSON
 object of the probe's shape, or the command fails with the file and line;
 only a last line cut short (the probe stopped mid-write) is skipped, with a
@@ -38,6 +47,11 @@ KINDS = ("input", "output", "lora")
 MAX_LINE = 1 << 20  # a probe line is a few kB; anything longer is not one
 MAX_NAME = 512  # a module path inside a layer, a class name: a few dozen characters
 SHOWN_UNWATCHED = 8  # unwatched modules named in one finding, at most
+QUARANTINE_KEYS = {"adapter_id": int, "module": str, "tensor": str, "nan": int, "inf": int}
+TENSORS = ("lora_A", "lora_B")
+MAX_PATH = 4096  # an adapter's directory, as the server was given it
+MAX_QUARANTINES = 256  # distinct quarantines kept for the list; the rest are counted
+CHECK_COMMAND = "patchkit adapter check"
 
 
 @dataclass
@@ -52,6 +66,37 @@ class Finding:
     verdict: str
     look_at: str
     bad_modules: list[str] = field(default_factory=list)
+    tensor: str | None = None  # lora_A / lora_B: the adapter was quarantined for it
+    command: str | None = None  # what to run next
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """An adapter the torch LoRA path quarantined at load, as the probe recorded it."""
+
+    run: int  # the index of the header before it (-1: none)
+    rank: int
+    adapter: str | None
+    adapter_id: int
+    adapter_path: str | None
+    layer: int | None
+    module: str
+    tensor: str
+    nan: int
+    inf: int
+
+    def cause(self) -> str:
+        """'layer 1 mlp.shared_expert.down_proj lora_B has non-finite values (3 inf)'."""
+        where = f"layer {self.layer} " if self.layer is not None else ""
+        counts = ", ".join(f"{n} {k}" for k, n in (("nan", self.nan), ("inf", self.inf)) if n)
+        return f"{where}{self.module} {self.tensor} has non-finite values ({counts or '?'})"
+
+    def command(self) -> str:
+        return f"{CHECK_COMMAND} {self.adapter_path or 'DIR'}"
+
+    def named(self) -> str:
+        adapter = repr(self.adapter) if self.adapter is not None else "(no name)"
+        return f"adapter {adapter} (id {self.adapter_id})"
 
 
 @dataclass
@@ -63,6 +108,8 @@ class ProbeReport:
     findings: list[Finding]
     padding_only: int  # records whose bad rows were all padding (no request)
     warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
+    quarantines: list[Quarantine] = field(default_factory=list)
+    quarantines_not_listed: int = 0  # beyond MAX_QUARANTINES distinct ones
 
 
 @dataclass(frozen=True)
@@ -77,6 +124,7 @@ class Sighting:
     order: int
     run: int  # the index of the header before it (-1: none)
     adapter: str | None
+    quarantine: Quarantine | None = None  # its adapter's, recorded before this sighting
 
 
 @dataclass
@@ -115,10 +163,16 @@ class Tally:
     steps: set[int] = field(default_factory=set)
     unwatched: list[dict[int, dict[str, str]]] = field(default_factory=list)
     trails: dict[str, RequestTrail] = field(default_factory=dict)
+    quarantined: dict[tuple, Quarantine] = field(default_factory=dict)  # (run, name): latest
+    listed: dict[tuple, Quarantine] = field(default_factory=dict)  # distinct, in order
+    not_listed: int = 0
 
     def add(self, entry: dict) -> None:
         if "probe" in entry:  # each server start writes its own header
             self.unwatched.append(unprobed_by_layer(entry))
+            return
+        if entry.get("event") == "quarantine":
+            self.add_quarantine(entry)
             return
         self.records += 1
         self.steps.add(entry["step"])
@@ -137,8 +191,35 @@ class Tally:
                 order if isinstance(order, int) and not isinstance(order, bool) else 0,
                 len(self.unwatched) - 1,
                 adapters.get(request),
+                self.quarantined.get((len(self.unwatched) - 1, adapters.get(request))),
             )
             self.trails.setdefault(request, RequestTrail()).add(sighting)
+
+    def add_quarantine(self, entry: dict) -> None:
+        """The latest quarantine of each adapter name in this run judges its requests'
+        later records; the list keeps each distinct one once (ranks write one each)."""
+        run = len(self.unwatched) - 1
+        found = Quarantine(
+            run=run,
+            rank=entry.get("rank", 0),
+            adapter=entry.get("adapter"),
+            adapter_id=entry["adapter_id"],
+            adapter_path=entry.get("adapter_path"),
+            layer=entry.get("layer"),
+            module=entry["module"],
+            tensor=entry["tensor"],
+            nan=entry["nan"],
+            inf=entry["inf"],
+        )
+        if found.adapter is not None:
+            self.quarantined[(run, found.adapter)] = found
+        same = (run, found.adapter, found.adapter_id, found.layer, found.module, found.tensor)
+        if same in self.listed:
+            return
+        if len(self.listed) < MAX_QUARANTINES:
+            self.listed[same] = found
+        else:
+            self.not_listed += 1
 
 
 def read_log(path: Path, tally: Tally) -> list[str]:
@@ -237,8 +318,41 @@ def _parse(path: Path, number: int, line: str) -> dict | None:
     if entry.get("probe") == "nan-probe":
         _check_header(where, entry)
         return entry
+    if entry.get("event") == "quarantine":
+        _check_quarantine(where, entry)
+        return entry
     _check_record(where, entry)
     return entry
+
+
+def _check_quarantine(where: str, entry: dict) -> None:
+    """A quarantine record: every value goes into the report, so each is checked."""
+    for key, kind in QUARANTINE_KEYS.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise PatchkitError(
+                f"{where}: {key!r}: {kind.__name__} expected, got {value!r}: "
+                "not a nan-probe quarantine record"
+            )
+    problems = [
+        ("module", _is_name(entry["module"])),
+        ("tensor", entry["tensor"] in TENSORS),
+        ("nan", entry["nan"] >= 0 and entry["inf"] >= 0),
+        ("layer", entry.get("layer") is None or _is_index(entry.get("layer"))),
+        ("rank", _is_index(entry.get("rank", 0))),
+        ("adapter", entry.get("adapter") is None or _is_path(entry.get("adapter"))),
+        ("adapter_path", _is_path(entry.get("adapter_path"))),
+    ]
+    for key, fine in problems:
+        if not fine:
+            raise PatchkitError(
+                f"{where}: {key!r}: {entry.get(key)!r} does not fit: "
+                "not a nan-probe quarantine record"
+            )
+
+
+def _is_path(value) -> bool:
+    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_PATH)
 
 
 def _check_header(where: str, entry: dict) -> None:
@@ -316,6 +430,8 @@ def report(path: Path) -> ProbeReport:
         findings=findings,
         padding_only=tally.padding_only,
         warnings=warnings,
+        quarantines=list(tally.listed.values()),
+        quarantines_not_listed=tally.not_listed,
     )
 
 
@@ -341,6 +457,9 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
     inputs = [s for s in here if s.kind == "input"]
     projections = [s for s in here if s.kind == "lora"]
     common = dict(request=request, adapter=adapter, step=step, layer=layer, bad_modules=names)
+    quarantine = next((s.quarantine for s in here if s.quarantine is not None), None)
+    if quarantine is not None:
+        return quarantined(common, quarantine, here[0])
     if inputs:
         verdict = "hidden state already bad at the layer's input"
         look_at = "upstream of this layer: the embedding or an earlier pipeline stage"
@@ -366,6 +485,33 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
             "with an adapter go bad here, check that adapter's expert weights"
         )
     return Finding(**common, module="output", verdict=verdict, look_at=look_at)
+
+
+def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> Finding:
+    """A request of an adapter quarantined at load: the recorded tensor is the cause.
+
+    Its rows were made NaN by the quarantine from the first LoRA projection
+    that runs (``first``), wherever the bad tensor is; the finding names the
+    tensor, not that projection.
+    """
+    verdict = (
+        f"{quarantine.named()} was quarantined at load: {quarantine.cause()}; the torch "
+        f"LoRA path makes its rows NaN from its first LoRA projection on (here layer "
+        f"{first.layer}, {first.module}), other requests are not affected"
+    )
+    look_at = (
+        f"that tensor in the adapter's files: `{quarantine.command()}` names every "
+        "non-finite tensor; fix or replace the adapter, then load it again"
+    )
+    common = {**common, "layer": quarantine.layer if quarantine.layer is not None else -1}
+    return Finding(
+        **common,
+        module=quarantine.module,
+        verdict=verdict,
+        look_at=look_at,
+        tensor=quarantine.tensor,
+        command=quarantine.command(),
+    )
 
 
 def _listed(names: list[str]) -> str:

@@ -55,10 +55,13 @@ its A or B is replaced by 0 there and the slot marked bad. A bad slot's
 weight is NaN instead of 1, so rows of that adapter come out NaN (as with
 the Triton kernels) and every other row is as without it; the GEMV route
 multiplies each row by the same weight. Loading the slot again, or removing
-the adapter, clears the mark. (On the GEMM route a row whose own input is
-not finite gets NaN in its LoRA delta even without an adapter; its layer
-output is not finite anyway. The GEMV route leaves rows without a slot as
-they are.)
+the adapter, clears the mark. The quarantine is said once per load, naming
+the adapter (the worker's add_adapter tells this module which request it
+loads) and its first non-finite tensor in layer order; with nan-probe on, a
+record goes to the probe log too, for `patchkit probe report`. (On the
+GEMM route a row whose own input is not finite gets NaN in its LoRA delta
+even without an adapter; its layer output is not finite anyway. The GEMV
+route leaves rows without a slot as they are.)
 
 PATCHKIT_LORA_BACKEND=triton keeps the Triton kernels, to compare without
 reverting. VLLM_BATCH_INVARIANT=1 does too (with one log line): vLLM's
@@ -81,6 +84,7 @@ SPLIT_K_MAX_SPLIT elements for the split reduce.
 
 import logging
 import os
+import re
 import sys
 import types
 
@@ -373,6 +377,7 @@ class AdoptedLayer:
         self.a = _as_list(getattr(layer, "lora_a_stacked", None))
         self.b = _as_list(getattr(layer, "lora_b_stacked", None))
         self.masks = masks
+        self.layer_key = id(layer)  # how an AdapterLoad finds the layer's module name
         for b in self.b:
             _make_b_rank_major(b)
         if len(self.a) > 1 and _slot_shaped(self.a):
@@ -399,20 +404,155 @@ class AdoptedLayer:
         row, and 0 * inf is NaN, so a non-finite A or B value would reach all
         rows. It is replaced by 0, and the slot is marked bad in the batch
         weights (NaN instead of 1), so that the rows of this adapter still
-        come out NaN. Once per set_lora, never per call.
+        come out NaN. Once per set_lora, never per call: one host sync for a
+        finite slot; a bad one is counted tensor by tensor (load time only)
+        and named by `quarantined`.
         """
         weights = [w[index] for w in self.a + self.b]
         bad = not bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
         self.masks.mark(index, self, bad)
         if not bad:
             return
+        found = first_non_finite(self.a, self.b, index)
         for w in weights:
             w.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        quarantined(index, self.layer_key, found)
+
+
+def first_non_finite(a_list: list, b_list: list, index: int) -> dict:
+    """The first of slot `index`'s tensors holding NaN or inf, slice by slice, A before B.
+
+    {"slice", "slices", "tensor" ("lora_A" or "lora_B"), "nan", "inf"}: the
+    counts of that tensor in this slot (this rank's shard). Load time only.
+    """
+    for s, (a, b) in enumerate(zip(a_list, b_list, strict=False)):
+        for tensor, w in (("lora_A", a[index]), ("lora_B", b[index])):
+            nan, inf = int(torch.isnan(w).sum()), int(torch.isinf(w).sum())
+            if nan or inf:
+                return {"slice": s, "slices": len(a_list), "tensor": tensor, "nan": nan,
+                        "inf": inf}  # fmt: skip
+    return {"slice": 0, "slices": len(a_list), "tensor": "lora_A", "nan": 0, "inf": 0}
+
+
+# ----- once per adapter load: which adapter, which tensor -----
+
+LAYER_PATH = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.(.+)$")
+CHECK_COMMAND = "patchkit adapter check"
+
+# The add_adapter running now: (vLLM's LoRAModelManager, the LoRARequest), set by the
+# patch's hook at the top of the worker's add_adapter; vLLM calls that once per active
+# adapter per step, so the hook only keeps the pair (no work, no device call).
+_LOAD: tuple | None = None
+_REPORTED: tuple | None = None  # the load whose quarantine was already said
+
+
+def begin_adapter_load(manager, request) -> None:
+    """From the worker's add_adapter (the patch's hunk in worker_manager.py)."""
+    global _LOAD
+    _LOAD = (manager, request)
+
+
+class AdapterLoad:
+    """Which adapter an add_adapter loads into which slot, and where its layers are.
+
+    vLLM's activate_adapter puts the adapter's id in lora_index_to_id[slot]
+    before it sets the slot's modules, one by one in the model's order (layer
+    by layer), so the first set_lora that finds a non-finite weight holds the
+    first bad tensor in layer order: that one is named, once per load.
+    """
+
+    def __init__(self, manager, request, index: int):
+        self.manager, self.slot = manager, index
+        self.adapter_id = getattr(request, "lora_int_id", None)
+        self.name = getattr(request, "lora_name", None)
+        self.path = getattr(request, "lora_path", None)
+
+    def holds(self) -> bool:
+        """Whether the slot being set is this request's (not a pin or another path)."""
+        slots = getattr(self.manager, "lora_index_to_id", None) or []
+        return self.slot < len(slots) and slots[self.slot] == self.adapter_id
+
+    def where(self, layer_key: int, found: dict) -> dict:
+        """The bad tensor's place: layer index and module inside it, as the adapter's
+        files name it (a packed module's slice by its own name where vLLM says it)."""
+        modules = getattr(self.manager, "modules", {}) or {}
+        full = next((name for name, m in modules.items() if id(m) == layer_key), "")
+        match = LAYER_PATH.match(full)
+        layer, module = (int(match.group(1)), match.group(2)) if match else (None, full)
+        if module and found["slices"] > 1:
+            parent, _, last = module.rpartition(".")
+            names = (getattr(self.manager, "packed_modules_mapping", None) or {}).get(last, [])
+            if len(names) == found["slices"]:
+                module = f"{parent}.{names[found['slice']]}" if parent else names[found["slice"]]
+            else:
+                module = f"{module} (slice {found['slice']} of {found['slices']})"
+        return {"layer": layer, "module": module or "a LoRA layer"}
+
+
+def quarantined(index: int, layer_key: int, found: dict) -> None:
+    """Say which adapter was quarantined and why: one log line per load (its first bad
+    tensor in layer order) and, with nan-probe on, one record in the probe's log."""
+    global _REPORTED
+    load = AdapterLoad(*_LOAD, index) if _LOAD is not None else None
+    if load is None or not load.holds():  # a set_lora outside add_adapter: the slot only
         logger.warning(
-            "patchkit LoRA torch path: the adapter in slot %d has non-finite weights; "
+            "patchkit LoRA torch path: the adapter in slot %d has non-finite weights (%s); "
             "its requests get NaN, other requests are not affected",
             index,
+            _counts(found),
         )
+        return
+    if _REPORTED is _LOAD:
+        return
+    _REPORTED = _LOAD
+    event = quarantine_event(load, layer_key, found)
+    logger.warning("%s", quarantine_line(event))
+    _to_probe_log(event)
+
+
+def quarantine_event(load: AdapterLoad, layer_key: int, found: dict) -> dict:
+    """The facts of one quarantine, as the probe log records them."""
+    return {
+        "adapter": load.name,
+        "adapter_id": load.adapter_id,
+        "adapter_path": load.path,
+        "slot": load.slot,
+        **load.where(layer_key, found),
+        "tensor": found["tensor"],
+        "nan": found["nan"],
+        "inf": found["inf"],
+    }
+
+
+def quarantine_line(event: dict) -> str:
+    """The log line: the adapter by name and id, the tensor, what happens, what next.
+    Names and paths come from API clients: repr() keeps a newline in one out of the log."""
+    adapter = f"adapter {event['adapter']!r}" if event["adapter"] is not None else "adapter"
+    layer = f"layer {event['layer']} " if event["layer"] is not None else ""
+    directory = ascii(event["adapter_path"]) if event["adapter_path"] else "DIR"
+    return (
+        f"patchkit LoRA torch path: {adapter} (id {event['adapter_id']}): {layer}"
+        f"{event['module']} {event['tensor']} has non-finite values ({_counts(event)}); "
+        "its requests get NaN, other requests are not affected; "
+        f"check it with `{CHECK_COMMAND} {directory}`"
+    )
+
+
+def _counts(found: dict) -> str:
+    parts = [f"{found[k]} {k}" for k in ("nan", "inf") if found[k]]
+    return ", ".join(parts) or "non-finite"
+
+
+def _to_probe_log(event: dict) -> None:
+    """A quarantine record in nan-probe's log, through the probe's own writer (when
+    that patch is applied and PATCHKIT_PROBE_LOG is set; else nothing)."""
+    try:
+        from vllm.v1.worker import patchkit_nan_probe
+    except ImportError:
+        return
+    note = getattr(patchkit_nan_probe, "note_quarantine", None)
+    if note is not None:
+        note(event)
 
 
 def adopt_layer(layer, masks: SlotMasks) -> None:

@@ -731,6 +731,33 @@ def batch_meta(runner) -> dict:
     }
 
 
+QUARANTINE_KEYS = ("adapter", "adapter_id", "adapter_path", "slot", "layer", "module", "tensor",
+                   "nan", "inf")  # fmt: skip
+
+
+def note_quarantine(event: dict) -> None:
+    """One record for an adapter the torch LoRA path quarantined at load (its hook).
+
+    Why: that path zeroes a non-finite weight and makes the adapter's rows NaN
+    from its first LoRA projection on, so the rows alone would point at layer
+    0; this record says which adapter and which tensor (layer, module, lora_A
+    or lora_B, NaN and inf counts) for `patchkit probe report`. Written with
+    the probe's own writer (``write_lines``: never through a link, never
+    another user's file), only while the probe is on; a write that fails turns
+    the probe's writing off with one line, as a step's lines would.
+    """
+    probe = _PROBE
+    if probe is None or probe.log_failed:
+        return
+    record = {"event": "quarantine", "rank": probe.rank, "time": time.time()}
+    record.update({key: event.get(key) for key in QUARANTINE_KEYS})
+    try:
+        write_lines(probe.log_path, [record])
+    except (OSError, ValueError) as exc:
+        probe.log_failed = True
+        _warn(probe.log_path, exc, "no more probe lines are written (the server goes on)")
+
+
 def flush() -> None:
     """Write every step still in flight (tests and scripts; atexit does it too)."""
     if _PROBE is not None:
