@@ -55,6 +55,9 @@ class Job:
     seed: int = 0
     gpu_memory_utilization: float = 0.3
     kv_cache_bytes: int = 2 * GIB
+    # The module the child runs (``python -m RUNNER JOB OUT``): this one for a vLLM
+    # engine; patchkit.verify.peftref for the transformers + PEFT reference.
+    runner: str = "patchkit.verify.serving"
 
 
 def check_tensor_parallel(size: int, visible: int) -> None:
@@ -221,7 +224,7 @@ def start(jobs: list[Job], workdir: Path) -> dict:
                 [
                     sys.executable,
                     "-m",
-                    "patchkit.verify.serving",
+                    job.runner,
                     str(job_file),
                     str(workdir / f"vllm-{job.name}.json"),
                 ],
