@@ -225,6 +225,18 @@ def placement(need: Estimate, free: list[int]) -> dict[int, int]:
     return budgets
 
 
+def gpu_placement(
+    model_dir: Path, adapters: dict[str, Path], prompts: dict
+) -> dict[int, int] | None:
+    """max_memory over the visible GPUs for this reference (placement of its estimate),
+    or None where torch sees no GPU (the CPU then holds it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return placement(estimate(model_dir, adapters, prompts), _gpus_free())
+
+
 # ----- the child: load, switch adapters, read log-probabilities -----
 
 
@@ -377,16 +389,13 @@ def run(spec: serving.Job, out_file: Path) -> None:
     log says it), so serving.wait reports it as it reports an engine that
     did not start; serve_all then tries it once alone, where it may fit.
     """
-    import torch
 
     started = time.monotonic()
     adapters = {n: Path(p) for n, p in spec.loras.items()}
     model_dir = Path(spec.model)
     result: dict = {"name": spec.name, "mode": spec.mode, "device": _device()}
     try:
-        need = estimate(model_dir, adapters, spec.prompts)
-        cuda = torch.cuda.is_available()
-        max_memory = placement(need, _gpus_free()) if cuda else None
+        max_memory = gpu_placement(model_dir, adapters, spec.prompts)
         result["runs"] = reference_runs(
             lambda: load_base(model_dir, max_memory), adapters, spec.prompts, spec.requests
         )
