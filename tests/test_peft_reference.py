@@ -110,11 +110,14 @@ def answered(tiny) -> dict:
     )
 
 
-def plain_logprobs(model_dir: Path, ids: list[int], adapter: Path | None = None) -> list[float]:
+def plain_logprobs(
+    model_dir: Path, ids: list[int], adapter: Path | None = None, dense: bool = False
+) -> list[float]:
     """transformers' own forward (full logits), float32, with ``adapter`` merged by PEFT."""
-    from transformers import Qwen3_5MoeForConditionalGeneration
+    import transformers
 
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    name = "Qwen3_5ForConditionalGeneration" if dense else "Qwen3_5MoeForConditionalGeneration"
+    model = getattr(transformers, name).from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
 
@@ -312,3 +315,33 @@ def test_the_child_writes_a_refusal_as_its_error_and_exits_0(tmp_path, monkeypat
     result = json.loads(out.read_text())
     assert result["error"].startswith("the float32 reference (transformers + PEFT) needs")
     assert "runs" not in result and result["device"] == "1 x test"
+
+
+@pytest.mark.slow
+def test_e2e_takes_its_dense_reference_from_here(tmp_path, monkeypatch):
+    """--e2e's dense case: the full adapter and both partial GDN adapters (no
+    target_parameters: one PEFT model holds them all), answered as e2e's checks read them."""
+    needs_peft()
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from patchkit.verify import e2e
+
+    small = {k: v for k, v in SMALL.items() if "expert" not in k} | {"intermediate_size": 64}
+    e2e.save_random(Qwen3_5ForConditionalGeneration, e2e.qwen35_config(**small), 4,
+                    tmp_path / "model", tmp_path / "adapter", e2e.TARGET_MODULES)  # fmt: skip
+    for kind, target in e2e.PARTIAL_ADAPTERS.items():
+        e2e.save_random(Qwen3_5ForConditionalGeneration, e2e.qwen35_config(**small), 4,
+                        tmp_path / "unused", e2e.partial_dir(tmp_path / "adapter", kind),
+                        target)  # fmt: skip
+    asked = {"p50": PROMPTS["p40"], "p600": PROMPTS["p25"]}
+    monkeypatch.setattr(e2e, "prompts", lambda seed: asked)
+    monkeypatch.setattr(e2e, "PARTIAL_PROMPT", "p600")
+    reference = e2e.reference_logprobs(tmp_path / "model", tmp_path / "adapter", 0)
+    assert set(reference) == {"base", "lora", "lora_qkv", "lora_z"}
+    assert set(reference["base"]) == set(reference["lora"]) == set(asked)
+    assert set(reference["lora_qkv"]) == {"p600"}
+    base = reference["base"]["p600"]
+    assert base == plain_logprobs(tmp_path / "model", asked["p600"], dense=True)
+    for kind in ("lora", "lora_qkv", "lora_z"):
+        assert checks.diff(reference[kind]["p600"], base)[0] > 1e-3, kind
+    assert reference["lora_qkv"]["p600"] != reference["lora_z"]["p600"]
