@@ -334,6 +334,8 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
         ("rounding-one", "eager", False),
         ("merged-two", "eager", False),
         ("rounding-two", "eager", False),
+        ("nolora-eager", "eager", False),
+        ("nolora-cudagraph", "cudagraph", False),
     ]
     assert seen["workdir"].parent == work and not seen["workdir"].exists()
     assert list(work.iterdir()) == []

@@ -25,7 +25,8 @@ import json
 import random
 from pathlib import Path
 
-from patchkit.verify import checks, serving, usermodel
+from patchkit.errors import PatchkitError
+from patchkit.verify import baserows, checks, peftref, serving, usermodel
 from patchkit.verify.checks import Check
 
 PROMPT_LENGTHS = (50, 600, 3000)
@@ -166,39 +167,25 @@ def partial_dir(adapter_dir: Path, kind: str) -> Path:
     return adapter_dir.parent / f"adapter-{kind}"
 
 
-def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int, device: str) -> dict:
-    """transformers + PEFT, float32: per prompt, base and LoRA log-probs of tokens 1..n-1."""
-    import torch
-    from peft import PeftModel
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    model.to(device).eval()
-    out: dict = {"base": {}, "lora": {}}
-    with torch.no_grad():
-        for name, ids in prompts(seed).items():
-            out["base"][name] = _token_logprobs(model, ids, device)
-        peft_model = PeftModel.from_pretrained(model, adapter_dir).to(device).eval()
-        for name, ids in prompts(seed).items():
-            out["lora"][name] = _token_logprobs(peft_model, ids, device)
-        for kind in PARTIAL_ADAPTERS:  # each on a fresh base: PEFT wraps the model in place
-            base = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-            partial = PeftModel.from_pretrained(base, partial_dir(adapter_dir, kind))
-            partial.to(device).eval()
-            ids = prompts(seed)[PARTIAL_PROMPT]
-            out[kind] = {PARTIAL_PROMPT: _token_logprobs(partial, ids, device)}
-            del base, partial
-    del model
-    return out
-
-
-def _token_logprobs(model, ids: list[int], device: str) -> list[float]:
-    import torch
-
-    tokens = torch.tensor([ids], device=device)
-    logits = model(input_ids=tokens).logits[0, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(1, tokens[0, 1:, None]).squeeze(1).tolist()
+def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int) -> dict:
+    """transformers + PEFT, float32 (patchkit.verify.peftref): per prompt, base and LoRA
+    log-probs of tokens 1..n-1, and each partial adapter's on PARTIAL_PROMPT."""
+    adapters = {"lora": adapter_dir}
+    adapters |= {kind: partial_dir(adapter_dir, kind) for kind in PARTIAL_ADAPTERS}
+    asked = prompts(seed)
+    plan = [("base", p, None) for p in asked] + [("lora", p, "lora") for p in asked]
+    plan += [(kind, PARTIAL_PROMPT, kind) for kind in PARTIAL_ADAPTERS]
+    max_memory = peftref.gpu_placement(model_dir, adapters, asked)
+    runs = peftref.reference_runs(
+        lambda: peftref.load_base(model_dir, max_memory), adapters, asked, plan
+    )
+    refused = [f"{label}: {group['error']}" for label, group in runs.items() if "error" in group]
+    if refused:
+        raise PatchkitError(f"transformers + PEFT did not load the e2e adapters: {refused[0]}")
+    return {
+        label: {p: request["prompt_logprobs"] for p, request in group.items()}
+        for label, group in runs.items()
+    }
 
 
 # ----- the MoE case: attention, GDN, shared expert and routed experts under LoRA -----
@@ -281,7 +268,8 @@ def _expert_factors(torch, seed: int) -> dict:
 
 
 def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> list:
-    """The dense model with the full and both partial adapters, in each mode."""
+    """The dense model with the full and both partial adapters, in each mode, and
+    without LoRA in each mode (baserows)."""
     loras = {"full": str(adapter_dir)}
     loras |= {kind: str(partial_dir(adapter_dir, kind)) for kind in PARTIAL_ADAPTERS}
     requests = [(label, name, "full" if label.startswith("lora") else None) for label, name in PLAN]
@@ -301,7 +289,9 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
             **memory,
         )
         for engine in usermodel.lora_engines()
-    ]
+    ] + baserows.jobs(
+        str(model_dir), prompts(seed), {"max_model_len": 4096, "seed": seed, **memory}
+    )
 
 
 def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
@@ -341,7 +331,7 @@ def run_e2e(
     """Build, reference, serve every engine (dense and MoE, both modes), compare."""
     model_dir, adapter_dir = build_model(workdir, seed)
     # The reference runs first and keeps its memory until the end.
-    reference = reference_logprobs(model_dir, adapter_dir, seed, "cuda")
+    reference = reference_logprobs(model_dir, adapter_dir, seed)
     (workdir / "reference.json").write_text(json.dumps(reference))
     memory, at_once = engine_memory(model_dir, tp, gpu)
     engines = dense_jobs(model_dir, adapter_dir, seed, memory)
@@ -349,12 +339,10 @@ def run_e2e(
     say(f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}")
     served = serving.serve_all(engines, workdir, timeout, at_once)
     (workdir / "served.json").write_text(json.dumps(served))
-    dense = [
-        check
-        for lora in usermodel.Served.from_json(served, []).lora()
-        for check in compare(lora.engine.mode, lora.result, reference)
-    ]
-    return dense + usermodel.compare(served, ["moe"], prefix=MOE_PREFIX)
+    loras = usermodel.Served.from_json(served, []).lora()
+    dense = [check for lora in loras for check in compare(lora.engine.mode, lora.result, reference)]
+    dense += baserows.base_rows_checks(served, {e.engine.mode: e.engine.name for e in loras})
+    return dense + usermodel.compare(served, ["moe"], prefix=MOE_PREFIX)  # baserows included
 
 
 # ----- the checks of the dense case, against transformers + PEFT -----

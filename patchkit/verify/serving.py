@@ -55,6 +55,9 @@ class Job:
     seed: int = 0
     gpu_memory_utilization: float = 0.3
     kv_cache_bytes: int = 2 * GIB
+    # The module the child runs (``python -m RUNNER JOB OUT``): this one for a vLLM
+    # engine; patchkit.verify.peftref for the transformers + PEFT reference.
+    runner: str = "patchkit.verify.serving"
 
 
 def check_tensor_parallel(size: int, visible: int) -> None:
@@ -107,7 +110,27 @@ def serve(job: Job, out_file: Path) -> None:
         "corrupted_requests": _corrupted(llm),
         "runs": runs,
     }
+    if job.loras:  # what decides whether base rows must come out bit-identical (baserows)
+        result |= {"lora_backend": lora_backend(), "routed_experts": routed_experts(job.model)}
     out_file.write_text(json.dumps(result))
+
+
+def lora_backend() -> str:
+    """'torch' where patchkit's matmul-add-lora-linear path serves LoRA, else 'triton'
+    (vLLM's punica kernels: the patch is not applied, or PATCHKIT_LORA_BACKEND=triton)."""
+    try:
+        from vllm.lora.punica_wrapper import patchkit_lora_matmul
+    except ImportError:
+        return "triton"
+    return patchkit_lora_matmul.LORA_BACKEND
+
+
+def routed_experts(model: str) -> int:
+    """The model's routed experts per MoE layer (0 for a dense model), from config.json."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    text = {**config, **(config.get("text_config") or {})}
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return next((int(text[k]) for k in keys if text.get(k)), 0)
 
 
 def _engine(job: Job):
@@ -221,7 +244,7 @@ def start(jobs: list[Job], workdir: Path) -> dict:
                 [
                     sys.executable,
                     "-m",
-                    "patchkit.verify.serving",
+                    job.runner,
                     str(job_file),
                     str(workdir / f"vllm-{job.name}.json"),
                 ],

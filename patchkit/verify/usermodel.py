@@ -39,7 +39,7 @@ from pathlib import Path
 
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.files import read_user_json
-from patchkit.verify import checks, serving
+from patchkit.verify import baserows, checks, serving
 from patchkit.verify.checks import Check
 
 PROMPT_LENGTHS = (600, 3000)
@@ -357,7 +357,7 @@ def jobs(
                 **common,
             )
         )
-    return out
+    return out + baserows.jobs(str(model_dir), prompts, common, prefix)  # LoRA off, per mode
 
 
 # ----- the checks -----
@@ -382,7 +382,8 @@ def compare(served: dict, adapters: list[str], prefix: str = "") -> list[Check]:
         out += rounding_check(f"{prefix}reference {name}", run, name, floors[name])
     for lora in run.lora():
         out += compare_mode(lora, run, adapters, floors)
-    return out
+    lora_names = {e.engine.mode: e.engine.name for e in run.lora()}
+    return out + baserows.base_rows_checks(served, lora_names, prefix)
 
 
 def compare_mode(lora: EngineServed, run: Served, adapters: list[str], floors: dict):
@@ -601,13 +602,12 @@ def run_model(
     try:
         references = write_references(plans, work, say, setup["seed"])
         setup, at_once = with_memory(setup, model_dir, gpu)
+        engines = jobs(model_dir, adapters, references, setup)
         say(
-            f"serving {model_dir}: {2 * len(adapters) + 2} engines, {at_once} at a time, "
+            f"serving {model_dir}: {len(engines)} engines, {at_once} at a time, "
             f"prompts {', '.join(p[1:] for p in setup['prompts'])} tokens"
         )
-        served = serving.serve_all(
-            jobs(model_dir, adapters, references, setup), work, WAVE_TIMEOUT, at_once
-        )
+        served = serving.serve_all(engines, work, WAVE_TIMEOUT, at_once)
         (work / "served.json").write_text(json.dumps(served))
         return compare(served, list(adapters))
     finally:
