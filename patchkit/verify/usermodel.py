@@ -956,7 +956,7 @@ def _peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
     why = merged.why if merged.kind == "peft" else f"{merged.why}; the PEFT reference decides"
     peft = peft_reference(run, name, why)
     if peft.runs is None and merged.kind == "merged":
-        merged.why += f"; the PEFT reference did not run ({peft.missing})"
+        merged.why += f"; it did not run, {peft.missing}"
         return merged
     return peft
 
