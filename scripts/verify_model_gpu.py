@@ -21,6 +21,16 @@ adapters saved with ``save_pretrained`` as a user would. Presets:
   loads only ``both``). PEFT writes the files; the factors are random, sized
   as e2e's expert factors so that the experts' LoRA is clearly visible.
 
+- ``wide35b``: Qwen3.5/3.6-35B-A3B widths (hidden 2048, 256 routed experts
+  of moe_intermediate 512, top 8, a shared expert of 512, 16/2 attention
+  heads of 256, 16/32 GDN heads of 128) cut to 8 layers in the real model's
+  3 GDN : 1 attention pattern (about 6.8 B parameters, 13.6 GB in bf16; the
+  e2e vocabulary of 4096), and one rank-16 adapter ``a0`` on attention, GDN,
+  the shared expert and the routed experts (``target_parameters``
+  gate_up_proj and down_proj, the layout PEFT 0.21 writes). Built on the
+  GPU. ``--poison a0`` puts the inf in layer 1's shared-expert down_proj.
+  The whole proof in one command: scripts/verify_moe_proof.sh.
+
 ``--poison NAME`` also writes ``poisoned``: a copy of adapter NAME with an inf
 in one lora_B (layer 1's mlp.down_proj, as scripts/nan_probe_gpu.py does),
 for the run that shows the check fails when it should (issue 19, item 6):
@@ -48,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
+    MOE_TARGET_MODULES,
     TARGET_MODULES,
     qwen35_config,
     qwen35_moe_config,
@@ -94,12 +105,38 @@ MOE_ADAPTERS = {
 }
 MOE_RANK = 16
 
+# Qwen3.5/3.6-35B-A3B's text widths, cut to 8 layers (3 GDN : 1 attention, twice).
+WIDE35B = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    max_position_embeddings=32768,
+)
+WIDE35B_ADAPTERS = {"a0": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+# lora_B of the linear modules, as e2e scales PEFT's random init (a visible effect,
+# sane logits); the experts' factors as build_moe draws them.
+WIDE35B_B_SCALE = 0.3
+POISON_WIDE35B = "layers.1.mlp.shared_expert.down_proj.lora_B"
+
 
 def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
     """Save the model (bf16) and the preset's adapters under out; ``text`` overrides
     the preset's text config (the CPU dry run shrinks the widths with it)."""
     if preset == "moe":
         return build_moe(out, text)
+    if preset == "wide35b":
+        return build_wide35b(out, text)
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForConditionalGeneration
@@ -154,6 +191,55 @@ def build_moe(out: Path, text: dict | None = None) -> dict:
     return built
 
 
+def build_wide35b(out: Path, text: dict | None = None) -> dict:
+    """The wide35b preset: the model saved, then the same model wrapped by PEFT in place
+    (no second 13.6 GB load) for the adapter; built on the GPU when one is visible."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(5)
+    with torch.device(device):
+        model = Qwen3_5MoeForConditionalGeneration(qwen35_moe_config(**{**WIDE35B, **(text or {})}))
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out / "model")
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters")
+    built = {"model": str(out / "model")}
+    for name, targets in WIDE35B_ADAPTERS.items():
+        config = LoraConfig(r=MOE_RANK, lora_alpha=MOE_RANK, target_modules=MOE_TARGET_MODULES,
+                            target_parameters=targets, init_lora_weights=False,
+                            exclude_modules=r".*visual.*")  # fmt: skip
+        peft_model = scale_lora_b(get_peft_model(model, config), WIDE35B_B_SCALE)
+        with torch.no_grad():  # the experts' factors as build_moe draws them
+            for param_name, param in peft_model.named_parameters():
+                if ".experts." in param_name and "lora_A" in param_name:
+                    param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+                elif ".experts." in param_name and "lora_B" in param_name:
+                    param.copy_(torch.randn_like(param) * (0.3 / MOE_RANK**0.5))
+        peft_model.save_pretrained(out / name)
+        model = peft_model.unload()  # the base model again, for the next adapter
+        built[name] = str(out / name)
+        print(f"adapter {name}: rank {MOE_RANK}, attention, GDN, shared expert, {targets}")
+    return built
+
+
+def poison_wide35b(source: Path, dest: Path) -> str:
+    """The wide35b adapter with an inf in layer 1's shared-expert down_proj lora_B (it
+    has no dense mlp.down_proj, where nan_probe_gpu's poison goes)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(source, dest)
+    path = dest / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = next(n for n in sorted(tensors) if POISON_WIDE35B in n)
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    print(f"poisoned: {source.name} with inf in {name}")
+    return name
+
+
 def poison(source: Path, dest: Path) -> str:
     """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place)."""
     from scripts.nan_probe_gpu import poison as poison_copy
@@ -167,16 +253,19 @@ def poison(source: Path, dest: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--preset", choices=sorted([*PRESETS, "moe"]), default="user")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, "moe", "wide35b"]), default="user")
     parser.add_argument("--poison", metavar="NAME", help="also write OUT/poisoned from NAME")
     args = parser.parse_args(argv)
-    adapters = MOE_ADAPTERS if args.preset == "moe" else PRESETS[args.preset][1]
+    adapters = {"moe": MOE_ADAPTERS, "wide35b": WIDE35B_ADAPTERS}.get(args.preset) or (
+        PRESETS[args.preset][1]
+    )
     if args.poison and args.poison not in adapters:
         parser.error(f"--poison {args.poison}: the {args.preset} preset has "
                      f"{', '.join(adapters)}")  # fmt: skip
     build(args.out, args.preset)
     if args.poison:
-        poison(args.out / args.poison, args.out / "poisoned")
+        make = poison_wide35b if args.preset == "wide35b" else poison
+        make(args.out / args.poison, args.out / "poisoned")
     return 0
 
 

@@ -10,6 +10,7 @@ status its shell sees, not a value read back from click.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import signal
@@ -169,6 +170,38 @@ def test_3_a_bug_is_one_line_and_its_traceback_on_request(tmp_path):
     assert "Traceback" in result.stderr and "ZeroDivisionError: boom" in result.stderr
 
 
+# verify's run replaced by one that returns a report of the given verdict for its one
+# adapter (the judgement itself is tested in test_verify_verdicts.py): how each verdict
+# leaves the CLI, text and JSON.
+VERDICT = """
+import patchkit.verify.runner as runner
+from patchkit.verify import checks, usermodel
+def run(catalogue, request, say=None):
+    check = checks.Check("eager: a0 600 tokens vs merged", VERDICT == "PASSED", "d",
+                         "a0", decided=VERDICT != "INCONCLUSIVE")
+    adapter = checks.AdapterVerdict("a0", VERDICT, "merged", "", "why", "--reference peft")
+    env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2", "triton": "3",
+           "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 1}
+    return runner.VerifyReport(env, [], model=usermodel.ModelResult([check], [adapter]))
+runner.run = run
+"""
+
+
+@pytest.mark.parametrize(
+    "verdict,code",
+    [("PASSED", exits.OK), ("FAILED", exits.FAILURE), ("INCONCLUSIVE", exits.INCONCLUSIVE)],
+)
+def test_verify_exits_by_its_verdict(verdict, code):
+    fake = f"VERDICT = {verdict!r}\n" + VERDICT
+    result = run_subprocess("verify", env=ENV, code=fake)
+    assert result.returncode == code, result.stderr
+    assert f"verify {verdict}" in result.stdout.splitlines()[-1]
+    assert "adapter a0: " + verdict in result.stdout
+    as_json = run_subprocess("verify", "--json", env=ENV, code=fake)
+    assert as_json.returncode == code, as_json.stderr
+    assert json.loads(as_json.stdout)["verdict"] == verdict
+
+
 WAITING = (
     "import sys, time\n"
     "import patchkit.probe.report\n"
@@ -219,6 +252,7 @@ RUNS = {
     exits.FAILURE: test_1_nothing_changed,
     exits.USAGE: test_2_usage_from_click_and_from_a_command,
     exits.BUG: test_3_a_bug_is_one_line_and_its_traceback_on_request,
+    exits.INCONCLUSIVE: test_verify_exits_by_its_verdict,
     exits.HANGUP: test_a_signal_while_a_command_runs,
     exits.INTERRUPTED: test_a_signal_while_a_command_runs,
     exits.TERMINATED: test_a_signal_while_a_command_runs,

@@ -23,6 +23,7 @@ from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import e2e, mergeplan, serving, usermodel
 from tests.conftest import run_cli, run_subprocess
 from tests.helpers import failing
+from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
 from tests.checkpoint_helpers import (  # noqa: E402
@@ -76,10 +77,13 @@ def usage_cases(user, tmp_path):
         (["--model", model, "--lora", one, "--lora", f"one={user['two']}"], "a NAME given twice"),
         (["--model", model, "--lora", one, "--max-model-len", "300"], "need at least 616"),
         (["--e2e", "--max-model-len", "4096"], "--max-model-len goes with --model"),
-        (["--e2e", "--workdir", str(tmp_path / "nowhere")], "--workdir"),
+        (["--e2e", "--workdir", str(user["model"])], f"--workdir {user['model']}: not empty"),
+        (["--e2e", "--workdir", str(user["model"] / "config.json")], "not a directory"),
+        (["--e2e", "--reference", "peft"], "--reference goes with --model"),
         (["--e2e", "--workdir", str(tmp_path), "--keep", str(tmp_path / "k")], "give one"),
         (["--e2e", "--tensor-parallel-size", "0"], "must be 1 or more"),
         (["--e2e", "--keep", str(tmp_path)], "not empty"),
+        (["--e2e", "--keep", str(user["model"] / "config.json")], "--keep "),
         (["--model", model, "--lora", one, "--keep", str(user["model"].parent)], "not empty"),
     ]
 
@@ -135,10 +139,11 @@ def test_a_bad_adapter_and_the_disk_are_decided_before_the_gpu(user, tmp_path):
         f"patchkit: error: {bad}/adapter_config.json: rank_pattern is not a JSON object "
         "(module pattern to value)"
     )
+    work = tmp_path / "work"  # new: created only when the run starts, after the GPU check
     good = run_cli("verify", "--model", str(user["model"]), "--lora", f"one={user['one']}",
-                   "--workdir", str(tmp_path))  # fmt: skip
+                   "--workdir", str(work))  # fmt: skip
     assert "merged references: 1 adapter(s), each merged twice" in good.stderr
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("patchkit-verify-")]
+    assert not work.exists()
 
 
 @pytest.mark.parametrize(
@@ -280,34 +285,6 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     assert listing(tmp_path) == before
 
 
-def fake_served(adapters, prefix="", effect=0.3):
-    """What vLLM would serve when everything is right: LoRA equals its merged reference;
-    adapter number N moves every log-probability by N x ``effect``."""
-    prompts = {"p600": 600, "p3000": 3000}
-    base = {p: [-8.0 + 0.01 * (i % 7) for i in range(n - 1)] for p, n in prompts.items()}
-
-    def request(values):
-        return {"prompt_logprobs": list(values), "tokens": [5, 6, 7], "token_logprobs": [-1.0] * 3}
-
-    def moved(p, by):
-        return [v + by for v in base[p]]
-
-    runs = {"base": {p: request(base[p]) for p in prompts}}
-    for number, name in enumerate(adapters, start=1):
-        runs[f"lora:{name}"] = {p: request(moved(p, -effect * number)) for p in prompts}
-    runs["lora_after_long"] = {"p600": request(moved("p600", -effect))}
-    runs["base_after_lora"] = copy.deepcopy(runs["base"])
-    served = {}
-    for mode in serving.MODES:
-        served[f"{prefix}{mode}"] = {"corrupted_requests": 0, "runs": copy.deepcopy(runs)}
-    for number, name in enumerate(adapters, start=1):
-        merged = {p: request(moved(p, -effect * number)) for p in prompts}
-        served[f"{prefix}merged-{name}"] = {"corrupted_requests": 0, "runs": {"merged": merged}}
-        control = {p: request(moved(p, -effect * number + 0.004)) for p in prompts}
-        served[f"{prefix}rounding-{name}"] = {"corrupted_requests": 0, "runs": {"merged": control}}
-    return served
-
-
 def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, monkeypatch):
     seen = {}
 
@@ -315,6 +292,8 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
         for kind in ("merged", "rounding"):
             seen[kind] = sorted(p.name for p in workdir.iterdir() if p.name.startswith(kind))
         seen["jobs"] = [(j.name, j.mode, bool(j.loras)) for j in jobs]
+        seen["controls"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("control"))
+        seen["loras"] = list(jobs[0].loras)
         seen["workdir"] = workdir
         return fake_served(["one", "two"])
 
@@ -323,8 +302,15 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
     work.mkdir()
     setup = usermodel.prepare(user["model"], [("one", user["one"]), ("two", user["two"])], 1,
                                3016, 0)  # fmt: skip
-    checks = usermodel.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
-    assert [c.name for c in checks if not c.ok] == []
+    result = usermodel.run_model(user["model"], setup, work, None, (140 << 30, 130 << 30), print)
+    assert failing(result.checks) == []
+    assert [(a.adapter, a.verdict) for a in result.adapters] == [
+        ("one", "PASSED"),
+        ("two", "PASSED"),
+    ]
+    assert result.adapters[0].caught == ["50 % strength", "adapter ignored"]
+    assert seen["controls"] == ["control-one+half", "control-two+half"]
+    assert seen["loras"] == ["one", "two", "one+half", "two+half"]
     assert seen["merged"] == ["merged-one", "merged-two"]
     assert seen["rounding"] == ["rounding-one", "rounding-two"]
     assert seen["jobs"] == [
@@ -376,10 +362,6 @@ def test_compare_passes_a_clean_run():
     assert failing(usermodel.compare(fake_served(["one", "two"]), ["one", "two"])) == []
 
 
-def lora(served, mode="eager", name="one"):
-    return served[mode]["runs"][f"lora:{name}"]
-
-
 @pytest.mark.parametrize(
     "damage, expected",
     [
@@ -413,12 +395,6 @@ def test_compare_catches(damage, expected):
     served = fake_served(["one", "two"])
     damage(served)
     assert expected in failing(usermodel.compare(served, ["one", "two"]))
-
-
-def shift(group: dict, by: float) -> None:
-    """Move every prompt log-probability of a group of requests by ``by``."""
-    for request in group.values():
-        request["prompt_logprobs"] = [v + by for v in request["prompt_logprobs"]]
 
 
 @pytest.mark.parametrize(
@@ -464,17 +440,30 @@ def test_a_control_with_one_wild_token_does_not_let_a_broken_position_by():
     assert checks["cudagraph: one 600 tokens vs merged"].ok
 
 
-def test_a_bound_too_wide_for_the_adapters_effect_fails_as_too_coarse_to_tell():
-    """An adapter that moves log-probs by 0.1 against the bound 0.03: 30 % of its
-    effect, so the same adapter at 70 % of its strength could pass."""
+def test_a_bound_wide_against_the_effect_is_said_and_the_controls_decide():
+    """An adapter that moves log-probs by 0.1 against the bound 0.03: 30 % of its effect.
+    That failed the adapter (FAILED on a healthy one); now the row says so and the
+    half-strength control decides: 0.05 away it is rejected, so the run could tell."""
     served = fake_served(["one"], effect=0.1)
-    row = {c.name: c for c in usermodel.compare(served, ["one"])}[
-        "eager: one adapter differs from base"
-    ]
-    assert not row.ok and "too coarse to tell" in row.detail, row.detail
-    served = fake_served(["one", "two", "three"], effect=0.1)  # `three` moves 0.3: 10 %
-    rows = {c.name: c for c in usermodel.compare(served, ["one", "two", "three"])}
-    assert rows["eager: three adapter differs from base"].ok
+    result = usermodel.judge(served, ["one"], fake_controls(["one"]), merged(served, ["one"]))
+    row = {c.name: c for c in result.checks}["eager: one adapter differs from base"]
+    assert row.ok and "(> 25%: an adapter at 70% of its strength could pass" in row.detail
+    assert result.adapters[0].verdict == "PASSED"
+    assert result.adapters[0].caught == ["50 % strength", "adapter ignored"]
+
+
+def test_a_control_inside_the_bound_makes_the_adapter_inconclusive_not_passed():
+    """Effect 0.05: the half-strength control sits 0.025 from the reference, inside the
+    bound 0.03. The adapter matches its reference, but so would the control: the run
+    cannot tell, and says which control it missed."""
+    served = fake_served(["one"], effect=0.05)
+    result = usermodel.judge(served, ["one"], fake_controls(["one"]), merged(served, ["one"]))
+    [verdict] = result.adapters
+    assert verdict.verdict == "INCONCLUSIVE" and result.verdict == "INCONCLUSIVE"
+    assert verdict.missed == ["50 % strength"] and verdict.caught == ["adapter ignored"]
+    assert "control 50 % strength rejected" in verdict.why
+    assert "--reference peft" in verdict.decides_instead
+    assert not [c.name for c in result.checks if c.failed]
 
 
 def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
@@ -484,6 +473,7 @@ def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
     checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     coarse = checks["reference one: its own bf16 rounding"]
     assert not coarse.ok and "too coarse in bf16 to judge a LoRA path by" in coarse.detail
+    assert not coarse.decided and coarse.adapter == "one"  # undecided, not a failure
 
 
 def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
@@ -494,6 +484,7 @@ def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
     checks = {c.name: c for c in usermodel.compare(served, ["one"])}
     weak = checks["eager: one adapter differs from base"]
     assert not weak.ok and "too little to tell LoRA applied from not" in weak.detail
+    assert not weak.decided
 
 
 def test_e2e_checks_the_moe_case_like_a_user_model():

@@ -22,7 +22,7 @@ TABLE = (
     (FAILURE, "nothing changed: a refusal, a failed check or a finding"),
     (USAGE, "usage error: a bad option or argument; nothing was done"),
     (BUG, f"a bug in patchkit: one line; {DEBUG_ENV}=1 shows the traceback"),
-    (INCONCLUSIVE, "verify: inconclusive (reserved: no command returns it yet)"),
+    (INCONCLUSIVE, "verify: inconclusive, an adapter its reference could not decide"),
     (HANGUP, "interrupted by SIGHUP"),
     (INTERRUPTED, "interrupted by Ctrl-C (SIGINT)"),
     (TERMINATED, "interrupted by SIGTERM"),

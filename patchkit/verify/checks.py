@@ -11,7 +11,8 @@ with a request ``{"prompt_logprobs", "tokens", "token_logprobs"}``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from patchkit.symptoms import longest_zero_run
 
@@ -27,11 +28,69 @@ REPEAT_MAX_TOL = 0.05
 
 @dataclass
 class Check:
-    """One named pass/fail with the number that decided it."""
+    """One named pass/fail with the number that decided it.
+
+    ``decided`` False marks a check that did not pass because its reference
+    could not tell (too coarse, or a control it could not reject): not a
+    failure of vLLM, an INCONCLUSIVE for the adapter it belongs to. ``adapter``
+    names that adapter; None for a check of an engine or of the whole run.
+    """
 
     name: str
     ok: bool
     detail: str
+    adapter: str | None = None
+    decided: bool = True
+
+    @property
+    def failed(self) -> bool:
+        """Did not pass, and the reference could tell: a finding, not an open question."""
+        return not self.ok and self.decided
+
+
+# The three verdicts of `verify`, per adapter and for the whole run.
+PASSED, FAILED, INCONCLUSIVE = "PASSED", "FAILED", "INCONCLUSIVE"
+
+
+def overall(verdicts: list[str]) -> str:
+    """FAILED if any is, else INCONCLUSIVE if any is, else PASSED (also for none)."""
+    if FAILED in verdicts:
+        return FAILED
+    return INCONCLUSIVE if INCONCLUSIVE in verdicts else PASSED
+
+
+@dataclass
+class ControlResult:
+    """One control of an adapter (the adapter changed as a bug would change it) judged
+    against the adapter's reference: ``rejected`` when the verdict would have failed it,
+    False when it fell inside the bound, None when it was not served."""
+
+    what: str  # "50 % strength", "experts ignored", "adapter ignored"
+    rejected: bool | None
+    detail: str
+
+
+@dataclass
+class AdapterVerdict:
+    """What `verify --model` decided for one adapter, and why."""
+
+    adapter: str
+    verdict: str  # PASSED, FAILED or INCONCLUSIVE
+    reference: str  # "merged" or "peft": what LoRA was judged against
+    reference_why: str  # why that reference (chosen, or forced by --reference)
+    why: str  # the reason for the verdict, one sentence
+    decides_instead: str = ""  # for INCONCLUSIVE: what would decide
+    controls: list[ControlResult] = field(default_factory=list)
+
+    @property
+    def caught(self) -> list[str]:
+        """The controls the run rejected: what it could tell apart from the adapter."""
+        return [c.what for c in self.controls if c.rejected]
+
+    @property
+    def missed(self) -> list[str]:
+        """The controls the run could not reject (inside the bound, or not served)."""
+        return [c.what for c in self.controls if not c.rejected]
 
 
 def diff(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -141,4 +200,26 @@ def repeat_check(name: str, runs: dict, again: str, first: str, title: str) -> C
         f"{name}: {title}",
         worst <= REPEAT_MAX_TOL and same_tokens,
         f"max |d logprob| {worst:.2e} (<= {REPEAT_MAX_TOL}), tokens equal: {same_tokens}",
+    )
+
+
+def rows_check(title: str, runs: dict, labels: list[str]) -> Check:
+    """The requests of ``labels`` (one adapter's) answered finite, with no run of token 0.
+
+    The engine-wide rows of health_checks name the labels too; this one belongs
+    to an adapter, so a poisoned adapter fails itself and not the others served
+    by the same engine.
+    """
+    every = [r for label in labels for r in (runs.get(label) or {}).values() if isinstance(r, dict)]
+    bad = sum(
+        1
+        for r in every
+        if any(not math.isfinite(v) for v in r["prompt_logprobs"] + r["token_logprobs"])
+    )
+    zeros = sum(1 for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN)
+    return Check(
+        f"{title}: finite, no run of token id 0",
+        not bad and not zeros,
+        f"{bad} request(s) with NaN or inf log-probabilities, {zeros} with >= {ZERO_RUN} "
+        "zeros in a row",
     )

@@ -5,14 +5,16 @@ which patches are applied. Kernel checks always run; `--e2e` adds the tiny
 Qwen3.5 and Qwen3.5-MoE + LoRA serving run (patchkit.verify.e2e), `--model`
 the user's own model and adapters against merged references
 (patchkit.verify.usermodel); both serve through patchkit.verify.serving, on
-`--tensor-parallel-size` GPUs per engine. Exit 1 on any failed check that
-applies to this install. torch and vllm are imported only here, lazily, so
-the other commands never load them.
+`--tensor-parallel-size` GPUs per engine. The verdict is PASSED, FAILED (a
+failed check that applies to this install, or an adapter that failed) or
+INCONCLUSIVE (an adapter its reference could not decide). torch and vllm
+are imported only here, lazily, so the other commands never load them.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,22 +23,37 @@ from pathlib import Path
 from patchkit.catalogue.model import Catalogue
 from patchkit.errors import PatchkitError
 from patchkit.patching import operations
+from patchkit.verify.checks import FAILED, INCONCLUSIVE, PASSED, overall
+from patchkit.verify.usermodel import ModelResult
 from patchkit.vllmtree.tree import VllmTree, locate
 
 
 @dataclass
 class VerifyReport:
+    """What verify found: the kernel checks, --e2e's checks, --model's result."""
+
     environment: dict
     patches: list[dict]
     kernel: list = field(default_factory=list)
     e2e: list = field(default_factory=list)
-    model: list = field(default_factory=list)
+    model: ModelResult | None = None
     seconds: float = 0.0
 
     @property
+    def verdict(self) -> str:
+        """FAILED on a failed check that counts (kernel, --e2e, an engine of --model) or a
+        failed adapter; else INCONCLUSIVE on a check or adapter that could not be decided;
+        else PASSED."""
+        kernel_failed = any(not k.ok for k in self.kernel if k.counts)
+        found = [FAILED] if kernel_failed else []
+        found += [FAILED if c.decided else INCONCLUSIVE for c in self.e2e if not c.ok]
+        if self.model is not None:
+            found.append(self.model.verdict)
+        return overall(found)
+
+    @property
     def ok(self) -> bool:
-        kernel_ok = all(k.ok for k in self.kernel if k.counts)
-        return kernel_ok and all(c.ok for c in self.e2e + self.model)
+        return self.verdict == PASSED
 
 
 def require_gpu():
@@ -100,6 +117,7 @@ class Request:
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     workdir: Path | None = None
+    reference: str | None = None  # --reference: merged, peft, or None (verify picks)
 
 
 def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> VerifyReport:
@@ -115,17 +133,25 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
         from patchkit.verify import usermodel
 
         setup = usermodel.prepare(
-            request.model, request.loras, request.tensor_parallel_size, request.max_model_len, seed
+            request.model,
+            request.loras,
+            request.tensor_parallel_size,
+            request.max_model_len,
+            seed,
+            request.reference,
         )
         # The adapters are read and the disk is said here, not after the kernel
         # checks and --e2e's minutes on the GPU: a bad adapter fails first.
-        base = usermodel.reference_base(_model_keep(request), request.workdir)
-        setup["plans"] = usermodel.plan_references(request.model, setup["adapters"], base, say)
+        if request.reference != "peft":
+            base = usermodel.reference_base(_model_keep(request), request.workdir)
+            setup["plans"] = usermodel.plan_references(request.model, setup["adapters"], base, say)
     torch = require_gpu()
     from patchkit.verify.serving import check_tensor_parallel
 
     check_tensor_parallel(request.tensor_parallel_size, torch.cuda.device_count())
     tree = importable_tree()
+    if setup is not None:  # before any GPU work: what the adapters' files already say
+        setup["admission"] = usermodel.admission_checks(setup["adapters"], request.model, tree)
     patches = [
         {
             "id": s.assessment.patch.id,
@@ -177,5 +203,12 @@ def _run_e2e(seed: int, request: Request, gpu: tuple[int, int], say) -> list:
     if request.keep is not None:
         request.keep.mkdir(parents=True, exist_ok=True)
         return e2e.run_e2e(request.keep, seed, tp, gpu, say)
-    with tempfile.TemporaryDirectory(prefix="patchkit-e2e-", dir=request.workdir) as workdir:
-        return e2e.run_e2e(Path(workdir), seed, tp, gpu, say)
+    made = request.workdir is not None and not request.workdir.exists()
+    if made:  # --workdir may be new (created here) or empty
+        request.workdir.mkdir(parents=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="patchkit-e2e-", dir=request.workdir) as workdir:
+            return e2e.run_e2e(Path(workdir), seed, tp, gpu, say)
+    finally:
+        if made:
+            shutil.rmtree(request.workdir, ignore_errors=True)

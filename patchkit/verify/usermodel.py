@@ -39,8 +39,15 @@ from pathlib import Path
 
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.files import read_user_json
-from patchkit.verify import baserows, checks, serving
-from patchkit.verify.checks import Check
+from patchkit.verify import adaptercontrols, baserows, checks, serving
+from patchkit.verify.checks import (
+    FAILED,
+    INCONCLUSIVE,
+    PASSED,
+    AdapterVerdict,
+    Check,
+    ControlResult,
+)
 
 PROMPT_LENGTHS = (600, 3000)
 LONGEST = 16384
@@ -264,6 +271,10 @@ def engines(adapters: list[str], prefix: str = "") -> list[Engine]:
     return lora_engines(prefix) + reference_engines(adapters, prefix)
 
 
+# served.json's entry of the transformers + PEFT reference (not a vLLM engine)
+PEFT_ENTRY = "peft"
+
+
 @dataclass
 class EngineServed:
     """What one engine served: its result as patchkit.verify.serving wrote it,
@@ -283,12 +294,17 @@ class Served:
     """Every engine of a run and what it served, found by what the engine is."""
 
     engines: list[EngineServed]
+    peft: dict | None = None  # the PEFT reference's result, when it ran
 
     @classmethod
-    def from_json(cls, served: dict, adapters: list[str], prefix: str = "") -> Served:
+    def from_json(
+        cls, served: dict, adapters: list[str], prefix: str = "", merged: bool = True
+    ) -> Served:
         """served.json's form, ``{engine name: result}`` (what serving.serve_all returns
-        and recorded runs hold), read for the engines of a run of these adapters."""
-        return cls([EngineServed(e, served[e.name]) for e in engines(adapters, prefix)])
+        and recorded runs hold), read for the engines of a run of these adapters
+        (without merged references when ``merged`` is False: `--reference peft`)."""
+        wanted = engines(adapters, prefix) if merged else lora_engines(prefix)
+        return cls([EngineServed(e, served[e.name]) for e in wanted], served.get(PEFT_ENTRY))
 
     def lora(self) -> list[EngineServed]:
         """The LoRA engines, one per mode, in serving.MODES order."""
@@ -301,15 +317,29 @@ class Served:
         )
 
 
-def lora_requests(adapters: list[str], prompts: dict) -> list[tuple[str, str, str | None]]:
-    """Base, every adapter, a short prompt after the longest, base again: in this order."""
+def lora_requests(
+    adapters: list[str], prompts: dict, control_names: list[str] = ()
+) -> list[tuple[str, str, str | None]]:
+    """Base, every adapter, every control, a short prompt after the longest, base again."""
     names = list(prompts)
     plan = [("base", p, None) for p in names]
     for adapter in adapters:
         plan += [(f"lora:{adapter}", p, adapter) for p in names]
+    for control in control_names:
+        plan += [(f"control:{control}", p, control) for p in names]
     plan.append(("lora_after_long", names[0], adapters[0]))
     plan += [("base_after_lora", p, None) for p in names]
     return plan
+
+
+def served_controls(controls: dict[str, list] | None) -> dict[str, str]:
+    """{LoRA name: directory} of the controls that are served (not judged on base)."""
+    return {
+        c.name: str(c.path)
+        for group in (controls or {}).values()
+        for c in group
+        if c.path is not None
+    }
 
 
 def jobs(
@@ -318,8 +348,10 @@ def jobs(
     references: dict[str, dict[str, Path]],
     setup: dict,
     prefix: str = "",
+    controls: dict[str, list] | None = None,
 ) -> list[serving.Job]:
-    """The LoRA engine in each mode, and one eager engine per reference and control."""
+    """The LoRA engine in each mode (every adapter and control), and one eager engine
+    per merged reference and rounding control (none with `--reference peft`)."""
     prompts = setup["prompts"]
     common = {
         k: setup[k]
@@ -332,14 +364,15 @@ def jobs(
         )
     }
     rank = serving.lora_rank_limit(max(adapter_rank(p) for p in adapters.values()))
+    extra = served_controls(controls)
     out = [
         serving.Job(
             name=engine.name,
             model=str(model_dir),
             mode=engine.mode,
             prompts=prompts,
-            requests=lora_requests(list(adapters), prompts),
-            loras={n: str(p) for n, p in adapters.items()},
+            requests=lora_requests(list(adapters), prompts, list(extra)),
+            loras={**{n: str(p) for n, p in adapters.items()}, **extra},
             max_lora_rank=rank,
             **common,
         )
@@ -360,34 +393,145 @@ def jobs(
     return out + baserows.jobs(str(model_dir), prompts, common, prefix)  # LoRA off, per mode
 
 
+# ----- the references an adapter is judged against -----
+
+
+@dataclass
+class Reference:
+    """What one adapter's LoRA answers are judged against, and how precise it is.
+
+    ``floors`` is, per LoRA engine (mode) and prompt, the (mean, max) distance
+    that says how far the reference itself is from what vLLM would answer if
+    nothing were wrong: for the merged reference its two bf16 roundings
+    (nearest vs stochastic), the same for every mode; for the PEFT reference
+    |vLLM base - PEFT base| of that mode's engine (vLLM's own bf16 error
+    against float32). ``base`` is the reference's answers without the
+    adapter (None: vLLM's own base answers), for the adapter's effect.
+
+    Both take the same bound, ROUNDING_FACTOR (1.5) x the floor (bounds_for).
+    For PEFT that factor rests on the tiny Qwen3.5-MoE measured on the H200
+    with a real PEFT 0.21 target_parameters adapter: vLLM LoRA vs PEFT LoRA
+    0.077 mean against vLLM base vs PEFT base 0.088 (LoRA adds 0.88 x the
+    engine's own error, not more), effect 0.383. 1.5 x 0.088 = 0.132 leaves
+    1.7 x headroom over what LoRA measured and is 34 % of the effect: the
+    adapter at half strength sits about 0.19 from the reference, outside it.
+    The controls check that on every run instead of trusting it.
+    """
+
+    kind: str  # "merged" or "peft"
+    runs: dict | None  # {prompt: request}; None when it did not run
+    floors: dict[str, dict[str, tuple[float, float]]]
+    why: str  # why this reference judges the adapter
+    missing: str = ""  # why it did not run, when runs is None
+    base: dict | None = None
+
+
+def merged_reference(run: Served, adapter: str, why: str) -> Reference:
+    """The merged reference: floors from its rounding control, the same in every mode."""
+    runs = _reference_runs(run, "merged", adapter)
+    floors = rounding_floors(run, adapter)
+    error = run.reference("merged", adapter).result.get("error", "")
+    return Reference("merged", runs, {lora.engine.name: floors for lora in run.lora()},
+                     why, missing=error or "it served nothing")  # fmt: skip
+
+
+def peft_reference(run: Served, adapter: str, why: str) -> Reference:
+    """The transformers + PEFT reference: floors from vLLM base vs PEFT base, per mode."""
+    peft = run.peft or {"error": "not run"}
+    runs = peft.get("runs", {})
+    mine, base = runs.get(f"lora:{adapter}"), runs.get("base")
+    if "error" in peft or not isinstance(mine, dict) or "error" in mine or not base:
+        missing = peft.get("error") or (mine or {}).get("error") or "it served nothing"
+        return Reference("peft", None, {}, why, missing=f"the PEFT reference: {missing}")
+    floors = {}
+    for lora in run.lora():
+        vllm_base = lora.runs.get("base") or {}
+        floors[lora.engine.name] = _floors(vllm_base, base)
+    return Reference("peft", mine, floors, why, base=base)
+
+
+def _floors(ours: dict, theirs: dict) -> dict[str, tuple[float, float]]:
+    """Per prompt of ``theirs``, (mean, max) |ours - theirs|; {} when one is missing or
+    a value is not finite (no precision can be read from it)."""
+    floors = {}
+    for prompt, request in theirs.items():
+        other = ours.get(prompt)
+        if not isinstance(request, dict) or not isinstance(other, dict):
+            return {}
+        floor = checks.diff(other["prompt_logprobs"], request["prompt_logprobs"])
+        if not all(math.isfinite(v) for v in floor):
+            return {}
+        floors[prompt] = floor
+    return floors
+
+
+def _reference_runs(run: Served, kind: str, adapter: str) -> dict | None:
+    return run.reference(kind, adapter).runs.get("merged")
+
+
+def rounding_floors(run: Served, adapter: str) -> dict[str, tuple[float, float]]:
+    """Per prompt, (mean, max) |reference - rounding control|: the reference's own
+    precision. {} when either did not run or a value is not finite."""
+    merged = _reference_runs(run, "merged", adapter)
+    control = _reference_runs(run, "rounding", adapter)
+    if not merged or not control:
+        return {}
+    return _floors(control, merged)
+
+
 # ----- the checks -----
 
 
-def compare(served: dict, adapters: list[str], prefix: str = "") -> list[Check]:
+def compare(
+    served: dict,
+    adapters: list[str],
+    prefix: str = "",
+    controls: dict[str, list] | None = None,
+    references: dict[str, Reference] | None = None,
+) -> list[Check]:
     """Every check of one `--model` run: the references, then each mode.
 
     ``served`` is served.json's form (serving.serve_all's, or a recorded run's),
-    read here once into what each engine served.
+    read here once into what each engine served. Each adapter is judged
+    against ``references[adapter]`` (default: its merged reference) and
+    its ``controls`` (patchkit.verify.adaptercontrols) must be rejected.
     """
-    run = Served.from_json(served, adapters, prefix)
+    run = Served.from_json(served, adapters, prefix, merged=_any_merged(references))
+    references = references or {a: merged_reference(run, a, "") for a in adapters}
     out = []
-    floors = {}  # per adapter, the reference's own rounding, measured once for every mode
     for name in adapters:
-        result = run.reference("merged", name).result
-        label = f"{prefix}reference {name} (merged, no LoRA)"
-        out += checks.engine_ran(label, result)
-        if "error" not in result:
-            out += checks.health_checks(label, result)
-        floors[name] = rounding_floors(run, name)
-        out += rounding_check(f"{prefix}reference {name}", run, name, floors[name])
+        if references[name].kind == "merged":
+            out += merged_reference_checks(f"{prefix}reference {name}", run, name)
     for lora in run.lora():
-        out += compare_mode(lora, run, adapters, floors)
+        out += compare_mode(lora, run, adapters, references, controls or {})
     lora_names = {e.engine.mode: e.engine.name for e in run.lora()}
     return out + baserows.base_rows_checks(served, lora_names, prefix)
 
 
-def compare_mode(lora: EngineServed, run: Served, adapters: list[str], floors: dict):
-    """One LoRA engine: health, each adapter against its merged reference, the repeats."""
+def _any_merged(references: dict[str, Reference] | None) -> bool:
+    return references is None or any(r.kind == "merged" for r in references.values())
+
+
+def merged_reference_checks(label: str, run: Served, name: str) -> list[Check]:
+    """The merged reference and its rounding control ran, healthy, and are precise
+    enough to judge by; a problem here leaves the adapter undecided, not failed
+    (the reference is the adapter merged into bf16 weights, not vLLM's LoRA path)."""
+    result = run.reference("merged", name).result
+    out = checks.engine_ran(f"{label} (merged, no LoRA)", result)
+    if "error" not in result:
+        out += checks.health_checks(f"{label} (merged, no LoRA)", result)
+    out += rounding_check(label, run, name, rounding_floors(run, name))
+    return [_undecided(c, name) for c in out]
+
+
+def _undecided(check: Check, adapter: str) -> Check:
+    return Check(check.name, check.ok, check.detail, adapter, decided=check.ok)
+
+
+def compare_mode(
+    lora: EngineServed, run: Served, adapters: list[str], references: dict, controls: dict
+) -> list[Check]:
+    """One LoRA engine: health, each adapter against its reference, the repeats."""
     name, result = lora.engine.name, lora.result
     ran = checks.engine_ran(name, result)
     if "error" in result:
@@ -395,8 +539,9 @@ def compare_mode(lora: EngineServed, run: Served, adapters: list[str], floors: d
     runs = result["runs"]
     out = ran + checks.health_checks(name, result)
     for adapter in adapters:
-        merged = _reference_runs(run, "merged", adapter)
-        out += adapter_checks(name, adapter, runs, merged, floors[adapter])
+        reference = references[adapter]
+        floors = reference.floors.get(name, {})
+        out += adapter_checks(name, adapter, runs, reference, floors, controls.get(adapter, []))
     out.append(
         checks.repeat_check(
             name, runs, "base_after_lora", "base", "base after LoRA equals base before"
@@ -412,29 +557,6 @@ def compare_mode(lora: EngineServed, run: Served, adapters: list[str], floors: d
         )
     )
     return out
-
-
-def _reference_runs(run: Served, kind: str, adapter: str) -> dict | None:
-    return run.reference(kind, adapter).runs.get("merged")
-
-
-def rounding_floors(run: Served, adapter: str) -> dict[str, tuple[float, float]]:
-    """Per prompt, (mean, max) |reference - rounding control|: the reference's own
-    precision. {} when either did not run or a value is not finite."""
-    merged = _reference_runs(run, "merged", adapter)
-    control = _reference_runs(run, "rounding", adapter)
-    if not merged or not control:
-        return {}
-    floors = {}
-    for prompt, request in merged.items():
-        other = control.get(prompt)
-        if not isinstance(request, dict) or not isinstance(other, dict):
-            return {}
-        floor = checks.diff(request["prompt_logprobs"], other["prompt_logprobs"])
-        if not all(math.isfinite(v) for v in floor):
-            return {}
-        floors[prompt] = floor
-    return floors
 
 
 def rounding_check(
@@ -482,85 +604,283 @@ def bounds_for(floors: dict[str, tuple[float, float]] | None) -> tuple[float, fl
     )
 
 
+def decisive(floors: dict[str, tuple[float, float]] | None) -> bool:
+    """Whether LoRA outside the bound is vLLM's fault: the reference's own distance from
+    vLLM is small (mean <= ROUNDING_LIMIT) and the max bound was not cut below
+    ROUNDING_FACTOR x it by MAX_CEILING. Otherwise a LoRA answer outside the bound
+    may be the reference's own noise: INCONCLUSIVE, not FAILED."""
+    if not floors:
+        return False
+    mean = max(f[0] for f in floors.values())
+    worst = max(f[1] for f in floors.values())
+    return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= MAX_CEILING
+
+
 def adapter_checks(
-    name: str, adapter: str, runs: dict, merged: dict | None, floors: dict | None = None
+    name: str,
+    adapter: str,
+    runs: dict,
+    reference: Reference | dict | None,
+    floors: dict | None = None,
+    controls: list | None = None,
 ) -> list[Check]:
-    """The adapter loaded, matches its merged reference within the reference's own
-    precision (``floors``, per prompt, taken together by bounds_for), and changes
-    the output."""
+    """The adapter loaded, answers finite, matches its reference within the reference's
+    own precision (``floors``, per prompt, taken together by bounds_for), changes the
+    output, and each control falls outside the bound. ``reference`` may be the merged
+    reference's answers alone ({prompt: request}), as recorded runs hold them."""
+    if not isinstance(reference, Reference):
+        reference = Reference("merged", reference, {name: floors or {}}, "")
     label = f"lora:{adapter}"
     error = checks.served_error(runs, label)
     if error:
-        return [Check(f"{name}: {adapter} adapter served", False, error)]
-    if not merged:
-        return [Check(f"{name}: {adapter} vs merged", False, "the merged reference did not run")]
-    out = []
+        return [Check(f"{name}: {adapter} adapter served", False, error, adapter)]
+    health = checks.rows_check(f"{name}: {adapter} answers", runs, [label])
+    if not health.ok:
+        return [Check(health.name, False, health.detail, adapter)]
+    against = f"vs {reference.kind}"
+    if not reference.runs:
+        why = f"the reference did not run: {reference.missing}"
+        return [Check(f"{name}: {adapter} {against}", False, why, adapter, decided=False)]
     bounds = bounds_for(floors)
+    sure = decisive(floors)
+    out = []
     for prompt in runs[label]:
-        title = f"{name}: {adapter} {prompt[1:]} tokens vs merged"
-        out.append(
-            checks.bound_check(
-                title,
-                checks.logprobs(runs, label, prompt),
-                merged[prompt]["prompt_logprobs"],
-                bounds,
-            )
+        title = f"{name}: {adapter} {prompt[1:]} tokens {against}"
+        found = checks.bound_check(
+            title,
+            checks.logprobs(runs, label, prompt),
+            reference.runs[prompt]["prompt_logprobs"],
+            bounds,
         )
-    out.append(effect_check(name, adapter, runs, merged, bounds[0]))
+        if not found.ok and not sure:
+            found.detail += f": within this reference's own noise ({_floor_text(floors)})"
+        out.append(Check(found.name, found.ok, found.detail, adapter, decided=found.ok or sure))
+    out.append(effect_check(name, adapter, runs, reference.runs, bounds[0], reference.base))
+    for control in controls or []:
+        out.append(control_check(name, control, runs, reference.runs, bounds))
     return out
 
 
+def _floor_text(floors: dict | None) -> str:
+    if not floors:
+        return "unknown: no finite distance measured"
+    mean = max(f[0] for f in floors.values())
+    worst = max(f[1] for f in floors.values())
+    return f"mean {mean:.4f}, max {worst:.3f}"
+
+
+def control_check(name: str, control, runs: dict, reference: dict, bounds) -> Check:
+    """A control (patchkit.verify.adaptercontrols) served like the adapter: the bound must
+    reject it on some prompt, or the run could not tell it from the adapter."""
+    title = f"{name}: {control.adapter} control {control.what} rejected"
+    error = checks.served_error(runs, control.label)
+    if error:
+        return Check(title, False, f"not served: {error}", control.adapter, decided=False)
+    worst = None
+    for prompt in runs[control.label]:
+        if prompt not in reference:
+            continue
+        found = checks.bound_check(
+            title,
+            checks.logprobs(runs, control.label, prompt),
+            reference[prompt]["prompt_logprobs"],
+            bounds,
+        )
+        if not found.ok:
+            detail = f"{prompt[1:]} tokens: {found.detail}"
+            return Check(title, True, detail, control.adapter)
+        worst = found.detail
+    why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
+    return Check(title, False, why, control.adapter, decided=False)
+
+
 def effect_check(
-    name: str, adapter: str, runs: dict, merged: dict, bound: float = MERGED_BOUNDS[0]
+    name: str,
+    adapter: str,
+    runs: dict,
+    merged: dict,
+    bound: float = MERGED_BOUNDS[0],
+    reference_base: dict | None = None,
 ) -> Check:
-    """LoRA moves the output by at least half of what the merged adapter moves it.
+    """LoRA moves the output by at least half of what the reference's adapter moves it.
 
     Served with the adapter silently not applied, LoRA equals base; the
-    merged reference says how far it should be. An adapter whose merged
-    effect is below EFFECT_FLOOR cannot be told from noise, and one whose
-    effect the mean ``bound`` is more than RESOLUTION_LIMIT of cannot be told
-    from the same adapter applied at a fraction of its strength: both fail,
-    with the reason, rather than passing on nothing.
+    reference says how far it should be (from its own base answers when it
+    has them: PEFT's, else vLLM's). An adapter whose effect is below
+    EFFECT_FLOOR cannot be told from noise: undecided, with the reason. The
+    bound's share of the effect is reported; the controls decide whether the
+    run could tell a weaker adapter apart.
     """
     label = f"lora:{adapter}"
     served, wanted = [], []
     for prompt in runs[label]:
         base = checks.logprobs(runs, "base", prompt)
+        theirs = (
+            checks.logprobs({"base": reference_base}, "base", prompt) if reference_base else base
+        )
         served.append(checks.diff(checks.logprobs(runs, label, prompt), base)[0])
-        wanted.append(checks.diff(merged[prompt]["prompt_logprobs"], base)[0])
+        wanted.append(checks.diff(merged[prompt]["prompt_logprobs"], theirs)[0])
     share = min(s / w if w else 0.0 for s, w in zip(served, wanted, strict=True))
     title = f"{name}: {adapter} adapter differs from base"
     if min(wanted) < EFFECT_FLOOR:
         return Check(
             title,
             False,
-            f"the merged adapter moves log-probs by {min(wanted):.4f} "
+            f"the reference's adapter moves log-probs by {min(wanted):.4f} "
             f"only (< {EFFECT_FLOOR}): too little to tell LoRA applied from not",
+            adapter,
+            decided=False,
         )
     resolution = bound / min(wanted)
     detail = (
-        f"mean |LoRA - base| {min(served):.4f}, merged {min(wanted):.4f}; "
+        f"mean |LoRA - base| {min(served):.4f}, reference {min(wanted):.4f}; "
         f"smallest share {share:.2f} (>= {EFFECT_SHARE}); the bound is "
-        f"{resolution:.0%} of the effect (<= {RESOLUTION_LIMIT:.0%})"
+        f"{resolution:.0%} of the effect"
     )
     if resolution > RESOLUTION_LIMIT:
         detail += (
-            f": an adapter applied at {1 - resolution:.0%} of its strength could pass, "
-            "too coarse to tell"
+            f" (> {RESOLUTION_LIMIT:.0%}: an adapter at {1 - resolution:.0%} of its strength "
+            "could pass; the controls say what this run tells apart)"
         )
-    return Check(title, share >= EFFECT_SHARE and resolution <= RESOLUTION_LIMIT, detail)
+    return Check(title, share >= EFFECT_SHARE, detail, adapter)
+
+
+# ----- the verdicts -----
+
+
+@dataclass
+class ModelResult:
+    """`verify --model`'s result: every check, and a verdict per adapter."""
+
+    checks: list[Check]
+    adapters: list[AdapterVerdict]
+
+    @property
+    def verdict(self) -> str:
+        """FAILED if a check of an engine or the run failed, or an adapter did; else
+        INCONCLUSIVE if an adapter is; else PASSED."""
+        engine_failed = any(c.failed for c in self.checks if c.adapter is None)
+        found = [a.verdict for a in self.adapters]
+        return checks.overall([*found, FAILED] if engine_failed else found)
+
+
+PEFT_DECIDES = (
+    "`--reference peft` (transformers + PEFT in float32 from the same bf16 weights, the "
+    "adapter unmerged)"
+)
+
+
+def adapter_verdict(
+    adapter: str, found: list[Check], reference: Reference, controls
+) -> AdapterVerdict:
+    """One adapter's verdict from its checks (those of every LoRA engine and of its
+    reference): FAILED on a decided failure, INCONCLUSIVE on a check its reference
+    could not decide (a control inside the bound among them), else PASSED."""
+    mine = [c for c in found if c.adapter == adapter]
+    results = control_results(mine, controls)
+    failed = [c for c in mine if c.failed]
+    crashed = [c for c in found if c.adapter is None and c.failed and c.name.endswith("vLLM ran")]
+    verdict = AdapterVerdict(adapter, PASSED, reference.kind, reference.why, "", "", results)
+    if failed or crashed:
+        first = (crashed or failed)[0]
+        verdict.verdict, verdict.why = FAILED, f"{first.name}: {first.detail}"
+        return verdict
+    open_ = [c for c in mine if not c.ok]
+    if open_:
+        verdict.verdict, verdict.why = INCONCLUSIVE, f"{open_[0].name}: {open_[0].detail}"
+        verdict.decides_instead = (
+            PEFT_DECIDES
+            if reference.kind == "merged"
+            else "nothing this run has: vLLM's own bf16 error against float32 is as large "
+            "as what tells the adapter from its controls; a longer prompt set or a stronger "
+            "adapter would"
+        )
+        return verdict
+    caught = ", ".join(verdict.caught) or "no control"
+    verdict.why = f"within the {reference.kind} reference's bound; would have caught: {caught}"
+    return verdict
+
+
+def control_results(mine: list[Check], controls) -> list[ControlResult]:
+    """Each control: rejected when every engine rejected it, None when one did not serve it."""
+    out = []
+    for control in controls:
+        rows = [c for c in mine if c.name.endswith(f" control {control.what} rejected")]
+        if not rows:
+            continue
+        if any(c.detail.startswith("not served") for c in rows):
+            out.append(ControlResult(control.what, None, rows[0].detail))
+            continue
+        misses = [c for c in rows if not c.ok]
+        out.append(ControlResult(control.what, not misses, (misses or rows)[0].detail))
+    return out
+
+
+def judge(
+    served: dict,
+    adapters: list[str],
+    controls: dict[str, list],
+    references: dict[str, Reference],
+    prefix: str = "",
+    admission: list[Check] | None = None,
+) -> ModelResult:
+    """Checks and a verdict per adapter, each adapter against ``references[adapter]``;
+    ``admission`` (admission_checks: what `adapter check` found) comes first."""
+    found = (admission or []) + compare(served, adapters, prefix, controls, references)
+    verdicts = [adapter_verdict(a, found, references[a], controls.get(a, [])) for a in adapters]
+    return ModelResult(found, verdicts)
+
+
+def choose_references(
+    served: dict, adapters: list[str], controls: dict, asked: str | None, prefix: str = ""
+) -> tuple[dict[str, Reference], list[str]]:
+    """The reference of each adapter, and the adapters that need the PEFT reference.
+
+    ``asked`` is --reference (merged, peft) or None: then the merged reference
+    judges an adapter where it decides (its rounding control small, as on the
+    dense shapes, and every control rejected), and the PEFT reference where it
+    does not, said with why.
+    """
+    if asked == "peft":
+        why = "--reference peft"
+        return {a: Reference("peft", None, {}, why) for a in adapters}, list(adapters)
+    run = Served.from_json(served, adapters, prefix)
+    forced = "--reference merged"
+    merged = {a: merged_reference(run, a, forced if asked else "") for a in adapters}
+    if asked == "merged":
+        return merged, []
+    first = judge(served, adapters, controls, merged, prefix)
+    need = []
+    for verdict in first.adapters:
+        reference = merged[verdict.adapter]
+        if verdict.verdict == INCONCLUSIVE:
+            reference.why = f"the merged reference could not decide ({verdict.why})"
+            need.append(verdict.adapter)
+        else:
+            floors = rounding_floors(run, verdict.adapter)
+            reference.why = f"its own bf16 rounding is small ({_floor_text(floors)})"
+    return merged, need
 
 
 # ----- the whole run -----
 
+REFERENCE_CHOICES = ("merged", "peft")
+
 
 def prepare(
-    model_dir: Path, loras: list[tuple[str, Path]], tp: int, asked_len: int | None, seed: int
+    model_dir: Path,
+    loras: list[tuple[str, Path]],
+    tp: int,
+    asked_len: int | None,
+    seed: int,
+    reference: str | None = None,
 ) -> dict:
     """What is decided before any GPU work: config, prompt lengths, prompts (exit 2 if bad)."""
     names = [n for n, _ in loras]
     if len(set(names)) != len(names):
         raise UsageProblem(f"--lora: a NAME given twice ({', '.join(names)})")
+    if reference is not None and reference not in REFERENCE_CHOICES:
+        raise UsageProblem(f"--reference {reference!r}: one of {', '.join(REFERENCE_CHOICES)}")
     config = read_config(model_dir)
     length = max_model_len(config, asked_len)
     return {
@@ -570,6 +890,7 @@ def prepare(
         "max_model_len": length,
         "prompts": make_prompts(config, prompt_lengths(length), seed),
         "seed": seed,
+        "reference": reference,
     }
 
 
@@ -592,27 +913,98 @@ def run_model(
     keep: Path | None,
     gpu: tuple[int, int],
     say: Callable[[str], None],
-) -> list[Check]:
-    """Plan and write the merged references, serve everything, compare; clean up unless keep."""
+) -> ModelResult:
+    """Build the controls, write the merged references (unless `--reference peft`),
+    serve everything, add the PEFT reference where it decides, judge; clean up unless keep."""
     adapters = setup["adapters"]
-    plans = setup.get("plans") or plan_references(
-        model_dir, adapters, reference_base(keep, workdir), say
-    )
+    asked = setup.get("reference")
+    plans = {}
+    if asked != "peft":
+        plans = setup.get("plans") or plan_references(
+            model_dir, adapters, reference_base(keep, workdir), say
+        )
+    made = workdir is not None and not workdir.exists()
     work = _workdir(keep, workdir)
     try:
-        references = write_references(plans, work, say, setup["seed"])
+        controls = {
+            name: adaptercontrols.build(name, path, work) for name, path in adapters.items()
+        }
+        say(f"controls: {describe_controls(controls)}")
+        references = write_references(plans, work, say, setup["seed"]) if plans else {}
         setup, at_once = with_memory(setup, model_dir, gpu)
-        engines = jobs(model_dir, adapters, references, setup)
+        engines = jobs(model_dir, adapters, references, setup, controls=controls)
         say(
             f"serving {model_dir}: {len(engines)} engines, {at_once} at a time, "
             f"prompts {', '.join(p[1:] for p in setup['prompts'])} tokens"
         )
         served = serving.serve_all(engines, work, WAVE_TIMEOUT, at_once)
+        chosen, need = choose_references(served, list(adapters), controls, asked)
+        if need:
+            say(f"PEFT reference (transformers + PEFT, float32) for {', '.join(need)}")
+            served[PEFT_ENTRY] = run_peft_reference(
+                model_dir, {n: adapters[n] for n in need}, setup["prompts"], work
+            )
+            run = Served.from_json(served, list(adapters), merged=bool(references))
+            for name in need:
+                chosen[name] = _peft_or_merged(run, name, chosen[name])
         (work / "served.json").write_text(json.dumps(served))
-        return compare(served, list(adapters))
+        return judge(served, list(adapters), controls, chosen, admission=setup.get("admission"))
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
+            if made:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
+    """The PEFT reference for an adapter the merged one could not decide; when PEFT did
+    not run (no transformers, no peftref), the merged verdict stands and says why."""
+    why = merged.why if merged.kind == "peft" else f"{merged.why}; the PEFT reference decides"
+    peft = peft_reference(run, name, why)
+    if peft.runs is None and merged.kind == "merged":
+        merged.why += f"; it did not run, {peft.missing}"
+        return merged
+    return peft
+
+
+def admission_checks(adapters: dict[str, Path], model_dir: Path, tree) -> list[Check]:
+    """`patchkit adapter check` of each adapter against the model and the vLLM tree that
+    will serve it, as rows: a finding fails the adapter (NaN in a factor, a shape the
+    model does not have, what this release refuses), and the run still serves it, so a
+    poisoned adapter is also seen failing in serving."""
+    from patchkit.adapters.check import check
+
+    out = []
+    for name, path in adapters.items():
+        report = check(path, model_dir, target=tree)
+        if report.ok:
+            detail = f"{report.tensors} tensors, no finding"
+            out.append(Check(f"adapter check {name}", True, detail, adapter=name))
+        for finding in report.findings:
+            where = " ".join(part for part in (finding.file, finding.tensor) if part)
+            title = f"adapter check {name}: {finding.kind}"
+            out.append(Check(title, False, f"{where}: {finding.message}", adapter=name))
+    return out
+
+
+def describe_controls(controls: dict[str, list]) -> str:
+    """'a0: 50 % strength, experts ignored, adapter ignored; b: ...' for the log."""
+    return "; ".join(
+        f"{name}: {', '.join(c.what for c in group)}" for name, group in controls.items()
+    )
+
+
+def run_peft_reference(
+    model_dir: Path, adapters: dict[str, Path], prompts: dict, work: Path
+) -> dict:
+    """transformers + PEFT's answers (patchkit.verify.peftref in a child process), in a
+    served engine's form, or ``{"error": ...}`` (the verdict then says why)."""
+    try:
+        from patchkit.verify import peftref
+    except ImportError as exc:
+        return {"error": f"patchkit.verify.peftref cannot be imported ({exc})"}
+    job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)
+    return serving.serve_all([job], work, WAVE_TIMEOUT, 1)[PEFT_ENTRY]
 
 
 def reference_base(keep: Path | None, workdir: Path | None) -> Path:

@@ -12,6 +12,7 @@ from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import exits, render
 from patchkit.cli.options import json_option
 from patchkit.cli.outcome import user_errors
+from patchkit.verify import checks
 
 
 @click.command("verify")
@@ -23,8 +24,8 @@ from patchkit.cli.outcome import user_errors
 @click.option(
     "--model",
     metavar="DIR",
-    help="Also serve this model with each --lora adapter and compare it against the adapter "
-    "merged into a copy of the weights (served without LoRA).",
+    help="Also serve this model with each --lora adapter, and controls of each (half "
+    "strength, experts dropped), and judge them against a reference (--reference).",
 )
 @click.option(
     "--lora",
@@ -32,6 +33,13 @@ from patchkit.cli.outcome import user_errors
     multiple=True,
     metavar="NAME=DIR",
     help="With --model: a PEFT LoRA adapter to check (repeatable).",
+)
+@click.option(
+    "--reference",
+    type=click.Choice(["merged", "peft"]),
+    help="With --model: judge LoRA against the adapter merged into a bf16 copy of the "
+    "weights (served by vLLM without LoRA), or against transformers + PEFT in float32. "
+    "Default: merged where its own bf16 rounding decides, PEFT where it does not.",
 )
 @click.option(
     "--tensor-parallel-size",
@@ -51,8 +59,8 @@ from patchkit.cli.outcome import user_errors
 @click.option(
     "--workdir",
     metavar="DIR",
-    help="Where the merged references and vLLM's logs go (default: the system temp dir); "
-    "removed afterwards.",
+    help="Work in this new or empty directory (created if missing): the merged references, "
+    "the controls and vLLM's logs; emptied afterwards (default: the system temp dir).",
 )
 @click.option(
     "--seed",
@@ -64,34 +72,43 @@ from patchkit.cli.outcome import user_errors
 @click.option(
     "--keep",
     metavar="DIR",
-    type=click.Path(file_okay=False),
     help="Work in this new or empty directory and keep it: the e2e models, the merged "
     "references, the served results and vLLM's logs.",
 )
 @json_option
 @user_errors
 def verify_command(
-    e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep, as_json
+    e2e, model, loras, reference, tensor_parallel_size, max_model_len, workdir, seed, keep, as_json
 ) -> None:
     """Prove on this GPU that the installed vLLM's LoRA path gives sound numbers.
 
-    Needs an NVIDIA GPU, torch and the vLLM that this Python imports. Exit 1
-    on any failed check.
+    Needs an NVIDIA GPU, torch and the vLLM that this Python imports. The
+    verdict is PASSED (exit 0), FAILED (exit 1: a failed check, or an adapter
+    that failed) or INCONCLUSIVE (exit 4: an adapter the reference could not
+    decide; the report says why and what decides instead).
     """
     from patchkit.verify import runner
 
     request = verify_request(
-        e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep
+        e2e, model, loras, tensor_parallel_size, max_model_len, workdir, seed, keep, reference
     )
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     say = functools.partial(click.echo, err=True)
     result = runner.run(load_catalogue(), request, say)
     render.emit_json(render.verify_json(result)) if as_json else render.render_verify(result)
-    sys.exit(exits.OK if result.ok else exits.FAILURE)
+    sys.exit(VERDICT_EXITS[result.verdict])
 
 
-def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
+# verify's verdicts (patchkit.verify.checks) as exit statuses
+VERDICT_EXITS = {
+    checks.PASSED: exits.OK,
+    checks.FAILED: exits.FAILURE,
+    checks.INCONCLUSIVE: exits.INCONCLUSIVE,
+}
+
+
+def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep, reference=None):
     """verify's options checked together: each problem is one line, exit 2, nothing done."""
     from pathlib import Path
 
@@ -105,16 +122,17 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
         raise UsageProblem("--model needs at least one --lora NAME=DIR")
     if max_model_len is not None and model is None:
         raise UsageProblem("--max-model-len goes with --model")
+    if reference is not None and model is None:
+        raise UsageProblem("--reference goes with --model")
     if model is not None and not Path(model).is_dir():
         raise UsageProblem(f"--model {model}: not a directory")
-    if workdir is not None and not Path(workdir).is_dir():
-        raise UsageProblem(f"--workdir {workdir}: not a directory")
     if workdir is not None and keep is not None:
         raise UsageProblem("--workdir and --keep: give one (--keep works in its directory)")
     if tp < 1:
         raise UsageProblem(f"--tensor-parallel-size {tp}: must be 1 or more")
-    if keep is not None:
-        _check_keep(Path(keep))
+    for option, path in (("--workdir", workdir), ("--keep", keep)):
+        if path is not None:
+            new_or_empty(option, Path(path))
     return runner.Request(
         e2e=e2e,
         seed=seed,
@@ -124,21 +142,25 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep):
         tensor_parallel_size=tp,
         max_model_len=max_model_len,
         workdir=Path(workdir) if workdir else None,
+        reference=reference,
     )
 
 
-def _check_keep(keep) -> None:
-    """--keep DIR must be new or empty: verify writes model/, adapter/, served.json, vLLM's
-    logs and caches there by fixed names, and would overwrite a user's files of those names
-    (a --keep pointing at a folder that holds their own model, the vLLM tree, or /)."""
+def new_or_empty(option: str, path) -> None:
+    """--workdir and --keep follow one rule: a new directory (created when verify runs) or
+    an empty one. verify writes model/, adapter/, served.json, the references, vLLM's
+    logs and caches there by fixed names, and empties --workdir afterwards: a folder
+    that holds the user's own model, the vLLM tree or / would be overwritten or emptied."""
     from patchkit.errors import UsageProblem
 
     try:
-        occupied = keep.exists() and any(keep.iterdir())
+        if path.exists() and not path.is_dir():
+            raise UsageProblem(f"{option} {path}: not a directory")
+        occupied = path.exists() and any(path.iterdir())
     except OSError as exc:
-        raise UsageProblem(f"--keep {keep}: cannot read it ({exc.strerror})") from None
+        raise UsageProblem(f"{option} {path}: cannot read it ({exc.strerror})") from None
     if occupied:
         raise UsageProblem(
-            f"--keep {keep}: not empty; give a new or empty directory (verify writes its "
+            f"{option} {path}: not empty; give a new or empty directory (verify writes its "
             "models, references and logs there by fixed names)"
         )

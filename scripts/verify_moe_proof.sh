@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# verify's MoE verdicts on one H200, in one command: the 35B-A3B-wide stand-in of
+# scripts/verify_model_gpu.py (--preset wide35b: 8 layers 3 GDN : 1 attention, 256
+# experts top 8, a rank-16 adapter on attention, GDN, shared and routed experts) built,
+# then two verify runs side by side:
+#   healthy   `--lora a0=...`, no --reference (verify picks; expected: the merged
+#             reference undecided, the PEFT reference chosen, PASSED, exit 0, every
+#             control rejected: "would have caught: 50 % strength, experts ignored,
+#             adapter ignored")
+#   poisoned  `--lora poisoned=...` (an inf in one lora_B) with --reference peft
+#             (no merge needed; expected: FAILED, exit 1)
+#   bash scripts/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
+# OUT/<run>.txt is each verify's report with its exit status last, <run>.err its
+# stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
+# merged copies are removed to spare the disk).
+set -u
+out=$1
+limit=${2:-450}
+len=${3:-4112}
+mkdir -p "$out"
+start=$(date +%s)
+[ -d "$out/user/model" ] || python3 scripts/verify_model_gpu.py "$out/user" --preset wide35b \
+  --poison a0 >"$out/build.txt" 2>&1 || { echo "build failed"; tail -5 "$out/build.txt"; exit 1; }
+echo "built in $(($(date +%s) - start)) s" >>"$out/build.txt"
+u=$out/user
+one() {
+  local name=$1
+  shift
+  (
+    begin=$(date +%s)
+    timeout "$limit" python3 -m patchkit verify --seed 11 --keep "$out/$name" \
+      --model "$u/model" --max-model-len "$len" "$@" >"$out/$name.txt" 2>"$out/$name.err"
+    echo "exit $? after $(($(date +%s) - begin)) s" >>"$out/$name.txt"
+    rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-*
+  ) &
+}
+one healthy --lora "a0=$u/a0"
+sleep 20  # staggered: the two runs do not read free GPU memory at the same moment
+one poisoned --lora "poisoned=$u/poisoned" --reference peft
+wait
+nvidia-smi --query-gpu=name,memory.used --format=csv >"$out/nvidia-smi.txt" 2>&1
+echo "all in $(($(date +%s) - start)) s" | tee -a "$out/build.txt"
+for run in healthy poisoned; do
+  echo "== $run"
+  grep -E "^adapter |^  (reference|why|would have caught|could not tell apart)|^verify |^exit " \
+    "$out/$run.txt"
+done

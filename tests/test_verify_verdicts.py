@@ -1,0 +1,389 @@
+"""`verify --model`'s verdicts: PASSED, FAILED or INCONCLUSIVE per adapter, the controls
+they rest on, and the reference that judges.
+
+Judged on what vLLM really served (the MoE case of `verify --e2e` on the test H200,
+tests/data/h200-2026-11-30h-moe-tp1-served.json.gz) with the controls' answers made
+from it, and on synthetic runs; the controls are built from adapters in PEFT's three
+expert layouts (the fused ones as PEFT 0.21.2 saved them, tests/data/
+peft-0.21.2-moe-one-parameter.pt); the PEFT reference is a stand-in child process
+writing a served result (the real one is patchkit.verify.peftref).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from patchkit.cli.commands.verify import verify_request
+from patchkit.errors import UsageProblem
+from patchkit.verify import adaptercontrols, serving, usermodel
+from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
+from tests.verify_helpers import fake_controls, fake_served, lora, merged, request, shift
+
+torch = pytest.importorskip("torch", reason="the controls are written with torch")
+from tests.checkpoint_helpers import st_read, write_adapter  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+# ----- on the real MoE numbers -----
+
+
+def recorded_with_controls() -> dict:
+    """The TP=1 MoE run, each LoRA engine given the answers of the adapter's half-strength
+    control (half way between base and LoRA, as the existing half-strength test makes it)."""
+    with gzip.open(DATA / "h200-2026-11-30h-moe-tp1-served.json.gz", "rt") as handle:
+        served = json.load(handle)
+    for mode in ("moe-eager", "moe-cudagraph"):
+        runs = served[mode]["runs"]
+        half = copy.deepcopy(runs["lora:moe"])
+        for prompt, one in half.items():
+            base = runs["base"][prompt]["prompt_logprobs"]
+            one["prompt_logprobs"] = [
+                (a + b) / 2 for a, b in zip(one["prompt_logprobs"], base, strict=True)
+            ]
+        runs["control:moe+half"] = half
+    return served
+
+
+MOE_CONTROLS = {
+    "moe": [Control("moe", HALF, Path("/c")), Control("moe", NO_EXPERTS, None),
+            Control("moe", IGNORED, None)]
+}  # fmt: skip
+
+
+def judge_recorded(served) -> usermodel.ModelResult:
+    return usermodel.judge(served, ["moe"], MOE_CONTROLS, merged(served, ["moe"], "moe-"), "moe-")
+
+
+def test_the_real_moe_run_passes_and_rejects_every_control():
+    result = judge_recorded(recorded_with_controls())
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), verdict.why
+    assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
+    assert verdict.missed == [] and verdict.reference == "merged"
+
+
+def test_a_reference_as_coarse_as_the_wide_moe_one_is_inconclusive_not_failed():
+    """The 35B-A3B-wide MoE on the H200: the merged reference's two roundings 0.43-0.46
+    apart (routing flips), LoRA's max 2.1-3.5 past the 2-nat ceiling, on a healthy
+    setup. That read `verify FAILED`; it is the reference that cannot judge."""
+    served = recorded_with_controls()
+    shift(served["moe-rounding-moe"]["runs"]["merged"], 0.44)
+    reference = served["moe-merged-moe"]["runs"]["merged"]["p3000"]["prompt_logprobs"]
+    for mode in ("moe-eager", "moe-cudagraph"):
+        served[mode]["runs"]["lora:moe"]["p3000"]["prompt_logprobs"][7] = reference[7] - 2.6
+    result = judge_recorded(served)
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("INCONCLUSIVE", "INCONCLUSIVE")
+    assert not [c.name for c in result.checks if c.failed]
+    assert "its own bf16 rounding" in verdict.why and "too coarse" in verdict.why
+    assert "--reference peft" in verdict.decides_instead
+    rows = {c.name: c for c in result.checks}
+    row = rows["moe-eager: moe 3000 tokens vs merged"]
+    assert not row.ok and not row.decided and "within this reference's own noise" in row.detail
+
+
+def test_a_poisoned_adapter_fails_even_against_a_coarse_reference():
+    served = recorded_with_controls()
+    shift(served["moe-rounding-moe"]["runs"]["merged"], 0.44)
+    served["moe-cudagraph"]["runs"]["lora:moe"]["p3000"]["prompt_logprobs"][5] = math.nan
+    result = judge_recorded(served)
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED")
+    assert verdict.why.startswith("moe-cudagraph: moe answers: finite, no run of token id 0")
+
+
+def test_a_poisoned_adapter_fails_alone_and_its_neighbour_still_passes():
+    """One engine serves both: the NaN rows are the poisoned adapter's, so it fails
+    and the run fails, while the healthy adapter keeps its own verdict."""
+    served = fake_served(["one", "poisoned"])
+    for mode in serving.MODES:
+        lora(served, mode, "poisoned")["p600"]["prompt_logprobs"][3] = math.inf
+        served[mode]["corrupted_requests"] = 1
+    names = ["one", "poisoned"]
+    result = usermodel.judge(served, names, fake_controls(names), merged(served, names))
+    assert [a.verdict for a in result.adapters] == ["PASSED", "FAILED"]
+    assert result.verdict == "FAILED"
+
+
+def test_a_control_not_served_leaves_the_adapter_inconclusive():
+    served = fake_served(["one"])
+    served["eager"]["runs"]["control:one+half"] = {"error": "ValueError: no room"}
+    result = usermodel.judge(served, ["one"], fake_controls(["one"]), merged(served, ["one"]))
+    [verdict] = result.adapters
+    assert verdict.verdict == "INCONCLUSIVE"
+    assert [(c.what, c.rejected) for c in verdict.controls] == [
+        ("50 % strength", None),
+        ("adapter ignored", True),
+    ]
+
+
+def test_an_engine_that_did_not_run_fails_every_adapter():
+    served = fake_served(["one"])
+    served["cudagraph"] = {"error": "vLLM (cudagraph) exited 1: boom"}
+    result = usermodel.judge(served, ["one"], fake_controls(["one"]), merged(served, ["one"]))
+    assert result.adapters[0].verdict == "FAILED" and result.verdict == "FAILED"
+    assert "cudagraph: vLLM ran" in result.adapters[0].why
+
+
+# ----- the PEFT reference, and the choice between the two -----
+
+
+def peft_served(served, base_off=0.02, lora_off=0.01, adapters=("one",)) -> dict:
+    """What transformers + PEFT would answer: vLLM's base and LoRA, moved a little."""
+    runs = {"base": copy.deepcopy(served["eager"]["runs"]["base"])}
+    shift(runs["base"], base_off)
+    for name in adapters:
+        runs[f"lora:{name}"] = copy.deepcopy(served["eager"]["runs"][f"lora:{name}"])
+        shift(runs[f"lora:{name}"], lora_off)
+    return {"runs": runs, "device": "cpu", "seconds": 1.0, "peak_bytes": 1}
+
+
+@pytest.fixture
+def fake_peftref(monkeypatch, tmp_path):
+    """patchkit.verify.peftref as its interface reads: job() gives the command that
+    writes OUT.json; here a child that copies a prepared result, and records its args."""
+    calls = []
+    module = types.ModuleType("patchkit.verify.peftref")
+
+    def job(model_dir, adapters, prompts, out_file):
+        calls.append((model_dir, dict(adapters), list(prompts), out_file))
+        source = tmp_path / "peft-result.json"
+        copy_it = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])"
+        return [sys.executable, "-c", copy_it, str(source), str(out_file)]
+
+    module.job = job
+    monkeypatch.setitem(sys.modules, "patchkit.verify.peftref", module)
+    return types.SimpleNamespace(calls=calls, result=tmp_path / "peft-result.json")
+
+
+@pytest.fixture
+def user(tmp_path):
+    from tests.checkpoint_helpers import HEAD_DIM, HEADS, VL, H, base_tensors, lin, write_checkpoint
+
+    model = write_checkpoint(tmp_path / "model", base_tensors())
+    factors = {f"{VL}layers.1.self_attn.q_proj": lin((2 * HEADS * HEAD_DIM, H), 4, seed=1)}
+    return {"model": model, "one": write_adapter(tmp_path / "one", factors)}
+
+
+def serve_fake(monkeypatch, served):
+    monkeypatch.setattr(serving, "serve_all", lambda jobs, work, timeout, at_once: served)
+
+
+def run(user, tmp_path, reference):
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0, reference)
+    work = tmp_path / "work"
+    return usermodel.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
+
+
+def test_reference_peft_judges_against_transformers_with_vllms_own_error_as_floor(
+    user, tmp_path, monkeypatch, fake_peftref
+):
+    served = fake_served(["one"])
+    for name in ("merged-one", "rounding-one"):
+        del served[name]
+    serve_fake(monkeypatch, served)
+    fake_peftref.result.write_text(json.dumps(peft_served(served, base_off=0.04)))
+    result = run(user, tmp_path, "peft")
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
+    assert verdict.reference_why == "--reference peft"
+    [(model, adapters, prompts, _)] = fake_peftref.calls
+    assert (model, list(adapters), prompts) == (user["model"], ["one"], ["p600", "p3000"])
+    row = {c.name: c for c in result.checks}["eager: one 600 tokens vs peft"]
+    assert row.ok and "(<= 0.06)" in row.detail  # 1.5 x |vLLM base - PEFT base| 0.04
+    assert not [c for c in result.checks if c.name.startswith("reference one")]
+
+
+def test_the_peft_reference_fails_a_lora_path_far_from_it(
+    user, tmp_path, monkeypatch, fake_peftref
+):
+    served = fake_served(["one"])
+    serve_fake(monkeypatch, served)
+    fake_peftref.result.write_text(json.dumps(peft_served(served, lora_off=0.2)))
+    [verdict] = run(user, tmp_path, "peft").adapters
+    assert verdict.verdict == "FAILED" and "vs peft" in verdict.why
+
+
+def test_without_reference_a_coarse_merged_reference_hands_over_to_peft(
+    user, tmp_path, monkeypatch, fake_peftref
+):
+    served = fake_served(["one"])
+    shift(served["rounding-one"]["runs"]["merged"], 0.3)  # the merge's roundings 0.3 apart
+    serve_fake(monkeypatch, served)
+    fake_peftref.result.write_text(json.dumps(peft_served(served)))
+    result = run(user, tmp_path, None)
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
+    assert verdict.reference_why.startswith("the merged reference could not decide (")
+    assert "the PEFT reference decides" in verdict.reference_why
+    assert len(fake_peftref.calls) == 1
+
+
+def test_without_reference_a_precise_merged_reference_judges_alone(
+    user, tmp_path, monkeypatch, fake_peftref
+):
+    serve_fake(monkeypatch, fake_served(["one"]))
+    [verdict] = run(user, tmp_path, None).adapters
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "merged")
+    assert verdict.reference_why.startswith("its own bf16 rounding is small (mean 0.0040")
+    assert fake_peftref.calls == []
+
+
+def test_a_peft_reference_that_did_not_run_leaves_the_merged_verdict_and_says_why(
+    user, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "patchkit.verify.peftref", None)  # cannot be imported
+    served = fake_served(["one"])
+    shift(served["rounding-one"]["runs"]["merged"], 0.3)
+    serve_fake(monkeypatch, served)
+    [verdict] = run(user, tmp_path, None).adapters
+    assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "merged")
+    assert "; it did not run, the PEFT reference: patchkit.verify.peftref cannot be imported" in (
+        verdict.reference_why
+    )
+
+
+# ----- the controls' files -----
+
+PEFT_SAVED = torch.load(DATA / "peft-0.21.2-moe-one-parameter.pt", weights_only=True)
+ATTENTION = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
+
+
+def saved_adapter(path: Path, kind: str, attention: bool = True) -> Path:
+    """PEFT 0.21.2's own expert factors (``down``, ``gate_up``: one parameter; ``both``:
+    the base_layer layout), with a q_proj factor beside them unless ``attention`` is off."""
+    tensors = {k: v.to(torch.bfloat16) for k, v in PEFT_SAVED[kind]["tensors"].items()}
+    if attention:
+        tensors[f"{ATTENTION}.lora_A.weight"] = torch.ones(2, 12, dtype=torch.bfloat16)
+        tensors[f"{ATTENTION}.lora_B.weight"] = torch.full((12, 2), 0.375, dtype=torch.bfloat16)
+    return write_adapter(path, {}, _extra=tensors, **PEFT_SAVED[kind]["config"])
+
+
+@pytest.mark.parametrize("kind", ["down", "gate_up", "both"])
+def test_controls_of_peft_saved_expert_adapters(tmp_path, kind):
+    adapter = saved_adapter(tmp_path / "a", kind)
+    keys = list(PEFT_SAVED[kind]["tensors"])
+    assert all(adaptercontrols.is_expert_key(k) for k in keys), keys
+    if kind == "both":
+        assert any(".mlp.experts.base_layer.lora_A" in k for k in keys)
+    controls = adaptercontrols.build("a", adapter, tmp_path / "work")
+    assert [(c.kind, c.what) for c in controls] == [
+        (HALF, "50 % strength"), (NO_EXPERTS, "experts ignored"), (IGNORED, "adapter ignored")
+    ]  # fmt: skip
+    half, no_experts, ignored = controls
+    original = st_read(adapter / "adapter_model.safetensors")
+    halved = st_read(half.path / "adapter_model.safetensors")
+    assert halved.keys() == original.keys()
+    for key, value in original.items():
+        factor = 0.5 if ".lora_B." in key else 1.0
+        assert halved[key].dtype == value.dtype and torch.equal(halved[key], value * factor), key
+    assert (half.path / "adapter_config.json").read_bytes() == (
+        adapter / "adapter_config.json"
+    ).read_bytes()
+    dropped = st_read(no_experts.path / "adapter_model.safetensors")
+    assert sorted(dropped) == [f"{ATTENTION}.lora_A.weight", f"{ATTENTION}.lora_B.weight"]
+    config = json.loads((no_experts.path / "adapter_config.json").read_text())
+    assert config["target_parameters"] is None
+    assert ignored.path is None and ignored.label == "base"
+    assert half.name == "a+half" and half.label == "control:a+half"
+
+
+def test_an_adapter_of_experts_only_has_its_experts_ignored_control_on_base(tmp_path):
+    adapter = saved_adapter(tmp_path / "a", "both", attention=False)
+    controls = adaptercontrols.build("a", adapter, tmp_path / "work")
+    assert [(c.kind, c.path is None) for c in controls] == [
+        (HALF, False), (NO_EXPERTS, True), (IGNORED, True)
+    ]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["control-a+half"]
+
+
+def test_controls_of_a_per_expert_adapter_keep_the_shared_expert(tmp_path):
+    layer = "base_model.model.model.layers.0.mlp"
+    factors = {
+        f"model.layers.0.mlp.experts.{e}.{proj}": (torch.ones(2, 8), torch.ones(8, 2))
+        for e in (0, 1)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    factors["model.layers.0.mlp.shared_expert.gate_proj"] = (torch.ones(2, 8), torch.ones(8, 2))
+    adapter = write_adapter(tmp_path / "a", factors)
+    half, no_experts, _ = adaptercontrols.build("a", adapter, tmp_path / "work")
+    kept = st_read(no_experts.path / "adapter_model.safetensors")
+    assert sorted(kept) == [
+        f"{layer}.shared_expert.gate_proj.lora_A.weight",
+        f"{layer}.shared_expert.gate_proj.lora_B.weight",
+    ]
+    assert torch.equal(
+        st_read(half.path / "adapter_model.safetensors")[
+            f"{layer}.experts.1.down_proj.lora_B.weight"
+        ],
+        torch.full((8, 2), 0.5, dtype=torch.bfloat16),
+    )
+
+
+def test_a_dense_adapter_has_no_experts_control():
+    assert not adaptercontrols.is_expert_key(
+        "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
+    )
+    assert not adaptercontrols.is_expert_key(
+        "base_model.model.model.layers.0.mlp.shared_expert.up_proj.lora_B.weight"
+    )
+    assert adaptercontrols.is_expert_key("model.layers.3.mlp.experts.lora_B.weight")
+
+
+def test_the_controls_are_served_in_the_lora_engines(user, tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    controls = {"one": adaptercontrols.build("one", user["one"], work)}
+    setup = {"prompts": {"p600": [1] * 600}, "tensor_parallel_size": 1, "max_model_len": 616,
+             "seed": 1, "gpu_memory_utilization": 0.1, "kv_cache_bytes": 1 << 30}  # fmt: skip
+    jobs = usermodel.jobs(user["model"], {"one": user["one"]}, {}, setup, controls=controls)
+    assert [j.name for j in jobs] == ["eager", "cudagraph"]
+    assert jobs[0].loras == {"one": str(user["one"]), "one+half": str(work / "control-one+half")}
+    assert ("control:one+half", "p600", "one+half") in jobs[0].requests
+
+
+# ----- --workdir and --keep: one rule -----
+
+
+@pytest.mark.parametrize("option", ["--workdir", "--keep"])
+def test_workdir_and_keep_are_each_new_or_empty(tmp_path, option):
+    def asked(path):
+        args = (str(path), None) if option == "--workdir" else (None, str(path))
+        return verify_request(True, None, (), 1, None, args[0], None, args[1])
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("x")
+    (tmp_path / "file").write_text("x")
+    assert asked(tmp_path / "new") and not (tmp_path / "new").exists()  # created when run
+    assert asked(tmp_path / "empty")
+    with pytest.raises(UsageProblem, match=rf"^{option} {tmp_path / 'full'}: not empty"):
+        asked(tmp_path / "full")
+    with pytest.raises(UsageProblem, match=rf"^{option} {tmp_path / 'file'}: not a directory"):
+        asked(tmp_path / "file")
+
+
+def test_a_new_workdir_is_created_and_removed_after_the_run(user, tmp_path, monkeypatch):
+    seen = []
+
+    def serve_all(jobs, work, timeout, at_once):
+        seen.append(work.parent.is_dir())
+        return fake_served(["one"])
+
+    monkeypatch.setattr(serving, "serve_all", serve_all)
+    result = run(user, tmp_path, "merged")
+    assert seen == [True] and result.adapters[0].verdict == "PASSED"
+    assert not (tmp_path / "work").exists()
+
+
+def test_request_rows_of_the_helpers_are_what_serving_collects():
+    assert set(request([1.0])) == {"prompt_logprobs", "tokens", "token_logprobs"}

@@ -1,0 +1,73 @@
+"""Served results for the verify tests: what vLLM (and the PEFT reference) would answer.
+
+A served result is serving.collect's form per request, grouped as served.json
+holds them ({engine name: {"corrupted_requests", "runs": {label: {prompt: request}}}}).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from patchkit.verify import adaptercontrols, serving
+
+
+def request(values) -> dict:
+    return {"prompt_logprobs": list(values), "tokens": [5, 6, 7], "token_logprobs": [-1.0] * 3}
+
+
+def fake_served(adapters, prefix="", effect=0.3):
+    """What vLLM would serve when everything is right: LoRA equals its merged reference;
+    adapter number N moves every log-probability by N x ``effect``; its control at half
+    strength moves it by half that."""
+    prompts = {"p600": 600, "p3000": 3000}
+    base = {p: [-8.0 + 0.01 * (i % 7) for i in range(n - 1)] for p, n in prompts.items()}
+
+    def moved(p, by):
+        return [v + by for v in base[p]]
+
+    runs = {"base": {p: request(base[p]) for p in prompts}}
+    for number, name in enumerate(adapters, start=1):
+        runs[f"lora:{name}"] = {p: request(moved(p, -effect * number)) for p in prompts}
+        half = {p: request(moved(p, -effect * number / 2)) for p in prompts}
+        runs[f"control:{name}{adaptercontrols.SEP}{adaptercontrols.HALF}"] = half
+    runs["lora_after_long"] = {"p600": request(moved("p600", -effect))}
+    runs["base_after_lora"] = copy.deepcopy(runs["base"])
+    served = {}
+    for mode in serving.MODES:
+        served[f"{prefix}{mode}"] = {"corrupted_requests": 0, "runs": copy.deepcopy(runs)}
+    for number, name in enumerate(adapters, start=1):
+        merged = {p: request(moved(p, -effect * number)) for p in prompts}
+        served[f"{prefix}merged-{name}"] = {"corrupted_requests": 0, "runs": {"merged": merged}}
+        control = {p: request(moved(p, -effect * number + 0.004)) for p in prompts}
+        served[f"{prefix}rounding-{name}"] = {"corrupted_requests": 0, "runs": {"merged": control}}
+    return served
+
+
+def fake_controls(adapters) -> dict[str, list]:
+    """Each adapter's half-strength control (served) and its adapter-ignored one (base)."""
+    return {
+        name: [
+            adaptercontrols.Control(name, adaptercontrols.HALF, Path(f"/c/{name}")),
+            adaptercontrols.Control(name, adaptercontrols.IGNORED, None),
+        ]
+        for name in adapters
+    }
+
+
+def shift(group: dict, by: float) -> None:
+    """Move every prompt log-probability of a group of requests by ``by``."""
+    for one in group.values():
+        one["prompt_logprobs"] = [v + by for v in one["prompt_logprobs"]]
+
+
+def lora(served, mode="eager", name="one"):
+    return served[mode]["runs"][f"lora:{name}"]
+
+
+def merged(served, adapters, prefix="") -> dict:
+    """Each adapter's merged reference, read from served as `verify --model` reads it."""
+    from patchkit.verify import usermodel
+
+    run = usermodel.Served.from_json(served, adapters, prefix)
+    return {name: usermodel.merged_reference(run, name, "") for name in adapters}
