@@ -228,7 +228,7 @@ def test_vllm_jobs_still_run_the_serving_module():
 
 
 def write_model(root: Path, tensors: dict, config: dict) -> Path:
-    from patchkit.verify.safetensorsfile import save_safetensors
+    from patchkit.adapters.safetensorsfile import save_safetensors
 
     root.mkdir(parents=True, exist_ok=True)
     save_safetensors(root / "model.safetensors", tensors)
@@ -237,7 +237,7 @@ def write_model(root: Path, tensors: dict, config: dict) -> Path:
 
 
 def write_adapter(root: Path, tensors: dict, parameters: list[str]) -> Path:
-    from patchkit.verify.safetensorsfile import save_safetensors
+    from patchkit.adapters.safetensorsfile import save_safetensors
 
     root.mkdir(parents=True, exist_ok=True)
     save_safetensors(root / "adapter_model.safetensors", tensors)

@@ -15,12 +15,14 @@ import copy
 import gzip
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+import patchkit.verify
 from patchkit.cli.commands.verify import verify_request
 from patchkit.errors import UsageProblem
 from patchkit.verify import adaptercontrols, serving, usermodel
@@ -149,20 +151,26 @@ def peft_served(served, base_off=0.02, lora_off=0.01, adapters=("one",)) -> dict
 
 @pytest.fixture
 def fake_peftref(monkeypatch, tmp_path):
-    """patchkit.verify.peftref as its interface reads: job() gives the command that
-    writes OUT.json; here a child that copies a prepared result, and records its args."""
+    """patchkit.verify.peftref as its interface reads: job() gives a serving.Job whose
+    runner (``python -m RUNNER JOB OUT``) writes OUT; here a child module that copies a
+    prepared result, and the job's arguments recorded."""
     calls = []
     module = types.ModuleType("patchkit.verify.peftref")
+    source = tmp_path / "peft-result.json"
+    runner = tmp_path / "runners" / "fake_peft_runner.py"
+    runner.parent.mkdir()
+    runner.write_text(f"import shutil, sys\nshutil.copy({str(source)!r}, sys.argv[2])\n")
+    monkeypatch.setenv("PYTHONPATH", f"{runner.parent}:{os.environ.get('PYTHONPATH', '')}")
 
-    def job(model_dir, adapters, prompts, out_file):
-        calls.append((model_dir, dict(adapters), list(prompts), out_file))
-        source = tmp_path / "peft-result.json"
-        copy_it = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])"
-        return [sys.executable, "-c", copy_it, str(source), str(out_file)]
+    def job(model_dir, adapters, prompts, name="peft-reference"):
+        calls.append((model_dir, dict(adapters), list(prompts), name))
+        return serving.Job(name, str(model_dir), "peft", prompts, [], runner="fake_peft_runner")
 
     module.job = job
     monkeypatch.setitem(sys.modules, "patchkit.verify.peftref", module)
-    return types.SimpleNamespace(calls=calls, result=tmp_path / "peft-result.json")
+    # `from patchkit.verify import peftref` reads the package's attribute first
+    monkeypatch.setattr(patchkit.verify, "peftref", module, raising=False)
+    return types.SimpleNamespace(calls=calls, result=source)
 
 
 @pytest.fixture
@@ -242,6 +250,7 @@ def test_a_peft_reference_that_did_not_run_leaves_the_merged_verdict_and_says_wh
     user, tmp_path, monkeypatch
 ):
     monkeypatch.setitem(sys.modules, "patchkit.verify.peftref", None)  # cannot be imported
+    monkeypatch.delattr(patchkit.verify, "peftref", raising=False)
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], 0.3)
     serve_fake(monkeypatch, served)
@@ -346,7 +355,7 @@ def test_the_controls_are_served_in_the_lora_engines(user, tmp_path):
     setup = {"prompts": {"p600": [1] * 600}, "tensor_parallel_size": 1, "max_model_len": 616,
              "seed": 1, "gpu_memory_utilization": 0.1, "kv_cache_bytes": 1 << 30}  # fmt: skip
     jobs = usermodel.jobs(user["model"], {"one": user["one"]}, {}, setup, controls=controls)
-    assert [j.name for j in jobs] == ["eager", "cudagraph"]
+    assert [j.name for j in jobs] == ["eager", "cudagraph", "nolora-eager", "nolora-cudagraph"]
     assert jobs[0].loras == {"one": str(user["one"]), "one+half": str(work / "control-one+half")}
     assert ("control:one+half", "p600", "one+half") in jobs[0].requests
 

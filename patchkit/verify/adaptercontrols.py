@@ -35,7 +35,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.verify import adapterfiles, safetensorsfile
+from patchkit.adapters import safetensorsfile
+from patchkit.verify import adapterfiles
 
 HALF, NO_EXPERTS, IGNORED = "half", "no-experts", "ignored"
 WHAT = {HALF: "50 % strength", NO_EXPERTS: "experts ignored", IGNORED: "adapter ignored"}

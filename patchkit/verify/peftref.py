@@ -140,7 +140,7 @@ class Estimate:
 
 def _float32_bytes(files: list[Path]) -> tuple[int, int, int]:
     """(float32 bytes, stored bytes, largest tensor's elements) of safetensors files."""
-    from patchkit.verify.safetensorsfile import SafetensorsFile
+    from patchkit.adapters.safetensorsfile import SafetensorsFile
 
     as_float32 = stored = largest = 0
     for path in files:

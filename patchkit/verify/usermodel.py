@@ -1003,8 +1003,8 @@ def run_peft_reference(
         from patchkit.verify import peftref
     except ImportError as exc:
         return {"error": f"patchkit.verify.peftref cannot be imported ({exc})"}
-    job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)
-    return serving.serve_all([job], work, WAVE_TIMEOUT, 1)[PEFT_ENTRY]
+    job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)  # every GPU: alone
+    return serving.wait(serving.start([job], work), work, WAVE_TIMEOUT)[PEFT_ENTRY]
 
 
 def reference_base(keep: Path | None, workdir: Path | None) -> Path:
