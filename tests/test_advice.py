@@ -25,6 +25,7 @@ import pytest
 from packaging.version import Version
 
 from tests.conftest import CATALOGUE, RELEASES, REPO, run_cli, snapshot
+from tests.helpers import report_row
 
 # ----- install lines name the packages or the distribution (the index's `patchkit` is
 # another project) -----
@@ -142,8 +143,7 @@ def insert_after(path: Path, number: int, line: str) -> None:
 
 
 def patch_line(root: Path, patch_id: str) -> str:
-    result = run_cli("status", "--target", str(root))
-    return next(line for line in result.output.splitlines() if line.strip().startswith(patch_id))
+    return report_row(run_cli("status", "--target", str(root)).stdout, patch_id)
 
 
 def test_a_line_inserted_in_load_model_is_named_where_it_is(tree_0260: Path):

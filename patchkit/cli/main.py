@@ -30,6 +30,7 @@ def main() -> None:
 
 for command in (
     patching.list_patches,
+    patching.show_patch,
     patching.status,
     patching.apply,
     patching.revert,
