@@ -156,15 +156,17 @@ def tree_0260(tmp_path: Path) -> Path:
     return copy_tree("0.26.0", tmp_path / "site-packages")
 
 
-# The real 0.26.0 files that apply, revert, status and the decisions read, with
-# the wheel's dist-info (its RECORD and METADATA name the release): a tree of
-# ~300 files instead of ~2,250, for tests that copy a tree many times or need
+# The real 0.26.0 files that apply, revert, status and the decisions read (every
+# catalogue patch's, nan-probe's runner too: every command assesses every patch),
+# with the wheel's dist-info (its RECORD and METADATA name the release): a tree
+# of ~300 files instead of ~2,250, for tests that copy a tree many times or need
 # one on a small file system.
 SLIM = (
     "vllm/__init__.py",
     "vllm/lora",
     "vllm/model_executor/models/qwen3_5.py",
     "vllm/model_executor/layers/mamba/gdn_linear_attn.py",
+    "vllm/v1/worker/gpu_model_runner.py",
 )
 
 

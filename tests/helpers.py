@@ -31,6 +31,22 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def report_row(text: str, patch_id: str) -> str:
+    """A patch's row in a status, apply or revert text report, its wrapped lines joined.
+
+    A row's detail continues on lines indented 8 or more; a hunk, a known issue, the
+    next row and the summary are indented less.
+    """
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {patch_id} "))
+    row = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" " * 8):
+            break
+        row.append(line.strip())
+    return " ".join(row)
+
+
 def one_line_failure(result, code: int = 1) -> str:
     """An in-process run (run_cli) that failed with exactly one error line, no traceback."""
     assert result.exit_code == code, result.output

@@ -25,11 +25,19 @@ import pytest
 from packaging.version import Version
 
 from tests.conftest import CATALOGUE, RELEASES, REPO, run_cli, snapshot
+from tests.helpers import report_row
 
-# ----- install lines name the packages (the index's `patchkit` is another project) -----
+# ----- install lines name the packages or the distribution (the index's `patchkit` is
+# another project) -----
 
-INSTALL = re.compile(r"\bpip3?\s+install\b([^\n`\"]*)")
-INDEX_PATCHKIT = re.compile(r"patchkit(\[[^\]]*\])?([<>=!~].*)?")
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+DISTRIBUTION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"]
+PIP = re.compile(r"\bpip3?\s+(?:install|uninstall|show|download)\b([^\n`\"]*)")
+PATCHKIT_NAME = re.compile(r"(patchkit[\w.-]*)(\[[^\]]*\])?([<>=!~].*)?")
 EXTRA = re.compile(r"(?<![\w/.-])patchkit\[")  # "install patchkit[gpu]", pip or not
 
 
@@ -44,17 +52,21 @@ def user_texts() -> dict[str, str]:
     pages = [REPO / "README.md", REPO / "CONTRIBUTING.md", *REPO.glob("docker/*")]
     pages += [p for p in REPO.glob("docs/**/*.md") if "research" not in p.parts]
     pages += [p for p in REPO.glob("scripts/*") if p.is_file()]
+    pages += [p for p in REPO.glob("patches/**/*.toml")]
+    pages += [p for p in REPO.glob(".ci/*") if p.is_file()]
     for path in pages:
         texts[str(path.relative_to(REPO))] = path.read_text(errors="replace")
     return texts
 
 
-def index_installs(text: str) -> list[str]:
-    """The install lines of ``text`` that fetch `patchkit` from the package index."""
+def wrong_installs(text: str) -> list[str]:
+    """The pip lines of ``text`` that name a patchkit distribution other than this one's
+    (`pip install patchkit` fetches the index's unrelated project), and `patchkit[extra]`."""
     found = [m.group(0) for m in EXTRA.finditer(text)]
-    for match in INSTALL.finditer(text):
+    for match in PIP.finditer(text):
         words = [w.strip("'\"") for w in match.group(1).split()]
-        found += [match.group(0) for w in words if INDEX_PATCHKIT.fullmatch(w)]
+        names = [m.group(1) for w in words if (m := PATCHKIT_NAME.fullmatch(w))]
+        found += [match.group(0) for name in names if name != DISTRIBUTION]
     return found
 
 
@@ -66,20 +78,42 @@ def test_the_detector_finds_what_the_old_lines_said():
         "`--e2e` transformers >= 5.17 and peft: `pip install 'patchkit[gpu]'`",
         "pip install patchkit",
         "python3 -m pip install -U patchkit==0.1.0",
+        "pip uninstall patchkit",
+        "pip show patchkit",
+        "pip install patchkit-cli",  # another name that is not this distribution's
     ]
-    assert all(index_installs(line) for line in old)
+    assert [line for line in old if not wrong_installs(line)] == []
     fine = [
         "pip install -e '/path/to/checkout[gpu]'",
         "python3 -m pip install --quiet /opt/patchkit",
         ".venv/bin/pip install -q -e '.[test]'",
         "pip install 'httpx>=0.27' 'prometheus-client>=0.20'",
+        f"pip install '{DISTRIBUTION}[gpu]'",
+        f"pip uninstall {DISTRIBUTION}",
     ]
-    assert not any(index_installs(line) for line in fine)
+    assert [line for line in fine if wrong_installs(line)] == []
 
 
 def test_no_install_line_names_patchkit_from_the_index():
-    found = {name: hits for name, text in user_texts().items() if (hits := index_installs(text))}
+    found = {name: hits for name, text in user_texts().items() if (hits := wrong_installs(text))}
     assert found == {}
+
+
+def test_the_distribution_has_a_name_of_its_own_and_version_reads_it(monkeypatch):
+    """`patchkit` on the index is an unrelated project ("A toolkit to apply and revert
+    patches on models"); the command and the import package keep the name, the
+    distribution does not, and `patchkit --version` asks for the distribution's metadata
+    (asking for `patchkit` would report the other project's version where it is installed)."""
+    import importlib.metadata
+
+    assert DISTRIBUTION == "patchkit-vllm"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"patchkit": "patchkit.cli.entry:main"}
+    asked = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: asked.append(name) or "9.9")
+    result = run_cli("--version")
+    assert result.exit_code == 0, result.output
+    assert asked == [DISTRIBUTION] and "9.9" in result.stdout
 
 
 def test_canary_names_its_packages():
@@ -109,8 +143,7 @@ def insert_after(path: Path, number: int, line: str) -> None:
 
 
 def patch_line(root: Path, patch_id: str) -> str:
-    result = run_cli("status", "--target", str(root))
-    return next(line for line in result.output.splitlines() if line.strip().startswith(patch_id))
+    return report_row(run_cli("status", "--target", str(root)).stdout, patch_id)
 
 
 def test_a_line_inserted_in_load_model_is_named_where_it_is(tree_0260: Path):

@@ -94,5 +94,7 @@ def test_list_command_prints_the_catalogue():
     result = run_cli("list")
     assert result.exit_code == 0
     for patch in CATALOGUE.patches:
-        assert patch.id in result.stdout
-    assert "remove when:" in result.stdout
+        assert f"{patch.id}: " in result.stdout
+    full = run_cli("list", "-v")
+    assert full.exit_code == 0
+    assert full.stdout.count("    remove when: ") == len(CATALOGUE.patches)

@@ -27,6 +27,7 @@ from tests.conftest import (
     run_cli,
     snapshot,
 )
+from tests.helpers import report_row
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 MODULE = "vllm/v1/worker/patchkit_nan_probe.py"
@@ -55,12 +56,13 @@ def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
     pristine = snapshot(root)
     assert status_of(root)["nan-probe"] == "opt-in"
     applied = json.loads(run_cli("apply", "--target", str(root), "--json").stdout)
-    assert "nan-probe" not in [p["id"] for p in applied["patches"]]
+    [probe] = [p for p in applied["patches"] if p["id"] == "nan-probe"]
+    assert (probe["state"], probe["action"]) == ("opt-in", "none")  # listed, left alone
     assert not (root / MODULE).exists()
     default_set = snapshot(root)
     only = run_cli("apply", "--target", str(root), "--only", "nan-probe")
     assert only.exit_code == 0, only.output
-    assert only.stdout.splitlines()[-1] == "apply: 1 applied now; now 1 applied"
+    assert only.stdout.splitlines()[-1] == "apply: 1 applied now; now 5 applied, 1 not-applicable"
     assert (root / MODULE).read_text() == created_source("nan-probe", MODULE)
     assert status_of(root) == {
         "expand-block-n": "applied",
@@ -71,7 +73,7 @@ def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
         "nan-probe": "applied",
     }
     again = run_cli("apply", "--target", str(root))  # plain apply leaves it where it is
-    assert again.stdout.splitlines()[-1] == "apply: nothing to do; now 4 applied, 1 not-applicable"
+    assert again.stdout.splitlines()[-1] == "apply: nothing to do; now 5 applied, 1 not-applicable"
     off = run_cli("revert", "--target", str(root), "--only", "nan-probe")
     assert off.exit_code == 0, off.output
     assert "opt-in" in off.stdout.splitlines()[-1]
@@ -83,13 +85,14 @@ def test_plain_apply_skips_it_only_adds_it_and_revert_takes_it_off(tmp_path):
     assert snapshot(root) == pristine
 
 
-def test_plain_revert_does_not_mention_it_when_it_is_not_applied(tmp_path):
+def test_plain_revert_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_path):
+    """Every command shows every patch: revert, too, lists nan-probe, and in status's word."""
     root = copy_tree("0.26.0", tmp_path / "site")
     assert run_cli("apply", "--target", str(root)).exit_code == 0
     reverted = run_cli("revert", "--target", str(root))
-    assert "nan-probe" not in reverted.stdout
-    assert (
-        reverted.stdout.splitlines()[-1] == "revert: 4 reverted now; now 4 needed, 1 not-applicable"
+    assert report_row(reverted.stdout, "nan-probe").split()[:2] == ["nan-probe", "opt-in"]
+    assert reverted.stdout.splitlines()[-1] == (
+        "revert: 4 reverted now; now 4 needed, 1 not-applicable, 1 opt-in"
     )
 
 
@@ -101,12 +104,15 @@ def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_p
     result = run_cli("revert", "--target", str(root), "--only", "nan-probe", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    [entry] = report["patches"]
+    [entry] = [p for p in report["patches"] if p["id"] == "nan-probe"]
     assert (entry["state"], entry["state_before"]) == ("opt-in", "opt-in")
     assert report["warnings"] == ["nan-probe is not applied (opt-in)"]
     text = run_cli("revert", "--target", str(root), "--only", "nan-probe")
-    assert text.stdout.splitlines()[-1] == "revert: nothing to do; now 1 opt-in"
-    assert "needed" not in text.output
+    assert text.stdout.splitlines()[-1] == (
+        "revert: nothing to do; now 4 needed, 1 not-applicable, 1 opt-in"
+    )
+    assert report_row(text.stdout, "nan-probe").split()[:2] == ["nan-probe", "opt-in"]
+    assert "(needed)" not in text.output
     assert snapshot(root) == before
 
 
@@ -918,7 +924,7 @@ def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_curren
     )
     assert any("patchkit apply --only nan-probe` replaces it" in w for w in report["warnings"])
     text = run_cli("status", "--target", str(root))
-    assert "applied from an older catalogue" in text.stdout
+    assert "applied from an older catalogue" in report_row(text.stdout, "nan-probe")
     assert "warning: nan-probe: the patch file changed since it was applied" in text.stderr
 
     dry = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--dry-run")
@@ -930,8 +936,12 @@ def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_curren
     upgrade = run_cli("apply", "--target", str(root), "--only", "nan-probe", "--strict")
     assert upgrade.exit_code == 0, upgrade.output
     assert upgrade.stderr == ""  # the warning is what the run has just fixed
-    assert upgrade.stdout.splitlines()[-1] == "apply: 1 applied now; now 1 applied"
-    assert "replaced the version applied from an older catalogue" in upgrade.stdout
+    assert upgrade.stdout.splitlines()[-1] == (
+        "apply: 1 applied now; now 5 applied, 1 not-applicable"
+    )
+    assert "replaced the version applied from an older catalogue" in report_row(
+        upgrade.stdout, "nan-probe"
+    )
     assert (root / MODULE).read_text() == created_source("nan-probe", MODULE)
     assert status_of(root)["nan-probe"] == "applied"
     again = run_cli("status", "--target", str(root), "--json")

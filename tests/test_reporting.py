@@ -28,16 +28,17 @@ from tests.conftest import CATALOGUE, release_tree, run_cli, run_subprocess, sna
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 
 
-def _default_set_on(version: str) -> tuple[int, int]:
-    """(patches the default set applies, patches not applicable) on a release, from the
-    catalogue: a patch added to it changes the summary line, not this test."""
+def _default_set_on(version: str) -> tuple[int, int, int]:
+    """(patches the default set applies, patches not applicable, opt-in patches) on a
+    release, from the catalogue: a patch added to it changes the summary line, not this
+    test."""
     wanted = [p for p in CATALOGUE.patches if not p.opt_in]
     made = sum(isinstance(p.expected_for(Version(version)), Variant) for p in wanted)
-    return made, len(wanted) - made
+    return made, len(wanted) - made, len(CATALOGUE.patches) - len(wanted)
 
 
-_MADE, _NA = _default_set_on("0.26.0")
-APPLIED = f"apply: {_MADE} applied now; now {_MADE} applied, {_NA} not-applicable"
+_MADE, _NA, _OPT = _default_set_on("0.26.0")
+APPLIED = f"apply: {_MADE} applied now; now {_MADE} applied, {_NA} not-applicable, {_OPT} opt-in"
 
 
 def patchkit(*args: str, stdout, code: str = "", cwd=None, env=None, preexec_fn=None):
@@ -93,7 +94,10 @@ def test_apply_and_revert_into_a_full_disk_exit_0_and_say_what_they_did(tree_026
     assert "no space left on the device" in applied.stderr.splitlines()[0]
     assert states(tree_0260) == {"applied"}
     reverted = to_full_disk("revert", "--target", str(tree_0260), *json_flag)
-    assert_done(reverted, f"revert: {_MADE} reverted now; now {_MADE} needed, {_NA} not-applicable")
+    assert_done(
+        reverted,
+        f"revert: {_MADE} reverted now; now {_MADE} needed, {_NA} not-applicable, {_OPT} opt-in",
+    )
     assert states(tree_0260) == {"needed"}
 
 

@@ -85,7 +85,7 @@ def test_ctrl_c_while_starting_is_one_line(slim_tree_0260):
 
 
 def test_list_shows_why():
-    result = run_cli("list")
+    result = run_cli("list", "-v")
     assert result.exit_code == 0
     patches = json.loads(run_cli("list", "--json").stdout)["patches"]
     assert result.stdout.count("    why: ") == len(patches)

@@ -14,19 +14,23 @@ from patchkit.cli import exits
 from patchkit.cli.commands import adapter, canary, doctor, fetch, patching, probe, refresh, verify
 from patchkit.cli.group import PatchkitGroup
 
+# pyproject's name: the index's `patchkit` is another project (tests/test_advice.py checks)
+DISTRIBUTION = "patchkit-vllm"
+
 
 @click.group(
     cls=PatchkitGroup,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog=exits.epilog(),
 )
-@click.version_option(package_name="patchkit")
+@click.version_option(package_name=DISTRIBUTION)
 def main() -> None:
     """Repair installed vLLM trees with versioned, verified, reversible patches."""
 
 
 for command in (
     patching.list_patches,
+    patching.show_patch,
     patching.status,
     patching.apply,
     patching.revert,

@@ -30,12 +30,12 @@ def check_version(ctx, param, value: str | None) -> str | None:
     return value
 
 
-def check_only(only: tuple[str, ...], catalogue) -> tuple[str, ...]:
-    """An unknown --only id is a usage error (exit 2), caught before any work."""
+def check_only(only: tuple[str, ...], catalogue, param_hint: str = "--only") -> tuple[str, ...]:
+    """An unknown --only id (or `show ID`) is a usage error (exit 2), caught before any work."""
     try:
         select(catalogue, only)
     except PatchkitError as exc:
-        raise click.BadParameter(str(exc), param_hint="--only") from None
+        raise click.BadParameter(str(exc), param_hint=param_hint) from None
     return only
 
 

@@ -21,15 +21,16 @@ import textwrap
 from collections import Counter
 
 import click
+from packaging.version import Version
 
 from patchkit.caches.compiled import CacheResult
-from patchkit.catalogue.model import Catalogue
+from patchkit.catalogue.model import Catalogue, Variant
 from patchkit.cli import exits
 from patchkit.doctor import sass
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
-from patchkit.vocabulary import Action
+from patchkit.vocabulary import Action, PatchState
 
 SOURCES = {
     "metadata": "dist-info metadata",
@@ -88,14 +89,53 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+WIDEST = 100  # no text report is wider, on the widest terminal either
+NARROWEST = 40  # a terminal narrower than this is wrapped as if it were this wide
+COLUMN = 40  # a column narrower than this continues at INDENT instead of under itself
+INDENT = 8
+
+
+def line_width() -> int:
+    """The width every text report wraps at (one rule for status, apply, revert and list):
+    the terminal's columns (``COLUMNS`` where set), at most 100; 100 where stdout is not a
+    terminal (a pipe, a log, a Docker build), so a report reads the same wherever it lands."""
+    columns = shutil.get_terminal_size((WIDEST, 24)).columns
+    return max(NARROWEST, min(columns, WIDEST))
+
+
+def wrap(first: str, text: str, under: int | None = None) -> list[str]:
+    """``first`` then ``text`` filled to :func:`line_width`, the next lines under column
+    ``under`` (default: where ``text`` starts) or at INDENT when that leaves too little room.
+    A word (a path, a URL, a command) is never split; one longer than the line stays whole."""
+    width = line_width()
+    column = len(first) if under is None else under
+    if width - column < COLUMN:
+        column = INDENT
+    lines = textwrap.wrap(
+        " ".join(text.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=" " * column,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+    return lines or [first.rstrip()]
+
+
 # ----- status, apply, revert -----
 
 
 def render_run(report: RunReport) -> None:
+    """status, apply and revert: one row per catalogue patch (the same rows in all three),
+    its state, what the run did to it and why, wrapped at :func:`line_width`; then the
+    summary, on one line whatever its length (the line scripts and logs look for)."""
     tree = report.tree
-    out(f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})")
+    header = f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})"
+    for line in wrap("", header, 4):
+        out(line)
     for note in report.notes:
-        out(f"note: {note}")
+        for line in wrap("note: ", note, 4):
+            out(line)
     width = max((len(s.assessment.patch.id) for s in report.steps), default=0)
     for step in report.steps:
         _render_step(report, step, width)
@@ -116,13 +156,15 @@ def _render_step(report: RunReport, step: Step, width: int) -> None:
         detail = f"variant {a.variant.name}" if a.variant else ""
     if step.action in DONE:
         detail = f"{DONE[step.action]}; {detail}" if detail else DONE[step.action]
-    out(f"  {a.patch.id:<{width}}  {_state_column(report, step):<15}  {detail}".rstrip())
+    for line in wrap(f"  {a.patch.id:<{width}}  {_state_column(report, step):<15}  ", detail):
+        out(line)
     if step.action in (Action.APPLIED, Action.WOULD_APPLY):
         for place in a.placements:
             offset = f" (offset {place.offset:+d} lines)" if place.offset else ""
             out(f"      {place.path}: hunk #{place.hunk} at line {place.line}{offset}")
     for notice in report.notices(step):
-        out(f"      known issue: {notice}")
+        for line in wrap("      known issue: ", notice, INDENT):
+            out(line)
 
 
 def _state_column(report: RunReport, step: Step) -> str:
@@ -157,8 +199,8 @@ def _render_caches(caches: list[CacheResult]) -> None:
 
 def summary(report: RunReport) -> str:
     """One line: what the run did, and the state of every patch it looked at after it."""
-    states = Counter(str(s.state_after) for s in report.steps)
-    now = ", ".join(f"{n} {state}" for state, n in states.items())
+    states = Counter(s.state_after for s in report.steps)
+    now = ", ".join(f"{states[state]} {state}" for state in PatchState if states[state])
     if report.command == "status":
         return f"status: {now}"
     actions = Counter(DONE[s.action] for s in report.steps if s.action in DONE)
@@ -171,9 +213,10 @@ def summary(report: RunReport) -> str:
 
 
 def run_json(report: RunReport) -> dict:
-    """--json of status, apply and revert: each patch's state after the run and what it did."""
+    """--json of status, apply and revert: the same keys and the same patches in all three;
+    each patch's state after the run and what the run did to it (status: nothing)."""
     patches = [_step_json(report, s) for s in report.steps]
-    data = {
+    return {
         "ok": True,
         "command": report.command,
         "vllm": report.tree.describe(),
@@ -182,14 +225,10 @@ def run_json(report: RunReport) -> dict:
         "notices": list(dict.fromkeys(n for p in patches for n in p["notices"])),
         "notes": report.notes,
         "summary": summary(report),
+        "dry_run": report.options.dry_run,
+        "bytecode_removed": report.bytecode_removed,
+        "caches_removed": [_cache_json(c) for c in report.caches_removed],
     }
-    if report.command != "status":
-        data.update(
-            dry_run=report.options.dry_run,
-            bytecode_removed=report.bytecode_removed,
-            caches_removed=[_cache_json(c) for c in report.caches_removed],
-        )
-    return data
 
 
 def _cache_json(cache: CacheResult) -> dict:
@@ -208,13 +247,12 @@ def _step_json(report: RunReport, step: Step) -> dict:
     data = _assessment_json(step.assessment)
     data["notices"] = report.notices(step)
     data["state"] = _state_column(report, step)
-    if report.command != "status":
-        data["state_before"] = str(step.assessment.state)
-        data["action"] = str(step.action)
-        if report.options.dry_run:
-            data["would_leave"] = str(step.state_after)
-        shown = step.action in (Action.APPLIED, Action.WOULD_APPLY)
-        data["hunks"] = [_placement_json(p) for p in step.assessment.placements] if shown else []
+    data["state_before"] = str(step.assessment.state)
+    data["action"] = str(step.action)
+    if report.options.dry_run:
+        data["would_leave"] = str(step.state_after)
+    shown = step.action in (Action.APPLIED, Action.WOULD_APPLY)
+    data["hunks"] = [_placement_json(p) for p in step.assessment.placements] if shown else []
     return data
 
 
@@ -484,40 +522,83 @@ def _canary_verdict_json(v) -> dict:
 # ----- list -----
 
 
-def render_catalogue(catalogue: Catalogue) -> None:
-    width = min(shutil.get_terminal_size((100, 24)).columns, 100)
-
-    def wrapped(label: str, text: str) -> None:
-        out(
-            textwrap.fill(
-                " ".join(text.split()),
-                width,
-                initial_indent=f"    {label}: ",
-                subsequent_indent=" " * 8,
-                break_on_hyphens=False,
-            )
-        )
-
+def render_catalogue(catalogue: Catalogue, verbose: bool = False) -> None:
+    """`list`: two lines per patch (id, the releases it covers in the states' words, what
+    it fixes); ``verbose`` (`list -v`): each patch's full text, as `show ID` prints it."""
     for patch in catalogue.patches:
-        out(textwrap.fill(f"{patch.id}: {patch.title}", width, subsequent_indent=" " * 4))
-        if patch.opt_in:
-            wrapped(
-                "opt-in",
-                f"plain `patchkit apply` never applies it; `patchkit apply --only "
-                f"{patch.id}` adds it to the default set, `revert` takes it off",
-            )
-        wrapped("why", patch.why)
-        for variant in patch.variants:
-            out(f"    {variant.versions}  variant {variant.name} ({variant.diff_path.name})")
-        for decision in patch.decisions:
-            wrapped(f"{decision.versions}  {decision.state}", decision.reason)
-        wrapped("upstream", ", ".join(patch.upstream))
-        wrapped("remove when", patch.remove_when)
-    tested = f"tested releases: {', '.join(catalogue.tested_releases)}"
-    out(textwrap.fill(tested, width, subsequent_indent=" " * 4))
+        if verbose:
+            render_patch(patch, catalogue)
+            continue
+        for line in wrap(f"{patch.id}: ", coverage(patch, catalogue), 4):
+            out(line)
+        for line in wrap("    ", patch.title):
+            out(line)
+    if verbose:
+        for line in wrap("tested releases: ", ", ".join(catalogue.tested_releases), 4):
+            out(line)
+        return
+    span = f"{counted(len(catalogue.tested_releases), 'tested release')}, {catalogue.tested_span}"
+    more = "`patchkit show ID` prints a patch's why, upstream links and remove-when"
+    for line in wrap("", f"{span}; {more} (`patchkit list -v`: every patch's)", 4):
+        out(line)
 
 
-def catalogue_json(catalogue: Catalogue) -> dict:
+def render_patch(patch, catalogue: Catalogue) -> None:
+    """`show ID` (and `list -v`): the whole entry, every field wrapped at :func:`line_width`."""
+
+    def field(label: str, text: str) -> None:
+        for line in wrap(f"    {label}: ", text, INDENT):
+            out(line)
+
+    for line in wrap(f"{patch.id}: ", patch.title, 4):
+        out(line)
+    field("releases", coverage(patch, catalogue))
+    if patch.opt_in:
+        field(
+            "opt-in",
+            f"plain `patchkit apply` never applies it; `patchkit apply --only "
+            f"{patch.id}` adds it to the default set, `revert` takes it off",
+        )
+    field("why", patch.why)
+    for variant in patch.variants:
+        for line in wrap(f"    {variant.versions}  ", f"variant {variant.name} "
+                         f"({variant.diff_path.name})", INDENT):  # fmt: skip
+            out(line)
+    for decision in patch.decisions:
+        field(f"{decision.versions}  {decision.state}", decision.reason)
+    for notice in patch.notices:
+        field(f"{notice.versions}  known issue", notice.message)
+    field("upstream", ", ".join(patch.upstream))
+    field("remove when", patch.remove_when)
+
+
+def coverage(patch, catalogue: Catalogue) -> str:
+    """The tested releases a patch covers, in runs of one word: "applies to 0.17.0-0.32.0
+    (2 variants), upstream 0.33.0"; `upstream` and `not-applicable` as status says them, an
+    opt-in patch's runs marked `opt-in`."""
+    runs: list[list] = []  # [word, first, last, variant names]
+    for release in catalogue.tested_releases:
+        entry = patch.expected_for(Version(release))
+        if isinstance(entry, Variant):
+            word, name = "applies to", entry.name
+        else:
+            word, name = (entry.state if entry else "not covered"), None
+        if runs and runs[-1][0] == word:
+            runs[-1][2] = release
+        else:
+            runs.append([word, release, release, []])
+        if name and name not in runs[-1][3]:
+            runs[-1][3].append(name)
+    parts = []
+    for word, first, last, names in runs:
+        span = first if first == last else f"{first}-{last}"
+        variants = f" ({counted(len(names), 'variant')})" if len(names) > 1 else ""
+        parts.append(f"{word} {span}{variants}")
+    return ("opt-in, " if patch.opt_in else "") + ", ".join(parts)
+
+
+def catalogue_json(catalogue: Catalogue, only: str | None = None) -> dict:
+    """`list --json` (every patch, in full) and `show ID --json` (``only`` that one)."""
     return {
         "ok": True,
         "tested_releases": list(catalogue.tested_releases),
@@ -550,6 +631,7 @@ def catalogue_json(catalogue: Catalogue) -> dict:
                 ],
             }
             for p in catalogue.patches
+            if only is None or p.id == only
         ],
     }
 

@@ -122,13 +122,20 @@ def plan(
 def _plan_forward(
     result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
 ) -> None:
-    """Status and apply: each patch on the result of those before it in the series."""
+    """Status and apply: each patch on the result of those before it in the series.
+
+    Every catalogue patch gets a step (one row set in status, apply and revert);
+    apply acts only on those it selected, and reports the others as they are.
+    """
     files = TreeFiles(tree, state, catalogue.ids)
-    patches = catalogue.patches if result.command == STATUS else select(catalogue, options.only)
-    for patch in patches:
+    selected = [p.id for p in select(catalogue, options.only)]  # in series order
+    for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         step = Step(assessment)
         result.steps.append(step)
+        if result.command == APPLY and patch.id not in selected:
+            _left_alone(assessment)
+            continue
         if result.command == APPLY and assessment.outdated and patch.id in options.only:
             _replace(step, tree, files, options)
         _take_findings(result, assessment)
@@ -151,9 +158,7 @@ def _plan_forward(
                 f"{assessment.state} ({assessment.reason})"
             )
     if result.command == APPLY:
-        result.drop = stale_records(
-            state, catalogue, tree, [s.assessment.patch.id for s in result.steps]
-        )
+        result.drop = stale_records(state, catalogue, tree, selected)
 
 
 def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
@@ -219,6 +224,13 @@ def _status_step(step: Step, files: TreeFiles) -> None:
         )
 
 
+def _left_alone(assessment: Assessment) -> None:
+    """A patch this run did not select: reported as status would name it, never acted on,
+    and its findings are not the run's (`--strict` judges what the run does)."""
+    if assessment.patch.opt_in and assessment.state == PatchState.NEEDED:
+        _say_opt_in(assessment)
+
+
 def _say_opt_in(assessment: Assessment) -> None:
     """A needed opt-in patch is `opt-in`, in status and in revert alike (one name)."""
     assessment.state = PatchState.OPT_IN
@@ -246,20 +258,21 @@ def _plan_revert(
     unknown = [i for i, stale in unknown_records(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
         raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
-    patches = list(reversed(select(catalogue, options.only, opt_in=True)))
-    result.drop = stale_records(state, catalogue, tree, [p.id for p in patches])
+    selected = [p.id for p in select(catalogue, options.only, opt_in=True)]
+    result.drop = stale_records(state, catalogue, tree, selected)
     for patch_id in result.drop:
         state.patches.pop(patch_id, None)
     files = TreeFiles(tree, state, catalogue.ids)
-    for patch in patches:
+    for patch in reversed(catalogue.patches):
         assessment = assess_with(patch, tree, state, catalogue, files)
+        step = Step(assessment)
+        result.steps.insert(0, step)  # reported in series order, every patch
+        if patch.id not in selected:
+            _left_alone(assessment)  # as the reverts above it leave the files
+            continue
         changes = revert_changes(assessment, files, options.force)
-        if changes is None and patch.opt_in and patch.id not in options.only:
-            continue  # an opt-in patch that is not applied: nothing to say about it
         if changes is None and patch.opt_in and assessment.state == PatchState.NEEDED:
             _say_opt_in(assessment)  # revert --only nan-probe said "needed" here
-        step = Step(assessment)
-        result.steps.insert(0, step)  # reported in series order
         if changes is None:
             if patch.id in options.only:
                 result.warn(f"{patch.id} is not applied ({assessment.state})")

@@ -23,15 +23,32 @@ from patchkit.vllmtree.tree import locate
 
 
 @click.command("list")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Every patch's full text, as `show ID` prints it."
+)
 @json_option
 @user_errors
-def list_patches(as_json: bool) -> None:
-    """Print the patch catalogue: ids, version ranges, why, upstream, remove-when."""
+def list_patches(verbose: bool, as_json: bool) -> None:
+    """Print the patch catalogue: per patch its releases and what it fixes."""
     catalogue = load_catalogue()
     if as_json:
         render.emit_json(render.catalogue_json(catalogue))
     else:
-        render.render_catalogue(catalogue)
+        render.render_catalogue(catalogue, verbose)
+
+
+@click.command("show")
+@click.argument("patch_id", metavar="ID")
+@json_option
+@user_errors
+def show_patch(patch_id: str, as_json: bool) -> None:
+    """Print one patch in full: why, variants, decisions, known issues, upstream, remove-when."""
+    catalogue = load_catalogue()
+    check_only((patch_id,), catalogue, param_hint="ID")
+    if as_json:
+        render.emit_json(render.catalogue_json(catalogue, only=patch_id))
+    else:
+        render.render_patch(catalogue.get(patch_id), catalogue)
 
 
 @click.command()
