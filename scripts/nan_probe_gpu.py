@@ -64,7 +64,7 @@ POISON_MODULE = "mlp.down_proj"
 MOE_POISON_MODULE = "mlp.shared_expert.down_proj"
 MOE_RANK = 16
 MOE_ENGINE_ARGS = dict(
-    max_lora_rank=MOE_RANK, max_loras=2, gpu_memory_utilization=0.5,
+    max_lora_rank=MOE_RANK, max_loras=2, gpu_memory_utilization=0.2,
     kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=8,
     max_num_batched_tokens=2048, enable_prefix_caching=False,
     compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
