@@ -241,9 +241,7 @@ def _from_whole_wheel(
             with os.fdopen(os.dup(out), "wb") as writer:
                 transport.stream_to(response, writer, limit, link.url, digest)
             if link.sha256 and digest.hexdigest() != link.sha256.lower():
-                raise FetchError(
-                    f"fetch: {link.filename} does not match the sha256 its index gives"
-                )
+                raise FetchError(f"fetch: {link.filename} does not match its index's sha256")
             hash_file(out, link.filename, None, link.size)
             fetched = extract(local_source(out, link.filename), _wanted, staging)
         finally:

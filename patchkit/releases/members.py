@@ -120,7 +120,7 @@ def hash_file(fd: int, filename: str, sha256: str | None, size: int | None) -> N
         digest.update(chunk)
         at += len(chunk)
     if digest.hexdigest() != sha256.lower():
-        raise FetchError(f"fetch: {filename} does not match the sha256 its index gives")
+        raise FetchError(f"fetch: {filename} does not match its index's sha256")
 
 
 def extract(source: Source, wanted: Callable[[str], bool], staging: Root) -> Fetched:

@@ -144,7 +144,7 @@ class Transport:
             return self.opener.open(request, timeout=self.timeout)
         except urllib.error.HTTPError as exc:
             exc.close()
-            if 300 <= exc.code < 400:
+            if 300 <= exc.code < 400 and "infinite loop" in str(exc.reason):
                 raise FetchError(
                     f"fetch: {host_of(url)} redirected more than {MAX_REDIRECTS} times"
                 ) from None
@@ -307,13 +307,18 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def __init__(self, transport: Transport):
         self.transport = transport
 
+    def http_error_302(self, req, fp, code, msg, headers):
+        """The new URL's scheme is checked first (urllib itself would follow ftp:)."""
+        location = headers.get("Location") or headers.get("URI")
+        if location:
+            _followable(req.full_url, urllib.parse.urljoin(req.full_url, location))
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
-        if new.scheme not in ("http", "https") or (old.scheme == "https" and new.scheme != "https"):
-            raise FetchError(
-                f"fetch: {old.hostname} redirected to a {new.scheme or 'relative'}: URL, "
-                "which fetch does not follow"
-            )
+        _followable(req.full_url, newurl)
         request = super().redirect_request(req, fp, code, msg, headers, without_credentials(newurl))
         if request is None:
             return None
@@ -323,3 +328,12 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         else:
             self.transport.authorize(request, newurl)
         return request
+
+
+def _followable(old_url: str, new_url: str) -> None:
+    old, new = urllib.parse.urlsplit(old_url), urllib.parse.urlsplit(new_url)
+    if new.scheme not in ("http", "https") or (old.scheme == "https" and new.scheme != "https"):
+        raise FetchError(
+            f"fetch: {old.hostname} redirected to a {new.scheme[:10] or 'relative'}: URL, "
+            "which fetch does not follow"
+        )
