@@ -12,11 +12,12 @@ Each run is a fresh process into an empty cache, timed by wall clock, the
 commands interleaved so a change in the machine's load hits both: patchkit
 with PATCHKIT_CACHE_DIR empty; pip with an empty PIP_CACHE_DIR (it downloads,
 as on a fresh machine) and with --no-cache-dir (its fastest way). With
---all, one process fetches every tested release into an empty test cache as
-the tests' fixtures do (tests/conftest.py, release_tree), and with --compare
-each tree is compared file by file with the one in DIR (a cache the tests
-filled before, by the whole-wheel path). Prints a Markdown table and one
-JSON line with the numbers, the commit, the host and the load average.
+--all, one process fetches every release the tests use (the 25 tested ones
+and 0.10.0) into an empty test cache as their fixtures do (tests/conftest.py,
+release_tree), and with --compare each tree is compared file by file with
+the one in DIR (a cache the tests filled before, by the whole-wheel path).
+Prints a Markdown table and one JSON line with the numbers, the commit, the
+host and the load average.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -71,9 +73,18 @@ def fetch_runs(version: str, runs: int, work: Path) -> dict[str, list[float]]:
     return rows
 
 
+def test_releases() -> list[str]:
+    """The tested releases, and any other the tests ask release_tree() for (0.10.0)."""
+    named = set()
+    for path in (REPO / "tests").glob("*.py"):
+        named |= set(re.findall(r"release_tree\(\"(\d+\.\d+\.\d+)\"\)", path.read_text()))
+    tested = list(load_catalogue().tested_releases)
+    return sorted(named - set(tested), key=lambda v: tuple(map(int, v.split(".")))) + tested
+
+
 def fetch_all(cache: Path, compare: Path | None) -> dict:
-    """Every tested release into ``cache`` (as the tests' fixtures fetch them), timed."""
-    releases = load_catalogue().tested_releases
+    """Every release the tests use into ``cache`` (as their fixtures fetch them), timed."""
+    releases = test_releases()
     start = time.perf_counter()
     for version in releases:
         fetch(version, cache / f"vllm-{version}")
