@@ -102,6 +102,18 @@ def test_reads_are_coalesced_into_few_requests(tmp_path, monkeypatch, wheels):
     assert 2 <= len(_wheel_requests(index)) <= 4, _wheel_requests(index)
 
 
+def test_a_tail_of_the_end_record_alone(tmp_path, monkeypatch, wheels):
+    """The directory and RECORD lie before the tail: read by their own ranges; members
+    that come before RECORD wait for it."""
+    monkeypatch.setattr(members, "TAIL_READ", 22)
+    index = Index(wheels["plain"].read_bytes())
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
+    assert requested_ranges(index)[0] == (len(index.wheel) - 22, len(index.wheel))
+
+
 @pytest.mark.parametrize("refusal", ["no ranges", "416"])
 def test_a_server_without_ranges_gets_the_whole_wheel_and_one_line(
     tmp_path, monkeypatch, wheels, refusal

@@ -6,8 +6,9 @@ wheel downloaded when the server refuses ranges). Either way the same
 steps run: the tail, the central directory, the wanted members' spans
 coalesced into few reads (fetched a few at a time, so a far server's
 latency is paid a few times, not once a member), each member inflated,
-checked against its CRC and then the wheel's RECORD, and only then written
-under the staging directory, through :class:`patchkit.fs.safepath.Root`
+checked against its CRC and then the wheel's RECORD (read first: a wheel's
+RECORD lies near its end, in the tail read first), and only then written
+under the staging directory while the other reads go on, through :class:`patchkit.fs.safepath.Root`
 (descriptor walks, no links followed, a name that would leave the tree
 refused).
 """
@@ -19,6 +20,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from patchkit.errors import PatchkitError
@@ -124,7 +126,8 @@ def hash_file(fd: int, filename: str, sha256: str | None, size: int | None) -> N
 
 
 def extract(source: Source, wanted: Callable[[str], bool], staging: Root) -> Fetched:
-    """The members ``wanted`` names, from ``source`` into ``staging``; RECORD-checked first."""
+    """The members ``wanted`` names, from ``source`` into ``staging``; each RECORD-checked
+    before it is written."""
     what = source.what
     tail_start = source.size - len(source.tail)
     if not source.tail:
@@ -138,13 +141,22 @@ def extract(source: Source, wanted: Callable[[str], bool], staging: Root) -> Fet
         raise wheelzip.BadWheel(f"fetch: {what} has no .dist-info/RECORD")
     spans = wheelzip.spans(members, chosen, directory, what)
     ranges = wheelzip.coalesce(spans, GAP, MOST)
-    contents, reads = _read_ranges(source, tail_start, ranges)
     record_name = next(m.name for m in chosen if m.name.endswith(".dist-info/RECORD"))
-    record = parse_record(contents[record_name], what)
-    for name, content in contents.items():
-        check_member(name, content, record, what)
-    _write(staging, contents)
-    return Fetched(len(contents), sum(len(c) for c in contents.values()), reads)
+    fetched = Fetched(reads=sum(1 for r in ranges if r[0] < tail_start))
+    record, pending = None, {}
+    with _Writer(staging) as writer:
+        for name, content in _members(source, tail_start, ranges):
+            fetched.members += 1
+            fetched.wanted_bytes += len(content)
+            if name == record_name:
+                record = parse_record(content, what)
+            pending[name] = content
+            if record is not None:  # RECORD first (a vLLM wheel's is in the tail), then each
+                for held, data in pending.items():
+                    check_member(held, data, record, what)
+                    writer.write(held, data)
+                pending.clear()
+    return fetched
 
 
 def _from_tail(source: Source, tail_start: int, start: int, end: int) -> bytes:
@@ -153,21 +165,19 @@ def _from_tail(source: Source, tail_start: int, start: int, end: int) -> bytes:
     return source.read(start, end)
 
 
-def _read_ranges(source: Source, tail_start: int, ranges) -> tuple[dict[str, bytes], int]:
-    """Each coalesced range, read a few at a time; its members' contents by name."""
-    contents: dict[str, bytes] = {}
-    remote = [r for r in ranges if r[0] < tail_start]
+def _members(source: Source, tail_start: int, ranges):
+    """(name, content) of each member: those in the tail first, then as reads end."""
     for start, _, held in ranges:
         if start >= tail_start:
-            _take(source, source.tail, tail_start, held, contents)
+            yield from _take(source, source.tail, tail_start, held)
+    remote = [r for r in ranges if r[0] < tail_start]
     for (start, _, held), data in _parallel(source, remote):
-        _take(source, data, start, held, contents)
-    return contents, len(remote)
+        yield from _take(source, data, start, held)
 
 
-def _take(source: Source, data: bytes, data_start: int, held, contents) -> None:
+def _take(source: Source, data: bytes, data_start: int, held):
     for _, _, member in held:
-        contents[member.name] = wheelzip.member_bytes(member, data, data_start, source.what)
+        yield member.name, wheelzip.member_bytes(member, data, data_start, source.what)
 
 
 def _parallel(source: Source, ranges):
@@ -210,42 +220,54 @@ def _drain(todo: queue.Queue) -> None:
             return
 
 
-def _write(staging: Root, contents: dict[str, bytes]) -> None:
-    """Every member under ``staging``: fresh files (O_EXCL, no link followed), written
-    from one descriptor of each directory (walked from the staging root without links)."""
-    origin = f"fetch: {staging.path.name}"
-    by_directory: dict[str, list[str]] = {}
-    for name in contents:
+class _Writer:
+    """Members into ``staging`` as they come: fresh files (O_EXCL, no link followed),
+    each through a descriptor of its directory, walked from the staging root without
+    links and kept open while the members of one directory follow each other."""
+
+    def __init__(self, staging: Root):
+        self.staging = staging
+        self.origin = f"fetch: {staging.path.name}"
+        self.directory: str | None = None
+        self.held = ExitStack()
+        self.fd = -1
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.held.close()
+
+    def write(self, name: str, data: bytes) -> None:
         try:
-            relpath = checked_relpath(name.rstrip("/"), origin, top=None)
+            relpath = checked_relpath(name.rstrip("/"), self.origin, top=None)
         except UnsafePath as exc:
             raise PatchkitError(f"{exc} (a member of the wheel)") from None
-        if name.endswith("/"):
-            by_directory.setdefault(relpath, [])
-        else:
-            head, _, base = relpath.rpartition("/")
-            by_directory.setdefault(head, []).append(base)
-    for directory in sorted(by_directory):
+        head, _, base = relpath.rpartition("/")
         try:
-            with staging.directory(directory, origin, create=True) as fd:
-                for base in by_directory[directory]:
-                    name = f"{directory}/{base}" if directory else base
-                    _write_file(fd, base, contents[name], staging.full(name))
+            if name.endswith("/"):
+                with self.staging.directory(relpath, self.origin, create=True):
+                    return
+            if head != self.directory:
+                self.held.close()
+                self.directory = None
+                self.fd = self.held.enter_context(
+                    self.staging.directory(head, self.origin, create=True)
+                )
+                self.directory = head
+            _write_file(self.fd, base, data, self.staging.full(relpath))
         except OSError as exc:
             raise PatchkitError(
-                f"fetch: cannot write {staging.full(directory)}: {exc.strerror}"
+                f"fetch: cannot write {self.staging.full(relpath)}: {exc.strerror}"
             ) from None
 
 
 def _write_file(directory_fd: int, name: str, data: bytes, path) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    out = os.open(name, flags, 0o666, dir_fd=directory_fd)
     try:
-        out = os.open(name, flags, 0o666, dir_fd=directory_fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(out, view) :]
-        finally:
-            os.close(out)
-    except OSError as exc:
-        raise PatchkitError(f"fetch: cannot write {path}: {exc.strerror}") from None
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view) :]
+    finally:
+        os.close(out)
