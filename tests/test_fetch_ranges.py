@@ -114,7 +114,7 @@ def test_a_tail_of_the_end_record_alone(tmp_path, monkeypatch, wheels):
     assert requested_ranges(index)[0] == (len(index.wheel) - 22, len(index.wheel))
 
 
-@pytest.mark.parametrize("refusal", ["no ranges", "416"])
+@pytest.mark.parametrize("refusal", ["no ranges", "416", "Accept-Ranges: none"])
 def test_a_server_without_ranges_gets_the_whole_wheel_and_one_line(
     tmp_path, monkeypatch, wheels, refusal
 ):
@@ -122,6 +122,8 @@ def test_a_server_without_ranges_gets_the_whole_wheel_and_one_line(
     index = Index(wheel.read_bytes(), ranges=refusal != "no ranges")
     if refusal == "416":
         index.hostile["status"] = 416
+    if refusal == "Accept-Ranges: none":
+        index.hostile["accept_ranges"] = "none"
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
         dest = tmp_path / "d" / "vllm-0.26.0"

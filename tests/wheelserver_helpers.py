@@ -185,7 +185,8 @@ class Handler(BaseHTTPRequestHandler):
     def _file(self):
         """The wheel; ``hostile`` keys change the range answer: content_range (a function of
         (start, end, total) giving the header), extra_bytes (sent beyond the range),
-        short_by (bytes left out), status (for range requests), body (the bytes served)."""
+        short_by (bytes left out), status (for range requests), accept_ranges (its header),
+        body (the bytes served)."""
         index, hostile = self.index, self.index.hostile
         data = hostile.get("body", index.wheel)
         asked = self.headers.get("Range")
@@ -197,7 +198,8 @@ class Handler(BaseHTTPRequestHandler):
         header = hostile.get("content_range", lambda a, b, t: f"bytes {a}-{b - 1}/{t}")
         body = data[start:end] + b"\0" * hostile.get("extra_bytes", 0)
         body = body[: len(body) - hostile.get("short_by", 0)]
-        headers = {"Content-Range": header(start, end, len(data)), "Accept-Ranges": "bytes"}
+        headers = {"Content-Range": header(start, end, len(data)),
+                   "Accept-Ranges": hostile.get("accept_ranges", "bytes")}  # fmt: skip
         self._send(hostile.get("status", 206), body, headers, count=True)
 
     def _send(self, status: int, body: bytes, headers: dict | None = None, count: bool = False):
