@@ -116,10 +116,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--all", action="store_true", help="also every tested release, cold")
     parser.add_argument("--compare", type=Path, help="a test cache to compare the trees with")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="where caches and downloads go (default: the temporary directory; "
+        "/dev/shm takes the shared disk out)",
+    )
     args = parser.parse_args()
 
     load = [round(x, 2) for x in os.getloadavg()]
-    work = Path(tempfile.mkdtemp(prefix="patchkit-bench-fetch-"))
+    work = Path(tempfile.mkdtemp(prefix="patchkit-bench-fetch-", dir=args.work))
     try:
         rows = fetch_runs(args.version, args.runs, work)
         every = fetch_all(work / "test-cache", args.compare) if args.all else None
@@ -139,6 +145,7 @@ def main() -> None:
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "host": platform.node(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "load_before": load,
+        "work": str(work.parent),
         "load_after": [round(x, 2) for x in os.getloadavg()], "runs": rows,
         "ratio": round(ratio, 3), "every_release": every,
     }))  # fmt: skip
