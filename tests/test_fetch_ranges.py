@@ -277,3 +277,14 @@ def test_the_real_wheel_by_ranges_is_the_whole_wheel_unpacked(tmp_path, monkeypa
     assert files == tree_files(whole)
     cached = {k: v[0] for k, v in tree_files(release_tree("0.26.0")).items()}
     assert {k: v[0] for k, v in files.items()} == cached
+
+
+def test_an_index_without_the_project_is_skipped_for_the_next(tmp_path, monkeypatch, wheels):
+    """pip's way: a 404 for the project page is no candidate; the extra index has it."""
+    index = Index(wheels["plain"].read_bytes())
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/elsewhere", tmp_path)
+        monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"{index.url}/simple")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    assert (dest / "vllm" / "__init__.py").is_file()
+    assert [r["path"] for r in index.seen[:2]] == ["/elsewhere/vllm/", "/simple/vllm/"]

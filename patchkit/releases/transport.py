@@ -36,7 +36,12 @@ CONTENT_RANGE = re.compile(r"bytes (\d{1,15})-(\d{1,15})/(\d{1,15})")
 
 
 class FetchError(PatchkitError):
-    """A one-line failure of the index, the server or the wheel."""
+    """A one-line failure of the index, the server or the wheel (``status``: the HTTP
+    status where the server answered with an error)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RangesRefused(Exception):
@@ -150,7 +155,9 @@ class Transport:
                 ) from None
             if exc.code == 416:
                 raise RangesRefused(f"it answered 416 to {headers}") from None
-            raise FetchError(f"fetch: {host_of(url)} answered {exc.code} {exc.reason}") from None
+            raise FetchError(
+                f"fetch: {host_of(url)} answered {exc.code} {exc.reason}", exc.code
+            ) from None
         except urllib.error.URLError as exc:
             raise FetchError(f"fetch: cannot reach {host_of(url)}: {exc.reason}") from None
         except (http.client.HTTPException, OSError, ValueError) as exc:
@@ -161,7 +168,7 @@ class Transport:
         try:
             response = self.open(url, {"Accept": accept})
         except FetchError as exc:
-            if " answered 404 " in str(exc):
+            if exc.status == 404:
                 return None
             raise
         with response:
