@@ -12,6 +12,8 @@ configuration files are used as pip uses them.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 from patchkit.releases import members
 from patchkit.releases.fetch import MARKER, fetch
-from patchkit.releases.index import find_wheel
+from patchkit.releases.index import PLATFORMS, find_wheel
 from patchkit.releases.pipconfig import PipSettings, pip_settings
 from patchkit.releases.transport import Transport
 from tests.conftest import release_tree, run_cli, slim_tree
@@ -231,7 +233,7 @@ def test_pip_configuration_files_and_variables_in_pips_order(tmp_path):
 
 def test_the_wheel_pip_would_take(tmp_path):
     """Of the candidates, the best tag for CPython 3.12 on x86_64 (cp312 before abi3),
-    at exactly the version, no aarch64, no sdist; find-links before the index."""
+    at exactly the version, no aarch64, no sdist; a +local version above, as pip takes it."""
     links = tmp_path / "links"
     links.mkdir()
     for name in (
@@ -240,6 +242,7 @@ def test_the_wheel_pip_would_take(tmp_path):
         "vllm-0.26.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
         "vllm-0.26.0-cp313-cp313-manylinux_2_28_x86_64.whl",
         "vllm-0.26.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "vllm-0.26.0.post1-cp312-cp312-manylinux_2_28_x86_64.whl",
         "vllm-0.26.0.tar.gz",
     ):
         (links / name).write_bytes(b"")
@@ -248,7 +251,9 @@ def test_the_wheel_pip_would_take(tmp_path):
     assert (
         found.filename == "vllm-0.26.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
     )
-    settings = PipSettings(index_url="file:///nonexistent/simple", find_links=(str(links),))
+    (links / "vllm-0.26.0+cu129-cp38-abi3-manylinux_2_39_x86_64.whl").write_bytes(b"")
+    found = find_wheel("0.26.0", settings, Transport(settings, {}))
+    assert found.filename == "vllm-0.26.0+cu129-cp38-abi3-manylinux_2_39_x86_64.whl"  # higher
     with pytest.raises(Exception, match=r"no wheel of vllm==0\.27\.0 .* at .*links"):
         find_wheel("0.27.0", settings, Transport(settings, {}))
 
@@ -288,3 +293,29 @@ def test_an_index_without_the_project_is_skipped_for_the_next(tmp_path, monkeypa
         dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
     assert (dest / "vllm" / "__init__.py").is_file()
     assert [r["path"] for r in index.seen[:2]] == ["/elsewhere/vllm/", "/simple/vllm/"]
+
+
+@pytest.mark.slow
+def test_pip_takes_the_same_wheel(tmp_path):
+    """pip itself, offline on the same find-links directory, picks the file fetch picks
+    (it then finds the empty file invalid, naming it)."""
+    links = tmp_path / "links"
+    links.mkdir()
+    for name in (
+        "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "vllm-0.26.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "vllm-0.26.0-cp313-cp313-manylinux_2_28_x86_64.whl",
+        "vllm-0.26.0+cu129-cp38-abi3-manylinux_2_39_x86_64.whl",
+        "vllm-0.26.0+cu129-cp38-abi3-manylinux_2_39_aarch64.whl",
+    ):
+        (links / name).write_bytes(b"")
+    settings = PipSettings(no_index=True, find_links=(str(links),))
+    ours = find_wheel("0.26.0", settings, Transport(settings, {})).filename
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "vllm==0.26.0", "--no-deps", "--only-binary",
+         ":all:", "--python-version", "3.12", "--implementation", "cp", *platforms,
+         "--no-index", "--find-links", str(links), "-d", str(tmp_path / "out")],
+        capture_output=True, text=True, env={**os.environ, "PIP_CONFIG_FILE": os.devnull},
+    )  # fmt: skip
+    assert f"located at {links / ours} is invalid" in done.stdout + done.stderr, done.stderr

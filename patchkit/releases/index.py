@@ -4,9 +4,10 @@ pip's rules, for the wheels fetch wants (CPython 3.12 on x86_64 Linux, no
 sdist): the candidates are the find-links locations' files, then each
 index's project page (``INDEX/vllm/``, PEP 691 JSON where the index offers
 it, else PEP 503 HTML), in that order; of those named ``vllm`` at exactly
-VERSION, whose tags fit and whose Requires-Python admits 3.12, a
-non-yanked one beats a yanked one, then the better tag (pip's order of
-supported tags) wins, then the first found. An index without the project
+VERSION (or VERSION+local, as ``==`` admits), whose tags fit and whose
+Requires-Python admits 3.12, a non-yanked one beats a yanked one, then the
+higher version, then the better tag (pip's order of supported tags), then
+the first found. An index without the project
 (404) is skipped, as pip skips it.
 """
 
@@ -48,6 +49,7 @@ class WheelLink:
     size: int | None
     yanked: bool
     rank: int  # the best of its tags in pip's order (lower is better)
+    version: Version | None = None  # 0.26.0, or 0.26.0+cu129 which ==0.26.0 admits too
 
     @property
     def is_local(self) -> bool:
@@ -73,7 +75,7 @@ def supported_tags() -> list[Tag]:
 
 def find_wheel(version: str, settings: PipSettings, transport: Transport) -> WheelLink:
     """The wheel pip would download; a one-line error naming the indexes when there is none."""
-    wanted = Version(version)
+    wanted = SpecifierSet(f"=={Version(version)}")  # as pip reads vllm==VERSION: +local too
     ranks = {tag: n for n, tag in enumerate(supported_tags())}
     found: list[WheelLink] = []
     for location in settings.find_links:
@@ -86,22 +88,24 @@ def find_wheel(version: str, settings: PipSettings, transport: Transport) -> Whe
         raise FetchError(
             f"fetch: no wheel of vllm=={version} for CPython 3.12 on x86_64 Linux at {where}"
         )
-    return min(found, key=lambda link: (link.yanked, link.rank))  # min keeps the first of equals
+    # pip's order: not yanked, then the higher version (a +local one), then the better tag;
+    # max keeps the first of equals
+    return max(found, key=lambda link: (not link.yanked, link.version, -link.rank))
 
 
-def _fitting(links, version: Version, ranks: dict[Tag, int]) -> list[WheelLink]:
+def _fitting(links, version: SpecifierSet, ranks: dict[Tag, int]) -> list[WheelLink]:
     out = []
     for filename, url, sha256, size, requires, yanked in links:
         try:
             name, found, _, tags = parse_wheel_filename(filename)
         except (InvalidWheelFilename, InvalidVersion):
             continue
-        if canonicalize_name(name) != PROJECT or found != version:
+        if canonicalize_name(name) != PROJECT or not version.contains(found, prereleases=True):
             continue
         rank = min((ranks[t] for t in tags if t in ranks), default=None)
         if rank is None or not _admits(requires):
             continue
-        out.append(WheelLink(filename, url, sha256, size, yanked, rank))
+        out.append(WheelLink(filename, url, sha256, size, yanked, rank, found))
     return out
 
 
