@@ -211,3 +211,11 @@ def test_an_index_page_past_its_bound(tmp_path, monkeypatch, wheel_bytes):
     monkeypatch.setattr("patchkit.releases.index.MAX_PAGE", 100)
     line = failed_fetch(tmp_path, monkeypatch, Index(wheel_bytes))
     assert "127.0.0.1 sent" in line and "over 100" in line
+
+
+def test_a_file_name_that_climbs_out_is_no_candidate(tmp_path, monkeypatch, wheel_bytes):
+    """The index names the wheel ../../vllm-...whl (the URL is the real one): not a wheel
+    name pip would take, so no wheel; nothing written beside the cache either way."""
+    index = Index(wheel_bytes, ranges=False, filename=f"../../{WHEEL}")
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert "no wheel of vllm==0.26.0" in line

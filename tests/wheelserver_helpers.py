@@ -122,6 +122,7 @@ class Index:
     proxy: bool = False  # answers absolute-URI requests (a proxy), and only those
     page_sha256: str | None = None  # None: the wheel's own
     page_size: int | None = None  # None: the wheel's own; -1 leaves it out
+    filename: str = WHEEL  # the name the JSON page gives
     hostile: dict = field(default_factory=dict)  # see Handler._file
     hold: threading.Event | None = None  # set: range requests before the tail wait for it
     seen: list = field(default_factory=list)
@@ -172,7 +173,7 @@ class Handler(BaseHTTPRequestHandler):
         size = len(index.wheel) if index.page_size is None else index.page_size
         url = f"../../files/{WHEEL}"
         if index.json_page:
-            entry = {"filename": WHEEL, "url": url, "hashes": {"sha256": sha}}
+            entry = {"filename": index.filename, "url": url, "hashes": {"sha256": sha}}
             if size >= 0:
                 entry["size"] = size
             body = json.dumps({"meta": {"api-version": "1.1"}, "name": "vllm", "files": [entry]})

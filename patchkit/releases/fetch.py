@@ -48,6 +48,7 @@ from patchkit.vllmtree.tree import is_version
 
 MARKER = ".patchkit-fetched"
 STAGING_MARKER = ".patchkit-staging"
+WHOLE_WHEEL = "wheel.whl"  # in the staging directory, when ranges are refused
 
 
 def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
@@ -234,9 +235,8 @@ def _from_whole_wheel(
     limit = link.size if link.size is not None else MAX_WHEEL
     digest = hashlib.sha256()
     with Root.open(tmp) as holder, response:
-        with holder.parent(link.filename, "fetch", create=False) as (fd, name):
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            out = os.open(name, flags, 0o600, dir_fd=fd)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(WHOLE_WHEEL, flags, 0o600, dir_fd=holder.fd)  # not the index's name
         try:
             with os.fdopen(os.dup(out), "wb") as writer:
                 transport.stream_to(response, writer, limit, link.url, digest)
