@@ -12,6 +12,7 @@ configuration files are used as pip uses them.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -319,3 +320,23 @@ def test_pip_takes_the_same_wheel(tmp_path):
         capture_output=True, text=True, env={**os.environ, "PIP_CONFIG_FILE": os.devnull},
     )  # fmt: skip
     assert f"located at {links / ours} is invalid" in done.stdout + done.stderr, done.stderr
+
+
+def test_each_host_is_looked_up_once(tmp_path, monkeypatch, wheels):
+    """A connection a request, but one DNS lookup a host: a lost answer costs a resolver
+    retry (5 s here for one lookup in about 40) once a fetch, not once a request."""
+    looked_up = []
+    real = socket.getaddrinfo
+
+    def counting(host, *args, **kwargs):
+        looked_up.append(host)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counting)
+    monkeypatch.setattr(members, "TAIL_READ", 64 << 10)
+    index = Index(wheels["plain"].read_bytes())
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    assert len(index.seen) >= 3
+    assert looked_up == ["127.0.0.1"]

@@ -171,8 +171,8 @@ def _members(source: Source, tail_start: int, ranges):
         if start >= tail_start:
             yield from _take(source, source.tail, tail_start, held)
     remote = [r for r in ranges if r[0] < tail_start]
-    for (start, _, held), data in _parallel(source, remote):
-        yield from _take(source, data, start, held)
+    for decoded in _parallel(source, remote):
+        yield from decoded
 
 
 def _take(source: Source, data: bytes, data_start: int, held):
@@ -180,9 +180,15 @@ def _take(source: Source, data: bytes, data_start: int, held):
         yield member.name, wheelzip.member_bytes(member, data, data_start, source.what)
 
 
+def _read_and_inflate(source: Source, item) -> list[tuple[str, bytes]]:
+    start, end, held = item
+    return list(_take(source, source.read(start, end), start, held))
+
+
 def _parallel(source: Source, ranges):
-    """(range, bytes) as each read ends, WORKERS at a time, in daemon threads: an
-    interrupted fetch neither waits for them nor leaves them writing (they only read)."""
+    """Each range's members, read and inflated (zlib lets go of the GIL) WORKERS at a
+    time, as each read ends, in daemon threads: an interrupted fetch neither waits for
+    them nor leaves them writing (they only read)."""
     if not ranges:
         return
     todo: queue.Queue = queue.Queue()
@@ -197,7 +203,7 @@ def _parallel(source: Source, ranges):
             except queue.Empty:
                 return
             try:
-                done.put((item, source.read(item[0], item[1]), None))
+                done.put((item, _read_and_inflate(source, item), None))
             except BaseException as exc:  # handed to the main thread, which raises it
                 done.put((item, None, exc))
                 return
@@ -205,11 +211,11 @@ def _parallel(source: Source, ranges):
     for _ in range(min(WORKERS, len(ranges))):
         threading.Thread(target=work, daemon=True).start()
     for _ in ranges:
-        item, data, error = done.get()
+        _, decoded, error = done.get()
         if error is not None:
             _drain(todo)
             raise error
-        yield item, data
+        yield decoded
 
 
 def _drain(todo: queue.Queue) -> None:

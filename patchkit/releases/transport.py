@@ -20,6 +20,7 @@ import http.client
 import netrc
 import os
 import re
+import socket
 import ssl
 import threading
 import urllib.error
@@ -91,9 +92,12 @@ class Transport:
             else urllib.request.getproxies_environment()
         )
         context = ssl.create_default_context(cafile=settings.cert) if settings.cert else None
+        self.addresses = _Addresses()
+        plain, secure = _connections(self.addresses)
         self.opener = urllib.request.build_opener(
             urllib.request.ProxyHandler(proxies),
-            urllib.request.HTTPSHandler(context=context),
+            _PlainHandler(plain),
+            _SecureHandler(secure, context),
             _Redirects(self),
         )
         # an opener has no FileHandler of ours: file: URLs are read by the caller
@@ -245,6 +249,76 @@ class Transport:
 
 
 IDENTITY = {"Accept-Encoding": "identity"}
+
+
+class _Addresses:
+    """Each host looked up once a fetch: a fetch opens a connection a request (urllib
+    keeps none alive), and here one DNS answer in about 40 came after a 5 s retry."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.known: dict[tuple[str, int], list] = {}
+        self.lookups = 0
+
+    def addresses(self, host: str, port: int) -> list:
+        with self.lock:
+            if (host, port) not in self.known:
+                self.lookups += 1
+                self.known[(host, port)] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+            return self.known[(host, port)]
+
+    def connect(self, address, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, source_address=None):
+        """socket.create_connection, with the addresses looked up once."""
+        host, port = address
+        failure: OSError | None = None
+        for family, kind, proto, _, where in self.addresses(host, port):
+            sock = socket.socket(family, kind, proto)
+            try:
+                if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:
+                    sock.settimeout(timeout)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(where)
+                return sock
+            except OSError as exc:
+                failure = exc
+                sock.close()
+        raise failure or OSError(f"{host} has no address")
+
+
+def _connections(addresses: _Addresses):
+    """http.client's connection classes, connecting through ``addresses``."""
+
+    class Plain(http.client.HTTPConnection):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._create_connection = addresses.connect
+
+    class Secure(http.client.HTTPSConnection):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._create_connection = addresses.connect
+
+    return Plain, Secure
+
+
+class _PlainHandler(urllib.request.HTTPHandler):
+    def __init__(self, connection):
+        super().__init__()
+        self.connection = connection
+
+    def http_open(self, req):
+        return self.do_open(self.connection, req)
+
+
+class _SecureHandler(urllib.request.HTTPSHandler):
+    def __init__(self, connection, context):
+        super().__init__(context=context)
+        self.connection = connection
+        self.tls = context
+
+    def https_open(self, req):
+        return self.do_open(self.connection, req, context=self.tls)
 
 
 def check_partial(response, url: str) -> None:
