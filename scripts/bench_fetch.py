@@ -43,6 +43,9 @@ from patchkit.releases.fetch import fetch  # noqa: E402
 
 
 def timed(command: list[str], env: dict[str, str]) -> float:
+    """Wall clock of one command, started with no dirty data of the runs before it:
+    pip's 300 MB written back while the next command creates files throttles that one."""
+    os.sync()
     start = time.perf_counter()
     done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
@@ -88,6 +91,7 @@ def test_releases() -> list[str]:
 def fetch_all(cache: Path, compare: Path | None) -> dict:
     """Every release the tests use into ``cache`` (as their fixtures fetch them), timed."""
     releases = test_releases()
+    os.sync()
     start = time.perf_counter()
     for version in releases:
         fetch(version, cache / f"vllm-{version}")
