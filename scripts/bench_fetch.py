@@ -17,7 +17,9 @@ and 0.10.0) into an empty test cache as their fixtures do (tests/conftest.py,
 release_tree), and with --compare each tree is compared file by file with
 the one in DIR (a cache the tests filled before, by the whole-wheel path).
 Prints a Markdown table and one JSON line with the numbers, the commit, the
-host and the load average.
+host and the load average. On an ext4 without a journal, files created in
+the minutes after many were deleted (this script's own cleanup, other test
+runs) cost far more: leave five minutes after a large deletion.
 """
 
 from __future__ import annotations
