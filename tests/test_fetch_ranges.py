@@ -340,3 +340,12 @@ def test_each_host_is_looked_up_once(tmp_path, monkeypatch, wheels):
         fetch("0.26.0", tmp_path / "vllm-0.26.0")
     assert len(index.seen) >= 3
     assert looked_up == ["127.0.0.1"]
+
+
+def test_a_cert_setting_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    only_this_index(monkeypatch, "https://index.invalid/simple", tmp_path)
+    monkeypatch.setenv("PIP_CERT", str(tmp_path / "missing.pem"))
+    result = run_cli("fetch", "0.26.0", "--dest", str(tmp_path / "d" / "v"))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith(f"patchkit: error: fetch: pip's cert {tmp_path}/missing.pem")
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "d" / "v").exists()

@@ -91,7 +91,7 @@ class Transport:
             if settings.proxy
             else urllib.request.getproxies_environment()
         )
-        context = ssl.create_default_context(cafile=settings.cert) if settings.cert else None
+        context = _tls(settings.cert)
         self.addresses = _Addresses()
         plain, secure = _connections(self.addresses)
         self.opener = urllib.request.build_opener(
@@ -249,6 +249,16 @@ class Transport:
 
 
 IDENTITY = {"Accept-Encoding": "identity"}
+
+
+def _tls(cert: str | None) -> ssl.SSLContext | None:
+    """pip's ``cert`` as the CA bundle (None: the system's)."""
+    if not cert:
+        return None
+    try:
+        return ssl.create_default_context(cafile=cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise FetchError(f"fetch: pip's cert {cert[:200]} cannot be used: {_said(exc)}") from None
 
 
 class _Addresses:
