@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, copy_tree, run_cli
+from tests.conftest import PATCHKIT, REPO, copy_tree, run_cli, slim_tree
+from tests.fault_helpers import default_dispositions
+from tests.wheelserver_helpers import PIP_ENV, WHEEL, Index, build_wheel, serving
 
 
 @pytest.mark.slow
@@ -48,38 +51,40 @@ def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
     assert (lookalike / "mine.txt").read_text() == "mine\n"
 
 
-def test_pip_dies_with_a_killed_fetch(tmp_path):
-    """The download child gets the parent-death signal: SIGKILL of patchkit ends it too."""
-    pid_file = tmp_path / "child.pid"
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys, time\n"
-            "from patchkit.releases.fetch import _die_with_parent\n"
-            "child = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent)\n"
-            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-            "time.sleep(60)\n",
-        ],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    for _ in range(100):
-        if pid_file.is_file() and pid_file.read_text():
-            break
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
-    parent.kill()
-    parent.wait()
-    for _ in range(100):
+@pytest.mark.slow
+def test_ctrl_c_during_the_range_reads_removes_the_staging_at_once(tmp_path):
+    """The member reads hang (the server stopped answering); Ctrl-C ends the fetch with
+    exit 130 and its one line, without waiting for the reading threads, and the staging
+    directory goes with it."""
+    tree = slim_tree(tmp_path / "tree")
+    wheel = build_wheel(tree, tmp_path / WHEEL)
+    index = Index(wheel.read_bytes(), hold=threading.Event())
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with serving(index):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PIP_CONFIG_FILE": os.devnull,
+               "PIP_INDEX_URL": f"{index.url}/simple", "HOME": str(tmp_path)}  # fmt: skip
+        for name in PIP_ENV[1:]:
+            env.pop(name, None)
+        child = subprocess.Popen(
+            [*PATCHKIT, "fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0")],
+            env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_dispositions,
+        )  # fmt: skip
         try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
-            return  # a zombie waiting for init to reap it: dead
-        time.sleep(0.05)
-    os.kill(child, 9)
-    pytest.fail("the download child outlived the killed fetch")
+            for _ in range(400):
+                if any(r["range"] and not r["range"].startswith("bytes=-") for r in index.seen):
+                    break
+                time.sleep(0.025)
+            assert [p.name for p in cache.iterdir()], "no staging directory while reading"
+            child.send_signal(signal.SIGINT)
+            _, stderr = child.communicate(timeout=30)  # a hang fails here, not the suite
+        finally:
+            index.hold.set()
+            if child.poll() is None:
+                child.kill()
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert list(cache.iterdir()) == []
 
 
 def test_fetch_staging_cleanup_removes_the_marker_last(tmp_path):

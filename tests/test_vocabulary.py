@@ -99,7 +99,7 @@ sys.addaudithook(_hook)
 @pytest.mark.parametrize(
     "args,event,test,words",
     [
-        (["fetch", "0.26.0", "--dest", "DEST"], "subprocess.Popen", "True",
+        (["fetch", "0.26.0", "--dest", "DEST"], "urllib.Request", "True",
          "the destination is complete or untouched"),
         (["doctor"], "import", "args[0] == 'patchkit.doctor.doctor'",
          "`patchkit doctor` changes nothing"),

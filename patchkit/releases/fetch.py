@@ -1,44 +1,54 @@
 """``patchkit fetch VERSION``: a pristine vLLM release tree from its PyPI wheel.
 
-pip (as a subprocess) downloads the x86_64 wheel; its Python files and its
-``vllm-VERSION.dist-info/`` (with the RECORD of sha256 hashes) are unpacked
-into an install-like directory, so ``--target`` sees exactly what
-``pip install`` would have put in site-packages. Compiled extensions are
-left out: patches touch Python files only, and the tree stays small. The
-wheel is deleted after unpacking; the tree is the cache.
+The wheel is the one ``pip download vllm==VERSION`` would take (CPython 3.12,
+x86_64 Linux), found through the index pip is configured with
+(:mod:`patchkit.releases.index`). Only its Python files and its
+``vllm-VERSION.dist-info/`` (with the RECORD of sha256 hashes) are read, by
+HTTP range requests on the wheel's zip directory, about 8 MB of a 300 MB
+wheel, and unpacked into an install-like directory, so ``--target`` sees
+exactly what ``pip install`` would have put in site-packages; each file is
+checked against the wheel's RECORD before it is written
+(:mod:`patchkit.releases.members`). Compiled extensions are left out:
+patches touch Python files only, and the tree stays small. A server that
+does not serve ranges gets the whole wheel downloaded (checked against the
+index's sha256) and one line saying so; the wheel is deleted after
+unpacking; the tree is the cache.
 
-A killed fetch must not leave work behind: pip runs with a parent-death
-signal (Linux), so it dies with patchkit, and the staging directory holds a
+A killed fetch must not leave work behind: the staging directory holds a
 marker file patchkit writes first (its pid and the process's start time), so
 the next fetch removes the staging directories of dead runs, and only
 those: a directory is never recognised by its name.
-On a terminal pip's progress bar shows on stderr; elsewhere pip is quiet.
 """
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
 from patchkit.fs.signals import held
+from patchkit.releases.index import WheelLink, find_wheel
+from patchkit.releases.members import (
+    MAX_WHEEL,
+    Fetched,
+    extract,
+    hash_file,
+    local_source,
+    remote_source,
+)
+from patchkit.releases.pipconfig import pip_settings
+from patchkit.releases.transport import FetchError, RangesRefused, Transport, host_of
 from patchkit.vllmtree.tree import is_version
 
 MARKER = ".patchkit-fetched"
 STAGING_MARKER = ".patchkit-staging"
-# vLLM wheels are cp38-abi3 manylinux x86_64; 0.21.0 is tagged manylinux_2_39.
-PLATFORMS = ["manylinux2014_x86_64"] + [
-    f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)
-]
+WHOLE_WHEEL = "wheel.whl"  # in the staging directory, when ranges are refused
 
 
 def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
@@ -65,10 +75,9 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
         tmp = Path(tempfile.mkdtemp(prefix=f".vllm-{version}-", dir=dest.parent))
         (tmp / STAGING_MARKER).write_text(json.dumps(_this_process()))
     try:
-        wheel = _download(version, tmp, progress)
         staging = tmp / "tree"
-        _unpack(wheel, staging)
-        (staging / MARKER).write_text(f"{wheel.name}\n")
+        wheel = _fetch_members(version, tmp, progress)
+        (staging / MARKER).write_text(f"{wheel}\n")
         if dest.exists():
             dest.rmdir()
         os.replace(staging, dest)
@@ -173,62 +182,88 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _start_time(pid) in (None, start)
 
 
-def _die_with_parent() -> None:
-    """In the pip child: get SIGKILL when patchkit dies (prctl PR_SET_PDEATHSIG, Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed fetch may leave pip running until its download ends
-
-
-def _download(version: str, directory: Path, progress: bool = False) -> Path:
+def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
+    """The wanted members of the release's wheel into ``tmp/tree``; the wheel's name."""
+    settings = pip_settings()
+    transport = Transport(settings)
+    link = find_wheel(version, settings, transport)
+    os.mkdir(tmp / "tree")
+    with Root.open(tmp / "tree") as staging:
+        if link.is_local:
+            fetched = _from_local_file(link, staging)
+        else:
+            try:
+                source = remote_source(link.url, link.filename, link.size, transport)
+                fetched = extract(source, _wanted, staging)
+            except RangesRefused as refused:
+                print(
+                    f"fetch: {link.host} does not serve byte ranges ({refused.why}); "
+                    f"downloading the whole {link.filename}{_megabytes(link.size)}",
+                    file=sys.stderr,
+                )
+                fetched = _from_whole_wheel(link, transport, tmp, staging, refused)
+    if not (tmp / "tree" / "vllm" / "__init__.py").is_file():
+        raise FetchError(f"fetch: {link.filename} holds no vllm/ package")
     if progress:
-        print(f"downloading vllm=={version} with pip (about 300 MB)...", file=sys.stderr)
-    verbosity = ["--progress-bar", "on"] if progress else ["--quiet"]
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        *verbosity,
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        "--python-version",
-        "3.12",
-        "--implementation",
-        "cp",
-        *[arg for platform in PLATFORMS for arg in ("--platform", platform)],
-        "--dest",
-        str(directory),
-        f"vllm=={version}",
-    ]
-    result = subprocess.run(
-        command,
-        stdout=sys.stderr if progress else subprocess.PIPE,
-        stderr=None if progress else subprocess.PIPE,
-        text=True,
-        preexec_fn=_die_with_parent,
-    )
-    wheels = sorted(directory.glob("vllm-*.whl"))
-    if result.returncode != 0 or not wheels:
-        stderr = result.stderr or ""
-        lines = [ln for ln in stderr.splitlines() if ln.strip() and "is ignored" not in ln]
-        detail = lines[-1].strip() if lines else f"pip exited {result.returncode}"
-        raise PatchkitError(f"fetch: pip could not download vllm=={version}: {detail}")
-    return wheels[0]
+        print(_summary(link, fetched, transport), file=sys.stderr)
+    return link.filename
 
 
-def _unpack(wheel: Path, staging: Path) -> None:
+def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
+    path = link.url.removeprefix("file://")
     try:
-        with zipfile.ZipFile(wheel) as archive:
-            for member in archive.infolist():
-                if _wanted(member.filename):
-                    archive.extract(member, staging)
-    except zipfile.BadZipFile:
-        raise PatchkitError(f"fetch: {wheel.name} is not a valid wheel") from None
-    if not (staging / "vllm" / "__init__.py").is_file():
-        raise PatchkitError(f"fetch: {wheel.name} holds no vllm/ package")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FetchError(f"fetch: cannot read {path}: {exc.strerror}") from None
+    try:
+        hash_file(fd, link.filename, link.sha256, link.size)
+        return extract(local_source(fd, link.filename), _wanted, staging)
+    finally:
+        os.close(fd)
+
+
+def _from_whole_wheel(
+    link: WheelLink, transport: Transport, tmp: Path, staging: Root, refused: RangesRefused
+) -> Fetched:
+    """The whole wheel into the staging directory (sha256 and size as the index says), then
+    its members as from any local wheel; the 200 that refused a range is that download."""
+    response = getattr(refused, "response", None)
+    if response is None or response.status != 200:
+        if response is not None:
+            response.close()
+        response = transport.open(link.url, {"Accept-Encoding": "identity"})
+    limit = link.size if link.size is not None else MAX_WHEEL
+    digest = hashlib.sha256()
+    with Root.open(tmp) as holder, response:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(WHOLE_WHEEL, flags, 0o600, dir_fd=holder.fd)  # not the index's name
+        try:
+            with os.fdopen(os.dup(out), "wb") as writer:
+                transport.stream_to(response, writer, limit, link.url, digest)
+            if link.sha256 and digest.hexdigest() != link.sha256.lower():
+                raise FetchError(f"fetch: {link.filename} does not match its index's sha256")
+            hash_file(out, link.filename, None, link.size)
+            fetched = extract(local_source(out, link.filename), _wanted, staging)
+        finally:
+            os.close(out)
+    fetched.refused = refused.why
+    return fetched
+
+
+def _megabytes(size: int | None) -> str:
+    return "" if size is None else f" ({size / 1e6:,.0f} MB)"
+
+
+def _summary(link: WheelLink, fetched: Fetched, transport: Transport) -> str:
+    how = (
+        "from the whole wheel"
+        if fetched.refused
+        else f"in {transport.requests} requests, {transport.bytes_read / 1e6:,.1f} MB read"
+    )
+    return (
+        f"fetch: {fetched.members:,} files ({fetched.wanted_bytes / 1e6:,.1f} MB) of "
+        f"{link.filename}{_megabytes(link.size)} from {host_of(link.url)}, {how}"
+    )
 
 
 def _wanted(name: str) -> bool:

@@ -22,9 +22,10 @@ from patchkit.cli.outcome import outcome, user_errors
 @json_option
 @user_errors
 def fetch_command(version: str, dest: str | None, as_json: bool) -> None:
-    """Download vLLM VERSION's wheel and print the directory of its unpacked tree.
+    """Fetch vLLM VERSION's Python files from its wheel and print the directory of the tree.
 
-    Shows pip's progress on a terminal; quiet with --json or when stderr is not one.
+    Reads only those files, by range requests, from the index pip is configured
+    with; on a terminal a line says what was read.
     """
     from patchkit.releases.fetch import fetch
 

@@ -1,0 +1,151 @@
+"""The package index settings pip would use for ``pip download``, read the way pip reads them.
+
+fetch finds a wheel where ``pip download`` would, without starting pip (its
+start-up alone is a large part of a range fetch): the index URL, the extra
+index URLs, find-links, no-index, the proxy, the CA bundle and the timeout
+come from pip's configuration files and its ``PIP_*`` environment
+variables, with pip's precedence:
+
+* files, later overriding earlier: the global ones (``$XDG_CONFIG_DIRS``'s
+  ``pip/pip.conf``, then ``/etc/pip.conf``), the user's (``~/.pip/pip.conf``,
+  then ``$XDG_CONFIG_HOME/pip/pip.conf``), the site's (``sys.prefix/pip.conf``),
+  then ``$PIP_CONFIG_FILE`` (which, set to ``os.devnull``, turns every file off);
+* in the merged result, ``[global]`` then ``[download]`` (the command's own
+  section wins), then ``PIP_<NAME>`` variables over both.
+
+Credentials in an index URL and ``~/.netrc`` (or ``$NETRC``) are the
+transport's business; proxies from the environment too (``http_proxy``,
+``https_proxy``, ``no_proxy``), with pip's ``proxy`` setting over them.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchkit.errors import PatchkitError
+
+PYPI = "https://pypi.org/simple"
+COMMAND = "download"
+LIST_KEYS = ("extra-index-url", "find-links")
+TRUE = ("1", "true", "yes", "y", "on")
+FALSE = ("0", "false", "no", "n", "off")
+
+
+@dataclass(frozen=True)
+class PipSettings:
+    """What fetch takes from pip's configuration."""
+
+    index_url: str = PYPI
+    extra_index_urls: tuple[str, ...] = ()
+    find_links: tuple[str, ...] = ()
+    no_index: bool = False
+    proxy: str | None = None
+    cert: str | None = None
+    timeout: float = 15.0
+    sources: tuple[str, ...] = field(default=(), compare=False)  # the files read, for messages
+
+    @property
+    def index_urls(self) -> tuple[str, ...]:
+        """The indexes pip asks, in its order (none with no-index)."""
+        return () if self.no_index else (self.index_url, *self.extra_index_urls)
+
+
+def pip_settings(environ: dict[str, str] | None = None) -> PipSettings:
+    """The settings ``pip download`` would run with in this environment."""
+    env = os.environ if environ is None else environ
+    files = config_files(env)
+    merged: dict[str, str] = {}
+    read = []
+    for path in files:
+        values = _read_file(path)
+        if values is not None:
+            merged.update(values)
+            read.append(str(path))
+    options: dict[str, str] = {}
+    for section in ("global", COMMAND):
+        for key, value in merged.items():
+            if key.startswith(f"{section}."):
+                options[key.split(".", 1)[1]] = value
+    for name, value in env.items():
+        if name.startswith("PIP_") and name != "PIP_CONFIG_FILE":
+            options[_normal(name[4:])] = value
+    return _settings(options, tuple(read))
+
+
+def config_files(env) -> list[Path]:
+    """pip's configuration files on this machine, lowest precedence first."""
+    explicit = env.get("PIP_CONFIG_FILE")
+    if explicit == os.devnull:
+        return []
+    xdg_dirs = env.get("XDG_CONFIG_DIRS") or "/etc/xdg"
+    files = [Path(d) / "pip" / "pip.conf" for d in xdg_dirs.split(os.pathsep) if d]
+    files.append(Path("/etc/pip.conf"))
+    home = Path(env.get("HOME") or Path.home())
+    files.append(home / ".pip" / "pip.conf")
+    files.append(Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "pip" / "pip.conf")
+    files.append(Path(sys.prefix) / "pip.conf")
+    if explicit:
+        files.append(Path(explicit))
+    return files
+
+
+def _read_file(path: Path) -> dict[str, str] | None:
+    """``section.key`` -> value of one file; None when it is not there."""
+    parser = configparser.RawConfigParser()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            parser.read_file(handle)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
+        raise PatchkitError(f"fetch: pip's configuration {path} cannot be read: {exc}") from None
+    return {
+        f"{section}.{_normal(key)}": value
+        for section in parser.sections()
+        for key, value in parser.items(section)
+    }
+
+
+def _normal(key: str) -> str:
+    return key.lower().replace("_", "-").lstrip("-")
+
+
+def _settings(options: dict[str, str], sources: tuple[str, ...]) -> PipSettings:
+    def listed(key: str) -> tuple[str, ...]:
+        return tuple(options.get(key, "").split())
+
+    return PipSettings(
+        index_url=(options.get("index-url") or "").strip() or PYPI,
+        extra_index_urls=listed("extra-index-url"),
+        find_links=listed("find-links"),
+        no_index=_flag(options.get("no-index"), "no-index"),
+        proxy=(options.get("proxy") or "").strip() or None,
+        cert=(options.get("cert") or "").strip() or None,
+        timeout=_seconds(options.get("default-timeout") or options.get("timeout")),
+        sources=sources,
+    )
+
+
+def _flag(value: str | None, key: str) -> bool:
+    if value is None or value.strip() == "":
+        return False
+    word = value.strip().lower()
+    if word in TRUE or (word.isdigit() and int(word) > 0):
+        return True
+    if word in FALSE:
+        return False
+    raise PatchkitError(f"fetch: pip's {key} setting {value[:40]!r} is not true or false")
+
+
+def _seconds(value: str | None) -> float:
+    if not value:
+        return 15.0  # pip's default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise PatchkitError(f"fetch: pip's timeout {value[:40]!r} is not a number") from None
+    return min(max(seconds, 1.0), 3600.0)

@@ -1,0 +1,221 @@
+"""A hostile index or wheel: one line, exit 1, nothing written outside the cache, no staging left.
+
+Each case serves the real test wheel (real vLLM 0.26.0 files) with one
+thing wrong: a Content-Range that is not the range asked for, more or fewer
+bytes than asked, sizes and hashes the index got wrong, a central directory
+pointing outside the file, a member larger than a source file may be or
+inflating past its declared size, a member whose name climbs out of the
+tree, a member RECORD does not vouch for, redirects in a loop or to a file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from patchkit.releases import members, wheelzip
+from tests.conftest import run_cli, slim_tree
+from tests.wheelserver_helpers import WHEEL, Index, build_wheel, only_this_index, serving
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    return slim_tree(tmp_path_factory.mktemp("slim") / "tree")
+
+
+@pytest.fixture(scope="module")
+def wheel_bytes(tree, tmp_path_factory) -> bytes:
+    return build_wheel(tree, tmp_path_factory.mktemp("w") / WHEEL).read_bytes()
+
+
+def failed_fetch(tmp_path, monkeypatch, index: Index) -> str:
+    """Run `patchkit fetch` against ``index``; its one error line. The cache directory
+    holds nothing afterwards (no tree, no staging, no wheel) and nothing appeared beside it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    before = sorted(os.listdir(tmp_path))
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        result = run_cli("fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"))
+    line = one_error_line(result)
+    assert os.listdir(cache) == []
+    assert sorted(os.listdir(tmp_path)) == before
+    return line
+
+
+def one_error_line(result) -> str:
+    """Exit 1, no traceback, one error line; beside it only the line saying the whole
+    wheel is downloaded."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    errors = [ln for ln in lines if ln.startswith("patchkit: error: ")]
+    assert len(errors) == 1, result.stderr
+    assert all(ln in errors or "does not serve byte ranges" in ln for ln in lines), lines
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "content_range,words",
+    [
+        (lambda a, b, t: f"bytes {a - 1}-{b - 2}/{t}", "to a request for the last"),
+        (lambda a, b, t: f"bytes {a + 1}-{b}/{t}", "sent a Content-Range of 'bytes"),
+        (lambda a, b, t: f"bytes {a}-{b - 1}/{t + 7}", "to a request for the last"),
+        (lambda a, b, t: f"bytes {a}-{b - 1}/*", "sent a Content-Range of 'bytes"),
+        (lambda a, b, t: "bytes 5-2/10", "sent a Content-Range of 'bytes 5-2/10'"),
+    ],
+)  # fmt: skip
+def test_a_content_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes, content_range,
+                                             words):  # fmt: skip
+    index = Index(wheel_bytes, hostile={"content_range": content_range})
+    assert words in failed_fetch(tmp_path, monkeypatch, index)
+
+
+def test_a_later_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes):
+    """The tail is right; every later range is answered one byte off."""
+    monkeypatch.setattr(members, "TAIL_READ", 4096)
+    index = Index(wheel_bytes, hostile={
+        "content_range": lambda a, b, t: f"bytes {a}-{b - 1}/{t}" if b == t
+        else f"bytes {a + 1}-{b}/{t}"})  # fmt: skip
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert "127.0.0.1 answered bytes" in line and "to a request for" in line
+
+
+@pytest.mark.parametrize("hostile,words", [
+    ({"extra_bytes": 100}, "bytes for a range of"),
+    ({"short_by": 100}, "bytes for a range of"),
+])  # fmt: skip
+def test_more_or_fewer_bytes_than_the_range(tmp_path, monkeypatch, wheel_bytes, hostile, words):
+    index = Index(wheel_bytes, hostile=hostile)
+    assert words in failed_fetch(tmp_path, monkeypatch, index)
+
+
+def test_a_size_the_index_got_wrong(tmp_path, monkeypatch, wheel_bytes):
+    index = Index(wheel_bytes, page_size=len(wheel_bytes) + 1)
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert f"{WHEEL} is {len(wheel_bytes):,} bytes at 127.0.0.1, the index says" in line
+
+
+def test_the_whole_wheel_must_match_the_index_sha256(tmp_path, monkeypatch, wheel_bytes):
+    index = Index(wheel_bytes, ranges=False, page_sha256="0" * 64)
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert line.endswith(f"fetch: {WHEEL} does not match its index's sha256")
+
+
+def test_the_whole_wheel_is_read_no_further_than_the_index_size(tmp_path, monkeypatch, wheel_bytes):
+    """A server sending more than the index's size: refused at the declared length."""
+    index = Index(wheel_bytes, ranges=False, page_size=len(wheel_bytes) - 10)
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert f"sent {len(wheel_bytes):,} bytes, over {len(wheel_bytes) - 10:,}" in line
+
+
+def _end_record(data: bytes) -> int:
+    return data.rfind(b"PK\x05\x06")
+
+
+def test_a_central_directory_outside_the_file(tmp_path, monkeypatch, wheel_bytes):
+    data = bytearray(wheel_bytes)
+    at = _end_record(data)
+    struct.pack_into("<L", data, at + 16, len(data) + 4096)  # the directory's offset
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert "directory" in line and "lies outside the file" in line
+
+
+def test_a_directory_larger_than_the_bound(tmp_path, monkeypatch, wheel_bytes):
+    data = bytearray(wheel_bytes)
+    struct.pack_into("<L", data, _end_record(data) + 12, wheelzip.MAX_DIRECTORY + 1)
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert f"in {wheelzip.MAX_DIRECTORY + 1:,} bytes" in line
+
+
+def _central_entry(data: bytes, name: bytes) -> int:
+    at = data.find(b"PK\x01\x02", data.rfind(b"PK\x05\x06") - 10**6)
+    while True:
+        at = data.find(b"PK\x01\x02", at)
+        length = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46 : at + 46 + length] == name:
+            return at
+        at += 4
+
+
+def test_a_member_larger_than_a_source_file_may_be(tmp_path, monkeypatch, wheel_bytes):
+    data = bytearray(wheel_bytes)
+    struct.pack_into("<L", data, _central_entry(data, b"vllm/__init__.py") + 24, 3 << 30)
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert f"'vllm/__init__.py' is {3 << 30:,} bytes, over the" in line
+
+
+def test_inflating_stops_at_the_declared_size(tree, tmp_path, monkeypatch):
+    """A member declared 100 bytes that inflates to 8 MB: inflated to 101 bytes, refused."""
+    bomb = b"\n" * (8 << 20)
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra={"vllm/bomb.py": bomb}).read_bytes()
+    data = bytearray(wheel)
+    struct.pack_into("<L", data, _central_entry(data, b"vllm/bomb.py") + 24, 100)
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert "'vllm/bomb.py' holds 101+ bytes, not the 100 its directory entry says" in line
+
+
+@pytest.mark.parametrize("name", ["vllm/../../evil.py", "vllm-0.26.0.dist-info/../../evil"])
+def test_a_member_that_climbs_out_of_the_tree(tree, tmp_path, monkeypatch, name):
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra={name: b"print('escaped')\n"})
+    line = failed_fetch(tmp_path, monkeypatch, Index(wheel.read_bytes()))
+    assert "leaves the vLLM tree" in line and "(a member of the wheel)" in line
+    assert not (tmp_path / "evil.py").exists() and not (tmp_path / "evil").exists()
+
+
+@pytest.mark.parametrize("row,words", [
+    (None, "vllm/extra.py is not in the wheel's RECORD"),
+    (("sha256=" + "A" * 43, "6"), "vllm/extra.py does not match its hash in RECORD"),
+    (("sha256=x", "7"), "vllm/extra.py is 6 bytes, RECORD says 7"),
+    (("md5=x", "6"), "RECORD hashes vllm/extra.py with 'md5', not sha256"),
+])  # fmt: skip
+def test_a_member_record_does_not_vouch_for(tree, tmp_path, monkeypatch, row, words):
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra={"vllm/extra.py": b"x = 1\n"},
+                        rows={"vllm/extra.py": row})  # fmt: skip
+    assert words in failed_fetch(tmp_path, monkeypatch, Index(wheel.read_bytes()))
+
+
+def test_a_member_whose_bytes_were_changed_fails_its_crc(tmp_path, monkeypatch, wheel_bytes):
+    with zipfile.ZipFile(_as_file(tmp_path, wheel_bytes)) as archive:
+        info = archive.getinfo("vllm/__init__.py")
+    data = bytearray(wheel_bytes)
+    data[info.header_offset + 30 + len(info.filename) + 5] ^= 0xFF
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert "'vllm/__init__.py'" in line
+
+
+def _as_file(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "as-file.whl"
+    path.write_bytes(data)
+    return path
+
+
+def test_a_redirect_loop_is_cut_short(tmp_path, monkeypatch, wheel_bytes):
+    index = Index(wheel_bytes, hostile={"redirect": {"/simple/vllm/": "/simple/vllm/"}})
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert line.endswith("fetch: 127.0.0.1 redirected more than 5 times")
+    assert len(index.seen) <= 6
+
+
+def test_a_redirect_to_a_local_file_is_not_followed(tmp_path, monkeypatch, wheel_bytes):
+    index = Index(wheel_bytes, hostile={"redirect": {"/simple/vllm/": "file:///etc/passwd"}})
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert "redirected to a file: URL, which fetch does not follow" in line
+
+
+def test_an_index_page_past_its_bound(tmp_path, monkeypatch, wheel_bytes):
+    monkeypatch.setattr("patchkit.releases.index.MAX_PAGE", 100)
+    line = failed_fetch(tmp_path, monkeypatch, Index(wheel_bytes))
+    assert "127.0.0.1 sent" in line and "over 100" in line
+
+
+def test_a_file_name_that_climbs_out_is_no_candidate(tmp_path, monkeypatch, wheel_bytes):
+    """The index names the wheel ../../vllm-...whl (the URL is the real one): not a wheel
+    name pip would take, so no wheel; nothing written beside the cache either way."""
+    index = Index(wheel_bytes, ranges=False, filename=f"../../{WHEEL}")
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert "no wheel of vllm==0.26.0" in line
