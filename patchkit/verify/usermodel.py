@@ -71,6 +71,15 @@ ROUNDING_LIMIT = 0.1
 # roundings, but a bug that breaks a few positions (a chunk boundary, the first
 # token) moves them further, and a control with one wild token must not let it by.
 MAX_CEILING = 2.0
+# Against the transformers + PEFT reference (float32) the floor is vLLM's own error on
+# these very prompts, and on a wide MoE it reaches single tokens further than
+# MAX_CEILING: on the H200's 35B-A3B-wide cut vLLM base against float32 base moved
+# one token by up to 2.80-3.11 nats (a near-tied routing choice of 256 experts that
+# bf16 flips), and LoRA against PEFT's LoRA by 1.85-2.69, inside it, while every
+# control lay 1.7x the mean bound away (docs/evidence.md). There the max bound is
+# ROUNDING_FACTOR x that floor, up to this many nats: a position moved further is
+# broken whatever the engine's noise, and past it the max cannot decide.
+PEFT_MAX_CEILING = 6.0
 # LoRA must move the output by at least this share of what the merged adapter does...
 EFFECT_SHARE = 0.5
 # ...and the adapter must move it clearly more than bf16 noise, or the check cannot tell...
@@ -585,7 +594,15 @@ def rounding_check(
     return [*ran, Check(title, max(means) <= ROUNDING_LIMIT, detail)]
 
 
-def bounds_for(floors: dict[str, tuple[float, float]] | None) -> tuple[float, float]:
+def ceiling_for(kind: str) -> float:
+    """The max bound's ceiling for a reference kind: MAX_CEILING for the merged one,
+    PEFT_MAX_CEILING for transformers + PEFT (the engine's own error is its floor)."""
+    return PEFT_MAX_CEILING if kind == "peft" else MAX_CEILING
+
+
+def bounds_for(
+    floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX_CEILING
+) -> tuple[float, float]:
     """MERGED_BOUNDS, widened to ROUNDING_FACTOR x the reference's own rounding.
 
     The rounding is one perturbation of the adapter's weights, so its size is
@@ -600,11 +617,11 @@ def bounds_for(floors: dict[str, tuple[float, float]] | None) -> tuple[float, fl
     worst = max(f[1] for f in floors.values())
     return (
         max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * mean, 4)),
-        min(MAX_CEILING, max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * worst, 3))),
+        min(ceiling, max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * worst, 3))),
     )
 
 
-def decisive(floors: dict[str, tuple[float, float]] | None) -> bool:
+def decisive(floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX_CEILING) -> bool:
     """Whether LoRA outside the bound is vLLM's fault: the reference's own distance from
     vLLM is small (mean <= ROUNDING_LIMIT) and the max bound was not cut below
     ROUNDING_FACTOR x it by MAX_CEILING. Otherwise a LoRA answer outside the bound
@@ -613,7 +630,7 @@ def decisive(floors: dict[str, tuple[float, float]] | None) -> bool:
         return False
     mean = max(f[0] for f in floors.values())
     worst = max(f[1] for f in floors.values())
-    return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= MAX_CEILING
+    return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= ceiling
 
 
 def adapter_checks(
@@ -641,8 +658,9 @@ def adapter_checks(
     if not reference.runs:
         why = f"the reference did not run: {reference.missing}"
         return [Check(f"{name}: {adapter} {against}", False, why, adapter, decided=False)]
-    bounds = bounds_for(floors)
-    sure = decisive(floors)
+    ceiling = ceiling_for(reference.kind)
+    bounds = bounds_for(floors, ceiling)
+    sure = decisive(floors, ceiling)
     out = []
     for prompt in runs[label]:
         title = f"{name}: {adapter} {prompt[1:]} tokens {against}"
