@@ -12,7 +12,7 @@ depends on its version (see docs/research/merge-notes.md), so run it under
 each PEFT of interest:
 
     pip install -e '.[gpu]'            # transformers + peft (no GPU needed here)
-    python scripts/check_merge_against_peft.py [--keep DIR]
+    python scripts/proofs/check_merge_against_peft.py [--keep DIR]
 
 Prints one line per case and exits 1 when any tensor differs.
 """
