@@ -1,4 +1,4 @@
-"""`patchkit canary` against the recorded answers of a real `vllm serve` (issue 20, item 2).
+"""`patchkit canary` against the recorded answers of a real `vllm serve`.
 
 tests/data/canary-h200-0.26.0/ holds every HTTP exchange of the canary's run
 against vLLM 0.26.0's OpenAI server on the test H200 (scripts/proofs/canary_gpu.py,

@@ -1,4 +1,4 @@
-"""nan-probe (issue 20): the opt-in catalogue entry, its hooks in every release's real
+"""nan-probe: the opt-in catalogue entry, its hooks in every release's real
 runner, and the created module run on the CPU (the custom op, the host side, the log).
 
 The GPU side (CUDA graphs replaying the op, the Triton and torch LoRA paths) is

@@ -1,4 +1,4 @@
-"""The README's synopsis and `--help` agree (issue 21): every command, every option.
+"""The README's synopsis and `--help` agree: every command, every option.
 
 A new user reads the synopsis first; it lacked --branch and --allow-dirty
 once. Each line of the block under "## Commands" must name exactly the
