@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time `patchkit status` and `patchkit apply` on a real installed-layout vLLM tree.
 
-Targets (issue 2): status < 0.5 s, apply of all patches (bytecode clearing
+Targets: status < 0.5 s, apply of all patches (bytecode clearing
 included) < 2 s on the 2-core machine. For comparison the same change is made
 with `git apply` followed by `find -name '*.pyc' -delete`.
 

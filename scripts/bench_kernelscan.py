@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time `patchkit doctor --kernels` cold, warm and remembered on real vLLM trees (issue 19).
+"""Time `patchkit doctor --kernels` cold, warm and remembered on real vLLM trees.
 
 Targets: cold <= 3 min on a 2-core machine, warm <= 5 s.
 

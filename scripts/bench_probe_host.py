@@ -2,7 +2,7 @@
 
 Why: under CUDA graphs a decode step of a small model takes 3-6 ms on an H200,
 so every millisecond the probe spends in Python after each step is a visible
-share of decode throughput (issue 20, item 5). This times ``Probe.after_forward``
+share of decode throughput. This times ``Probe.after_forward``
 plus the host reading of the step, the part that runs in vLLM's step loop, for
 the shapes of scripts/bench_serving.py's model (8 decoder layers) and of a
 64-layer model, at decode batch 1 and 64 and a 2,048-token prefill.

@@ -22,7 +22,7 @@ patched file) and its own empty compile cache:
                        for decode steps of at most 8 tokens); only when asked for by --configs
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
-                       item 5: the probe's cost); only when asked for by --configs
+                       cost); only when asked for by --configs
 
 All engines start together and stay up; the workloads then run one engine
 at a time, configurations in a new order each round and each twice, the

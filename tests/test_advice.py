@@ -50,8 +50,8 @@ def user_texts() -> dict[str, str]:
                    and isinstance(n.value, str)]  # fmt: skip
         texts[str(path.relative_to(REPO))] = "\n".join(strings)
     pages = [REPO / "README.md", REPO / "CONTRIBUTING.md", *REPO.glob("docker/*")]
-    pages += [p for p in REPO.glob("docs/**/*.md") if "research" not in p.parts]
-    pages += [p for p in REPO.glob("scripts/*") if p.is_file()]
+    pages += [p for p in REPO.glob("docs/**/*.md")]
+    pages += [p for p in REPO.glob("scripts/**/*") if p.is_file() and p.suffix != ".pyc"]
     pages += [p for p in REPO.glob("patches/**/*.toml")]
     pages += [p for p in REPO.glob(".ci/*") if p.is_file()]
     for path in pages:

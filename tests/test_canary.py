@@ -20,7 +20,7 @@ vLLM 0.26.0's own code (the wheel's files, line numbers of 0.26.0):
   `vllm:corrupted_requests` with labels model_name and engine, as
   v1/metrics/loggers.py:571-582 declares it.
 
-A later GPU run (scripts/canary_gpu.py --record) records a real vLLM
+A later GPU run (scripts/proofs/canary_gpu.py --record) records a real vLLM
 server's exchanges; those recordings are to replace these hand-made shapes.
 """
 

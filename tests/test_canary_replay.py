@@ -1,7 +1,7 @@
-"""`patchkit canary` against the recorded answers of a real `vllm serve` (issue 20, item 2).
+"""`patchkit canary` against the recorded answers of a real `vllm serve`.
 
 tests/data/canary-h200-0.26.0/ holds every HTTP exchange of the canary's run
-against vLLM 0.26.0's OpenAI server on the test H200 (scripts/canary_gpu.py,
+against vLLM 0.26.0's OpenAI server on the test H200 (scripts/proofs/canary_gpu.py,
 docs/evidence.md): a tiny Qwen3.5 with two healthy adapters, then with
 an adapter whose lora_B holds an inf, on the Triton LoRA kernels. A local
 server replays those answers, request by request, so the protocol shapes the

@@ -153,8 +153,8 @@ def test_a_bind_mount_in_the_state_directory_is_refused_before_anything(tmp_path
 def test_an_over_long_path_is_walked_by_descriptors(tmp_path):
     """A tree whose root path is ~4,020 characters: files below it pass PATH_MAX (4,096).
 
-    patchkit opens the root once and reaches every file from that descriptor
-    (issue 18), so the depth of the tree's own path no longer matters: apply
+    patchkit opens the root once and reaches every file from that descriptor,
+    so the depth of the tree's own path no longer matters: apply
     and revert work there, and revert gives the pristine files back.
     """
     tree = slim_tree(tmp_path / "t")

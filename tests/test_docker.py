@@ -116,7 +116,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
 
 
 def test_the_build_context_is_what_the_dockerfile_copies_and_no_pip_override_stays():
-    """Issue 21: `docker build .` sent the 900 MB .venv the README's first command makes,
+    """`docker build .` sent the 900 MB .venv the README's first command makes,
     and ENV PIP_BREAK_SYSTEM_PACKAGES=1 stayed set in the runtime image."""
     lines = [ln for ln in (REPO / ".dockerignore").read_text().splitlines()
              if ln and not ln.startswith("#")]  # fmt: skip

@@ -205,7 +205,7 @@ def test_lock_timeout_is_a_clear_error(slim_tree_0260: Path):
 
 @pytest.mark.parametrize("command", ["status", "apply", "revert", "doctor"])
 def test_a_wrong_target_is_the_same_usage_error_in_every_command(tmp_path: Path, command):
-    """Issue 21: a missing --target exited 2 in one command, 1 in another, 0 in doctor."""
+    """A missing --target once exited 2 in one command, 1 in another, 0 in doctor."""
     empty = tmp_path / "empty"
     empty.mkdir()
     for target, why in ((empty, "no vllm/ package there"), (tmp_path / "nowhere", "no such")):
@@ -345,7 +345,7 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(slim_tree
     punica_gpu.py is back to the wheel's, the new patchkit_lora_matmul.py is still
     there: neither applied nor pristine. status says so in one line (no crash) and
     names the way out; a plain revert gives the pristine tree back: it deletes only
-    the file patchkit created, whose bytes are still what it wrote (issue 18: no
+    the file patchkit created, whose bytes are still what it wrote (no
     --force needed for what is safe).
     """
     pristine = snapshot(slim_tree_0260)

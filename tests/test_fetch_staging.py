@@ -26,7 +26,7 @@ from tests.wheelserver_helpers import PIP_ENV, WHEEL, Index, build_wheel, servin
 @pytest.mark.slow
 def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
     """Staging of a dead fetch goes; a live one stays; so does a directory that only
-    looks like one by its name (issue 18: recognised by patchkit's marker, not a pattern)."""
+    looks like one by its name (recognised by patchkit's marker, not a pattern)."""
     from patchkit.releases.fetch import MARKER, STAGING_MARKER
 
     cache = tmp_path / "cache"

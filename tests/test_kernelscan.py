@@ -1,4 +1,4 @@
-"""`patchkit doctor --kernels` on real wheels: every LoRA kernel compiled and read (issues 11, 19).
+"""`patchkit doctor --kernels` on real wheels: every LoRA kernel compiled and read.
 
 Triton (3.7.1, what vLLM 0.27-0.32 get; 3.6.0, what 0.26.0 gets) is
 downloaded once into the tests' cache and put on the child's PYTHONPATH;

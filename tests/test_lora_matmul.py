@@ -290,7 +290,7 @@ def test_every_triton_lora_call_in_the_wrapper_goes_through_the_rebound_names(ve
     assert len(direct) >= 5 and via_attribute == []
 
 
-# ----- the backend switch is part of vLLM's torch.compile cache key (issue 10, item 3) -----
+# ----- the backend switch is part of vLLM's torch.compile cache key -----
 
 
 @pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])

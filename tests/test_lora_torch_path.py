@@ -1,6 +1,6 @@
 """The torch LoRA path through vLLM's real PunicaWrapperGPU, on CPU, in every patched release.
 
-Issue 10: the add_lora_linear a layer calls (replaced by the patch), the
+The add_lora_linear a layer calls (replaced by the patch), the
 calls that keep vLLM's own methods (add_shrink/add_expand, i.e. _mcp_apply;
 add_lora_embedding; add_lora_logits), the once-per-batch slot masks, the
 weight layout kept in step with vLLM's real set_lora/reset_lora, NaN

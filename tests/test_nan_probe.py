@@ -1,8 +1,8 @@
-"""nan-probe (issue 20): the opt-in catalogue entry, its hooks in every release's real
+"""nan-probe: the opt-in catalogue entry, its hooks in every release's real
 runner, and the created module run on the CPU (the custom op, the host side, the log).
 
 The GPU side (CUDA graphs replaying the op, the Triton and torch LoRA paths) is
-proven on the H200 by scripts/nan_probe_gpu.py (docs/evidence.md).
+proven on the H200 by scripts/proofs/nan_probe_gpu.py (docs/evidence.md).
 """
 
 from __future__ import annotations

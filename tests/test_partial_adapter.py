@@ -1,4 +1,4 @@
-"""partial-gdn-adapter on the real code of 0.21.0, 0.26.0, 0.29.0 and 0.33.0 (issue 12).
+"""partial-gdn-adapter on the real code of 0.21.0, 0.26.0, 0.29.0 and 0.33.0.
 
 ``MergedColumnParallelLinearWithLoRA.set_lora`` and ``expand_packed_lora``
 (with patchkit's helper, when patched) are taken from each release's real

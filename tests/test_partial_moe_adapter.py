@@ -80,7 +80,7 @@ LAYER_METHODS = {
     "FusedMoE3DWithLoRA": ("set_lora", "_slice_w13_b"),
 }
 SIZES = ("w13_input_size", "w13_output_size", "w2_input_size", "w2_output_size")
-# What PEFT 0.21.2 saved and merged (scripts/make_partial_moe_fixture.py).
+# What PEFT 0.21.2 saved and merged (scripts/proofs/make_partial_moe_fixture.py).
 PEFT_SAVED = Path(__file__).parent / "data" / "peft-0.21.2-moe-one-parameter.pt"
 
 

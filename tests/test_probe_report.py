@@ -1,4 +1,4 @@
-"""`patchkit probe report` (issue 20): synthetic nan-probe logs, each branch of the
+"""`patchkit probe report`: synthetic nan-probe logs, each branch of the
 decision tree, and every way a log can be wrong (one line, no traceback, nothing written)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The README's synopsis and `--help` agree (issue 21): every command, every option.
+"""The README's synopsis and `--help` agree: every command, every option; its release
+ranges are the catalogue's; it stays short and its links resolve.
 
 A new user reads the synopsis first; it lacked --branch and --allow-dirty
 once. Each line of the block under "## Commands" must name exactly the
@@ -8,11 +9,16 @@ options its command has (-h/--help aside), and every command must have a line.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import click
 
+from patchkit.catalogue.load import load_catalogue
 from patchkit.cli.main import main
+from patchkit.cli.render import coverage
 from tests.conftest import REPO
+
+THIS = Path(__file__).resolve()
 
 
 def synopsis() -> dict[str, set[str]]:
@@ -72,3 +78,65 @@ def test_help_names_each_options_value_as_the_synopsis_does():
                 if option in getattr(param, "opts", []):
                     shown = param.make_metavar(click.Context(one, parent=ctx))
                     assert shown == metavar, (name, option, shown, metavar)
+
+
+def fixes_table() -> dict[str, str]:
+    """{patch id: tested-releases cell} of the table under README's `## What it fixes`."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## What it fixes\n", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        re.match(r"^\| `([a-z0-9-]+)` \|.*\| ([^|]+) \|$", line) for line in section.splitlines()
+    ]
+    return {m[1]: m[2].strip() for m in rows if m}
+
+
+def test_the_readmes_release_ranges_are_the_catalogues():
+    """Each patch's releases as `patchkit list` computes them from patches/*.toml, so a
+    new release or a changed decision cannot leave the README's ranges stale."""
+    catalogue = load_catalogue()
+    table = fixes_table()
+    assert list(table) == [p.id for p in catalogue.patches]
+    for patch in catalogue.patches:
+        assert table[patch.id] == coverage(patch, catalogue), patch.id
+    releases = catalogue.tested_releases
+    line = f"{len(releases)} tested releases, {releases[0]} to {releases[-1]}"
+    assert line in (REPO / "README.md").read_text()
+
+
+def test_the_readme_fits_five_minutes_and_links_each_features_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    linked = set(re.findall(r"\]\(((?:docs/[\w-]+|CONTRIBUTING|scripts/README)\.md)\)", text))
+    pages = {"verify", "canary", "nan-probe", "adapter-check", "kernel-scan", "torch-lora-path"}
+    pages |= {"docker", "fork-mode", "commands", "patches", "troubleshooting", "evidence"}
+    assert {f"docs/{p}.md" for p in pages} | {"CONTRIBUTING.md"} <= linked
+    assert [p for p in linked if not (REPO / p).is_file()] == []
+
+
+def test_every_link_between_the_docs_pages_resolves():
+    problems = []
+    for page in [REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[^)]*)?\)", page.read_text()):
+            if not (page.parent / target).exists():
+                problems.append(f"{page.relative_to(REPO)}: {target}")
+    assert problems == []
+
+
+ISSUE_NUMBER = re.compile(r"\bissues?\s+\d|\(items?\s+\d", re.IGNORECASE)
+OWN_TEXTS = ("README.md", "CONTRIBUTING.md", "docs", "scripts", "tests", "patches", "patchkit")
+
+
+def test_no_page_script_or_test_names_the_trackers_issue_numbers():
+    """`issue 20, item 5` means nothing to a reader of the repository; upstream references
+    (vLLM #48590, vllm#49063, triton#9433) are written with their project and `#`."""
+    hits = []
+    for name in OWN_TEXTS:
+        root = REPO / name
+        paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in paths:
+            if path.suffix not in {".md", ".py", ".sh", ".toml", ".diff"} or path == THIS:
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if ISSUE_NUMBER.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert hits == [], "\n".join(hits)

@@ -1,4 +1,4 @@
-"""The wgmma register-race detector on recorded SASS (issue 11).
+"""The wgmma register-race detector on recorded SASS.
 
 The snippets are cut from cuobjdump listings of vLLM 0.26.0's
 ``_lora_expand_kernel`` compiled for sm_90 by Triton 3.7.1 (ptxas 12.8.93),

@@ -1,4 +1,4 @@
-"""Signals at every write syscall of apply and revert (issue 18, item 1).
+"""Signals at every write syscall of apply and revert.
 
 strace's ``inject`` delivers SIGINT (or SIGTERM) to patchkit when it makes
 the N-th rename, unlink, write or fsync, for every N the run reaches. A

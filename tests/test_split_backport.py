@@ -81,7 +81,7 @@ def test_the_switch_is_a_boolean_set_from_the_lora_config(version):
     not VLLM_PYTHON,
     reason="set PATCHKIT_VLLM_PYTHON to a Python that can import vLLM 0.17/0.18 "
     "(their dependencies installed) to run the split on the real code; "
-    "docs/split-proof.md has its output",
+    "docs/evidence.md has its output",
 )
 @pytest.mark.parametrize("version", FAMILIES)
 def test_split_runs_on_the_real_vllm_code(version, tmp_path: Path):

@@ -1,4 +1,4 @@
-"""Patches stack, as quilt's do (issue 12): two patches on one real vLLM 0.26.0 file.
+"""Patches stack, as quilt's do: two patches on one real vLLM 0.26.0 file.
 
 ``lower`` and ``upper`` (tests/helpers.py) both edit
 vllm/lora/ops/triton_ops/utils.py; ``upper``'s diff is made on ``lower``'s

@@ -524,11 +524,11 @@ def test_jobs_name_their_engines_and_requests():
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")),
-    reason="needs a CUDA GPU and vLLM: run scripts/verify_gpu_proof.sh on a GPU host",
+    reason="needs a CUDA GPU and vLLM: run scripts/proofs/verify_gpu_proof.sh on a GPU host",
 )
 def test_verify_model_on_this_gpu(tmp_path):
     pytest.importorskip("peft", reason="building the stand-in user model needs peft")
-    from scripts.verify_model_gpu import build
+    from scripts.proofs.verify_model_gpu import build
 
     build(tmp_path / "user")
     u = tmp_path / "user"

@@ -1,4 +1,4 @@
-"""Faults at every write point of apply and revert (issue 9).
+"""Faults at every write point of apply and revert.
 
 An audit hook in a child patchkit counts the file-system writes it makes
 (opens for writing, mkdir, rename/replace, unlink, rmdir, rmtree, chmod)

@@ -9,7 +9,7 @@ aLoRA, ...). ``module_keys`` groups the tensors by module as PEFT names
 them and vLLM reads them; ``AdapterTensors`` reads them (safetensors
 lazily, a .bin/.pt whole) and ``FactorCache`` keeps the float32 factors
 of the merge within a byte budget. The sources read for these rules are in
-docs/research/merge-notes.md.
+docs/verify.md ("The merged reference").
 """
 
 from __future__ import annotations

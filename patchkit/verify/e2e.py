@@ -220,7 +220,7 @@ def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
     written in the layout PEFT >= 0.20 saves for ``target_parameters`` and
     vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
     gate_up_proj: A (r*E, hidden), B (2*I, r*E); ``<experts>.lora_{A,B}`` is
-    down_proj: A (r*E, I), B (hidden, r*E); see docs/research/merge-notes.md),
+    down_proj: A (r*E, I), B (hidden, r*E); see docs/verify.md ("The merged reference")),
     so the case does not depend on the PEFT release installed.
     """
     import torch

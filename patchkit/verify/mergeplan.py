@@ -8,7 +8,7 @@ and scale (PEFT's rules), which shards are rewritten, linked or copied, and
 how many bytes the merged copy needs. Anything it cannot merge exactly is
 refused in one line naming the module; what vLLM reads differently from
 PEFT is said in the plan's notes, so a failed comparison is explained.
-Why each rule is what it is: docs/research/merge-notes.md.
+Why each rule is what it is: docs/verify.md ("The merged reference").
 """
 
 from __future__ import annotations

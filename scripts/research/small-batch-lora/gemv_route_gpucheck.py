@@ -10,7 +10,7 @@ writing), a quarantined adapter's rows NaN and the others as without it, a
 captured graph following the slot weights of the batch it is replayed for, and
 no wgmma in the PTX of any compiled GEMV kernel.
 
-    python3 docs/research/small-batch-lora/gemv_route_gpucheck.py  # from the repo root
+    python3 scripts/research/small-batch-lora/gemv_route_gpucheck.py  # from the repo root
 
 Writes $OUT/gemv_route.json (or /tmp) and prints a table last.
 """

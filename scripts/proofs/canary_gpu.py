@@ -1,4 +1,4 @@
-"""Proof of `patchkit canary` against a real `vllm serve` on the test H200 (issue 20, item 2).
+"""Proof of `patchkit canary` against a real `vllm serve` on the test H200.
 
 Steps, all offline:
   1. build a tiny random Qwen3.5 hybrid (patchkit.e2e's config), a byte-level
@@ -19,7 +19,7 @@ in the format of `patchkit canary --record`, for CPU tests to replay;
 server logs, the canary's JSON and OUT/summary.json beside them.
 
 Run on the GPU host (see ../shared/device/README.md), from the repository root:
-  PYTHONPATH=/opt/site:/opt/site/deps:$PWD/.devtools:$PWD python scripts/canary_gpu.py OUT
+  PYTHONPATH=/opt/site:/opt/site/deps:$PWD/.devtools:$PWD python scripts/proofs/canary_gpu.py OUT
 Exit 0 when both phases behave as expected, 1 when one does not, 2 when
 `vllm serve` cannot start (the line says which module the bundle lacks).
 The whole run stays under --budget seconds (default 510, under 9 minutes);
@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import RANK, TARGET_MODULES, VOCAB, qwen35_config  # noqa: E402

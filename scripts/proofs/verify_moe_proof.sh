@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # verify's MoE verdicts on one H200, in one command: the 35B-A3B-wide stand-in of
-# scripts/verify_model_gpu.py (--preset wide35b: 8 layers 3 GDN : 1 attention, 256
+# scripts/proofs/verify_model_gpu.py (--preset wide35b: 8 layers 3 GDN : 1 attention, 256
 # experts top 8, a rank-16 adapter on attention, GDN, shared and routed experts) built,
 # then two verify runs side by side:
 #   healthy   `--lora a0=...`, no --reference (verify picks; expected: the merged
@@ -9,7 +9,7 @@
 #             adapter ignored")
 #   poisoned  `--lora poisoned=...` (an inf in one lora_B) with --reference peft
 #             (no merge needed; expected: FAILED, exit 1)
-#   bash scripts/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
+#   bash scripts/proofs/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
 # OUT/<run>.txt is each verify's report with its exit status last, <run>.err its
 # stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
 # merged copies are removed to spare the disk).
@@ -19,7 +19,7 @@ limit=${2:-450}
 len=${3:-4112}
 mkdir -p "$out"
 start=$(date +%s)
-[ -d "$out/user/model" ] || python3 scripts/verify_model_gpu.py "$out/user" --preset wide35b \
+[ -d "$out/user/model" ] || python3 scripts/proofs/verify_model_gpu.py "$out/user" --preset wide35b \
   --poison a0 >"$out/build.txt" 2>&1 || { echo "build failed"; tail -5 "$out/build.txt"; exit 1; }
 echo "built in $(($(date +%s) - start)) s" >>"$out/build.txt"
 u=$out/user

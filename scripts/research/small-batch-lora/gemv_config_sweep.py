@@ -6,7 +6,7 @@ them); "slot-from-mapping" instead reads each row's slot from vLLM's mapping
 Cases: the widest and narrowest LoRA modules of gemv_route_gpucheck at 1 and 4
 tokens for its three adapter sets; µs per call, CUDA-graph replay, summed.
 
-    python3 docs/research/small-batch-lora/gemv_config_sweep.py  # from the repo root
+    python3 scripts/research/small-batch-lora/gemv_config_sweep.py  # from the repo root
 
 Prints one line per variant; the best's constants last (as JSON).
 """

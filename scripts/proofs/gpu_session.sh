@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU proofs of issues 19 (item 6) and 20 (item 5) on a 2-GPU H200 host, as
+# verify's GPU proofs (--e2e and --model at TP=1/2, the poisoned adapter) and
+# nan-probe's proof and serving cost on a 2-GPU H200 host, as
 # a few device calls run back to back (the host is given back 30 s after a call;
 # /opt and /tmp go with it). The plan, with each call's carry list, command and
 # time, is at the end of docs/evidence.md.
 #
-#   bash scripts/gpu_session.sh STEP
+#   bash scripts/proofs/gpu_session.sh STEP
 #
 #   b1       unpack .devbundle/b1, install .whl into /tmp/pk, start building the
 #            models in the background (setsid: it outlives the call)
-#   b3       unpack .devbundle/b3 (vLLM's _moe_C, scripts/make-moe-bundle.sh)
+#   b3       unpack .devbundle/b3 (vLLM's _moe_C, from ../shared/device/make-bundles.sh)
 #   b2       unpack .devbundle/b2, keep an unpatched hard-linked copy of vLLM in
 #            /opt/pristine, apply the default set to /opt/site, check _moe_C
 #            loads, start the proofs in the background, wait, pack
@@ -16,7 +17,7 @@
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
-# GS_PLAN=probe (issue 20 only, about 1,100 s; calls b1, b2, collect; no b3): the
+# GS_PLAN=probe (nan-probe only, about 1,100 s; calls b1, b2, collect; no b3): the
 # nan-probe proof on GPU 1, then the serving benchmark's rounds on GPU 0 (its
 # engines start at once, its rounds wait for the proof), until GS_BENCH_END.
 # GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host: the benchmark
@@ -40,14 +41,14 @@
 #           engines start, its rounds wait for lanes 1 and 2 (proofs.done)
 # e2e-*:     verify --e2e (dense and MoE) at TP=1 / TP=2
 # model-*:   verify --model on the Qwen3.5-27B-wide cut (4 layers) with two
-#            rank-128 adapters (scripts/verify_model_gpu.py --preset wide27b)
+#            rank-128 adapters (scripts/proofs/verify_model_gpu.py --preset wide27b)
 # poison:    verify --model on the 8-layer stand-in with `full` and `poisoned`
 #            (inf in one lora_B), PATCHKIT_LORA_BACKEND=triton: must FAIL
 #            naming `poisoned`
-# probe:     scripts/nan_probe_gpu.py --proofs triton-cudagraph --no-bench on
+# probe:     scripts/proofs/nan_probe_gpu.py --proofs triton-cudagraph --no-bench on
 #            /opt/probe (default set + nan-probe): the report names layer 1
-#            mlp.down_proj under CUDA graphs, healthy phase 0 records (issue 20.6
-#            again, with the probe's Triton row kernel)
+#            mlp.down_proj under CUDA graphs, healthy phase 0 records (the probe
+#            proof again, with the probe's Triton row kernel)
 # bench:     scripts/bench_probe_gpu.py (the probe's kernels in a CUDA graph), then
 #            scripts/bench_serving.py, default against default+nan-probe
 #            (PATCHKIT_PROBE_LOG set), CUDA graphs, interleaved rounds
@@ -140,7 +141,7 @@ one() {
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
       do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
-        timeout 330 python3 scripts/nan_probe_gpu.py "$G/probe" --budget 300 \
+        timeout 330 python3 scripts/proofs/nan_probe_gpu.py "$G/probe" --budget 300 \
         --proofs triton-cudagraph --no-bench >"$G/probe.txt" 2>"$G/probe.err"
       local rc=$?
       echo "probe $([ $rc = 0 ] && echo PASSED || echo FAILED) (nan_probe_gpu.py checks)" >>"$G/probe.txt"
@@ -187,18 +188,18 @@ case $STEP in
     nvidia-smi >"$G/nvidia-smi.txt" 2>&1
     say "building the models in the background (build.log)"
     snapshot
-    (cd "$G/repo" && setsid nohup bash scripts/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
+    (cd "$G/repo" && setsid nohup bash scripts/proofs/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
     sleep "${GS_SLEEP:-20}"
     tail -5 "$G/build.log"
     pack b1
     ;;
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
     if [ "${GS_PLAN:-}" != probe ]; then
-      (do_ python3 scripts/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
+      (do_ python3 scripts/proofs/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
         echo "exit $?" >>"$G/build-wide.txt") &
     fi
     if [ "${GS_PLAN:-}" != short ] && [ "${GS_PLAN:-}" != probe ]; then
-      (do_ python3 scripts/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
+      (do_ python3 scripts/proofs/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
         echo "exit $?" >>"$G/build-user.txt") &
     fi
     if [ "${GS_PLAN:-}" != tail ]; then
@@ -235,7 +236,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     tail -2 "$G/moe-import.txt"
     wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
     snapshot
-    (cd "$G/repo" && setsid nohup bash scripts/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
+    (cd "$G/repo" && setsid nohup bash scripts/proofs/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
     wait_for "$G/all.done" "${GS_WAIT:-545}"
     summary
     pack b2
@@ -300,9 +301,9 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     export DRY=1 GS_DIR=${GS_DIR:-/tmp/gs-dry} GS_SLEEP=1
     rm -rf "$GS_DIR"
     for s in b1 b3 b2; do # b1 and b2 start build and proofs in the background
-      GS_WAIT=1 bash scripts/gpu_session.sh "$s" || exit 1
+      GS_WAIT=1 bash scripts/proofs/gpu_session.sh "$s" || exit 1
     done
-    GS_WAIT=60 bash scripts/gpu_session.sh collect
+    GS_WAIT=60 bash scripts/proofs/gpu_session.sh collect
     tar tzf "$GS_DIR"/out/gs-collect-*.tar.gz
     ;;
   *)

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Issue 19's GPU proof on a 2-GPU H200 host, the three runs side by side (one
+# verify's GPU proof on a 2-GPU H200 host, the three runs side by side (one
 # device call): `verify --e2e` at TP=2 (dense + MoE), `verify --model` at TP=1
-# and at TP=2 on the stand-in user model of scripts/verify_model_gpu.py.
-#   [RUNS="e2e-tp2 model-tp2"] bash scripts/verify_gpu_proof.sh OUT [LIMIT_S]
+# and at TP=2 on the stand-in user model of scripts/proofs/verify_model_gpu.py.
+#   [RUNS="e2e-tp2 model-tp2"] bash scripts/proofs/verify_gpu_proof.sh OUT [LIMIT_S]
 # OUT/<run>.txt is each verify's report (stderr in <run>.err), OUT/<run>/ its
 # --keep directory (served results, references, vLLM logs).
 set -u
 out=$1
 limit=${2:-520}
 mkdir -p "$out"
-[ -d "$out/user/model" ] || python3 scripts/verify_model_gpu.py "$out/user" >"$out/build.txt" 2>&1
+[ -d "$out/user/model" ] || python3 scripts/proofs/verify_model_gpu.py "$out/user" >"$out/build.txt" 2>&1
 u=$out/user
 adapters=(--lora "full=$u/full" --lora "qkv=$u/qkv" --lora "z=$u/z")
 one() {

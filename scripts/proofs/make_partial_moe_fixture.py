@@ -9,9 +9,9 @@ PEFT; this script, run where transformers and PEFT are installed, makes the
 file they read:
 
     pip install 'transformers>=5.17' 'peft==0.21.2'
-    python scripts/make_partial_moe_fixture.py tests/data/peft-0.21.2-moe-one-parameter.pt
+    python scripts/proofs/make_partial_moe_fixture.py tests/data/peft-0.21.2-moe-one-parameter.pt
 
-A tiny random Qwen3.5-MoE (scripts/check_merge_against_peft.py's: hidden 32,
+A tiny random Qwen3.5-MoE (scripts/proofs/check_merge_against_peft.py's: hidden 32,
 4 experts of intermediate 12) with its routed experts' weights zeroed, so that
 ``merge_and_unload`` leaves exactly PEFT's delta in them; per case (``down``,
 ``gate_up``, ``both``) a rank-2 adapter on ``target_parameters`` with random

@@ -1,9 +1,9 @@
-"""GPU proof and cost of the nan-probe patch (issue 20, items 5 and 6).
+"""GPU proof and cost of the nan-probe patch.
 
 Run on the test H200 with vLLM 0.26.0 patched with the default set and
 `patchkit apply --only nan-probe`:
 
-    python3 scripts/nan_probe_gpu.py OUTDIR [--budget SECONDS]
+    python3 scripts/proofs/nan_probe_gpu.py OUTDIR [--budget SECONDS]
 
 It builds the e2e tiny Qwen3.5 hybrid (patchkit.verify.e2e: 3 Gated DeltaNet
 layers + 1 attention layer), two healthy rank-64 adapters and `poisoned`, a
@@ -28,7 +28,7 @@ only `poisoned` requests; with the torch path, only `poisoned` rows are bad
 layer 1, mlp.down_proj and lora_B from it; the healthy phase has zero
 records; and prints the throughput ratios. summary.json holds it all.
 
-    python3 scripts/nan_probe_gpu.py OUTDIR --model moe35b [--budget SECONDS]
+    python3 scripts/proofs/nan_probe_gpu.py OUTDIR --model moe35b [--budget SECONDS]
 
 serves the Qwen3.5-MoE at 35B-A3B widths instead (scripts/bench_serving.py's
 moe35b: 8 layers, 256 routed experts top 8, a shared expert; built on the GPU
@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import RANK, TARGET_MODULES, qwen35_config  # noqa: E402
@@ -271,7 +271,7 @@ def report_of(out: Path) -> dict:
 
 
 def check_proof(out: Path, backend: str) -> dict:
-    """What issue 20 asks of one configuration, from its result, log and report."""
+    """What the proof asks of one configuration, from its result, log and report."""
     result = json.loads((out / "result.json").read_text())
     report = report_of(out)
     healthy_steps = result["phases"]["healthy"]["probe_steps"]

@@ -3,7 +3,7 @@ LoRA costs in update_metadata, before and after the masks remember which rows a
 LoRA batch wrote, and that a graph captured with LoRA, replayed for batches
 without (cudagraph_specialize_lora off), leaves every row unchanged.
 
-  python docs/research/small-batch-lora/base_traffic_gpucheck.py OLD.diff [NEW.diff]
+  python scripts/research/small-batch-lora/base_traffic_gpucheck.py OLD.diff [NEW.diff]
 
 OLD.diff / NEW.diff: patches/matmul-add-lora-linear/torch-ops.diff of two
 commits (NEW defaults to the working tree's). Writes $OUT/base-traffic.json.

@@ -7,7 +7,7 @@ envs.compile_factors(), whether the graph came from the cache, and the cache
 directories. Run with a patched vLLM importable and its cache cleared first:
 
     rm -rf ~/.cache/vllm/torch_compile_cache
-    python3 scripts/check_backend_switch.py OUTDIR
+    python3 scripts/proofs/check_backend_switch.py OUTDIR
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from patchkit.verify import e2e  # noqa: E402
 

@@ -29,15 +29,15 @@ adapters saved with ``save_pretrained`` as a user would. Presets:
   the shared expert and the routed experts (``target_parameters``
   gate_up_proj and down_proj, the layout PEFT 0.21 writes). Built on the
   GPU. ``--poison a0`` puts the inf in layer 1's shared-expert down_proj.
-  The whole proof in one command: scripts/verify_moe_proof.sh.
+  The whole proof in one command: scripts/proofs/verify_moe_proof.sh.
 
 ``--poison NAME`` also writes ``poisoned``: a copy of adapter NAME with an inf
-in one lora_B (layer 1's mlp.down_proj, as scripts/nan_probe_gpu.py does),
-for the run that shows the check fails when it should (issue 19, item 6):
+in one lora_B (layer 1's mlp.down_proj, as scripts/proofs/nan_probe_gpu.py does),
+for the run that shows the check fails when it should:
 served on the Triton backend (PATCHKIT_LORA_BACKEND=triton), `verify --model`
 must fail and name it.
 
-    python scripts/verify_model_gpu.py OUT [--preset user|wide27b|moe] [--poison NAME]
+    python scripts/proofs/verify_model_gpu.py OUT [--preset user|wide27b|moe] [--poison NAME]
     python -m patchkit verify --model OUT/model --lora full=OUT/full \\
         --lora qkv=OUT/qkv --lora z=OUT/z [--tensor-parallel-size 2]
     python -m patchkit verify --model OUT/model --lora down=OUT/down \\
@@ -54,7 +54,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
@@ -242,7 +242,7 @@ def poison_wide35b(source: Path, dest: Path) -> str:
 
 def poison(source: Path, dest: Path) -> str:
     """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place)."""
-    from scripts.nan_probe_gpu import poison as poison_copy
+    from scripts.proofs.nan_probe_gpu import poison as poison_copy
 
     shutil.rmtree(dest, ignore_errors=True)
     name = poison_copy(source, dest)

@@ -8,11 +8,11 @@ tensors on save), makes PEFT LoRA adapters with random factors on them
 ``target_parameters``; rsLoRA and rank/alpha patterns in some), and compares
 every tensor ``patchkit.verify.mergewrite`` writes with ``merge_and_unload()``
 of the same adapter in float32, cast to bf16. The expert layout PEFT writes
-depends on its version (see docs/research/merge-notes.md), so run it under
+depends on its version (see docs/verify.md ("The merged reference")), so run it under
 each PEFT of interest:
 
     pip install -e '.[gpu]'            # transformers + peft (no GPU needed here)
-    python scripts/check_merge_against_peft.py [--keep DIR]
+    python scripts/proofs/check_merge_against_peft.py [--keep DIR]
 
 Prints one line per case and exits 1 when any tensor differs.
 """
