@@ -112,6 +112,17 @@ def test_a_partial_adapter_that_does_not_load_fails_naming_the_bug_and_the_fix()
     assert all(name.endswith("adapter served") for name in failed), failed
 
 
+def test_an_engine_that_died_of_the_bug_as_a_whole_names_it_too():
+    served = moe_served()
+    served[f"{PREFIX}eager"] = {
+        "error": "vLLM (moe-eager) exited 1: AssertionError: assert gate_up_proj_lora is not None"
+    }
+    row = rows(e2e.moe_checks(served))[f"{PREFIX}eager: vLLM ran"]
+    assert row.failed and "partial-moe-adapter" in row.detail
+    served[f"{PREFIX}eager"] = {"error": "vLLM (moe-eager) exited 1: boom"}
+    assert "partial-moe-adapter" not in rows(e2e.moe_checks(served))[row.name].detail
+
+
 def test_the_fix_the_failure_names_is_the_catalogues_for_that_bug():
     patch = tomllib.loads((REPO / "patches" / "partial-moe-adapter" / "patch.toml").read_text())
     assert patch["id"] in e2e.UNPATCHED_MOE

@@ -482,13 +482,23 @@ def moe_checks(served: dict, say=lambda line: None) -> list[Check]:
     for name, reference in references.items():
         say(f"MoE case: {name} judged against the {reference.kind} reference: {reference.why}")
     full = {MOE_FULL: references[MOE_FULL]}
-    out = usermodel.compare(served, [MOE_FULL], MOE_PREFIX, references=full)
+    out = [
+        _named_bug(c) for c in usermodel.compare(served, [MOE_FULL], MOE_PREFIX, references=full)
+    ]
     for lora in usermodel.Served.from_json(served, [], MOE_PREFIX).lora():
         if "error" in lora.result:  # compare reported it ("vLLM ran")
             continue
         for name in MOE_PARTIAL_ADAPTERS:
             out += partial_moe_checks(lora, name, references[name])
     return out
+
+
+def _named_bug(check: Check) -> Check:
+    """An engine that died of the bug as a whole (its log's first error is the assert,
+    not one request's) says so too."""
+    if check.ok or "gate_up_proj_lora" not in check.detail:
+        return check
+    return Check(check.name, False, f"{check.detail}; {UNPATCHED_MOE}", check.adapter)
 
 
 @dataclass(frozen=True)
