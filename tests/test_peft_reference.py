@@ -345,3 +345,63 @@ def test_e2e_takes_its_dense_reference_from_here(tmp_path, monkeypatch):
     for kind in ("lora", "lora_qkv", "lora_z"):
         assert checks.diff(reference[kind]["p600"], base)[0] > 1e-3, kind
     assert reference["lora_qkv"]["p600"] != reference["lora_z"]["p600"]
+
+
+def factor_shapes(adapter_dir: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    return {name: tuple(t.shape) for name, t in tensors.items()}
+
+
+SINGLE_PARAMETER_KEY = (
+    r"base_model\.model\.model\.language_model\.layers\.\d+\.mlp\.experts\.lora_[AB]\.weight"
+)
+
+
+@pytest.mark.slow
+def test_e2e_moe_adapters_are_peft_s_own_files_and_load_here(tiny, tmp_path, monkeypatch):
+    """--e2e's MoE case (shrunk to SMALL): the adapters on one expert parameter are in
+    the layout PEFT writes for one target parameter (<experts>.lora_{A,B} only, no
+    base_layer, target_parameters of one entry: the same keys as the fixture's own
+    PEFT adapters), and the reference loads them and the full adapter and answers."""
+    import re
+
+    needs_peft()
+    from patchkit.verify import e2e
+
+    experts = {k: v for k, v in SMALL.items() if k in e2e.MOE_TEXT}
+    text = {k: v for k, v in SMALL.items() if k not in experts}
+    monkeypatch.setattr(e2e, "TINY_TEXT", {**e2e.TINY_TEXT, **text})
+    monkeypatch.setattr(e2e, "MOE_TEXT", {**e2e.MOE_TEXT, **experts})
+    model, adapters = e2e.build_moe(tmp_path, 0)
+    assert list(adapters) == [e2e.MOE_FULL, *e2e.MOE_PARTIAL_ADAPTERS]
+    rows = e2e.EXPERT_RANK * e2e.MOE_TEXT["num_experts"]
+    hidden, inter = SMALL["hidden_size"], SMALL["moe_intermediate_size"]
+    wanted = {
+        "down": ((rows, inter), (hidden, rows)),
+        "gate_up": ((rows, hidden), (2 * inter, rows)),
+    }
+    for name, targets in e2e.MOE_PARTIAL_ADAPTERS.items():
+        config = json.loads((adapters[name] / "adapter_config.json").read_text())
+        assert config["target_parameters"] == targets and len(targets) == 1
+        assert not config["target_modules"]
+        shapes = factor_shapes(adapters[name])
+        assert set(shapes) == set(factor_shapes(tiny[name]))  # PEFT's own, made by the fixture
+        assert all(re.fullmatch(SINGLE_PARAMETER_KEY, key) for key in shapes), sorted(shapes)
+        a, b = wanted[name]
+        assert {s for k, s in shapes.items() if ".lora_A." in k} == {a}
+        assert {s for k, s in shapes.items() if ".lora_B." in k} == {b}
+    assert any(".experts.base_layer.lora_A" in k for k in factor_shapes(adapters[e2e.MOE_FULL]))
+
+    asked = {"p40": PROMPTS["p40"]}
+    runs = peftref.reference_runs(
+        lambda: peftref.load_base(model, None), adapters, asked, peftref.requests(adapters, asked)
+    )
+    for name in adapters:
+        assert not checks.served_error(runs, f"lora:{name}"), runs[f"lora:{name}"]
+        assert mean_diff(runs, f"lora:{name}", "base") > 0.02, name
+    assert mean_diff(runs, "lora:down", "lora:gate_up") > 0.02
+    for name in e2e.MOE_PARTIAL_ADAPTERS:  # unmerged as PEFT merges it: the same projection
+        merged = plain_logprobs(model, PROMPTS["p40"], adapters[name])
+        assert checks.diff(checks.logprobs(runs, f"lora:{name}", "p40"), merged)[1] < 1e-3

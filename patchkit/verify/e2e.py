@@ -11,8 +11,15 @@ A tiny Qwen3.5-MoE hybrid (8 routed experts, top 2, and a shared expert in
 every layer) with an adapter on attention, GDN, the shared expert and the
 routed experts (vLLM's fused_moe_lora) is served beside it and checked like
 `verify --model`, against the adapter merged into the weights
-(patchkit.verify.usermodel). Every engine runs through patchkit.verify.serving, on
---tensor-parallel-size GPUs each, all side by side when they fit.
+(patchkit.verify.usermodel; transformers + PEFT where the merged reference
+cannot decide). The same engines serve two adapters PEFT saves on one expert
+parameter, ``down_proj`` alone and ``gate_up_proj`` alone (vLLM #48460, patch
+partial-moe-adapter): each must load, match transformers + PEFT in float32
+within 1.5 x the engine's own base error against it, move the output, and be
+told apart from the full adapter and from the other one. Every vLLM engine
+runs through patchkit.verify.serving, on --tensor-parallel-size GPUs each,
+all side by side when they fit; the MoE case's transformers + PEFT reference
+runs after them, alone (it takes every GPU).
 
 Random weights make greedy tokens a poor comparison (near-ties diverge), so
 the checks compare teacher-forced prompt log-probabilities instead.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
@@ -213,15 +221,37 @@ def qwen35_moe_config(**text):
     return _with_vision(Qwen3_5MoeConfig, tiny | MOE_TEXT | text)
 
 
-def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
-    """Save a random tiny Qwen3.5-MoE and a rank-64 adapter on attention, GDN and experts.
+# Adapters on one routed-expert parameter alone, as PEFT saves them: their factors are
+# <experts>.lora_{A,B} with no base_layer level, which unpatched vLLM refuses (vLLM
+# #48460: `assert gate_up_proj_lora is not None`; patch partial-moe-adapter). Served in
+# the MoE LoRA engines beside the full adapter, judged against transformers + PEFT.
+MOE_FULL = "moe"
+MOE_PARTIAL_ADAPTERS = {
+    "down": ["mlp.experts.down_proj"],
+    "gate_up": ["mlp.experts.gate_up_proj"],
+}
+EXPERT_RANK = 16
+# served.json's entry of the MoE case's transformers + PEFT reference
+MOE_PEFT = MOE_PREFIX + "peft"
+UNPATCHED_MOE = (
+    "an adapter on one expert parameter does not load where vLLM #48460 is open "
+    "(`assert gate_up_proj_lora is not None`): `patchkit apply` carries the fix "
+    "(partial-moe-adapter)"
+)
 
-    PEFT makes the linear modules' factors; the routed experts' factors are
-    written in the layout PEFT >= 0.20 saves for ``target_parameters`` and
-    vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
+
+def build_moe(workdir: Path, seed: int) -> tuple[Path, dict[str, Path]]:
+    """Save a random tiny Qwen3.5-MoE, a rank-64 adapter on attention, GDN and experts,
+    and the adapters on one expert parameter (MOE_PARTIAL_ADAPTERS), PEFT's own files.
+
+    The full adapter's linear factors come from PEFT; its routed experts' factors
+    are written in the layout PEFT >= 0.20 saves for both ``target_parameters``
+    and vLLM's FusedMoE3DWithLoRA reads (``<experts>.base_layer.lora_{A,B}`` is
     gate_up_proj: A (r*E, hidden), B (2*I, r*E); ``<experts>.lora_{A,B}`` is
     down_proj: A (r*E, I), B (hidden, r*E); see docs/verify.md ("The merged reference")),
-    so the case does not depend on the PEFT release installed.
+    so that case does not depend on the PEFT release installed. The partial
+    adapters are what PEFT itself saves for one parameter (save_expert_adapter):
+    their layout is the point of the case. Returns the model and {name: adapter}.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -243,7 +273,47 @@ def build_moe(workdir: Path, seed: int) -> tuple[Path, Path]:
     config = json.loads(config_file.read_text())
     config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     config_file.write_text(json.dumps(config, indent=2))
-    return model_dir, adapter_dir
+    adapters = {MOE_FULL: adapter_dir}
+    for number, (name, targets) in enumerate(MOE_PARTIAL_ADAPTERS.items(), start=3):
+        torch.manual_seed(seed + number)
+        adapters[name] = workdir / f"moe-adapter-{name}"
+        save_expert_adapter(model_dir, adapters[name], targets)
+    return model_dir, adapters
+
+
+def save_expert_adapter(
+    model_dir: Path, adapter_dir: Path, targets: list[str], rank: int = EXPERT_RANK
+) -> None:
+    """Save, with PEFT's save_pretrained, an adapter on the routed experts' ``targets``
+    (``target_parameters``) of the Qwen3.5-MoE in model_dir, and nothing else.
+
+    With one parameter PEFT writes ``<experts>.lora_{A,B}`` alone and
+    ``target_parameters`` of one entry; with both it nests the first under
+    ``base_layer``. The factors are random (expert_factors), drawn from torch's
+    generator: the caller seeds it.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    base = Qwen3_5MoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=[], target_parameters=targets,
+                        exclude_modules=r".*visual.*")  # fmt: skip
+    expert_factors(get_peft_model(base, config), rank).save_pretrained(adapter_dir)
+
+
+def expert_factors(peft_model, rank: int):
+    """Draw a PEFT model's routed-expert factors as _expert_factors does (A (r*E, in) over
+    sqrt(in), B (out, r*E) times 0.3 / sqrt(r)), so the experts' LoRA is clearly visible."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".experts." in name and "lora_A" in name:
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+            elif ".experts." in name and "lora_B" in name:
+                param.copy_(torch.randn_like(param) * (0.3 / rank**0.5))
+    return peft_model
 
 
 def _expert_factors(torch, seed: int) -> dict:
@@ -294,20 +364,53 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
     )
 
 
-def moe_jobs(workdir: Path, seed: int, memory: dict, say) -> list:
-    """The MoE model with its adapter in each mode, its merged reference and rounding control."""
-    moe_dir, moe_adapter = build_moe(workdir, seed)
-    adapters = {"moe": moe_adapter}
-    plans = usermodel.plan_references(moe_dir, adapters, workdir, say)
+@dataclass(frozen=True)
+class MoeCase:
+    """The MoE case's files and prompts: what its engines and its PEFT reference serve."""
+
+    model: Path
+    adapters: dict[str, Path]  # MOE_FULL first (lora_after_long uses it), then the partials
+    prompts: dict[str, list[int]]
+
+
+def moe_case(workdir: Path, seed: int) -> MoeCase:
+    """Build the MoE model and its adapters (build_moe) and draw its prompts."""
+    model, adapters = build_moe(workdir, seed)
+    config = usermodel.read_config(model)
+    return MoeCase(model, adapters, usermodel.make_prompts(config, MOE_PROMPT_LENGTHS, seed))
+
+
+def moe_jobs(case: MoeCase, workdir: Path, seed: int, memory: dict, say) -> list:
+    """The MoE model with every adapter in each mode, the full adapter's merged
+    reference and rounding control, and the engines without LoRA (usermodel.jobs).
+    The partial adapters have no merged reference: transformers + PEFT judges them."""
+    full = {MOE_FULL: case.adapters[MOE_FULL]}
+    plans = usermodel.plan_references(case.model, full, workdir, say)
     references = usermodel.write_references(plans, workdir, say, seed)
-    config = usermodel.read_config(moe_dir)
-    setup = {
-        "prompts": usermodel.make_prompts(config, MOE_PROMPT_LENGTHS, seed),
-        "max_model_len": 4096,
-        "seed": seed,
-        **memory,
-    }
-    return usermodel.jobs(moe_dir, adapters, references, setup, prefix=MOE_PREFIX)
+    setup = {"prompts": case.prompts, "max_model_len": 4096, "seed": seed, **memory}
+    jobs = usermodel.jobs(case.model, case.adapters, references, setup, prefix=MOE_PREFIX)
+    return [partial_requests_last(job) for job in jobs]
+
+
+def partial_requests_last(job: serving.Job) -> serving.Job:
+    """The job with the partial adapters' requests moved to its end: where one does not
+    load (unpatched vLLM), the engine dies on it, and a base request after it would
+    take every other answer of the engine with it."""
+    partial = [r for r in job.requests if r[2] in MOE_PARTIAL_ADAPTERS]
+    rest = [r for r in job.requests if r[2] not in MOE_PARTIAL_ADAPTERS]
+    return replace(job, requests=rest + partial)
+
+
+def moe_peft_reference(case: MoeCase, served: dict, workdir: Path, timeout: float, say) -> dict:
+    """transformers + PEFT in float32 (patchkit.verify.peftref) on the MoE case, in a
+    child of its own after every vLLM engine (it takes every GPU): the partial adapters,
+    and the full one where its merged reference cannot decide (usermodel's choice).
+    Its result, in a served engine's form, or {"error": ...}."""
+    _, need = usermodel.choose_references(served, [MOE_FULL], {}, None, MOE_PREFIX)
+    names = [*MOE_PARTIAL_ADAPTERS, *need]
+    say(f"PEFT reference (transformers + PEFT, float32) for the MoE case: {', '.join(names)}")
+    job = peftref.job(case.model, {n: case.adapters[n] for n in names}, case.prompts, MOE_PEFT)
+    return serving.wait(serving.start([job], workdir), workdir, timeout)[MOE_PEFT]
 
 
 def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:
@@ -335,14 +438,105 @@ def run_e2e(
     (workdir / "reference.json").write_text(json.dumps(reference))
     memory, at_once = engine_memory(model_dir, tp, gpu)
     engines = dense_jobs(model_dir, adapter_dir, seed, memory)
-    engines += moe_jobs(workdir, seed, memory, say)
-    say(f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}")
+    case = moe_case(workdir, seed)
+    engines += moe_jobs(case, workdir, seed, memory, say)
+    say(
+        f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}; "
+        "then the MoE case's transformers + PEFT reference alone"
+    )
     served = serving.serve_all(engines, workdir, timeout, at_once)
+    served[MOE_PEFT] = moe_peft_reference(case, served, workdir, timeout, say)
     (workdir / "served.json").write_text(json.dumps(served))
     loras = usermodel.Served.from_json(served, []).lora()
     dense = [check for lora in loras for check in compare(lora.engine.mode, lora.result, reference)]
     dense += baserows.base_rows_checks(served, {e.engine.mode: e.engine.name for e in loras})
-    return dense + usermodel.compare(served, ["moe"], prefix=MOE_PREFIX)  # baserows included
+    return dense + moe_checks(served, say)  # baserows included
+
+
+# ----- the checks of the MoE case -----
+
+PARTIAL_WHY = (
+    "an adapter on one expert parameter has no merged reference here: transformers + PEFT "
+    "(float32, unmerged) decides"
+)
+
+
+def moe_references(served: dict) -> dict[str, usermodel.Reference]:
+    """Each MoE adapter's reference: the full adapter's merged one where it decides, else
+    transformers + PEFT (usermodel.choose_references, as `verify --model` chooses); the
+    partial adapters' transformers + PEFT (served[MOE_PEFT])."""
+    chosen, need = usermodel.choose_references(served, [MOE_FULL], {}, None, MOE_PREFIX)
+    run = usermodel.Served.from_json(served, [MOE_FULL], MOE_PREFIX)
+    run.peft = served.get(MOE_PEFT)
+    for name in need:
+        chosen[name] = usermodel.peft_or_merged(run, name, chosen[name])
+    for name in MOE_PARTIAL_ADAPTERS:
+        chosen[name] = usermodel.peft_reference(run, name, PARTIAL_WHY)
+    return chosen
+
+
+def moe_checks(served: dict, say=lambda line: None) -> list[Check]:
+    """The MoE case's checks: the full adapter, the engines and base rows as `verify
+    --model` judges them (usermodel.compare), then each partial adapter in each mode."""
+    references = moe_references(served)
+    for name, reference in references.items():
+        say(f"MoE case: {name} judged against the {reference.kind} reference: {reference.why}")
+    full = {MOE_FULL: references[MOE_FULL]}
+    out = [
+        _named_bug(c) for c in usermodel.compare(served, [MOE_FULL], MOE_PREFIX, references=full)
+    ]
+    for lora in usermodel.Served.from_json(served, [], MOE_PREFIX).lora():
+        if "error" in lora.result:  # compare reported it ("vLLM ran")
+            continue
+        for name in MOE_PARTIAL_ADAPTERS:
+            out += partial_moe_checks(lora, name, references[name])
+    return out
+
+
+def _named_bug(check: Check) -> Check:
+    """An engine that died of the bug as a whole (its log's first error is the assert,
+    not one request's) says so too."""
+    if check.ok or "gate_up_proj_lora" not in check.detail:
+        return check
+    return Check(check.name, False, f"{check.detail}; {UNPATCHED_MOE}", check.adapter)
+
+
+@dataclass(frozen=True)
+class Other:
+    """Another adapter's answers as a control of a partial one (what
+    usermodel.control_check reads): the partial adapter's bound must reject the full
+    adapter's answers and the other partial's, or the run could not tell the projection
+    it trains from the other one (down_proj from gate_up_proj) or from both."""
+
+    adapter: str  # the partial adapter judged
+    other: str  # the adapter whose answers stand in
+
+    @property
+    def what(self) -> str:
+        return f"served as {self.other}"
+
+    @property
+    def label(self) -> str:
+        return f"lora:{self.other}"
+
+
+def partial_moe_checks(lora: usermodel.EngineServed, name: str, reference) -> list[Check]:
+    """One partial expert adapter in one LoRA engine, by usermodel.adapter_checks against
+    transformers + PEFT (bound 1.5 x |vLLM base - PEFT base| of this engine): served,
+    finite, within the bound, moving the output, and told apart from the full adapter
+    and the other partial one. Not served: the row names the bug and the fix."""
+    others = [Other(name, o) for o in (MOE_FULL, *MOE_PARTIAL_ADAPTERS) if o != name]
+    engine = lora.engine.name
+    found = usermodel.adapter_checks(
+        engine, name, lora.runs, reference, reference.floors.get(engine), others
+    )
+    served = f"{engine}: {name} adapter served"
+    return [
+        Check(c.name, c.ok, f"{c.detail}; {UNPATCHED_MOE}", c.adapter, c.decided)
+        if c.name == served and not c.ok
+        else c
+        for c in found
+    ]
 
 
 # ----- the checks of the dense case, against transformers + PEFT -----

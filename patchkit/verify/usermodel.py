@@ -964,7 +964,7 @@ def run_model(
             )
             run = Served.from_json(served, list(adapters), merged=bool(references))
             for name in need:
-                chosen[name] = _peft_or_merged(run, name, chosen[name])
+                chosen[name] = peft_or_merged(run, name, chosen[name])
         (work / "served.json").write_text(json.dumps(served))
         return judge(served, list(adapters), controls, chosen, admission=setup.get("admission"))
     finally:
@@ -974,7 +974,7 @@ def run_model(
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
+def peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
     """The PEFT reference for an adapter the merged one could not decide; when PEFT did
     not run (no transformers, no peftref), the merged verdict stands and says why."""
     why = merged.why if merged.kind == "peft" else f"{merged.why}; the PEFT reference decides"

@@ -60,8 +60,10 @@ sys.path.insert(0, str(ROOT))
 from patchkit.verify.e2e import (  # noqa: E402
     MOE_TARGET_MODULES,
     TARGET_MODULES,
+    expert_factors,
     qwen35_config,
     qwen35_moe_config,
+    save_expert_adapter,
     scale_lora_b,
 )
 
@@ -162,9 +164,9 @@ def build(out: Path, preset: str = "user", text: dict | None = None) -> dict:
 
 
 def build_moe(out: Path, text: dict | None = None) -> dict:
-    """The moe preset: a Qwen3.5-MoE and PEFT adapters on one or both expert parameters."""
+    """The moe preset: a Qwen3.5-MoE and PEFT adapters on one or both expert parameters
+    (e2e.save_expert_adapter, which --e2e's MoE case uses for its partial adapters)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(5)
@@ -173,19 +175,7 @@ def build_moe(out: Path, text: dict | None = None) -> dict:
     del model
     built = {"model": str(out / "model")}
     for name, targets in MOE_ADAPTERS.items():
-        base = Qwen3_5MoeForConditionalGeneration.from_pretrained(
-            out / "model", dtype=torch.bfloat16
-        )
-        config = LoraConfig(r=MOE_RANK, lora_alpha=MOE_RANK, target_modules=[],
-                            target_parameters=targets, exclude_modules=r".*visual.*")  # fmt: skip
-        peft_model = get_peft_model(base, config)
-        with torch.no_grad():  # A (r*E, in) and B (out, r*E), as e2e's expert factors
-            for param_name, param in peft_model.named_parameters():
-                if ".experts." in param_name and "lora_A" in param_name:
-                    param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
-                elif ".experts." in param_name and "lora_B" in param_name:
-                    param.copy_(torch.randn_like(param) * (0.3 / MOE_RANK**0.5))
-        peft_model.save_pretrained(out / name)
+        save_expert_adapter(out / "model", out / name, targets, MOE_RANK)
         built[name] = str(out / name)
         print(f"adapter {name}: rank {MOE_RANK}, target_parameters {targets}")
     return built
@@ -211,12 +201,7 @@ def build_wide35b(out: Path, text: dict | None = None) -> dict:
                             target_parameters=targets, init_lora_weights=False,
                             exclude_modules=r".*visual.*")  # fmt: skip
         peft_model = scale_lora_b(get_peft_model(model, config), WIDE35B_B_SCALE)
-        with torch.no_grad():  # the experts' factors as build_moe draws them
-            for param_name, param in peft_model.named_parameters():
-                if ".experts." in param_name and "lora_A" in param_name:
-                    param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
-                elif ".experts." in param_name and "lora_B" in param_name:
-                    param.copy_(torch.randn_like(param) * (0.3 / MOE_RANK**0.5))
+        expert_factors(peft_model, MOE_RANK)  # the experts' factors as build_moe draws them
         peft_model.save_pretrained(out / name)
         model = peft_model.unload()  # the base model again, for the next adapter
         built[name] = str(out / name)
