@@ -87,6 +87,7 @@ def test_build_applies_rebuild_is_a_noop_and_drift_fails(image):
             "lora/layers/base.py",
             "lora/layers/column_parallel_linear.py",
             "lora/model_manager.py",
+            "lora/worker_manager.py",
         ]
     )
 

@@ -45,6 +45,7 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
         "vllm/lora/layers/base.py",
         "vllm/lora/punica_wrapper/patchkit_lora_matmul.py",
         "vllm/lora/punica_wrapper/punica_gpu.py",
+        "vllm/lora/worker_manager.py",
     ]
     assert "Patchkit-Patch: partial-gdn-adapter" in git(
         checkout, "log", "-1", "--format=%B", "HEAD~1"
