@@ -35,8 +35,9 @@ MODULE = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
 NO_TRITON = "no Triton here (pip install triton 'numpy<2.3' runs it in Triton's interpreter)"
 
 
-def import_module(name: str, directory, interpret: bool, gemv: bool = True):
-    """The catalogue's module, imported fresh; its kernels are the interpreter's if asked.
+def import_module(name: str, directory, interpret: bool, gemv: str | None = None):
+    """The catalogue's module, imported fresh; its kernels are the interpreter's if asked,
+    PATCHKIT_LORA_GEMV set to ``gemv`` (None: unset, the default, the route on).
 
     Triton picks interpreter or compiler when a kernel is defined (at import).
     The ops' dispatch table (_IMPL, one per process) is put back afterwards, so
@@ -46,7 +47,10 @@ def import_module(name: str, directory, interpret: bool, gemv: bool = True):
     saved = dict(vars(impl)) if impl is not None else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1" if interpret else "0")
-        mp.setenv("PATCHKIT_LORA_GEMV", "1" if gemv else "")  # the route is opt-in
+        if gemv is None:
+            mp.delenv("PATCHKIT_LORA_GEMV", raising=False)
+        else:
+            mp.setenv("PATCHKIT_LORA_GEMV", gemv)
         module = module_from_source(name, created_source(PATCH, MODULE), directory)
     if saved is not None:
         vars(impl).clear()
@@ -210,9 +214,9 @@ def check(layer, x, y, scale=1.0, bad=()):
             assert_close_to(out[good], gemm[good].double(), layer.dtype)
 
 
-# (seed, rows, slice widths, slots, rank, hidden): every slice count, 1/2/8/16 slots,
-# ranks 8 (half a shrink block), 16, 64 and 128, hidden sizes and slice widths that
-# are no multiple of a block, rows without a slot.
+# (seed, rows, slice widths, slots, rank, hidden): every slice count (1-4, Qwen3.5's
+# in_proj_qkvz has 4), 1/2/8/16 slots, ranks 8 (half a shrink block), 16, 64 and 128,
+# hidden sizes and slice widths that are no multiple of a block, rows without a slot.
 CASES = [
     (1, [0], (40,), 1, 8, 96),
     (2, [1, -1], (72, 24), 2, 16, 200),
@@ -220,6 +224,7 @@ CASES = [
     (4, [9, -1, 15, 2], (24,), 16, 128, 96),
     (5, [2], (48, 16, 16), 16, 128, 70),
     (6, [0, 1], (24,), 2, 16, 2100),  # 17 hidden blocks: 2 per part, the last parts empty
+    (7, [5, 1, -1, 5, 0, 7], (32, 32, 48, 48), 8, 32, 144),
 ]
 
 
@@ -295,6 +300,27 @@ def check_a_quarantined_adapter_and_an_empty_slot(gemv):
     layer.load(3)  # loaded again, good: the mark is gone
     layer.map([3, 0, -1, 6, 2, 7, 5, 3])
     check(layer, x, y, bad=(6,))
+
+
+def check_every_slice_count_with_a_bad_adapter_and_an_empty_slot(gemv):
+    """1-4 slices, 8 rows on 8 slots: adapters of mixed ranks, an empty slot, rows
+    without one and a non-finite adapter (NaN or inf, in A or B, in a different slice
+    each time): its rows NaN in every slice, every other row as the reference."""
+    poisons = [("a", 0, float("nan")), ("b", 1, float("inf")), ("a", 2, float("-inf")),
+               ("b", 3, float("nan"))]  # fmt: skip
+    for slices in (1, 2, 3, 4):
+        widths = (40, 24, 56, 16)[:slices]
+        layer = Layer(gemv, widths, 8, 32, 80, seed=20 + slices)
+        for slot, rank in ((0, 8), (2, 32), (5, 16)):
+            layer.load(slot, rank=rank)
+        kind, where, value = poisons[slices - 1]
+        layer.load(3, poison=(kind, min(where, slices - 1), value))
+        layer.map([3, 0, -1, 7, 2, 5, 3, -1])  # slot 7 is empty
+        gen = torch.Generator().manual_seed(20 + slices)
+        x = torch.randn(8, 80, generator=gen).to(torch.bfloat16)
+        y = torch.randn(8, sum(widths), generator=gen).to(torch.bfloat16)
+        check(layer, x, y, scale=0.5, bad=(3,))
+        assert same_bits(layer.call(y.clone(), x)[3], y[3])  # the empty slot adds 0
 
 
 def check_a_batch_without_lora_replayed_through_a_captured_call(gemv):
@@ -385,14 +411,18 @@ def test_without_the_interpreter_cpu_calls_take_the_gemm_route(tmp_path):
     assert not m._gemv_device(torch.zeros(1, 8))
 
 
-def test_the_gemv_route_is_off_unless_asked_for(tmp_path):
-    """Until serving throughput judges it against unpatched vLLM, decode-sized calls take
-    the GEMM route unless PATCHKIT_LORA_GEMV=1: gemv_linear declines, whatever the shapes."""
-    m = import_module("patchkit_lora_matmul_gemv_off", tmp_path, interpret=False, gemv=False)
-    assert not m.GEMV_ENABLED
+def test_the_gemv_route_is_on_unless_set_to_0(tmp_path):
+    """The serving benchmark judged the route against unpatched vLLM, so decode-sized
+    calls take it by default (and with the old opt-in value 1); PATCHKIT_LORA_GEMV=0
+    is the way back: gemv_linear declines, whatever the shapes."""
     slots, rank, hidden, width = 4, 8, 64, 32
     a_all = torch.zeros(1, slots, 1, rank, hidden)
     b = [torch.zeros(slots, 1, rank, width).transpose(2, 3)]
     y, x = torch.zeros(1, width), torch.zeros(1, hidden)
     weights = torch.zeros(8, slots)
-    assert not m._gemv_fits(y, x, [a_all[0]], b, weights)
+    fits = {}
+    for value in (None, "1", " 0 ", "0"):
+        m = import_module(f"patchkit_lora_matmul_gemv_{len(fits)}", tmp_path, False, value)
+        fits[value] = (m.GEMV_ENABLED, m._gemv_fits(y, x, [a_all[0]], b, weights))
+    assert fits == {None: (True, True), "1": (True, True), " 0 ": (False, False),
+                    "0": (False, False)}  # fmt: skip
