@@ -78,7 +78,8 @@ print(json.dumps(found))
 
 
 def check_names() -> list[str]:
-    names = [n for n in globals() if n.startswith("check_") and n != "check_case"]
+    names = [n for n in globals() if n.startswith("check_") and n not in ("check_case",
+             "check_names")]  # fmt: skip
     return names + [f"check_case[seed{c[0]}]" for c in CASES]
 
 
@@ -373,6 +374,20 @@ def test_more_rows_than_slots_take_the_gemm_route(interpreted):
 def test_a_quarantined_adapter_and_an_empty_slot(interpreted):
     """A bad adapter's rows NaN, the others as without it; an empty slot adds 0."""
     passed(interpreted, "check_a_quarantined_adapter_and_an_empty_slot")
+
+
+def test_every_slice_count_with_a_bad_adapter_and_an_empty_slot(interpreted):
+    """1-4 slices: a non-finite adapter's rows NaN, an empty slot adds 0, the rest as
+    the reference."""
+    passed(interpreted, "check_every_slice_count_with_a_bad_adapter_and_an_empty_slot")
+
+
+def test_every_check_is_asserted_by_a_test():
+    """A check the child runs but no test reads would pass unseen."""
+    source = open(__file__).read()
+    for name in check_names():
+        if not name.startswith("check_case["):
+            assert f'passed(interpreted, "{name}")' in source, name
 
 
 def test_a_batch_without_lora_replayed_through_a_captured_call(interpreted):
