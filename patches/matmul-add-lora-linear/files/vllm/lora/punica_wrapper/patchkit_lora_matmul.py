@@ -643,8 +643,12 @@ GEMV_MAX_TOKENS = 8
 # 97.5 % and 92.4 % at batch 1. Its checks passed on the H200 too (rows without a slot
 # bit-identical, a bad adapter's rows NaN, CUDA graphs, verify --e2e), and the kernel
 # scan reads every config it compiles with (no wgmma). Memory: no buffer of its own
-# that lives past a call (gemv_linear's fp32 parts come from the allocator, or the
-# CUDA graph's pool, for the call), no more than the GEMM route's temporaries.
+# outlives a call. gemv_linear's fp32 parts (tokens x GEMV_SPLIT_K x slices x rank:
+# 256 KiB at 8 tokens, 4 slices of rank 128) come from the allocator, or the CUDA
+# graph's pool, for the call; at 16 slots that is twice the GEMM route's temporary
+# for a call of several slices (128 KiB more at most) and under a quarter of it for
+# a one-slice call, and far below the temporaries of the profile run and the larger
+# graphs (the GEMM route), which set what vLLM reserves (docs/evidence.md).
 GEMV_ENV = "PATCHKIT_LORA_GEMV"
 GEMV_ENABLED = os.environ.get(GEMV_ENV, "").strip() != "0"
 GEMV_SPLIT_K = 16  # shrink parts over the hidden size (fp32, summed by the expand)
