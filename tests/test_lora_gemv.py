@@ -17,12 +17,14 @@ here asserts one check's outcome, with the child's traceback if it failed.
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import os
 import random
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 
@@ -441,3 +443,73 @@ def test_the_gemv_route_is_on_unless_set_to_0(tmp_path):
         fits[value] = (m.GEMV_ENABLED, m._gemv_fits(y, x, [a_all[0]], b, weights))
     assert fits == {None: (True, True), "1": (True, True), " 0 ": (False, False),
                     "0": (False, False)}  # fmt: skip
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the storages ops create inside the block: the peak live, and those still
+    alive at the end (each freed when its last tensor dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves
+        seen = {a.untyped_storage().data_ptr() for a in leaves((args, kwargs or {}))
+                if isinstance(a, torch.Tensor)}  # fmt: skip
+        out = func(*args, **(kwargs or {}))
+        for tensor in (o for o in leaves(out) if isinstance(o, torch.Tensor)):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen and key not in self.live:
+                self.live[key] = tensor.untyped_storage().nbytes()
+                self.peak = max(self.peak, sum(self.live.values()))
+                weakref.finalize(tensor.untyped_storage(), self.live.pop, key, 0)
+        return out
+
+
+class NoLaunch:
+    """A kernel whose launch does nothing: a compiled kernel allocates no torch memory."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("widths", [(40,), (40, 24, 24, 16)], ids=["1 slice", "4 slices"])
+def test_the_gemv_route_keeps_nothing_and_allocates_only_its_parts(tmp_path, widths):
+    """Memory: one call on the GEMV route allocates one tensor, the fp32 parts (tokens x
+    GEMV_SPLIT_K x slices x rank), and nothing outlives the call; the GEMM route's
+    temporary at the same call, for comparison, is tokens x slices x slots x rank in
+    the model dtype (8 times that for a split one-slice call, plus its reduce)."""
+    pytest.importorskip("triton", reason=NO_TRITON)
+    m = import_module("patchkit_lora_matmul_memory", tmp_path, interpret=False)
+    m._gemv_shrink_kernel = m._gemv_expand_kernel = NoLaunch()
+    slots, rank, hidden, tokens = 16, 32, 64, 8
+    layer = Layer(m, widths, slots, rank, hidden)
+    layer.map(list(range(tokens)))
+    x, y = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, sum(widths)).bfloat16()
+    found = {}
+    for route, gemv_tokens in (("gemv", m.GEMV_MAX_TOKENS), ("gemm", 0)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(m, "_gemv_device", lambda x: True)
+            mp.setattr(m, "GEMV_MAX_TOKENS", gemv_tokens)
+            taken: list[bool] = []
+
+            def spy(*args, taken=taken, gemv_linear=m.gemv_linear):
+                taken.append(gemv_linear(*args))
+                return taken[-1]
+
+            mp.setattr(m, "gemv_linear", spy)
+            out = y.clone()
+            with LiveBytes() as mode:
+                layer.call(out, x)
+            gc.collect()
+        assert taken == [route == "gemv"]
+        found[route] = (mode.peak, sum(mode.live.values()))
+    parts = tokens * m.GEMV_SPLIT_K * len(widths) * rank * 4
+    shrunk = tokens * len(widths) * slots * rank * 2
+    assert found["gemv"] == (parts, 0)
+    if len(widths) > 1:
+        assert found["gemm"] == (shrunk, 0) and parts == 2 * shrunk  # at 16 slots
+    else:
+        assert found["gemm"][0] > parts and found["gemm"][1] == 0
