@@ -19,7 +19,10 @@ patched file) and its own empty compile cache:
   default              `patchkit apply` (torch LoRA path)
   default+triton       the same tree, PATCHKIT_LORA_BACKEND=triton
   default+gemv         the same tree, PATCHKIT_LORA_GEMV=1 (the torch path's GEMV route
-                       for decode steps of at most 8 tokens); only when asked for by --configs
+                       for decode steps of at most 8 tokens, opt-in when it was measured
+                       first, the default since); only when asked for by --configs
+  default-gemv         the same tree, PATCHKIT_LORA_GEMV=0 (the GEMV route off: the
+                       torch path's GEMM route alone); only when asked for by --configs
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        cost); only when asked for by --configs
@@ -225,6 +228,7 @@ PROBE = "default+nan-probe"
 SAME_TREE = {
     "default+triton": {"PATCHKIT_LORA_BACKEND": "triton"},
     "default+gemv": {"PATCHKIT_LORA_GEMV": "1"},
+    "default-gemv": {"PATCHKIT_LORA_GEMV": "0"},
 }
 
 

@@ -10,11 +10,10 @@ of one decode step of the benchmark models:
 
   triton-default  unpatched vLLM's path: fp32 buffer, lora_shrink, lora_expand,
                   expand at block_n 128, 2 stages (what it picks on the H200)
-  torch           the patched wrapper's add_lora_linear with its GEMV route on
-                  (PATCHKIT_LORA_GEMV=1, set here): the GEMV route where it
-                  applies, else the GEMM route
-  torch-gemm      the same with the GEMV route off (the default set as installed,
-                  the route being opt-in)
+  torch           the patched wrapper's add_lora_linear as installed, its GEMV
+                  route on (PATCHKIT_LORA_GEMV=1, set here): the GEMV route where
+                  it applies, else the GEMM route
+  torch-gemm      the same with the GEMV route off (PATCHKIT_LORA_GEMV=0)
 
 Each call is captured in a CUDA graph and replayed (triton.testing.
 do_bench_cudagraph, median). The kernels each path launches, with their GPU

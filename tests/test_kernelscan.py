@@ -157,13 +157,16 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     gemv = [c for c in report["kernels"]["cases"] if c["family"] == "gemv"]
     assert {c["kernel"] for c in gemv} == GEMV  # the torch path's own kernels: no wgmma
     assert {c["verdict"] for c in gemv} == {"no-register-operand"}
-    assert not any(c["called"] for c in gemv)  # the GEMV route is opt-in
-    assert "PATCHKIT_LORA_GEMV=1" in gemv[0]["why_not_called"]
-    opted_in = doctor_kernels(tree, PATCHKIT_LORA_GEMV="1")
-    gemv = [c for c in opted_in["kernels"]["cases"] if c["family"] == "gemv"]
     adding = [c for c in gemv if c["constants"].get("ADD_INPUTS") is not False]
-    assert adding and all(c["called"] for c in adding)  # run here; writing: dual stream only
+    assert adding and all(c["called"] for c in adding)  # on by default; writing: dual stream
     assert not any(c["called"] for c in gemv if c["constants"].get("ADD_INPUTS") is False)
+    dual = doctor_kernels(tree, VLLM_LORA_ENABLE_DUAL_STREAM="1", VLLM_LORA_DISABLE_PDL="1")
+    gemv = [c for c in dual["kernels"]["cases"] if c["family"] == "gemv"]
+    assert all(c["called"] for c in gemv if c["constants"].get("ADD_INPUTS") is False)
+    off = doctor_kernels(tree, PATCHKIT_LORA_GEMV="0")  # the way back: a scan of its own
+    gemv = [c for c in off["kernels"]["cases"] if c["family"] == "gemv"]
+    assert gemv and not any(c["called"] for c in gemv)
+    assert "PATCHKIT_LORA_GEMV=0" in gemv[0]["why_not_called"]
     triton_backend = doctor_kernels(tree, PATCHKIT_LORA_BACKEND="triton")
     assert nan_verdict(triton_backend)["status"] == "exposed"
     gemv = [c for c in triton_backend["kernels"]["cases"] if c["family"] == "gemv"]
@@ -349,41 +352,69 @@ def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
     assert qkv and all(c["constants"]["SLICE_NUM"] == 3 for c in qkv)
 
 
-def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_picks(tmp_path):
+GEMV_SCANS: dict[str, dict] = {}  # by Triton version: one scan of the GEMV calls per test run
+
+
+def gemv_scan(version: str, tmp_path_factory) -> dict:
+    """The scan of every GEMV call (default models) on a tree with the torch path."""
+    if version not in GEMV_SCANS:
+        tree = copy_tree("0.26.0", tmp_path_factory.mktemp("gemv") / "t")
+        only = ["--only", "matmul-add-lora-linear"]
+        assert run_cli("apply", "--target", str(tree), *only).exit_code == 0
+        done = subprocess.run(
+            [sys.executable, "-c", SCAN, str(tree), "patchkit gemv_linear"],
+            capture_output=True, text=True, env=scan_env(version), timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        GEMV_SCANS[version] = json.loads(done.stdout)
+    return GEMV_SCANS[version]
+
+
+CALL = re.compile(r"\((\d) slices?\), (\d+) slots, (\d+) tokens, rank (\d+), bf16(, dual-stream)?$")
+
+
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.parametrize("version", ["3.6.0", TRITON])
+def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_picks(
+    version, tmp_path_factory
+):
     """The torch path's decode route launches Triton kernels of its own, from the module
     the patch adds beside the punica wrapper: the scan finds them, runs the module's own
-    host code (gemv_linear) per layer, rank, batch and setting, and reads every config
-    it picks (ranks 16-128 give every BLOCK_R; adding and dual-stream writing): no
-    wgmma at all, so no register-A race. Only the batches the route takes launch."""
+    host code (gemv_linear) at every row count it takes (1-8, on 1, 8 and 16 slots),
+    every rank vLLM admits, every slice count of Qwen3.5's layers (1-4), adding and
+    dual-stream writing, and reads every config that host code picks: no wgmma at all,
+    so no register-A race, on Triton 3.6.0 and 3.7.1 with their own ptxas."""
+    from patchkit.doctor import configs
     from tests.conftest import created_source, module_from_source
 
-    tree = copy_tree("0.26.0", tmp_path / "t")
-    only = ["--only", "matmul-add-lora-linear"]
-    assert run_cli("apply", "--target", str(tree), *only).exit_code == 0
-    model, adapter = tmp_path / "model", tmp_path / "adapter"
-    model.mkdir()
-    adapter.mkdir()
-    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "head_dim": 128, "intermediate_size": 2816}  # fmt: skip
-    (model / "config.json").write_text(json.dumps(text))
-    ranks = {"r": 16, "rank_pattern": {"a": 32, "b": 64, "c": 128}}
-    (adapter / "adapter_config.json").write_text(json.dumps(ranks))
-    done = subprocess.run(
-        [sys.executable, "-c", SCAN, str(tree), "patchkit gemv_linear", str(model), str(adapter)],
-        capture_output=True, text=True, env=scan_env(), timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    scan = json.loads(done.stdout)
+    scan = gemv_scan(version, tmp_path_factory)
+    assert scan["toolchain"]["triton"] == version
     assert GEMV <= set(scan["kernels"])  # found in the patched tree's source
     gemv = [c for c in scan["cases"] if c["family"] == "gemv"]
-    assert {c["kernel"] for c in gemv} == GEMV
+    assert {c["kernel"] for c in gemv} == GEMV  # no error case: gemv_linear took every call
     assert [(c["label"], c["verdict"], c["error"]) for c in gemv
             if c["verdict"] != "no-register-operand" or c["hgmma"]] == []  # fmt: skip
     assert not any(c["approximate"] for c in gemv)
     module = module_from_source(
         "patchkit_lora_matmul_scan", created_source("matmul-add-lora-linear",
-        "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"), tmp_path,
+        "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"), tmp_path_factory.mktemp("m"),
     )  # fmt: skip
+    assert configs.GEMV_MAX_TOKENS == module.GEMV_MAX_TOKENS
+    # Every call compiled both kernels (one shrink, an expand per slice), and the calls
+    # are every (slices, slots, tokens, rank, setting) the route admits.
+    reached = {k: {label for c in gemv if c["kernel"] == k for label in c["calls"]} for k in GEMV}
+    assert reached["_gemv_shrink_kernel"] == reached["_gemv_expand_kernel"]
+    found = {CALL.search(label).groups() for label in reached["_gemv_shrink_kernel"]}
+    wanted = {
+        (str(slices), str(slots), str(tokens), str(rank), setting)
+        for slices in (1, 2, 3, 4)
+        for slots in (1, 8, 16)
+        for tokens in range(1, min(module.GEMV_MAX_TOKENS, slots) + 1)
+        for rank in configs.VLLM_RANKS
+        for setting in (None, ", dual-stream")
+    }
+    assert found == wanted
     shrink = [c["constants"] for c in gemv if c["kernel"] == "_gemv_shrink_kernel"]
     expand = [c["constants"] for c in gemv if c["kernel"] == "_gemv_expand_kernel"]
     assert {(c["SPLIT_K"], c["BLOCK_N"], c["BLOCK_K"]) for c in shrink} == {
@@ -392,8 +423,35 @@ def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_pic
     assert {c["BLOCK_R"] for c in expand} == {16, 32, 64, 128}
     assert {c["BLOCK_W"] for c in expand} == {module.GEMV_BLOCK_W}
     assert {c["ADD_INPUTS"] for c in expand} == {True, False}
-    labels = {label for c in gemv for label in c["calls"]}
-    assert labels and all(", 1 tokens, " in label for label in labels)  # 16 > 4 slots
+    # Triton's own specialisations reached too: rank 1 and one slot become constants.
+    assert any(c.get("rank") == 1 for c in shrink) and any(c.get("stride_w") == 1 for c in expand)
+
+
+@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])
+def test_the_scan_takes_every_rank_the_release_admits(version):
+    """The GEMV calls' ranks are vLLM's MaxLoRARanks, as the release's config says."""
+    from patchkit.doctor import configs
+
+    text = (release_tree(version) / "vllm/config/lora.py").read_text()
+    admitted = re.search(r"^MaxLoRARanks = Literal\[([\d, ]+)\]", text, re.M).group(1)
+    assert tuple(int(r) for r in admitted.split(",")) == configs.VLLM_RANKS
+
+
+def test_a_qwen35_config_gives_the_linear_attention_projections(tmp_path):
+    """in_proj_qkvz (4 slices) and in_proj_ba (2) from a Qwen3.5 config's GDN sizes,
+    as the default dense model has them."""
+    from patchkit.doctor import configs
+
+    text = {"hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4,
+            "head_dim": 256, "intermediate_size": 17408, "linear_num_key_heads": 16,
+            "linear_key_head_dim": 128, "linear_num_value_heads": 48,
+            "linear_value_head_dim": 128}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": text}))
+    for model in (configs.model_from_dir(tmp_path), configs.DEFAULT_MODELS[0]):
+        layers = {name: slices for name, _, slices in configs.gemv_layers(model)}
+        assert layers["in_proj_qkvz"] == (2048, 2048, 6144, 6144)
+        assert layers["in_proj_ba"] == (48, 48)
+        assert {len(s) for s in layers.values()} == {1, 2, 3, 4}
 
 
 def test_without_triton_the_scan_says_so_in_one_line_and_doctor_runs_on(tree_0260):

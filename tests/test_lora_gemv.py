@@ -17,12 +17,14 @@ here asserts one check's outcome, with the child's traceback if it failed.
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import os
 import random
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 
@@ -35,8 +37,9 @@ MODULE = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
 NO_TRITON = "no Triton here (pip install triton 'numpy<2.3' runs it in Triton's interpreter)"
 
 
-def import_module(name: str, directory, interpret: bool, gemv: bool = True):
-    """The catalogue's module, imported fresh; its kernels are the interpreter's if asked.
+def import_module(name: str, directory, interpret: bool, gemv: str | None = None):
+    """The catalogue's module, imported fresh; its kernels are the interpreter's if asked,
+    PATCHKIT_LORA_GEMV set to ``gemv`` (None: unset, the default, the route on).
 
     Triton picks interpreter or compiler when a kernel is defined (at import).
     The ops' dispatch table (_IMPL, one per process) is put back afterwards, so
@@ -46,7 +49,10 @@ def import_module(name: str, directory, interpret: bool, gemv: bool = True):
     saved = dict(vars(impl)) if impl is not None else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1" if interpret else "0")
-        mp.setenv("PATCHKIT_LORA_GEMV", "1" if gemv else "")  # the route is opt-in
+        if gemv is None:
+            mp.delenv("PATCHKIT_LORA_GEMV", raising=False)
+        else:
+            mp.setenv("PATCHKIT_LORA_GEMV", gemv)
         module = module_from_source(name, created_source(PATCH, MODULE), directory)
     if saved is not None:
         vars(impl).clear()
@@ -74,7 +80,8 @@ print(json.dumps(found))
 
 
 def check_names() -> list[str]:
-    names = [n for n in globals() if n.startswith("check_") and n != "check_case"]
+    names = [n for n in globals() if n.startswith("check_") and n not in ("check_case",
+             "check_names")]  # fmt: skip
     return names + [f"check_case[seed{c[0]}]" for c in CASES]
 
 
@@ -210,9 +217,9 @@ def check(layer, x, y, scale=1.0, bad=()):
             assert_close_to(out[good], gemm[good].double(), layer.dtype)
 
 
-# (seed, rows, slice widths, slots, rank, hidden): every slice count, 1/2/8/16 slots,
-# ranks 8 (half a shrink block), 16, 64 and 128, hidden sizes and slice widths that
-# are no multiple of a block, rows without a slot.
+# (seed, rows, slice widths, slots, rank, hidden): every slice count (1-4, Qwen3.5's
+# in_proj_qkvz has 4), 1/2/8/16 slots, ranks 8 (half a shrink block), 16, 64 and 128,
+# hidden sizes and slice widths that are no multiple of a block, rows without a slot.
 CASES = [
     (1, [0], (40,), 1, 8, 96),
     (2, [1, -1], (72, 24), 2, 16, 200),
@@ -220,6 +227,7 @@ CASES = [
     (4, [9, -1, 15, 2], (24,), 16, 128, 96),
     (5, [2], (48, 16, 16), 16, 128, 70),
     (6, [0, 1], (24,), 2, 16, 2100),  # 17 hidden blocks: 2 per part, the last parts empty
+    (7, [5, 1, -1, 5, 0, 7], (32, 32, 48, 48), 8, 32, 144),
 ]
 
 
@@ -297,6 +305,27 @@ def check_a_quarantined_adapter_and_an_empty_slot(gemv):
     check(layer, x, y, bad=(6,))
 
 
+def check_every_slice_count_with_a_bad_adapter_and_an_empty_slot(gemv):
+    """1-4 slices, 8 rows on 8 slots: adapters of mixed ranks, an empty slot, rows
+    without one and a non-finite adapter (NaN or inf, in A or B, in a different slice
+    each time): its rows NaN in every slice, every other row as the reference."""
+    poisons = [("a", 0, float("nan")), ("b", 1, float("inf")), ("a", 2, float("-inf")),
+               ("b", 3, float("nan"))]  # fmt: skip
+    for slices in (1, 2, 3, 4):
+        widths = (40, 24, 56, 16)[:slices]
+        layer = Layer(gemv, widths, 8, 32, 80, seed=20 + slices)
+        for slot, rank in ((0, 8), (2, 32), (5, 16)):
+            layer.load(slot, rank=rank)
+        kind, where, value = poisons[slices - 1]
+        layer.load(3, poison=(kind, min(where, slices - 1), value))
+        layer.map([3, 0, -1, 7, 2, 5, 3, -1])  # slot 7 is empty
+        gen = torch.Generator().manual_seed(20 + slices)
+        x = torch.randn(8, 80, generator=gen).to(torch.bfloat16)
+        y = torch.randn(8, sum(widths), generator=gen).to(torch.bfloat16)
+        check(layer, x, y, scale=0.5, bad=(3,))
+        assert same_bits(layer.call(y.clone(), x)[3], y[3])  # the empty slot adds 0
+
+
 def check_a_batch_without_lora_replayed_through_a_captured_call(gemv):
     """A CUDA graph captured with LoRA runs the kernels again for a batch without
     LoRA (vLLM leaves its mapping stale and raises only the CPU flag): the rows read
@@ -349,6 +378,20 @@ def test_a_quarantined_adapter_and_an_empty_slot(interpreted):
     passed(interpreted, "check_a_quarantined_adapter_and_an_empty_slot")
 
 
+def test_every_slice_count_with_a_bad_adapter_and_an_empty_slot(interpreted):
+    """1-4 slices: a non-finite adapter's rows NaN, an empty slot adds 0, the rest as
+    the reference."""
+    passed(interpreted, "check_every_slice_count_with_a_bad_adapter_and_an_empty_slot")
+
+
+def test_every_check_is_asserted_by_a_test():
+    """A check the child runs but no test reads would pass unseen."""
+    source = open(__file__).read()
+    for name in check_names():
+        if not name.startswith("check_case["):
+            assert f'passed(interpreted, "{name}")' in source, name
+
+
 def test_a_batch_without_lora_replayed_through_a_captured_call(interpreted):
     """The cleared slot weights, not vLLM's stale mapping, decide."""
     passed(interpreted, "check_a_batch_without_lora_replayed_through_a_captured_call")
@@ -385,14 +428,88 @@ def test_without_the_interpreter_cpu_calls_take_the_gemm_route(tmp_path):
     assert not m._gemv_device(torch.zeros(1, 8))
 
 
-def test_the_gemv_route_is_off_unless_asked_for(tmp_path):
-    """Until serving throughput judges it against unpatched vLLM, decode-sized calls take
-    the GEMM route unless PATCHKIT_LORA_GEMV=1: gemv_linear declines, whatever the shapes."""
-    m = import_module("patchkit_lora_matmul_gemv_off", tmp_path, interpret=False, gemv=False)
-    assert not m.GEMV_ENABLED
+def test_the_gemv_route_is_on_unless_set_to_0(tmp_path):
+    """The serving benchmark judged the route against unpatched vLLM, so decode-sized
+    calls take it by default (and with the old opt-in value 1); PATCHKIT_LORA_GEMV=0
+    is the way back: gemv_linear declines, whatever the shapes."""
     slots, rank, hidden, width = 4, 8, 64, 32
     a_all = torch.zeros(1, slots, 1, rank, hidden)
     b = [torch.zeros(slots, 1, rank, width).transpose(2, 3)]
     y, x = torch.zeros(1, width), torch.zeros(1, hidden)
     weights = torch.zeros(8, slots)
-    assert not m._gemv_fits(y, x, [a_all[0]], b, weights)
+    fits = {}
+    for value in (None, "1", " 0 ", "0"):
+        m = import_module(f"patchkit_lora_matmul_gemv_{len(fits)}", tmp_path, False, value)
+        fits[value] = (m.GEMV_ENABLED, m._gemv_fits(y, x, [a_all[0]], b, weights))
+    assert fits == {None: (True, True), "1": (True, True), " 0 ": (False, False),
+                    "0": (False, False)}  # fmt: skip
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the storages ops create inside the block: the peak live, and those still
+    alive at the end (each freed when its last tensor dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves
+        seen = {a.untyped_storage().data_ptr() for a in leaves((args, kwargs or {}))
+                if isinstance(a, torch.Tensor)}  # fmt: skip
+        out = func(*args, **(kwargs or {}))
+        for tensor in (o for o in leaves(out) if isinstance(o, torch.Tensor)):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen and key not in self.live:
+                self.live[key] = tensor.untyped_storage().nbytes()
+                self.peak = max(self.peak, sum(self.live.values()))
+                weakref.finalize(tensor.untyped_storage(), self.live.pop, key, 0)
+        return out
+
+
+class NoLaunch:
+    """A kernel whose launch does nothing: a compiled kernel allocates no torch memory."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("widths", [(40,), (40, 24, 24, 16)], ids=["1 slice", "4 slices"])
+def test_the_gemv_route_keeps_nothing_and_allocates_only_its_parts(tmp_path, widths):
+    """Memory: one call on the GEMV route allocates one tensor, the fp32 parts (tokens x
+    GEMV_SPLIT_K x slices x rank), and nothing outlives the call; the GEMM route's
+    temporary at the same call, for comparison, is tokens x slices x slots x rank in
+    the model dtype (8 times that for a split one-slice call, plus its reduce)."""
+    pytest.importorskip("triton", reason=NO_TRITON)
+    m = import_module("patchkit_lora_matmul_memory", tmp_path, interpret=False)
+    m._gemv_shrink_kernel = m._gemv_expand_kernel = NoLaunch()
+    slots, rank, hidden, tokens = 16, 32, 64, 8
+    layer = Layer(m, widths, slots, rank, hidden)
+    layer.map(list(range(tokens)))
+    x, y = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, sum(widths)).bfloat16()
+    found = {}
+    for route, gemv_tokens in (("gemv", m.GEMV_MAX_TOKENS), ("gemm", 0)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(m, "_gemv_device", lambda x: True)
+            mp.setattr(m, "GEMV_MAX_TOKENS", gemv_tokens)
+            taken: list[bool] = []
+
+            def spy(*args, taken=taken, gemv_linear=m.gemv_linear):
+                taken.append(gemv_linear(*args))
+                return taken[-1]
+
+            mp.setattr(m, "gemv_linear", spy)
+            out = y.clone()
+            with LiveBytes() as mode:
+                layer.call(out, x)
+            gc.collect()
+        assert taken == [route == "gemv"]
+        found[route] = (mode.peak, sum(mode.live.values()))
+    parts = tokens * m.GEMV_SPLIT_K * len(widths) * rank * 4
+    shrunk = tokens * len(widths) * slots * rank * 2
+    assert found["gemv"] == (parts, 0)
+    if len(widths) > 1:
+        assert found["gemm"] == (shrunk, 0) and parts == 2 * shrunk  # at 16 slots
+    else:
+        assert found["gemm"][0] > parts and found["gemm"][1] == 0

@@ -91,6 +91,86 @@ def test_judge_fails_nan_and_wrong_values():
     assert not result.ok and result.rel_error > kernelcheck.BF16_REL_TOL
 
 
+# ----- kernelcheck.judge_gemv: the GEMV route's cases -----
+
+
+def gemv_judged_case(add_inputs=True, seed=1):
+    """A correct GEMV-route result on 8 slots: rows without LoRA, good adapters, the
+    bad slot's rows NaN, the empty slot's rows y (adding) or 0 (writing)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, rank, widths = 16, 4, (8, 4)
+    bad, empty = kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT
+    x = torch.randn(6, hidden, generator=gen).bfloat16()
+    a = [torch.randn(8, 1, rank, hidden, generator=gen).bfloat16() / 4 for _ in widths]
+    b = [torch.randn(8, 1, w, rank, generator=gen).bfloat16() / 2 for w in widths]
+    for t in (*a, *b):
+        t[empty].zero_()
+    y = torch.randn(6, sum(widths), generator=gen).bfloat16()
+    slots = torch.tensor([bad, 0, -1, empty, 1, bad])
+    out = y.double().clone() if add_inputs else torch.zeros(6, sum(widths), dtype=torch.float64)
+    out[slots < 0] = y[slots < 0].double()
+    offset = 0
+    for a_s, b_s, w in zip(a, b, widths, strict=True):
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                shrunk = x[t].double() @ a_s[slot, 0].double().T
+                out[t, offset : offset + w] += shrunk @ b_s[slot, 0].double().T
+        offset += w
+    out[slots == bad] = float("nan")
+    return out.bfloat16(), y, x, a, b, widths, slots, add_inputs
+
+
+def test_judge_gemv_passes_a_correct_result_adding_and_writing():
+    for add_inputs in (True, False):
+        result = kernelcheck.judge_gemv("case", *gemv_judged_case(add_inputs), [True])
+        assert result.ok, result.detail
+        assert "GEMV route taken" in result.detail and "2 rows of the bad adapter NaN" in (
+            result.detail
+        )
+
+
+def test_judge_gemv_fails_when_the_route_did_not_run():
+    """The GEMM route gives the same numbers: only what gemv_linear returned tells."""
+    for taken in ([], [False], [True, True]):
+        result = kernelcheck.judge_gemv("case", *gemv_judged_case(), taken)
+        assert not result.ok and "NOT taken" in result.detail
+
+
+def test_judge_gemv_fails_a_bad_adapter_that_reaches_other_rows_or_not_its_own():
+    out, *rest = gemv_judged_case()
+    leaked = out.clone()
+    leaked[1, 0] = float("nan")  # a good adapter's row
+    assert not kernelcheck.judge_gemv("case", leaked, *rest, [True]).ok
+    plain = out.clone()
+    plain[2, 1] = float("nan")  # a row without LoRA
+    result = kernelcheck.judge_gemv("case", plain, *rest, [True])
+    assert not result.ok and "CHANGED" in result.detail
+    finite = out.clone()
+    finite[0, 3] = 0.0  # the bad adapter's row not NaN everywhere
+    result = kernelcheck.judge_gemv("case", finite, *rest, [True])
+    assert not result.ok and "NOT all NaN" in result.detail
+    wrong = out.clone()
+    wrong[4] *= 1.5
+    result = kernelcheck.judge_gemv("case", wrong, *rest, [True])
+    assert not result.ok and result.rel_error > kernelcheck.BF16_REL_TOL
+
+
+def test_the_gemv_cases_cover_every_kind_of_row_at_each_token_count():
+    """1, 2, 4 and 8 tokens per slice count: each call has a LoRA row (else vLLM skips
+    the ops), and the one-token calls are a bad, a good and an empty slot's row."""
+    rows, widths = kernelcheck.GEMV_ROWS, kernelcheck.GEMV_WIDTHS
+    assert kernelcheck.GEMV_TOKENS == (1, 2, 4, 8) and {len(w) for w in widths} == {1, 2, 3, 4}
+    for n in range(len(widths)):
+        for tokens in kernelcheck.GEMV_TOKENS:
+            assert any(rows[(n + i) % len(rows)] for i in range(tokens))
+    first = {rows[n % len(rows)] - 1 for n in range(len(widths))}
+    assert {kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT} < first
+    assert first - {kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT} <= set(
+        kernelcheck.GEMV_RANKS
+    )
+    assert set(rows) - {0} <= set(range(1, 9)) and 0 in rows
+
+
 # ----- e2e.compare: every end-to-end failure it must catch -----
 
 

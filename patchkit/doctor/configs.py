@@ -81,10 +81,22 @@ class Model:
     experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0
+    key_dim: int = 0  # linear attention (Qwen3.5's GDN layers): heads x head size
+    value_dim: int = 0
+    v_heads: int = 0
 
 
 DEFAULT_MODELS = (
-    Model("Qwen3.5-27B (dense layers)", hidden=5120, intermediate=17408, q=6144, kv=1024),
+    Model(
+        "Qwen3.5-27B (dense layers)",
+        hidden=5120,
+        intermediate=17408,
+        q=6144,
+        kv=1024,
+        key_dim=16 * 128,
+        value_dim=48 * 128,
+        v_heads=48,
+    ),  # fmt: skip
     Model("Qwen3.5-35B-A3B (MoE layers)", hidden=2048, experts=256, top_k=8, moe_intermediate=512),
 )
 
@@ -114,6 +126,7 @@ def _model_of(config: dict, directory: Path, adapters: Iterable[Path]) -> Model:
     )
     dtype = text.get("torch_dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16"
     ranks = sorted({r for a in adapters for r in adapter_ranks(Path(a))}) or Model.ranks
+    v_heads = int(text.get("linear_num_value_heads") or 0)
     return Model(
         name=str(config.get("_name_or_path") or Path(directory).name),
         hidden=hidden,
@@ -129,6 +142,10 @@ def _model_of(config: dict, directory: Path, adapters: Iterable[Path]) -> Model:
         experts=int(experts or 0),
         top_k=int(text.get("num_experts_per_tok") or 0),
         moe_intermediate=int(text.get("moe_intermediate_size") or 0),
+        key_dim=int(text.get("linear_num_key_heads") or 0)
+        * int(text.get("linear_key_head_dim") or 0),
+        value_dim=v_heads * int(text.get("linear_value_head_dim") or 0),
+        v_heads=v_heads,
     )
 
 
@@ -273,25 +290,64 @@ def _linear(model, width, slices, tokens, rank, add_inputs):
     return run
 
 
+# The GEMV route (matmul-add-lora-linear's gemv_linear) takes a call of at most
+# min(GEMV_MAX_TOKENS, max_loras) tokens: every row count 1..8 is scanned, on 8 and 16
+# slots (and the 1 token one slot admits). The slot count is the slot weights' row
+# stride, which Triton specialises (1 becomes a constant, a multiple of 16 is marked
+# divisible), so these three reach every specialisation a slot count can give.
+GEMV_MAX_TOKENS = 8  # the module's GEMV_MAX_TOKENS (a test compares them)
+GEMV_SLOTS = (1, 8, 16)
+# Every max_lora_rank vLLM admits (vllm/config/lora.py MaxLoRARanks, the same in every
+# tested release; a test reads each tree's): the stacked weights have this rank, and
+# gemv_block_r maps them to every BLOCK_R (16, 32, 64, 128); rank 1 is a constant to
+# Triton, 8 is not divisible by 16.
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The settings the route can run under: adding into y, and writing it (vLLM's dual
+# stream; with or without PDL is the same call to gemv_linear, which reads neither).
+GEMV_SETTINGS = ("default", "dual-stream")
+
+
 def gemv_calls(model: Model, settings: tuple[str, ...]) -> list[Call]:
-    """The torch path's ``add_lora_linear`` (matmul-add-lora-linear) per layer, batch,
-    rank and setting: its own host code (``gemv_linear``) decides whether the GEMV
-    kernels run and with which configs. Absent where the patch is not applied;
-    not under batch invariance, where the torch path is off."""
+    """The torch path's ``add_lora_linear`` (matmul-add-lora-linear) per layer, rank,
+    row count and slot count, adding and writing: its own host code (``gemv_linear``)
+    decides whether the GEMV kernels run and with which configs. Every row count the
+    route takes, every rank vLLM admits and every slice count of the model's layers
+    (1-4 with Qwen3.5's in_proj_qkvz). Absent where the patch is not applied; not under
+    batch invariance, where the torch path is off."""
     dtype = DTYPES[model.dtype]
     found = []
-    torch_path_on = tuple(s for s in settings if s != "batch-invariant")
-    for setting, add_inputs, rank, tokens in _grid(model, torch_path_on):
-        for name, width, slices in dense_layers(model):
-            run = _gemv(model, width, slices, tokens, rank, add_inputs)
-            label = _layer_label(name, slices)
-            found.append(
-                Call("gemv", "patchkit gemv_linear", label, tokens, rank, dtype, setting, run)
-            )
+    ranks = sorted(set(VLLM_RANKS) | set(model.ranks))
+    for setting in (s for s in GEMV_SETTINGS if s in settings):
+        add_inputs = not SETTINGS[setting][1]
+        for rank in ranks:
+            for slots, tokens in gemv_batches():
+                for name, width, slices in gemv_layers(model):
+                    run = _gemv(model, width, slices, tokens, rank, add_inputs, slots)
+                    label = f"{_layer_label(name, slices)}, {slots} slots"
+                    found.append(
+                        Call("gemv", "patchkit gemv_linear", label, tokens, rank, dtype, setting,
+                             run)
+                    )  # fmt: skip
     return found
 
 
-def _gemv(model, width, slices, tokens, rank, add_inputs):
+def gemv_batches() -> list[tuple[int, int]]:
+    """(slots, tokens): every row count the GEMV route takes on each slot count."""
+    return [(s, t) for s in GEMV_SLOTS for t in range(1, min(GEMV_MAX_TOKENS, s) + 1)]
+
+
+def gemv_layers(model: Model) -> list[tuple[str, int, tuple[int, ...]]]:
+    """The dense layers, and Qwen3.5's linear-attention projections where the model has
+    them: in_proj_qkvz (four slices: q, k, v, z) and in_proj_ba (two)."""
+    layers = dense_layers(model)
+    if model.key_dim and model.value_dim:
+        qkvz = (model.key_dim, model.key_dim, model.value_dim, model.value_dim)
+        layers.append(("in_proj_qkvz", model.hidden, qkvz))
+        layers.append(("in_proj_ba", model.hidden, (model.v_heads, model.v_heads)))
+    return layers
+
+
+def _gemv(model, width, slices, tokens, rank, add_inputs, slots):
     """The tensors the torch path hands gemv_linear: A of the slices in one storage, B
     rank-major (as adopt_layer lays them out), the batch's slot weights."""
 
@@ -302,12 +358,13 @@ def _gemv(model, width, slices, tokens, rank, add_inputs):
         dtype = getattr(torch, model.dtype)
         x = box.tensor((tokens, width), dtype)
         y = box.tensor((tokens, sum(slices)), dtype)
-        a_all = box.tensor((len(slices), MAX_LORAS, 1, rank, width), dtype)
+        a_all = box.tensor((len(slices), slots, 1, rank, width), dtype)
         a = [a_all[s] for s in range(len(slices))]
-        b = [box.tensor((MAX_LORAS, 1, rank, n), dtype).transpose(2, 3) for n in slices]
-        weights = box.tensor((MAX_TOKENS, MAX_LORAS), dtype)
-        module.GEMV_ENABLED = True  # opt-in (PATCHKIT_LORA_GEMV=1): read what it would pick
-        module.gemv_linear(y, x, a, b, weights, 1.0, add_inputs)
+        b = [box.tensor((slots, 1, rank, n), dtype).transpose(2, 3) for n in slices]
+        weights = box.tensor((MAX_TOKENS, slots), dtype)
+        module.GEMV_ENABLED = True  # as installed unless PATCHKIT_LORA_GEMV=0
+        if not module.gemv_linear(y, x, a, b, weights, 1.0, add_inputs):
+            raise ScanGap(f"gemv_linear declined {tokens} tokens on {slots} slots")
 
     return run
 
@@ -537,6 +594,8 @@ def runs_here(call: Call, environ: dict[str, str]) -> tuple[bool, str]:
         active = "batch-invariant"
     if call.setting == active:
         return True, ""
+    if call.family == "gemv" and (call.setting, active) == ("dual-stream", "dual-stream-no-pdl"):
+        return True, ""  # the same gemv_linear call: the route reads neither flag
     if call.setting == "default":
         return False, f"{DUAL_STREAM} or {INVARIANT} is set here"
     if call.setting == "batch-invariant":

@@ -8,7 +8,9 @@ Two groups:
 - the installed PunicaWrapperGPU.add_lora_linear, through vLLM's own
   metadata path (LoRAMapping -> update_metadata), with several adapters of
   different ranks, an empty slot and rows without LoRA, once with the
-  backend this install uses and once with the other one.
+  backend this install uses and once with the other one; and on the torch
+  path, its GEMV route for decode-sized calls (1, 2, 4 and 8 tokens, 1-4
+  slices) with a quarantined non-finite adapter among the others.
 
 Inputs are fresh random numbers each run (never only zeros). torch and vllm
 are imported inside functions only.
@@ -157,9 +159,10 @@ def _random_lora(gen, tokens: int, hidden: int, rank: int, width: int):
 
 
 def wrapper_cases(seed: int) -> list[KernelResult]:
-    """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends."""
+    """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends, and
+    the torch path's GEMV route."""
     backend = installed_backend()
-    results = []
+    results = gemv_cases(seed)
     for name in ("torch", "triton"):
         if name == "torch" and backend != "torch":
             results.append(
@@ -299,3 +302,168 @@ def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
         "bit-identical" if untouched else "CHANGED"
     )
     return KernelResult(name, ok, error, nonfinite, detail)
+
+
+# ----- the torch path's GEMV route: decode-sized calls -----
+
+GEMV_TOKENS = (1, 2, 4, 8)  # the route takes at most min(8, max_loras) tokens
+# 1-4 slices (Qwen3.5: o_proj, gate_up_proj, qkv_proj, in_proj_qkvz), input 4096
+GEMV_WIDTHS = ((4096,), (2048, 2048), (2048, 512, 512), (1024, 1024, 2048, 2048))
+GEMV_RANKS = {0: 16, 1: 64, 2: 32, 4: 64}  # adapters of mixed ranks (max rank 64)
+GEMV_BAD_SLOT = 3  # a non-finite adapter, quarantined when set
+GEMV_EMPTY_SLOT = 6  # an adapter id whose slot holds zeros; slots 5 and 7 are unused
+# vLLM's adapter id per row (0 = no LoRA), slot = id - 1: every kind of row in 8 tokens.
+# Slice count n takes its rows from position n on, so its one-token call is in turn a
+# bad adapter's, a good one's, the empty slot's and a good one's row, and every call
+# has a LoRA row (without one vLLM's flag skips the LoRA ops altogether).
+GEMV_ROWS = (4, 1, 7, 3, 0, 5, 2, 4)
+
+
+def gemv_cases(seed: int) -> list[KernelResult]:
+    """The torch path's GEMV route through the installed wrapper's add_lora_linear,
+    against the float64 reference: 1, 2, 4 and 8 tokens, every slice count, adapters
+    of mixed ranks, an empty slot, rows without LoRA and a non-finite adapter, adding
+    and writing (vLLM's dual stream). A case passes only if the route ran, rows without
+    LoRA are bit-identical, the bad adapter's rows are NaN and the others are close."""
+    if installed_backend() != "torch":
+        return [KernelResult("add_lora_linear [torch] GEMV route", True, 0.0, 0,
+                             "the torch path is not installed (patch not applied)",
+                             counts=False)]  # fmt: skip
+    module = importlib.import_module(TORCH_OPS)
+    off = "" if module.GEMV_ENABLED else f"the GEMV route is off here ({module.GEMV_ENV}=0)"
+    was = module.GEMV_ENABLED
+    module.GEMV_ENABLED = True
+    try:
+        results = _gemv_run(seed, module)
+    finally:
+        module.GEMV_ENABLED = was
+    for result in results:
+        result.counts = not off
+        result.detail = "; ".join(d for d in (result.detail, off) if d)
+    return results
+
+
+def _gemv_run(seed: int, module) -> list[KernelResult]:
+    import torch
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
+    hidden, max_rank, max_loras = 4096, 64, 8
+    wrapper = PunicaWrapperGPU(
+        256, 8, "cuda", lora_config=LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
+    )
+    ids = list(range(1, max_loras + 1))  # slot i holds adapter id i + 1
+    taken: list[bool] = []
+    gemv_linear = module.gemv_linear
+
+    def spy(*args):
+        taken.append(gemv_linear(*args))
+        return taken[-1]
+
+    results = []
+    module.gemv_linear = spy
+    try:
+        for n, widths in enumerate(GEMV_WIDTHS):
+            a, b = _gemv_adapters(gen, widths, hidden, max_rank, max_loras)
+            layer = _adopted(wrapper, a, b)
+            _poison(layer, n)
+            for tokens in GEMV_TOKENS:
+                mapping = [GEMV_ROWS[(n + i) % len(GEMV_ROWS)] for i in range(tokens)]
+                wrapper.update_metadata(
+                    LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=False), ids,
+                    max_loras, 4096,
+                )  # fmt: skip
+                x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+                y = torch.randn(tokens, sum(widths), generator=gen, device="cuda")
+                y = y.to(torch.bfloat16)
+                slots = torch.tensor([i - 1 for i in mapping], device="cuda")
+                for add_inputs in (True, False):
+                    taken.clear()
+                    out = y.clone()
+                    wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked,
+                                            1.0, widths, add_inputs=add_inputs)  # fmt: skip
+                    torch.cuda.synchronize()
+                    how = "adding" if add_inputs else "writing"
+                    name = (f"add_lora_linear [torch] GEMV route T={tokens} "
+                            f"{len(widths)} slice(s), {how}")  # fmt: skip
+                    results.append(
+                        judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken)
+                    )
+            layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
+    finally:
+        module.gemv_linear = gemv_linear
+    return results
+
+
+def _gemv_adapters(gen, widths, hidden, max_rank, max_loras):
+    """Stacked A and B (vLLM's layout) with GEMV_RANKS' adapters; other slots zero."""
+    import torch
+
+    a = [torch.zeros(max_loras, 1, max_rank, hidden, dtype=torch.bfloat16, device="cuda")
+         for _ in widths]  # fmt: skip
+    b = [torch.zeros(max_loras, 1, w, max_rank, dtype=torch.bfloat16, device="cuda")
+         for w in widths]  # fmt: skip
+    for slot, rank in (*GEMV_RANKS.items(), (GEMV_BAD_SLOT, 16)):
+        for a_s, b_s, w in zip(a, b, widths, strict=True):
+            a_s[slot, 0, :rank] = (
+                torch.randn(rank, hidden, generator=gen, device="cuda") * hidden**-0.5
+            ).to(torch.bfloat16)
+            b_s[slot, 0, :, :rank] = (
+                torch.randn(w, rank, generator=gen, device="cuda") * rank**-0.5
+            ).to(torch.bfloat16)
+    return a, b
+
+
+def _adopted(wrapper, a: list, b: list):
+    """A layer holding copies of a and b, laid out and checked by the torch path."""
+    import types
+
+    layer = types.SimpleNamespace(
+        lora_a_stacked=tuple(t.clone() for t in a),
+        lora_b_stacked=tuple(t.clone() for t in b),
+        set_lora=lambda *args: None,
+        reset_lora=lambda *args: None,
+    )
+    wrapper.patchkit_adopt_layer(layer)
+    return layer
+
+
+def _poison(layer, n: int) -> None:
+    """A NaN or inf in the bad slot's A or B (a different slice each layer), then the
+    path's own check after set_lora: the slot is quarantined, its value zeroed."""
+    values = (float("nan"), float("inf"), float("-inf"), float("nan"))
+    stacked = layer.lora_a_stacked if n % 2 == 0 else layer.lora_b_stacked
+    stacked[n % len(stacked)][GEMV_BAD_SLOT, 0, 1, 2] = values[n % len(values)]
+    layer.set_lora(GEMV_BAD_SLOT)
+
+
+def judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken) -> KernelResult:
+    """A GEMV-route case: the route ran (``taken``, what gemv_linear returned), rows
+    without LoRA bit-identical, every value of the bad adapter's rows NaN, the others
+    finite and within BF16_REL_TOL of float64 (an empty slot's rows: y, or 0 written)."""
+    import torch
+
+    reference = (y.double() if add_inputs else torch.zeros_like(y, dtype=torch.float64)).clone()
+    offset = 0
+    for a_s, b_s, w in zip(a, b, widths, strict=True):
+        for slot in range(a_s.size(0)):
+            rows = slots == slot
+            shrunk = x[rows].double() @ a_s[slot, 0].double().T
+            reference[rows, offset : offset + w] += shrunk @ b_s[slot, 0].double().T
+        offset += w
+    plain, bad = slots < 0, slots == GEMV_BAD_SLOT
+    good = ~plain & ~bad
+    untouched = torch.equal(out[plain].view(torch.int16), y[plain].view(torch.int16))
+    contained = bool(torch.isnan(out[bad]).all())
+    error, nonfinite = relative_error(out[good], reference[good]) if good.any() else (0.0, 0)
+    nonfinite += int((~torch.isfinite(out[plain])).sum())
+    ran = taken == [True]
+    ok = ran and untouched and contained and nonfinite == 0 and error <= BF16_REL_TOL
+    notes = [
+        "GEMV route taken" if ran else f"GEMV route NOT taken ({taken})",
+        f"{int(plain.sum())} rows without LoRA " + ("bit-identical" if untouched else "CHANGED"),
+        f"{int(bad.sum())} rows of the bad adapter " + ("NaN" if contained else "NOT all NaN"),
+    ]
+    return KernelResult(name, ok, error, nonfinite, "; ".join(notes))

@@ -20,9 +20,9 @@ is imported) punica_gpu.py installs this path:
   three in all, where cuBLAS alone takes four there (its split-K GEMM has
   its own reduce kernel). There is no host sync, so CUDA graphs capture it,
   and it is a custom op, opaque to torch.compile, like vLLM's.
-* With PATCHKIT_LORA_GEMV=1 (opt-in until serving throughput has judged it
-  against unpatched vLLM), a decode-sized call, at most min(GEMV_MAX_TOKENS,
-  max_loras) tokens on a CUDA device, runs two Triton GEMV kernels instead, which read only each
+* A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
+  CUDA device, runs two Triton GEMV kernels instead (the default; see
+  GEMV_ENABLED for why, and PATCHKIT_LORA_GEMV=0 turns it off), which read only each
   row's own slot (found in the batch's slot weights, as the GEMMs mask):
   one shrink for all slices, split over the hidden size into fp32 parts,
   and one expand per slice that sums the parts, multiplies by the row's
@@ -634,13 +634,23 @@ def _splits(x, lora_a, reduce_weights) -> bool:
 # dense slots, 1.32 at 8 tokens on 2. The bound depends on shapes only, so a CUDA
 # graph captured for a batch size replays the route it was captured with.
 GEMV_MAX_TOKENS = 8
-# Off unless PATCHKIT_LORA_GEMV=1 (read once, at import): the route has passed its
-# checks on the H200 (rows without a slot bit-identical, a bad adapter's rows NaN,
-# CUDA graphs, verify --e2e) and costs 0.33-0.62 of vLLM's Triton kernels per decode
-# step, but a change to the LoRA path is judged by serving throughput side by side
-# with unpatched vLLM, which has not run yet.
+# On unless PATCHKIT_LORA_GEMV=0 (read once, at import; "0" is the only value that
+# turns it off, the way back to the GEMM route for every call). Why on: serving on
+# the H200 side by side with unpatched vLLM (docs/evidence.md, "the GEMV route in
+# serving"), decode with LoRA at batch 1 was 103.4 % of unpatched with 16 dense
+# adapters of rank 64 (lower quartile 101.0 %) and 100.7 % with 8 MoE adapters of
+# rank 16 (q1 97.2 %), batch 4 126.7 % and 101.3 %, where the GEMM route alone was at
+# 97.5 % and 92.4 % at batch 1. Its checks passed on the H200 too (rows without a slot
+# bit-identical, a bad adapter's rows NaN, CUDA graphs, verify --e2e), and the kernel
+# scan reads every config it compiles with (no wgmma). Memory: no buffer of its own
+# outlives a call. gemv_linear's fp32 parts (tokens x GEMV_SPLIT_K x slices x rank:
+# 256 KiB at 8 tokens, 4 slices of rank 128) come from the allocator, or the CUDA
+# graph's pool, for the call; at 16 slots that is twice the GEMM route's temporary
+# for a call of several slices (128 KiB more at most) and under a quarter of it for
+# a one-slice call, and far below the temporaries of the profile run and the larger
+# graphs (the GEMM route), which set what vLLM reserves (docs/evidence.md).
 GEMV_ENV = "PATCHKIT_LORA_GEMV"
-GEMV_ENABLED = os.environ.get(GEMV_ENV, "").strip() == "1"
+GEMV_ENABLED = os.environ.get(GEMV_ENV, "").strip() != "0"
 GEMV_SPLIT_K = 16  # shrink parts over the hidden size (fp32, summed by the expand)
 GEMV_BLOCK_N = 16  # shrink: A rows (slices * rank) per program
 GEMV_BLOCK_K = 128  # shrink: hidden columns per step
