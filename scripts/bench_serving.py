@@ -76,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
+    MOE35B_WIDTHS,
     MOE_TARGET_MODULES,
     TARGET_MODULES,
     qwen35_config,
@@ -94,20 +95,7 @@ WIDTHS = dict(
     linear_num_key_heads=16,
     linear_num_value_heads=48,
 )
-# Qwen3.5-35B-A3B widths, 8 layers: 256 routed experts (top 8) and a shared expert.
-MOE_WIDTHS = dict(
-    hidden_size=2048,
-    num_hidden_layers=8,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    num_experts=256,
-    num_experts_per_tok=8,
-)
+MOE_WIDTHS = MOE35B_WIDTHS  # 256 routed experts (top 8) and a shared expert
 MODELS = ("dense27b", "moe35b")
 WORKLOADS = {
     "decode_b64_lora": dict(n=64, prompt=128, out=256, lora=True),

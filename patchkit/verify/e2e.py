@@ -211,6 +211,24 @@ MOE_TARGET_MODULES = (
 MOE_PROMPT_LENGTHS = [600, 3000]
 
 
+# Qwen3.5/3.6-35B-A3B's text widths cut to 8 layers (3 GDN : 1 attention, twice; head
+# sizes as TINY_TEXT's): the MoE stand-in of the serving benchmark and of the wide
+# verify and nan-probe proofs (scripts/), about 6.8 B parameters.
+MOE35B_WIDTHS = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+)
+
+
 def qwen35_moe_config(**text):
     """A Qwen3.5-MoE hybrid (transformers' Qwen3_5MoeConfig): TINY_TEXT with 8 routed
     experts (top 2) and a shared expert in every layer (vLLM's Qwen3NextSparseMoeBlock),

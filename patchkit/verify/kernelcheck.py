@@ -197,15 +197,7 @@ def lora_linear_call(wrapper, backend: str, a: list, b: list):
     import torch
 
     if backend == "torch":
-        import types
-
-        layer = types.SimpleNamespace(
-            lora_a_stacked=tuple(t.clone() for t in a),
-            lora_b_stacked=tuple(t.clone() for t in b),
-            set_lora=lambda *args: None,
-            reset_lora=lambda *args: None,
-        )
-        wrapper.patchkit_adopt_layer(layer)
+        layer = _adopted(wrapper, a, b)
 
         def call(y, x, scale, slices):
             wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, scale, slices)

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
+    MOE35B_WIDTHS,
     MOE_TARGET_MODULES,
     TARGET_MODULES,
     expert_factors,
@@ -107,24 +108,7 @@ MOE_ADAPTERS = {
 }
 MOE_RANK = 16
 
-# Qwen3.5/3.6-35B-A3B's text widths, cut to 8 layers (3 GDN : 1 attention, twice).
-WIDE35B = dict(
-    hidden_size=2048,
-    num_hidden_layers=8,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    num_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    max_position_embeddings=32768,
-)
+WIDE35B = MOE35B_WIDTHS  # Qwen3.5/3.6-35B-A3B widths, 8 layers
 WIDE35B_ADAPTERS = {"a0": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 # lora_B of the linear modules, as e2e scales PEFT's random init (a visible effect,
 # sane logits); the experts' factors as build_moe draws them.
