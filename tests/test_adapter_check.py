@@ -78,6 +78,38 @@ def test_nonfinite_in_f16_and_f32_across_chunks(tmp_path, dtype, raw, value):
     assert (found.count, found.first, found.first_value) == (2, 3, value)
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_numpy_and_the_standard_library_judge_a_chunk_alike(dtype, seed):
+    """A chunk with candidates goes to numpy where it is installed, to the byte lanes
+    where not: both give a float-by-float reference's counts, first index and value
+    (NaN, +Inf and -Inf scattered among finite values of every exponent)."""
+    import random
+    import struct
+
+    np = pytest.importorskip("numpy")
+    rnd = random.Random(seed)
+    size = 4 if dtype == "F32" else 2
+    words = [rnd.getrandbits(8 * size) for _ in range(4096)]
+    exponent = {"BF16": 0x7F80, "F16": 0x7C00, "F32": 0x7F800000}[dtype]
+    words = [w & ~exponent if w & exponent == exponent else w for w in words]  # finite
+    for _ in range(rnd.randrange(1, 40)):
+        sign = rnd.choice([0, 1 << (8 * size - 1)])
+        tail = rnd.choice([0, 1, exponent >> 3 & ~exponent or 1])  # Inf or a NaN payload
+        words[rnd.randrange(len(words))] = sign | exponent | (tail & ~exponent)
+    fmt = "<" + ("I" if size == 4 else "H") * len(words)
+    data = struct.pack(fmt, *words)
+    mantissa = {"BF16": 0x007F, "F16": 0x03FF, "F32": 0x007FFFFF}[dtype]
+    bad = [i for i, w in enumerate(words) if w & exponent == exponent]
+    nans = sum(1 for i in bad if words[i] & mantissa)
+    first = bad[0]
+    kind = "nan" if words[first] & mantissa else "-inf" if words[first] >> (8 * size - 1) else "inf"
+    want = (nans, len(bad) - nans, first, kind)
+    top = data[size - 1 :: size].translate(nonfinite._EXP[nonfinite._LAYOUTS[dtype][1][0][1]])
+    assert nonfinite._chunk_numpy(np, data, dtype) == want
+    assert nonfinite._chunk_bits(data, dtype, top) == want
+
+
 def test_finite_extremes_are_not_flagged(tmp_path):
     """The largest finite bf16 (0x7F7F) and -0.0 share bits with Inf's lanes but are finite."""
     path = tmp_path / "t.safetensors"

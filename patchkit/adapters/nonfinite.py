@@ -12,6 +12,12 @@ top lane has no element with those exponent bits (a finite weight below
 2**127 never has them) is passed after one slice, one translate and one
 search; only a chunk with a candidate pays for the rest. Memory is one chunk
 and a few copies of a quarter or half of it, whatever the tensor's size.
+
+Where numpy is importable, a chunk with a candidate is judged by numpy on the
+whole words instead (the same bit rule, one vectorised pass): an adapter that
+is Inf throughout then reads at the common path's speed rather than the big
+integers' (the 5 s/GB target holds for it too); without numpy the standard
+library's path gives the same answer.
 """
 
 from __future__ import annotations
@@ -75,6 +81,23 @@ def scan(st: SafetensorsFile, info: TensorInfo, chunk_bytes: int = CHUNK_BYTES) 
     return Nonfinite(nan, inf, first, first_value) if first >= 0 else None
 
 
+# dtype -> (numpy word, exponent mask, mantissa mask, sign bit) of the same rule.
+_WORDS = {
+    "BF16": ("<u2", 0x7F80, 0x007F, 0x8000),
+    "F16": ("<u2", 0x7C00, 0x03FF, 0x8000),
+    "F32": ("<u4", 0x7F800000, 0x007FFFFF, 0x80000000),
+}
+
+
+def _numpy():
+    """numpy, or None where it is not installed (the check needs only the stdlib)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
 def _chunk(data, dtype: str) -> tuple[int, int, int, str] | None:
     """(NaN count, Inf count, first bad index, its value) of one chunk, or None."""
     size, exp_lanes, man_lanes = _LAYOUTS[dtype]
@@ -82,6 +105,30 @@ def _chunk(data, dtype: str) -> tuple[int, int, int, str] | None:
     top = data[top_lane::size].translate(_EXP[top_mask])
     if b"\x01" not in top:
         return None
+    np = _numpy()
+    if np is not None:
+        return _chunk_numpy(np, data, dtype)
+    return _chunk_bits(data, dtype, top)
+
+
+def _chunk_numpy(np, data, dtype: str) -> tuple[int, int, int, str] | None:
+    """_chunk's answer from numpy on whole words."""
+    word, exponent, mantissa, sign = _WORDS[dtype]
+    values = np.frombuffer(data, dtype=word)
+    where = np.flatnonzero((values & exponent) == exponent)
+    if not where.size:
+        return None
+    nan = (values[where] & mantissa) != 0
+    nans = int(np.count_nonzero(nan))
+    first = int(where[0])
+    value = "nan" if nan[0] else ("-inf" if int(values[first]) & sign else "inf")
+    return nans, int(where.size) - nans, first, value
+
+
+def _chunk_bits(data, dtype: str, top: bytes) -> tuple[int, int, int, str] | None:
+    """_chunk's answer from the byte lanes as big integers (no numpy)."""
+    size, exp_lanes, man_lanes = _LAYOUTS[dtype]
+    top_lane = exp_lanes[0][0]
     n = len(top)
     bad = int.from_bytes(top, "little")
     for lane, mask in exp_lanes[1:]:
