@@ -12,11 +12,12 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 
 from patchkit.catalogue.load import load_catalogue
 from patchkit.cli.main import main
 from patchkit.cli.render import coverage
-from tests.conftest import REPO
+from tests.conftest import REPO, copy_tree, run_cli
 
 THIS = Path(__file__).resolve()
 
@@ -140,3 +141,18 @@ def test_no_page_script_or_test_names_the_trackers_issue_numbers():
                 if ISSUE_NUMBER.search(line):
                     hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert hits == [], "\n".join(hits)
+
+
+@pytest.mark.slow
+def test_the_try_it_output_is_what_apply_prints_on_the_real_release(tmp_path):
+    """The sample under "Try it" is what `apply` prints on the real 0.26.0 tree today
+    (it went stale once when a patch gained a file)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("```text\nvLLM 0.26.0 at ") + len("```text\n")
+    sample = text[start : text.index("```", start)]
+    tree = copy_tree("0.26.0", tmp_path / "vllm-0.26.0")
+    result = run_cli("apply", "--target", str(tree))
+    assert result.exit_code == 0, result.output
+    first, _, rows = sample.partition("\n")  # the tree's line wraps with a long tmp path
+    assert result.stdout.startswith(first.split(" /")[0] + " ")
+    assert result.stdout.endswith(rows) and rows.count("\n") > 10
