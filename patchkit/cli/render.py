@@ -556,8 +556,8 @@ def render_patch(patch, catalogue: Catalogue) -> None:
     if patch.opt_in:
         field(
             "opt-in",
-            f"plain `patchkit apply` never applies it; `patchkit apply --only "
-            f"{patch.id}` adds it to the default set, `revert` takes it off",
+            f"plain `patchkit apply` never applies it; after it, `patchkit apply --only "
+            f"{patch.id}` adds it (alone it applies only itself), `revert` takes it off",
         )
     field("why", patch.why)
     for variant in patch.variants:

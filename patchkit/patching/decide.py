@@ -235,8 +235,8 @@ def _say_opt_in(assessment: Assessment) -> None:
     """A needed opt-in patch is `opt-in`, in status and in revert alike (one name)."""
     assessment.state = PatchState.OPT_IN
     assessment.reason = (
-        f"not applied; a diagnostic: `patchkit apply --only {assessment.patch.id}` "
-        "adds it to the default set"
+        f"not applied; a diagnostic: after `patchkit apply`, `patchkit apply --only "
+        f"{assessment.patch.id}` adds it (alone, it applies only itself)"
     )
 
 
