@@ -205,7 +205,7 @@ def _check_scale(report: Report, r: int, alpha: float, rslora: bool, what: str) 
             ADAPTER_CONFIG,
             "lora_alpha",
             f"scale {what}{' (rsLoRA)' if rslora else ''} = {formula} = {scale:.4g}, outside "
-            f"[1/64, 16] (README: adapter check, scale range)",
+            f"[1/64, 16] (docs/adapter-check.md: the scale range)",
         )
 
 
