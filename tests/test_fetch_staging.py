@@ -152,3 +152,14 @@ def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, 
     assert swapped == [0]
     assert (parent / "stg" / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
     assert not (parent / "userdir" / fetch.STAGING_MARKER).exists()  # the real staging, emptied
+
+
+def test_a_version_tagged_like_docker_is_the_same_release_and_the_same_tree(tmp_path):
+    """`fetch v0.26.0` (vLLM's Docker tags carry the v) finds the 0.26.0 tree, rather
+    than fetching a second copy under vllm-v0.26.0."""
+    cache = tmp_path / "cache"
+    tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
+    result = run_cli("fetch", "v0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
+    assert sorted(p.name for p in (cache / "trees").iterdir()) == ["vllm-0.26.0"]

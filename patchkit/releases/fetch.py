@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from packaging.version import Version
+
 from patchkit.errors import PatchkitError
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
@@ -55,6 +57,7 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
     """Return a directory holding vllm/ and its dist-info for ``version``."""
     if not is_version(version):
         raise PatchkitError(f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)")
+    version = str(Version(version))  # v0.26.0 (a Docker tag) is 0.26.0: one release, one tree
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
     if dest.parent.is_dir():
         remove_stale_staging(dest.parent)
