@@ -266,6 +266,10 @@ def test_skipped_without_model_and_target(tmp_path):
     adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
     report = check(adapter)
     assert report.ok and len(report.skipped) == 2
+    result = run_cli("adapter", "check", str(adapter))
+    skipped = [line for line in lines(result) if line.startswith("skipped: ")]
+    assert skipped[0] == "skipped: shapes and targets against the model (no --model)"
+    assert all(line.count("skipped") == 1 for line in skipped)  # said once a line
 
 
 def test_json(tmp_path, dense):

@@ -42,10 +42,10 @@ from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims,
 from patchkit.errors import PatchkitError
 
 SCALE_RANGE = (1 / 64, 16.0)
-SKIPPED_MODEL = "shapes and targets against the model: skipped (no --model)"
+SKIPPED_MODEL = "shapes and targets against the model (no --model)"
 SKIPPED_TARGET = (
     "what a vLLM release refuses or ignores (single-parameter expert adapters, partial GDN "
-    "adapters, modules its LoRA code does not wrap): skipped (no --target)"
+    "adapters, modules its LoRA code does not wrap) (no --target)"
 )
 
 
@@ -372,7 +372,7 @@ def _model(model_dir: Path, report: Report) -> ModelShapes | None:
         raise PatchkitError(f"--model: {exc}") from None
     if shapes is None:
         report.skipped.append(
-            f"shapes against the model: skipped ({architecture(config) or 'no architecture'} "
+            f"shapes against the model ({architecture(config) or 'no architecture'} "
             "in config.json; patchkit knows Qwen3.5/3.6 and Qwen3-Next widths)"
         )
     return shapes

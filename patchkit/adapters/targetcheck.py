@@ -104,7 +104,7 @@ def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
         support, why = None, str(exc)
     if support is None:
         report.skipped.append(
-            f"modules vLLM {tree.version}'s LoRA code wraps: skipped ({why}; patchkit reads "
+            f"modules vLLM {tree.version}'s LoRA code wraps ({why}; patchkit reads "
             "the Qwen3.5/3.6 and Qwen3-Next model files)"
         )
         return
