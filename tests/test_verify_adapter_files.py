@@ -322,3 +322,26 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(user):
     result = run_subprocess(code=code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"{fifo}: a FIFO, not a regular file"
+
+
+def test_a_small_json_file_of_many_deeply_nested_numbers_is_read_in_bounded_memory():
+    """A 200 kB adapter_config.json of 100,000 numbers nested 60 deep: the check of its
+    numbers holds one key path per open container, not one per number (4 kB each, about
+    400 MB in all, before); the first bad number is still named by its whole path."""
+    import tracemalloc
+
+    from patchkit.fs.files import decode_user_json
+
+    key = "k" * 60 + "-"
+    text = "[" + "0," * 100_000 + "1e400]"
+    for _ in range(60):
+        text = '{"%s":%s}' % (key, text)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            decode_user_json(text.encode(), 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
+    assert str(refused.value).endswith("[100000] is inf, not a finite number")

@@ -113,22 +113,50 @@ def _bounded_int(text: str) -> int:
 
 
 def _unusable(data: object) -> str | None:
-    """The first key (in file order) whose value is too deep or a number out of range."""
-    todo = [(data, "", 1)]
-    while todo:
-        value, where, depth = todo.pop()
+    """The first key (in file order) whose value is too deep or a number out of range.
+
+    A depth-first walk holding one iterator per open container: memory is the
+    nesting depth, not the element count (a list of a million numbers nested
+    sixty deep once cost gigabytes as one key path string per element), and a
+    key path is spelt only for a container entered or a value refused.
+    """
+    if not isinstance(data, (dict, list)):
+        return _bad_number(data, "the value")
+    stack = [(_children(data), "", 1)]
+    while stack:
+        children, where, depth = stack[-1]
+        item = next(children, None)
+        if item is None:
+            stack.pop()
+            continue
+        key, value = item
         if isinstance(value, (dict, list)):
-            if depth > MAX_USER_JSON_DEPTH:
-                return f"{where or 'the top level'}: nested deeper than {MAX_USER_JSON_DEPTH}"
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            todo.extend(reversed([(v, _key_path(where, k), depth + 1) for k, v in items]))
-        elif type(value) is float and not math.isfinite(value):
-            return f"{where or 'the value'} is {value}, not a finite number"
-        elif type(value) is _LongInteger:
-            return f"{where or 'the value'} is an integer of {int(value)} digits, out of range"
-        elif type(value) is int and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
-            return f"{where or 'the value'} is {value}, an integer out of range"
+            path = _key_path(where, key)
+            if depth + 1 > MAX_USER_JSON_DEPTH:
+                return f"{path}: nested deeper than {MAX_USER_JSON_DEPTH}"
+            stack.append((_children(value), path, depth + 1))
+        elif type(value) in (float, int, _LongInteger):
+            problem = _bad_number(value, None)
+            if problem is not None:
+                return f"{_key_path(where, key)} {problem}"
     return None
+
+
+def _children(value: dict | list):
+    return iter(value.items()) if isinstance(value, dict) else enumerate(value)
+
+
+def _bad_number(value: object, where: str | None) -> str | None:
+    """What is wrong with a number (prefixed by ``where`` when given), or None."""
+    if type(value) is float and not math.isfinite(value):
+        problem = f"is {value}, not a finite number"
+    elif type(value) is _LongInteger:
+        problem = f"is an integer of {int(value)} digits, out of range"
+    elif type(value) is int and not _INT_RANGE[0] <= value < _INT_RANGE[1]:
+        problem = f"is {value}, an integer out of range"
+    else:
+        return None
+    return f"{where} {problem}" if where else problem
 
 
 def _key_path(where: str, key: str | int) -> str:
