@@ -131,7 +131,7 @@ def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, 
     from patchkit.releases import fetch
 
     parent = tmp_path / "fr"
-    staging, user = parent / "stg", parent / "userdir"
+    staging, user = parent / ".vllm-0.27.0-stg", parent / "userdir"
     staging.mkdir(parents=True)
     (staging / fetch.STAGING_MARKER).write_text('{"pid": 2147483646}')
     user.mkdir()
@@ -150,7 +150,7 @@ def test_a_directory_swapped_in_under_a_staging_name_is_never_removed(tmp_path, 
     monkeypatch.setattr(fetch, "_dead_marker", swap_after_reading)
     fetch.remove_stale_staging(parent)
     assert swapped == [0]
-    assert (parent / "stg" / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
+    assert (staging / "thesis.tex").read_text() == "precious\n"  # swapped in, kept
     assert not (parent / "userdir" / fetch.STAGING_MARKER).exists()  # the real staging, emptied
 
 
@@ -163,3 +163,21 @@ def test_a_version_tagged_like_docker_is_the_same_release_and_the_same_tree(tmp_
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
     assert sorted(p.name for p in (cache / "trees").iterdir()) == ["vllm-0.26.0"]
+
+
+def test_a_fetch_with_dest_never_sweeps_the_directories_beside_it(tmp_path):
+    """A marker with a dead pid in a user's directory beside --dest (an unpacked
+    archive, a copied cache) does not get it removed: only patchkit's own cache is
+    swept, and only directories named as its staging ones are."""
+    from patchkit.releases.fetch import STAGING_MARKER
+
+    home = tmp_path / "home"
+    mine = home / "mydata"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious\n")
+    (mine / STAGING_MARKER).write_text('{"pid": 2147483646}')
+    env = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_CONFIG_FILE": "/dev/null",
+           "PATCHKIT_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    result = run_cli("fetch", "0.26.0", "--dest", str(home / "newtree"), env=env)
+    assert result.exit_code == 1  # nothing listens there
+    assert (mine / "notes.txt").read_text() == "precious\n"

@@ -58,8 +58,9 @@ def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Pat
     if not is_version(version):
         raise PatchkitError(f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)")
     version = str(Version(version))  # v0.26.0 (a Docker tag) is 0.26.0: one release, one tree
+    own = dest is None  # only patchkit's own cache is swept for dead fetches
     dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
-    if dest.parent.is_dir():
+    if own and dest.parent.is_dir():
         remove_stale_staging(dest.parent)
     if (dest / MARKER).is_file():
         if (dest / ".patchkit").exists():
@@ -105,8 +106,10 @@ def _start_time(pid: int) -> str | None:
 def remove_stale_staging(directory: Path) -> list[Path]:
     """Delete the staging directories of fetches whose process is gone (killed runs).
 
-    A staging directory is one holding patchkit's marker file; its name does
-    not matter, so a user's directory that looks like one is never touched.
+    Called on patchkit's own cache only (never beside a `--dest`, where the
+    user's directories live). A staging directory is one named `.vllm-...`
+    that holds patchkit's marker file: a user's directory that only looks like
+    one by its name is never touched.
     The marker is read, and the contents removed, through one descriptor of
     that directory: swapping another directory in under its name cannot
     redirect the removal.
@@ -114,7 +117,7 @@ def remove_stale_staging(directory: Path) -> list[Path]:
     removed = []
     with Root.open(directory) as fs:
         for name in fs.names("", "fetch"):
-            if _remove_if_dead_staging(fs, name):
+            if name.startswith(".vllm-") and _remove_if_dead_staging(fs, name):
                 removed.append(directory / name)
     return removed
 
