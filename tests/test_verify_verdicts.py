@@ -24,7 +24,7 @@ import pytest
 
 import patchkit.verify
 from patchkit.cli.commands.verify import verify_request
-from patchkit.errors import UsageProblem
+from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import adaptercontrols, serving, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 from tests.verify_helpers import fake_controls, fake_served, lora, merged, request, shift
@@ -440,3 +440,40 @@ def test_a_new_workdir_is_created_and_removed_after_the_run(user, tmp_path, monk
 
 def test_request_rows_of_the_helpers_are_what_serving_collects():
     assert set(request([1.0])) == {"prompt_logprobs", "tokens", "token_logprobs"}
+
+
+def test_a_link_planted_under_keep_after_its_check_is_refused_not_written_through(
+    user, tmp_path, monkeypatch
+):
+    """--keep K was empty when verify started; minutes later (the GPU checks, --e2e)
+    K/model is a link to another directory: verify refuses before its first write
+    instead of writing served.json, the references and the controls there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "served.json").write_text("the victim's\n")
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "model").symlink_to(victim)
+    serve_fake(monkeypatch, fake_served(["one"]))
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0, "merged")
+    with pytest.raises(PatchkitError, match="a link or not a directory by the time"):
+        usermodel.run_model(user["model"], setup, None, keep / "model", (1 << 40,) * 2, print)
+    assert sorted(os.listdir(victim)) == ["served.json"]
+    assert (victim / "served.json").read_text() == "the victim's\n"
+
+
+def test_a_run_removes_only_its_own_files_from_a_workdir_it_created(user, tmp_path, monkeypatch):
+    """What another run (or the user) puts in --workdir meanwhile stays: verify removes
+    its own directory in it, and --workdir itself only when that leaves it empty."""
+    workdir = tmp_path / "shared-workdir"
+
+    def serve_all(jobs, work, timeout, at_once):
+        (workdir / "other-run").mkdir()
+        (workdir / "other-run" / "results.json").write_text("not verify's\n")
+        return fake_served(["one"])
+
+    monkeypatch.setattr(serving, "serve_all", serve_all)
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0, "merged")
+    usermodel.run_model(user["model"], setup, workdir, None, (1 << 40,) * 2, print)
+    assert os.listdir(workdir) == ["other-run"]
+    assert (workdir / "other-run" / "results.json").read_text() == "not verify's\n"

@@ -27,11 +27,14 @@ that, never less than MERGED_BOUNDS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import random
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -941,7 +944,7 @@ def run_model(
         plans = setup.get("plans") or plan_references(
             model_dir, adapters, reference_base(keep, workdir), say
         )
-    made = workdir is not None and not workdir.exists()
+    made = workdir is not None and keep is None and _claim(workdir)
     work = _workdir(keep, workdir)
     try:
         controls = {
@@ -969,9 +972,10 @@ def run_model(
         return judge(served, list(adapters), controls, chosen, admission=setup.get("admission"))
     finally:
         if keep is None:
-            shutil.rmtree(work, ignore_errors=True)
-            if made:
-                shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)  # this run's own directory
+            if made:  # --workdir was created by this run: removed if nothing else is there
+                with contextlib.suppress(OSError):
+                    workdir.rmdir()
 
 
 def peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
@@ -1031,9 +1035,35 @@ def reference_base(keep: Path | None, workdir: Path | None) -> Path:
 
 
 def _workdir(keep: Path | None, workdir: Path | None) -> Path:
+    """Where this run writes: --keep itself, or a new directory of its own under --workdir
+    (or the system's temporary directory), which it alone removes afterwards."""
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
+        _claim(keep)
         return keep
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="patchkit-verify-", dir=workdir))
+
+
+def _claim(path: Path) -> bool:
+    """Check again, right before the first write, that ``path`` is a new or an empty real
+    directory (the option's check ran minutes earlier, before the GPU checks): created
+    here, or there, empty and no link. True when created here. Something put there
+    since, a link above all, is refused rather than written through."""
+    try:
+        path.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise PatchkitError(f"{path}: cannot create it ({exc.strerror})") from None
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        empty = is_dir and not any(path.iterdir())
+    except OSError as exc:
+        raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not empty:
+        what = "a link or not a directory" if not is_dir else "not empty"
+        raise PatchkitError(
+            f"{path}: {what} by the time verify was to write there (it was new or empty "
+            "when verify started); nothing was written; give a new directory"
+        )
+    return False
