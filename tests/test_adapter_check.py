@@ -324,6 +324,16 @@ def _header(data: dict) -> bytes:
             "holds 8 bytes",
         ),
         (b"\x01\x02", "shorter than 8 bytes"),
+        (  # two factors over the same bytes: every reader would scan them twice
+            _header(
+                {
+                    "x.lora_A.weight": {"dtype": "F32", "shape": [8, 4], "data_offsets": [0, 128]},
+                    "x.lora_B.weight": {"dtype": "F32", "shape": [4, 8], "data_offsets": [64, 192]},
+                }
+            )
+            + b"\0" * 192,
+            "overlaps",
+        ),
     ],
 )
 def test_hostile_files_are_one_line_findings(tmp_path, content, words):
