@@ -397,3 +397,20 @@ def test_imports_neither_torch_nor_vllm_nor_numpy(tmp_path, moe):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "CODE 0 LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "key, value", [("num_hidden_layers", 9_000_000_000_000_000_000), ("hidden_size", 1 << 40)]
+)
+def test_a_model_config_of_absurd_sizes_is_one_line_not_a_memory_exhaustion(
+    tmp_path, dense, key, value
+):
+    """A 200-byte config.json with 9e18 layers made the layer list exhaust memory."""
+    config = json.loads((dense / "config.json").read_text())
+    config.get("text_config", config)[key] = value
+    (dense / "config.json").write_text(json.dumps(config))
+    adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
+    result = run_cli("adapter", "check", str(adapter), "--model", str(dense))
+    assert result.exit_code in (1, 2), result.output
+    assert f"{key} is {value}"[:40] in result.output and "expected" in result.output
+    assert "Traceback" not in result.output

@@ -88,10 +88,18 @@ class ModelShapes:
         return mixer | moe
 
 
-def _int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
+# Bounds of a config's sizes: past them it describes no model (the largest have a few
+# hundred layers and widths below a million), and a layer count of 9e18 once made the
+# layer list exhaust memory from a 200-byte config.json.
+MAX_LAYERS = 1 << 12
+MAX_WIDTH = 1 << 24
+
+
+def _int(cfg: dict, key: str, where: str, default: int | None = None, most: int = MAX_WIDTH) -> int:
     value = cfg.get(key, default)
-    if type(value) is not int or value <= 0:
-        raise PatchkitError(f"{where}: {key} is {value!r}; a positive integer expected")
+    if type(value) is not int or not 0 < value <= most:
+        shown = repr(value)[:40]
+        raise PatchkitError(f"{where}: {key} is {shown}; an integer from 1 to {most} expected")
     return value
 
 
@@ -114,7 +122,7 @@ def model_shapes(config: dict, where: str) -> ModelShapes | None:
         return None
     t = text_config(config)
     hidden = _int(t, "hidden_size", where)
-    layers = _int(t, "num_hidden_layers", where)
+    layers = _int(t, "num_hidden_layers", where, most=MAX_LAYERS)
     heads = _int(t, "num_attention_heads", where)
     kv_heads = _int(t, "num_key_value_heads", where)
     head_dim = _int(t, "head_dim", where, hidden // heads)
