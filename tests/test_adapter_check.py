@@ -365,6 +365,20 @@ def test_links_out_of_the_directory_refused(tmp_path):
     assert check(adapter).ok  # a link to a file beside it is followed
 
 
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_dangling_link_is_a_finding_like_any_bad_file(tmp_path, name):
+    """``adapter_config.json -> missing`` ended the command with 'accessing missing
+    failed'; it is one finding naming the file and the link, the rest still checked."""
+    adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
+    (adapter / name).unlink()
+    (adapter / name).symlink_to("missing")
+    result = run_cli("adapter", "check", str(adapter))
+    assert result.exit_code == 1, result.output
+    found = [line for line in lines(result) if name in line]
+    assert len(found) == 1 and "a link to 'missing', which is not there" in found[0], found
+    assert "error" not in result.stderr and "Traceback" not in result.output
+
+
 def test_fifo_refused_without_hanging(tmp_path):
     adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
     (adapter / "adapter_model.safetensors").unlink()

@@ -17,6 +17,7 @@ import os
 import stat
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import shown
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
@@ -82,15 +83,25 @@ class Directory:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
         if not stat.S_ISLNK(info.st_mode):
             return name
-        link = os.readlink(name, dir_fd=self.fd)
+        try:
+            link = os.readlink(name, dir_fd=self.fd)
+        except OSError as exc:  # swapped for a file since the stat: read it again
+            raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
         if "/" in link or link in (".", ".."):
             raise PatchkitError(
-                f"{self.path / name}: a link to {link!r}, out of the directory; refused "
+                f"{self.path / name}: a link to {shown(link)}, out of the directory; refused "
                 "(copy the file in, or point patchkit at the directory that holds it)"
             )
-        info = os.stat(link, dir_fd=self.fd, follow_symlinks=False)
+        try:
+            info = os.stat(link, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:  # a dangling link is the file's problem, not a crash
+            raise PatchkitError(
+                f"{self.path / name}: a link to {shown(link)}, which is not there"
+            ) from None
+        except OSError as exc:
+            raise PatchkitError(os_error_line(exc, "reading", path=self.path / link)) from None
         if stat.S_ISLNK(info.st_mode):
-            raise PatchkitError(f"{self.path / name}: a link to a link ({link!r}); refused")
+            raise PatchkitError(f"{self.path / name}: a link to a link ({shown(link)}); refused")
         return link
 
     def read_json(self, name: str, what: str) -> dict:
