@@ -104,14 +104,24 @@ class Directory:
             raise PatchkitError(f"{self.path / name}: a link to a link ({shown(link)}); refused")
         return link
 
+    def read_bytes(self, name: str, limit: int, what: str) -> bytes:
+        """The bytes of ``name`` (opened as :meth:`open` does), at most ``limit`` of them;
+        a larger file is refused in one line, not read."""
+        with self.open(name) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                raw = f.read(limit + 1)
+                size = len(raw)  # it may have grown since the fstat
+        if size > limit:
+            raise PatchkitError(
+                f"{self.path / name}: {size} bytes, larger than the {limit} bytes allowed; "
+                f"not {what}"
+            )
+        return raw
+
     def read_json(self, name: str, what: str) -> dict:
         """A JSON object from ``name``, read capped; one line naming the file if not."""
-        with self.open(name) as f:
-            if os.fstat(f.fileno()).st_size > CONFIG_BYTES:
-                raise PatchkitError(
-                    f"{self.path / name}: larger than {CONFIG_BYTES} bytes; not {what}"
-                )
-            raw = f.read(CONFIG_BYTES + 1)
+        raw = self.read_bytes(name, CONFIG_BYTES, what)
         try:
             data = decode_user_json(raw, CONFIG_BYTES)
         except ValueError as exc:
