@@ -36,6 +36,7 @@ from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
 from patchkit.fs.signals import held
 from patchkit.releases.index import WheelLink, find_wheel
+from patchkit.releases.localfile import open_regular
 from patchkit.releases.members import (
     MAX_WHEEL,
     Fetched,
@@ -213,11 +214,15 @@ def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
 
 
 def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
+    """A find-links wheel, read in place: a regular file (localfile: a FIFO or a device
+    named like a wheel is refused, never waited on), at most MAX_WHEEL bytes."""
     path = link.url.removeprefix("file://")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, MAX_WHEEL)
     except OSError as exc:
         raise FetchError(f"fetch: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise FetchError(f"fetch: cannot read {path}: {exc}") from None
     try:
         hash_file(fd, link.filename, link.sha256, link.size)
         return extract(local_source(fd, link.filename), _wanted, staging)
