@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from packaging.version import Version
@@ -215,8 +216,9 @@ def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
 
 def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
     """A find-links wheel, read in place: a regular file (localfile: a FIFO or a device
-    named like a wheel is refused, never waited on), at most MAX_WHEEL bytes."""
-    path = link.url.removeprefix("file://")
+    named like a wheel is refused, never waited on), at most MAX_WHEEL bytes. The link's
+    file: URL is decoded ('+' of a local version is %2B there)."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(link.url).path)
     try:
         fd = open_regular(path, MAX_WHEEL)
     except OSError as exc:
