@@ -346,6 +346,37 @@ def test_hostile_files_are_one_line_findings(tmp_path, content, words):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    "shape, shown",
+    [
+        ([0, 1 << 63], "F32 (0, 9223372036854775808) holds no values"),
+        (
+            [0] + [1 << 62] * 63,
+            f"F32 (0, {', '.join([str(1 << 62)] * 5)}, ... 64 dimensions) holds no values",
+        ),
+    ],
+)
+def test_a_float_tensor_with_no_values_is_named_as_empty_not_as_not_floating(
+    tmp_path, shape, shown
+):
+    """A zero-sized F32 factor was reported 'is F32; LoRA factors are floating point' (the
+    dtype test after the size test caught it), and a 64-dimension shape made a 4 kB line:
+    it is a shape finding, its shape cut to six dimensions."""
+    adapter = ah.write_adapter(tmp_path / "a", {})
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    header = {key: {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    (adapter / "adapter_model.safetensors").write_bytes(_header(header))
+    result = run_cli("adapter", "check", str(adapter))
+    assert result.exit_code == 1, result.output
+    [line] = [ln for ln in lines(result) if ln.startswith("shape:")]
+    assert line == (
+        f"shape: adapter_model.safetensors: {key}: {shown}; a LoRA factor is (r, in) or "
+        "(out, r) with r and both sizes above 0"
+    )
+    assert "floating point" not in result.stdout
+    assert max(len(ln) for ln in lines(result)) < 400
+
+
 def test_file_cut_short_after_its_header_was_read(tmp_path, monkeypatch):
     """A file truncated between the header and the scan: a finding, not a traceback."""
     adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
@@ -373,6 +404,20 @@ def test_links_out_of_the_directory_refused(tmp_path):
     (adapter / "adapter_model.safetensors").unlink()
     (adapter / "adapter_model.safetensors").symlink_to("v2.safetensors")
     assert check(adapter).ok  # a link to a file beside it is followed
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_dangling_link_is_a_finding_like_any_bad_file(tmp_path, name):
+    """``adapter_config.json -> missing`` ended the command with 'accessing missing
+    failed'; it is one finding naming the file and the link, the rest still checked."""
+    adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
+    (adapter / name).unlink()
+    (adapter / name).symlink_to("missing")
+    result = run_cli("adapter", "check", str(adapter))
+    assert result.exit_code == 1, result.output
+    found = [line for line in lines(result) if name in line]
+    assert len(found) == 1 and "a link to 'missing', which is not there" in found[0], found
+    assert "error" not in result.stderr and "Traceback" not in result.output
 
 
 def test_fifo_refused_without_hanging(tmp_path):

@@ -11,15 +11,25 @@ tree, a member RECORD does not vouch for, redirects in a loop or to a file.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from patchkit.errors import PatchkitError
 from patchkit.releases import members, wheelzip
-from tests.conftest import run_cli, slim_tree
-from tests.wheelserver_helpers import WHEEL, Index, build_wheel, only_this_index, serving
+from patchkit.releases.pipconfig import pip_settings
+from tests.conftest import run_cli, run_subprocess, slim_tree
+from tests.wheelserver_helpers import (
+    PIP_ENV,
+    WHEEL,
+    Index,
+    build_wheel,
+    only_this_index,
+    serving,
+)
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +229,96 @@ def test_a_file_name_that_climbs_out_is_no_candidate(tmp_path, monkeypatch, whee
     index = Index(wheel_bytes, ranges=False, filename=f"../../{WHEEL}")
     line = failed_fetch(tmp_path, monkeypatch, index)
     assert "no wheel of vllm==0.26.0" in line
+
+
+# ----- local files pip's settings name: a FIFO, a device, an endless file -----
+
+# In the child: an alarm ends a hang (the old code waited on the FIFO for ever), and the
+# address space is capped 512 MiB above what it holds (the old code read /dev/zero until
+# MemoryError, exit 3).
+GUARDED = """
+import resource, signal
+signal.alarm(60)
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+limit = vm_bytes() + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+"""
+
+
+def fetch_in_child(tmp_path: Path, **env: str):
+    """`patchkit fetch 0.26.0` in a child with pip's settings ``env`` and nothing of the
+    machine's; the cache directory it was given holds nothing afterwards."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    settings = {name: None for name in PIP_ENV}
+    settings.update(PIP_CONFIG_FILE=os.devnull, HOME=str(tmp_path), PIP_NO_INDEX="1")
+    settings.update(env)
+    result = run_subprocess(
+        "fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"), env=settings, code=GUARDED
+    )
+    assert os.listdir(cache) == []
+    return result
+
+
+def refused_line(result) -> str:
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    return line
+
+
+def fifo(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "too large"])
+def test_a_pip_configuration_that_is_no_settings_file_is_one_line(tmp_path, kind):
+    """PIP_CONFIG_FILE is read with a plain open(): a FIFO hung fetch, /dev/zero ran it
+    out of memory (exit 3). A regular file of at most 1 MiB is read, anything else
+    refused in one line naming it, before any download."""
+    if kind == "fifo":
+        config = fifo(tmp_path / "pip.conf")
+    elif kind == "/dev/zero":
+        config = Path("/dev/zero")
+    else:
+        config = tmp_path / "pip.conf"
+        config.write_text("[global]\n" + "# padding\n" * 120_000)
+    line = refused_line(fetch_in_child(tmp_path, PIP_CONFIG_FILE=str(config)))
+    assert line.startswith(f"patchkit: error: fetch: pip's configuration {config} cannot be read: ")
+    words = {"fifo": "a FIFO, not a regular file", "/dev/zero": "not a regular file",
+             "too large": "larger than the 1048576 bytes allowed"}[kind]  # fmt: skip
+    assert words in line
+
+
+@pytest.mark.parametrize("where", ["find-links wheel", "file: index page"])
+def test_a_fifo_named_as_a_local_wheel_or_page_is_refused_not_waited_on(tmp_path, where):
+    """A find-links wheel was opened without O_NONBLOCK, a file: index's page read with
+    read_bytes(): a FIFO there hung fetch. Each is refused in one line naming it."""
+    if where == "find-links wheel":
+        planted = fifo(tmp_path / "links" / WHEEL)
+        env = {"PIP_FIND_LINKS": str(planted.parent)}
+    else:
+        planted = fifo(tmp_path / "simple" / "vllm" / "index.html")
+        env = {"PIP_INDEX_URL": (tmp_path / "simple").as_uri(), "PIP_NO_INDEX": ""}
+    line = refused_line(fetch_in_child(tmp_path, **env))
+    assert line == f"patchkit: error: fetch: cannot read {planted}: a FIFO, not a regular file"
+
+
+@pytest.mark.parametrize(
+    "env,words",
+    [
+        ({"PIP_DEFAULT_TIMEOUT": "nan"}, "pip's default-timeout setting 'nan' is not a number"),
+        ({"PIP_TIMEOUT": "-inf"}, "pip's timeout setting '-inf' is not a number of seconds"),
+        ({"PIP_DEFAULT_TIMEOUT": "soon"}, "(PIP_DEFAULT_TIMEOUT or default-timeout in pip's"),
+    ],
+)
+def test_a_timeout_that_is_not_a_finite_number_names_the_setting(env, words):
+    """min(max(nan, 1.0), 3600.0) is nan: a socket timeout no clock reaches."""
+    with pytest.raises(PatchkitError, match=re.escape(words)):
+        pip_settings({"PIP_CONFIG_FILE": os.devnull, **env})
+    assert pip_settings({"PIP_CONFIG_FILE": os.devnull, "PIP_TIMEOUT": "1e9"}).timeout == 3600.0

@@ -266,6 +266,19 @@ def test_a_wheel_in_a_find_links_directory_is_read_in_place(tmp_path, monkeypatc
     assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
 
 
+def test_a_find_links_wheel_whose_name_holds_a_plus_is_read(tmp_path, monkeypatch, wheels):
+    """Its file: URL spells '+' as %2B; the path was taken from the URL undecoded, so a
+    +local wheel (vllm-0.26.0+cu129-...) beside it was 'No such file or directory'."""
+    links = tmp_path / "links"
+    links.mkdir()
+    local = links / WHEEL.replace("0.26.0-", "0.26.0+cu129-")
+    local.write_bytes(wheels["plain"].read_bytes())
+    only_this_index(monkeypatch, "file:///nonexistent/simple", tmp_path)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
+
+
 @pytest.mark.network
 @pytest.mark.slow
 def test_the_real_wheel_by_ranges_is_the_whole_wheel_unpacked(tmp_path, monkeypatch):

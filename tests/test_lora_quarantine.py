@@ -381,11 +381,81 @@ def test_a_quarantine_judges_only_its_adapters_requests_after_it(tmp_path):
 @pytest.mark.parametrize(
     "change",
     [{"tensor": "lora_C"}, {"inf": -1}, {"adapter_id": "3"}, {"layer": True},
-     {"module": ""}, {"adapter_path": "x" * 5000}],
+     {"module": ""}, {"adapter_path": ""}, {"tensor": "x" * 5000}, {"adapter": ["y" * 5000]}],
 )  # fmt: skip
 def test_a_quarantine_record_of_the_wrong_shape_is_one_line_naming_it(tmp_path, change):
+    """One line, which quotes at most 80 characters of the field (not a 5 kB value)."""
     log = write_log(tmp_path, {**QUARANTINE, **change})
     result = run_cli("probe", "report", str(log))
     assert result.exit_code == 1
     assert f"{log}:1: " in result.output and "quarantine record" in result.output
     assert "Traceback" not in result.output
+    assert len(result.output) < len(str(log)) + 250, result.output
+
+
+LONG_NAME = "tenant-" + "n" * 4993  # vLLM's lora_name has no limit
+
+
+def test_a_long_adapter_name_and_path_are_cut_and_judged_not_a_refusal(tmp_path):
+    """One adapter named with 5000 characters must not make the report refuse the log
+    (hiding every other request's finding): its name is cut to 200 characters with
+    its length and a hash, its path to 4096, and its requests are still judged by
+    its quarantine, the full name on a step's record matching the cut one."""
+    long_path = "/adapters/" + "p" * 4990
+    log = write_log(
+        tmp_path,
+        {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []},
+        {**QUARANTINE, "adapter": LONG_NAME, "adapter_path": long_path},
+        record(4, 0, "self_attn.qkv_proj", "lora", ["a", "b"], order=0,
+               adapters={"a": LONG_NAME, "b": "other"}),
+    )  # fmt: skip
+    found = report_json(log)
+    by_request = {f["request"]: f for f in found["affected_requests"]}
+    assert by_request["b"]["module"] == "self_attn.qkv_proj"  # the other finding is there
+    cut = by_request["a"]["adapter"]
+    assert len(cut) == 200 and cut.startswith("tenant-nnn") and "...[5000 chars, sha256 " in cut
+    assert by_request["a"]["tensor"] == "lora_B"  # judged by its quarantine
+    [listed] = found["quarantines"]
+    assert listed["adapter"] == cut
+    assert (
+        len(listed["adapter_path"]) == 4096 and "...[5000 chars, sha256 " in listed["adapter_path"]
+    )
+    text = run_cli("probe", "report", str(log))
+    assert text.exit_code == 0 and LONG_NAME not in text.stdout
+
+
+def test_two_long_names_with_one_start_stay_two_adapters(tmp_path):
+    """The cut keeps a hash of the whole name: the quarantine of one long name does not
+    judge the requests of another that shares its first 200 characters."""
+    other = LONG_NAME[:-1] + "m"
+    log = write_log(
+        tmp_path,
+        {"probe": "nan-probe", "format": 1, "rank": 0, "stats": False, "slots": []},
+        {**QUARANTINE, "adapter": LONG_NAME},
+        record(4, 0, "self_attn.qkv_proj", "lora", ["a", "b"], order=0,
+               adapters={"a": LONG_NAME, "b": other}),
+    )  # fmt: skip
+    by_request = {f["request"]: f for f in report_json(log)["affected_requests"]}
+    assert by_request["a"]["tensor"] == "lora_B"
+    assert by_request["b"]["tensor"] is None
+    assert by_request["a"]["adapter"] != by_request["b"]["adapter"]
+
+
+@pytest.mark.parametrize("served", ["0.26.0"], indirect=True)
+def test_the_record_cuts_a_long_name_and_path_as_the_report_does(served, monkeypatch, tmp_path):
+    """The writer bounds what a tenant named before it writes: the record's name and
+    path are the report's own cut of them (so the two match, and stay cut)."""
+    from patchkit.probe.report import MAX_ADAPTER_NAME, MAX_PATH, bounded
+
+    version, manager, worker = served
+    probe, log = probe_on(monkeypatch, tmp_path)
+    manager.register(2, shared_expert_poison())
+    lora = request(LONG_NAME, 2)
+    lora.lora_path = "/adapters/" + "p" * 9990
+    worker.add_adapter(lora)
+    [line] = log.read_text().splitlines()
+    entry = json.loads(line)
+    assert entry["adapter"] == bounded(LONG_NAME, MAX_ADAPTER_NAME)
+    assert entry["adapter_path"] == bounded(lora.lora_path, MAX_PATH)
+    assert len(entry["adapter"]) == 200 and len(entry["adapter_path"]) == 4096
+    assert bounded(entry["adapter"], MAX_ADAPTER_NAME) == entry["adapter"]

@@ -502,6 +502,25 @@ def test_a_step_logs_only_the_points_with_a_bad_row_and_the_requests(probe, tmp_
     assert set(first) >= {"rank", "kind", "order", "absmax", "time"}
 
 
+def test_a_long_adapter_name_is_cut_on_every_record(probe, tmp_path, monkeypatch):
+    """vLLM's lora_name has no limit and each record repeats the batch's names: a
+    5000-character one is written cut to 200 (its length and hash kept), as the
+    report cuts it, so a batch of such names stays a line the report reads."""
+    from patchkit.probe.report import MAX_ADAPTER_NAME, bounded
+
+    long_name = "n" * 5000
+    log = tmp_path / "probe.jsonl"
+    model, runner = installed(probe, log, monkeypatch, ["r0"], [0, 5], adapters=[long_name])
+    with torch.no_grad():
+        model.layers[1].o_proj.linear.bias[0] = float("inf")
+        model(torch.arange(5), torch.randn(5, 8))
+    probe.after_forward(runner)
+    probe.flush()
+    names = {r["adapters"]["r0"] for r in records(log)[1:]}
+    assert names == {bounded(long_name, MAX_ADAPTER_NAME)}
+    assert len(names.pop()) == 200
+
+
 def test_nothing_is_logged_when_all_is_finite_unless_stats_are_asked(probe, tmp_path, monkeypatch):
     for stats, expected in (("", 0), ("1", 1 + 3 * 3)):
         model = Model()

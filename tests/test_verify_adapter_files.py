@@ -294,7 +294,7 @@ def test_a_512_mb_sparse_file_is_refused_by_its_size_under_256_mb_of_address_spa
     result = run_subprocess(*verify_args(user), code=NO_TORCH + RLIMIT_AS_256M_MORE)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1, result.stderr[-2000:]
-    assert lines[-2].startswith(f"patchkit: error: {path}: unusable as "), lines
+    assert lines[-2].startswith(f"patchkit: error: {path}: "), lines
     limit = 1 << 20 if which == "adapter_config.json" else 32 << 20
     assert f"{512 << 20} bytes, larger than the {limit} bytes allowed" in lines[-2]
     assert lines[-1] == "torch asked for: False"
@@ -335,7 +335,7 @@ def test_a_small_json_file_of_many_deeply_nested_numbers_is_read_in_bounded_memo
     key = "k" * 60 + "-"
     text = "[" + "0," * 100_000 + "1e400]"
     for _ in range(60):
-        text = '{"%s":%s}' % (key, text)
+        text = f'{{"{key}":{text}}}'
     tracemalloc.start()
     try:
         with pytest.raises(ValueError) as refused:
@@ -345,3 +345,65 @@ def test_a_small_json_file_of_many_deeply_nested_numbers_is_read_in_bounded_memo
         tracemalloc.stop()
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
     assert str(refused.value).endswith("[100000] is inf, not a finite number")
+
+
+# ----- the adapter's files are read through its directory, as `adapter check` reads them -----
+
+
+def moved_out(user: dict, name: str) -> Path:
+    """``name`` moved out of the adapter, a link to it left in its place (what a
+    link to /etc/... or another tenant's file looks like to verify)."""
+    inside = user["adapter"] / name
+    outside = user["root"] / f"outside-{name}"
+    inside.rename(outside)
+    inside.symlink_to(outside)
+    return inside
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_link_out_of_the_adapter_is_refused_by_every_reader(user, name):
+    """--lora's check, the merge's config and tensor readers, and the controls followed a
+    link out of the adapter (read_bytes and is_file by path); each refuses it in one
+    line naming the file, and the controls write nothing."""
+    from patchkit.errors import PatchkitError, UsageProblem
+    from patchkit.verify import adaptercontrols, adapterfiles, usermodel
+
+    path = moved_out(user, name)
+    readers = [lambda: adaptercontrols.build("a", user["adapter"], user["work"])]
+    if name == "adapter_config.json":
+        readers.append(lambda: adapterfiles.read_adapter_config(user["adapter"]))
+        with pytest.raises(UsageProblem, match="out of the directory") as refused:
+            usermodel.parse_lora(f"a={user['adapter']}")
+        assert str(path) in str(refused.value)
+    else:
+        readers.append(lambda: adapterfiles.AdapterTensors(user["adapter"]).close())
+    for read in readers:
+        with pytest.raises(PatchkitError, match=f"{path}: a link to .*out of the directory"):
+            read()
+    assert list(user["work"].iterdir()) == []
+
+
+def test_a_fifo_as_adapter_config_is_refused_by_the_controls_not_waited_on(user):
+    """The controls read adapter_config.json with read_bytes(): a FIFO there blocked for
+    ever. Checked in a child with an alarm as the hang's guard."""
+    config = adapter_config(user)
+    config.unlink()
+    os.mkfifo(config)
+    code = textwrap.dedent(
+        f"""
+        import signal, sys
+        from pathlib import Path
+        signal.alarm(60)
+        from patchkit.errors import PatchkitError
+        from patchkit.verify import adaptercontrols
+        try:
+            adaptercontrols.build("a", Path({str(user["adapter"])!r}), Path({str(user["work"])!r}))
+        except PatchkitError as exc:
+            print(exc)
+        sys.exit(0)
+        """
+    )
+    result = run_subprocess(code=code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"{config}: a FIFO, not a regular file"
+    assert list(user["work"].iterdir()) == []

@@ -17,6 +17,7 @@ import os
 import stat
 from pathlib import Path
 
+from patchkit.adapters.safetensorsfile import shown
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
@@ -82,25 +83,45 @@ class Directory:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
         if not stat.S_ISLNK(info.st_mode):
             return name
-        link = os.readlink(name, dir_fd=self.fd)
+        try:
+            link = os.readlink(name, dir_fd=self.fd)
+        except OSError as exc:  # swapped for a file since the stat: read it again
+            raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
         if "/" in link or link in (".", ".."):
             raise PatchkitError(
-                f"{self.path / name}: a link to {link!r}, out of the directory; refused "
+                f"{self.path / name}: a link to {shown(link)}, out of the directory; refused "
                 "(copy the file in, or point patchkit at the directory that holds it)"
             )
-        info = os.stat(link, dir_fd=self.fd, follow_symlinks=False)
+        try:
+            info = os.stat(link, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:  # a dangling link is the file's problem, not a crash
+            raise PatchkitError(
+                f"{self.path / name}: a link to {shown(link)}, which is not there"
+            ) from None
+        except OSError as exc:
+            raise PatchkitError(os_error_line(exc, "reading", path=self.path / link)) from None
         if stat.S_ISLNK(info.st_mode):
-            raise PatchkitError(f"{self.path / name}: a link to a link ({link!r}); refused")
+            raise PatchkitError(f"{self.path / name}: a link to a link ({shown(link)}); refused")
         return link
+
+    def read_bytes(self, name: str, limit: int, what: str) -> bytes:
+        """The bytes of ``name`` (opened as :meth:`open` does), at most ``limit`` of them;
+        a larger file is refused in one line, not read."""
+        with self.open(name) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                raw = f.read(limit + 1)
+                size = len(raw)  # it may have grown since the fstat
+        if size > limit:
+            raise PatchkitError(
+                f"{self.path / name}: {size} bytes, larger than the {limit} bytes allowed; "
+                f"not {what}"
+            )
+        return raw
 
     def read_json(self, name: str, what: str) -> dict:
         """A JSON object from ``name``, read capped; one line naming the file if not."""
-        with self.open(name) as f:
-            if os.fstat(f.fileno()).st_size > CONFIG_BYTES:
-                raise PatchkitError(
-                    f"{self.path / name}: larger than {CONFIG_BYTES} bytes; not {what}"
-                )
-            raw = f.read(CONFIG_BYTES + 1)
+        raw = self.read_bytes(name, CONFIG_BYTES, what)
         try:
             data = decode_user_json(raw, CONFIG_BYTES)
         except ValueError as exc:

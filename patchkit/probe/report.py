@@ -34,6 +34,7 @@ per affected request), not the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -50,7 +51,9 @@ MAX_NAME = 512  # a module path inside a layer, a class name: a few dozen charac
 SHOWN_UNWATCHED = 8  # unwatched modules named in one finding, at most
 QUARANTINE_KEYS = {"adapter_id": int, "module": str, "tensor": str, "nan": int, "inf": int}
 TENSORS = ("lora_A", "lora_B")
-MAX_PATH = 4096  # an adapter's directory, as the server was given it
+MAX_PATH = 4096  # an adapter's directory, as the server was given it (PATH_MAX)
+MAX_ADAPTER_NAME = 200  # vLLM's lora_name has no limit: a longer one is cut, not refused
+MAX_QUOTED = 80  # characters of a field an error line quotes, at most
 MAX_QUARANTINES = 256  # distinct quarantines kept for the list; the rest are counted
 CHECK_COMMAND = "patchkit adapter check"
 
@@ -185,7 +188,7 @@ class Tally:
             return
         if not entry["bad_requests"]:
             self.padding_only += 1
-        adapters = entry.get("adapters", {})
+        adapters = {r: bounded(a, MAX_ADAPTER_NAME) for r, a in entry.get("adapters", {}).items()}
         order = entry.get("order", 0)
         for request in entry["bad_requests"]:
             sighting = Sighting(
@@ -207,9 +210,9 @@ class Tally:
         found = Quarantine(
             run=run,
             rank=entry.get("rank", 0),
-            adapter=entry.get("adapter"),
+            adapter=bounded(entry.get("adapter"), MAX_ADAPTER_NAME),
             adapter_id=entry["adapter_id"],
-            adapter_path=entry.get("adapter_path"),
+            adapter_path=bounded(entry.get("adapter_path"), MAX_PATH),
             layer=entry.get("layer"),
             module=entry["module"],
             tensor=entry["tensor"],
@@ -336,7 +339,7 @@ def _check_quarantine(where: str, entry: dict) -> None:
         value = entry.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise PatchkitError(
-                f"{where}: {key!r}: {kind.__name__} expected, got {value!r}: "
+                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
                 "not a nan-probe quarantine record"
             )
     problems = [
@@ -345,19 +348,45 @@ def _check_quarantine(where: str, entry: dict) -> None:
         ("nan", entry["nan"] >= 0 and entry["inf"] >= 0),
         ("layer", entry.get("layer") is None or _is_index(entry.get("layer"))),
         ("rank", _is_index(entry.get("rank", 0))),
-        ("adapter", entry.get("adapter") is None or _is_path(entry.get("adapter"))),
-        ("adapter_path", _is_path(entry.get("adapter_path"))),
+        ("adapter", _is_text(entry.get("adapter"))),
+        ("adapter_path", _is_text(entry.get("adapter_path"))),
     ]
     for key, fine in problems:
         if not fine:
             raise PatchkitError(
-                f"{where}: {key!r}: {entry.get(key)!r} does not fit: "
+                f"{where}: {key!r}: {quoted(entry.get(key))} does not fit: "
                 "not a nan-probe quarantine record"
             )
 
 
-def _is_path(value) -> bool:
-    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_PATH)
+def _is_text(value) -> bool:
+    """None or a non-empty string, of any length: a tenant names its adapter, so a
+    long name (or path) is cut where it is kept (:func:`bounded`), never a refusal
+    of the log, which would hide every other finding."""
+    return value is None or (isinstance(value, str) and len(value) > 0)
+
+
+def bounded(text: str | None, limit: int) -> str | None:
+    """``text`` cut to at most ``limit`` characters, the cut marked with its length and
+    a hash of the whole: two long names that share their first characters stay two.
+
+    The same cut as nan-probe's writer makes (patchkit_nan_probe.bounded), so a
+    name the writer cut and the same name in full on a step's record are one
+    adapter; a cut text is not cut again.
+    """
+    if text is None or len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    mark = f"...[{len(text)} chars, sha256 {digest}]"
+    return text[: limit - len(mark)] + mark
+
+
+def quoted(value) -> str:
+    """A field as an error line quotes it: its repr, at most MAX_QUOTED characters."""
+    shown = repr(value)
+    if len(shown) <= MAX_QUOTED:
+        return shown
+    return f"{shown[:MAX_QUOTED]}... ({len(shown)} characters)"
 
 
 def _check_header(where: str, entry: dict) -> None:
@@ -393,7 +422,8 @@ def _check_record(where: str, entry: dict) -> None:
         value = entry.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise PatchkitError(
-                f"{where}: {key!r}: {kind.__name__} expected, got {value!r}: not a nan-probe record"
+                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
+                "not a nan-probe record"
             )
     if not _is_name(entry["module"]):
         raise PatchkitError(
@@ -402,7 +432,7 @@ def _check_record(where: str, entry: dict) -> None:
         )
     if entry["kind"] not in KINDS:
         raise PatchkitError(
-            f"{where}: 'kind': one of {', '.join(KINDS)} expected, got {entry['kind']!r}"
+            f"{where}: 'kind': one of {', '.join(KINDS)} expected, got {quoted(entry['kind'])}"
         )
     if not all(isinstance(r, str) for r in entry["bad_requests"]):
         raise PatchkitError(f"{where}: 'bad_requests': a list of request ids expected")

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from packaging.version import Version
@@ -36,6 +37,7 @@ from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
 from patchkit.fs.signals import held
 from patchkit.releases.index import WheelLink, find_wheel
+from patchkit.releases.localfile import open_regular
 from patchkit.releases.members import (
     MAX_WHEEL,
     Fetched,
@@ -216,11 +218,16 @@ def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
 
 
 def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
-    path = link.url.removeprefix("file://")
+    """A find-links wheel, read in place: a regular file (localfile: a FIFO or a device
+    named like a wheel is refused, never waited on), at most MAX_WHEEL bytes. The link's
+    file: URL is decoded ('+' of a local version is %2B there)."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(link.url).path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, MAX_WHEEL)
     except OSError as exc:
         raise FetchError(f"fetch: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise FetchError(f"fetch: cannot read {path}: {exc}") from None
     try:
         hash_file(fd, link.filename, link.sha256, link.size)
         return extract(local_source(fd, link.filename), _wanted, staging)

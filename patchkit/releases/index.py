@@ -25,6 +25,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from patchkit.releases.localfile import read_regular
 from patchkit.releases.pipconfig import PipSettings
 from patchkit.releases.transport import FetchError, Transport, host_of, without_credentials
 
@@ -142,7 +143,10 @@ def _links_at(location: str, transport: Transport):
     if path.is_file() and path.name.endswith(".whl"):
         return [(path.name, path.as_uri(), None, None, None, False)]
     if path.is_file():
-        return _html_links(path.read_bytes()[:MAX_PAGE], path.as_uri())
+        try:
+            return _html_links(_read_page(path), path.as_uri())
+        except OSError as exc:
+            raise FetchError(f"fetch: cannot read find-links {path}: {exc.strerror}") from None
     return []
 
 
@@ -155,9 +159,19 @@ def _local_path(location: str) -> str:
 def _local_page(url: str):
     page = Path(_local_path(url)) / "index.html"
     try:
-        return _html_links(page.read_bytes()[:MAX_PAGE], page.as_uri())
+        return _html_links(_read_page(page), page.as_uri())
     except OSError:
         return []
+
+
+def _read_page(path: Path) -> bytes:
+    """A local index or find-links page, read as localfile reads a file: a FIFO or a
+    device is refused in one line (it hung, or was read until memory ran out), as is a
+    page over MAX_PAGE (an index's page over the network is held to the same bound)."""
+    try:
+        return read_regular(path, MAX_PAGE)
+    except ValueError as exc:
+        raise FetchError(f"fetch: cannot read {path}: {exc}") from None
 
 
 def _json_links(body: bytes, base: str, url: str):

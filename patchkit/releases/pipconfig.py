@@ -21,18 +21,21 @@ transport's business; proxies from the environment too (``http_proxy``,
 from __future__ import annotations
 
 import configparser
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
+from patchkit.releases.localfile import read_regular
 
 PYPI = "https://pypi.org/simple"
 COMMAND = "download"
 LIST_KEYS = ("extra-index-url", "find-links")
 TRUE = ("1", "true", "yes", "y", "on")
 FALSE = ("0", "false", "no", "n", "off")
+MAX_CONFIG_BYTES = 1 << 20  # a pip.conf is a few lines
 
 
 @dataclass(frozen=True)
@@ -94,20 +97,39 @@ def config_files(env) -> list[Path]:
 
 
 def _read_file(path: Path) -> dict[str, str] | None:
-    """``section.key`` -> value of one file; None when it is not there."""
+    """``section.key`` -> value of one file; None when it is not there (or a directory,
+    which pip skips too).
+
+    Read as :mod:`patchkit.releases.localfile` reads a file: a FIFO, a device
+    (``PIP_CONFIG_FILE=/dev/zero``) or a file over MAX_CONFIG_BYTES is refused
+    in one line, never waited on or read without end.
+    """
     parser = configparser.RawConfigParser()
     try:
-        with open(path, encoding="utf-8") as handle:
-            parser.read_file(handle)
+        text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
+        parser.read_string(text, source=str(path))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
-        raise PatchkitError(f"fetch: pip's configuration {path} cannot be read: {exc}") from None
+    except OSError as exc:
+        raise PatchkitError(
+            f"fetch: pip's configuration {path} cannot be read: {exc.strerror}"
+        ) from None
+    except (ValueError, configparser.Error) as exc:  # Refused, UnicodeDecodeError, syntax
+        raise PatchkitError(
+            f"fetch: pip's configuration {path} cannot be read: {_one_line(exc)}"
+        ) from None
     return {
         f"{section}.{_normal(key)}": value
         for section in parser.sections()
         for key, value in parser.items(section)
     }
+
+
+def _one_line(exc: Exception) -> str:
+    """An error's text as one line of at most 200 characters (configparser's list
+    every bad line of the file on lines of their own)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _normal(key: str) -> str:
@@ -125,7 +147,7 @@ def _settings(options: dict[str, str], sources: tuple[str, ...]) -> PipSettings:
         no_index=_flag(options.get("no-index"), "no-index"),
         proxy=(options.get("proxy") or "").strip() or None,
         cert=(options.get("cert") or "").strip() or None,
-        timeout=_seconds(options.get("default-timeout") or options.get("timeout")),
+        timeout=_timeout(options),
         sources=sources,
     )
 
@@ -141,11 +163,24 @@ def _flag(value: str | None, key: str) -> bool:
     raise PatchkitError(f"fetch: pip's {key} setting {value[:40]!r} is not true or false")
 
 
-def _seconds(value: str | None) -> float:
+def _timeout(options: dict[str, str]) -> float:
+    """pip's default-timeout (``PIP_DEFAULT_TIMEOUT``) or timeout, in seconds, 1 to 3600.
+
+    float() reads 'nan' and 'inf', and min(max(nan, 1), 3600) is nan: a socket
+    timeout nothing compares with. A value that is not a finite number is
+    refused in one line naming the setting.
+    """
+    key = "default-timeout" if options.get("default-timeout") else "timeout"
+    value = options.get(key)
     if not value:
         return 15.0  # pip's default
     try:
         seconds = float(value)
     except ValueError:
-        raise PatchkitError(f"fetch: pip's timeout {value[:40]!r} is not a number") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise PatchkitError(
+            f"fetch: pip's {key} setting {value[:40]!r} is not a number of seconds "
+            f"(PIP_{key.upper().replace('-', '_')} or {key} in pip's configuration)"
+        )
     return min(max(seconds, 1.0), 3600.0)

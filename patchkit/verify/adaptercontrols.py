@@ -82,11 +82,15 @@ def is_expert_key(key: str) -> bool:
 
 
 def build(adapter: str, adapter_dir: Path, workdir: Path) -> list[Control]:
-    """The controls of one adapter, their files written under workdir/control-NAME+KIND."""
+    """The controls of one adapter, their files written under workdir/control-NAME+KIND.
+
+    The adapter's files are the user's: read through its directory's descriptor
+    (adapterfiles.AdapterTensors, as `adapter check` reads them), so a link out
+    of the adapter or a FIFO is refused in one line naming the file."""
     tensors = adapterfiles.AdapterTensors(adapter_dir)
     try:
         keys = list(tensors.shapes)
-        config_bytes = (adapter_dir / adapterfiles.ADAPTER_CONFIG).read_bytes()
+        config_bytes = tensors.read_config()  # never by path: a link out, a FIFO
         out = [_half(adapter, tensors, keys, config_bytes, workdir)]
         experts = [k for k in keys if is_expert_key(k)]
         if experts and len(experts) < len(keys):

@@ -20,9 +20,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.adapters.directory import Directory
 from patchkit.adapters.safetensorsfile import SafetensorsFile, dtype_name, shown
 from patchkit.errors import PatchkitError
-from patchkit.verify.checkpoint import CONFIG_BYTES, user_json
+from patchkit.verify.checkpoint import CONFIG_BYTES
 from patchkit.verify.patterns import Matcher, compile_peft_key
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -74,13 +75,16 @@ class AdapterConfig:
 def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
     """The adapter's r, alpha and patterns, every value checked; one line naming the key if not.
 
-    Read capped (1 MiB, FIFOs refused) and every pattern key compiled here,
+    Read through the directory's descriptor as `adapter check` reads it (a
+    regular file, or a link to one beside it; capped at 1 MiB; no FIFO, no
+    device, no link out of the directory) and every pattern key compiled here,
     so what is refused is refused before any file is written or GPU touched.
     """
     path = adapter_dir / ADAPTER_CONFIG
-    if not path.is_file():
-        raise PatchkitError(f"adapter directory {adapter_dir} has no {ADAPTER_CONFIG}")
-    cfg = user_json(path, CONFIG_BYTES, "a PEFT adapter config")
+    with Directory(adapter_dir) as folder:
+        if not folder.has(ADAPTER_CONFIG):
+            raise PatchkitError(f"adapter directory {adapter_dir} has no {ADAPTER_CONFIG}")
+        cfg = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
 
     def refuse(what: str) -> PatchkitError:
         return PatchkitError(f"{path}: {what}; patchkit merges plain LoRA adapters only")
@@ -186,30 +190,45 @@ def _mapping(path: Path, cfg: dict, key: str) -> dict:
 
 
 class AdapterTensors:
-    """The adapter's tensors: safetensors read lazily, or a .bin/.pt loaded whole."""
+    """The adapter's tensors: safetensors read lazily, or a .bin/.pt loaded whole.
+
+    Its files are opened through the directory's descriptor (:class:`Directory`:
+    a regular file, or a link to one beside it), held until :meth:`close`: a
+    link out of the adapter or a FIFO is refused in one line naming the file.
+    """
 
     def __init__(self, adapter_dir: Path):
-        st = adapter_dir / ADAPTER_SAFETENSORS
+        self.folder = Directory(adapter_dir)
+        try:
+            self._open(adapter_dir)
+        except BaseException:
+            self.folder.close()
+            raise
+
+    def _open(self, adapter_dir: Path) -> None:
+        folder = self.folder
         self._file: SafetensorsFile | None = None
         self._loaded: dict | None = None
-        if st.is_file():
-            self.path = st
-            self._file = SafetensorsFile(st)
+        if folder.has(ADAPTER_SAFETENSORS):
+            self.path = adapter_dir / ADAPTER_SAFETENSORS
+            self._file = SafetensorsFile(self.path, opener=lambda: folder.open(ADAPTER_SAFETENSORS))
             self.shapes = {k: v.shape for k, v in self._file.tensors.items()}
             self.dtypes = {k: v.dtype for k, v in self._file.tensors.items()}
             return
         for name in ADAPTER_BIN:
-            path = adapter_dir / name
-            if path.is_file():
+            if folder.has(name):
                 import torch
 
-                self.path = path
-                try:
-                    loaded = torch.load(path, map_location="cpu", weights_only=True)
-                except Exception as exc:  # any unpickling failure: the user's file
-                    raise PatchkitError(f"{path}: cannot be read as a state dict ({exc})") from exc
+                self.path = adapter_dir / name
+                with folder.open(name) as f:
+                    try:
+                        loaded = torch.load(f, map_location="cpu", weights_only=True)
+                    except Exception as exc:  # any unpickling failure: the user's file
+                        raise PatchkitError(
+                            f"{self.path}: cannot be read as a state dict ({exc})"
+                        ) from exc
                 if not isinstance(loaded, dict):
-                    raise PatchkitError(f"{path}: not a state dict")
+                    raise PatchkitError(f"{self.path}: not a state dict")
                 self._loaded = loaded
                 self.shapes = {k: tuple(v.shape) for k, v in loaded.items()}
                 self.dtypes = {k: dtype_name(v.dtype) for k, v in loaded.items()}
@@ -225,9 +244,14 @@ class AdapterTensors:
             return self._file.tensor(key).to(torch.float32)
         return self._loaded[key].to(torch.float32)
 
+    def read_config(self) -> bytes:
+        """adapter_config.json's bytes, read through the same descriptor, capped."""
+        return self.folder.read_bytes(ADAPTER_CONFIG, CONFIG_BYTES, "a PEFT adapter config")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        self.folder.close()
 
 
 class FactorCache:

@@ -99,7 +99,13 @@ WAVE_TIMEOUT = 1800.0
 
 
 def parse_lora(value: str) -> tuple[str, Path]:
-    """NAME=DIR of one --lora, or one line (exit 2)."""
+    """NAME=DIR of one --lora, or one line (exit 2).
+
+    adapter_config.json is looked at through the directory's descriptor, as every
+    later read of it is (a link out of the adapter, a FIFO: refused, never followed).
+    """
+    from patchkit.adapters.directory import Directory
+
     name, sep, path = value.partition("=")
     # fullmatch: NAME's "$" also matches before a trailing newline ("one\n" passed)
     if not sep or not NAME.fullmatch(name) or not path:
@@ -107,8 +113,15 @@ def parse_lora(value: str) -> tuple[str, Path]:
             f"--lora {value!r}: expected NAME=DIR (NAME of letters, digits, '.', '_', '-')"
         )
     directory = Path(path)
-    if not (directory / "adapter_config.json").is_file():
-        raise UsageProblem(f"--lora {name}: {directory} holds no adapter_config.json")
+    try:
+        with Directory(directory) as folder:
+            if not folder.has("adapter_config.json"):
+                raise UsageProblem(f"--lora {name}: {directory} holds no adapter_config.json")
+            folder.open("adapter_config.json").close()
+    except UsageProblem:
+        raise
+    except PatchkitError as exc:
+        raise UsageProblem(f"--lora {name}: {exc}") from None
     return name, directory
 
 

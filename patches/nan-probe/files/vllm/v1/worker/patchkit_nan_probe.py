@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import hashlib
 import json
 import os
 import re
@@ -39,6 +40,8 @@ LOG_ENV = "PATCHKIT_PROBE_LOG"
 STATS_ENV = "PATCHKIT_PROBE_STATS"
 STAT_COLUMNS = 5  # nan, inf, finite values, their sum, the sum of their squares
 RING = 4  # steps in flight between the device and the host
+MAX_ADAPTER_NAME = 200  # vLLM's lora_name has no limit; every record of a request repeats it
+MAX_ADAPTER_PATH = 4096  # PATH_MAX: no directory the server loaded from is longer
 LAYER_PATH = re.compile(r"^(.*?(?:^|\.)layers\.(\d+))(?:\.(.+))?$")
 
 
@@ -721,7 +724,7 @@ def batch_meta(runner) -> dict:
     for i, req_id in enumerate(req_ids):
         lora = known.get(int(mapping[i])) if mapping is not None else None
         if lora is not None:
-            adapters[req_id] = lora.lora_name
+            adapters[req_id] = bounded(lora.lora_name, MAX_ADAPTER_NAME)
     return {
         "req_ids": req_ids,
         "query_start_loc": bounds,
@@ -751,11 +754,30 @@ def note_quarantine(event: dict) -> None:
         return
     record = {"event": "quarantine", "rank": probe.rank, "time": time.time()}
     record.update({key: event.get(key) for key in QUARANTINE_KEYS})
+    record["adapter"] = bounded(record["adapter"], MAX_ADAPTER_NAME)
+    record["adapter_path"] = bounded(record["adapter_path"], MAX_ADAPTER_PATH)
     try:
         write_lines(probe.log_path, [record])
     except (OSError, ValueError) as exc:
         probe.log_failed = True
         _warn(probe.log_path, exc, "no more probe lines are written (the server goes on)")
+
+
+def bounded(text, limit: int):
+    """``text`` cut to at most ``limit`` characters, the cut marked with its length and
+    a hash of the whole (two long names sharing their start stay two).
+
+    Why: a tenant names its adapter (and its path, loading it at runtime) with no
+    limit in vLLM; a record must stay a line `patchkit probe report` reads and a
+    report line a person reads. patchkit.probe.report.bounded makes the same cut
+    (a name cut here and the same name in full match there); a cut text is not
+    cut again. Anything but a string (None: no name) is left as it is.
+    """
+    if not isinstance(text, str) or len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    mark = f"...[{len(text)} chars, sha256 {digest}]"
+    return text[: limit - len(mark)] + mark
 
 
 def flush() -> None:
