@@ -459,3 +459,40 @@ def test_a_model_config_of_absurd_sizes_is_one_line_not_a_memory_exhaustion(
     assert result.exit_code in (1, 2), result.output
     assert f"{key} is {value}"[:40] in result.output and "expected" in result.output
     assert "Traceback" not in result.output
+
+
+def hf_snapshot(root: Path, files: Path, blobs_as_link: bool = False) -> Path:
+    """A Hugging Face cache repository as huggingface_hub writes it: the files in
+    blobs/ by hash, snapshots/REV/NAME a link to ../../blobs/HASH."""
+    repo = root / "models--org--adapter"
+    blobs = repo / "blobs"
+    (root / "elsewhere" if blobs_as_link else blobs).mkdir(parents=True)
+    if blobs_as_link:
+        repo.mkdir()
+        blobs.symlink_to(root / "elsewhere")
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for number, path in enumerate(sorted(files.iterdir())):
+        blob = f"{number:040x}"
+        (blobs / blob).write_bytes(path.read_bytes())
+        (snapshot / path.name).symlink_to(f"../../blobs/{blob}")
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_is_read_through_its_blobs(tmp_path, dense):
+    """Adapters downloaded with huggingface_hub are links into ../../blobs: read, not
+    refused; the same link from a directory that is no snapshot, or to a blobs that is
+    itself a link, stays refused."""
+    files = ah.write_adapter(tmp_path / "files", ah.dense_tensors())
+    snapshot = hf_snapshot(tmp_path / "hub", files)
+    result = run_cli("adapter", "check", str(snapshot), "--model", str(dense))
+    assert result.exit_code == 0, result.output
+    plain = tmp_path / "plain" / "adapter"
+    plain.mkdir(parents=True)
+    for link in snapshot.iterdir():
+        (plain / link.name).symlink_to(os.readlink(link))
+    (tmp_path / "plain" / "blobs").symlink_to(snapshot.parent.parent / "blobs")
+    assert run_cli("adapter", "check", str(plain)).exit_code == 1
+    linked = hf_snapshot(tmp_path / "hub2", files, blobs_as_link=True)
+    result = run_cli("adapter", "check", str(linked))
+    assert result.exit_code == 1 and "out of the directory" in result.output

@@ -4,8 +4,10 @@ The directory is the user's, and so is every name in it: a file is opened
 with ``openat`` on the directory's descriptor, never by a path string, so a
 directory renamed or swapped halfway does not send the reads elsewhere. A
 link is followed only when it names a file beside it (``adapter_model.safetensors
--> v2.safetensors``); one that leads out of the directory (``../../secret``,
-``/dev/zero``) or through a subdirectory is refused in one line, as is
+-> v2.safetensors``), or when the directory is a Hugging Face cache snapshot and
+the link names its blob (``../../blobs/HASH``, checked on descriptors); one
+that leads elsewhere out of the directory (``../../secret``, ``/dev/zero``) or
+through a subdirectory is refused in one line, as is
 anything that is not a regular file (a FIFO would hang the read, a device
 never ends).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -25,6 +28,8 @@ from patchkit.fs.safepath import kind_of
 # adapter_config.json and config.json: PEFT's and transformers' are a few kB,
 # a rank_pattern naming every module of a large model tens of kB.
 CONFIG_BYTES = 1 << 20
+# A Hugging Face cache snapshot's file: a link to its content-addressed blob.
+HF_BLOB = re.compile(r"\.\./\.\./blobs/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
 
 
 class Directory:
@@ -61,32 +66,42 @@ class Directory:
         return sorted(os.listdir(self.fd))
 
     def open(self, name: str):
-        """The regular file ``name`` (or the file beside it that a link names), for reading."""
-        target = self._resolve(name)
+        """The regular file ``name`` (or the file beside it that a link names, or the blob a
+        Hugging Face snapshot links to), for reading."""
+        where, target = self._resolve(name)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(target, flags, dir_fd=self.fd)
+            fd = os.open(target, flags, dir_fd=where)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # swapped for a link since _resolve looked
                 raise PatchkitError(f"{self.path / name}: became a link while read") from None
             raise PatchkitError(os_error_line(exc, "opening", path=self.path / name)) from None
+        finally:
+            if where != self.fd:
+                os.close(where)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             raise PatchkitError(f"{self.path / name}: {kind_of(mode)}, not a regular file")
         return os.fdopen(fd, "rb")
 
-    def _resolve(self, name: str) -> str:
+    def _resolve(self, name: str) -> tuple[int, str]:
+        """(directory descriptor, name) to open: this directory's, or a snapshot's blobs."""
         try:
             info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except OSError as exc:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
         if not stat.S_ISLNK(info.st_mode):
-            return name
+            return self.fd, name
         try:
             link = os.readlink(name, dir_fd=self.fd)
         except OSError as exc:  # swapped for a file since the stat: read it again
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
+        blob = HF_BLOB.fullmatch(link)
+        if blob:
+            blobs = self._snapshot_blobs()
+            if blobs is not None:
+                return blobs, blob.group(1)
         if "/" in link or link in (".", ".."):
             raise PatchkitError(
                 f"{self.path / name}: a link to {shown(link)}, out of the directory; refused "
@@ -102,7 +117,31 @@ class Directory:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / link)) from None
         if stat.S_ISLNK(info.st_mode):
             raise PatchkitError(f"{self.path / name}: a link to a link ({shown(link)}); refused")
-        return link
+        return self.fd, link
+
+    def _snapshot_blobs(self) -> int | None:
+        """The blobs directory of the Hugging Face cache repository this directory is a
+        snapshot of (REPO/snapshots/REV, its files links to ../../blobs/HASH, as
+        huggingface_hub writes them), held by descriptor; None if it is not one. Checked
+        on the descriptors, not the path's words: this directory's parent is REPO's
+        `snapshots`, and `blobs` is a real directory beside it."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        opened = []
+        try:
+            parent = os.open("..", flags, dir_fd=self.fd)
+            opened.append(parent)
+            repo = os.open("..", flags, dir_fd=parent)
+            opened.append(repo)
+            snapshots = os.stat("snapshots", dir_fd=repo, follow_symlinks=False)
+            here = os.fstat(parent)
+            if (snapshots.st_dev, snapshots.st_ino) != (here.st_dev, here.st_ino):
+                return None
+            return os.open("blobs", flags, dir_fd=repo)
+        except OSError:
+            return None
+        finally:
+            for fd in opened:
+                os.close(fd)
 
     def read_bytes(self, name: str, limit: int, what: str) -> bytes:
         """The bytes of ``name`` (opened as :meth:`open` does), at most ``limit`` of them;
