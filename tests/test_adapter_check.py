@@ -496,3 +496,17 @@ def test_a_hugging_face_cache_snapshot_is_read_through_its_blobs(tmp_path, dense
     linked = hf_snapshot(tmp_path / "hub2", files, blobs_as_link=True)
     result = run_cli("adapter", "check", str(linked))
     assert result.exit_code == 1 and "out of the directory" in result.output
+
+
+def test_a_shape_of_64_dimensions_is_shown_cut_in_every_message(tmp_path):
+    """A header may declare 64 dimensions of 2**62; the line naming it stays short."""
+    shape = [1 << 62] * 64
+    entry = {"dtype": "BF16", "shape": shape, "data_offsets": [0, 8]}
+    adapter = ah.write_adapter(tmp_path / "a", {})
+    (adapter / "adapter_model.safetensors").write_bytes(
+        _header({"x.lora_A.weight": entry}) + b"\0" * 8
+    )
+    result = run_cli("adapter", "check", str(adapter))
+    assert result.exit_code == 1
+    assert "... 64 dimensions)" in result.output
+    assert max(len(line) for line in result.output.splitlines()) < 400

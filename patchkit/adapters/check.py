@@ -42,7 +42,6 @@ from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims,
 from patchkit.errors import PatchkitError
 
 SCALE_RANGE = (1 / 64, 16.0)
-SHOWN_DIMS = 6  # a shape in a finding: a LoRA factor has 2 or 3 dimensions
 SKIPPED_MODEL = "shapes and targets against the model (no --model)"
 SKIPPED_TARGET = (
     "what a vLLM release refuses or ignores (single-parameter expert adapters, partial GDN "
@@ -220,14 +219,6 @@ def _names_or_regex(value: object) -> bool:
     )
 
 
-def _dims(shape) -> str:
-    """A shape for a finding, at most SHOWN_DIMS dimensions of it: a header may declare
-    64 dimensions of 2**62 (its zero-sized tensor holds no bytes), a 4 kB line."""
-    if len(shape) <= SHOWN_DIMS:
-        return dims(shape)
-    return f"{dims(shape[:SHOWN_DIMS])[:-1]}, ... {len(shape)} dimensions)"
-
-
 def _after_path(message: str, path: Path) -> str:
     """A PatchkitError's text without the path it starts with (the finding names the file)."""
     prefix = f"{path}: "
@@ -271,7 +262,7 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
                 Kind.SHAPE,
                 file,
                 key,
-                f"{info.dtype} {_dims(info.shape)} holds no values; a LoRA factor is "
+                f"{info.dtype} {dims(info.shape)} holds no values; a LoRA factor is "
                 "(r, in) or (out, r) with r and both sizes above 0",
             )
         elif info.dtype in nonfinite.FLOATS:
@@ -288,7 +279,7 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
                     key,
                     f"{bad.count} non-finite of {info.numel} ({bad.nan} NaN, {bad.inf} Inf); "
                     f"first at flat index {bad.first} ({bad.first_value}), {info.dtype} "
-                    f"{_dims(info.shape)}",
+                    f"{dims(info.shape)}",
                 )
         _file_factor(key, info, adapter, report)
 
@@ -332,7 +323,7 @@ def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> Non
                 Kind.SHAPE,
                 file,
                 f.a.name,
-                f"lora_A {_dims(f.a.shape)} and lora_B {_dims(f.b.shape)} are not both matrices",
+                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)} are not both matrices",
             )
             continue
         if f.a.shape[0] != f.b.shape[1]:
@@ -341,7 +332,7 @@ def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> Non
                 Kind.LAYOUT if transposed else Kind.RANK,
                 file,
                 f.a.name,
-                f"lora_A {_dims(f.a.shape)} and lora_B {_dims(f.b.shape)}: "
+                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)}: "
                 + (
                     "transposed (PEFT saves lora_A (r, in), lora_B (out, r))"
                     if transposed
@@ -453,7 +444,7 @@ def _check_embedding(f: Factors, name: str, shapes: ModelShapes, report: Report)
             Kind.SHAPE,
             ADAPTER_SAFETENSORS,
             f.a.name,
-            f"{name}: A {_dims(a)} and B {_dims(b)} do not fit the model (needs {need})",
+            f"{name}: A {dims(a)} and B {dims(b)} do not fit the model (needs {need})",
         )
 
 
@@ -495,7 +486,7 @@ def _fit(f: Factors, want: tuple[int, int], where: str, report: Report) -> None:
         Kind.LAYOUT if transposed else Kind.SHAPE,
         ADAPTER_SAFETENSORS,
         f.a.name,
-        f"lora_A {_dims(a)} and lora_B {_dims(b)} "
+        f"lora_A {dims(a)} and lora_B {dims(b)} "
         + ("are swapped in/out" if transposed else "do not fit")
         + f" {where} ({out}, {inp}): needs lora_A (r, {inp}), lora_B ({out}, r)",
     )
@@ -535,7 +526,7 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
                 Kind.SHAPE,
                 file,
                 f.a.name,
-                f"lora_A {_dims(a)}: rows are not a multiple of the {n} experts (r * E)",
+                f"lora_A {dims(a)}: rows are not a multiple of the {n} experts (r * E)",
             )
             continue
         fits, legacy = [], []
@@ -552,7 +543,7 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
             _judge_rank(report, adapter, f, a[0] // n, None)
             continue
         wants = "; ".join(
-            f"{p} {_dims(shapes.expert_params[p])}: lora_A (r*{n}, {shapes.expert_params[p][2]}), "
+            f"{p} {dims(shapes.expert_params[p])}: lora_A (r*{n}, {shapes.expert_params[p][2]}), "
             f"lora_B ({shapes.expert_params[p][1]}, r*{n})"
             for p in ([params[name]] if params[name] else EXPERT_PARAMS)
         )
@@ -560,7 +551,7 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
             Kind.LAYOUT if legacy else Kind.SHAPE,
             file,
             f.a.name,
-            f"lora_A {_dims(a)} and lora_B {_dims(b)} "
+            f"lora_A {dims(a)} and lora_B {dims(b)} "
             + (
                 "are PEFT <= 0.19's layout (lora_A (r*E, out)); vLLM and PEFT >= 0.20 read "
                 "(r*E, in): re-save with PEFT >= 0.20"

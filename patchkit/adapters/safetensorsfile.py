@@ -95,8 +95,17 @@ def dtype_name(dtype) -> str:
     return table[dtype]
 
 
+# A shape shows at most this many dimensions: a header may declare 64 dimensions of
+# 2**62 (a zero-sized tensor holds no bytes), a 4 kB line in every message naming it.
+SHOWN_DIMS = 6
+
+
 def dims(shape) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ")"
+    """'(2048, 16)'; past SHOWN_DIMS dimensions '(1, 2, 3, 4, 5, 6, ... 64 dimensions)'."""
+    shown_dims = ", ".join(str(d) for d in shape[:SHOWN_DIMS])
+    if len(shape) > SHOWN_DIMS:
+        return f"({shown_dims}, ... {len(shape)} dimensions)"
+    return f"({shown_dims})"
 
 
 def tensor_bytes(t) -> bytes:
