@@ -335,13 +335,7 @@ def _parse(path: Path, number: int, line: str) -> dict | None:
 
 def _check_quarantine(where: str, entry: dict) -> None:
     """A quarantine record: every value goes into the report, so each is checked."""
-    for key, kind in QUARANTINE_KEYS.items():
-        value = entry.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise PatchkitError(
-                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
-                "not a nan-probe quarantine record"
-            )
+    _check_types(where, entry, QUARANTINE_KEYS, "quarantine record")
     problems = [
         ("module", _is_name(entry["module"])),
         ("tensor", entry["tensor"] in TENSORS),
@@ -413,18 +407,23 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _check_types(where: str, entry: dict, keys: dict, what: str) -> None:
+    """Each key of ``keys`` holds its type (a bool is no int here), or one line."""
+    for key, kind in keys.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise PatchkitError(
+                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
+                f"not a nan-probe {what}"
+            )
+
+
 def _is_name(value) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME
 
 
 def _check_record(where: str, entry: dict) -> None:
-    for key, kind in STEP_KEYS.items():
-        value = entry.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise PatchkitError(
-                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
-                "not a nan-probe record"
-            )
+    _check_types(where, entry, STEP_KEYS, "record")
     if not _is_name(entry["module"]):
         raise PatchkitError(
             f"{where}: 'module': a name of 1 to {MAX_NAME} characters expected: "

@@ -273,11 +273,9 @@ def _wrapper_run(seed: int, backend: str) -> list[KernelResult]:
     return results
 
 
-def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
-    """LoRA rows against float64, rows without LoRA bit for bit, no NaN/Inf."""
-    import torch
-
-    reference = y.double().clone()
+def _reference(reference, x, a, b, widths, slots):
+    """``reference`` (float64, the output before the call) plus each row's own adapter's
+    x A^T B^T per slice, in float64: what add_lora_linear should give."""
     offset = 0
     for a_s, b_s, w in zip(a, b, widths, strict=True):
         for slot in range(a_s.size(0)):
@@ -285,6 +283,14 @@ def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
             shrunk = x[rows].double() @ a_s[slot, 0].double().T
             reference[rows, offset : offset + w] += shrunk @ b_s[slot, 0].double().T
         offset += w
+    return reference
+
+
+def _judge(name, out, y, x, a, b, widths, slots) -> KernelResult:
+    """LoRA rows against float64, rows without LoRA bit for bit, no NaN/Inf."""
+    import torch
+
+    reference = _reference(y.double().clone(), x, a, b, widths, slots)
     plain = slots < 0
     untouched = torch.equal(out[plain].view(torch.int16), y[plain].view(torch.int16))
     error, nonfinite = relative_error(out[~plain], reference[~plain]) if (~plain).any() else (0, 0)
@@ -437,14 +443,8 @@ def judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken) -> Kerne
     finite and within BF16_REL_TOL of float64 (an empty slot's rows: y, or 0 written)."""
     import torch
 
-    reference = (y.double() if add_inputs else torch.zeros_like(y, dtype=torch.float64)).clone()
-    offset = 0
-    for a_s, b_s, w in zip(a, b, widths, strict=True):
-        for slot in range(a_s.size(0)):
-            rows = slots == slot
-            shrunk = x[rows].double() @ a_s[slot, 0].double().T
-            reference[rows, offset : offset + w] += shrunk @ b_s[slot, 0].double().T
-        offset += w
+    start = y.double() if add_inputs else torch.zeros_like(y, dtype=torch.float64)
+    reference = _reference(start.clone(), x, a, b, widths, slots)
     plain, bad = slots < 0, slots == GEMV_BAD_SLOT
     good = ~plain & ~bad
     untouched = torch.equal(out[plain].view(torch.int16), y[plain].view(torch.int16))
