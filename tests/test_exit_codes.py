@@ -153,7 +153,7 @@ def test_1_nothing_changed(tmp_path):
 
 def test_2_usage_from_click_and_from_a_command(tmp_path):
     result = run_subprocess("list", "--no-such-option", env=ENV)
-    assert result.returncode == exits.USAGE and "No such option" in result.stderr
+    assert result.returncode == exits.USAGE and "No such option" in one_line(result)
     result = probe_report(tmp_path, None)  # UsageProblem: the file is missing
     assert result.returncode == exits.USAGE and "no such file" in one_line(result)
 
