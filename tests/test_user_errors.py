@@ -75,6 +75,14 @@ def test_a_usage_error_is_one_line_naming_the_option_and_the_value(args, needles
         assert json.loads(result.stdout)["error"] in line
 
 
+def test_a_mistyped_patch_id_names_the_closest_one():
+    for args in (["show", "expand-blockn"], ["apply", "--only", "expand-blockn", "--target", "T"]):
+        line = one_line_failure(run_cli(*args), code=2)
+        assert "unknown patch 'expand-blockn'; did you mean 'expand-block-n'? known: " in line
+    line = one_line_failure(run_cli("show", "nosuch"), code=2)  # nothing close: no guess
+    assert "did you mean" not in line and "known: expand-block-n, " in line
+
+
 def test_a_group_without_a_command_prints_its_help_and_exits_2():
     for args in ([], ["probe"]):
         result = run_cli(*args)
