@@ -153,9 +153,16 @@ def test_1_nothing_changed(tmp_path):
 
 def test_2_usage_from_click_and_from_a_command(tmp_path):
     result = run_subprocess("list", "--no-such-option", env=ENV)
-    assert result.returncode == exits.USAGE and "No such option" in result.stderr
+    assert result.returncode == exits.USAGE and "No such option" in one_line(result)
     result = probe_report(tmp_path, None)  # UsageProblem: the file is missing
     assert result.returncode == exits.USAGE and "no such file" in one_line(result)
+
+
+def test_2_no_command_prints_the_help_and_the_table_says_so():
+    """`patchkit` alone asked for nothing: the help, and exit 2 as the table's row says."""
+    result = run_subprocess(env=ENV)
+    assert result.returncode == exits.USAGE and "Commands:" in result.stderr
+    assert "no command given" in dict(exits.TABLE)[exits.USAGE]
 
 
 def test_3_a_bug_is_one_line_and_its_traceback_on_request(tmp_path):

@@ -254,6 +254,25 @@ def test_list_v_and_show_give_the_full_text(how):
             assert f"known issue: {' '.join(notice.message.split())}" in text
 
 
+@pytest.mark.parametrize("how", [("list", "-v"), ("show", "partial-gdn-adapter")])
+def test_a_list_in_why_keeps_its_lines(how):
+    """ "... the other: - 0.21.0-0.28.x: ... - 0.29.0 ..." read as one run-on paragraph:
+    each "- " line of a patch's why starts its own line at 8, its next lines under its text
+    at 10, and the paragraph after the list starts a line at 8 again."""
+    why = CATALOGUE.get("partial-gdn-adapter").why.splitlines()
+    items = [line for line in why if line.startswith("- ")]
+    after = next(line for line in why[why.index(items[-1]) :] if line[0] not in " -")
+    assert len(items) == 2
+    result = run_cli(*how, env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    for item in items:
+        start = next(i for i, line in enumerate(lines) if line.startswith(" " * 8 + item[:20]))
+        assert lines[start + 1].startswith(" " * 10) and lines[start + 1][10] != " "
+    assert any(line.startswith(" " * 8 + after[:20]) for line in lines)
+    assert not any(f" {item[:20]}" in line.strip() for line in lines for item in items)
+
+
 def test_show_prints_one_patch_and_its_json_has_lists_shape():
     shown = run_cli("show", SPLIT)
     assert shown.exit_code == 0, shown.output

@@ -52,6 +52,49 @@ def test_usage_errors_print_json_with_json(slim_tree_0260):
     assert json.loads(result.stdout)["ok"] is False
 
 
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["show", "nosuch"], ["ID", "'nosuch'"]),
+        (["apply", "--only", "nosuch", "--target", "T"], ["--only", "'nosuch'"]),
+        (["apply", "--only", "nosuch", "--target", "T", "--json"], ["--only", "'nosuch'"]),
+        (["list", "--no-such-option"], ["'--no-such-option'"]),
+        (["list", "--json", "--no-such-option"], ["'--no-such-option'"]),
+        (["no-such-command"], ["'no-such-command'"]),
+        (["show"], ["'ID'"]),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_option_and_the_value(args, needles):
+    """Not click's three lines (Usage:, Try ... --help, Error:): exit 2 promises one."""
+    result = run_cli(*args)
+    line = one_line_failure(result, code=2)
+    assert "Usage:" not in result.output and "--help" not in result.stderr
+    for needle in needles:
+        assert needle in line, line
+    if "--json" in args:
+        assert json.loads(result.stdout)["error"] in line
+
+
+def test_a_mistyped_patch_id_names_the_closest_one():
+    for args in (["show", "expand-blockn"], ["apply", "--only", "expand-blockn", "--target", "T"]):
+        line = one_line_failure(run_cli(*args), code=2)
+        assert "unknown patch 'expand-blockn'; did you mean 'expand-block-n'? known: " in line
+    line = one_line_failure(run_cli("show", "nosuch"), code=2)  # nothing close: no guess
+    assert "did you mean" not in line and "known: expand-block-n, " in line
+
+
+def test_a_group_without_a_command_prints_its_help_and_exits_2():
+    for args in ([], ["probe"]):
+        result = run_cli(*args)
+        assert result.exit_code == 2 and "Commands:" in result.output, result.output
+
+
+def test_help_is_still_clicks_help():
+    result = run_cli("show", "--help")
+    assert result.exit_code == 0 and result.stdout.startswith("Usage: ")
+    assert "patchkit: error" not in result.output
+
+
 def test_an_internal_error_exits_3_with_a_hint_and_a_traceback_on_request(
     slim_tree_0260, monkeypatch
 ):

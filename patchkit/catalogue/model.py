@@ -7,6 +7,7 @@ lazily, once.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -297,7 +298,15 @@ class Catalogue:
         for patch in self.patches:
             if patch.id == patch_id:
                 return patch
-        raise PatchkitError(f"unknown patch {patch_id!r}; known: {', '.join(self.ids)}")
+        raise PatchkitError(
+            f"unknown patch {patch_id!r}; {self.did_you_mean(patch_id)}known: {', '.join(self.ids)}"
+        )
+
+    def did_you_mean(self, patch_id: str) -> str:
+        """ "did you mean 'x'? " for the known id closest to a mistyped one, else "": a typo
+        (expand-blockn) is named at once instead of left to be found among every id."""
+        close = difflib.get_close_matches(patch_id, self.ids, n=1)
+        return f"did you mean {close[0]!r}? " if close else ""
 
     def is_tested(self, version: Version | None) -> bool:
         return version is not None and str(version) in self.tested_releases

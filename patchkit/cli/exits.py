@@ -20,7 +20,7 @@ DEBUG_ENV = "PATCHKIT_DEBUG"
 TABLE = (
     (OK, "done, or nothing to do"),
     (FAILURE, "nothing changed: a refusal, a failed check or a finding"),
-    (USAGE, "usage error: a bad option or argument; nothing was done"),
+    (USAGE, "usage error: no command given, a bad option or argument; nothing was done"),
     (BUG, f"a bug in patchkit: one line; {DEBUG_ENV}=1 shows the traceback"),
     (INCONCLUSIVE, "verify: inconclusive, an adapter its reference could not decide"),
     (HANGUP, "interrupted by SIGHUP"),

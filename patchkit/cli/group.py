@@ -4,6 +4,10 @@ A command's own failures are :func:`patchkit.cli.outcome.user_errors`'s; this
 class handles what comes before it: a stdout closed at start, a usage error
 (with ``--json``, the JSON error object too), Ctrl-C, SIGTERM or SIGHUP while
 click still parses.
+
+A usage error is one line, ``patchkit: error: ...`` as every other error, not
+click's three (``Usage:``, ``Try ... --help``, ``Error:``): exit 2 promises one
+line. Only a group called without a command still prints its help (and exits 2).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 import click
 
 from patchkit.cli import exits, render
-from patchkit.cli.outcome import silence_stdout, standard_streams
+from patchkit.cli.outcome import fail, standard_streams
 from patchkit.fs import signals
 
 
@@ -32,19 +36,13 @@ class PatchkitGroup(click.Group):
         try:
             extra.pop("standalone_mode", None)
             result = super().main(args, prog_name, standalone_mode=False, **extra)
-        except click.UsageError as exc:
-            if "--json" in args:
-                try:
-                    render.emit_json(
-                        {"ok": False, "error": exc.format_message(), "exit_code": exits.USAGE}
-                    )
-                except render.ReportLost:
-                    silence_stdout()
-            exc.show()
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # `patchkit` alone (or `patchkit probe`): the help, as asked for
             sys.exit(exits.USAGE)
+        except click.UsageError as exc:
+            fail(exc.format_message(), exits.USAGE, "--json" in args)
         except click.ClickException as exc:
-            exc.show()
-            sys.exit(exc.exit_code)
+            fail(exc.format_message(), exc.exit_code, "--json" in args)
         except (click.Abort, KeyboardInterrupt):
             click.echo("patchkit: error: interrupted; nothing was done", err=True)
             sys.exit(exits.INTERRUPTED)

@@ -122,6 +122,44 @@ def wrap(first: str, text: str, under: int | None = None) -> list[str]:
     return lines or [first.rstrip()]
 
 
+def blocks(text: str) -> list[str]:
+    """``text``'s paragraphs and list items, each on one line: a line that starts with "- "
+    is an item of its own, an indented line continues the one before, a blank line or an
+    unindented line after an item starts a paragraph. A catalogue entry's list (one line
+    per release range) then stays a list instead of running into its neighbours."""
+    parts: list[str] = []
+    fresh = True
+    for line in text.splitlines():
+        words = line.strip()
+        if not words:
+            fresh = True
+            continue
+        after_item = bool(parts) and parts[-1].startswith("- ") and not line[0].isspace()
+        if fresh or words.startswith("- ") or after_item:
+            parts.append(words)
+        else:
+            parts[-1] += " " + words
+        fresh = False
+    return parts
+
+
+def wrap_blocks(first: str, text: str) -> list[str]:
+    """:func:`wrap` for text with list items: the first paragraph after ``first``, each
+    further paragraph at INDENT, each item at INDENT as "- " with its next lines under
+    its text."""
+    parts = blocks(text) or [""]
+    if parts[0].startswith("- "):
+        lines, rest = [first.rstrip()], parts
+    else:
+        lines, rest = wrap(first, parts[0], INDENT), parts[1:]
+    for part in rest:
+        if part.startswith("- "):
+            lines += wrap(" " * INDENT + "- ", part[2:], INDENT + 2)
+        else:
+            lines += wrap(" " * INDENT, part, INDENT)
+    return lines
+
+
 # ----- status, apply, revert -----
 
 
@@ -547,7 +585,7 @@ def render_patch(patch, catalogue: Catalogue) -> None:
     """`show ID` (and `list -v`): the whole entry, every field wrapped at :func:`line_width`."""
 
     def field(label: str, text: str) -> None:
-        for line in wrap(f"    {label}: ", text, INDENT):
+        for line in wrap_blocks(f"    {label}: ", text):
             out(line)
 
     for line in wrap(f"{patch.id}: ", patch.title, 4):
