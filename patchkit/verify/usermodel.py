@@ -610,6 +610,12 @@ def rounding_check(
     return [*ran, Check(title, max(means) <= ROUNDING_LIMIT, detail)]
 
 
+def extent(floors: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """The largest (mean, max) distance over the prompts of non-empty ``floors``: the
+    reference's precision as one perturbation, taken whole (bounds_for says why)."""
+    return max(f[0] for f in floors.values()), max(f[1] for f in floors.values())
+
+
 def ceiling_for(kind: str) -> float:
     """The max bound's ceiling for a reference kind: MAX_CEILING for the merged one,
     PEFT_MAX_CEILING for transformers + PEFT (the engine's own error is its floor)."""
@@ -629,8 +635,7 @@ def bounds_for(
     """
     if not floors:
         return MERGED_BOUNDS
-    mean = max(f[0] for f in floors.values())
-    worst = max(f[1] for f in floors.values())
+    mean, worst = extent(floors)
     return (
         max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * mean, 4)),
         min(ceiling, max(MERGED_BOUNDS[1], round(ROUNDING_FACTOR * worst, 3))),
@@ -644,8 +649,7 @@ def decisive(floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX
     may be the reference's own noise: INCONCLUSIVE, not FAILED."""
     if not floors:
         return False
-    mean = max(f[0] for f in floors.values())
-    worst = max(f[1] for f in floors.values())
+    mean, worst = extent(floors)
     return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= ceiling
 
 
@@ -698,8 +702,7 @@ def adapter_checks(
 def _floor_text(floors: dict | None) -> str:
     if not floors:
         return "unknown: no finite distance measured"
-    mean = max(f[0] for f in floors.values())
-    worst = max(f[1] for f in floors.values())
+    mean, worst = extent(floors)
     return f"mean {mean:.4f}, max {worst:.3f}"
 
 
@@ -957,8 +960,7 @@ def run_model(
         plans = setup.get("plans") or plan_references(
             model_dir, adapters, reference_base(keep, workdir), say
         )
-    made = workdir is not None and keep is None and _claim(workdir)
-    work = _workdir(keep, workdir)
+    work, made = _workdir(keep, workdir)
     try:
         controls = {
             name: adaptercontrols.build(name, path, work) for name, path in adapters.items()
@@ -1047,13 +1049,15 @@ def reference_base(keep: Path | None, workdir: Path | None) -> Path:
     return keep if keep is not None else Path(workdir or tempfile.gettempdir())
 
 
-def _workdir(keep: Path | None, workdir: Path | None) -> Path:
+def _workdir(keep: Path | None, workdir: Path | None) -> tuple[Path, bool]:
     """Where this run writes: --keep itself, or a new directory of its own under --workdir
-    (or the system's temporary directory), which it alone removes afterwards."""
+    (or the system's temporary directory), which it alone removes afterwards; and whether
+    this run created --workdir (then it goes too, if nothing else is left in it)."""
     if keep is not None:
         _claim(keep)
-        return keep
-    return Path(tempfile.mkdtemp(prefix="patchkit-verify-", dir=workdir))
+        return keep, False
+    made = workdir is not None and _claim(workdir)
+    return Path(tempfile.mkdtemp(prefix="patchkit-verify-", dir=workdir)), made
 
 
 def _claim(path: Path) -> bool:
