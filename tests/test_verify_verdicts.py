@@ -462,6 +462,21 @@ def test_a_link_planted_under_keep_after_its_check_is_refused_not_written_throug
     assert (victim / "served.json").read_text() == "the victim's\n"
 
 
+def test_a_keep_the_user_gives_as_a_link_is_followed_once_at_the_start(user, tmp_path, monkeypatch):
+    """--keep scratch, where scratch is the user's link to an empty directory on another
+    disk: taken as the real path when verify starts, written there; only a link put in
+    place afterwards is refused (the test above)."""
+    real = tmp_path / "big-disk" / "verify-run"
+    real.mkdir(parents=True)
+    (tmp_path / "scratch").symlink_to(real)
+    request = verify_request(False, None, (), 1, None, None, None, str(tmp_path / "scratch"))
+    assert request.keep == real
+    serve_fake(monkeypatch, fake_served(["one"]))
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0, "merged")
+    usermodel.run_model(user["model"], setup, None, request.keep, (1 << 40,) * 2, print)
+    assert (real / "served.json").is_file()
+
+
 def test_a_run_removes_only_its_own_files_from_a_workdir_it_created(user, tmp_path, monkeypatch):
     """What another run (or the user) puts in --workdir meanwhile stays: verify removes
     its own directory in it, and --workdir itself only when that leaves it empty."""

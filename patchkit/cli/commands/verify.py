@@ -133,15 +133,18 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep, re
     for option, path in (("--workdir", workdir), ("--keep", keep)):
         if path is not None:
             new_or_empty(option, Path(path))
+    # The real paths, taken now: a link the user gave is followed once, here, and one
+    # put in their place later is refused before the first write (usermodel._claim).
+    keep, workdir = (Path(p).resolve() if p else None for p in (keep, workdir))
     return runner.Request(
         e2e=e2e,
         seed=seed,
-        keep=Path(keep) if keep else None,
+        keep=keep,
         model=Path(model) if model else None,
         loras=[parse_lora(v) for v in loras],
         tensor_parallel_size=tp,
         max_model_len=max_model_len,
-        workdir=Path(workdir) if workdir else None,
+        workdir=workdir,
         reference=reference,
     )
 
