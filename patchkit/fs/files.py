@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,27 +27,21 @@ _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def read_json_file(path: Path, limit: int = MAX_SETTINGS_BYTES, *, user: bool = False) -> object:
-    """A JSON file; ValueError unless it is a regular file of at most ``limit`` bytes.
-
-    The type is checked before the open and again on the descriptor, so a
-    FIFO or a device named like a config file is refused instead of waited
-    on; the size is checked on the descriptor before any byte is read, and at
-    most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
-    OSError when absent.
+    """A JSON file; ValueError unless it is a regular file of at most ``limit`` bytes
+    (read as :func:`read_regular` reads it). OSError when absent.
 
     A settings file or one of patchkit's own (the default) is never read
     through a symbolic link. ``user`` is for a model's or adapter's file: a
     link is followed (a Hugging Face cache snapshot is all links into
-    ``blobs/``), what it reaches is checked as above, and the content must
+    ``blobs/``), what it reaches is checked all the same, and the content must
     pass :func:`decode_user_json` (every number usable, nesting bounded).
     """
-    info = os.stat(path) if user else os.lstat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
-    follow = 0 if user else os.O_NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | follow | os.O_CLOEXEC)
+    try:
+        raw = read_regular(path, limit, follow=user)
+    except IsADirectoryError:
+        raise ValueError(f"{kind_of(stat.S_IFDIR)}, not a regular file") from None
     decode = decode_user_json if user else decode_json
-    return decode(_read_capped(fd, limit), limit)
+    return decode(raw, limit)
 
 
 def read_user_json(path: Path, limit: int = MAX_SETTINGS_BYTES) -> object:
@@ -54,15 +49,47 @@ def read_user_json(path: Path, limit: int = MAX_SETTINGS_BYTES) -> object:
     return read_json_file(path, limit, user=True)
 
 
-def _read_capped(fd: int, limit: int) -> bytes:
-    """At most limit + 1 bytes of an open regular file (the descriptor is closed)."""
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
-        if info.st_size > limit:
-            raise ValueError(f"{info.st_size} bytes, larger than the {limit} bytes allowed")
-        return handle.read(limit + 1)
+def open_regular(path: Path | str, limit: int, *, follow: bool = True) -> int:
+    """A descriptor of ``path``, a regular file of at most ``limit`` bytes.
+
+    The file is looked at before it is opened (a device is never opened),
+    opened with O_NONBLOCK (a FIFO swapped in since the look does not block)
+    and looked at again on the descriptor (the same inode, still regular, still
+    within ``limit``). ``follow`` False: never through a symbolic link.
+    ValueError when it is anything else; OSError when it cannot be looked at
+    (FileNotFoundError when absent, IsADirectoryError for a directory).
+    """
+    info = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+    _check_regular(info, limit)
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd)
+        if (found.st_dev, found.st_ino) != (info.st_dev, info.st_ino):
+            raise ValueError("replaced while it was opened")
+        _check_regular(found, limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path | str, limit: int, *, follow: bool = True) -> bytes:
+    """The bytes of ``path`` as :func:`open_regular` admits it; never more than ``limit``."""
+    with os.fdopen(open_regular(path, limit, follow=follow), "rb") as handle:
+        raw = handle.read(limit + 1)
+    if len(raw) > limit:  # grew since it was looked at
+        raise ValueError(f"larger than the {limit} bytes allowed")
+    return raw
+
+
+def _check_regular(info: os.stat_result, limit: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{kind_of(info.st_mode)}, not a regular file")
+    if info.st_size > limit:
+        raise ValueError(f"{info.st_size} bytes, larger than the {limit} bytes allowed")
 
 
 def decode_json(raw: bytes, limit: int) -> object:

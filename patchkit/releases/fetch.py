@@ -33,11 +33,11 @@ from pathlib import Path
 from packaging.version import Version
 
 from patchkit.errors import PatchkitError
+from patchkit.fs.files import open_regular
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
 from patchkit.fs.signals import held
 from patchkit.releases.index import WheelLink, find_wheel
-from patchkit.releases.localfile import open_regular
 from patchkit.releases.members import (
     MAX_WHEEL,
     Fetched,
@@ -218,7 +218,7 @@ def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
 
 
 def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
-    """A find-links wheel, read in place: a regular file (localfile: a FIFO or a device
+    """A find-links wheel, read in place: a regular file (fs.files.open_regular: a FIFO or a device
     named like a wheel is refused, never waited on), at most MAX_WHEEL bytes. The link's
     file: URL is decoded ('+' of a local version is %2B there)."""
     path = urllib.parse.unquote(urllib.parse.urlsplit(link.url).path)

@@ -25,7 +25,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from patchkit.releases.localfile import read_regular
+from patchkit.fs.files import read_regular
 from patchkit.releases.pipconfig import PipSettings
 from patchkit.releases.transport import FetchError, Transport, host_of, without_credentials
 
@@ -165,7 +165,7 @@ def _local_page(url: str):
 
 
 def _read_page(path: Path) -> bytes:
-    """A local index or find-links page, read as localfile reads a file: a FIFO or a
+    """A local index or find-links page, read as fs.files.read_regular reads a file: a FIFO or a
     device is refused in one line (it hung, or was read until memory ran out), as is a
     page over MAX_PAGE (an index's page over the network is held to the same bound)."""
     try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
-from patchkit.releases.localfile import read_regular
+from patchkit.fs.files import read_regular
 
 PYPI = "https://pypi.org/simple"
 COMMAND = "download"
@@ -100,7 +100,7 @@ def _read_file(path: Path) -> dict[str, str] | None:
     """``section.key`` -> value of one file; None when it is not there (or a directory,
     which pip skips too).
 
-    Read as :mod:`patchkit.releases.localfile` reads a file: a FIFO, a device
+    Read as :func:`patchkit.fs.files.read_regular` reads a file: a FIFO, a device
     (``PIP_CONFIG_FILE=/dev/zero``) or a file over MAX_CONFIG_BYTES is refused
     in one line, never waited on or read without end.
     """
@@ -114,7 +114,10 @@ def _read_file(path: Path) -> dict[str, str] | None:
         raise PatchkitError(
             f"fetch: pip's configuration {path} cannot be read: {exc.strerror}"
         ) from None
-    except (ValueError, configparser.Error) as exc:  # Refused, UnicodeDecodeError, syntax
+    except (
+        ValueError,
+        configparser.Error,
+    ) as exc:  # not a regular file, too large, UnicodeDecodeError, syntax
         raise PatchkitError(
             f"fetch: pip's configuration {path} cannot be read: {_one_line(exc)}"
         ) from None
