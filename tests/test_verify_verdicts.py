@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import lzma
 import math
 import os
 import sys
@@ -91,6 +92,46 @@ def test_a_reference_as_coarse_as_the_wide_moe_one_is_inconclusive_not_failed():
     rows = {c.name: c for c in result.checks}
     row = rows["moe-eager: moe 3000 tokens vs merged"]
     assert not row.ok and not row.decided and "within this reference's own noise" in row.detail
+
+
+WIDE_CONTROLS = {
+    "a0": [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c")),
+           Control("a0", IGNORED, None)]
+}  # fmt: skip
+
+
+def judge_wide35b() -> usermodel.ModelResult:
+    """`verify --model` of the healthy rank-16 adapter on the 35B-A3B-wide cut as the H200
+    served it (tests/data/h200-2026-12-01i-wide35b-served.json.xz: vLLM 0.26.0 with the
+    default set; every engine, the controls and transformers + PEFT in float32), judged
+    as run_model judges: the merged reference first, then PEFT where it cannot decide."""
+    with lzma.open(DATA / "h200-2026-12-01i-wide35b-served.json.xz", "rt") as handle:
+        served = json.load(handle)
+    peft = served.pop(usermodel.PEFT_ENTRY)
+    chosen, need = usermodel.choose_references(served, ["a0"], WIDE_CONTROLS, None)
+    assert need == ["a0"], "the merged reference decided on the wide MoE"
+    served[usermodel.PEFT_ENTRY] = peft
+    run = usermodel.Served.from_json(served, ["a0"])
+    chosen["a0"] = usermodel.peft_or_merged(run, "a0", chosen["a0"])
+    return usermodel.judge(served, ["a0"], WIDE_CONTROLS, chosen)
+
+
+def test_the_wide_moe_healthy_adapter_passes_against_peft_and_rejects_every_control():
+    result = judge_wide35b()
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), verdict.why
+    assert verdict.reference == "peft" and "could not decide" in verdict.reference_why
+    assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
+    rows = {c.name: c for c in result.checks}
+    assert "max 2.660 (<= 4.199)" in rows["eager: a0 4096 tokens vs peft"].detail
+
+
+def test_the_wide_moe_run_was_inconclusive_under_the_old_two_nat_ceiling(monkeypatch):
+    """The same numbers with the PEFT max bound capped at 2 nats, as when the H200 first
+    served this: single tokens 1.85-2.69 off, inside vLLM's own 2.80-3.11 against float32."""
+    monkeypatch.setattr(usermodel, "PEFT_MAX_CEILING", 2.0)
+    [verdict] = judge_wide35b().adapters
+    assert verdict.verdict == "INCONCLUSIVE"
 
 
 def test_a_poisoned_adapter_fails_even_against_a_coarse_reference():
@@ -492,3 +533,14 @@ def test_a_run_removes_only_its_own_files_from_a_workdir_it_created(user, tmp_pa
     usermodel.run_model(user["model"], setup, workdir, None, (1 << 40,) * 2, print)
     assert os.listdir(workdir) == ["other-run"]
     assert (workdir / "other-run" / "results.json").read_text() == "not verify's\n"
+
+
+def test_the_report_keeps_a_long_check_name_apart_from_its_result():
+    """The base-rows row is 66 characters: it ran into its result ("...without LoRAok")."""
+    from patchkit.cli.render import check_table
+    from patchkit.verify.checks import Check
+
+    name = "cudagraph: base requests of the LoRA engine equal an engine without LoRA"
+    head, row = check_table("model check", [Check(name, True, "bit-identical: True")])
+    assert row.split()[-3:] == ["ok", "bit-identical:", "True"]
+    assert head.index("result") == row.index("ok") > len(name)

@@ -374,9 +374,8 @@ def render_verify(report) -> None:
     for title, found in (("end-to-end check", report.e2e), ("model check", model_checks)):
         if found:
             out("")
-            out(f"{title:<60}{'result':<8}detail")
-            for c in found:
-                out(f"{c.name:<60}{_check_result(c):<8}{c.detail}")
+            for line in check_table(title, found):
+                out(line)
     out("")
     out("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
     if any(not c.ok and not c.decided for c in report.e2e + model_checks):
@@ -390,6 +389,14 @@ def render_verify(report) -> None:
 
 def _check_result(check) -> str:
     return "ok" if check.ok else ("FAIL" if check.decided else "undecided")
+
+
+def check_table(title: str, found) -> list[str]:
+    """The rows of checks under a header, the result column past the longest name."""
+    width = max(60, *(len(c.name) + 2 for c in found))
+    return [f"{title:<{width}}{'result':<8}detail"] + [
+        f"{c.name:<{width}}{_check_result(c):<8}{c.detail}" for c in found
+    ]
 
 
 def adapter_verdict_lines(adapters) -> list[str]:

@@ -12,7 +12,8 @@
 #   bash scripts/proofs/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
 # OUT/<run>.txt is each verify's report with its exit status last, <run>.err its
 # stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
-# merged copies are removed to spare the disk).
+# merged copies and each run's own compile cache, VLLM_CACHE_ROOT=OUT/cache-<run>, are
+# removed to spare the disk).
 set -u
 out=$1
 limit=${2:-450}
@@ -28,10 +29,10 @@ one() {
   shift
   (
     begin=$(date +%s)
-    timeout "$limit" python3 -m patchkit verify --seed 11 --keep "$out/$name" \
+    VLLM_CACHE_ROOT="$out/cache-$name" timeout "$limit" python3 -m patchkit verify --seed 11 --keep "$out/$name" \
       --model "$u/model" --max-model-len "$len" "$@" >"$out/$name.txt" 2>"$out/$name.err"
     echo "exit $? after $(($(date +%s) - begin)) s" >>"$out/$name.txt"
-    rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-*
+    rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-* "$out/cache-$name"
   ) &
 }
 one healthy --lora "a0=$u/a0"
