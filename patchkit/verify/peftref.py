@@ -67,7 +67,11 @@ torch (16k / 64 chunks x 30 layers); so about 5-10 s per forward of a 16k
 prompt, and a `verify --model` run with prompts of 600, 3000 and 16k tokens,
 base plus an adapter and two controls (4 x 19.6k tokens), about 1-2 minutes
 of forwards after 1-2 minutes of loading. ``seconds`` and ``peak_bytes`` of
-each run are the measurement that replaces this estimate.
+each run are the measurement that replaces this estimate. Measured on one H200
+(docs/evidence.md, 2026-12-01i): the 8-layer 35B-A3B-wide cut (6.8 B
+parameters, 27 GB in float32), base and one adapter over 600, 3000 and 4096
+tokens, took 19.1 s from start to answers and 32.2 GB at its peak; the full
+model's 40 layers scale that to about 1.5-2 minutes, inside the estimate.
 
 torch, transformers and peft are imported inside functions only.
 """
