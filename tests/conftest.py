@@ -39,6 +39,11 @@ RELEASES = CATALOGUE.tested_releases
 
 TEST_CACHE = Path(os.environ.get("PATCHKIT_TEST_CACHE", Path.home() / ".cache/patchkit-tests"))
 
+# Reports wrap at COLUMNS, else at 100 where stdout is no terminal. The tests read
+# them as a pipe or a log gets them, whatever the shell exported or pytest-xdist
+# sets in its workers (80); a test of the wrapping sets COLUMNS itself.
+os.environ.pop("COLUMNS", None)
+
 
 @contextlib.contextmanager
 def cache_lock(name: str):
