@@ -11,6 +11,8 @@ against the wheel's RECORD.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -37,10 +39,31 @@ RELEASES = CATALOGUE.tested_releases
 
 TEST_CACHE = Path(os.environ.get("PATCHKIT_TEST_CACHE", Path.home() / ".cache/patchkit-tests"))
 
+# Reports wrap at COLUMNS, else at 100 where stdout is no terminal. The tests read
+# them as a pipe or a log gets them, whatever the shell exported or pytest-xdist
+# sets in its workers (80); a test of the wrapping sets COLUMNS itself.
+os.environ.pop("COLUMNS", None)
+
+
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Hold TEST_CACHE's lock for one entry while a test process fills or reads it.
+
+    The suite runs in several pytest processes (pytest-xdist): two that need the
+    same missing release would both fetch it, and the second would find the
+    first's tree in its way. The lock is one file per entry, so different
+    releases are fetched side by side.
+    """
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(TEST_CACHE / f".lock-{name}", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
 
 def release_tree(version: str) -> Path:
     """The cached pristine tree of a release (fetched from its wheel on first use)."""
-    tree = fetch(version, TEST_CACHE / f"vllm-{version}")
+    with cache_lock(f"vllm-{version}"):
+        tree = fetch(version, TEST_CACHE / f"vllm-{version}")
     assert not (tree / ".patchkit").exists(), f"{tree} has been patched; delete it"
     return tree
 

@@ -7,8 +7,10 @@ conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -81,11 +83,36 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
 
-    def run(self, *args: str, code: str = "") -> SimpleNamespace:
-        self.process.stdin.write(json.dumps({"args": list(args), "code": code}) + "\n")
+    def run(self, *args: str, code: str = "", env: dict | None = None,
+            strace: list[str] | None = None) -> SimpleNamespace:  # fmt: skip
+        """patchkit ``args`` in a fork; ``strace``: strace's arguments, attached to the fork."""
+        request = {"args": list(args), "code": code, "env": env or {}}
+        if strace is not None:
+            request["strace"] = [STRACE, *strace]
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return SimpleNamespace(**json.loads(self.process.stdout.readline()))
 
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=30)
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def zygotes(count: int):
+    """``count`` warm zygotes in a queue: a thread takes one for a run and puts it back."""
+    started = [Zygote() for _ in range(count)]
+    free = queue.Queue()
+    for zygote in started:
+        free.put(zygote)
+    try:
+        yield free
+    finally:
+        for zygote in started:
+            zygote.close()

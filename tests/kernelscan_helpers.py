@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.conftest import REPO, TEST_CACHE
+from tests.conftest import REPO, TEST_CACHE, cache_lock
 
 TRITON = "3.7.1"
 
@@ -21,9 +21,13 @@ TRITON = "3.7.1"
 def triton_site(version: str = TRITON) -> Path:
     """Triton ``version`` installed (--target) into the tests' cache; downloaded on first use."""
     site = TEST_CACHE / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}"
-    if (site / "triton" / "__init__.py").is_file():
-        return site
-    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with cache_lock(site.name):  # another pytest process may be installing it
+        if not (site / "triton" / "__init__.py").is_file():
+            _install_triton(version, site)
+    return site
+
+
+def _install_triton(version: str, site: Path) -> None:
     with tempfile.TemporaryDirectory(dir=TEST_CACHE, prefix=".triton-") as tmp:
         pip = [sys.executable, "-m", "pip", "-q"]
         download = ["download", "--no-deps", "--only-binary", ":all:", "-d", tmp]
@@ -35,7 +39,6 @@ def triton_site(version: str = TRITON) -> Path:
             check=True,
         )
         os.replace(target, site)
-    return site
 
 
 TORCH_PACKAGES = ("torch", "torchgen", "functorch", "filelock", "typing_extensions", "sympy",
@@ -48,9 +51,15 @@ def torch_site() -> Path:
     The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
     vLLM environment has; an image-like test venv gets it through this.
     """
+    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
+    with cache_lock(site.name):  # two processes must not make the same link
+        _link_torch(site)
+    return site
+
+
+def _link_torch(site: Path) -> None:
     import importlib.util
 
-    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
     site.mkdir(parents=True, exist_ok=True)
     for name in TORCH_PACKAGES:
         spec = importlib.util.find_spec(name)
@@ -61,7 +70,6 @@ def torch_site() -> Path:
         link = site / source.name
         if not link.exists():
             link.symlink_to(source)
-    return site
 
 
 def scan_env(version: str = TRITON) -> dict:

@@ -366,32 +366,39 @@ def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applie
     .patchkit/state.json recording patches on a tree whose files were put back, and
     empty .patchkit/backups/ folders, while the message said nothing changed."""
     from tests.conftest import PATCHKIT, slim_tree
-    from tests.fault_helpers import ENV, STRACE, default_dispositions
+    from tests.fault_helpers import ENV, STRACE, Zygote, default_dispositions
 
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")
     pristine = slim_tree(tmp_path / "pristine")
+    with Zygote() as zygote:  # each EIO run: a fork of a warm patchkit, strace attached
 
-    def traced(work: Path, extra: list[str]):
-        shutil.copytree(pristine, work, symlinks=True)
-        command = [STRACE, "-qq", *extra, *PATCHKIT, "apply", "--target", str(work)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV,
-                              preexec_fn=default_dispositions)  # fmt: skip
+        def traced(work: Path, extra: list[str], fork: bool = True):
+            shutil.copytree(pristine, work, symlinks=True)
+            if fork:
+                return zygote.run("apply", "--target", str(work), strace=extra)
+            command = [STRACE, "-qq", *extra, *PATCHKIT, "apply", "--target", str(work)]
+            return subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV,
+                                  preexec_fn=default_dispositions)  # fmt: skip
 
-    log = tmp_path / "fsyncs.log"
-    assert traced(tmp_path / "count", ["-o", str(log), "-e", "trace=fsync"]).returncode == 0
-    count = sum(line.startswith("fsync(") for line in log.read_text().splitlines())
-    assert count > 5
-    before = snapshot(pristine)
-    for n in range(1, count + 1):
-        work = tmp_path / f"eio-{n}"
-        result = traced(work, ["-o", "/dev/null", "-e", "trace=fsync", "-e",
-                               f"inject=fsync:error=EIO:when={n}"])  # fmt: skip
-        if result.returncode == 1:
-            assert "nothing" in result.stderr, (n, result.stderr)
-            assert snapshot(work) == before, (n, result.stderr)
-        else:
-            assert result.returncode == 0, (n, result.stderr)
-            status = run_cli("status", "--target", str(work), "--json")
-            states = {p["state"] for p in json.loads(status.stdout)["patches"]}
-            assert "needed" not in states, (n, states)
+        counts = []
+        for fork in (False, True):  # the console script's fsyncs, and the fork's: the same
+            log = tmp_path / f"fsyncs-{fork}.log"
+            done = traced(tmp_path / f"count-{fork}", ["-o", str(log), "-e", "trace=fsync"], fork)
+            assert done.returncode == 0, done.stderr
+            counts.append(sum(line.startswith("fsync(") for line in log.read_text().splitlines()))
+        count = counts[0]
+        assert count > 5 and counts[1] == count, counts
+        before = snapshot(pristine)
+        for n in range(1, count + 1):
+            work = tmp_path / f"eio-{n}"
+            result = traced(work, ["-o", "/dev/null", "-e", "trace=fsync", "-e",
+                                   f"inject=fsync:error=EIO:when={n}"])  # fmt: skip
+            if result.returncode == 1:
+                assert "nothing" in result.stderr, (n, result.stderr)
+                assert snapshot(work) == before, (n, result.stderr)
+            else:
+                assert result.returncode == 0, (n, result.stderr)
+                status = run_cli("status", "--target", str(work), "--json")
+                states = {p["state"] for p in json.loads(status.stdout)["patches"]}
+                assert "needed" not in states, (n, states)

@@ -442,9 +442,13 @@ def test_a_full_disk_at_every_write_point_changes_nothing(scenario, zygote, tmp_
 # ----- the same at the syscalls (strace) -----
 
 
-def traced_refresh(scenario, work: Path, strace_args: list[str]):
-    """refresh on a copy of the scenario under strace (test_signals' way, this catalogue)."""
+def traced_refresh(scenario, work: Path, strace_args: list[str], zygote: Zygote | None = None):
+    """refresh on a copy of the scenario under strace (test_signals' way, this catalogue):
+    the console script's run, or (``zygote``) a fork of a warm patchkit with strace attached."""
     shutil.copytree(scenario["start"], work, symlinks=True)
+    if zygote is not None:
+        env = env_for(work / "patches")
+        return zygote.run(*refresh_args(work), env=env, strace=strace_args)
     return subprocess.run(
         [STRACE, "-qq", *strace_args, *PATCHKIT, *refresh_args(work)],
         capture_output=True, text=True, timeout=120, preexec_fn=default_dispositions,
@@ -457,25 +461,41 @@ def syscall_names(log: Path, names: tuple[str, ...]) -> list[str]:
             if line.split("(", 1)[0] in names]  # fmt: skip
 
 
-def file_writes(scenario, tmp_path: Path) -> list[int]:
+def counted(scenario, zygote: Zygote, tmp_path: Path, names: tuple[str, ...]) -> list[str]:
+    """The calls of ``names`` refresh makes, in order; the same in a fork as in the script's run.
+
+    The faults below are injected into forks of a warm patchkit: this is the
+    check that a fork makes the console script's syscalls, no more, no fewer.
+    """
+    found = []
+    for how in (None, zygote):
+        log = tmp_path / f"calls-{len(found)}.log"
+        trace = ["-o", str(log), "-e", f"trace={','.join(names)}"]
+        done = traced_refresh(scenario, tmp_path / f"count-{len(found)}", trace, how)
+        assert done.returncode == 0, done.stderr
+        found.append(syscall_names(log, names))
+    assert found[0] == found[1], "the fork makes other syscalls than the console script"
+    return found[0]
+
+
+def file_writes(scenario, zygote: Zygote, tmp_path: Path) -> list[int]:
     """The numbers of refresh's write(2) calls that go to files (not to stdout or stderr)."""
-    log = tmp_path / "writes.log"
-    done = traced_refresh(scenario, tmp_path / "count", ["-o", str(log), "-e", "trace=write"])
-    assert done.returncode == 0, done.stderr
+    counted(scenario, zygote, tmp_path, ("write",))
+    log = tmp_path / "calls-1.log"  # the fork's: its file descriptors
     calls = [line for line in log.read_text().splitlines() if line.startswith("write(")]
     return [n for n, line in enumerate(calls, 1) if not line.startswith(("write(1,", "write(2,"))]
 
 
 @pytest.mark.slow
 @needs_strace
-def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, tmp_path):
-    points = file_writes(scenario, tmp_path)
+def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, zygote, tmp_path):
+    points = file_writes(scenario, zygote, tmp_path)
     assert len(points) > 5
     for n in points:
         work = tmp_path / f"enospc-{n}"
         inject = ["-o", "/dev/null", "-e", "trace=write", "-e",
                   f"inject=write:error=ENOSPC:when={n}"]  # fmt: skip
-        result = traced_refresh(scenario, work, inject)
+        result = traced_refresh(scenario, work, inject, zygote)
         line = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(line) == 1, (n, result.stderr)
         assert "no space left" in line[0] and "nothing was changed" in line[0], (n, line)
@@ -487,19 +507,16 @@ RENAMES = ("rename", "renameat", "renameat2")
 
 @pytest.mark.slow
 @needs_strace
-def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, tmp_path):
-    log = tmp_path / "renames.log"
+def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, zygote, tmp_path):
     trace = ["-e", f"trace={','.join(RENAMES)}"]
-    done = traced_refresh(scenario, tmp_path / "count", ["-o", str(log), *trace])
-    assert done.returncode == 0, done.stderr
-    calls = syscall_names(log, RENAMES)
+    calls = counted(scenario, zygote, tmp_path, RENAMES)
     assert len(calls) > 3
     ends = {}
     for name in sorted(set(calls)):  # strace counts each syscall on its own
         for n in range(1, calls.count(name) + 1):
             work = tmp_path / f"int-{name}-{n}"
             inject = ["-o", "/dev/null", *trace, "-e", f"inject={name}:signal=SIGINT:when={n}"]
-            result = traced_refresh(scenario, work, inject)
+            result = traced_refresh(scenario, work, inject, zygote)
             where = f"SIGINT at {name} #{n}"
             assert result.returncode == 130 and "Traceback" not in result.stderr, (where, result)
             end = settled(scenario, work, where)
@@ -512,18 +529,15 @@ def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, 
 @pytest.mark.slow
 @needs_strace
 @pytest.mark.parametrize("syscall", ["write", "renameat", "unlinkat"])
-def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, tmp_path, syscall):
-    log = tmp_path / "calls.log"
-    done = traced_refresh(scenario, tmp_path / "count", ["-o", str(log), "-e", f"trace={syscall}"])
-    assert done.returncode == 0, done.stderr
-    total = len(syscall_names(log, (syscall,)))
+def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, zygote, tmp_path, syscall):
+    total = len(counted(scenario, zygote, tmp_path, (syscall,)))
     assert total > 5
     seen = set()
     for n in range(1, total + 1):
         work = tmp_path / f"kill-{n}"
         inject = ["-o", "/dev/null", "-e", f"trace={syscall}", "-e",
                   f"inject={syscall}:signal=SIGKILL:when={n}"]  # fmt: skip
-        result = traced_refresh(scenario, work, inject)
+        result = traced_refresh(scenario, work, inject, zygote)
         assert result.returncode == -9, (n, result.stderr)
         seen.add(settled(scenario, work, f"SIGKILL at {syscall} #{n}"))
         shutil.rmtree(work)
@@ -532,19 +546,18 @@ def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, tmp_path, sys
 
 @pytest.mark.slow
 @needs_strace
-def test_an_io_error_at_every_fsync_leaves_before_or_after_and_says_which(scenario, tmp_path):
+def test_an_io_error_at_every_fsync_leaves_before_or_after_and_says_which(
+    scenario, zygote, tmp_path
+):
     """EIO at the directory fsync after state.json's rename was reported as "nothing was
     changed" while the tree's record kept the new entry (and status then advised an apply
     that threw the maintainer's edit away)."""
-    log = tmp_path / "fsyncs.log"
-    done = traced_refresh(scenario, tmp_path / "count", ["-o", str(log), "-e", "trace=fsync"])
-    assert done.returncode == 0, done.stderr
-    count = len(syscall_names(log, ("fsync",)))
+    count = len(counted(scenario, zygote, tmp_path, ("fsync",)))
     assert count > 5
     for n in range(1, count + 1):
         work = tmp_path / f"eio-{n}"
         inject = ["-o", "/dev/null", "-e", "trace=fsync", "-e", f"inject=fsync:error=EIO:when={n}"]
-        result = traced_refresh(scenario, work, inject)
+        result = traced_refresh(scenario, work, inject, zygote)
         end = settled(scenario, work, f"EIO at fsync #{n}")
         if result.returncode == 1:
             assert "nothing was changed" in result.stderr and end == "before", (n, result.stderr)

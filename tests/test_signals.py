@@ -7,6 +7,11 @@ it once left vLLM importing a module that did not exist, with no way back.
 Now signals are held while a run changes the tree: each interrupted run
 exits 0, 130 or 143 with one line, and a plain ``revert`` afterwards gives
 the pristine tree back, ``.patchkit/`` and all.
+
+Each point's run is a fork of a warm patchkit with strace attached
+(tests/zygote.py): the same write syscalls as the console script's run (the
+test checks the counts are equal), without tracing an interpreter start for
+each of the ~350 points.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PATCHKIT, normalized, slim_tree
-from tests.fault_helpers import ENV, STRACE, default_dispositions
+from tests.fault_helpers import ENV, STRACE, default_dispositions, zygotes
 
 SYSCALLS = ("rename", "renameat", "renameat2", "unlink", "unlinkat", "write", "fsync", "fdatasync")
 
@@ -41,16 +46,25 @@ def traced(args: list[str], strace_args: list[str]) -> subprocess.CompletedProce
     )
 
 
-def syscall_counts(tree: Path, command: str, log: Path) -> dict[str, int]:
-    """How often the run makes each of SYSCALLS (traced once, on a copy)."""
-    done = traced([command, "--target", str(tree)], ["-o", str(log), "-e", ",".join(SYSCALLS)])
-    assert done.returncode == 0, done.stderr
+def syscall_counts(log: Path) -> dict[str, int]:
+    """How often a traced run made each of SYSCALLS, from strace's log."""
     counts = dict.fromkeys(SYSCALLS, 0)
     for line in log.read_text().splitlines():
         name = line.split("(", 1)[0]
         if name in counts:
             counts[name] += 1
     return counts
+
+
+def counted(tree: Path, command: str, log: Path, zygote=None) -> dict[str, int]:
+    """SYSCALLS made by ``command`` on ``tree``: as the console script runs it, or in a fork."""
+    trace = ["-o", str(log), "-e", ",".join(SYSCALLS)]
+    if zygote is None:
+        done = traced([command, "--target", str(tree)], trace)
+    else:
+        done = zygote.run(command, "--target", str(tree), strace=trace)
+    assert done.returncode == 0, done.stderr
+    return syscall_counts(log)
 
 
 @pytest.fixture(scope="module")
@@ -64,21 +78,19 @@ def trees(tmp_path_factory) -> dict:
 
 
 def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, signal: str,
-                 work: Path) -> tuple[int, str | None]:  # fmt: skip
+                 work: Path, zygote) -> tuple[int, str | None]:  # fmt: skip
     """Deliver ``signal`` at the n-th ``syscall``, then revert: (exit status, problem or None)."""
     tree = work / f"{command}-{syscall}-{n}-{signal}"
     shutil.copytree(trees[start], tree, symlinks=True)
     inject = ["-o", "/dev/null", "-e", f"trace={syscall}",
               "-e", f"inject={syscall}:signal={signal}:when={n}"]  # fmt: skip
-    result = traced([command, "--target", str(tree)], inject)
+    result = zygote.run(command, "--target", str(tree), strace=inject)
     expected = {"INT": 130, "TERM": 143}[signal]
     problem = None
     if result.returncode not in (0, expected) or "Traceback" in result.stderr:
         problem = f"exit {result.returncode}: {result.stderr.strip()[-300:]}"
     else:
-        clean = subprocess.run(
-            [*PATCHKIT, "revert", "--target", str(tree)], capture_output=True, text=True, env=ENV
-        )
+        clean = zygote.run("revert", "--target", str(tree))
         if clean.returncode != 0:
             problem = f"revert afterwards failed: {clean.stderr.strip()}"
         elif normalized(tree) != trees["reference"]:
@@ -88,20 +100,41 @@ def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, si
     return result.returncode, None if problem is None else f"{where}: {problem}"
 
 
+def on_a_free_zygote(free, point_at):
+    """Run ``point_at(zygote)`` with a zygote taken from ``free`` and given back."""
+    zygote = free.get()
+    try:
+        return point_at(zygote)
+    finally:
+        free.put(zygote)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command, start):
-    copy = tmp_path / "count"
-    shutil.copytree(trees[start], copy, symlinks=True)
-    counts = syscall_counts(copy, command, tmp_path / "log")
-    assert counts["write"] > 5 and counts["fsync"] > 2 and counts["renameat"] + counts["rename"] > 2
-    points = [(name, n, "INT") for name, total in counts.items() for n in range(1, total + 1)]
-    points += [(name, n, "TERM") for name in ("rename", "renameat") for n in
-               range(1, counts[name] + 1)]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = list(
-            pool.map(lambda p: interrupt_at(trees, start, command, *p, tmp_path), points)
+    workers = max(2, os.cpu_count() or 2)
+    with zygotes(workers) as free:
+        copies = [tmp_path / "count-script", tmp_path / "count-fork"]
+        for copy in copies:
+            shutil.copytree(trees[start], copy, symlinks=True)
+        counts = counted(copies[0], command, tmp_path / "script.log")
+        forked = on_a_free_zygote(
+            free, lambda z: counted(copies[1], command, tmp_path / "fork.log", z)
         )
+        assert forked == counts, "the fork makes other write syscalls than the console script"
+        assert counts["write"] > 5 and counts["fsync"] > 2
+        assert counts["renameat"] + counts["rename"] > 2
+        points = [(name, n, "INT") for name, total in counts.items() for n in range(1, total + 1)]
+        points += [(name, n, "TERM") for name in ("rename", "renameat") for n in
+                   range(1, counts[name] + 1)]  # fmt: skip
+
+        def point_at(point):
+            return on_a_free_zygote(
+                free, lambda z: interrupt_at(trees, start, command, *point, tmp_path, z)
+            )
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(point_at, points))
     found = [problem for _, problem in results if problem]
     assert not found, f"{len(found)} of {len(points)} points: " + "; ".join(found[:5])
     codes = [code for code, _ in results]

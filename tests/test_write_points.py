@@ -12,24 +12,25 @@ orphan backups, no journal.
 
 from __future__ import annotations
 
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import normalized, slim_tree
-from tests.fault_helpers import HOOK, MARK, Zygote
+from tests.fault_helpers import HOOK, MARK, Zygote, zygotes
 
-# The real 0.26.0 files that apply, revert and the decisions read, with the
-# wheel's dist-info: a tree of ~300 files instead of ~2,250, so that each of
-# the hundreds of runs below copies little.
+# Each run is a fork of a warm patchkit (tests/zygote.py) on a slim real 0.26.0
+# tree (~60 files): the points are run WORKERS at a time, each on its own copy.
+WORKERS = max(2, os.cpu_count() or 2)
 
 
 @pytest.fixture(scope="module")
-def zygote():
-    warm = Zygote()
-    yield warm
-    warm.close()
+def free_zygotes():
+    with zygotes(WORKERS) as free:
+        yield free
 
 
 def run_with_fault(zygote: Zygote, tree: Path, command: str, mode: str, at: int):
@@ -50,12 +51,12 @@ def clean_run(zygote: Zygote, tree: Path, command: str):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, zygote) -> dict:
+def references(tmp_path_factory, free_zygotes) -> dict:
     """Pristine and patched 0.26.0 trees, and the normalized snapshot of each."""
     base = tmp_path_factory.mktemp("refs")
     pristine = slim_tree(base / "pristine")
     patched = slim_tree(base / "patched")
-    clean_run(zygote, patched, "apply")
+    on_a_free_zygote(free_zygotes, lambda warm: clean_run(warm, patched, "apply"))
     return {
         "pristine": pristine,
         "patched": patched,
@@ -64,61 +65,89 @@ def references(tmp_path_factory, zygote) -> dict:
     }
 
 
-def walk(references, zygote, tmp_path: Path, start: str, command: str, mode: str):
-    """Yield (N, tree, result) for every write point of ``command`` on a ``start`` tree."""
-    at = 1
-    while True:
-        tree = tmp_path / f"t{at}"
-        shutil.copytree(references[start], tree, symlinks=True)
-        result = run_with_fault(zygote, tree, command, mode, at)
-        if result is None:
-            shutil.rmtree(tree)
-            assert at > 10, f"{command} made only {at - 1} writes: is the hook counting?"
-            return
-        yield at, tree, result
-        shutil.rmtree(tree)
-        at += 1
+def on_a_free_zygote(free, use):
+    """``use(zygote)`` with a zygote taken from the queue ``free`` and given back."""
+    warm = free.get()
+    try:
+        return use(warm)
+    finally:
+        free.put(warm)
+
+
+def walk(references, free, tmp_path: Path, start: str, command: str, mode: str, check) -> int:
+    """``check(N, tree, result, zygote)`` at every write point N of ``command`` on a ``start``
+    tree, WORKERS points at a time; the number of points."""
+
+    def point(at: int) -> bool:
+        def faulted(warm) -> bool:
+            tree = tmp_path / f"t{at}"
+            shutil.copytree(references[start], tree, symlinks=True)
+            try:
+                result = run_with_fault(warm, tree, command, mode, at)
+                if result is not None:
+                    check(at, tree, result, warm)
+                return result is not None
+            finally:
+                shutil.rmtree(tree)
+
+        return on_a_free_zygote(free, faulted)
+
+    reached = []
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        while not reached or reached[-1]:
+            batch = range(len(reached) + 1, len(reached) + 1 + 2 * WORKERS)
+            reached += pool.map(point, batch)
+    points = reached.index(False)
+    assert not any(reached[points:]), f"{command}: a write point after the last one"
+    assert points > 10, f"{command} made only {points} writes: is the hook counting?"
+    return points
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_sigkill_at_every_write_point_leaves_no_debris(
-    references, zygote, tmp_path, command, start
+    references, free_zygotes, tmp_path, command, start
 ):
-    points = 0
-    for at, tree, result in walk(references, zygote, tmp_path, start, command, "kill"):
+    def check(at, tree, result, warm):
         assert result.returncode == -9, (at, result.stderr)
         recovery = "revert" if at % 2 else "apply"  # both recover, in turns
-        clean_run(zygote, tree, recovery)
+        clean_run(warm, tree, recovery)
         expected = "pristine_snapshot" if recovery == "revert" else "patched_snapshot"
         assert normalized(tree) == references[expected], f"{command} killed at write {at}"
-        points += 1
-    assert points > 10
+
+    assert walk(references, free_zygotes, tmp_path, start, command, "kill", check) > 10
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
-    references, zygote, tmp_path, command, start
+    references, free_zygotes, tmp_path, command, start
 ):
-    for at, tree, result in walk(references, zygote, tmp_path, start, command, "interrupt"):
+    def check(at, tree, result, warm):
         assert result.returncode == 130, (at, result.stderr)
         assert "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1].startswith("patchkit: error: interrupted")
-        clean_run(zygote, tree, "revert")
+        clean_run(warm, tree, "revert")
         assert normalized(tree) == references["pristine_snapshot"], f"Ctrl-C at write {at}"
+
+    walk(references, free_zygotes, tmp_path, start, command, "interrupt", check)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
-def test_a_full_disk_at_every_write_changes_nothing(references, zygote, tmp_path, command, start):
-    failures = 0
-    for at, tree, result in walk(references, zygote, tmp_path, start, command, "enospc"):
+def test_a_full_disk_at_every_write_changes_nothing(
+    references, free_zygotes, tmp_path, command, start
+):
+    failures = []
+
+    def check(at, tree, result, warm):
         if result.returncode == 0:  # a rename or delete: ENOSPC is injected on writes only
-            continue
+            return
         assert result.returncode == 1, (at, result.stderr)
         line = result.stderr.strip().splitlines()
         assert len(line) == 1 and "no space left" in line[0], (at, result.stderr)
         assert normalized(tree) == references[f"{start}_snapshot"], f"ENOSPC at write {at}"
-        failures += 1
-    assert failures > 3
+        failures.append(at)
+
+    walk(references, free_zygotes, tmp_path, start, command, "enospc", check)
+    assert len(failures) > 3
