@@ -205,17 +205,18 @@ from patchkit.doctor import configs
 from patchkit.doctor import kernelscan
 from patchkit.cli import render
 from patchkit.vllmtree.tree import locate
-tree, wanted = locate(sys.argv[1]), sys.argv[2]
+tree, wanted = locate(sys.argv[1]), sys.argv[2].split("|")
 models = configs.DEFAULT_MODELS
 if len(sys.argv) > 3:
     models = [configs.model_from_dir(Path(sys.argv[3]), [Path(a) for a in sys.argv[4:]])]
-report = kernelscan.scan(tree, models=models, select=lambda call: wanted in call.label())
+report = kernelscan.scan(tree, models=models, select=lambda c: any(w in c.label() for w in wanted))
 print(json.dumps(render.scan_json(report)))
 """
 
 
 def scan_calls(tree: Path, wanted: str, **extra: str) -> dict:
-    """The scan in a child, limited to the calls whose label contains ``wanted``."""
+    """The scan in a child, limited to the calls whose label contains ``wanted`` (or one
+    of its |-separated parts)."""
     done = subprocess.run(
         [sys.executable, "-c", SCAN, str(tree), wanted], capture_output=True, text=True,
         env={**scan_env(), **extra}, timeout=600,
@@ -225,6 +226,7 @@ def scan_calls(tree: Path, wanted: str, **extra: str) -> dict:
 
 
 ONE_CALL = "down_proj (1 slice), 16 tokens, rank 64"
+STRACE = shutil.which("strace")
 
 
 @pytest.mark.network
@@ -237,6 +239,36 @@ def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
     assert scan["toolchain"]["ptxas"] == str(ptxas)
     assert scan["toolchain"]["ptxas_source"] == "TRITON_PTXAS_PATH"
     assert scan["toolchain"]["ptxas_version"] == "12.8.93"
+
+
+# A prefill of 1000 tokens (not 16-divisible) and one of 4096: Triton specialises the
+# launches apart, and the fp32 expand compiles to the same machine code for both.
+TWO_PREFILLS = "down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4096 tokens, rank 64"
+
+
+@pytest.mark.network
+def test_the_same_machine_code_is_disassembled_once(tmp_path):
+    """Every compile is still made, but a cubin identical to one already read is not
+    disassembled again: one disassembler run per distinct cubin the scan compiled."""
+    if STRACE is None:
+        pytest.skip("strace is not installed (apt-get install strace)")
+    triton_cache, trace = tmp_path / "triton", tmp_path / "execve"
+    caches = {"TRITON_CACHE_DIR": str(triton_cache), "PATCHKIT_CACHE_DIR": str(tmp_path / "pk")}
+    execs = [STRACE, "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-o", str(trace)]
+    done = subprocess.run(
+        [*execs, sys.executable, "-c", SCAN, str(release_tree("0.26.0")), TWO_PREFILLS],
+        capture_output=True, text=True, env={**scan_env(), **caches}, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    scan = json.loads(done.stdout)
+    read = [c for c in scan["cases"] if c["verdict"] in READ]
+    cubins = [p.read_bytes() for p in triton_cache.rglob("*.cubin")]
+    distinct = len(set(cubins))
+    assert len(cubins) == len(read)  # one compile per case, each read
+    assert distinct < len(cubins)  # the two prefills share machine code
+    disassembler = re.escape(scan["disassembler"])  # cuobjdump runs nvdisasm: count one
+    runs = re.findall(rf'execve\("[^"]*/{disassembler}"', trace.read_text())
+    assert len(runs) == distinct
 
 
 @pytest.mark.network

@@ -5,6 +5,12 @@ reading is cached under patchkit's cache, keyed by everything that decides
 the machine code: the launch's specialisation, the kernel's source (Triton's
 own hash of it and the functions it calls), the Triton release and the
 ptxas (path and version). A warm scan compiles nothing.
+
+The SASS of a compile is read once per distinct machine code: launches that
+Triton specialises apart (a size divisible by 16 or not, the same kernel at
+another source line in another release) often compile to the same cubin,
+byte for byte, and a reading depends only on the cubin and the disassembler.
+Disassembling is about half of a cold compile's time.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,12 +132,44 @@ def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
         return Reading(
             "error", error=f"{type(exc).__name__}: {where}{lines[-1]}"[:300], compiled=False
         )
+    key = machine_code_key(cubin, disassemble)
+    with _reading_lock(key):  # another thread of this scan may be reading the same cubin
+        cached = _cached(key)
+        if cached is not None:
+            return cached
+        reading = _disassemble(cubin, disassemble, path)
+        if reading.verdict != "error":
+            _store(key, reading)
+    return reading
+
+
+def _disassemble(cubin: bytes, disassemble: list[str], path: Path) -> Reading:
     path.write_bytes(cubin)
     done = subprocess.run([*disassemble, str(path)], capture_output=True, text=True, timeout=120)
     if not done.stdout.strip():
         return Reading("error", error=f"the disassembler printed nothing ({done.stderr.strip()})")
     findings = sass.scan(done.stdout)
     return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
+
+
+def machine_code_key(cubin: bytes, disassemble: list[str]) -> str:
+    """Same cubin, same disassembler (path, size, mtime), same reading."""
+    try:
+        info = os.stat(disassemble[0])
+        stamp = [info.st_size, info.st_mtime_ns]
+    except OSError:
+        stamp = []
+    parts = [FORMAT, "cubin", hashlib.sha256(cubin).hexdigest(), disassemble, stamp]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _reading_lock(key: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(key, threading.Lock())
 
 
 def _cached(key: str) -> Reading | None:
