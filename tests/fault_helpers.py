@@ -116,3 +116,13 @@ def zygotes(count: int):
     finally:
         for zygote in started:
             zygote.close()
+
+
+def on_a_free_zygote(free, use):
+    """``use(zygote)`` with a zygote taken from the queue ``free`` and given back, so that
+    the points a pool of threads runs share a few warm zygotes, one point each at a time."""
+    warm = free.get()
+    try:
+        return use(warm)
+    finally:
+        free.put(warm)

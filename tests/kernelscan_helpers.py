@@ -7,6 +7,7 @@ readings beside it. Used by the doctor --kernels, advice and Docker tests.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,17 @@ def scan_env(version: str = TRITON) -> dict:
     env["TRITON_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-cache")
     env["PATCHKIT_CACHE_DIR"] = str(TEST_CACHE / f"triton-{version}-readings")  # scans, SASS
     return env
+
+
+def small_moe_model(directory: Path, dtype: str, adapter_config: dict) -> tuple[Path, Path]:
+    """A model directory (config.json of a small MoE: hidden 1024, 64 experts top 4) and an
+    adapter directory holding ``adapter_config``, for scans of a model's own shapes."""
+    model, adapter = directory / "model", directory / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512}  # fmt: skip
+    (model / "config.json").write_text(json.dumps({"text_config": text, "torch_dtype": dtype}))
+    (adapter / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return model, adapter

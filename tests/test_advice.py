@@ -299,19 +299,6 @@ def test_0_29_names_what_it_still_gets_wrong(tmp_path: Path):
     )
 
 
-def small_moe_model(directory: Path) -> tuple[Path, Path]:
-    """A model directory (config.json: a small MoE) and an adapter directory (rank 16)."""
-    model, adapter = directory / "model", directory / "adapter"
-    model.mkdir()
-    adapter.mkdir()
-    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 4,
-            "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512}  # fmt: skip
-    (model / "config.json").write_text(json.dumps({"text_config": text, "torch_dtype": "bfloat16"}))
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 16}))
-    return model, adapter
-
-
 READING = re.compile(r"[0-9a-f]{64}\.json")  # a launch's or a cubin's SASS reading
 
 
@@ -343,10 +330,10 @@ def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     every kind of LoRA kernel (shrink, expand, the fused MoE ones) in about 95 cache
     entries, where the default scan (two models, two ranks) compiles about 150."""
     from tests.conftest import copy_tree
-    from tests.kernelscan_helpers import scan_env
+    from tests.kernelscan_helpers import scan_env, small_moe_model
 
     tree = copy_tree("0.26.0", tmp_path / "site-packages")
-    model, adapter = small_moe_model(tmp_path)
+    model, adapter = small_moe_model(tmp_path, "bfloat16", {"r": 16})
     env = {**scan_env(), **caches_env(tmp_path)}  # a cold scan: it compiles into an empty cache
     command = [sys.executable, "-m", "patchkit", "doctor", "--kernels", "--target", str(tree),
                "--model", str(model), "--adapter", str(adapter)]  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TEST_CACHE, copy_tree, release_tree, run_cli
-from tests.kernelscan_helpers import TRITON, scan_env, triton_site
+from tests.kernelscan_helpers import TRITON, scan_env, small_moe_model, triton_site
 
 NAN_BUG = "vLLM #48590"
 DENSE = {"_lora_shrink_kernel", "_lora_expand_kernel"}
@@ -347,14 +347,7 @@ def test_the_text_is_one_line_per_kernel_and_verdict_and_every_config_with_verbo
 def test_a_models_own_shapes_and_adapter_ranks(tmp_path):
     from patchkit.doctor.configs import model_from_dir
 
-    model, adapter = tmp_path / "model", tmp_path / "adapter"
-    model.mkdir()
-    adapter.mkdir()
-    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 4,
-            "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512}  # fmt: skip
-    (model / "config.json").write_text(json.dumps({"text_config": text, "torch_dtype": "float16"}))
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 32, "rank_pattern": {"x": 8}}))
+    model, adapter = small_moe_model(tmp_path, "float16", {"r": 32, "rank_pattern": {"x": 8}})
     shapes = model_from_dir(model, [adapter])
     assert (shapes.hidden, shapes.experts, shapes.top_k, shapes.moe_intermediate) == (
         1024, 64, 4, 256,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PATCHKIT, normalized, slim_tree
-from tests.fault_helpers import ENV, STRACE, default_dispositions, zygotes
+from tests.fault_helpers import ENV, STRACE, default_dispositions, on_a_free_zygote, zygotes
 
 SYSCALLS = ("rename", "renameat", "renameat2", "unlink", "unlinkat", "write", "fsync", "fdatasync")
 
@@ -98,15 +98,6 @@ def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, si
     shutil.rmtree(tree)
     where = f"{command}, {signal} at {syscall} #{n}"
     return result.returncode, None if problem is None else f"{where}: {problem}"
-
-
-def on_a_free_zygote(free, point_at):
-    """Run ``point_at(zygote)`` with a zygote taken from ``free`` and given back."""
-    zygote = free.get()
-    try:
-        return point_at(zygote)
-    finally:
-        free.put(zygote)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import normalized, slim_tree
-from tests.fault_helpers import HOOK, MARK, Zygote, zygotes
+from tests.fault_helpers import HOOK, MARK, Zygote, on_a_free_zygote, zygotes
 
 # Each run is a fork of a warm patchkit (tests/zygote.py) on a slim real 0.26.0
 # tree (~60 files): the points are run WORKERS at a time, each on its own copy.
@@ -63,15 +63,6 @@ def references(tmp_path_factory, free_zygotes) -> dict:
         "pristine_snapshot": normalized(pristine),
         "patched_snapshot": normalized(patched),
     }
-
-
-def on_a_free_zygote(free, use):
-    """``use(zygote)`` with a zygote taken from the queue ``free`` and given back."""
-    warm = free.get()
-    try:
-        return use(warm)
-    finally:
-        free.put(warm)
 
 
 def walk(references, free, tmp_path: Path, start: str, command: str, mode: str, check) -> int:
