@@ -300,26 +300,36 @@ def test_a_512_mb_sparse_file_is_refused_by_its_size_under_256_mb_of_address_spa
     assert lines[-1] == "torch asked for: False"
 
 
+def refused_in_a_child(imports: str, call: str):
+    """Run ``call`` (one line, after ``imports``) in a child with an alarm as the guard of a
+    hang; the child prints the PatchkitError it raises and exits 0."""
+    code = textwrap.dedent(
+        f"""
+        import signal, sys
+        from pathlib import Path
+        signal.alarm(60)
+        from patchkit.errors import PatchkitError
+        {imports}
+        try:
+            {call}
+        except PatchkitError as exc:
+            print(exc)
+        sys.exit(0)
+        """
+    )
+    return run_subprocess(code=code)
+
+
 def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(user):
     """SafetensorsFile opened the path with open(): a FIFO swapped in for a shard after the
     directory was listed blocked for ever. Checked in a child with an alarm as the hang's
     guard; the FIFO is refused on the descriptor at once."""
     fifo = user["root"] / "fifo.safetensors"
     os.mkfifo(fifo)
-    code = textwrap.dedent(
-        f"""
-        import signal, sys
-        signal.alarm(60)
-        from patchkit.errors import PatchkitError
-        from patchkit.adapters import safetensorsfile
-        try:
-            safetensorsfile.SafetensorsFile({str(fifo)!r})
-        except PatchkitError as exc:
-            print(exc)
-        sys.exit(0)
-        """
+    result = refused_in_a_child(
+        "from patchkit.adapters import safetensorsfile",
+        f"safetensorsfile.SafetensorsFile({str(fifo)!r})",
     )
-    result = run_subprocess(code=code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"{fifo}: a FIFO, not a regular file"
 
@@ -389,21 +399,11 @@ def test_a_fifo_as_adapter_config_is_refused_by_the_controls_not_waited_on(user)
     config = adapter_config(user)
     config.unlink()
     os.mkfifo(config)
-    code = textwrap.dedent(
-        f"""
-        import signal, sys
-        from pathlib import Path
-        signal.alarm(60)
-        from patchkit.errors import PatchkitError
-        from patchkit.verify import adaptercontrols
-        try:
-            adaptercontrols.build("a", Path({str(user["adapter"])!r}), Path({str(user["work"])!r}))
-        except PatchkitError as exc:
-            print(exc)
-        sys.exit(0)
-        """
+    adapter, work = str(user["adapter"]), str(user["work"])
+    result = refused_in_a_child(
+        "from patchkit.verify import adaptercontrols",
+        f'adaptercontrols.build("a", Path({adapter!r}), Path({work!r}))',
     )
-    result = run_subprocess(code=code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"{config}: a FIFO, not a regular file"
     assert list(user["work"].iterdir()) == []
