@@ -76,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
+    DENSE27B_WIDTHS,
     MOE35B_WIDTHS,
     MOE_TARGET_MODULES,
     TARGET_MODULES,
@@ -86,14 +87,9 @@ from patchkit.verify.e2e import (  # noqa: E402
 MAX_SEQS = 64
 # Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
 WIDTHS = dict(
-    hidden_size=5120,
-    intermediate_size=17408,
+    DENSE27B_WIDTHS,
     num_hidden_layers=8,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
 )
 MOE_WIDTHS = MOE35B_WIDTHS  # 256 routed experts (top 8) and a shared expert
 MODELS = ("dense27b", "moe35b")

@@ -211,6 +211,17 @@ MOE_TARGET_MODULES = (
 MOE_PROMPT_LENGTHS = [600, 3000]
 
 
+# Qwen3.5-27B's text widths (head sizes as TINY_TEXT's), without a layer count: the
+# dense stand-in of the serving benchmark (8 layers) and of the wide verify proof (4).
+DENSE27B_WIDTHS = dict(
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+)
+
 # Qwen3.5/3.6-35B-A3B's text widths cut to 8 layers (3 GDN : 1 attention, twice; head
 # sizes as TINY_TEXT's): the MoE stand-in of the serving benchmark and of the wide
 # verify and nan-probe proofs (scripts/), about 6.8 B parameters.

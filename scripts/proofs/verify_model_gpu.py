@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from patchkit.verify.e2e import (  # noqa: E402
+    DENSE27B_WIDTHS,
     MOE35B_WIDTHS,
     MOE_TARGET_MODULES,
     TARGET_MODULES,
@@ -85,14 +86,9 @@ PRESETS = {
     ),
     "wide27b": (
         dict(
-            hidden_size=5120,
-            intermediate_size=17408,
+            DENSE27B_WIDTHS,
             num_hidden_layers=4,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            linear_num_key_heads=16,
-            linear_num_value_heads=48,
             max_position_embeddings=32768,
         ),
         {"full": (128, TARGET_MODULES, 0.3), "attn-mlp": (128, ATTN_MLP, 0.3)},
