@@ -44,10 +44,13 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR [--model dense27b|moe35b] [--adapters N] [--rank R]
+        [--model-from EARLIER_DIR]   (hard links to an earlier build's model, same weights)
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
         [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
         [--markdown FILE]
-  python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--keep] [...]
+  python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--workloads KIND ...]
+        [--keep] [...]   (--rounds counts from the run's first round; a workload new to the
+        engines is warmed up first, uncounted)
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
@@ -109,11 +112,20 @@ WARMUP_OUT = 32  # round 0 loads the adapters at the counted rounds' batch shape
 # ----- build: the model and the adapters -----
 
 
-def build(directory: Path, model: str = "dense27b", adapters: int = 4, rank: int = 64) -> None:
+def build(
+    directory: Path,
+    model: str = "dense27b",
+    adapters: int = 4,
+    rank: int = 64,
+    model_from: Path | None = None,
+) -> None:
     """Save the cut model (bf16) and `adapters` random adapters of `rank`, built on the GPU.
 
     DIR/bench.json records what was built; the engines read it (max_loras =
-    the adapter count, max_lora_rank = the rank).
+    the adapter count, max_lora_rank = the rank). With `model_from` (an earlier
+    build of the same model) its model files are hard-linked, not written again:
+    the weights come from the same seed, and a second 13 GB MoE copy would not fit
+    beside the first on the GPU host's disk.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -129,7 +141,10 @@ def build(directory: Path, model: str = "dense27b", adapters: int = 4, rank: int
         config, targets = qwen35_config(**WIDTHS), TARGET_MODULES
     with torch.device("cuda"):
         built = model_class(config).to(torch.bfloat16)
-    built.save_pretrained(directory / "model")
+    if model_from is None:
+        built.save_pretrained(directory / "model")
+    else:
+        link_model(model_from, directory, model)
     print(f"model: {sum(p.numel() for p in built.parameters()) / 1e9:.2f} B parameters")
     peft_model = get_peft_model(
         built, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
@@ -145,6 +160,17 @@ def build(directory: Path, model: str = "dense27b", adapters: int = 4, rank: int
             add_expert_factors(out, rank, seed=number)
     spec = {"model": model, "adapters": adapters, "rank": rank}
     (directory / "bench.json").write_text(json.dumps(spec))
+
+
+def link_model(source: Path, directory: Path, model: str) -> None:
+    """DIR/model as hard links to an earlier build's model files, refused when that build
+    was of another model (its bench.json says which)."""
+    built = bench_spec(source)["model"]
+    if built != model:
+        raise SystemExit(f"--model-from {source}: a build of {built}, not {model}")
+    (directory / "model").mkdir(parents=True)
+    for path in sorted((source / "model").iterdir()):
+        os.link(path, directory / "model" / path.name)
 
 
 def add_expert_factors(adapter: Path, rank: int, seed: int) -> None:
@@ -256,7 +282,7 @@ def make_sites(
             env = {"PATCHKIT_PROBE_LOG": str(work / f"probe-{stem(name)}.jsonl")}
         sites[name] = {"site": str(target), "patches": patches, "env": env}
     for name, env in SAME_TREE.items():
-        if (wanted is None and name == "default+triton") or (wanted and name in wanted):
+        if name == base or (name in wanted if wanted else name == "default+triton"):
             sites[name] = {**sites["default"], "env": env}
     if wanted is not None and "default" not in {base, *wanted}:
         del sites["default"]
@@ -299,6 +325,7 @@ def worker(work: Path, name: str) -> None:
     )
     adapters = [work / f"adapter-{n}" for n in range(spec["adapters"])]
     requests = [LoRARequest(f"a{n}", n + 1, str(path)) for n, path in enumerate(adapters)]
+    load_every_adapter(llm, SamplingParams, requests)
     mailbox = Mailbox(work, name)
     mailbox.answer({"ready": True, "start_s": time.monotonic() - started})
     for command in mailbox.commands():
@@ -306,6 +333,15 @@ def worker(work: Path, name: str) -> None:
             break
         result = run_workload(llm, SamplingParams, requests, command["workload"], command["round"])
         mailbox.answer({"id": command["id"], **result, **gpu_peak(llm)})
+
+
+def load_every_adapter(llm, sampling_params, requests) -> None:
+    """One token with each adapter before the engine says it is ready: max_loras is the
+    adapter count, so every adapter then stays in its GPU slot, and no counted round pays
+    an adapter's first load from disk (the batch-1 and batch-4 workloads use one or four
+    adapters a round, so their warm-up round loads only those)."""
+    prompts = [{"prompt_token_ids": [1 + n, 2, 3, 4]} for n in range(len(requests))]
+    llm.generate(prompts, sampling_params(max_tokens=1), lora_request=requests, use_tqdm=False)
 
 
 def allocator_peak(worker) -> dict:
@@ -519,29 +555,45 @@ def measure(work: Path, results: dict, engines: dict[str, Engine], rounds: int, 
     """Rounds after those already in results, one engine at a time, rotating the order.
 
     Stops before a round that would not finish by the deadline, judged by the
-    slowest counted round (the warm-up round 0 is shorter).
+    slowest round of this step (a `more` may measure other workloads than the
+    run before it, with rounds ten times as long). A workload new to these
+    engines gets a warm-up pass first, as round 0 (not counted).
     """
     done = [r["round"] for r in results["rounds"]]
     first = max(done) + 1 if done else 0
-    round_times = results.setdefault("round_s", [])
+    workloads = results.get("workloads", WORKLOADS)
+    if first > 0 and engines:
+        seen = {r["workload"] for r in results["rounds"]}
+        ask_round(results, engines, [w for w in workloads if w not in seen], 0, deadline)
+    this_step: list[float] = []
     for round_ in range(first, rounds + 1 if engines else 0):
         began = time.monotonic()
-        counted = round_times[1:] or round_times
-        if round_ > 1 and counted and began + 1.2 * max(counted) > deadline:
+        if this_step and began + 1.2 * max(this_step) > deadline:
             break
-        order = list(engines)
-        order = order[round_ % len(order) :] + order[: round_ % len(order)]
-        try:
-            for workload in results.get("workloads", WORKLOADS):
-                for leg, name in mirrored(order):
-                    result = engines[name].ask(workload, round_, deadline)
-                    results["rounds"].append({"config": name, "leg": leg, **result})
-        except (RuntimeError, TimeoutError) as exc:  # keep what was measured
-            results["errors"]["run"] = f"round {round_}: {exc}"
-            results["rounds"] = [r for r in results["rounds"] if r["round"] != round_]
+        if not ask_round(results, engines, workloads, round_, deadline):
             break
-        round_times.append(time.monotonic() - began)
+        this_step.append(time.monotonic() - began)
+        results.setdefault("round_s", []).append(this_step[-1])
         save_partial(work, results)
+
+
+def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], round_: int,
+              deadline: float) -> bool:  # fmt: skip
+    """One round of `workloads` on every engine, in this round's rotated, mirrored order;
+    False (the round's rows dropped, the error kept) when an engine failed or timed out."""
+    order = list(engines)
+    order = order[round_ % len(order) :] + order[: round_ % len(order)]
+    try:
+        for workload in workloads:
+            for leg, name in mirrored(order):
+                result = engines[name].ask(workload, round_, deadline)
+                results["rounds"].append({"config": name, "leg": leg, **result})
+    except (RuntimeError, TimeoutError) as exc:  # keep what was measured
+        results["errors"]["run"] = f"round {round_}: {exc}"
+        results["rounds"] = [r for r in results["rounds"]
+                             if r["round"] != round_ or r["workload"] not in workloads]  # fmt: skip
+        return False
+    return True
 
 
 def measured(results: dict) -> list[str]:
@@ -602,10 +654,10 @@ def table(results: dict, meta: dict) -> str:
     built += f"{meta.get('rank', 64)}"
     lines = table_head(
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}, {built}; "
-        f"median of {meta['rounds']} rounds after a warm-up round; tok/s "
+        "median of the counted rounds after a warm-up round (how many: the last column); tok/s "
         "(decode: output tokens, prefill: prompt tokens); in brackets the median of the "
         f"per-round ratios to {base}, their lower quartile (q1) and their range",
-        configs,
+        [*configs, "rounds"],
     )
     for workload in measured(results):
         by_round = per_round(counted, workload)
@@ -620,6 +672,7 @@ def table(results: dict, meta: dict) -> str:
                 cells.append(f"{statistics.median(values):.0f} ({ratio_summary(ratios)})")
             else:
                 cells.append(f"{statistics.median(values):.0f}")
+        cells.append(str(len(by_round)))
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     lines += ["", *leg_table(counted, configs, base), *memory_lines(results["rounds"], configs)]
     stolen = [r.get("steal_s", 0.0) for r in counted]
@@ -703,6 +756,8 @@ def main() -> int:
     make.add_argument("--model", choices=MODELS, default="dense27b")
     make.add_argument("--adapters", type=int, default=4, help="how many (max_loras)")
     make.add_argument("--rank", type=int, default=64)
+    make.add_argument("--model-from", type=Path, metavar="DIR",
+                      help="hard-link the model of an earlier build of the same model")  # fmt: skip
     work = sub.add_parser("worker")
     work.add_argument("dir", type=Path)
     work.add_argument("name")
@@ -722,9 +777,11 @@ def main() -> int:
     go.add_argument("--configs", nargs="+", metavar="NAME",
                     help="only these configurations beside the base (default: all but "
                          f"{PROBE})")  # fmt: skip
-    go.add_argument("--workloads", nargs="+", metavar="KIND",
-                    help="only these workloads, each with LoRA and base: decode_b64, "
-                         "decode_b4, decode_b1, prefill (default: all)")  # fmt: skip
+    for step in (go, more):
+        step.add_argument("--workloads", nargs="+", metavar="KIND",
+                          help="only these workloads, each with LoRA and base: decode_b64, "
+                               "decode_b4, decode_b1, prefill (default: all; for `more`, "
+                               "those of the run)")  # fmt: skip
     go.add_argument(
         "--after",
         type=Path,
@@ -749,7 +806,7 @@ def main() -> int:
     if args.step == "run":
         args.site = args.site.resolve()
     if args.step == "build":
-        build(args.dir, args.model, args.adapters, args.rank)
+        build(args.dir, args.model, args.adapters, args.rank, args.model_from)
         return 0
     if args.step == "worker":
         worker(args.dir, args.name)
@@ -760,6 +817,8 @@ def main() -> int:
               pick_workloads(args.workloads))  # fmt: skip
         wait_for_file(args.after, deadline)
     results, engines = attach(args.dir)
+    if args.step == "more" and args.workloads:
+        results["workloads"] = pick_workloads(args.workloads)
     measure(args.dir, results, engines, args.rounds, deadline)
     if not args.keep:
         for engine in engines.values():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -44,4 +46,81 @@ def test_the_table_gives_the_median_of_per_round_ratios():
     rows += [row("default", 1, 97), row("default", 2, 103), row("default", 3, 110)]
     meta = {"date": "d", "gpu": "g", "vllm": "v", "torch": "t", "rounds": 3}
     text = bench().table({"configs": {"unpatched": {}, "default": {}}, "rounds": rows}, meta)
-    assert "| decode_b1_lora | 100 | 103 (103.0 %, q1 100.0 %, 97-110) |" in text
+    assert "| decode_b1_lora | 100 | 103 (103.0 %, q1 100.0 %, 97-110) | 3 |" in text
+
+
+class Engines:
+    """Engines that answer at once, and remember what they were asked (no GPU)."""
+
+    def __init__(self, names):
+        self.asked = []
+        self.engines = {name: self.Engine(self, name) for name in names}
+
+    class Engine:
+        def __init__(self, outer, name):
+            self.outer, self.name = outer, name
+
+        def ask(self, workload, round_, deadline):
+            self.outer.asked.append((self.name, workload, round_))
+            return {"workload": workload, "round": round_, "seconds": 1.0, "tok_s": 100.0}
+
+
+def test_more_with_other_workloads_warms_them_up_first_uncounted(tmp_path):
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+    results = {"rounds": [], "errors": {}, "workloads": module.pick_workloads(["decode_b1"])}
+    module.measure(tmp_path, results, fake.engines, 2, deadline=float("inf"))
+    assert {r for _, _, r in fake.asked} == {0, 1, 2}
+    fake.asked.clear()
+    results["workloads"] = module.pick_workloads(["prefill"])
+    module.measure(tmp_path, results, fake.engines, 4, deadline=float("inf"))
+    warm = [(w, r) for _, w, r in fake.asked if r == 0]
+    assert warm == [("prefill_lora", 0)] * 4 + [("prefill_base", 0)] * 4
+    assert {(w, r) for _, w, r in fake.asked if r} == {
+        (w, r) for w in ("prefill_lora", "prefill_base") for r in (3, 4)
+    }
+    meta = {"date": "d", "gpu": "g", "vllm": "v", "torch": "t"}
+    text = module.table({"configs": {"unpatched": {}, "default": {}}, **results}, meta)
+    assert "| decode_b1_lora | 100 | 100 (100.0 %, q1 100.0 %, 100-100) | 2 |" in text
+    assert "| prefill_lora | 100 | 100 (100.0 %, q1 100.0 %, 100-100) | 2 |" in text
+
+
+def test_a_round_that_failed_is_dropped_with_its_error(tmp_path):
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+
+    def broken(workload, round_, deadline):
+        if round_ == 2:
+            raise TimeoutError("no answer")
+        return {"workload": workload, "round": round_, "seconds": 1.0, "tok_s": 100.0}
+
+    fake.engines["default"].ask = broken
+    results = {"rounds": [], "errors": {}, "workloads": ["decode_b1_lora"]}
+    module.measure(tmp_path, results, fake.engines, 5, deadline=float("inf"))
+    assert sorted({r["round"] for r in results["rounds"]}) == [0, 1]
+    assert results["errors"]["run"] == "round 2: no answer"
+
+
+def test_a_build_links_the_model_of_an_earlier_build_of_the_same_model(tmp_path):
+    module = bench()
+    earlier = tmp_path / "earlier"
+    (earlier / "model").mkdir(parents=True)
+    (earlier / "model" / "model.safetensors").write_bytes(b"weights")
+    (earlier / "bench.json").write_text('{"model": "moe35b", "adapters": 8, "rank": 16}')
+    module.link_model(earlier, tmp_path / "new", "moe35b")
+    linked = tmp_path / "new" / "model" / "model.safetensors"
+    assert linked.stat().st_ino == (earlier / "model" / "model.safetensors").stat().st_ino
+    with pytest.raises(SystemExit, match="a build of moe35b, not dense27b"):
+        module.link_model(earlier, tmp_path / "other", "dense27b")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
+def test_a_same_tree_configuration_can_be_the_base(slim_tree_0260, tmp_path):
+    """--configs default --base default-gemv: the route on against the route off, both
+    served from one patched tree, the base with its variable set."""
+    sites = bench().make_sites(slim_tree_0260, tmp_path / "work", ["default"], "default-gemv")
+    assert set(sites) == {"default", "default-gemv"}
+    assert sites["default-gemv"]["env"] == {"PATCHKIT_LORA_GEMV": "0"}
+    assert sites["default-gemv"]["site"] == sites["default"]["site"]
+    assert "matmul-add-lora-linear" in sites["default"]["patches"]
