@@ -51,6 +51,9 @@ Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--workloads KIND ...]
         [--keep] [...]   (--rounds counts from the run's first round; a workload new to the
         engines is warmed up first, uncounted)
+  python scripts/bench_serving.py profile DIR [--workloads KIND ...] [--keep] [--markdown FILE]
+        each workload once per engine under vLLM's torch profiler: GPU busy time, kernels
+        and LoRA's kernels per engine step (scripts/kernel_trace.py), into DIR/results.json
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
@@ -322,6 +325,14 @@ def worker(work: Path, name: str) -> None:
         gdn_prefill_backend="triton",
         dtype="bfloat16",
         seed=0,
+        # Off until a `profile` step starts it (vLLM creates the profiler then); no
+        # factor of the compile cache's key.
+        profiler_config={
+            "profiler": "torch",
+            "torch_profiler_dir": str(profile_dir(work, name)),
+            "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False,
+        },  # fmt: skip
     )
     adapters = [work / f"adapter-{n}" for n in range(spec["adapters"])]
     requests = [LoRARequest(f"a{n}", n + 1, str(path)) for n, path in enumerate(adapters)]
@@ -331,8 +342,31 @@ def worker(work: Path, name: str) -> None:
     for command in mailbox.commands():
         if command.get("stop"):
             break
-        result = run_workload(llm, SamplingParams, requests, command["workload"], command["round"])
+        if command.get("profile"):
+            result = profiled(llm, SamplingParams, requests, command, profile_dir(work, name))
+        else:
+            result = run_workload(llm, SamplingParams, requests, command["workload"],
+                                  command["round"])  # fmt: skip
         mailbox.answer({"id": command["id"], **result, **gpu_peak(llm)})
+
+
+def profile_dir(work: Path, name: str) -> Path:
+    """Where an engine's profiler writes its traces."""
+    return work / "profiles" / stem(name)
+
+
+def profiled(llm, sampling_params, requests, command: dict, folder: Path) -> dict:
+    """One workload under vLLM's torch profiler; the traces it wrote (vLLM names them
+    itself, so they are told apart from earlier ones by being new)."""
+    before = set(folder.glob("*.pt.trace.json*"))
+    llm.start_profile()
+    try:
+        result = run_workload(llm, sampling_params, requests, command["workload"],
+                              command["round"])  # fmt: skip
+    finally:
+        llm.stop_profile()
+    traces = sorted(set(folder.glob("*.pt.trace.json*")) - before)
+    return {**result, "traces": [str(path) for path in traces]}
 
 
 def load_every_adapter(llm, sampling_params, requests) -> None:
@@ -497,9 +531,10 @@ class Engine:
             os.set_blocking(fd, True)
             return os.fdopen(fd, "w")
 
-    def ask(self, workload: str, round_: int, deadline: float) -> dict:
+    def ask(self, workload: str, round_: int, deadline: float, profile: bool = False) -> dict:
         ident = f"{workload}-{round_}-{time.time_ns()}"
-        self.send({"id": ident, "workload": workload, "round": round_}, deadline)
+        command = {"id": ident, "workload": workload, "round": round_}
+        self.send({**command, "profile": True} if profile else command, deadline)
         answer = self.wait_for(lambda m: m.get("id") == ident, deadline)
         return {k: v for k, v in answer.items() if k != "id"}
 
@@ -594,6 +629,56 @@ def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], r
                              if r["round"] != round_ or r["workload"] not in workloads]  # fmt: skip
         return False
     return True
+
+
+def profile(results: dict, engines: dict[str, Engine], deadline: float) -> None:
+    """Each engine runs each workload once more (as counted round 1 would: the same
+    prompts, every token) under vLLM's torch profiler; results["profiles"][config]
+    [workload] sums up its traces per engine step (kernel_trace.summary). Not a
+    counted round: the profiler slows the host."""
+    import kernel_trace
+
+    found = results.setdefault("profiles", {})
+    for workload in results.get("workloads", WORKLOADS):
+        for name, engine in engines.items():
+            answer = engine.ask(workload, 1, deadline, profile=True)
+            spec = WORKLOADS[workload]
+            steps = spec["out"] if spec["out"] > 1 else 1  # a decode step per token out
+            traces = [Path(t) for t in answer["traces"]]
+            found.setdefault(name, {})[workload] = {
+                "seconds": answer["seconds"], **kernel_trace.summary(traces, steps)}  # fmt: skip
+
+
+def profile_table(results: dict) -> str:
+    """Markdown: per workload and configuration, per engine step (decode) or call
+    (prefill): the step's wall time while profiled, the GPU's busy time, kernels,
+    LoRA-named kernels; then each LoRA workload's top kernels per configuration."""
+    found = results.get("profiles", {})
+    configs = [c for c in results["configs"] if c in found]
+    lines = ["Profiled once per configuration and workload (vLLM's torch profiler, "
+             "kernels of CUDA-graph replays included), per engine step for decode and "
+             "per call for prefill, microseconds", "",
+             "| workload | configuration | wall | GPU busy | kernels | LoRA-named kernels |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    workloads = [w for w in WORKLOADS if any(w in found[c] for c in configs)]
+    for workload in workloads:
+        for name in configs:
+            row = found[name].get(workload)
+            if row and row.get("kernels"):
+                wall = 1e6 * row["seconds"] / row["steps"]
+                lines.append(f"| {workload} | {name} | {wall:.0f} | {row['gpu_busy_us']:.0f} | "
+                             f"{row['kernels']:.0f} | {row['lora_us']:.0f} "
+                             f"({row['lora_kernels']:.0f}) |")  # fmt: skip
+    for workload in (w for w in workloads if w.endswith("_lora")):
+        for name in configs:
+            row = found[name].get(workload)
+            if not row or not row.get("kernels"):
+                continue
+            lines += ["", f"Top kernels, {workload}, {name}: launches and microseconds per step",
+                      "", "| kernel | launches | µs |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| `{kernel[:90]}` | {count:.1f} | {us:.1f} |"
+                      for kernel, count, us in row["top"]]  # fmt: skip
+    return "\n".join(lines)
 
 
 def measured(results: dict) -> list[str]:
@@ -770,6 +855,14 @@ def main() -> int:
         step.add_argument("--keep", action="store_true", help="leave the engines up for `more`")
         step.add_argument("--json", type=Path)
         step.add_argument("--markdown", type=Path)
+    look = sub.add_parser("profile", help="each workload once under the torch profiler, "
+                          "on the engines a run kept")  # fmt: skip
+    look.add_argument("dir", type=Path)
+    look.add_argument("--workloads", nargs="+", metavar="KIND",
+                      help="only these (default: those of the run)")  # fmt: skip
+    look.add_argument("--deadline", type=float, default=300.0, help="seconds for this step")
+    look.add_argument("--keep", action="store_true", help="leave the engines up")
+    look.add_argument("--markdown", type=Path)
     again = sub.add_parser("table", help="print the tables of a results file again")
     again.add_argument("results", type=Path, help="the --json file (or DIR/results.json)")
     again.add_argument("--markdown", type=Path)
@@ -798,6 +891,8 @@ def main() -> int:
     if args.step == "table":
         results = json.loads(args.results.read_text())
         text = table(results, results["meta"])
+        if results.get("profiles"):
+            text += "\n\n" + profile_table(results)
         print(text)
         if args.markdown:
             args.markdown.write_text(text + "\n")
@@ -817,13 +912,32 @@ def main() -> int:
               pick_workloads(args.workloads))  # fmt: skip
         wait_for_file(args.after, deadline)
     results, engines = attach(args.dir)
-    if args.step == "more" and args.workloads:
+    if args.step in ("more", "profile") and args.workloads:
         results["workloads"] = pick_workloads(args.workloads)
+    if args.step == "profile":
+        return profile_step(args, results, engines, deadline)
     measure(args.dir, results, engines, args.rounds, deadline)
     if not args.keep:
         for engine in engines.values():
             engine.stop()
     report(results, args)
+    return 0
+
+
+def profile_step(args, results: dict, engines: dict[str, Engine], deadline: float) -> int:
+    """`profile`: the profiles into DIR/results.json, their table printed (and written)."""
+    try:
+        profile(results, engines, deadline)
+    except (RuntimeError, TimeoutError) as exc:  # keep what was profiled
+        results["errors"]["profile"] = str(exc)
+    save_partial(args.dir, results)
+    if not args.keep:
+        for engine in engines.values():
+            engine.stop()
+    text = profile_table(results)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
     return 0
 
 

@@ -3,7 +3,9 @@ the per-round ratios and the GPU memory line that backs the memory claim in the 
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -124,3 +126,60 @@ def test_a_same_tree_configuration_can_be_the_base(slim_tree_0260, tmp_path):
     assert sites["default-gemv"]["env"] == {"PATCHKIT_LORA_GEMV": "0"}
     assert sites["default-gemv"]["site"] == sites["default"]["site"]
     assert "matmul-add-lora-linear" in sites["default"]["patches"]
+
+
+def trace(path, events):
+    """A trace as vLLM's torch profiler writes it (Chrome trace JSON, gzip)."""
+    with gzip.open(path, "wt") as out:
+        json.dump({"traceEvents": events}, out)
+    return path
+
+
+def kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_a_trace_summary_counts_overlapping_kernels_once_per_step(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import kernel_trace
+
+    events = [
+        kernel("nvjet_gemm", 0, 10),
+        kernel("_gemv_shrink_kernel", 5, 10),  # overlaps the GEMM: busy 0-15
+        kernel("_fused_moe_lora_kernel", 20, 4),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+        kernel("nvjet_gemm", 30, 10),
+    ]
+    found = kernel_trace.summary([trace(tmp_path / "w.pt.trace.json.gz", events)], steps=2)
+    assert found["gpu_busy_us"] == (15 + 4 + 10) / 2
+    assert found["window_us"] == 40 / 2
+    assert found["kernels"] == 4 / 2
+    assert (found["lora_us"], found["lora_kernels"]) == ((10 + 4) / 2, 1.0)
+    assert found["top"][0] == ["nvjet_gemm", 1.0, 10.0]
+
+
+def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+    durations = {"unpatched": 30, "default": 20}
+
+    def profiled(name):
+        def ask(workload, round_, deadline, profile=False):
+            assert profile and round_ == 1
+            path = tmp_path / f"{name}-{workload}.pt.trace.json.gz"
+            trace(path, [kernel(f"_lora_{name}", 0, durations[name] * 256)])
+            return {"workload": workload, "round": 1, "seconds": 0.512, "traces": [str(path)]}
+
+        return ask
+
+    for name, engine in fake.engines.items():
+        engine.ask = profiled(name)
+    results = {"configs": {"unpatched": {}, "default": {}}, "rounds": [], "errors": {},
+               "workloads": ["decode_b1_lora"]}  # fmt: skip
+    module.profile(results, fake.engines, deadline=float("inf"))
+    assert results["profiles"]["default"]["decode_b1_lora"]["lora_us"] == 20
+    text = module.profile_table(results)
+    assert "| decode_b1_lora | unpatched | 2000 | 30 | 0 | 30 (0) |" in text
+    assert "| decode_b1_lora | default | 2000 | 20 | 0 | 20 (0) |" in text
+    assert "Top kernels, decode_b1_lora, default" in text
