@@ -49,8 +49,9 @@ Steps (the GPU host has no network; see ../shared/device):
         [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
         [--markdown FILE]
   python scripts/bench_serving.py more DIR [--rounds N] [--deadline S] [--workloads KIND ...]
-        [--keep] [...]   (--rounds counts from the run's first round; a workload new to the
-        engines is warmed up first, uncounted)
+        [--leg-seconds S] [--keep] [...]   (--rounds counts from the run's first round; a
+        workload new to the engines is warmed up first, uncounted; --leg-seconds, on run
+        too: each leg repeats its requests for at least S seconds)
   python scripts/bench_serving.py profile DIR [--workloads KIND ...] [--keep] [--markdown FILE]
         each workload once per engine under vLLM's torch profiler: GPU busy time, kernels
         and LoRA's kernels per engine step (scripts/kernel_trace.py), into DIR/results.json
@@ -346,7 +347,7 @@ def worker(work: Path, name: str) -> None:
             result = profiled(llm, SamplingParams, requests, command, profile_dir(work, name))
         else:
             result = run_workload(llm, SamplingParams, requests, command["workload"],
-                                  command["round"])  # fmt: skip
+                                  command["round"], command.get("min_seconds", 0.0))  # fmt: skip
         mailbox.answer({"id": command["id"], **result, **gpu_peak(llm)})
 
 
@@ -409,7 +410,12 @@ def host_cpu() -> dict:
     return {"cpu_s": times.user + times.system, "steal_s": steal}
 
 
-def run_workload(llm, sampling_params, requests, name: str, round_: int) -> dict:
+def run_workload(llm, sampling_params, requests, name: str, round_: int,
+                 min_seconds: float = 0.0) -> dict:  # fmt: skip
+    """One leg: the workload's requests, generated again until the leg has lasted
+    `min_seconds` (a counted round's legs; the warm-up runs them once). Where the
+    host's decode speed changes level within seconds, a longer leg averages over
+    the levels instead of landing on one."""
     spec = WORKLOADS[name]
     rnd = random.Random(f"{name}-{round_}")
     prompts = [
@@ -423,13 +429,18 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int) -> dict
         lora = [requests[(round_ + i) % len(requests)] for i in range(spec["n"])]
     before = host_cpu()
     started = time.perf_counter()
-    results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-    seconds = time.perf_counter() - started
+    calls = generated = 0
+    while True:
+        results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        calls += 1
+        generated += sum(len(r.outputs[0].token_ids) for r in results)
+        seconds = time.perf_counter() - started
+        if round_ == 0 or seconds >= min_seconds:
+            break
     after = host_cpu()
-    generated = sum(len(r.outputs[0].token_ids) for r in results)
-    counted = spec["n"] * spec["prompt"] if spec["out"] == 1 else generated
+    counted = calls * spec["n"] * spec["prompt"] if spec["out"] == 1 else generated
     return {"workload": name, "round": round_, "seconds": seconds, "tok_s": counted / seconds,
-            "generated": generated, "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "generated": generated, "calls": calls, "cpu_s": after["cpu_s"] - before["cpu_s"],
             "steal_s": after["steal_s"] - before["steal_s"]}  # fmt: skip
 
 
@@ -531,10 +542,15 @@ class Engine:
             os.set_blocking(fd, True)
             return os.fdopen(fd, "w")
 
-    def ask(self, workload: str, round_: int, deadline: float, profile: bool = False) -> dict:
+    def ask(self, workload: str, round_: int, deadline: float, profile: bool = False,
+            min_seconds: float = 0.0) -> dict:  # fmt: skip
         ident = f"{workload}-{round_}-{time.time_ns()}"
         command = {"id": ident, "workload": workload, "round": round_}
-        self.send({**command, "profile": True} if profile else command, deadline)
+        if profile:
+            command["profile"] = True
+        if min_seconds:
+            command["min_seconds"] = min_seconds
+        self.send(command, deadline)
         answer = self.wait_for(lambda m: m.get("id") == ident, deadline)
         return {k: v for k, v in answer.items() if k != "id"}
 
@@ -621,7 +637,8 @@ def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], r
     try:
         for workload in workloads:
             for leg, name in mirrored(order):
-                result = engines[name].ask(workload, round_, deadline)
+                leg_s = results.get("leg_seconds", 0.0)
+                result = engines[name].ask(workload, round_, deadline, min_seconds=leg_s)
                 results["rounds"].append({"config": name, "leg": leg, **result})
     except (RuntimeError, TimeoutError) as exc:  # keep what was measured
         results["errors"]["run"] = f"round {round_}: {exc}"
@@ -855,6 +872,9 @@ def main() -> int:
         step.add_argument("--keep", action="store_true", help="leave the engines up for `more`")
         step.add_argument("--json", type=Path)
         step.add_argument("--markdown", type=Path)
+        step.add_argument("--leg-seconds", type=float, metavar="S",
+                          help="each counted leg repeats its requests until it has lasted S "
+                               "seconds (default: once; for `more`, as the run did)")  # fmt: skip
     look = sub.add_parser("profile", help="each workload once under the torch profiler, "
                           "on the engines a run kept")  # fmt: skip
     look.add_argument("dir", type=Path)
@@ -914,6 +934,8 @@ def main() -> int:
     results, engines = attach(args.dir)
     if args.step in ("more", "profile") and args.workloads:
         results["workloads"] = pick_workloads(args.workloads)
+    if getattr(args, "leg_seconds", None) is not None:
+        results["leg_seconds"] = args.leg_seconds
     if args.step == "profile":
         return profile_step(args, results, engines, deadline)
     measure(args.dir, results, engines, args.rounds, deadline)

@@ -62,8 +62,9 @@ class Engines:
         def __init__(self, outer, name):
             self.outer, self.name = outer, name
 
-        def ask(self, workload, round_, deadline):
+        def ask(self, workload, round_, deadline, min_seconds=0.0):
             self.outer.asked.append((self.name, workload, round_))
+            self.outer.leg_seconds = min_seconds
             return {"workload": workload, "round": round_, "seconds": 1.0, "tok_s": 100.0}
 
 
@@ -91,7 +92,7 @@ def test_a_round_that_failed_is_dropped_with_its_error(tmp_path):
     module = bench()
     fake = Engines(["unpatched", "default"])
 
-    def broken(workload, round_, deadline):
+    def broken(workload, round_, deadline, min_seconds=0.0):
         if round_ == 2:
             raise TimeoutError("no answer")
         return {"workload": workload, "round": round_, "seconds": 1.0, "tok_s": 100.0}
@@ -183,3 +184,46 @@ def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, mon
     assert "| decode_b1_lora | unpatched | 2000 | 30 | 0 | 30 (0) |" in text
     assert "| decode_b1_lora | default | 2000 | 20 | 0 | 20 (0) |" in text
     assert "Top kernels, decode_b1_lora, default" in text
+
+
+class Clock:
+    """perf_counter for run_workload: each generate call takes `per_call` seconds."""
+
+    def __init__(self, per_call):
+        self.now, self.per_call = 0.0, per_call
+
+    def perf_counter(self):
+        return self.now
+
+
+class LLM:
+    def __init__(self, clock):
+        self.clock, self.calls = clock, 0
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        self.calls += 1
+        self.clock.now += self.clock.per_call
+        tokens = type("Out", (), {"token_ids": [0] * params["max_tokens"]})
+        return [type("Result", (), {"outputs": [tokens]}) for _ in prompts]
+
+
+def test_a_leg_repeats_its_requests_until_it_has_lasted_its_seconds(monkeypatch):
+    module = bench()
+    clock = Clock(per_call=0.7)
+    monkeypatch.setattr(module.time, "perf_counter", clock.perf_counter)
+    llm = LLM(clock)
+    leg = module.run_workload(llm, dict, ["a0", "a1"], "decode_b4_lora", 3, min_seconds=2.0)
+    assert (llm.calls, leg["calls"], leg["generated"]) == (3, 3, 3 * 4 * 256)
+    assert leg["tok_s"] == pytest.approx(3 * 4 * 256 / (3 * 0.7))
+    warm = module.run_workload(llm, dict, ["a0"], "decode_b4_lora", 0, min_seconds=2.0)
+    assert warm["calls"] == 1  # the warm-up runs once
+    prefill = module.run_workload(llm, dict, ["a0"], "prefill_lora", 1, min_seconds=1.0)
+    assert prefill["tok_s"] == pytest.approx(2 * 16 * 4096 / (2 * 0.7))
+
+
+def test_the_leg_seconds_reach_every_engine_in_every_round(tmp_path):
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+    results = {"rounds": [], "errors": {}, "workloads": ["decode_b1_lora"], "leg_seconds": 2.5}
+    module.measure(tmp_path, results, fake.engines, 1, deadline=float("inf"))
+    assert fake.leg_seconds == 2.5
