@@ -29,6 +29,14 @@
 # build, and the proofs are e2e-tp1 and model-tp1 side by side on GPU 1 while
 # the benchmark has GPU 0 to itself, its rounds from the start (no wait for the
 # proofs), until GS_BENCH_END.
+# GS_PLAN=serving (one H200, about 1,500 s; calls b1, b3, b2, collect, collect): the
+# serving benchmark alone, unpatched against the default set, on the adapter sets
+# of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
+# a later set of a model links the first one's weights). Every set's engines start
+# together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
+# (legs of GS_LEG_S seconds, 2 by default), each workload once under the torch
+# profiler (`bench_serving.py profile`), and batch 64 and prefill rounds, within
+# GS_BENCH_END (1,300 s for this plan) of the start.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -60,6 +68,8 @@ OUT=${OUT:-$G/out}
 SEED=${GS_SEED:-11}
 RUN_LIMIT=${GS_RUN_LIMIT:-1500}     # one verify run, at most
 BENCH_END=${GS_BENCH_END:-1100}     # the benchmark ends this long after the proofs start
+[ "${GS_PLAN:-}" = serving ] && BENCH_END=${GS_BENCH_END:-1300}
+SETS=${GS_SETS:-m8=moe35b:8x16 d16=dense27b:16x64}
 export PYTHONUNBUFFERED=1
 # The host keeps NVLink multicast off (KINDS.md); every child inherits these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -81,7 +91,8 @@ pack() {
   local tarball=$OUT/gs-$1.tar.gz limit=${2:-3M}
   (cd "$G" && find . -type f -size -"$limit" ! -name '*.safetensors' ! -name '*.pt' \
     ! -path './out/*' ! -path './repo/*' ! -path '*/vllm-cache*' ! -path './bench/cache/*' \
-    ! -path './bench/sites/*' ! -path '*/torch_compile_cache/*' -print0 |
+    ! -path './bench/sites/*' ! -path '*/torch_compile_cache/*' ! -path './bench-*/sites/*' \
+    ! -path './bench-*/cache/*' ! -path './bench-*/profiles/*' -print0 |
     tar czf "$tarball" --null -T -)
   if [ "$(stat -c %s "$tarball")" -gt 15000000 ]; then
     [ "$limit" = 300k ] || { pack "$1" 300k; return; }
@@ -110,6 +121,7 @@ s = json.load(open(sys.argv[1]))['proofs']; print({k: v.get('checks', v) for k, 
     "$G/probe/summary.json" 2>&1 | cut -c1-600
   [ -f "$G/probe-kernels.txt" ] && grep -v '^check ' "$G/probe-kernels.txt" | tail -8
   [ -f "$G/bench/serving.md" ] && head -12 "$G/bench/serving.md"
+  for f in "$G"/serving-*.md; do [ -e "$f" ] && { echo "== $(basename "$f")"; grep '^|' "$f" | head -14; }; done
   [ -f "$G/bench.log" ] && tail -3 "$G/bench.log"
   tail -2 "$G/smi.log" 2>/dev/null
 }
@@ -180,6 +192,59 @@ bench() {
   say "bench: exit $?"
 }
 
+# build_sets: each set of GS_SETS built on /dev/shm (the MoE's weights are 13.6 GB), the
+# first set of a model writing the weights and the others linking them; each set's
+# work folder $G/bench-NAME (beside /opt, for the hard-linked trees) links its files
+build_sets() {
+  local first_dense="" first_moe="" set name model count rank from
+  for set in $SETS; do
+    name=${set%%=*} model=${set#*=} count=${model#*:} model=${model%%:*}
+    rank=${count#*x} count=${count%x*} from=()
+    [ "$model" = moe35b ] && [ -n "$first_moe" ] && from=(--model-from "$first_moe")
+    [ "$model" = dense27b ] && [ -n "$first_dense" ] && from=(--model-from "$first_dense")
+    do_ python3 scripts/bench_serving.py build "/dev/shm/gs-bench/$name" --model "$model" \
+      --adapters "$count" --rank "$rank" "${from[@]}" >"$G/build-$name.txt" 2>&1
+    echo "exit $?" >>"$G/build-$name.txt"
+    [ "$model" = moe35b ] && first_moe=${first_moe:-/dev/shm/gs-bench/$name}
+    [ "$model" = dense27b ] && first_dense=${first_dense:-/dev/shm/gs-bench/$name}
+    mkdir -p "$G/bench-$name"
+    for entry in /dev/shm/gs-bench/"$name"/*; do [ -e "$entry" ] && ln -sfn "$entry" "$G/bench-$name/"; done
+  done
+}
+
+# serving: the GS_PLAN=serving benchmark (see the header), unpatched /opt/pristine
+# against the default set
+serving() {
+  local set name left sets=() starts=() leg=${GS_LEG_S:-2}
+  for set in $SETS; do sets+=("${set%%=*}"); done
+  local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
+    BENCH_GPU_MEMORY=0.10 python3 scripts/bench_serving.py)
+  say "serving: starting the engines of ${sets[*]}"
+  for name in "${sets[@]}"; do
+    do_ "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs default \
+      --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
+      --deadline $((BENCH_END - SECONDS)) >"$G/serving-start-$name.log" 2>&1 &
+    starts+=($!)
+  done
+  wait "${starts[@]}" # not a bare wait: the proofs step's GPU monitor runs until all.done
+  say "serving: engines up"
+  for name in "${sets[@]}"; do # batch 1 and 4: half of what is left, shared by the sets
+    left=$(((BENCH_END - SECONDS) / 2 / ${#sets[@]}))
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
+      --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
+    do_ "${bs[@]}" profile "$G/bench-$name" --keep --markdown "$G/serving-profile-$name.md" \
+      >"$G/serving-profile-$name.log" 2>&1
+    say "serving: $name batch 1 and 4 done"
+  done
+  for name in "${sets[@]}"; do # batch 64 and prefill with what is left; the engines stop
+    left=$(((BENCH_END - SECONDS) / ${#sets[@]}))
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" \
+      --workloads decode_b64 prefill --json "$G/serving-$name.json" \
+      --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
+    say "serving: $name done"
+  done
+}
+
 case $STEP in
   b1)
     do_ bash .devtools/unpack.sh .devbundle/b1
@@ -194,6 +259,11 @@ case $STEP in
     pack b1
     ;;
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
+    if [ "${GS_PLAN:-}" = serving ]; then
+      build_sets
+      touch "$G/build.done"
+      exit 0
+    fi
     if [ "${GS_PLAN:-}" != probe ]; then
       (do_ python3 scripts/proofs/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
         echo "exit $?" >>"$G/build-wide.txt") &
@@ -251,6 +321,12 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
+    if [ "${GS_PLAN:-}" = serving ]; then
+      serving
+      touch "$G/proofs.done" "$G/all.done"
+      say "all done"
+      exit 0
+    fi
     if [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
       # one GPU: an engine counts what others allocate during its memory
       # profile as its own (docs/evidence.md), so nothing starts beside it
