@@ -36,9 +36,14 @@ def read_events(path: Path) -> list[dict]:
         return json.load(trace)["traceEvents"]
 
 
+# What the GPU runs, as the torch profiler names it: kernels, memsets, copies.
+GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")
+
+
 def kernels(events: list[dict]) -> list[dict]:
-    """The GPU kernel events (complete events of category "kernel")."""
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    """The GPU's work: complete events of a GPU_WORK category (a memset or a copy
+    occupies the step's GPU time as a kernel does)."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK]
 
 
 def busy_us(found: list[dict]) -> float:

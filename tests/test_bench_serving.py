@@ -150,11 +150,12 @@ def test_a_trace_summary_counts_overlapping_kernels_once_per_step(tmp_path, monk
         kernel("_fused_moe_lora_kernel", 20, 4),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
         kernel("nvjet_gemm", 30, 10),
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 50, "dur": 2},
     ]
     found = kernel_trace.summary([trace(tmp_path / "w.pt.trace.json.gz", events)], steps=2)
-    assert found["gpu_busy_us"] == (15 + 4 + 10) / 2
-    assert found["window_us"] == 40 / 2
-    assert found["kernels"] == 4 / 2
+    assert found["gpu_busy_us"] == (15 + 4 + 10 + 2) / 2
+    assert found["window_us"] == 52 / 2
+    assert found["kernels"] == 5 / 2
     assert (found["lora_us"], found["lora_kernels"]) == ((10 + 4) / 2, 1.0)
     assert found["top"][0] == ["nvjet_gemm", 1.0, 10.0]
 
