@@ -242,33 +242,49 @@ def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
 
 
 # A prefill of 1000 tokens (not 16-divisible) and one of 4096: Triton specialises the
-# launches apart, and the fp32 expand compiles to the same machine code for both.
-TWO_PREFILLS = "down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4096 tokens, rank 64"
+# launches apart, and the fp32 expand compiles to the same machine code for both. A
+# decode of one token: its small blocks compile to mma.sync, no wgmma.
+THREE_CALLS = ("down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4096 tokens, "
+               "rank 64|down_proj (1 slice), 1 tokens, rank 64")  # fmt: skip
 
 
 @pytest.mark.network
-def test_the_same_machine_code_is_disassembled_once(tmp_path):
+def test_the_same_machine_code_is_disassembled_once_and_only_where_ptx_has_wgmma(tmp_path):
     """Every compile is still made, but a cubin identical to one already read is not
-    disassembled again: one disassembler run per distinct cubin the scan compiled."""
+    disassembled again, and one whose PTX has no wgmma is not disassembled at all: one
+    disassembler run per distinct cubin with a wgmma in its PTX. Those left unread do
+    disassemble to SASS without an HGMMA, as their no-register-operand verdict says."""
+    from patchkit.doctor import sass
+
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")
     triton_cache, trace = tmp_path / "triton", tmp_path / "execve"
     caches = {"TRITON_CACHE_DIR": str(triton_cache), "PATCHKIT_CACHE_DIR": str(tmp_path / "pk")}
     execs = [STRACE, "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-o", str(trace)]
     done = subprocess.run(
-        [*execs, sys.executable, "-c", SCAN, str(release_tree("0.26.0")), TWO_PREFILLS],
+        [*execs, sys.executable, "-c", SCAN, str(release_tree("0.26.0")), THREE_CALLS],
         capture_output=True, text=True, env={**scan_env(), **caches}, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     scan = json.loads(done.stdout)
     read = [c for c in scan["cases"] if c["verdict"] in READ]
-    cubins = [p.read_bytes() for p in triton_cache.rglob("*.cubin")]
-    distinct = len(set(cubins))
-    assert len(cubins) == len(read)  # one compile per case, each read
-    assert distinct < len(cubins)  # the two prefills share machine code
+    cubins = {p: p.read_bytes() for p in triton_cache.rglob("*.cubin")}
+    with_wgmma = {b for p, b in cubins.items() if "wgmma" in p.with_suffix(".ptx").read_text()}
+    without = set(cubins.values()) - with_wgmma
+    assert len(cubins) == len(read)  # one compile per case, each with a verdict
+    assert len(with_wgmma) < len([b for b in cubins.values() if b in with_wgmma])  # shared code
+    assert with_wgmma and without  # the decode's kernels have no wgmma, the prefills' do
     disassembler = re.escape(scan["disassembler"])  # cuobjdump runs nvdisasm: count one
     runs = re.findall(rf'execve\("[^"]*/{disassembler}"', trace.read_text())
-    assert len(runs) == distinct
+    assert len(runs) == len(with_wgmma)
+    tool = triton_site() / "triton/backends/nvidia/bin" / scan["disassembler"]
+    for n, cubin in enumerate(without):
+        (tmp_path / f"{n}.cubin").write_bytes(cubin)
+        listing = subprocess.run([str(tool), "-sass", str(tmp_path / f"{n}.cubin")],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert sass.parse(listing) and sass.scan(listing).hgmma == 0
+    unread = [c for c in scan["cases"] if c["verdict"] == "no-register-operand"]
+    assert unread and all(c["hgmma"] == 0 and not c["hazards"] for c in unread)
 
 
 @pytest.mark.network

@@ -10,7 +10,10 @@ The SASS of a compile is read once per distinct machine code: launches that
 Triton specialises apart (a size divisible by 16 or not, the same kernel at
 another source line in another release) often compile to the same cubin,
 byte for byte, and a reading depends only on the cubin and the disassembler.
-Disassembling is about half of a cold compile's time.
+Disassembling is about half of a cold compile's time, so a compile whose
+PTX has no wgmma instruction is not disassembled: its SASS cannot hold an
+HGMMA (:func:`patchkit.doctor.sass.wgmma_possible`), so its reading is
+known (``no-register-operand``, nothing found) without it.
 """
 
 from __future__ import annotations
@@ -125,13 +128,17 @@ def read_all(
 def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
     """Compile, disassemble and scan one launch; a compile error is a reading too."""
     try:
-        cubin = launch.jit.preload(launch.data).asm["cubin"]
+        asm = launch.jit.preload(launch.data).asm
+        cubin = asm["cubin"]
     except Exception as exc:  # a compile error is a finding to report, not a crash
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         where = f"{lines[0]} " if len(lines) > 1 else ""  # Triton's "at 191:23:", then the cause
         return Reading(
             "error", error=f"{type(exc).__name__}: {where}{lines[-1]}"[:300], compiled=False
         )
+    ptx = asm.get("ptx")
+    if isinstance(ptx, str) and not sass.wgmma_possible(ptx):
+        return without_wgmma()
     key = machine_code_key(cubin, disassemble)
     with _reading_lock(key):  # another thread of this scan may be reading the same cubin
         cached = _cached(key)
@@ -141,6 +148,12 @@ def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
         if reading.verdict != "error":
             _store(key, reading)
     return reading
+
+
+def without_wgmma() -> Reading:
+    """The reading of a compile whose PTX has no wgmma: what its SASS would show."""
+    findings = sass.Findings()
+    return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
 
 
 def _disassemble(cubin: bytes, disassemble: list[str], path: Path) -> Reading:
