@@ -11,6 +11,7 @@ that Triton (keyed by its version), so a second run compiles nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -249,12 +250,15 @@ THREE_CALLS = ("down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4
 
 
 @pytest.mark.network
-def test_the_same_machine_code_is_disassembled_once_and_only_where_ptx_has_wgmma(tmp_path):
-    """Every compile is still made, but a cubin identical to one already read is not
-    disassembled again, and one whose PTX has no wgmma is not disassembled at all: one
-    disassembler run per distinct cubin with a wgmma in its PTX. Those left unread do
-    disassemble to SASS without an HGMMA, as their no-register-operand verdict says."""
-    from patchkit.doctor import sass
+def test_the_machine_code_is_disassembled_in_one_run_per_core_and_only_where_ptx_has_wgmma(
+    tmp_path,
+):
+    """Every compile is still made, but only the distinct cubins whose PTX has a wgmma
+    are disassembled, all of them in one raw nvdisasm run per core (not a cuobjdump per
+    cubin). Those left unread do disassemble to SASS without an HGMMA, as their
+    no-register-operand verdict says; the raw run reads the others as cuobjdump does,
+    hazards and their addresses included, wherever a kernel lies in the run."""
+    from patchkit.doctor import cubinfile, kernelbuild, sass
 
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")
@@ -274,17 +278,27 @@ def test_the_same_machine_code_is_disassembled_once_and_only_where_ptx_has_wgmma
     assert len(cubins) == len(read)  # one compile per case, each with a verdict
     assert len(with_wgmma) < len([b for b in cubins.values() if b in with_wgmma])  # shared code
     assert with_wgmma and without  # the decode's kernels have no wgmma, the prefills' do
-    disassembler = re.escape(scan["disassembler"])  # cuobjdump runs nvdisasm: count one
-    runs = re.findall(rf'execve\("[^"]*/{disassembler}"', trace.read_text())
-    assert len(runs) == len(with_wgmma)
-    tool = triton_site() / "triton/backends/nvidia/bin" / scan["disassembler"]
-    for n, cubin in enumerate(without):
-        (tmp_path / f"{n}.cubin").write_bytes(cubin)
-        listing = subprocess.run([str(tool), "-sass", str(tmp_path / f"{n}.cubin")],
-                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
-        assert sass.parse(listing) and sass.scan(listing).hgmma == 0
-    unread = [c for c in scan["cases"] if c["verdict"] == "no-register-operand"]
-    assert unread and all(c["hgmma"] == 0 and not c["hazards"] for c in unread)
+    execs = re.findall(r'execve\("[^"]*/(cuobjdump|nvdisasm)"', trace.read_text())
+    assert execs == ["nvdisasm"] * min(len(with_wgmma), os.cpu_count() or 2)
+
+    bin_dir = triton_site() / "triton/backends/nvidia/bin"
+    alone = {}  # what cuobjdump on each cubin shows
+    for n, cubin in enumerate([*with_wgmma, *without]):
+        path = tmp_path / f"{n}.cubin"
+        path.write_bytes(cubin)
+        cuobjdump = [str(bin_dir / "cuobjdump"), "-sass", str(path)]
+        listing = subprocess.run(cuobjdump, capture_output=True, text=True, check=True).stdout
+        assert sass.parse(listing)
+        alone[cubin] = sass.scan(listing)
+    assert all(alone[c].hgmma == 0 for c in without)
+    assert any(alone[c].hazards for c in with_wgmma)  # the prefill's fp32 expand
+    for order in (sorted(with_wgmma), sorted(with_wgmma, reverse=True)):  # each kernel moved
+        batch = [(str(n), cubinfile.code(c)) for n, c in enumerate(order)]
+        raw = kernelbuild.read_raw(batch, str(bin_dir / "nvdisasm"))
+        got = {c: raw[str(n)] for n, c in enumerate(order)}
+        assert {c: (r.hgmma, r.register_a, r.hazards) for c, r in got.items()} == {
+            c: (alone[c].hgmma, alone[c].register_a, alone[c].hazards) for c in order
+        }
 
 
 @pytest.mark.network
