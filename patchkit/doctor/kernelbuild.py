@@ -160,8 +160,8 @@ def read_machine_code(
     found: dict[str, Reading] = {}
     raw_tool = raw_disassembler(disassemble)
     raw = {key: cubinfile.code(c) for key, c in cubins.items() if key not in cached and raw_tool}
-    batches = _batches([(key, code) for key, code in raw.items() if code is not None])
-    for read in pool.map(lambda batch: read_raw(batch, raw_tool), batches):
+    dealt = batches([(key, code) for key, code in raw.items() if code is not None])
+    for read in pool.map(lambda batch: read_raw(batch, raw_tool), dealt):
         found.update(read)
     rest = [(key, c) for key, c in cubins.items() if key not in cached and key not in found]
     with tempfile.TemporaryDirectory(prefix="patchkit-kernels-") as tmp:
@@ -181,7 +181,7 @@ def raw_disassembler(disassemble: list[str]) -> str | None:
     return str(nvdisasm) if nvdisasm.is_file() else None
 
 
-def _batches(items: list, count: int | None = None) -> list[list]:
+def batches(items: list, count: int | None = None) -> list[list]:
     """``items`` dealt into ``count`` (the cores) batches, one disassembler run each."""
     count = max(1, min(count or os.cpu_count() or 2, len(items)))
     return [items[n::count] for n in range(count)] if items else []
