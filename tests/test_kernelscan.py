@@ -482,6 +482,57 @@ def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_pic
     assert any(c.get("rank") == 1 for c in shrink) and any(c.get("stride_w") == 1 for c in expand)
 
 
+def elf(sections: list[tuple[str, bytes]]) -> bytes:
+    """A little-endian ELF64 file holding ``sections`` (after the null one), names last."""
+    import struct
+
+    names = b"\0" + b"".join(name.encode() + b"\0" for name, _ in sections) + b".shstrtab\0"
+    body, placed = b"", []
+    for name, data in sections:
+        placed.append((names.index(name.encode() + b"\0"), 64 + len(body), len(data)))
+        body += data
+    placed.append((len(names) - len(".shstrtab\0"), 64 + len(body), len(names)))
+    body += names
+    offset, count = 64 + len(body), len(placed) + 1
+    header = (
+        b"\x7fELF\x02\x01\x01"
+        + bytes(9)
+        + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, offset, 0, 64, 0, 0, 64, count, count - 1)
+    )
+    table = bytes(64) + b"".join(
+        struct.pack("<IIQQQQIIQQ", name, 1, 0, 0, at, size, 0, 0, 1, 0) for name, at, size in placed
+    )
+    return header + body + table
+
+
+def test_a_cubins_raw_code_is_its_one_code_section_or_none():
+    """The raw run reads a cubin's code only where it is the whole program: one code
+    section, no relocation against it, whole instructions; else the cubin is read alone."""
+    from patchkit.doctor import cubinfile
+
+    code = bytes(range(32))  # two 16-byte instructions
+    assert cubinfile.code(elf([(".text._k", code), (".nv.info._k", b"x")])) == code
+    assert cubinfile.code(elf([(".text._k", code), (".rela.text._k", bytes(24))])) is None
+    assert cubinfile.code(elf([(".text._k", code), (".rela.text._k", b"")])) == code
+    assert cubinfile.code(elf([(".text._k", code), (".text._f", code)])) is None
+    assert cubinfile.code(elf([(".text._k", code[:24])])) is None  # not whole instructions
+    assert cubinfile.code(elf([(".nv.info._k", b"x")])) is None
+    whole = elf([(".text._k", code)])
+    assert cubinfile.code(whole[: len(whole) - 70]) is None  # its section table cut short
+    assert cubinfile.code(b"\x7fELF\x01\x01" + whole[6:]) is None  # ELF32
+    assert cubinfile.code(b"not an ELF file") is None
+
+
+def test_the_raw_runs_hold_at_most_a_batch_each_and_one_per_core_at_least():
+    from patchkit.doctor.kernelbuild import RAW_BATCH, batches
+
+    for count in (0, 1, 2, 3, RAW_BATCH * 2, RAW_BATCH * 2 + 1, 200):
+        dealt = batches(list(range(count)), cores=2)
+        assert sorted(n for batch in dealt for n in batch) == list(range(count))
+        assert all(0 < len(batch) <= RAW_BATCH for batch in dealt)
+        assert len(dealt) == min(count, max(2, -(-count // RAW_BATCH)))
+
+
 @pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])
 def test_the_scan_takes_every_rank_the_release_admits(version):
     """The GEMV calls' ranks are vLLM's MaxLoRARanks, as the release's config says."""

@@ -28,7 +28,9 @@ def code(cubin: bytes) -> bytes | None:
     except (struct.error, ValueError, IndexError):
         return None
     texts = [body for name, body in sections if name.startswith(".text.")]
-    relocated = any(name.startswith(".rela.text") and body for name, body in sections)
+    relocated = any(
+        name.startswith((".rel.text", ".rela.text")) and body for name, body in sections
+    )
     if len(texts) != 1 or relocated or not texts[0] or len(texts[0]) % INSTRUCTION_BYTES:
         return None
     return texts[0]

@@ -38,6 +38,7 @@ from patchkit.fs.files import decode_json, read_json_file, write_cache_file
 
 FORMAT = 1  # bump when a cached reading would mean something else
 MAX_SCAN_BYTES = 64 << 20  # a remembered scan of a few hundred cases is a few MB
+RAW_BATCH = 32  # cubins per raw nvdisasm run: a listing of about 15 MB, 32 starts saved
 
 
 @dataclass
@@ -181,10 +182,12 @@ def raw_disassembler(disassemble: list[str]) -> str | None:
     return str(nvdisasm) if nvdisasm.is_file() else None
 
 
-def batches(items: list, count: int | None = None) -> list[list]:
-    """``items`` dealt into ``count`` (the cores) batches, one disassembler run each."""
-    count = max(1, min(count or os.cpu_count() or 2, len(items)))
-    return [items[n::count] for n in range(count)] if items else []
+def batches(items: list, cores: int | None = None) -> list[list]:
+    """``items`` dealt into one batch per core, one disassembler run each, and more
+    batches where one would hold more than RAW_BATCH (a run's listing is held whole)."""
+    count = max(cores or os.cpu_count() or 2, -(-len(items) // RAW_BATCH))
+    count = min(count, len(items))
+    return [items[n::count] for n in range(count)]
 
 
 def read_raw(batch: list[tuple[str, bytes]], nvdisasm: str) -> dict[str, Reading]:
