@@ -11,6 +11,7 @@ that Triton (keyed by its version), so a second run compiles nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -242,33 +243,62 @@ def test_triton_ptxas_path_is_the_ptxas_the_scan_uses():
 
 
 # A prefill of 1000 tokens (not 16-divisible) and one of 4096: Triton specialises the
-# launches apart, and the fp32 expand compiles to the same machine code for both.
-TWO_PREFILLS = "down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4096 tokens, rank 64"
+# launches apart, and the fp32 expand compiles to the same machine code for both. A
+# decode of one token: its small blocks compile to mma.sync, no wgmma.
+THREE_CALLS = ("down_proj (1 slice), 1000 tokens, rank 64|down_proj (1 slice), 4096 tokens, "
+               "rank 64|down_proj (1 slice), 1 tokens, rank 64")  # fmt: skip
 
 
 @pytest.mark.network
-def test_the_same_machine_code_is_disassembled_once(tmp_path):
-    """Every compile is still made, but a cubin identical to one already read is not
-    disassembled again: one disassembler run per distinct cubin the scan compiled."""
+def test_the_machine_code_is_disassembled_in_one_run_per_core_and_only_where_ptx_has_wgmma(
+    tmp_path,
+):
+    """Every compile is still made, but only the distinct cubins whose PTX has a wgmma
+    are disassembled, all of them in one raw nvdisasm run per core (not a cuobjdump per
+    cubin). Those left unread do disassemble to SASS without an HGMMA, as their
+    no-register-operand verdict says; the raw run reads the others as cuobjdump does,
+    hazards and their addresses included, wherever a kernel lies in the run."""
+    from patchkit.doctor import cubinfile, kernelbuild, sass
+
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")
     triton_cache, trace = tmp_path / "triton", tmp_path / "execve"
     caches = {"TRITON_CACHE_DIR": str(triton_cache), "PATCHKIT_CACHE_DIR": str(tmp_path / "pk")}
     execs = [STRACE, "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-o", str(trace)]
     done = subprocess.run(
-        [*execs, sys.executable, "-c", SCAN, str(release_tree("0.26.0")), TWO_PREFILLS],
+        [*execs, sys.executable, "-c", SCAN, str(release_tree("0.26.0")), THREE_CALLS],
         capture_output=True, text=True, env={**scan_env(), **caches}, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     scan = json.loads(done.stdout)
     read = [c for c in scan["cases"] if c["verdict"] in READ]
-    cubins = [p.read_bytes() for p in triton_cache.rglob("*.cubin")]
-    distinct = len(set(cubins))
-    assert len(cubins) == len(read)  # one compile per case, each read
-    assert distinct < len(cubins)  # the two prefills share machine code
-    disassembler = re.escape(scan["disassembler"])  # cuobjdump runs nvdisasm: count one
-    runs = re.findall(rf'execve\("[^"]*/{disassembler}"', trace.read_text())
-    assert len(runs) == distinct
+    cubins = {p: p.read_bytes() for p in triton_cache.rglob("*.cubin")}
+    with_wgmma = {b for p, b in cubins.items() if "wgmma" in p.with_suffix(".ptx").read_text()}
+    without = set(cubins.values()) - with_wgmma
+    assert len(cubins) == len(read)  # one compile per case, each with a verdict
+    assert len(with_wgmma) < len([b for b in cubins.values() if b in with_wgmma])  # shared code
+    assert with_wgmma and without  # the decode's kernels have no wgmma, the prefills' do
+    execs = re.findall(r'execve\("[^"]*/(cuobjdump|nvdisasm)"', trace.read_text())
+    assert execs == ["nvdisasm"] * min(len(with_wgmma), os.cpu_count() or 2)
+
+    bin_dir = triton_site() / "triton/backends/nvidia/bin"
+    alone = {}  # what cuobjdump on each cubin shows
+    for n, cubin in enumerate([*with_wgmma, *without]):
+        path = tmp_path / f"{n}.cubin"
+        path.write_bytes(cubin)
+        cuobjdump = [str(bin_dir / "cuobjdump"), "-sass", str(path)]
+        listing = subprocess.run(cuobjdump, capture_output=True, text=True, check=True).stdout
+        assert sass.parse(listing)
+        alone[cubin] = sass.scan(listing)
+    assert all(alone[c].hgmma == 0 for c in without)
+    assert any(alone[c].hazards for c in with_wgmma)  # the prefill's fp32 expand
+    for order in (sorted(with_wgmma), sorted(with_wgmma, reverse=True)):  # each kernel moved
+        batch = [(str(n), cubinfile.code(c)) for n, c in enumerate(order)]
+        raw = kernelbuild.read_raw(batch, str(bin_dir / "nvdisasm"))
+        got = {c: raw[str(n)] for n, c in enumerate(order)}
+        assert {c: (r.hgmma, r.register_a, r.hazards) for c, r in got.items()} == {
+            c: (alone[c].hgmma, alone[c].register_a, alone[c].hazards) for c in order
+        }
 
 
 @pytest.mark.network
@@ -450,6 +480,57 @@ def test_the_torch_paths_gemv_kernels_are_read_in_every_config_its_host_code_pic
     assert {c["ADD_INPUTS"] for c in expand} == {True, False}
     # Triton's own specialisations reached too: rank 1 and one slot become constants.
     assert any(c.get("rank") == 1 for c in shrink) and any(c.get("stride_w") == 1 for c in expand)
+
+
+def elf(sections: list[tuple[str, bytes]]) -> bytes:
+    """A little-endian ELF64 file holding ``sections`` (after the null one), names last."""
+    import struct
+
+    names = b"\0" + b"".join(name.encode() + b"\0" for name, _ in sections) + b".shstrtab\0"
+    body, placed = b"", []
+    for name, data in sections:
+        placed.append((names.index(name.encode() + b"\0"), 64 + len(body), len(data)))
+        body += data
+    placed.append((len(names) - len(".shstrtab\0"), 64 + len(body), len(names)))
+    body += names
+    offset, count = 64 + len(body), len(placed) + 1
+    header = (
+        b"\x7fELF\x02\x01\x01"
+        + bytes(9)
+        + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, offset, 0, 64, 0, 0, 64, count, count - 1)
+    )
+    table = bytes(64) + b"".join(
+        struct.pack("<IIQQQQIIQQ", name, 1, 0, 0, at, size, 0, 0, 1, 0) for name, at, size in placed
+    )
+    return header + body + table
+
+
+def test_a_cubins_raw_code_is_its_one_code_section_or_none():
+    """The raw run reads a cubin's code only where it is the whole program: one code
+    section, no relocation against it, whole instructions; else the cubin is read alone."""
+    from patchkit.doctor import cubinfile
+
+    code = bytes(range(32))  # two 16-byte instructions
+    assert cubinfile.code(elf([(".text._k", code), (".nv.info._k", b"x")])) == code
+    assert cubinfile.code(elf([(".text._k", code), (".rela.text._k", bytes(24))])) is None
+    assert cubinfile.code(elf([(".text._k", code), (".rela.text._k", b"")])) == code
+    assert cubinfile.code(elf([(".text._k", code), (".text._f", code)])) is None
+    assert cubinfile.code(elf([(".text._k", code[:24])])) is None  # not whole instructions
+    assert cubinfile.code(elf([(".nv.info._k", b"x")])) is None
+    whole = elf([(".text._k", code)])
+    assert cubinfile.code(whole[: len(whole) - 70]) is None  # its section table cut short
+    assert cubinfile.code(b"\x7fELF\x01\x01" + whole[6:]) is None  # ELF32
+    assert cubinfile.code(b"not an ELF file") is None
+
+
+def test_the_raw_runs_hold_at_most_a_batch_each_and_one_per_core_at_least():
+    from patchkit.doctor.kernelbuild import RAW_BATCH, batches
+
+    for count in (0, 1, 2, 3, RAW_BATCH * 2, RAW_BATCH * 2 + 1, 200):
+        dealt = batches(list(range(count)), cores=2)
+        assert sorted(n for batch in dealt for n in batch) == list(range(count))
+        assert all(0 < len(batch) <= RAW_BATCH for batch in dealt)
+        assert len(dealt) == min(count, max(2, -(-count // RAW_BATCH)))
 
 
 @pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])

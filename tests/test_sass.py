@@ -115,3 +115,16 @@ def test_wgmmas_without_gsb0_join_the_group_the_next_one_commits():
     """
     # R106 is read by the first wgmma (R104-R107) before the group is waited for
     assert hazard_addresses(grouped) == ["0x7ef0"]
+
+
+def test_a_listing_moved_along_reads_the_same_at_its_own_addresses():
+    """A raw run lays kernels end to end: a kernel 0x10000 bytes in shows every address
+    and branch target that much further on; moved back, it reads as when alone."""
+    program = sass.parse(PIPELINED)
+    further = [sass.moved(ins, 0x10000) for ins in program]
+    assert [ins.address - 0x10000 for ins in further] == [ins.address for ins in program]
+    assert [ins.branch_target() for ins in further if ins.opcode == "BRA"] == [0x14310]
+    assert sass.scan_program(further).hazards[0].address == 0x144E0
+    back = [sass.moved(ins, -0x10000) for ins in further]
+    assert back == program
+    assert sass.scan_program(back) == sass.scan(PIPELINED)

@@ -10,7 +10,12 @@ The SASS of a compile is read once per distinct machine code: launches that
 Triton specialises apart (a size divisible by 16 or not, the same kernel at
 another source line in another release) often compile to the same cubin,
 byte for byte, and a reading depends only on the cubin and the disassembler.
-Disassembling is about half of a cold compile's time.
+Disassembling was about half of a cold compile's time, so a compile whose
+PTX has no wgmma instruction is not disassembled: its SASS cannot hold an
+HGMMA (:func:`patchkit.doctor.sass.wgmma_possible`), so its reading is
+known (``no-register-operand``, nothing found) without it. The others are
+disassembled together, one raw nvdisasm run per core
+(:mod:`patchkit.doctor.cubinfile`), not one cuobjdump per cubin.
 """
 
 from __future__ import annotations
@@ -21,18 +26,19 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
+from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.doctor import sass
+from patchkit.doctor import cubinfile, sass
 from patchkit.doctor.signatures import Launch
 from patchkit.doctor.toolchain import Toolchain
 from patchkit.fs.files import decode_json, read_json_file, write_cache_file
 
 FORMAT = 1  # bump when a cached reading would mean something else
 MAX_SCAN_BYTES = 64 << 20  # a remembered scan of a few hundred cases is a few MB
+RAW_BATCH = 32  # cubins per raw nvdisasm run: a listing of about 15 MB, 32 starts saved
 
 
 @dataclass
@@ -111,36 +117,103 @@ def read_all(
             missing.append(launch)
     if not missing:
         return readings
-    with tempfile.TemporaryDirectory(prefix="patchkit-kernels-") as tmp:
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            jobs = [(launch, Path(tmp) / f"{n}.cubin") for n, launch in enumerate(missing)]
-            found = pool.map(lambda job: _read(job[0], disassemble, job[1]), jobs)
-            for launch, reading in zip(missing, found, strict=True):
-                readings[launch.key] = reading
-                if reading.verdict != "error" or not reading.compiled:
-                    _store(reading_key(launch, tools), reading)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        built = list(pool.map(lambda launch: _compile(launch, disassemble), missing))
+        cubins = {key: cubin for reading, key, cubin in built if reading is None}
+        machine_code = read_machine_code(cubins, disassemble, pool)
+    for launch, (reading, key, _) in zip(missing, built, strict=True):
+        reading = reading or machine_code[key]
+        readings[launch.key] = reading
+        if reading.verdict != "error" or not reading.compiled:
+            _store(reading_key(launch, tools), reading)
     return readings
 
 
-def _read(launch: Launch, disassemble: list[str], path: Path) -> Reading:
-    """Compile, disassemble and scan one launch; a compile error is a reading too."""
+def _compile(launch: Launch, disassemble: list[str]) -> tuple[Reading | None, str, bytes]:
+    """One launch compiled: (its reading, "", b"") when the compile alone decides it (an
+    error, or PTX without wgmma), else (None, its machine-code key, its cubin)."""
     try:
-        cubin = launch.jit.preload(launch.data).asm["cubin"]
+        asm = launch.jit.preload(launch.data).asm
+        cubin = asm["cubin"]
     except Exception as exc:  # a compile error is a finding to report, not a crash
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         where = f"{lines[0]} " if len(lines) > 1 else ""  # Triton's "at 191:23:", then the cause
-        return Reading(
-            "error", error=f"{type(exc).__name__}: {where}{lines[-1]}"[:300], compiled=False
-        )
-    key = machine_code_key(cubin, disassemble)
-    with _reading_lock(key):  # another thread of this scan may be reading the same cubin
-        cached = _cached(key)
-        if cached is not None:
-            return cached
-        reading = _disassemble(cubin, disassemble, path)
+        error = f"{type(exc).__name__}: {where}{lines[-1]}"[:300]
+        return Reading("error", error=error, compiled=False), "", b""
+    ptx = asm.get("ptx")
+    if isinstance(ptx, str) and not sass.wgmma_possible(ptx):
+        return without_wgmma(), "", b""
+    return None, machine_code_key(cubin, disassemble), cubin
+
+
+def without_wgmma() -> Reading:
+    """The reading of a compile whose PTX has no wgmma: what its SASS would show."""
+    findings = sass.Findings()
+    return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
+
+
+def read_machine_code(
+    cubins: dict[str, bytes], disassemble: list[str], pool: ThreadPoolExecutor
+) -> dict[str, Reading]:
+    """A reading per machine-code key: cached, else from the raw disassembly of many
+    cubins at once (:mod:`patchkit.doctor.cubinfile`), else from ``disassemble`` on the cubin."""
+    cached = {key: reading for key in cubins if (reading := _cached(key)) is not None}
+    found: dict[str, Reading] = {}
+    raw_tool = raw_disassembler(disassemble)
+    raw = {key: cubinfile.code(c) for key, c in cubins.items() if key not in cached and raw_tool}
+    dealt = batches([(key, code) for key, code in raw.items() if code is not None])
+    for read in pool.map(lambda batch: read_raw(batch, raw_tool), dealt):
+        found.update(read)
+    rest = [(key, c) for key, c in cubins.items() if key not in cached and key not in found]
+    with tempfile.TemporaryDirectory(prefix="patchkit-kernels-") as tmp:
+        jobs = [(c, Path(tmp) / f"{n}.cubin") for n, (_, c) in enumerate(rest)]
+        read = pool.map(lambda job: _disassemble(job[0], disassemble, job[1]), jobs)
+        found.update(zip([key for key, _ in rest], read, strict=True))
+    for key, reading in found.items():
         if reading.verdict != "error":
             _store(key, reading)
-    return reading
+    return cached | found
+
+
+def raw_disassembler(disassemble: list[str]) -> str | None:
+    """The nvdisasm that ``disassemble`` is or runs (cuobjdump's, beside it); None if none."""
+    tool = Path(disassemble[0])
+    nvdisasm = tool if tool.name == "nvdisasm" else tool.with_name("nvdisasm")
+    return str(nvdisasm) if nvdisasm.is_file() else None
+
+
+def batches(items: list, cores: int | None = None) -> list[list]:
+    """``items`` dealt into one batch per core, one disassembler run each, and more
+    batches where one would hold more than RAW_BATCH (a run's listing is held whole)."""
+    count = max(cores or os.cpu_count() or 2, -(-len(items) // RAW_BATCH))
+    count = min(count, len(items))
+    return [items[n::count] for n in range(count)]
+
+
+def read_raw(batch: list[tuple[str, bytes]], nvdisasm: str) -> dict[str, Reading]:
+    """Readings of the cubins whose code (``(key, code)``) one raw nvdisasm run decoded
+    whole; a cubin it did not (a count of instructions off) is left out, to be read alone."""
+    with tempfile.NamedTemporaryFile(prefix="patchkit-kernels-", suffix=".bin") as file:
+        file.write(b"".join(code for _, code in batch))
+        file.flush()
+        command = [nvdisasm, "-b", "SM90a", "-hex", "-novliw", file.name]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError):
+            return {}
+    program = sass.parse(done.stdout) if done.returncode == 0 else []
+    addresses = [ins.address for ins in program]
+    found, start = {}, 0
+    for key, code in batch:
+        end = start + len(code)
+        part = program[bisect_left(addresses, start) : bisect_left(addresses, end)]
+        if len(part) == len(code) // cubinfile.INSTRUCTION_BYTES:
+            findings = sass.scan_program([sass.moved(ins, -start) for ins in part])
+            found[key] = Reading(
+                findings.verdict, findings.hgmma, findings.register_a, findings.hazards
+            )
+        start = end
+    return found
 
 
 def _disassemble(cubin: bytes, disassemble: list[str], path: Path) -> Reading:
@@ -161,15 +234,6 @@ def machine_code_key(cubin: bytes, disassemble: list[str]) -> str:
         stamp = []
     parts = [FORMAT, "cubin", hashlib.sha256(cubin).hexdigest(), disassemble, stamp]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-_LOCKS: dict[str, threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def _reading_lock(key: str) -> threading.Lock:
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(key, threading.Lock())
 
 
 def _cached(key: str) -> Reading | None:

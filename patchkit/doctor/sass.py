@@ -19,6 +19,7 @@ It reads text only, so it is tested on recorded snippets.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -88,6 +89,14 @@ class Instruction:
         return " ".join(filter(None, [self.predicate, self.opcode, ", ".join(self.operands)]))
 
 
+def moved(ins: Instruction, by: int) -> Instruction:
+    """``ins`` as a listing ``by`` bytes further on shows it: its address and a branch's
+    target (a relative jump, printed as the address it reaches) both shifted."""
+    target = ins.branch_target()
+    operands = ins.operands if target is None else (*ins.operands[:-1], f"{target + by:#x}")
+    return dataclasses.replace(ins, address=ins.address + by, operands=operands)
+
+
 @dataclass(frozen=True)
 class Hazard:
     address: int
@@ -107,6 +116,20 @@ class Findings:
         if self.hazards:
             return "hazard"
         return "clean" if self.register_a else "no-register-operand"
+
+
+def wgmma_possible(ptx: str) -> bool:
+    """Whether SASS compiled from ``ptx`` can hold an HGMMA at all.
+
+    ptxas lowers the PTX it is given; an HGMMA is its translation of a
+    ``wgmma.mma_async`` (which needs the ``wgmma.fence`` / ``commit_group`` /
+    ``wait_group`` around it), and it does not turn ``mma.sync`` or scalar
+    code into a warpgroup MMA. So PTX without the word ``wgmma`` compiles to
+    SASS with no HGMMA, no register-A operand and no hazard: the reading a
+    disassembly would give (:class:`Findings` empty). Any mention of
+    ``wgmma``, a comment included, counts as possible: that kernel is read.
+    """
+    return "wgmma" in ptx
 
 
 def parse(sass: str) -> list[Instruction]:
@@ -143,7 +166,11 @@ class _InFlight:
 
 def scan(sass: str) -> Findings:
     """Every write to the A registers of an in-flight register-A wgmma."""
-    program = parse(sass)
+    return scan_program(parse(sass))
+
+
+def scan_program(program: list[Instruction]) -> Findings:
+    """:func:`scan` of a listing already parsed (one function's, in address order)."""
     findings = Findings(
         hgmma=sum(1 for i in program if i.opcode.startswith("HGMMA")),
         register_a=sum(1 for i in program if i.register_a()),
