@@ -652,7 +652,9 @@ def profile(results: dict, engines: dict[str, Engine], deadline: float) -> None:
     """Each engine runs each workload once more (as counted round 1 would: the same
     prompts, every token) under vLLM's torch profiler; results["profiles"][config]
     [workload] sums up its traces per engine step (kernel_trace.summary). Not a
-    counted round: the profiler slows the host."""
+    counted round: the profiler slows the host. Profile after the rounds: once
+    vLLM's profiler has run, every later step of the engine annotates itself for it
+    (0.26.0's gpu_worker.annotate_profile), a host cost the rounds must not carry."""
     import kernel_trace
 
     found = results.setdefault("profiles", {})

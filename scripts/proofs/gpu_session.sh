@@ -34,9 +34,9 @@
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
 # a later set of a model links the first one's weights). Every set's engines start
 # together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
-# (legs of GS_LEG_S seconds, 2 by default), each workload once under the torch
-# profiler (`bench_serving.py profile`), and batch 64 and prefill rounds, within
-# GS_BENCH_END (1,300 s for this plan) of the start.
+# (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds, and
+# last decode batch 1 and 4 once under the torch profiler (`bench_serving.py
+# profile`), within GS_BENCH_END (1,300 s for this plan) of the start.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -228,20 +228,26 @@ serving() {
   done
   wait "${starts[@]}" # not a bare wait: the proofs step's GPU monitor runs until all.done
   say "serving: engines up"
+  local profiles=$((120 * ${#sets[@]})) # the profile step's share, at the end
   for name in "${sets[@]}"; do # batch 1 and 4: half of what is left, shared by the sets
-    left=$(((BENCH_END - SECONDS) / 2 / ${#sets[@]}))
+    left=$(((BENCH_END - SECONDS - profiles) / 2 / ${#sets[@]}))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
-    do_ "${bs[@]}" profile "$G/bench-$name" --keep --markdown "$G/serving-profile-$name.md" \
-      >"$G/serving-profile-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
   done
-  for name in "${sets[@]}"; do # batch 64 and prefill with what is left; the engines stop
-    left=$(((BENCH_END - SECONDS) / ${#sets[@]}))
-    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" \
+  for name in "${sets[@]}"; do # batch 64 and prefill with what is left
+    left=$(((BENCH_END - SECONDS - profiles) / ${#sets[@]}))
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" --keep \
       --workloads decode_b64 prefill --json "$G/serving-$name.json" \
       --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
-    say "serving: $name done"
+    say "serving: $name batch 64 and prefill done"
+  done
+  # Last: once vLLM's profiler has run, every later step of that engine annotates
+  # itself for it (gpu_worker.annotate_profile), which the rounds must not carry.
+  for name in "${sets[@]}"; do
+    do_ "${bs[@]}" profile "$G/bench-$name" --workloads decode_b1 decode_b4 \
+      --deadline 110 --markdown "$G/serving-profile-$name.md" >"$G/serving-profile-$name.log" 2>&1
+    say "serving: $name profiled; its engines stopped"
   done
 }
 
