@@ -199,12 +199,13 @@ def scratch_path(tmp_path: Path):
     """A fresh directory on a tmpfs (else tmp_path), removed after the test.
 
     For the fault walks, which copy a tree, run patchkit on it and delete it
-    hundreds of times: on a disk each of patchkit's fsyncs waits for the
-    device, and on this machine's ext4 each file created passes over the
-    inodes deleted lately. What a walk checks is the process's (the syscalls
-    patchkit makes, its exit status, the tree's bytes after the next command),
-    the same on any file system (a full or read-only one is tested apart:
-    tests/test_file_system_faults.py).
+    hundreds of times, and the release matrix, which copies every release's
+    whole tree (2,000-3,000 files each): on a disk each of patchkit's fsyncs
+    waits for the device, and on this machine's ext4 each file created passes
+    over the inodes deleted lately. What they check is the process's (the
+    syscalls patchkit makes, its exit status, the tree's bytes after the next
+    command), the same on any file system (a full or read-only one is tested
+    apart: tests/test_file_system_faults.py).
     """
     if not (on_tmpfs(MEMORY_FS) and os.access(MEMORY_FS, os.W_OK)):
         yield tmp_path

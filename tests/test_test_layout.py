@@ -85,14 +85,18 @@ FAULT_WALKS = ("test_signals.py", "test_write_points.py", "test_refresh_transact
 
 
 def test_the_fault_walks_copy_their_trees_into_scratch_path():
-    """Each walk over every point of a kind (copy, run, check, delete, hundreds of times) works
-    in scratch_path, a tmpfs where there is one, not in tmp_path on the disk."""
+    """Each walk over every point of a kind (copy, run, check, delete, hundreds of times), and
+    the release matrix, works in scratch_path, a tmpfs where there is one, not in tmp_path."""
     walks = {}
     for name in FAULT_WALKS:
         for node in ast.parse((TESTS / name).read_text()).body:
             if isinstance(node, ast.FunctionDef) and "_at_every_" in node.name:
                 walks[node.name] = {arg.arg for arg in node.args.args}
     assert len(walks) >= 9, sorted(walks)
+    matrix = ast.parse((TESTS / "test_release_matrix.py").read_text()).body
+    [release] = [node for node in matrix
+                 if isinstance(node, ast.FunctionDef) and node.name == "test_release"]  # fmt: skip
+    walks[release.name] = {arg.arg for arg in release.args.args}  # every release's whole tree
     offenders = sorted(name for name, args in walks.items()
                        if "tmp_path" in args or "scratch_path" not in args)  # fmt: skip
     assert offenders == [], offenders
