@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,46 @@ def run_subprocess(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+MEMORY_FS = Path("/dev/shm")
+
+
+def on_tmpfs(path: Path, mounts: str | None = None) -> bool:
+    """Whether ``path`` is the mount point of a tmpfs (``mounts``: /proc/self/mounts' text)."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return False
+    return any(
+        fields[1:3] == [str(path), "tmpfs"]
+        for fields in (line.split() for line in mounts.splitlines())
+        if len(fields) > 2
+    )
+
+
+@pytest.fixture
+def scratch_path(tmp_path: Path):
+    """A fresh directory on a tmpfs (else tmp_path), removed after the test.
+
+    For the fault walks, which copy a tree, run patchkit on it and delete it
+    hundreds of times, and the release matrix, which copies every release's
+    whole tree (2,000-3,000 files each): on a disk each of patchkit's fsyncs
+    waits for the device, and on this machine's ext4 each file created passes
+    over the inodes deleted lately. What they check is the process's (the
+    syscalls patchkit makes, its exit status, the tree's bytes after the next
+    command), the same on any file system (a full or read-only one is tested
+    apart: tests/test_file_system_faults.py).
+    """
+    if not (on_tmpfs(MEMORY_FS) and os.access(MEMORY_FS, os.W_OK)):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="patchkit-tests-", dir=MEMORY_FS))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

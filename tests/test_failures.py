@@ -361,7 +361,7 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(slim_tree
 
 
 @pytest.mark.slow
-def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applied(tmp_path):
+def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applied(scratch_path):
     """EIO at apply's last fsync (the directory's, after state.json's rename) left a
     .patchkit/state.json recording patches on a tree whose files were put back, and
     empty .patchkit/backups/ folders, while the message said nothing changed."""
@@ -370,7 +370,7 @@ def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applie
 
     if STRACE is None:
         pytest.skip("strace is not installed (apt-get install strace)")
-    pristine = slim_tree(tmp_path / "pristine")
+    pristine = slim_tree(scratch_path / "pristine")
     with Zygote() as zygote:  # each EIO run: a fork of a warm patchkit, strace attached
 
         def traced(work: Path, extra: list[str], fork: bool = True):
@@ -383,15 +383,17 @@ def test_an_io_error_at_every_fsync_of_apply_leaves_the_tree_as_it_was_or_applie
 
         counts = []
         for fork in (False, True):  # the console script's fsyncs, and the fork's: the same
-            log = tmp_path / f"fsyncs-{fork}.log"
-            done = traced(tmp_path / f"count-{fork}", ["-o", str(log), "-e", "trace=fsync"], fork)
+            log = scratch_path / f"fsyncs-{fork}.log"
+            done = traced(
+                scratch_path / f"count-{fork}", ["-o", str(log), "-e", "trace=fsync"], fork
+            )
             assert done.returncode == 0, done.stderr
             counts.append(sum(line.startswith("fsync(") for line in log.read_text().splitlines()))
         count = counts[0]
         assert count > 5 and counts[1] == count, counts
         before = snapshot(pristine)
         for n in range(1, count + 1):
-            work = tmp_path / f"eio-{n}"
+            work = scratch_path / f"eio-{n}"
             result = traced(work, ["-o", "/dev/null", "-e", "trace=fsync", "-e",
                                    f"inject=fsync:error=EIO:when={n}"])  # fmt: skip
             if result.returncode == 1:

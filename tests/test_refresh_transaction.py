@@ -380,11 +380,11 @@ def zygote():
     warm.close()
 
 
-def walk_points(scenario, zygote, tmp_path: Path, mode: str):
+def walk_points(scenario, zygote, directory: Path, mode: str):
     """Yield (N, work dir, result) for the N-th write point of refresh, until there is none."""
     at = 1
     while True:
-        work = tmp_path / f"w{at}"
+        work = directory / f"w{at}"
         shutil.copytree(scenario["start"], work, symlinks=True)
         hook = HOOK.format(root=str(work), mode=mode, at=at)
         request = {"args": refresh_args(work), "code": hook, "env": env_for(work / "patches")}
@@ -402,18 +402,20 @@ def walk_points(scenario, zygote, tmp_path: Path, mode: str):
 
 
 @pytest.mark.slow
-def test_sigkill_at_every_write_point_is_recovered_by_the_next_command(scenario, zygote, tmp_path):
+def test_sigkill_at_every_write_point_is_recovered_by_the_next_command(
+    scenario, zygote, scratch_path
+):
     seen = set()
-    for at, work, result in walk_points(scenario, zygote, tmp_path, "kill"):
+    for at, work, result in walk_points(scenario, zygote, scratch_path, "kill"):
         assert result["returncode"] == -9, (at, result["stderr"])
         seen.add(settled(scenario, work, f"SIGKILL at write {at}"))
     assert seen == {"before", "after"}
 
 
 @pytest.mark.slow
-def test_ctrl_c_at_every_write_point_says_what_it_left(scenario, zygote, tmp_path):
+def test_ctrl_c_at_every_write_point_says_what_it_left(scenario, zygote, scratch_path):
     seen = set()
-    for at, work, result in walk_points(scenario, zygote, tmp_path, "interrupt"):
+    for at, work, result in walk_points(scenario, zygote, scratch_path, "interrupt"):
         assert result["returncode"] == 130 and "Traceback" not in result["stderr"], at
         line = result["stderr"].strip().splitlines()[-1]
         end = settled(scenario, work, f"Ctrl-C at write {at}")
@@ -424,9 +426,9 @@ def test_ctrl_c_at_every_write_point_says_what_it_left(scenario, zygote, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_full_disk_at_every_write_point_changes_nothing(scenario, zygote, tmp_path):
+def test_a_full_disk_at_every_write_point_changes_nothing(scenario, zygote, scratch_path):
     failures = 0
-    for at, work, result in walk_points(scenario, zygote, tmp_path, "enospc"):
+    for at, work, result in walk_points(scenario, zygote, scratch_path, "enospc"):
         if result["returncode"] == 0:  # a rename or a removal: ENOSPC comes on writes only
             assert settled(scenario, work, f"ENOSPC at {at}") == "after"
             continue
@@ -461,7 +463,7 @@ def syscall_names(log: Path, names: tuple[str, ...]) -> list[str]:
             if line.split("(", 1)[0] in names]  # fmt: skip
 
 
-def counted(scenario, zygote: Zygote, tmp_path: Path, names: tuple[str, ...]) -> list[str]:
+def counted(scenario, zygote: Zygote, directory: Path, names: tuple[str, ...]) -> list[str]:
     """The calls of ``names`` refresh makes, in order; the same in a fork as in the script's run.
 
     The faults below are injected into forks of a warm patchkit: this is the
@@ -469,30 +471,30 @@ def counted(scenario, zygote: Zygote, tmp_path: Path, names: tuple[str, ...]) ->
     """
     found = []
     for how in (None, zygote):
-        log = tmp_path / f"calls-{len(found)}.log"
+        log = directory / f"calls-{len(found)}.log"
         trace = ["-o", str(log), "-e", f"trace={','.join(names)}"]
-        done = traced_refresh(scenario, tmp_path / f"count-{len(found)}", trace, how)
+        done = traced_refresh(scenario, directory / f"count-{len(found)}", trace, how)
         assert done.returncode == 0, done.stderr
         found.append(syscall_names(log, names))
     assert found[0] == found[1], "the fork makes other syscalls than the console script"
     return found[0]
 
 
-def file_writes(scenario, zygote: Zygote, tmp_path: Path) -> list[int]:
+def file_writes(scenario, zygote: Zygote, directory: Path) -> list[int]:
     """The numbers of refresh's write(2) calls that go to files (not to stdout or stderr)."""
-    counted(scenario, zygote, tmp_path, ("write",))
-    log = tmp_path / "calls-1.log"  # the fork's: its file descriptors
+    counted(scenario, zygote, directory, ("write",))
+    log = directory / "calls-1.log"  # the fork's: its file descriptors
     calls = [line for line in log.read_text().splitlines() if line.startswith("write(")]
     return [n for n, line in enumerate(calls, 1) if not line.startswith(("write(1,", "write(2,"))]
 
 
 @pytest.mark.slow
 @needs_strace
-def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, zygote, tmp_path):
-    points = file_writes(scenario, zygote, tmp_path)
+def test_enospc_at_every_write_syscall_changes_nothing_and_says_so(scenario, zygote, scratch_path):
+    points = file_writes(scenario, zygote, scratch_path)
     assert len(points) > 5
     for n in points:
-        work = tmp_path / f"enospc-{n}"
+        work = scratch_path / f"enospc-{n}"
         inject = ["-o", "/dev/null", "-e", "trace=write", "-e",
                   f"inject=write:error=ENOSPC:when={n}"]  # fmt: skip
         result = traced_refresh(scenario, work, inject, zygote)
@@ -507,14 +509,16 @@ RENAMES = ("rename", "renameat", "renameat2")
 
 @pytest.mark.slow
 @needs_strace
-def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, zygote, tmp_path):
+def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(
+    scenario, zygote, scratch_path
+):
     trace = ["-e", f"trace={','.join(RENAMES)}"]
-    calls = counted(scenario, zygote, tmp_path, RENAMES)
+    calls = counted(scenario, zygote, scratch_path, RENAMES)
     assert len(calls) > 3
     ends = {}
     for name in sorted(set(calls)):  # strace counts each syscall on its own
         for n in range(1, calls.count(name) + 1):
-            work = tmp_path / f"int-{name}-{n}"
+            work = scratch_path / f"int-{name}-{n}"
             inject = ["-o", "/dev/null", *trace, "-e", f"inject={name}:signal=SIGINT:when={n}"]
             result = traced_refresh(scenario, work, inject, zygote)
             where = f"SIGINT at {name} #{n}"
@@ -529,12 +533,12 @@ def test_sigint_at_every_rename_leaves_before_or_after_and_says_which(scenario, 
 @pytest.mark.slow
 @needs_strace
 @pytest.mark.parametrize("syscall", ["write", "renameat", "unlinkat"])
-def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, zygote, tmp_path, syscall):
-    total = len(counted(scenario, zygote, tmp_path, (syscall,)))
+def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, zygote, scratch_path, syscall):
+    total = len(counted(scenario, zygote, scratch_path, (syscall,)))
     assert total > 5
     seen = set()
     for n in range(1, total + 1):
-        work = tmp_path / f"kill-{n}"
+        work = scratch_path / f"kill-{n}"
         inject = ["-o", "/dev/null", "-e", f"trace={syscall}", "-e",
                   f"inject={syscall}:signal=SIGKILL:when={n}"]  # fmt: skip
         result = traced_refresh(scenario, work, inject, zygote)
@@ -547,15 +551,15 @@ def test_sigkill_at_every_syscall_of_a_kind_is_recovered(scenario, zygote, tmp_p
 @pytest.mark.slow
 @needs_strace
 def test_an_io_error_at_every_fsync_leaves_before_or_after_and_says_which(
-    scenario, zygote, tmp_path
+    scenario, zygote, scratch_path
 ):
     """EIO at the directory fsync after state.json's rename was reported as "nothing was
     changed" while the tree's record kept the new entry (and status then advised an apply
     that threw the maintainer's edit away)."""
-    count = len(counted(scenario, zygote, tmp_path, ("fsync",)))
+    count = len(counted(scenario, zygote, scratch_path, ("fsync",)))
     assert count > 5
     for n in range(1, count + 1):
-        work = tmp_path / f"eio-{n}"
+        work = scratch_path / f"eio-{n}"
         inject = ["-o", "/dev/null", "-e", "trace=fsync", "-e", f"inject=fsync:error=EIO:when={n}"]
         result = traced_refresh(scenario, work, inject, zygote)
         end = settled(scenario, work, f"EIO at fsync #{n}")

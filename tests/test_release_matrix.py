@@ -141,8 +141,8 @@ def status_json(root: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
-def test_release(version: str, tmp_path: Path):
-    root = copy_tree(version, tmp_path / "site-packages")
+def test_release(version: str, scratch_path: Path):
+    root = copy_tree(version, scratch_path / "site-packages")
     pristine = snapshot(root)
     states = expected_states(version)
     notices = listed_notices(version)
@@ -167,7 +167,7 @@ def test_release(version: str, tmp_path: Path):
     assert touched == sorted(f for i in needed for f in expected_files(version, i))
     assert [c for c in changed if not c.startswith(".patchkit/")] == touched
     for relpath in touched:
-        py_compile.compile(str(root / relpath), doraise=True, cfile=str(tmp_path / "check.pyc"))
+        py_compile.compile(str(root / relpath), doraise=True, cfile=str(scratch_path / "check.pyc"))
 
     after_apply = snapshot(root)
     again = run_cli("apply", "--target", str(root), "--json")
@@ -180,7 +180,7 @@ def test_release(version: str, tmp_path: Path):
     }
     assert_listed(patched["notices"], [n for n in notices if n.fixed_by not in needed])
 
-    stack_nan_probe(root, tmp_path, after_apply, expected_files(version, "nan-probe"))
+    stack_nan_probe(root, scratch_path, after_apply, expected_files(version, "nan-probe"))
     reverted = run_cli("revert", "--target", str(root))
     assert reverted.exit_code == 0, reverted.output
     assert snapshot(root) == pristine

@@ -102,15 +102,15 @@ def interrupt_at(trees: dict, start: str, command: str, syscall: str, n: int, si
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
-def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command, start):
+def test_a_signal_at_every_write_syscall_is_recoverable(trees, scratch_path, command, start):
     workers = max(2, os.cpu_count() or 2)
     with zygotes(workers) as free:
-        copies = [tmp_path / "count-script", tmp_path / "count-fork"]
+        copies = [scratch_path / "count-script", scratch_path / "count-fork"]
         for copy in copies:
             shutil.copytree(trees[start], copy, symlinks=True)
-        counts = counted(copies[0], command, tmp_path / "script.log")
+        counts = counted(copies[0], command, scratch_path / "script.log")
         forked = on_a_free_zygote(
-            free, lambda z: counted(copies[1], command, tmp_path / "fork.log", z)
+            free, lambda z: counted(copies[1], command, scratch_path / "fork.log", z)
         )
         assert forked == counts, "the fork makes other write syscalls than the console script"
         assert counts["write"] > 5 and counts["fsync"] > 2
@@ -121,7 +121,7 @@ def test_a_signal_at_every_write_syscall_is_recoverable(trees, tmp_path, command
 
         def point_at(point):
             return on_a_free_zygote(
-                free, lambda z: interrupt_at(trees, start, command, *point, tmp_path, z)
+                free, lambda z: interrupt_at(trees, start, command, *point, scratch_path, z)
             )
 
         with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import MEMORY_FS, REPO, on_tmpfs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -78,3 +78,40 @@ def test_ci_runs_exactly_the_readmes_test_command():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert command in ci, "README's test command and .ci/run must be the same command"
     assert '-m "not slow and not network"' in command  # the fast subset first
+
+
+FAULT_WALKS = ("test_signals.py", "test_write_points.py", "test_refresh_transaction.py",
+               "test_failures.py")  # fmt: skip
+
+
+def test_the_fault_walks_copy_their_trees_into_scratch_path():
+    """Each walk over every point of a kind (copy, run, check, delete, hundreds of times), and
+    the release matrix, works in scratch_path, a tmpfs where there is one, not in tmp_path."""
+    walks = {}
+    for name in FAULT_WALKS:
+        for node in ast.parse((TESTS / name).read_text()).body:
+            if isinstance(node, ast.FunctionDef) and "_at_every_" in node.name:
+                walks[node.name] = {arg.arg for arg in node.args.args}
+    assert len(walks) >= 9, sorted(walks)
+    matrix = ast.parse((TESTS / "test_release_matrix.py").read_text()).body
+    [release] = [node for node in matrix
+                 if isinstance(node, ast.FunctionDef) and node.name == "test_release"]  # fmt: skip
+    walks[release.name] = {arg.arg for arg in release.args.args}  # every release's whole tree
+    offenders = sorted(name for name, args in walks.items()
+                       if "tmp_path" in args or "scratch_path" not in args)  # fmt: skip
+    assert offenders == [], offenders
+
+
+def test_on_tmpfs_reads_the_mount_table():
+    mounts = "tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n/dev/vda / ext4 rw,relatime 0 0\n"
+    assert on_tmpfs(Path("/dev/shm"), mounts)
+    assert not on_tmpfs(Path("/"), mounts)
+    assert not on_tmpfs(Path("/dev/shm"), "/dev/vda /dev/shm ext4 rw 0 0\n")
+    assert not on_tmpfs(Path("/dev/shm"), "")
+
+
+def test_scratch_path_is_on_the_tmpfs_where_there_is_one(scratch_path, tmp_path):
+    if on_tmpfs(MEMORY_FS):
+        assert scratch_path.parent == MEMORY_FS and not any(scratch_path.iterdir())
+    else:
+        assert scratch_path == tmp_path

@@ -97,7 +97,7 @@ def walk(references, free, tmp_path: Path, start: str, command: str, mode: str, 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_sigkill_at_every_write_point_leaves_no_debris(
-    references, free_zygotes, tmp_path, command, start
+    references, free_zygotes, scratch_path, command, start
 ):
     def check(at, tree, result, warm):
         assert result.returncode == -9, (at, result.stderr)
@@ -106,13 +106,13 @@ def test_sigkill_at_every_write_point_leaves_no_debris(
         expected = "pristine_snapshot" if recovery == "revert" else "patched_snapshot"
         assert normalized(tree) == references[expected], f"{command} killed at write {at}"
 
-    assert walk(references, free_zygotes, tmp_path, start, command, "kill", check) > 10
+    assert walk(references, free_zygotes, scratch_path, start, command, "kill", check) > 10
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
-    references, free_zygotes, tmp_path, command, start
+    references, free_zygotes, scratch_path, command, start
 ):
     def check(at, tree, result, warm):
         assert result.returncode == 130, (at, result.stderr)
@@ -121,13 +121,13 @@ def test_ctrl_c_at_every_write_point_exits_130_and_recovers(
         clean_run(warm, tree, "revert")
         assert normalized(tree) == references["pristine_snapshot"], f"Ctrl-C at write {at}"
 
-    walk(references, free_zygotes, tmp_path, start, command, "interrupt", check)
+    walk(references, free_zygotes, scratch_path, start, command, "interrupt", check)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,start", [("apply", "pristine"), ("revert", "patched")])
 def test_a_full_disk_at_every_write_changes_nothing(
-    references, free_zygotes, tmp_path, command, start
+    references, free_zygotes, scratch_path, command, start
 ):
     failures = []
 
@@ -140,5 +140,5 @@ def test_a_full_disk_at_every_write_changes_nothing(
         assert normalized(tree) == references[f"{start}_snapshot"], f"ENOSPC at write {at}"
         failures.append(at)
 
-    walk(references, free_zygotes, tmp_path, start, command, "enospc", check)
+    walk(references, free_zygotes, scratch_path, start, command, "enospc", check)
     assert len(failures) > 3
