@@ -194,9 +194,23 @@ def on_tmpfs(path: Path, mounts: str | None = None) -> bool:
     )
 
 
+# The most a test's trees take at once (the release matrix's largest release, 57 MB,
+# copied twice), times two workers, with room to spare: a container's /dev/shm is
+# 64 MB unless it was given more, and a tree that does not fit is a false failure.
+MEMORY_FS_NEEDED = 1 << 30
+
+
+def memory_fs_fits(path: Path, needed: int = MEMORY_FS_NEEDED) -> bool:
+    """Whether ``path`` is a writable tmpfs with ``needed`` bytes free."""
+    if not (on_tmpfs(path) and os.access(path, os.W_OK)):
+        return False
+    found = os.statvfs(path)
+    return found.f_bavail * found.f_frsize >= needed
+
+
 @pytest.fixture
 def scratch_path(tmp_path: Path):
-    """A fresh directory on a tmpfs (else tmp_path), removed after the test.
+    """A fresh directory on a tmpfs with room (else tmp_path), removed after the test.
 
     For the fault walks, which copy a tree, run patchkit on it and delete it
     hundreds of times, and the release matrix, which copies every release's
@@ -207,7 +221,7 @@ def scratch_path(tmp_path: Path):
     command), the same on any file system (a full or read-only one is tested
     apart: tests/test_file_system_faults.py).
     """
-    if not (on_tmpfs(MEMORY_FS) and os.access(MEMORY_FS, os.W_OK)):
+    if not memory_fs_fits(MEMORY_FS):
         yield tmp_path
         return
     path = Path(tempfile.mkdtemp(prefix="patchkit-tests-", dir=MEMORY_FS))

@@ -10,11 +10,12 @@ the README's test command, whose fast subset goes first.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
 from pathlib import Path
 
-from tests.conftest import MEMORY_FS, REPO, on_tmpfs
+from tests.conftest import MEMORY_FS, REPO, memory_fs_fits, on_tmpfs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -111,7 +112,17 @@ def test_on_tmpfs_reads_the_mount_table():
 
 
 def test_scratch_path_is_on_the_tmpfs_where_there_is_one(scratch_path, tmp_path):
-    if on_tmpfs(MEMORY_FS):
+    if memory_fs_fits(MEMORY_FS):
         assert scratch_path.parent == MEMORY_FS and not any(scratch_path.iterdir())
     else:
         assert scratch_path == tmp_path
+
+
+def test_a_tmpfs_without_room_for_the_trees_is_not_used(monkeypatch):
+    """A container's /dev/shm is 64 MB unless given more: the trees would not fit."""
+    monkeypatch.setattr("tests.conftest.on_tmpfs", lambda path: True)
+    free = os.statvfs(MEMORY_FS if MEMORY_FS.is_dir() else "/")
+    room = free.f_bavail * free.f_frsize
+    assert memory_fs_fits(MEMORY_FS, needed=room + 1) is False
+    if os.access(MEMORY_FS, os.W_OK):
+        assert memory_fs_fits(MEMORY_FS, needed=1) is True
