@@ -30,10 +30,11 @@ patched file) and its own empty compile cache:
 All engines start together and stay up; the workloads then run one engine
 at a time, configurations in a new order each round and each twice, the
 second pass mirrored (A B C C B A), so drift over time falls on all of them
-alike; a configuration's two legs are pooled. Round 0 warms up (adapter loads, Triton JIT; the
-same batch shapes, 32 tokens out) and is not counted; the table gives the
-median of the rounds after it, as many as fit the deadline, judged by the
-time of the counted rounds.
+alike; a configuration's two legs are pooled. Every adapter is loaded before
+an engine says it is ready. Round 0 warms up (Triton JIT; the same batch
+shapes, 32 tokens out) and is not counted; the table gives the median of the
+rounds after it, as many as fit the deadline, judged by the time of the step's
+own rounds.
 
 Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
   decode_b64_lora / _base   64 prompts of 128 tokens, 256 tokens out each; output tok/s
@@ -634,10 +635,10 @@ def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], r
     False (the round's rows dropped, the error kept) when an engine failed or timed out."""
     order = list(engines)
     order = order[round_ % len(order) :] + order[: round_ % len(order)]
+    leg_s = results.get("leg_seconds", 0.0)
     try:
         for workload in workloads:
             for leg, name in mirrored(order):
-                leg_s = results.get("leg_seconds", 0.0)
                 result = engines[name].ask(workload, round_, deadline, min_seconds=leg_s)
                 results["rounds"].append({"config": name, "leg": leg, **result})
     except (RuntimeError, TimeoutError) as exc:  # keep what was measured
@@ -648,8 +649,9 @@ def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], r
     return True
 
 
-def profile(results: dict, engines: dict[str, Engine], deadline: float) -> None:
-    """Each engine runs each workload once more (as counted round 1 would: the same
+def profile(results: dict, engines: dict[str, Engine], workloads: list[str],
+            deadline: float) -> None:  # fmt: skip
+    """Each engine runs each of `workloads` once more (as counted round 1 would: the same
     prompts, every token) under vLLM's torch profiler; results["profiles"][config]
     [workload] sums up its traces per engine step (kernel_trace.summary). Not a
     counted round: the profiler slows the host. Profile after the rounds: once
@@ -658,7 +660,7 @@ def profile(results: dict, engines: dict[str, Engine], deadline: float) -> None:
     import kernel_trace
 
     found = results.setdefault("profiles", {})
-    for workload in results.get("workloads", WORKLOADS):
+    for workload in workloads:
         for name, engine in engines.items():
             answer = engine.ask(workload, 1, deadline, profile=True)
             spec = WORKLOADS[workload]
@@ -875,8 +877,9 @@ def main() -> int:
         step.add_argument("--json", type=Path)
         step.add_argument("--markdown", type=Path)
         step.add_argument("--leg-seconds", type=float, metavar="S",
-                          help="each counted leg repeats its requests until it has lasted S "
-                               "seconds (default: once; for `more`, as the run did)")  # fmt: skip
+                          help="each counted leg repeats its requests until it has "
+                               "lasted S seconds (default: once; for `more`, as the step "
+                               "before)")  # fmt: skip
     look = sub.add_parser("profile", help="each workload once under the torch profiler, "
                           "on the engines a run kept")  # fmt: skip
     look.add_argument("dir", type=Path)
@@ -896,7 +899,7 @@ def main() -> int:
         step.add_argument("--workloads", nargs="+", metavar="KIND",
                           help="only these workloads, each with LoRA and base: decode_b64, "
                                "decode_b4, decode_b1, prefill (default: all; for `more`, "
-                               "those of the run)")  # fmt: skip
+                               "those of the step before)")  # fmt: skip
     go.add_argument(
         "--after",
         type=Path,
@@ -934,12 +937,12 @@ def main() -> int:
               pick_workloads(args.workloads))  # fmt: skip
         wait_for_file(args.after, deadline)
     results, engines = attach(args.dir)
-    if args.step in ("more", "profile") and args.workloads:
-        results["workloads"] = pick_workloads(args.workloads)
-    if getattr(args, "leg_seconds", None) is not None:
-        results["leg_seconds"] = args.leg_seconds
-    if args.step == "profile":
+    if args.step == "profile":  # its workloads are this step's only, not the rounds'
         return profile_step(args, results, engines, deadline)
+    if args.step == "more" and args.workloads:
+        results["workloads"] = pick_workloads(args.workloads)
+    if args.leg_seconds is not None:
+        results["leg_seconds"] = args.leg_seconds
     measure(args.dir, results, engines, args.rounds, deadline)
     if not args.keep:
         for engine in engines.values():
@@ -950,8 +953,9 @@ def main() -> int:
 
 def profile_step(args, results: dict, engines: dict[str, Engine], deadline: float) -> int:
     """`profile`: the profiles into DIR/results.json, their table printed (and written)."""
+    workloads = pick_workloads(args.workloads) if args.workloads else results["workloads"]
     try:
-        profile(results, engines, deadline)
+        profile(results, engines, workloads, deadline)
     except (RuntimeError, TimeoutError) as exc:  # keep what was profiled
         results["errors"]["profile"] = str(exc)
     save_partial(args.dir, results)

@@ -3,6 +3,7 @@ the per-round ratios and the GPU memory line that backs the memory claim in the 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -178,8 +179,11 @@ def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, mon
     for name, engine in fake.engines.items():
         engine.ask = profiled(name)
     results = {"configs": {"unpatched": {}, "default": {}}, "rounds": [], "errors": {},
-               "workloads": ["decode_b1_lora"]}  # fmt: skip
-    module.profile(results, fake.engines, deadline=float("inf"))
+               "workloads": ["prefill_lora", "prefill_base"]}  # fmt: skip
+    args = argparse.Namespace(dir=tmp_path, workloads=["decode_b1"], keep=True, markdown=None)
+    module.profile_step(args, results, fake.engines, deadline=float("inf"))
+    assert results["workloads"] == ["prefill_lora", "prefill_base"]  # the rounds' own, kept
+    assert set(results["profiles"]["default"]) == {"decode_b1_lora", "decode_b1_base"}
     assert results["profiles"]["default"]["decode_b1_lora"]["lora_us"] == 20
     text = module.profile_table(results)
     assert "| decode_b1_lora | unpatched | 2000 | 30 | 0 | 30 (0) |" in text
