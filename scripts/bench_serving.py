@@ -673,23 +673,29 @@ def profile(results: dict, engines: dict[str, Engine], workloads: list[str],
 def profile_table(results: dict) -> str:
     """Markdown: per workload and configuration, per engine step (decode) or call
     (prefill): the step's wall time while profiled, the GPU's busy time, kernels,
-    LoRA-named kernels; then each LoRA workload's top kernels per configuration."""
+    LoRA-named kernels, the host's eager aten ops and CUDA runtime calls; then each
+    LoRA workload's top kernels per configuration, and the kernels and host ops whose
+    time differs most from the base configuration's."""
     found = results.get("profiles", {})
     configs = [c for c in results["configs"] if c in found]
     lines = ["Profiled once per configuration and workload (vLLM's torch profiler, "
              "kernels of CUDA-graph replays included), per engine step for decode and "
              "per call for prefill, microseconds", "",
-             "| workload | configuration | wall | GPU busy | kernels | LoRA-named kernels |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| workload | configuration | wall | GPU busy | kernels | LoRA-named kernels "
+             "| host aten ops | host CUDA calls |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     workloads = [w for w in WORKLOADS if any(w in found[c] for c in configs)]
     for workload in workloads:
         for name in configs:
             row = found[name].get(workload)
             if row and row.get("kernels"):
                 wall = 1e6 * row["seconds"] / row["steps"]
+                host = row.get("host", {})
+                ops, calls = (host.get(c, {}).get("events", 0) for c in ("cpu_op", "cuda_runtime"))
                 lines.append(f"| {workload} | {name} | {wall:.0f} | {row['gpu_busy_us']:.0f} | "
                              f"{row['kernels']:.0f} | {row['lora_us']:.0f} "
-                             f"({row['lora_kernels']:.0f}) |")  # fmt: skip
+                             f"({row['lora_kernels']:.0f}) | {ops:.1f} | {calls:.1f} |"
+                             )  # fmt: skip
     for workload in (w for w in workloads if w.endswith("_lora")):
         for name in configs:
             row = found[name].get(workload)
@@ -699,7 +705,38 @@ def profile_table(results: dict) -> str:
                       "", "| kernel | launches | µs |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{kernel[:90]}` | {count:.1f} | {us:.1f} |"
                       for kernel, count, us in row["top"]]  # fmt: skip
+    base = results.get("base")
+    for workload in (w for w in workloads if w.endswith("_lora")):
+        for name in configs:
+            if name == base or base not in found:
+                continue
+            pair = found[base].get(workload) or {}, found[name].get(workload) or {}
+            title = f"{workload}, {name} against {base}"
+            lines += differences(*(p.get("by_name") for p in pair), f"Kernels, {title}")
+            lines += differences(*(p.get("host", {}).get("cpu_op", {}).get("top") for p in pair),
+                                 f"Host aten ops (each side's most time), {title}")  # fmt: skip
     return "\n".join(lines)
+
+
+def differences(base: list | None, other: list | None, title: str, top: int = 15) -> list:
+    """Markdown lines: the names ([name, count, µs] per step, as kernel_trace gives
+    them) whose time per step differs most between two profiles of one workload (a
+    name only one of them has counts from 0)."""
+    if base is None or other is None or not (base or other):
+        return []
+    before = {name: (count, us) for name, count, us in base}
+    after = {name: (count, us) for name, count, us in other}
+    names = set(before) | set(after)
+    delta = {n: after.get(n, (0, 0.0))[1] - before.get(n, (0, 0.0))[1] for n in names}
+    ranked = sorted(names, key=lambda n: -abs(delta[n]))[:top]
+    lines = ["", f"{title}: differing most, count and µs per step", "",
+             "| name | count (base) | count | µs (base) | µs | difference |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for n in ranked:
+        (c0, u0), (c1, u1) = before.get(n, (0, 0.0)), after.get(n, (0, 0.0))
+        lines.append(f"| `{n[:80]}` | {c0:.1f} | {c1:.1f} | {u0:.1f} | {u1:.1f} | "
+                     f"{delta[n]:+.1f} |")  # fmt: skip
+    return lines
 
 
 def measured(results: dict) -> list[str]:

@@ -27,6 +27,11 @@ from pathlib import Path
 # model's: the LoRA workload's GPU time against the base workload's says it.
 LORA_KERNEL = re.compile(r"lora|gemv", re.IGNORECASE)
 TOP = 12
+# Host-side events the profiler records in the worker (outside the CUDA graphs):
+# aten ops run eagerly (a per-batch metadata update shows here), CUDA runtime calls
+# (kernel launches, graph launches, copies) and vLLM's own annotated ranges.
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+HOST_TOP = 20
 
 
 def read_events(path: Path) -> list[dict]:
@@ -57,20 +62,40 @@ def busy_us(found: list[dict]) -> float:
     return total
 
 
+def per_name(found: list[dict], steps: int) -> list[list]:
+    """[name, count per step, microseconds per step] for each name, most time first."""
+    by_name: dict[str, list[float]] = {}
+    for event in found:
+        cell = by_name.setdefault(event["name"], [0, 0.0])
+        cell[0] += 1
+        cell[1] += event["dur"]
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return [[name, count / steps, us / steps] for name, (count, us) in ranked]
+
+
+def host_summary(events: list[dict], steps: int) -> dict:
+    """Per step, each HOST_CATEGORIES category's event count and its HOST_TOP names:
+    what the host did outside the graphs (two configurations' difference here is host
+    work one of them adds per step)."""
+    found = {}
+    for category in HOST_CATEGORIES:
+        chosen = [e for e in events if e.get("ph") == "X" and e.get("cat") == category]
+        found[category] = {"events": len(chosen) / steps,
+                           "top": per_name(chosen, steps)[:HOST_TOP]}  # fmt: skip
+    return found
+
+
 def summary(paths: list[Path], steps: int) -> dict:
     """Per engine step, over every trace of one profiled workload: GPU busy time,
-    the kernels' window, kernel count, LoRA-named kernels' time, and the TOP kernels
-    by time (name, launches and microseconds per step)."""
-    found = [k for path in paths for k in kernels(read_events(path))]
+    the kernels' window, kernel count, LoRA-named kernels' time, the TOP kernels
+    by time (name, launches and microseconds per step), every kernel by name (to
+    set two configurations side by side), and the host's events (host_summary)."""
+    events = [e for path in paths for e in read_events(path)]
+    found = kernels(events)
     if not found:
-        return {"steps": steps, "kernels": 0}
-    by_name: dict[str, list[float]] = {}
-    for k in found:
-        cell = by_name.setdefault(k["name"], [0, 0.0])
-        cell[0] += 1
-        cell[1] += k["dur"]
+        return {"steps": steps, "kernels": 0, "host": host_summary(events, steps)}
     window = max(k["ts"] + k["dur"] for k in found) - min(k["ts"] for k in found)
-    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP]
+    every = per_name(found, steps)
     lora = [k for k in found if LORA_KERNEL.search(k["name"])]
     return {
         "steps": steps,
@@ -79,5 +104,7 @@ def summary(paths: list[Path], steps: int) -> dict:
         "window_us": window / steps,
         "lora_us": sum(k["dur"] for k in lora) / steps,
         "lora_kernels": len(lora) / steps,
-        "top": [[name, count / steps, us / steps] for name, (count, us) in top],
+        "top": every[:TOP],
+        "by_name": every,
+        "host": host_summary(events, steps),
     }

@@ -191,6 +191,34 @@ def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, mon
     assert "Top kernels, decode_b1_lora, default" in text
 
 
+def test_a_profile_table_names_what_differs_from_the_base_kernels_and_host_ops(
+    tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    module = bench()
+    import kernel_trace
+
+    def profiled(extra_kernel_us, host_ops):
+        events = [kernel("nvjet_gemm", 0, 20), kernel("_gemv_shrink_kernel", 30, extra_kernel_us)]
+        events += [{"ph": "X", "cat": "cpu_op", "name": "aten::eq", "ts": 100 + n, "dur": 1}
+                   for n in range(host_ops)]  # fmt: skip
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0,
+                       "dur": 5})  # fmt: skip
+        path = tmp_path / f"t{extra_kernel_us}-{host_ops}.pt.trace.json.gz"
+        return {"seconds": 0.002, **kernel_trace.summary([trace(path, events)], steps=2)}
+
+    results = {"configs": {"unpatched": {}, "default": {}}, "base": "unpatched",
+               "profiles": {"unpatched": {"decode_b4_lora": profiled(2, 0)},
+                            "default": {"decode_b4_lora": profiled(10, 6)}}}  # fmt: skip
+    host = results["profiles"]["default"]["decode_b4_lora"]["host"]
+    assert host["cpu_op"]["events"] == 3 and host["cuda_runtime"]["events"] == 0.5
+    text = module.profile_table(results)
+    assert "| decode_b4_lora | default | 1000 | 15 | 1 | 5 (0) | 3.0 | 0.5 |" in text
+    assert "Kernels, decode_b4_lora, default against unpatched" in text
+    assert "| `_gemv_shrink_kernel` | 0.5 | 0.5 | 1.0 | 5.0 | +4.0 |" in text
+    assert "| `aten::eq` | 0.0 | 3.0 | 0.0 | 3.0 | +3.0 |" in text
+
+
 class Clock:
     """perf_counter for run_workload: each generate call takes `per_call` seconds."""
 

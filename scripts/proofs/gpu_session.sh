@@ -32,11 +32,14 @@
 # GS_PLAN=serving (one H200, about 1,500 s; calls b1, b3, b2, collect, collect): the
 # serving benchmark alone, unpatched against the default set, on the adapter sets
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
-# a later set of a model links the first one's weights). Every set's engines start
+# optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); a
+# later set of a model links the first one's weights). Every set's engines start
 # together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
-# (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds, and
-# last decode batch 1 and 4 once under the torch profiler (`bench_serving.py
-# profile`), within GS_BENCH_END (1,300 s for this plan) of the start.
+# (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
+# (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all), and
+# last the workloads of GS_PROFILE (default "decode_b1 decode_b4") once under the
+# torch profiler (`bench_serving.py profile`, GS_PROFILE_S seconds a set, 150 by
+# default), within GS_BENCH_END (1,300 s for this plan) of the start.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -80,17 +83,19 @@ do_() { if [ -n "${DRY:-}" ]; then echo "DRY: $*"; else "$@"; fi; }
 site_path() { export PYTHONPATH=/opt/site:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk; }
 # The background steps run from a copy of the repository under $G, so the next
 # call's copy of the working tree never changes a file under a running process.
+# b1 takes one for the build and b2 a new one for the proofs ($G/repo-STEP): a fix
+# made here between a sitting's calls reaches the proofs.
 snapshot() {
-  [ -d "$G/repo/patchkit" ] && return
-  mkdir -p "$G/repo"
-  cp -a patchkit scripts patches pyproject.toml .devtools "$G/repo/"
+  [ -d "$G/repo-$1/patchkit" ] && return
+  mkdir -p "$G/repo-$1"
+  cp -a patchkit scripts patches pyproject.toml .devtools "$G/repo-$1/"
 }
 
 # pack NAME: the small files under $G (no weights, compile caches, vLLM trees)
 pack() {
   local tarball=$OUT/gs-$1.tar.gz limit=${2:-3M}
   (cd "$G" && find . -type f -size -"$limit" ! -name '*.safetensors' ! -name '*.pt' \
-    ! -path './out/*' ! -path './repo/*' ! -path '*/vllm-cache*' ! -path './bench/cache/*' \
+    ! -path './out/*' ! -path './repo-*' ! -path '*/vllm-cache*' ! -path './bench/cache/*' \
     ! -path './bench/sites/*' ! -path '*/torch_compile_cache/*' ! -path './bench-*/sites/*' \
     ! -path './bench-*/cache/*' ! -path './bench-*/profiles/*' -print0 |
     tar czf "$tarball" --null -T -)
@@ -199,7 +204,7 @@ build_sets() {
   local first_dense="" first_moe="" set name model count rank from
   for set in $SETS; do
     name=${set%%=*} model=${set#*=} count=${model#*:} model=${model%%:*}
-    rank=${count#*x} count=${count%x*} from=()
+    count=${count%%:*} rank=${count#*x} count=${count%x*} from=()
     [ "$model" = moe35b ] && [ -n "$first_moe" ] && from=(--model-from "$first_moe")
     [ "$model" = dense27b ] && [ -n "$first_dense" ] && from=(--model-from "$first_dense")
     do_ python3 scripts/bench_serving.py build "/dev/shm/gs-bench/$name" --model "$model" \
@@ -215,38 +220,47 @@ build_sets() {
 # serving: the GS_PLAN=serving benchmark (see the header), unpatched /opt/pristine
 # against the default set
 serving() {
-  local set name left sets=() starts=() leg=${GS_LEG_S:-2}
+  local set name configs left sets=() starts=() leg=${GS_LEG_S:-2}
+  local measure=() profile_s=${GS_PROFILE_S:-150} b64=${GS_B64:-1}
   for set in $SETS; do sets+=("${set%%=*}"); done
+  read -r -a measure <<<"${GS_MEASURE:-${sets[*]}}"
+  read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
-  for name in "${sets[@]}"; do
-    do_ "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs default \
+  for set in $SETS; do
+    name=${set%%=*} configs=${set#*=} configs=${configs#*:}
+    case $configs in *:*) configs=${configs#*:} ;; *) configs=default ;; esac
+    do_ "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
       --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
       --deadline $((BENCH_END - SECONDS)) >"$G/serving-start-$name.log" 2>&1 &
     starts+=($!)
   done
   wait "${starts[@]}" # not a bare wait: the proofs step's GPU monitor runs until all.done
   say "serving: engines up"
-  local profiles=$((120 * ${#sets[@]})) # the profile step's share, at the end
-  for name in "${sets[@]}"; do # batch 1 and 4: half of what is left, shared by the sets
-    left=$(((BENCH_END - SECONDS - profiles) / 2 / ${#sets[@]}))
+  local profiles=$((profile_s * ${#sets[@]})) shares=$((${#measure[@]} * (1 + b64)))
+  for name in "${measure[@]}"; do # batch 1 and 4: their share of what is left
+    left=$(((BENCH_END - SECONDS - profiles) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
+    shares=$((shares - 1))
   done
-  for name in "${sets[@]}"; do # batch 64 and prefill with what is left
-    left=$(((BENCH_END - SECONDS - profiles) / ${#sets[@]}))
+  for name in "${measure[@]}"; do # batch 64 and prefill with what is left
+    [ "$b64" = 1 ] || break
+    left=$(((BENCH_END - SECONDS - profiles) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" --keep \
       --workloads decode_b64 prefill --json "$G/serving-$name.json" \
       --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
     say "serving: $name batch 64 and prefill done"
+    shares=$((shares - 1))
   done
   # Last: once vLLM's profiler has run, every later step of that engine annotates
   # itself for it (gpu_worker.annotate_profile), which the rounds must not carry.
   for name in "${sets[@]}"; do
-    do_ "${bs[@]}" profile "$G/bench-$name" --workloads decode_b1 decode_b4 \
-      --deadline 110 --markdown "$G/serving-profile-$name.md" >"$G/serving-profile-$name.log" 2>&1
+    do_ "${bs[@]}" profile "$G/bench-$name" --workloads "${profile_kinds[@]}" \
+      --deadline $((profile_s - 10)) --markdown "$G/serving-profile-$name.md" \
+      >"$G/serving-profile-$name.log" 2>&1
     say "serving: $name profiled; its engines stopped"
   done
 }
@@ -258,8 +272,8 @@ case $STEP in
       --target /tmp/pk .whl/*.whl
     nvidia-smi >"$G/nvidia-smi.txt" 2>&1
     say "building the models in the background (build.log)"
-    snapshot
-    (cd "$G/repo" && setsid nohup bash scripts/proofs/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
+    snapshot b1
+    (cd "$G/repo-b1" && setsid nohup bash scripts/proofs/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
     sleep "${GS_SLEEP:-20}"
     tail -5 "$G/build.log"
     pack b1
@@ -311,8 +325,8 @@ case $STEP in
 print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     tail -2 "$G/moe-import.txt"
     wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
-    snapshot
-    (cd "$G/repo" && setsid nohup bash scripts/proofs/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
+    snapshot b2
+    (cd "$G/repo-b2" && setsid nohup bash scripts/proofs/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
     wait_for "$G/all.done" "${GS_WAIT:-545}"
     summary
     pack b2
