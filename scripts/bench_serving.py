@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import random
 import shutil
@@ -818,6 +819,7 @@ def table(results: dict, meta: dict) -> str:
         cells.append(str(len(by_round)))
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     lines += ["", *leg_table(counted, configs, base), *memory_lines(results["rounds"], configs)]
+    lines += ["", *spread_table(counted, configs, base, measured(results))]
     stolen = [r.get("steal_s", 0.0) for r in counted]
     lines += ["", f"Stolen CPU (guest, /proc/stat) during the {len(counted)} counted "
               f"measurements: {sum(stolen):.1f} s in all, "
@@ -852,6 +854,44 @@ def ratio_summary(ratios: list[float]) -> str:
     """'101.2 %, q1 98.7 %, 95-104': median, lower quartile and range of per-round ratios."""
     return (f"{100 * statistics.median(ratios):.1f} %, q1 {100 * lower_quartile(ratios):.1f} %, "
             f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}")  # fmt: skip
+
+
+def bootstrap_median(ratios: list[float], draws: int = 5000, seed: int = 1) -> tuple:
+    """The 5th and 95th percentiles of the median over `draws` resamplings of the
+    ratios (with replacement; a fixed seed, so the table is the same every time)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(draws))  # fmt: skip
+    return medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
+
+
+def spread_table(counted: list[dict], configs: list[str], base: str,
+                 workloads: list[str]) -> list[str]:  # fmt: skip
+    """Markdown: for each configuration's per-round ratios to the base, their
+    geometric mean, how many rounds fell below 100 %, and a bootstrap 90 % interval
+    of their median: whether a median off 100 % is more than the rounds' spread."""
+    others = [c for c in configs if c != base]
+    lines = table_head(
+        f"Per-round ratios to {base}: geometric mean; rounds below 100 % of all; "
+        "bootstrap 90 % interval of the median (5,000 resamplings)",
+        others,
+    )
+    for workload in workloads:
+        by_round = per_round(counted, workload)
+        cells = []
+        for name in others:
+            ratios = [row[name] / row[base] for row in by_round.values()
+                      if name in row and row.get(base)]  # fmt: skip
+            if not ratios:
+                cells.append("n/a")
+                continue
+            geometric = math.exp(statistics.fmean(math.log(r) for r in ratios))
+            low, high = bootstrap_median(ratios)
+            below = sum(r < 1 for r in ratios)
+            cells.append(f"{100 * geometric:.1f} %; {below} of {len(ratios)}; "
+                         f"{100 * low:.1f}-{100 * high:.1f} %")  # fmt: skip
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def leg_table(counted: list[dict], configs: list[str], base: str = "unpatched") -> list[str]:

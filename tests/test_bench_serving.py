@@ -219,6 +219,21 @@ def test_a_profile_table_names_what_differs_from_the_base_kernels_and_host_ops(
     assert "| `aten::eq` | 0.0 | 3.0 | 0.0 | 3.0 | +3.0 |" in text
 
 
+def test_the_spread_table_gives_geometric_mean_rounds_below_and_an_interval():
+    module = bench()
+    ratios = {1: 0.9, 2: 1.1, 3: 1.0, 4: 1.2}
+    counted = [row("unpatched", n, 100.0) for n in ratios]
+    counted += [row("default", n, 100.0 * r) for n, r in ratios.items()]
+    lines = module.spread_table(counted, ["unpatched", "default"], "unpatched",
+                                ["decode_b1_lora"])  # fmt: skip
+    geometric = 100 * (0.9 * 1.1 * 1.0 * 1.2) ** 0.25
+    low, high = module.bootstrap_median(list(ratios.values()))
+    assert 0.9 <= low <= 1.05 <= high <= 1.2
+    assert lines[-1] == (f"| decode_b1_lora | {geometric:.1f} %; 1 of 4; "
+                         f"{100 * low:.1f}-{100 * high:.1f} % |")  # fmt: skip
+    assert module.bootstrap_median([1.0, 2.0, 3.0]) == module.bootstrap_median([1.0, 2.0, 3.0])
+
+
 class Clock:
     """perf_counter for run_workload: each generate call takes `per_call` seconds."""
 

@@ -36,7 +36,8 @@
 # later set of a model links the first one's weights). Every set's engines start
 # together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
 # (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
-# (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all), and
+# (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all; - for
+# none), and
 # last the workloads of GS_PROFILE (default "decode_b1 decode_b4") once under the
 # torch profiler (`bench_serving.py profile`, GS_PROFILE_S seconds a set, 150 by
 # default), within GS_BENCH_END (1,300 s for this plan) of the start.
@@ -224,6 +225,7 @@ serving() {
   local measure=() profile_s=${GS_PROFILE_S:-150} b64=${GS_B64:-1}
   for set in $SETS; do sets+=("${set%%=*}"); done
   read -r -a measure <<<"${GS_MEASURE:-${sets[*]}}"
+  [ "${measure[*]}" = - ] && measure=() # GS_MEASURE=-: no rounds, the profile alone
   read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 python3 scripts/bench_serving.py)
@@ -327,7 +329,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
     snapshot b2
     (cd "$G/repo-b2" && setsid nohup bash scripts/proofs/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
-    wait_for "$G/all.done" "${GS_WAIT:-545}"
+    wait_for "$G/all.done" "${GS_WAIT:-480}"
     summary
     pack b2
     ;;
