@@ -26,6 +26,9 @@ patched file) and its own empty compile cache:
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        cost); only when asked for by --configs
+  unpatched-twin       a second engine on the unpatched tree: identical code, so its
+                       ratios are the method's own spread in the same rounds (A/A);
+                       only when asked for by --configs
 
 All engines start together and stay up; the workloads then run one engine
 at a time, configurations in a new order each round and each twice, the
@@ -240,6 +243,10 @@ def config_patches(site: Path) -> dict[str, list[str]]:
 
 
 PROBE = "default+nan-probe"
+# A second engine on the unpatched tree: the same code as the base, so its ratios to
+# the base are what the method reads for identical code in the same rounds (an A/A
+# control, beside the base workloads).
+TWIN = "unpatched-twin"
 # Configurations served from the default tree with an environment variable set.
 SAME_TREE = {
     "default+triton": {"PATCHKIT_LORA_BACKEND": "triton"},
@@ -257,7 +264,7 @@ def make_sites(
     every ratio is to it); None keeps them all but default+nan-probe.
     """
     configs = config_patches(site)
-    known = [*configs, *SAME_TREE, PROBE]
+    known = [*configs, *SAME_TREE, PROBE, TWIN]
     if base not in known:
         raise SystemExit(f"--base {base}: this release has {', '.join(known)}")
     if wanted is not None:
@@ -290,6 +297,8 @@ def make_sites(
     for name, env in SAME_TREE.items():
         if name == base or (name in wanted if wanted else name == "default+triton"):
             sites[name] = {**sites["default"], "env": env}
+    if wanted is not None and TWIN in wanted and "unpatched" in sites:
+        sites[TWIN] = dict(sites["unpatched"])
     if wanted is not None and "default" not in {base, *wanted}:
         del sites["default"]
     return sites

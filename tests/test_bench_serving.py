@@ -130,6 +130,16 @@ def test_a_same_tree_configuration_can_be_the_base(slim_tree_0260, tmp_path):
     assert "matmul-add-lora-linear" in sites["default"]["patches"]
 
 
+def test_an_unpatched_twin_is_a_second_engine_on_the_unpatched_tree(slim_tree_0260, tmp_path):
+    """--configs default unpatched-twin: the twin serves the unpatched tree, as its own
+    configuration (its own engine and compile cache), so identical code is measured
+    in the same rounds."""
+    sites = bench().make_sites(slim_tree_0260, tmp_path / "work", ["default", "unpatched-twin"])
+    assert set(sites) == {"unpatched", "default", "unpatched-twin"}
+    assert sites["unpatched-twin"] == sites["unpatched"]
+    assert sites["unpatched-twin"]["patches"] == [] and sites["unpatched-twin"]["env"] == {}
+
+
 def trace(path, events):
     """A trace as vLLM's torch profiler writes it (Chrome trace JSON, gzip)."""
     with gzip.open(path, "wt") as out:
