@@ -29,7 +29,7 @@
 # build, and the proofs are e2e-tp1 and model-tp1 side by side on GPU 1 while
 # the benchmark has GPU 0 to itself, its rounds from the start (no wait for the
 # proofs), until GS_BENCH_END.
-# GS_PLAN=serving (one H200, about 1,500 s; calls b1, b3, b2, collect, collect): the
+# GS_PLAN=serving (one H200, about 1,300-1,500 s; calls b1, b3, b2, collect): the
 # serving benchmark alone, unpatched against the default set, on the adapter sets
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
 # optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); a
@@ -391,7 +391,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     say "all done"
     ;;
   collect)
-    wait_for "$G/all.done" "${GS_WAIT:-575}"
+    wait_for "$G/all.done" "${GS_WAIT:-540}"
     summary
     pack "collect-$(date +%H%M%S)"
     ;;
