@@ -9,7 +9,8 @@ with its defaults (torch.compile, CUDA graphs), max_num_seqs 64:
   moe35b    Qwen3.5-35B-A3B widths (256 routed experts, top 8, a shared
             expert), about 6.8 B parameters, adapters on attention, GDN, the
             shared expert and the routed experts (PEFT's target_parameters)
-BENCH_GPU_MEMORY sets each engine's gpu_memory_utilization (default 0.12). Each
+BENCH_GPU_MEMORY sets each engine's gpu_memory_utilization (default 0.12) and
+BENCH_KV_GIB its KV cache (default 4 GiB; a MoE engine's peak was 20.1 GiB with 4). Each
 configuration gets its own engine, in its own process, on its own copy of the
 vLLM tree (hard links; patchkit writes new files, so the copies never share a
 patched file) and its own empty compile cache:
@@ -329,7 +330,9 @@ def worker(work: Path, name: str) -> None:
         max_num_batched_tokens=8192,
         enable_prefix_caching=False,
         gpu_memory_utilization=float(os.environ.get("BENCH_GPU_MEMORY", "0.12")),
-        kv_cache_memory_bytes=4 << 30,  # no KV sizing by profiling: engines start side by side
+        # No KV sizing by profiling: engines start side by side. BENCH_KV_GIB (4 by
+        # default) fits more engines on one GPU.
+        kv_cache_memory_bytes=int(float(os.environ.get("BENCH_KV_GIB", "4")) * 2**30),
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]},
         skip_tokenizer_init=True,
         language_model_only=True,

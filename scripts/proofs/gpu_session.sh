@@ -40,7 +40,8 @@
 # none), and
 # last the workloads of GS_PROFILE (default "decode_b1 decode_b4") once under the
 # torch profiler (`bench_serving.py profile`, GS_PROFILE_S seconds a set, 150 by
-# default), within GS_BENCH_END (1,300 s for this plan) of the start.
+# default), within GS_BENCH_END (1,300 s for this plan) of the start. GS_KV_GIB (4)
+# is each engine's KV cache: less of it fits more engines on the GPU.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -228,7 +229,7 @@ serving() {
   [ "${measure[*]}" = - ] && measure=() # GS_MEASURE=-: no rounds, the profile alone
   read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
-    BENCH_GPU_MEMORY=0.10 python3 scripts/bench_serving.py)
+    BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
   for set in $SETS; do
     name=${set%%=*} configs=${set#*=} configs=${configs#*:}
