@@ -788,6 +788,11 @@ def per_round(counted: list[dict], workload: str) -> dict[int, dict[str, float]]
             for round_, row in tokens.items()}  # fmt: skip
 
 
+def round_ratios(by_round: dict[int, dict[str, float]], name: str, base: str) -> list[float]:
+    """`name`'s tok/s over the base's, in each round (of per_round) that has both."""
+    return [row[name] / row[base] for row in by_round.values() if name in row and row.get(base)]
+
+
 def save_partial(work: Path, results: dict) -> None:
     """results.json after each round, so a run cut short keeps its finished rounds."""
     (work / "results.json").write_text(json.dumps(results, indent=1))
@@ -820,8 +825,7 @@ def table(results: dict, meta: dict) -> str:
         cells = []
         for name in configs:
             values = [row[name] for row in by_round.values() if name in row]
-            ratios = [row[name] / row[base] for row in by_round.values()
-                      if name in row and row.get(base)]  # fmt: skip
+            ratios = round_ratios(by_round, name, base)
             if not values:
                 cells.append("n/a")
             elif name != base and ratios:
@@ -892,8 +896,7 @@ def spread_table(counted: list[dict], configs: list[str], base: str,
         by_round = per_round(counted, workload)
         cells = []
         for name in others:
-            ratios = [row[name] / row[base] for row in by_round.values()
-                      if name in row and row.get(base)]  # fmt: skip
+            ratios = round_ratios(by_round, name, base)
             if not ratios:
                 cells.append("n/a")
                 continue

@@ -57,6 +57,11 @@ class Reading:
         return dataclasses.asdict(self) | {"hazards": [hazard_record(h) for h in self.hazards]}
 
     @classmethod
+    def of(cls, findings: sass.Findings) -> Reading:
+        """The reading of a disassembly that sass found ``findings`` in."""
+        return cls(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
+
+    @classmethod
     def stored(cls, data: dict) -> Reading:
         return cls(**data | {"hazards": [stored_hazard(h) for h in data["hazards"]]})
 
@@ -148,8 +153,7 @@ def _compile(launch: Launch, disassemble: list[str]) -> tuple[Reading | None, st
 
 def without_wgmma() -> Reading:
     """The reading of a compile whose PTX has no wgmma: what its SASS would show."""
-    findings = sass.Findings()
-    return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
+    return Reading.of(sass.Findings())
 
 
 def read_machine_code(
@@ -208,10 +212,7 @@ def read_raw(batch: list[tuple[str, bytes]], nvdisasm: str) -> dict[str, Reading
         end = start + len(code)
         part = program[bisect_left(addresses, start) : bisect_left(addresses, end)]
         if len(part) == len(code) // cubinfile.INSTRUCTION_BYTES:
-            findings = sass.scan_program([sass.moved(ins, -start) for ins in part])
-            found[key] = Reading(
-                findings.verdict, findings.hgmma, findings.register_a, findings.hazards
-            )
+            found[key] = Reading.of(sass.scan_program([sass.moved(ins, -start) for ins in part]))
         start = end
     return found
 
@@ -221,8 +222,7 @@ def _disassemble(cubin: bytes, disassemble: list[str], path: Path) -> Reading:
     done = subprocess.run([*disassemble, str(path)], capture_output=True, text=True, timeout=120)
     if not done.stdout.strip():
         return Reading("error", error=f"the disassembler printed nothing ({done.stderr.strip()})")
-    findings = sass.scan(done.stdout)
-    return Reading(findings.verdict, findings.hgmma, findings.register_a, findings.hazards)
+    return Reading.of(sass.scan(done.stdout))
 
 
 def machine_code_key(cubin: bytes, disassemble: list[str]) -> str:
