@@ -412,16 +412,19 @@ def gpu_peak(llm) -> dict:
 
 
 def host_cpu() -> dict:
-    """This process's CPU seconds and the whole guest's stolen seconds (/proc/stat), so a
-    slow measurement can be told apart from a host that took the CPU away."""
+    """This process's CPU seconds, and the whole guest's busy and stolen seconds
+    (/proc/stat), so a slow measurement can be told apart from a host that took the CPU
+    away or a guest busy with something else (the idle engines, the sitting's own tools)."""
     times = os.times()
-    steal = 0.0
+    steal = busy = 0.0
     try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-        steal = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+        fields = [int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+        steal = fields[7] / tick
+        busy = (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / tick
     except (OSError, IndexError, ValueError):
         pass
-    return {"cpu_s": times.user + times.system, "steal_s": steal}
+    return {"cpu_s": times.user + times.system, "steal_s": steal, "busy_s": busy}
 
 
 def run_workload(llm, sampling_params, requests, name: str, round_: int,
@@ -442,6 +445,7 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int,
     if spec["lora"]:
         lora = [requests[(round_ + i) % len(requests)] for i in range(spec["n"])]
     before = host_cpu()
+    wall = time.time()  # to line a leg up with the sitting's GPU clock log (clocks.log)
     started = time.perf_counter()
     calls = generated = 0
     while True:
@@ -453,9 +457,11 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int,
             break
     after = host_cpu()
     counted = calls * spec["n"] * spec["prompt"] if spec["out"] == 1 else generated
-    return {"workload": name, "round": round_, "seconds": seconds, "tok_s": counted / seconds,
+    return {"workload": name, "round": round_, "wall": wall, "seconds": seconds,
+            "tok_s": counted / seconds,
             "generated": generated, "calls": calls, "cpu_s": after["cpu_s"] - before["cpu_s"],
-            "steal_s": after["steal_s"] - before["steal_s"]}  # fmt: skip
+            "steal_s": after["steal_s"] - before["steal_s"],
+            "guest_busy_s": after["busy_s"] - before["busy_s"]}  # fmt: skip
 
 
 class Mailbox:

@@ -40,8 +40,12 @@
 # none), and
 # last the workloads of GS_PROFILE (default "decode_b1 decode_b4") once under the
 # torch profiler (`bench_serving.py profile`, GS_PROFILE_S seconds a set, 150 by
-# default), within GS_BENCH_END (1,300 s for this plan) of the start. GS_KV_GIB (4)
-# is each engine's KV cache: less of it fits more engines on the GPU.
+# default) on the sets of GS_PROFILE_SETS (default all; - for none), within
+# GS_BENCH_END (1,300 s for this plan) of the start. GS_B64_S (0: an equal share of
+# the time) keeps that many seconds a set for batch 64 and prefill. GS_KV_GIB (4)
+# is each engine's KV cache: less of it fits more engines on the GPU. Meanwhile
+# clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log (the
+# guest's /proc/stat) are written once a second.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -223,11 +227,15 @@ build_sets() {
 # against the default set
 serving() {
   local set name configs left sets=() starts=() leg=${GS_LEG_S:-2}
-  local measure=() profile_s=${GS_PROFILE_S:-150} b64=${GS_B64:-1}
+  local measure=() profiled=() profile_s=${GS_PROFILE_S:-150} b64=${GS_B64:-1}
   for set in $SETS; do sets+=("${set%%=*}"); done
   read -r -a measure <<<"${GS_MEASURE:-${sets[*]}}"
   [ "${measure[*]}" = - ] && measure=() # GS_MEASURE=-: no rounds, the profile alone
+  read -r -a profiled <<<"${GS_PROFILE_SETS:-${sets[*]}}"
+  [ "${profiled[*]}" = - ] && profiled=() # GS_PROFILE_SETS=-: no profile
   read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
+  clock_log &
+  local clocks=$!
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
@@ -241,14 +249,19 @@ serving() {
   done
   wait "${starts[@]}" # not a bare wait: the proofs step's GPU monitor runs until all.done
   say "serving: engines up"
-  local profiles=$((profile_s * ${#sets[@]})) shares=$((${#measure[@]} * (1 + b64)))
+  # GS_B64_S (0: an equal share) keeps that many seconds a set for batch 64 and
+  # prefill, whose rounds vary less than batch 1 and 4 and need fewer of them
+  local profiles=$((profile_s * ${#profiled[@]})) shares=$((${#measure[@]} * (1 + b64)))
+  local kept=$((b64 * ${GS_B64_S:-0} * ${#measure[@]}))
+  [ "$kept" -gt 0 ] && shares=${#measure[@]}
   for name in "${measure[@]}"; do # batch 1 and 4: their share of what is left
-    left=$(((BENCH_END - SECONDS - profiles) / shares))
+    left=$(((BENCH_END - SECONDS - profiles - kept) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
     shares=$((shares - 1))
   done
+  [ "$kept" -gt 0 ] && shares=${#measure[@]}
   for name in "${measure[@]}"; do # batch 64 and prefill with what is left
     [ "$b64" = 1 ] || break
     left=$(((BENCH_END - SECONDS - profiles) / shares))
@@ -260,11 +273,34 @@ serving() {
   done
   # Last: once vLLM's profiler has run, every later step of that engine annotates
   # itself for it (gpu_worker.annotate_profile), which the rounds must not carry.
-  for name in "${sets[@]}"; do
+  for name in "${profiled[@]}"; do
     do_ "${bs[@]}" profile "$G/bench-$name" --workloads "${profile_kinds[@]}" \
       --deadline $((profile_s - 10)) --markdown "$G/serving-profile-$name.md" \
       >"$G/serving-profile-$name.log" 2>&1
     say "serving: $name profiled; its engines stopped"
+  done
+  kill "$clocks" 2>/dev/null
+}
+
+# clock_log: the GPU's clocks, power and throttle reasons once a second
+# ($G/clocks.log, one nvidia-smi that stays up: a process a second would be host
+# noise of its own) and the guest's CPU counters (cpu.log), so that a slow leg
+# (its "wall" in results.json) can be told apart as the GPU's clocks or the host's CPU
+clock_log() {
+  local fields=timestamp,clocks.sm,clocks.mem,power.draw,pstate,temperature.gpu,utilization.gpu
+  local reasons=clocks_event_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv,noheader >/dev/null 2>&1 ||
+    reasons=clocks_throttle_reasons.active
+  [ -n "${DRY:-}" ] && { echo "DRY: clock_log $fields,$reasons"; return; }
+  echo "# $fields,$reasons" >"$G/clocks.log"
+  nvidia-smi --query-gpu=$fields,$reasons --format=csv,noheader -lms 1000 >>"$G/clocks.log" 2>&1 &
+  local smi=$!
+  trap 'kill $smi 2>/dev/null; exit 0' TERM
+  echo "# epoch; /proc/stat cpu: user nice system idle iowait irq softirq steal" >"$G/cpu.log"
+  while true; do
+    read -r line </proc/stat
+    echo "$EPOCHREALTIME; $line" >>"$G/cpu.log"
+    sleep 1
   done
 }
 
