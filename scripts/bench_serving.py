@@ -73,6 +73,7 @@ records the engine's CPU seconds and the guest's stolen CPU seconds
 from __future__ import annotations
 
 import argparse
+import datetime
 import errno
 import json
 import math
@@ -512,11 +513,14 @@ class Engine:
         env["PYTHONPATH"] = os.pathsep.join([config["site"], base_path])
         mailbox = Mailbox(work, name)
         mailbox.create()
+        cpus = config.get("cpus")
         with mailbox.log.open("w") as log:
             process = subprocess.Popen(
                 [sys.executable, __file__, "worker", str(work), name],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=ROOT, start_new_session=True,  # lives on after this run, for `more`
+                # vLLM's engine core process, started later by the worker, inherits these
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )  # fmt: skip
         return cls(name, work, process.pid)
 
@@ -582,6 +586,29 @@ class Engine:
             self.writer.close()
 
 
+def cpu_shares(spec: str, engines: int) -> list[list[int]]:
+    """BENCH_CPUS ("0-5", "0,2,4-7": the CPUs this run's engines may use) split into
+    `engines` equal runs in order, one an engine; none when unset.
+
+    Why: at batch 1 and 4 a decode step is the host's, and a leg's speed strays by
+    10-20 % on every engine, identical code included (docs/evidence.md, 2026-12-02);
+    an engine on CPUs of its own, apart from the others' idle threads and the
+    scheduler's moves, is what that noise is to be measured against.
+    """
+    if not spec.strip():
+        return []
+    cpus: list[int] = []
+    for part in spec.split(","):
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise SystemExit(f"BENCH_CPUS={spec!r}: not a CPU list such as 0-5 or 0,2,4-7")
+        cpus += range(int(low), int(high or low) + 1)
+    each = len(cpus) // engines
+    if each == 0:
+        raise SystemExit(f"BENCH_CPUS={spec!r}: {len(cpus)} CPUs for {engines} engines")
+    return [cpus[n * each : (n + 1) * each] for n in range(engines)]
+
+
 def start(
     work: Path,
     site: Path,
@@ -593,6 +620,9 @@ def start(
     """Patch the trees, start one engine per configuration, wait until all are ready."""
     configs = make_sites(site, work, wanted, base)
     base_path = os.environ.get("PYTHONPATH", "")
+    shares = cpu_shares(os.environ.get("BENCH_CPUS", ""), len(configs))
+    for name, cpus in zip(configs, shares, strict=False):  # no shares: no CPUs named
+        configs[name]["cpus"] = cpus
     engines = {
         name: Engine.start(name, config, work, base_path) for name, config in configs.items()
     }
@@ -842,6 +872,7 @@ def table(results: dict, meta: dict) -> str:
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     lines += ["", *leg_table(counted, configs, base), *memory_lines(results["rounds"], configs)]
     lines += ["", *spread_table(counted, configs, base, measured(results))]
+    lines += ["", *noise_table(counted, configs, measured(results))]
     stolen = [r.get("steal_s", 0.0) for r in counted]
     lines += ["", f"Stolen CPU (guest, /proc/stat) during the {len(counted)} counted "
               f"measurements: {sum(stolen):.1f} s in all, "
@@ -912,6 +943,91 @@ def spread_table(counted: list[dict], configs: list[str], base: str,
             cells.append(f"{100 * geometric:.1f} %; {below} of {len(ratios)}; "
                          f"{100 * low:.1f}-{100 * high:.1f} %")  # fmt: skip
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def leg_noise(counted: list[dict], workload: str, name: str) -> tuple[float, float] | None:
+    """(spread of single legs, spread of the legs measured right after one another), in
+    log tok/s around the engine's own median, for one configuration and workload.
+
+    The first is how far one leg strays; the second (the difference of neighbouring
+    legs of the same round, over the square root of 2) is the part of it that even the
+    next leg, seconds later, does not share: what no finer interleaving removes. Both
+    are robust standard deviations (1.4826 median absolute deviations), so that one
+    leg that met a first-time compile does not stand for all."""
+    legs = sorted((r for r in counted if r["workload"] == workload and r["config"] == name),
+                  key=lambda r: (r["round"], r.get("wall", 0.0), r.get("leg", 0)))  # fmt: skip
+    if len(legs) < 3:
+        return None
+    middle = statistics.median(r["tok_s"] for r in legs)
+    logs = [math.log(r["tok_s"] / middle) for r in legs]
+    pairs = zip(logs, logs[1:], legs, legs[1:], strict=False)  # each leg and the next
+    steps = [b - a for a, b, ra, rb in pairs if ra["round"] == rb["round"]]
+    apart = robust_sd(steps) / math.sqrt(2) if len(steps) > 1 else float("nan")
+    return robust_sd(logs), apart
+
+
+def robust_sd(values: list[float]) -> float:
+    """1.4826 times the median absolute deviation from the median: the standard
+    deviation for normal noise, unmoved by a few outliers."""
+    middle = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - middle) for v in values)
+
+
+def noise_table(counted: list[dict], configs: list[str], workloads: list[str]) -> list[str]:
+    """Markdown: each engine's single-leg spread (leg_noise), in %: the noise a per-round
+    ratio inherits from its legs, the same code on both sides included."""
+    lines = table_head(
+        "Single legs' spread around each engine's median (robust standard deviation "
+        "of log tok/s, %); after the slash the part the same engine's next leg in the "
+        "round does not share",
+        configs,
+    )
+    for workload in workloads:
+        cells = []
+        for name in configs:
+            found = leg_noise(counted, workload, name)
+            cells.append("n/a" if found is None else f"{100 * found[0]:.1f} / {100 * found[1]:.1f}")
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def clock_samples(path: Path) -> list[tuple[float, int, int]]:
+    """(epoch seconds, SM clock MHz, throttle reasons) from gpu_session.sh's clocks.log
+    (nvidia-smi's csv, its timestamp in UTC as the test host keeps it)."""
+    samples = []
+    for line in path.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if line.startswith("#") or len(fields) < 8 or not fields[1].endswith("MHz"):
+            continue
+        stamp = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f")
+        stamp = stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
+        samples.append((stamp, int(fields[1].split()[0]), int(fields[-1], 16)))
+    return samples
+
+
+def clock_table(counted: list[dict], samples: list[tuple[float, int, int]],
+                workloads: list[str]) -> list[str]:  # fmt: skip
+    """Markdown: the GPU's SM clock during each workload's counted legs (their "wall"
+    start and seconds) and how many of those samples had a throttle reason: whether a
+    slow leg was the GPU's clock or not."""
+    lines = ["GPU clocks during the counted legs (clocks.log, one sample a second): "
+             "samples, SM clock MHz median (lowest), samples with a throttle reason "
+             "(which: nvidia-smi's clocks_event_reasons bits)", "",
+             "| workload | samples | SM clock | throttled |", "|---|---|---|---|"]  # fmt: skip
+    for workload in workloads:
+        spans = [(r["wall"], r["wall"] + r["seconds"]) for r in counted
+                 if r["workload"] == workload and "wall" in r]  # fmt: skip
+        inside = [s for s in samples if any(a <= s[0] <= b for a, b in spans)]
+        if not inside:
+            lines.append(f"| {workload} | 0 | n/a | n/a |")
+            continue
+        clocks = [s[1] for s in inside]
+        reasons = sorted({s[2] for s in inside if s[2]})
+        throttled = sum(1 for s in inside if s[2])
+        which = f" ({', '.join(f'{r:#x}' for r in reasons)})" if reasons else ""
+        lines.append(f"| {workload} | {len(inside)} | {statistics.median(clocks):.0f} "
+                     f"({min(clocks)}) | {throttled}{which} |")  # fmt: skip
     return lines
 
 
@@ -989,6 +1105,9 @@ def main() -> int:
     again = sub.add_parser("table", help="print the tables of a results file again")
     again.add_argument("results", type=Path, help="the --json file (or DIR/results.json)")
     again.add_argument("--markdown", type=Path)
+    again.add_argument(
+        "--clocks", type=Path, metavar="FILE", help="gpu_session.sh's clocks.log (GPU clocks)"
+    )
     go.add_argument("--site", type=Path, required=True, help="the directory holding vllm/")
     go.add_argument("--configs", nargs="+", metavar="NAME",
                     help="only these configurations beside the base (default: all but "
@@ -1014,6 +1133,10 @@ def main() -> int:
     if args.step == "table":
         results = json.loads(args.results.read_text())
         text = table(results, results["meta"])
+        if args.clocks:
+            counted = [r for r in results["rounds"] if r["round"] > 0]
+            found = clock_table(counted, clock_samples(args.clocks), measured(results))
+            text += "\n\n" + "\n".join(found)
         if results.get("profiles"):
             text += "\n\n" + profile_table(results)
         print(text)

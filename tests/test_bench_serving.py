@@ -285,3 +285,74 @@ def test_the_leg_seconds_reach_every_engine_in_every_round(tmp_path):
     results = {"rounds": [], "errors": {}, "workloads": ["decode_b1_lora"], "leg_seconds": 2.5}
     module.measure(tmp_path, results, fake.engines, 1, deadline=float("inf"))
     assert fake.leg_seconds == 2.5
+
+
+def test_bench_cpus_split_into_equal_runs_one_an_engine():
+    module = bench()
+    assert module.cpu_shares("0-8", 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert module.cpu_shares("0,2,4-7", 2) == [[0, 2, 4], [5, 6, 7]]
+    assert module.cpu_shares(" ", 3) == []
+    for spec, message in (("0-a", "not a CPU list"), ("0-1", "2 CPUs for 3 engines")):
+        with pytest.raises(SystemExit, match=message):
+            module.cpu_shares(spec, 3)
+
+
+def test_an_engine_with_cpus_runs_on_those_alone(tmp_path, monkeypatch):
+    """The worker starts on its CPUs (vLLM's engine core, its child, inherits them):
+    here a stand-in interpreter writes the CPUs it was given."""
+    module = bench()
+    seen = tmp_path / "seen.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ngrep Cpus_allowed_list /proc/self/status > {seen}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(module.sys, "executable", str(fake))
+    config = {"site": str(tmp_path), "env": {}, "cpus": [0]}
+    engine = module.Engine.start("default", config, tmp_path / "work", "")
+    for _ in range(200):
+        if seen.exists() and seen.read_text() or not engine.alive():
+            break
+        module.time.sleep(0.05)
+    assert seen.read_text().split() == ["Cpus_allowed_list:", "0"]
+
+
+def timed(config, workload, round_, wall, tok_s, seconds=2.0):
+    return {**row(config, round_, tok_s), "workload": workload, "wall": wall,
+            "seconds": seconds}  # fmt: skip
+
+
+def test_leg_noise_is_robust_and_splits_off_what_the_next_leg_shares():
+    module = bench()
+    # each round on a level of its own, which both its legs share, and one outlier leg
+    speeds = {(1, 0): 100, (1, 1): 101, (2, 0): 80, (2, 1): 81, (3, 0): 120, (3, 1): 119,
+              (4, 0): 20, (4, 1): 90, (5, 0): 110, (5, 1): 111, (6, 0): 95, (6, 1): 96}  # fmt: skip
+    legs = [timed("default", "decode_b1_base", r, 10 * r + leg, v)
+            for (r, leg), v in speeds.items()]  # fmt: skip
+    spread, apart = module.leg_noise(legs, "decode_b1_base", "default")
+    assert 0.08 < spread < 0.2  # the levels; the outlier moves a robust spread little
+    assert apart < 0.02
+    assert module.leg_noise(legs[:2], "decode_b1_base", "default") is None
+    lines = module.noise_table(legs, ["default"], ["decode_b1_base", "prefill_base"])
+    assert lines[-2] == f"| decode_b1_base | {100 * spread:.1f} / {100 * apart:.1f} |"
+    assert lines[-1] == "| prefill_base | n/a |"
+
+
+def test_the_clock_table_reads_the_gpu_clock_inside_each_workloads_legs(tmp_path):
+    module = bench()
+    log = tmp_path / "clocks.log"
+    log.write_text(
+        "# timestamp,clocks.sm,clocks.mem,power.draw,pstate,temperature.gpu,"
+        "utilization.gpu,clocks_event_reasons.active\n"
+        "2026/12/02 00:00:00.000, 1980 MHz, 3201 MHz, 300.00 W, P0, 40, 90 %, 0x0000000000000000\n"
+        "2026/12/02 00:00:01.000, 1980 MHz, 3201 MHz, 310.00 W, P0, 40, 90 %, 0x0000000000000000\n"
+        "2026/12/02 00:00:05.000, 1545 MHz, 3201 MHz, 700.00 W, P0, 50, 100 %, 0x0000000000000004\n"
+        "2026/12/02 00:00:09.000, 345 MHz, 3201 MHz, 100.00 W, P0, 40, 0 %, 0x0000000000000001\n"
+    )
+    samples = module.clock_samples(log)
+    start = samples[0][0]
+    assert [s[1:] for s in samples] == [(1980, 0), (1980, 0), (1545, 4), (345, 1)]
+    legs = [timed("default", "decode_b1_base", 1, start - 0.5, 400),
+            timed("default", "prefill_base", 1, start + 4.5, 9e4, seconds=1.0)]  # fmt: skip
+    lines = module.clock_table(legs, samples, ["decode_b1_base", "prefill_base", "decode_b4_base"])
+    assert lines[-3:] == ["| decode_b1_base | 2 | 1980 (1980) | 0 |",
+                          "| prefill_base | 1 | 1545 (1545) | 1 (0x4) |",
+                          "| decode_b4_base | 0 | n/a | n/a |"]  # fmt: skip

@@ -43,7 +43,9 @@
 # default) on the sets of GS_PROFILE_SETS (default all; - for none), within
 # GS_BENCH_END (1,300 s for this plan) of the start. GS_B64_S (0: an equal share of
 # the time) keeps that many seconds a set for batch 64 and prefill. GS_KV_GIB (4)
-# is each engine's KV cache: less of it fits more engines on the GPU. Meanwhile
+# is each engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives
+# each engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
+# topology into cpus.txt). Meanwhile
 # clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log (the
 # guest's /proc/stat) are written once a second.
 #
@@ -223,6 +225,13 @@ build_sets() {
   done
 }
 
+# set_configs SET: the configurations a GS_SETS entry names beside unpatched (default)
+set_configs() {
+  local configs=${1#*=}
+  configs=${configs#*:}
+  case $configs in *:*) echo "${configs#*:}" ;; *) echo default ;; esac
+}
+
 # serving: the GS_PLAN=serving benchmark (see the header), unpatched /opt/pristine
 # against the default set
 serving() {
@@ -239,10 +248,17 @@ serving() {
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
+  local engines=0 each=0 first=0 pin=()
+  for set in $SETS; do engines=$((engines + 2 + $(set_configs "$set" | tr -cd , | wc -c))); done
+  [ "${GS_PIN:-0}" = 1 ] && each=$(($(nproc) / engines))
   for set in $SETS; do
-    name=${set%%=*} configs=${set#*=} configs=${configs#*:}
-    case $configs in *:*) configs=${configs#*:} ;; *) configs=default ;; esac
-    do_ "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
+    name=${set%%=*} configs=$(set_configs "$set")
+    if [ "$each" -gt 0 ]; then # GS_PIN=1: each engine CPUs of its own (cpu_shares)
+      local count=$((1 + $(tr -cd , <<<"$configs" | wc -c)))
+      pin=(BENCH_CPUS="$first-$((first + each * (count + 1) - 1))")
+      first=$((first + each * (count + 1)))
+    fi
+    do_ env "${pin[@]}" "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
       --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
       --deadline $((BENCH_END - SECONDS)) >"$G/serving-start-$name.log" 2>&1 &
     starts+=($!)
@@ -310,6 +326,9 @@ case $STEP in
     do_ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/pk .whl/*.whl
     nvidia-smi >"$G/nvidia-smi.txt" 2>&1
+    # which vCPUs share a core: what GS_PIN's CPU runs are to be read against
+    (lscpu; lscpu -e; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list) \
+      >"$G/cpus.txt" 2>&1
     say "building the models in the background (build.log)"
     snapshot b1
     (cd "$G/repo-b1" && setsid nohup bash scripts/proofs/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
