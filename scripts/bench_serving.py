@@ -1,7 +1,8 @@
 """Serving throughput of vLLM under each patchkit configuration, side by side on one GPU.
 
 What it measures: a model cut to 8 layers (6 Gated DeltaNet + 2 attention,
-random bf16 weights) with N random rank-R adapters (`build --adapters N
+random bf16 weights; `build --layers L` for a deeper cut, 3 GDN + 1 attention
+repeated) with N random rank-R adapters (`build --adapters N
 --rank R`, default 4 x 64; max_loras N, max_lora_rank R), served by vllm.LLM
 with its defaults (torch.compile, CUDA graphs), max_num_seqs 64:
   dense27b  Qwen3.5-27B widths, about 3.1 B parameters, adapters on every
@@ -49,7 +50,8 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR [--model dense27b|moe35b] [--adapters N] [--rank R]
-        [--model-from EARLIER_DIR]   (hard links to an earlier build's model, same weights)
+        [--layers L] [--model-from EARLIER_DIR]   (hard links to an earlier build's model,
+        same weights)
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
         [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
         [--markdown FILE]
@@ -99,13 +101,32 @@ from patchkit.verify.e2e import (  # noqa: E402
 )
 
 MAX_SEQS = 64
+LAYERS = 8  # 6 Gated DeltaNet + 2 attention, unless `build --layers`
 # Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
 WIDTHS = dict(
     DENSE27B_WIDTHS,
-    num_hidden_layers=8,
+    num_hidden_layers=LAYERS,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
 )
 MOE_WIDTHS = MOE35B_WIDTHS  # 256 routed experts (top 8) and a shared expert
+
+
+def widths(model: str, layers: int = LAYERS) -> dict:
+    """The model's widths cut to `layers` (a multiple of 4: three Gated DeltaNet layers,
+    then one attention layer, as Qwen3.5 repeats them).
+
+    Why deeper cuts: with CUDA graphs a decode step's host work does not grow with
+    the layers, its GPU work does; on the 8-layer cut a batch-1 step is mostly the
+    host's, whose speed strays by 10-20 % a leg (docs/evidence.md, 2026-12-02), so
+    a deeper cut measures the LoRA path's GPU time against less of the host's noise.
+    """
+    if layers <= 0 or layers % 4:
+        raise SystemExit(f"--layers {layers}: a positive multiple of 4 (3 GDN + 1 attention)")
+    base = MOE_WIDTHS if model == "moe35b" else WIDTHS
+    kinds = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    return dict(base, num_hidden_layers=layers, layer_types=kinds)
+
+
 MODELS = ("dense27b", "moe35b")
 WORKLOADS = {
     "decode_b64_lora": dict(n=64, prompt=128, out=256, lora=True),
@@ -129,8 +150,10 @@ def build(
     adapters: int = 4,
     rank: int = 64,
     model_from: Path | None = None,
+    layers: int = LAYERS,
 ) -> None:
-    """Save the cut model (bf16) and `adapters` random adapters of `rank`, built on the GPU.
+    """Save the cut model (bf16, `layers` deep) and `adapters` random adapters of `rank`,
+    built on the GPU.
 
     DIR/bench.json records what was built; the engines read it (max_loras =
     the adapter count, max_lora_rank = the rank). With `model_from` (an earlier
@@ -141,21 +164,22 @@ def build(
     import torch
     from peft import LoraConfig, get_peft_model
 
+    text = widths(model, layers)  # before any work: a bad --layers says so at once
     torch.manual_seed(0)
     if model == "moe35b":
         from transformers import Qwen3_5MoeForConditionalGeneration as model_class
 
-        config, targets = qwen35_moe_config(**MOE_WIDTHS), MOE_TARGET_MODULES
+        config, targets = qwen35_moe_config(**text), MOE_TARGET_MODULES
     else:
         from transformers import Qwen3_5ForConditionalGeneration as model_class
 
-        config, targets = qwen35_config(**WIDTHS), TARGET_MODULES
+        config, targets = qwen35_config(**text), TARGET_MODULES
     with torch.device("cuda"):
         built = model_class(config).to(torch.bfloat16)
     if model_from is None:
         built.save_pretrained(directory / "model")
     else:
-        link_model(model_from, directory, model)
+        link_model(model_from, directory, model, layers)
     print(f"model: {sum(p.numel() for p in built.parameters()) / 1e9:.2f} B parameters")
     peft_model = get_peft_model(
         built, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
@@ -168,23 +192,25 @@ def build(
         out = directory / f"adapter-{number}"
         peft_model.save_pretrained(out)
         if model == "moe35b":
-            add_expert_factors(out, rank, seed=number)
-    spec = {"model": model, "adapters": adapters, "rank": rank}
+            add_expert_factors(out, rank, seed=number, layers=layers)
+    spec = {"model": model, "adapters": adapters, "rank": rank, "layers": layers}
     (directory / "bench.json").write_text(json.dumps(spec))
 
 
-def link_model(source: Path, directory: Path, model: str) -> None:
+def link_model(source: Path, directory: Path, model: str, layers: int = LAYERS) -> None:
     """DIR/model as hard links to an earlier build's model files, refused when that build
-    was of another model (its bench.json says which)."""
-    built = bench_spec(source)["model"]
-    if built != model:
-        raise SystemExit(f"--model-from {source}: a build of {built}, not {model}")
+    was of another model or depth (its bench.json says which)."""
+    spec = bench_spec(source)
+    built, deep = spec["model"], spec.get("layers", LAYERS)
+    if (built, deep) != (model, layers):
+        raise SystemExit(f"--model-from {source}: a build of {built} with {deep} layers, "
+                         f"not {model} with {layers}")  # fmt: skip
     (directory / "model").mkdir(parents=True)
     for path in sorted((source / "model").iterdir()):
         os.link(path, directory / "model" / path.name)
 
 
-def add_expert_factors(adapter: Path, rank: int, seed: int) -> None:
+def add_expert_factors(adapter: Path, rank: int, seed: int, layers: int = LAYERS) -> None:
     """The routed experts' factors, as PEFT >= 0.20 saves `target_parameters` on
     mlp.experts.gate_up_proj and mlp.experts.down_proj (patchkit.verify.e2e.build_moe)."""
     import torch
@@ -194,7 +220,7 @@ def add_expert_factors(adapter: Path, rank: int, seed: int) -> None:
     hidden, inter = MOE_WIDTHS["hidden_size"], MOE_WIDTHS["moe_intermediate_size"]
     rows = rank * MOE_WIDTHS["num_experts"]
     tensors = load_file(adapter / "adapter_model.safetensors")
-    for layer in range(MOE_WIDTHS["num_hidden_layers"]):
+    for layer in range(layers):
         root = f"base_model.model.model.language_model.layers.{layer}.mlp.experts"
         for wrapper, d_out, d_in in (
             (root + ".base_layer", 2 * inter, hidden),
@@ -848,7 +874,7 @@ def table(results: dict, meta: dict) -> str:
     configs = list(results["configs"])
     base = results.get("base", "unpatched")
     built = f"{meta.get('model', 'dense27b')}, {meta.get('adapters', 4)} adapters of rank "
-    built += f"{meta.get('rank', 64)}"
+    built += f"{meta.get('rank', 64)}, {meta.get('layers', LAYERS)} layers"
     lines = table_head(
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}, {built}; "
         "median of the counted rounds after a warm-up round (how many: the last column); tok/s "
@@ -1076,6 +1102,8 @@ def main() -> int:
     make.add_argument("--model", choices=MODELS, default="dense27b")
     make.add_argument("--adapters", type=int, default=4, help="how many (max_loras)")
     make.add_argument("--rank", type=int, default=64)
+    make.add_argument("--layers", type=int, default=LAYERS,
+                      help="how deep a cut (a multiple of 4; default 8)")  # fmt: skip
     make.add_argument("--model-from", type=Path, metavar="DIR",
                       help="hard-link the model of an earlier build of the same model")  # fmt: skip
     work = sub.add_parser("worker")
@@ -1147,7 +1175,7 @@ def main() -> int:
     if args.step == "run":
         args.site = args.site.resolve()
     if args.step == "build":
-        build(args.dir, args.model, args.adapters, args.rank, args.model_from)
+        build(args.dir, args.model, args.adapters, args.rank, args.model_from, args.layers)
         return 0
     if args.step == "worker":
         worker(args.dir, args.name)

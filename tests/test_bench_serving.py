@@ -114,9 +114,26 @@ def test_a_build_links_the_model_of_an_earlier_build_of_the_same_model(tmp_path)
     module.link_model(earlier, tmp_path / "new", "moe35b")
     linked = tmp_path / "new" / "model" / "model.safetensors"
     assert linked.stat().st_ino == (earlier / "model" / "model.safetensors").stat().st_ino
-    with pytest.raises(SystemExit, match="a build of moe35b, not dense27b"):
+    with pytest.raises(SystemExit, match="a build of moe35b with 8 layers, not dense27b with 8"):
         module.link_model(earlier, tmp_path / "other", "dense27b")
-    assert not (tmp_path / "other").exists()
+    with pytest.raises(SystemExit, match="moe35b with 8 layers, not moe35b with 32"):
+        module.link_model(earlier, tmp_path / "deeper", "moe35b", layers=32)
+    assert not (tmp_path / "other").exists() and not (tmp_path / "deeper").exists()
+
+
+def test_a_deeper_cut_repeats_three_gdn_layers_and_one_attention_layer():
+    module = bench()
+    text = module.widths("dense27b", 32)
+    assert text["num_hidden_layers"] == 32 == len(text["layer_types"])
+    assert text["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert text["layer_types"].count("full_attention") == 8
+    assert text["hidden_size"] == module.WIDTHS["hidden_size"]
+    moe = module.widths("moe35b", 16)
+    assert moe["num_experts"] == 256 and moe["num_hidden_layers"] == 16
+    assert module.widths("moe35b") == dict(module.MOE_WIDTHS)
+    for bad in (0, 6, -4):
+        with pytest.raises(SystemExit, match=f"--layers {bad}: a positive multiple of 4"):
+            module.widths("dense27b", bad)
 
 
 @pytest.mark.slow

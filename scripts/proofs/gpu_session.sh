@@ -32,8 +32,9 @@
 # GS_PLAN=serving (one H200, about 1,300-1,500 s; calls b1, b3, b2, collect): the
 # serving benchmark alone, unpatched against the default set, on the adapter sets
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
-# optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); a
-# later set of a model links the first one's weights). Every set's engines start
+# optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); MODEL
+# may be MODEL@LAYERS for a deeper cut, e.g. dense27b@32; a later set of a model
+# and depth links the first one's weights). Every set's engines start
 # together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
 # (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
 # (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all; - for
@@ -209,17 +210,17 @@ bench() {
 # first set of a model writing the weights and the others linking them; each set's
 # work folder $G/bench-NAME (beside /opt, for the hard-linked trees) links its files
 build_sets() {
-  local first_dense="" first_moe="" set name model count rank from
+  local set name model count rank layers from
+  local -A first=() # the first set of each model and depth: the others link its weights
   for set in $SETS; do
     name=${set%%=*} model=${set#*=} count=${model#*:} model=${model%%:*}
-    count=${count%%:*} rank=${count#*x} count=${count%x*} from=()
-    [ "$model" = moe35b ] && [ -n "$first_moe" ] && from=(--model-from "$first_moe")
-    [ "$model" = dense27b ] && [ -n "$first_dense" ] && from=(--model-from "$first_dense")
+    count=${count%%:*} rank=${count#*x} count=${count%x*} layers=8 from=()
+    case $model in *@*) layers=${model#*@} model=${model%@*} ;; esac
+    [ -n "${first[$model@$layers]:-}" ] && from=(--model-from "${first[$model@$layers]}")
     do_ python3 scripts/bench_serving.py build "/dev/shm/gs-bench/$name" --model "$model" \
-      --adapters "$count" --rank "$rank" "${from[@]}" >"$G/build-$name.txt" 2>&1
+      --adapters "$count" --rank "$rank" --layers "$layers" "${from[@]}" >"$G/build-$name.txt" 2>&1
     echo "exit $?" >>"$G/build-$name.txt"
-    [ "$model" = moe35b ] && first_moe=${first_moe:-/dev/shm/gs-bench/$name}
-    [ "$model" = dense27b ] && first_dense=${first_dense:-/dev/shm/gs-bench/$name}
+    first[$model@$layers]=${first[$model@$layers]:-/dev/shm/gs-bench/$name}
     mkdir -p "$G/bench-$name"
     for entry in /dev/shm/gs-bench/"$name"/*; do [ -e "$entry" ] && ln -sfn "$entry" "$G/bench-$name/"; done
   done
