@@ -51,7 +51,7 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR [--model dense27b|moe35b] [--adapters N] [--rank R]
         [--layers L] [--model-from EARLIER_DIR]   (hard links to an earlier build's model,
-        same weights)
+        same weights) [--linked-adapters]   (adapters 1..N-1 hard links to adapter 0)
   python scripts/bench_serving.py run DIR --site /opt/site [--rounds 6] [--deadline 480]
         [--configs default ...] [--base unpatched] [--after FILE] [--keep] [--json FILE]
         [--markdown FILE]
@@ -151,6 +151,7 @@ def build(
     rank: int = 64,
     model_from: Path | None = None,
     layers: int = LAYERS,
+    linked: bool = False,
 ) -> None:
     """Save the cut model (bf16, `layers` deep) and `adapters` random adapters of `rank`,
     built on the GPU.
@@ -159,7 +160,11 @@ def build(
     the adapter count, max_lora_rank = the rank). With `model_from` (an earlier
     build of the same model) its model files are hard-linked, not written again:
     the weights come from the same seed, and a second 13 GB MoE copy would not fit
-    beside the first on the GPU host's disk.
+    beside the first on the GPU host's disk. With `linked`, adapters 1..N-1 are hard
+    links to adapter 0's files: N adapters to vLLM (N slots, N CPU copies), the
+    weights of one on disk (the MoE's 16 rank-64 adapters with expert factors are
+    2 GB each, and the GPU host's /dev/shm is its RAM); the LoRA path's work does
+    not depend on the values.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -185,6 +190,9 @@ def build(
         built, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
     )
     for number in range(adapters):
+        if linked and number > 0:
+            link_adapter(directory / "adapter-0", directory / f"adapter-{number}")
+            continue
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
                 if "lora_A" in name or "lora_B" in name:
@@ -194,6 +202,8 @@ def build(
         if model == "moe35b":
             add_expert_factors(out, rank, seed=number, layers=layers)
     spec = {"model": model, "adapters": adapters, "rank": rank, "layers": layers}
+    if linked:
+        spec["linked"] = True
     (directory / "bench.json").write_text(json.dumps(spec))
 
 
@@ -208,6 +218,14 @@ def link_model(source: Path, directory: Path, model: str, layers: int = LAYERS) 
     (directory / "model").mkdir(parents=True)
     for path in sorted((source / "model").iterdir()):
         os.link(path, directory / "model" / path.name)
+
+
+def link_adapter(source: Path, target: Path) -> None:
+    """`target` as a folder of hard links to `source`'s files (an adapter's config and
+    weights)."""
+    target.mkdir(parents=True)
+    for path in sorted(source.iterdir()):
+        os.link(path, target / path.name)
 
 
 def add_expert_factors(adapter: Path, rank: int, seed: int, layers: int = LAYERS) -> None:
@@ -875,6 +893,8 @@ def table(results: dict, meta: dict) -> str:
     base = results.get("base", "unpatched")
     built = f"{meta.get('model', 'dense27b')}, {meta.get('adapters', 4)} adapters of rank "
     built += f"{meta.get('rank', 64)}, {meta.get('layers', LAYERS)} layers"
+    if meta.get("linked"):
+        built += " (one adapter's weights under every name)"
     lines = table_head(
         f"{meta['date']}, {meta['gpu']}, vLLM {meta['vllm']}, torch {meta['torch']}, {built}; "
         "median of the counted rounds after a warm-up round (how many: the last column); tok/s "
@@ -1104,6 +1124,8 @@ def main() -> int:
     make.add_argument("--rank", type=int, default=64)
     make.add_argument("--layers", type=int, default=LAYERS,
                       help="how deep a cut (a multiple of 4; default 8)")  # fmt: skip
+    make.add_argument("--linked-adapters", action="store_true",
+                      help="adapters 1..N-1 as hard links to adapter 0")  # fmt: skip
     make.add_argument("--model-from", type=Path, metavar="DIR",
                       help="hard-link the model of an earlier build of the same model")  # fmt: skip
     work = sub.add_parser("worker")
@@ -1175,7 +1197,8 @@ def main() -> int:
     if args.step == "run":
         args.site = args.site.resolve()
     if args.step == "build":
-        build(args.dir, args.model, args.adapters, args.rank, args.model_from, args.layers)
+        build(args.dir, args.model, args.adapters, args.rank, args.model_from, args.layers,
+              args.linked_adapters)  # fmt: skip
         return 0
     if args.step == "worker":
         worker(args.dir, args.name)

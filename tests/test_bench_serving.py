@@ -373,3 +373,17 @@ def test_the_clock_table_reads_the_gpu_clock_inside_each_workloads_legs(tmp_path
     assert lines[-3:] == ["| decode_b1_base | 2 | 1980 (1980) | 0 |",
                           "| prefill_base | 1 | 1545 (1545) | 1 (0x4) |",
                           "| decode_b4_base | 0 | n/a | n/a |"]  # fmt: skip
+
+
+def test_linked_adapters_are_folders_of_hard_links_to_the_first(tmp_path):
+    module = bench()
+    first = tmp_path / "adapter-0"
+    first.mkdir()
+    (first / "adapter_config.json").write_text("{}")
+    (first / "adapter_model.safetensors").write_bytes(b"factors")
+    module.link_adapter(first, tmp_path / "adapter-1")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        linked = tmp_path / "adapter-1" / name
+        assert linked.stat().st_ino == (first / name).stat().st_ino
+    with pytest.raises(FileExistsError):  # never over an adapter already there
+        module.link_adapter(first, tmp_path / "adapter-1")

@@ -34,7 +34,8 @@
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
 # optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); MODEL
 # may be MODEL@LAYERS for a deeper cut, e.g. dense27b@32; a later set of a model
-# and depth links the first one's weights). Every set's engines start
+# and depth links the first one's weights; the sets named in GS_LINKED build with
+# --linked-adapters: one adapter's weights on /dev/shm under every name). Every set's engines start
 # together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
 # (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
 # (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all; - for
@@ -217,8 +218,11 @@ build_sets() {
     count=${count%%:*} rank=${count#*x} count=${count%x*} layers=8 from=()
     case $model in *@*) layers=${model#*@} model=${model%@*} ;; esac
     [ -n "${first[$model@$layers]:-}" ] && from=(--model-from "${first[$model@$layers]}")
+    local linked=()
+    [[ " ${GS_LINKED:-} " == *" $name "* ]] && linked=(--linked-adapters)
     do_ python3 scripts/bench_serving.py build "/dev/shm/gs-bench/$name" --model "$model" \
-      --adapters "$count" --rank "$rank" --layers "$layers" "${from[@]}" >"$G/build-$name.txt" 2>&1
+      --adapters "$count" --rank "$rank" --layers "$layers" "${from[@]}" "${linked[@]}" \
+      >"$G/build-$name.txt" 2>&1
     echo "exit $?" >>"$G/build-$name.txt"
     first[$model@$layers]=${first[$model@$layers]:-/dev/shm/gs-bench/$name}
     mkdir -p "$G/bench-$name"
