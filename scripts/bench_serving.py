@@ -60,6 +60,7 @@ Steps (the GPU host has no network; see ../shared/device):
         workload new to the engines is warmed up first, uncounted; --leg-seconds, on run
         too: each leg repeats its requests for at least S seconds)
   python scripts/bench_serving.py profile DIR [--workloads KIND ...] [--keep] [--markdown FILE]
+  python scripts/bench_serving.py stop DIR   (the engines a run kept, without measuring)
         each workload once per engine under vLLM's torch profiler: GPU busy time, kernels
         and LoRA's kernels per engine step (scripts/kernel_trace.py), into DIR/results.json
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
@@ -1152,6 +1153,8 @@ def main() -> int:
     look.add_argument("--deadline", type=float, default=300.0, help="seconds for this step")
     look.add_argument("--keep", action="store_true", help="leave the engines up")
     look.add_argument("--markdown", type=Path)
+    halt = sub.add_parser("stop", help="stop the engines a run kept (results unchanged)")
+    halt.add_argument("dir", type=Path)
     again = sub.add_parser("table", help="print the tables of a results file again")
     again.add_argument("results", type=Path, help="the --json file (or DIR/results.json)")
     again.add_argument("--markdown", type=Path)
@@ -1202,6 +1205,10 @@ def main() -> int:
         return 0
     if args.step == "worker":
         worker(args.dir, args.name)
+        return 0
+    if args.step == "stop":  # results.json as it was: no report, no meta of this command
+        for engine in attach(args.dir)[1].values():
+            engine.stop()
         return 0
     deadline = time.monotonic() + args.deadline
     if args.step == "run":

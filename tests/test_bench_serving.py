@@ -387,3 +387,30 @@ def test_linked_adapters_are_folders_of_hard_links_to_the_first(tmp_path):
         assert linked.stat().st_ino == (first / name).stat().st_ino
     with pytest.raises(FileExistsError):  # never over an adapter already there
         module.link_adapter(first, tmp_path / "adapter-1")
+
+
+def test_stop_tells_every_kept_engine_to_exit_and_leaves_the_results_alone(tmp_path, monkeypatch):
+    """`stop DIR` (the sets a sitting does not profile): each live engine's mailbox gets
+    {"stop": true}; results.json keeps its bytes (no report with this command's meta)."""
+    import subprocess
+    import threading
+
+    module = bench()
+    standin = subprocess.Popen(["sleep", "30"])  # alive, as an engine is
+    try:
+        mailbox = module.Mailbox(tmp_path, "default")
+        mailbox.create()
+        got = []
+        reader = threading.Thread(target=lambda: got.append(next(mailbox.commands())))
+        reader.start()
+        results = tmp_path / "results.json"
+        results.write_text(json.dumps({"pids": {"default": standin.pid}, "errors": {}}))
+        before = results.read_bytes()
+        monkeypatch.setattr(sys, "argv", ["bench_serving.py", "stop", str(tmp_path)])
+        assert module.main() == 0
+        reader.join(timeout=10)
+        assert got == [{"stop": True}]
+        assert results.read_bytes() == before
+    finally:
+        standin.kill()
+        standin.wait()

@@ -35,8 +35,8 @@
 # optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); MODEL
 # may be MODEL@LAYERS for a deeper cut, e.g. dense27b@32; a later set of a model
 # and depth links the first one's weights; the sets named in GS_LINKED build with
-# --linked-adapters: one adapter's weights on /dev/shm under every name). Every set's engines start
-# together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
+# --linked-adapters: one adapter's weights on /dev/shm under every name). Every
+# set's engines start together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
 # (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
 # (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all; - for
 # none), and
@@ -299,6 +299,11 @@ serving() {
       --deadline $((profile_s - 10)) --markdown "$G/serving-profile-$name.md" \
       >"$G/serving-profile-$name.log" 2>&1
     say "serving: $name profiled; its engines stopped"
+  done
+  for name in "${sets[@]}"; do # the sets not profiled: their engines stop too
+    [[ " ${profiled[*]} " == *" $name "* ]] && continue
+    do_ "${bs[@]}" stop "$G/bench-$name" >"$G/serving-stop-$name.log" 2>&1
+    say "serving: $name engines stopped"
   done
   kill "$clocks" 2>/dev/null
 }
