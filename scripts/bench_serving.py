@@ -61,6 +61,7 @@ Steps (the GPU host has no network; see ../shared/device):
         too: each leg repeats its requests for at least S seconds)
   python scripts/bench_serving.py profile DIR [--workloads KIND ...] [--keep] [--markdown FILE]
   python scripts/bench_serving.py stop DIR   (the engines a run kept, without measuring)
+  python scripts/bench_serving.py verdict RESULTS ...   (the batch-1 criterion, a file a set)
         each workload once per engine under vLLM's torch profiler: GPU busy time, kernels
         and LoRA's kernels per engine step (scripts/kernel_trace.py), into DIR/results.json
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
@@ -993,6 +994,46 @@ def spread_table(counted: list[dict], configs: list[str], base: str,
     return lines
 
 
+# The batch-1 criterion (docs/evidence.md, "Where criterion 1 ... stands"): on every
+# LoRA workload the median of the per-round ratios >= 100 % and their lower quartile
+# >= 97 %; base workloads (the same code on both sides) within +-3 %. Fewer rounds
+# than VERDICT_ROUNDS decide nothing.
+VERDICT_ROUNDS = 5
+
+
+def verdict_cell(ratios: list[float], lora: bool) -> str:
+    """'met', 'missed' (and what) or 'undecided' for one configuration and workload."""
+    if len(ratios) < VERDICT_ROUNDS:
+        return f"undecided ({len(ratios)} round{'s' * (len(ratios) != 1)})"
+    middle, q1 = statistics.median(ratios), lower_quartile(ratios)
+    said = f"{100 * middle:.1f} %, q1 {100 * q1:.1f} %, {len(ratios)} rounds"
+    if lora:
+        misses = [w for w, bad in (("median", middle < 1.0), ("q1", q1 < 0.97)) if bad]
+    else:
+        misses = ["+-3 %"] if abs(middle - 1.0) > 0.03 else []
+    return f"missed: {', '.join(misses)} ({said})" if misses else f"met ({said})"
+
+
+def verdict_table(sets: list[dict]) -> list[str]:
+    """Markdown: for each results file (one adapter set), each workload's verdict for
+    every configuration against the base; an unpatched twin's column is what the
+    same criterion says of identical code (the method's own reach)."""
+    lines = ["| set | workload | configuration | verdict |", "|---|---|---|---|"]
+    for results in sets:
+        meta = results.get("meta", {})
+        name = (f"{meta.get('model', 'dense27b')} {meta.get('adapters', 4)} x "
+                f"r{meta.get('rank', 64)}, {meta.get('layers', LAYERS)} layers")  # fmt: skip
+        counted = [r for r in results["rounds"] if r["round"] > 0]
+        base = results.get("base", "unpatched")
+        for workload in measured(results):
+            by_round = per_round(counted, workload)
+            for config in [c for c in results["configs"] if c != base]:
+                ratios = round_ratios(by_round, config, base)
+                cell = verdict_cell(ratios, workload.endswith("_lora"))
+                lines.append(f"| {name} | {workload} | {config} | {cell} |")
+    return lines
+
+
 def leg_noise(counted: list[dict], workload: str, name: str) -> tuple[float, float] | None:
     """(spread of single legs, spread of the legs measured right after one another), in
     log tok/s around the engine's own median, for one configuration and workload.
@@ -1153,6 +1194,8 @@ def main() -> int:
     look.add_argument("--deadline", type=float, default=300.0, help="seconds for this step")
     look.add_argument("--keep", action="store_true", help="leave the engines up")
     look.add_argument("--markdown", type=Path)
+    judge = sub.add_parser("verdict", help="the batch-1 criterion on results files, one a set")
+    judge.add_argument("results", type=Path, nargs="+", help="--json files (or DIR/results.json)")
     halt = sub.add_parser("stop", help="stop the engines a run kept (results unchanged)")
     halt.add_argument("dir", type=Path)
     again = sub.add_parser("table", help="print the tables of a results file again")
@@ -1195,6 +1238,9 @@ def main() -> int:
         print(text)
         if args.markdown:
             args.markdown.write_text(text + "\n")
+        return 0
+    if args.step == "verdict":
+        print("\n".join(verdict_table([json.loads(p.read_text()) for p in args.results])))
         return 0
     args.dir = args.dir.resolve()  # patchkit runs from the repository root
     if args.step == "run":

@@ -414,3 +414,30 @@ def test_stop_tells_every_kept_engine_to_exit_and_leaves_the_results_alone(tmp_p
     finally:
         standin.kill()
         standin.wait()
+
+
+def test_the_verdict_holds_lora_workloads_to_median_and_q1_and_base_to_three_percent():
+    module = bench()
+    assert module.verdict_cell([1.05] * 5, lora=True).startswith("met (105.0 %, q1 105.0 %")
+    assert module.verdict_cell([0.99, 1.0, 1.0, 1.01, 1.02], lora=True).startswith("met")
+    assert module.verdict_cell([0.9, 0.95, 1.02, 1.05, 1.1], lora=True).startswith("missed: q1 ")
+    low = module.verdict_cell([0.9, 0.95, 0.98, 0.99, 1.2], lora=True)
+    assert low.startswith("missed: median, q1")
+    assert module.verdict_cell([1.04] * 5, lora=False).startswith("missed: +-3 %")
+    assert module.verdict_cell([0.8, 1.0, 1.0, 1.01, 1.2], lora=False).startswith("met")
+    assert module.verdict_cell([2.0] * 4, lora=True) == "undecided (4 rounds)"
+    assert module.verdict_cell([2.0], lora=False) == "undecided (1 round)"
+
+
+def test_the_verdict_table_judges_every_configuration_but_the_base():
+    module = bench()
+    rounds = [row(c, n, v) for n in range(1, 6) for c, v in
+              (("unpatched", 100.0), ("default", 104.0), ("unpatched-twin", 99.0))]  # fmt: skip
+    results = {"rounds": rounds, "configs": ["unpatched", "default", "unpatched-twin"],
+               "meta": {"model": "moe35b", "adapters": 2, "rank": 128, "layers": 32}}  # fmt: skip
+    lines = module.verdict_table([results])
+    name = "| moe35b 2 x r128, 32 layers | decode_b1_lora"
+    assert lines[2:] == [
+        f"{name} | default | met (104.0 %, q1 104.0 %, 5 rounds) |",
+        f"{name} | unpatched-twin | missed: median (99.0 %, q1 99.0 %, 5 rounds) |",
+    ]
