@@ -60,11 +60,12 @@ Steps (the GPU host has no network; see ../shared/device):
         workload new to the engines is warmed up first, uncounted; --leg-seconds, on run
         too: each leg repeats its requests for at least S seconds)
   python scripts/bench_serving.py profile DIR [--workloads KIND ...] [--keep] [--markdown FILE]
-  python scripts/bench_serving.py stop DIR   (the engines a run kept, without measuring)
-  python scripts/bench_serving.py verdict RESULTS ...   (the batch-1 criterion, a file a set)
         each workload once per engine under vLLM's torch profiler: GPU busy time, kernels
         and LoRA's kernels per engine step (scripts/kernel_trace.py), into DIR/results.json
-  python scripts/bench_serving.py table RESULTS.json [--markdown FILE]   the tables again
+  python scripts/bench_serving.py stop DIR   (the engines a run kept, without measuring)
+  python scripts/bench_serving.py table RESULTS.json [--markdown FILE] [--clocks FILE]
+        the tables again (--clocks: gpu_session.sh's clocks.log joined with the legs)
+  python scripts/bench_serving.py verdict RESULTS ...   (the batch-1 criterion, a file a set)
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
 under DIR/engines/, so with --keep the engines stay up after `run` ends and
@@ -104,12 +105,6 @@ from patchkit.verify.e2e import (  # noqa: E402
 
 MAX_SEQS = 64
 LAYERS = 8  # 6 Gated DeltaNet + 2 attention, unless `build --layers`
-# Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention).
-WIDTHS = dict(
-    DENSE27B_WIDTHS,
-    num_hidden_layers=LAYERS,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-)
 MOE_WIDTHS = MOE35B_WIDTHS  # 256 routed experts (top 8) and a shared expert
 
 
@@ -124,9 +119,12 @@ def widths(model: str, layers: int = LAYERS) -> dict:
     """
     if layers <= 0 or layers % 4:
         raise SystemExit(f"--layers {layers}: a positive multiple of 4 (3 GDN + 1 attention)")
-    base = MOE_WIDTHS if model == "moe35b" else WIDTHS
+    base = MOE_WIDTHS if model == "moe35b" else DENSE27B_WIDTHS
     kinds = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     return dict(base, num_hidden_layers=layers, layer_types=kinds)
+
+
+WIDTHS = widths("dense27b")  # Qwen3.5-27B widths, 8 layers (6 Gated DeltaNet + 2 attention)
 
 
 MODELS = ("dense27b", "moe35b")

@@ -237,6 +237,13 @@ set_configs() {
   case $configs in *:*) echo "${configs#*:}" ;; *) echo default ;; esac
 }
 
+# set_engines SET: how many engines a GS_SETS entry starts (its configurations and unpatched)
+set_engines() {
+  local configs
+  configs=$(set_configs "$1")
+  echo $((2 + $(tr -cd , <<<"$configs" | wc -c)))
+}
+
 # serving: the GS_PLAN=serving benchmark (see the header), unpatched /opt/pristine
 # against the default set
 serving() {
@@ -254,14 +261,14 @@ serving() {
     BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
   local engines=0 each=0 first=0 pin=()
-  for set in $SETS; do engines=$((engines + 2 + $(set_configs "$set" | tr -cd , | wc -c))); done
+  for set in $SETS; do engines=$((engines + $(set_engines "$set"))); done
   [ "${GS_PIN:-0}" = 1 ] && each=$(($(nproc) / engines))
   for set in $SETS; do
     name=${set%%=*} configs=$(set_configs "$set")
     if [ "$each" -gt 0 ]; then # GS_PIN=1: each engine CPUs of its own (cpu_shares)
-      local count=$((1 + $(tr -cd , <<<"$configs" | wc -c)))
-      pin=(BENCH_CPUS="$first-$((first + each * (count + 1) - 1))")
-      first=$((first + each * (count + 1)))
+      local count=$(($(set_engines "$set") * each))
+      pin=(BENCH_CPUS="$first-$((first + count - 1))")
+      first=$((first + count))
     fi
     do_ env "${pin[@]}" "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
       --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
