@@ -188,6 +188,16 @@ one() {
 
 lane() { for run in "$@"; do one "$run"; done; }
 
+# detach COPY STEP: run STEP from $G/repo-COPY in a session of its own that outlives
+# the call, its output in $G/STEP.log. The subshell's own descriptors go to /dev/null
+# too: the backgrounded `cd && setsid` list forks a shell that waits for STEP, and that
+# shell held the call's stdout, so a call whose output went through a pipe (`b2 | tail`)
+# lasted as long as the step (2026-12-02: b2 ran to its 600 s limit, not GS_WAIT's 480)
+detach() {
+  (cd "$G/repo-$1" && setsid nohup bash scripts/proofs/gpu_session.sh "$2" >"$G/$2.log" 2>&1 </dev/null &) \
+    >/dev/null 2>&1 </dev/null
+}
+
 bench() {
   local left=$((BENCH_END - SECONDS))
   say "bench: engines start now, rounds after proofs.done, $left s in all"
@@ -348,7 +358,7 @@ case $STEP in
       >"$G/cpus.txt" 2>&1
     say "building the models in the background (build.log)"
     snapshot b1
-    (cd "$G/repo-b1" && setsid nohup bash scripts/proofs/gpu_session.sh build >"$G/build.log" 2>&1 </dev/null &)
+    detach b1 build
     sleep "${GS_SLEEP:-20}"
     tail -5 "$G/build.log"
     pack b1
@@ -401,7 +411,7 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     tail -2 "$G/moe-import.txt"
     wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
     snapshot b2
-    (cd "$G/repo-b2" && setsid nohup bash scripts/proofs/gpu_session.sh proofs >"$G/proofs.log" 2>&1 </dev/null &)
+    detach b2 proofs
     wait_for "$G/all.done" "${GS_WAIT:-480}"
     summary
     pack b2
