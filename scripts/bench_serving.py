@@ -65,7 +65,8 @@ Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py stop DIR   (the engines a run kept, without measuring)
   python scripts/bench_serving.py table RESULTS.json [--markdown FILE] [--clocks FILE]
         the tables again (--clocks: gpu_session.sh's clocks.log joined with the legs)
-  python scripts/bench_serving.py verdict RESULTS ...   (the batch-1 criterion, a file a set)
+  python scripts/bench_serving.py verdict RESULTS ...   (the batch-1 criterion, a file a set;
+        an unpatched twin by the control's rule: identical code within +-3 %, q1 >= 97 %)
 
 Each engine is its own session (setsid) and takes its commands from a FIFO
 under DIR/engines/, so with --keep the engines stay up after `run` ends and
@@ -995,27 +996,39 @@ def spread_table(counted: list[dict], configs: list[str], base: str,
 # The batch-1 criterion (docs/evidence.md, "Where criterion 1 ... stands"): on every
 # LoRA workload the median of the per-round ratios >= 100 % and their lower quartile
 # >= 97 %; base workloads (the same code on both sides) within +-3 %. Fewer rounds
-# than VERDICT_ROUNDS decide nothing.
+# than VERDICT_ROUNDS decide nothing. The unpatched twin is identical code on every
+# workload, so it is held to what identical code must read if the method can judge
+# the criterion at all: median within +-3 % and lower quartile >= 97 % (the control).
 VERDICT_ROUNDS = 5
 
 
-def verdict_cell(ratios: list[float], lora: bool) -> str:
-    """'met', 'missed' (and what) or 'undecided' for one configuration and workload."""
+def verdict_cell(ratios: list[float], rule: str) -> str:
+    """'met', 'missed' (and what) or 'undecided' for one configuration and workload,
+    by `rule`: "lora", "base" or "control" (see above)."""
     if len(ratios) < VERDICT_ROUNDS:
         return f"undecided ({len(ratios)} round{'s' * (len(ratios) != 1)})"
     middle, q1 = statistics.median(ratios), lower_quartile(ratios)
     said = f"{100 * middle:.1f} %, q1 {100 * q1:.1f} %, {len(ratios)} rounds"
-    if lora:
-        misses = [w for w, bad in (("median", middle < 1.0), ("q1", q1 < 0.97)) if bad]
-    else:
-        misses = ["+-3 %"] if abs(middle - 1.0) > 0.03 else []
+    checks = {
+        "lora": (("median", middle < 1.0), ("q1", q1 < 0.97)),
+        "base": (("+-3 %", abs(middle - 1.0) > 0.03),),
+        "control": (("+-3 %", abs(middle - 1.0) > 0.03), ("q1", q1 < 0.97)),
+    }[rule]
+    misses = [what for what, bad in checks if bad]
     return f"missed: {', '.join(misses)} ({said})" if misses else f"met ({said})"
+
+
+def verdict_rule(config: str, workload: str) -> str:
+    """The rule a configuration's workload is judged by: the twin's is the control."""
+    if config == TWIN:
+        return "control"
+    return "lora" if workload.endswith("_lora") else "base"
 
 
 def verdict_table(sets: list[dict]) -> list[str]:
     """Markdown: for each results file (one adapter set), each workload's verdict for
-    every configuration against the base; an unpatched twin's column is what the
-    same criterion says of identical code (the method's own reach)."""
+    every configuration against the base; an unpatched twin's rows say whether the
+    method resolves the criterion's bounds for identical code in the same rounds."""
     lines = ["| set | workload | configuration | verdict |", "|---|---|---|---|"]
     for results in sets:
         meta = results.get("meta", {})
@@ -1027,7 +1040,7 @@ def verdict_table(sets: list[dict]) -> list[str]:
             by_round = per_round(counted, workload)
             for config in [c for c in results["configs"] if c != base]:
                 ratios = round_ratios(by_round, config, base)
-                cell = verdict_cell(ratios, workload.endswith("_lora"))
+                cell = verdict_cell(ratios, verdict_rule(config, workload))
                 lines.append(f"| {name} | {workload} | {config} | {cell} |")
     return lines
 

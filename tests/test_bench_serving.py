@@ -418,15 +418,29 @@ def test_stop_tells_every_kept_engine_to_exit_and_leaves_the_results_alone(tmp_p
 
 def test_the_verdict_holds_lora_workloads_to_median_and_q1_and_base_to_three_percent():
     module = bench()
-    assert module.verdict_cell([1.05] * 5, lora=True).startswith("met (105.0 %, q1 105.0 %")
-    assert module.verdict_cell([0.99, 1.0, 1.0, 1.01, 1.02], lora=True).startswith("met")
-    assert module.verdict_cell([0.9, 0.95, 1.02, 1.05, 1.1], lora=True).startswith("missed: q1 ")
-    low = module.verdict_cell([0.9, 0.95, 0.98, 0.99, 1.2], lora=True)
+    assert module.verdict_cell([1.05] * 5, "lora").startswith("met (105.0 %, q1 105.0 %")
+    assert module.verdict_cell([0.99, 1.0, 1.0, 1.01, 1.02], "lora").startswith("met")
+    assert module.verdict_cell([0.9, 0.95, 1.02, 1.05, 1.1], "lora").startswith("missed: q1 ")
+    low = module.verdict_cell([0.9, 0.95, 0.98, 0.99, 1.2], "lora")
     assert low.startswith("missed: median, q1")
-    assert module.verdict_cell([1.04] * 5, lora=False).startswith("missed: +-3 %")
-    assert module.verdict_cell([0.8, 1.0, 1.0, 1.01, 1.2], lora=False).startswith("met")
-    assert module.verdict_cell([2.0] * 4, lora=True) == "undecided (4 rounds)"
-    assert module.verdict_cell([2.0], lora=False) == "undecided (1 round)"
+    assert module.verdict_cell([1.04] * 5, "base").startswith("missed: +-3 %")
+    assert module.verdict_cell([0.8, 1.0, 1.0, 1.01, 1.2], "base").startswith("met")
+    assert module.verdict_cell([2.0] * 4, "lora") == "undecided (4 rounds)"
+    assert module.verdict_cell([2.0], "base") == "undecided (1 round)"
+
+
+def test_the_control_holds_identical_code_to_three_percent_and_q1():
+    """The twin's median may fall either side of 100 %; what it must show is that the
+    rounds resolve the bounds: within +-3 % and a lower quartile >= 97 %."""
+    module = bench()
+    assert module.verdict_cell([0.99, 0.99, 0.995, 1.0, 1.01], "control").startswith("met")
+    wide = module.verdict_cell([0.9, 0.95, 1.0, 1.05, 1.1], "control")
+    assert wide.startswith("missed: q1 (100.0 %, q1 95.0 %")
+    assert module.verdict_cell([1.05] * 5, "control").startswith("missed: +-3 % (")
+    assert module.verdict_cell([0.9] * 5, "control").startswith("missed: +-3 %, q1")
+    assert module.verdict_rule("unpatched-twin", "decode_b1_lora") == "control"
+    assert module.verdict_rule("default", "decode_b1_lora") == "lora"
+    assert module.verdict_rule("default", "prefill_base") == "base"
 
 
 def test_the_verdict_table_judges_every_configuration_but_the_base():
@@ -439,5 +453,5 @@ def test_the_verdict_table_judges_every_configuration_but_the_base():
     name = "| moe35b 2 x r128, 32 layers | decode_b1_lora"
     assert lines[2:] == [
         f"{name} | default | met (104.0 %, q1 104.0 %, 5 rounds) |",
-        f"{name} | unpatched-twin | missed: median (99.0 %, q1 99.0 %, 5 rounds) |",
+        f"{name} | unpatched-twin | met (99.0 %, q1 99.0 %, 5 rounds) |",
     ]
