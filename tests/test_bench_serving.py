@@ -121,6 +121,48 @@ def test_a_build_links_the_model_of_an_earlier_build_of_the_same_model(tmp_path)
     assert not (tmp_path / "other").exists() and not (tmp_path / "deeper").exists()
 
 
+def test_adapters_are_saved_in_the_models_dtype_not_peft_float32(tmp_path):
+    """vLLM casts every adapter tensor to its bf16 LoRA dtype on the CPU as it loads;
+    float32 files doubled the bytes and kept the host's CPUs busy for minutes."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from safetensors import safe_open
+
+    built = torch.nn.Sequential(torch.nn.Linear(32, 32)).to(torch.bfloat16)
+    adapter = bench().adapter_model(built, 8, ["0"])
+    adapter.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "adapter_model.safetensors", "pt") as saved:
+        dtypes = {saved.get_tensor(key).dtype for key in saved.keys()}
+    assert dtypes == {torch.bfloat16}
+
+
+def test_start_records_the_engine_apart_from_the_adapters_first_load(tmp_path, monkeypatch):
+    """start_s is the whole wait for an engine; engine_s the part before its adapters load,
+    so a slow start says whether the engine or the adapters took the time."""
+    module = bench()
+    answers = {"unpatched": {"ready": True, "start_s": 471.0, "engine_s": 266.0},
+               "default": TimeoutError("engine default: not ready in time")}  # fmt: skip
+
+    class Standin:
+        def __init__(self, name):
+            self.name, self.pid = name, 1
+
+        def wait_for(self, match, deadline):
+            found = answers[self.name]
+            if isinstance(found, Exception):
+                raise found
+            assert match(found)
+            return found
+
+    monkeypatch.setattr(module, "make_sites", lambda *a: {n: {} for n in answers})
+    monkeypatch.setattr(module.Engine, "start", staticmethod(lambda name, *a: Standin(name)))
+    monkeypatch.setattr(module, "save_partial", lambda *a: None)
+    results = module.start(tmp_path, tmp_path, ["default"], deadline=1.0)
+    assert results["start_s"] == {"unpatched": 471.0}
+    assert results["engine_s"] == {"unpatched": 266.0}
+    assert results["errors"] == {"default": "engine default: not ready in time"}
+
+
 def test_a_deeper_cut_repeats_three_gdn_layers_and_one_attention_layer():
     module = bench()
     text = module.widths("dense27b", 32)
