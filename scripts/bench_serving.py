@@ -210,9 +210,10 @@ def adapter_model(built, rank: int, targets):
 
     PEFT casts a bf16 model's adapter weights to float32 by default (for training), and
     saves them so; vLLM then casts every tensor back to its bf16 LoRA dtype on the CPU as
-    it loads an adapter. At 32 layers that was 16 files of 0.87 GB an engine, and three
-    engines kept all 16 vCPUs busy for about 200 s before they were ready (2026-12-02,
-    `cpu.log`). What the engines serve is bf16 either way.
+    it loads an adapter. At 32 layers that was 16 files of 0.87 GB an engine, and all 16
+    vCPUs were busy for about 4 minutes before three engines were ready (2026-12-02c,
+    `cpu.log`; how much of it the loading was, their `engine_s` will say). What the
+    engines serve is bf16 either way.
     """
     from peft import LoraConfig, get_peft_model
 
