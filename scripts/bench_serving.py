@@ -189,7 +189,7 @@ def build(
     peft_model = adapter_model(built, rank, targets)
     for number in range(adapters):
         if linked and number > 0:
-            link_adapter(directory / "adapter-0", directory / f"adapter-{number}")
+            link_files(directory / "adapter-0", directory / f"adapter-{number}")
             continue
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
@@ -229,14 +229,12 @@ def link_model(source: Path, directory: Path, model: str, layers: int = LAYERS) 
     if (built, deep) != (model, layers):
         raise SystemExit(f"--model-from {source}: a build of {built} with {deep} layers, "
                          f"not {model} with {layers}")  # fmt: skip
-    (directory / "model").mkdir(parents=True)
-    for path in sorted((source / "model").iterdir()):
-        os.link(path, directory / "model" / path.name)
+    link_files(source / "model", directory / "model")
 
 
-def link_adapter(source: Path, target: Path) -> None:
-    """`target` as a folder of hard links to `source`'s files (an adapter's config and
-    weights)."""
+def link_files(source: Path, target: Path) -> None:
+    """`target` as a new folder of hard links to `source`'s files (a model's, or an
+    adapter's config and weights)."""
     target.mkdir(parents=True)
     for path in sorted(source.iterdir()):
         os.link(path, target / path.name)
@@ -901,11 +899,16 @@ def table_head(caption: str, configs: list[str]) -> list[str]:
             "|---|" + "---|" * len(configs)]  # fmt: skip
 
 
+def counted_rows(results: dict) -> list[dict]:
+    """The rows of the counted rounds (round 0 warms up and is not counted)."""
+    return [r for r in results["rounds"] if r["round"] > 0]
+
+
 def table(results: dict, meta: dict) -> str:
     """Markdown: median tok/s of the counted rounds; in brackets the median, over
     rounds, of each configuration's ratio to the base (unpatched unless --base)
     in the same round (drift over time cancels within a round)."""
-    counted = [r for r in results["rounds"] if r["round"] > 0]
+    counted = counted_rows(results)
     configs = list(results["configs"])
     base = results.get("base", "unpatched")
     built = f"{meta.get('model', 'dense27b')}, {meta.get('adapters', 4)} adapters of rank "
@@ -1050,7 +1053,7 @@ def verdict_table(sets: list[dict]) -> list[str]:
         meta = results.get("meta", {})
         name = (f"{meta.get('model', 'dense27b')} {meta.get('adapters', 4)} x "
                 f"r{meta.get('rank', 64)}, {meta.get('layers', LAYERS)} layers")  # fmt: skip
-        counted = [r for r in results["rounds"] if r["round"] > 0]
+        counted = counted_rows(results)
         base = results.get("base", "unpatched")
         for workload in measured(results):
             by_round = per_round(counted, workload)
@@ -1257,7 +1260,7 @@ def main() -> int:
         results = json.loads(args.results.read_text())
         text = table(results, results["meta"])
         if args.clocks:
-            counted = [r for r in results["rounds"] if r["round"] > 0]
+            counted = counted_rows(results)
             found = clock_table(counted, clock_samples(args.clocks), measured(results))
             text += "\n\n" + "\n".join(found)
         if results.get("profiles"):
@@ -1332,7 +1335,7 @@ def report(results: dict, args) -> None:
     import torch
     import vllm
 
-    counted = {r["round"] for r in results["rounds"] if r["round"] > 0}
+    counted = {r["round"] for r in counted_rows(results)}
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "vllm": vllm.__version__, "torch": torch.__version__, "rounds": len(counted),
             "command": " ".join(sys.argv), **bench_spec(args.dir)}  # fmt: skip

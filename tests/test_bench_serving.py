@@ -423,12 +423,12 @@ def test_linked_adapters_are_folders_of_hard_links_to_the_first(tmp_path):
     first.mkdir()
     (first / "adapter_config.json").write_text("{}")
     (first / "adapter_model.safetensors").write_bytes(b"factors")
-    module.link_adapter(first, tmp_path / "adapter-1")
+    module.link_files(first, tmp_path / "adapter-1")
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         linked = tmp_path / "adapter-1" / name
         assert linked.stat().st_ino == (first / name).stat().st_ino
     with pytest.raises(FileExistsError):  # never over an adapter already there
-        module.link_adapter(first, tmp_path / "adapter-1")
+        module.link_files(first, tmp_path / "adapter-1")
 
 
 def test_stop_tells_every_kept_engine_to_exit_and_leaves_the_results_alone(tmp_path, monkeypatch):
