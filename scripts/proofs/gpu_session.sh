@@ -29,27 +29,26 @@
 # build, and the proofs are e2e-tp1 and model-tp1 side by side on GPU 1 while
 # the benchmark has GPU 0 to itself, its rounds from the start (no wait for the
 # proofs), until GS_BENCH_END.
-# GS_PLAN=serving (one H200, about 1,300-1,500 s; calls b1, b3, b2, collect): the
+# GS_PLAN=serving (one H200, about 1,300-1,600 s; calls b1, b3, b2, collect): the
 # serving benchmark alone, unpatched against the default set, on the adapter sets
 # of GS_SETS (default "m8=moe35b:8x16 d16=dense27b:16x64"; NAME=MODEL:COUNTxRANK,
 # optionally :CONFIG,CONFIG for bench_serving's --configs (default "default"); MODEL
 # may be MODEL@LAYERS for a deeper cut, e.g. dense27b@32; a later set of a model
 # and depth links the first one's weights; the sets named in GS_LINKED build with
 # --linked-adapters: one adapter's weights on /dev/shm under every name). Every
-# set's engines start together; then, one set at a time, the others idle: decode batch 1 and 4 rounds
-# (legs of GS_LEG_S seconds, 2 by default), then batch 64 and prefill rounds
-# (GS_B64=0 leaves them out), for the sets named in GS_MEASURE (default all; - for
-# none), and
-# last the workloads of GS_PROFILE (default "decode_b1 decode_b4") once under the
-# torch profiler (`bench_serving.py profile`, GS_PROFILE_S seconds a set, 150 by
-# default) on the sets of GS_PROFILE_SETS (default all; - for none), within
-# GS_BENCH_END (1,300 s for this plan) of the start. GS_B64_S (0: an equal share of
-# the time) keeps that many seconds a set for batch 64 and prefill. GS_KV_GIB (4)
-# is each engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives
-# each engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
-# topology into cpus.txt). Meanwhile
-# clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log (the
-# guest's /proc/stat) are written once a second.
+# set's engines start together; then, one set at a time, the others idle: decode
+# batch 1 and 4 rounds (legs of GS_LEG_S seconds, 2 by default), then batch 64 and
+# prefill rounds (GS_B64=0 leaves them out), for the sets named in GS_MEASURE
+# (default all; - for none), and last the workloads of GS_PROFILE (default
+# "decode_b1 decode_b4") once under the torch profiler (`bench_serving.py profile`,
+# GS_PROFILE_S seconds a set, 150 by default) on the sets of GS_PROFILE_SETS
+# (default all; - for none), within GS_BENCH_END (1,300 s for this plan) of the
+# start. GS_B64_S (0: an equal share of the time) keeps that many seconds a set for
+# batch 64 and prefill. GS_KV_GIB (4) is each engine's KV cache: less of it fits
+# more engines on the GPU. GS_PIN=1 gives each engine CPUs of its own
+# (bench_serving's BENCH_CPUS; b1 writes the host's CPU topology into cpus.txt).
+# Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
+# (the guest's /proc/stat) are written once a second.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -188,12 +187,14 @@ one() {
 
 lane() { for run in "$@"; do one "$run"; done; }
 
-# detach COPY STEP: run STEP from $G/repo-COPY in a session of its own that outlives
-# the call, its output in $G/STEP.log. The subshell's own descriptors go to /dev/null
-# too: the backgrounded `cd && setsid` list forks a shell that waits for STEP, and that
-# shell held the call's stdout, so a call whose output went through a pipe (`b2 | tail`)
-# lasted as long as the step (2026-12-02: b2 ran to its 600 s limit, not GS_WAIT's 480)
+# detach COPY STEP: run STEP from a snapshot $G/repo-COPY in a session of its own
+# that outlives the call, its output in $G/STEP.log. The subshell's own descriptors
+# go to /dev/null too: the backgrounded `cd && setsid` list forks a shell that waits
+# for STEP, and that shell held the call's stdout, so a call whose output went
+# through a pipe (`b2 | tail`) lasted as long as the step (2026-12-02: b2 ran to its
+# 600 s limit, not GS_WAIT's 480)
 detach() {
+  snapshot "$1"
   (cd "$G/repo-$1" && setsid nohup bash scripts/proofs/gpu_session.sh "$2" >"$G/$2.log" 2>&1 </dev/null &) \
     >/dev/null 2>&1 </dev/null
 }
@@ -357,7 +358,6 @@ case $STEP in
     (lscpu; lscpu -e; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list) \
       >"$G/cpus.txt" 2>&1
     say "building the models in the background (build.log)"
-    snapshot b1
     detach b1 build
     sleep "${GS_SLEEP:-20}"
     tail -5 "$G/build.log"
@@ -410,7 +410,6 @@ case $STEP in
 print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     tail -2 "$G/moe-import.txt"
     wait_for "$G/build.done" 240 || say "models not built yet (build.log); proofs wait for them"
-    snapshot b2
     detach b2 proofs
     wait_for "$G/all.done" "${GS_WAIT:-480}"
     summary
