@@ -182,7 +182,7 @@ def build(
     with torch.device("cuda"):
         built = model_class(config).to(torch.bfloat16)
     if model_from is None:
-        built.save_pretrained(directory / "model")
+        save_model(built, directory / "model")
     else:
         link_model(model_from, directory, model, layers)
     print(f"model: {sum(p.numel() for p in built.parameters()) / 1e9:.2f} B parameters")
@@ -203,6 +203,22 @@ def build(
     if linked:
         spec["linked"] = True
     (directory / "bench.json").write_text(json.dumps(spec))
+
+
+MODEL_SHARD = "4GB"  # the largest safetensors file of a built model
+
+
+def save_model(built, folder: Path, shard: str = MODEL_SHARD) -> None:
+    """Save the model in safetensors files of at most `shard`.
+
+    Why: transformers writes one file up to 50 GB, and safetensors holds a file's
+    tensors as CPU bytes until it writes them, so a GPU-built model passes whole
+    through the host's RAM beside its copy on /dev/shm (which is RAM too). A
+    28-layer MoE cut is about 47 GB: 94 GB of the GPU host's 134 at once. In
+    files of 4 GB the build needs the model's size on /dev/shm and one file more.
+    vLLM reads the index a sharded checkpoint has, as it does for every real model.
+    """
+    built.save_pretrained(folder, max_shard_size=shard)
 
 
 def adapter_model(built, rank: int, targets):

@@ -7,6 +7,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import math
 import sys
 
 import pytest
@@ -497,3 +498,28 @@ def test_the_verdict_table_judges_every_configuration_but_the_base():
         f"{name} | default | met (104.0 %, q1 104.0 %, 5 rounds) |",
         f"{name} | unpatched-twin | met (99.0 %, q1 99.0 %, 5 rounds) |",
     ]
+
+
+def test_a_built_model_is_saved_in_files_no_larger_than_the_shard(tmp_path):
+    """A GPU-built model passes through the host's RAM one safetensors file at a time,
+    so the files are bounded; vLLM finds every tensor through the index."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from patchkit.verify import e2e
+
+    built = Qwen3_5ForConditionalGeneration(e2e.qwen35_config()).to(torch.bfloat16)
+    bench().save_model(built, tmp_path / "model", shard="20MB")
+    files = sorted((tmp_path / "model").glob("*.safetensors"))
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    assert len(files) > 1 and all(f.stat().st_size <= 20 * 10**6 for f in files)
+    where, saved_numel = {}, 0
+    for path in files:
+        with safe_open(path, "pt") as saved:
+            for key in saved.keys():
+                where[key] = path.name
+                saved_numel += math.prod(saved.get_slice(key).get_shape())
+    assert where == index["weight_map"]
+    assert saved_numel == sum(p.numel() for p in built.parameters())
