@@ -425,9 +425,12 @@ def worker(work: Path, name: str) -> None:
     adapters = [work / f"adapter-{n}" for n in range(spec["adapters"])]
     requests = [LoRARequest(f"a{n}", n + 1, str(path)) for n, path in enumerate(adapters)]
     engine_s = time.monotonic() - started
+    memory = {"engine": gpu_peak(llm)}
     load_every_adapter(llm, SamplingParams, requests)
+    memory["adapters"] = gpu_peak(llm)
     mailbox = Mailbox(work, name)
-    mailbox.answer({"ready": True, "start_s": time.monotonic() - started, "engine_s": engine_s})
+    mailbox.answer({"ready": True, "start_s": time.monotonic() - started, "engine_s": engine_s,
+                    "memory": memory})  # fmt: skip
     for command in mailbox.commands():
         if command.get("stop"):
             break
@@ -472,7 +475,8 @@ def allocator_peak(worker) -> dict:
     (weights, LoRA slots, the fixed KV cache, CUDA graph pools and every temporary)."""
     import torch
 
-    return {"peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    return {"peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "allocated": torch.cuda.memory_allocated()}  # fmt: skip
 
 
 def gpu_peak(llm) -> dict:
@@ -482,7 +486,8 @@ def gpu_peak(llm) -> dict:
         found = llm.collective_rpc(allocator_peak)[0]
     except Exception:  # noqa: BLE001 - a number the table can do without
         return {}
-    return {"gpu_peak_bytes": found["peak"], "gpu_reserved_bytes": found["reserved"]}
+    return {"gpu_peak_bytes": found["peak"], "gpu_reserved_bytes": found["reserved"],
+            "gpu_allocated_bytes": found["allocated"]}  # fmt: skip
 
 
 def host_cpu() -> dict:
@@ -711,6 +716,8 @@ def start(
         results["start_s"][name] = ready["start_s"]
         if "engine_s" in ready:  # the rest of start_s: every adapter's first load
             results.setdefault("engine_s", {})[name] = ready["engine_s"]
+        if "memory" in ready:  # the allocator after the engine's init and after the adapters
+            results.setdefault("start_memory", {})[name] = ready["memory"]
     save_partial(work, results)
     return results
 
@@ -953,6 +960,7 @@ def table(results: dict, meta: dict) -> str:
         cells.append(str(len(by_round)))
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     lines += ["", *leg_table(counted, configs, base), *memory_lines(results["rounds"], configs)]
+    lines += start_memory_lines(results.get("start_memory", {}), configs)
     lines += ["", *spread_table(counted, configs, base, measured(results))]
     lines += ["", *noise_table(counted, configs, measured(results))]
     stolen = [r.get("steal_s", 0.0) for r in counted]
@@ -976,6 +984,29 @@ def memory_lines(rows: list[dict], configs: list[str]) -> list[str]:
         return []
     return ["", "GPU memory, the engine worker's torch allocator peak over the run, GiB: "
             + "; ".join(cells) + "."]  # fmt: skip
+
+
+def start_memory_lines(start_memory: dict, configs: list[str]) -> list[str]:
+    """One line: each engine's allocator after its init and after its adapters' first load
+    (allocated now, and the peak so far), in GiB; nothing for results without them.
+
+    Why: an engine's peak over the run says how much more a configuration needs, not
+    when it takes it; these two points tell the engine's own start (weights, slots,
+    the profiling run, KV cache, graphs) from the loading of the adapters."""
+    cells = []
+    for name in configs:
+        found = start_memory.get(name, {})
+        points = [(when, found.get(key, {})) for when, key in
+                  (("after init", "engine"), ("after the adapters", "adapters"))]  # fmt: skip
+        told = [f"{when} {m['gpu_allocated_bytes'] / 2**30:.2f} (peak "
+                f"{m['gpu_peak_bytes'] / 2**30:.2f})"
+                for when, m in points if "gpu_allocated_bytes" in m]  # fmt: skip
+        if told:
+            cells.append(f"{name} " + ", ".join(told))
+    if not cells:
+        return []
+    return ["", "GPU memory at the start, the engine worker's torch allocator, allocated "
+            "(peak so far), GiB: " + "; ".join(cells) + "."]  # fmt: skip
 
 
 def lower_quartile(values: list[float]) -> float:

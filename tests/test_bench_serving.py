@@ -41,6 +41,20 @@ def test_the_memory_line_names_each_engines_largest_peak():
     assert lines[-1].endswith("unpatched 11.00 (reserved 12.00); default 12.00 (reserved 13.00).")
 
 
+def test_the_start_memory_line_tells_the_engines_init_from_its_adapters_load():
+    def told(allocated, peak):
+        return {"gpu_allocated_bytes": allocated * 2**30, "gpu_peak_bytes": peak * 2**30}
+
+    start = {"unpatched": {"engine": told(30, 33), "adapters": told(30.5, 33)},
+             "default": {"engine": told(30, 33.25), "adapters": {}}}  # fmt: skip
+    lines = bench().start_memory_lines(start, ["unpatched", "default", "twin"])
+    assert lines[-1].endswith(
+        "unpatched after init 30.00 (peak 33.00), after the adapters 30.50 (peak 33.00); "
+        "default after init 30.00 (peak 33.25)."
+    )
+    assert bench().start_memory_lines({}, ["unpatched"]) == []
+
+
 def test_no_memory_line_when_no_engine_told_its_peak():
     assert bench().memory_lines([row("unpatched", 1, 100)], ["unpatched"]) == []
 
@@ -141,7 +155,9 @@ def test_start_records_the_engine_apart_from_the_adapters_first_load(tmp_path, m
     """start_s is the whole wait for an engine; engine_s the part before its adapters load,
     so a slow start says whether the engine or the adapters took the time."""
     module = bench()
-    answers = {"unpatched": {"ready": True, "start_s": 471.0, "engine_s": 266.0},
+    memory = {"engine": {"gpu_allocated_bytes": 1}, "adapters": {"gpu_allocated_bytes": 2}}
+    answers = {"unpatched": {"ready": True, "start_s": 471.0, "engine_s": 266.0,
+                             "memory": memory},
                "default": TimeoutError("engine default: not ready in time")}  # fmt: skip
 
     class Standin:
@@ -161,6 +177,7 @@ def test_start_records_the_engine_apart_from_the_adapters_first_load(tmp_path, m
     results = module.start(tmp_path, tmp_path, ["default"], deadline=1.0)
     assert results["start_s"] == {"unpatched": 471.0}
     assert results["engine_s"] == {"unpatched": 266.0}
+    assert results["start_memory"] == {"unpatched": memory}
     assert results["errors"] == {"default": "engine default: not ready in time"}
 
 
