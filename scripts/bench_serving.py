@@ -1096,7 +1096,8 @@ def verdict_table(sets: list[dict]) -> list[str]:
     every configuration against the base; an unpatched twin's rows say whether the
     method resolves the criterion's bounds for identical code in the same rounds."""
     lines = ["| set | workload | configuration | verdict |", "|---|---|---|---|"]
-    for results in sets:
+    cells = []
+    for number, results in enumerate(sets):
         meta = results.get("meta", {})
         name = (f"{meta.get('model', 'dense27b')} {meta.get('adapters', 4)} x "
                 f"r{meta.get('rank', 64)}, {meta.get('layers', LAYERS)} layers")  # fmt: skip
@@ -1108,6 +1109,28 @@ def verdict_table(sets: list[dict]) -> list[str]:
                 ratios = round_ratios(by_round, config, base)
                 cell = verdict_cell(ratios, verdict_rule(config, workload))
                 lines.append(f"| {name} | {workload} | {config} | {cell} |")
+                cells.append((number, name, config, workload, cell))
+    return lines + ["", *verdict_counts(cells)]
+
+
+def verdict_counts(cells: list[tuple[int, str, str, str, str]]) -> list[str]:
+    """Markdown: per results file and configuration, the decided cells met, LoRA and
+    base workloads apart, and the undecided ones; what a write-up counts, counted here."""
+    tally: dict = {}
+    for number, name, config, workload, cell in cells:
+        counts = tally.setdefault((number, name, config),
+                                  {"lora": [0, 0], "base": [0, 0], "open": 0})  # fmt: skip
+        if cell.startswith("undecided"):
+            counts["open"] += 1
+            continue
+        kind = counts["lora" if workload.endswith("_lora") else "base"]
+        kind[0] += cell.startswith("met")
+        kind[1] += 1
+    lines = ["| set | configuration | LoRA workloads met | base workloads met | undecided |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for (_, name, config), c in tally.items():
+        lines.append(f"| {name} | {config} | {c['lora'][0]} of {c['lora'][1]} | "
+                     f"{c['base'][0]} of {c['base'][1]} | {c['open']} |")  # fmt: skip
     return lines
 
 
