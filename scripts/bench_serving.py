@@ -47,6 +47,9 @@ Workloads (token-id prompts, greedy, ignore_eos; no prefix caching):
   decode_b4_lora / _base    4 prompts of 128 tokens, 256 out; output tok/s
   decode_b1_lora / _base    1 prompt of 128 tokens, 256 out; output tok/s
   prefill_lora / _base      16 prompts of 4096 tokens, 1 out; prompt tok/s
+  reload_lora               no request: the adapters in turn removed and loaded again
+                            (vLLM's remove_lora, add_lora: from the files into a free
+                            GPU slot); adapters a minute in the tok/s column
 
 Steps (the GPU host has no network; see ../shared/device):
   python scripts/bench_serving.py build DIR [--model dense27b|moe35b] [--adapters N] [--rank R]
@@ -138,6 +141,9 @@ WORKLOADS = {
     "decode_b1_base": dict(n=1, prompt=128, out=256, lora=False),
     "prefill_lora": dict(n=16, prompt=4096, out=1, lora=True),
     "prefill_base": dict(n=16, prompt=4096, out=1, lora=False),
+    # No request: an adapter removed and loaded again (its files, then every LoRA
+    # layer's set_lora into a free GPU slot), one after another; adapters a minute.
+    "reload_lora": dict(n=1, prompt=0, out=0, lora=True, reload=True),
 }
 WARMUP_OUT = 32  # round 0 loads the adapters at the counted rounds' batch shapes, briefly
 
@@ -513,6 +519,8 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int,
     host's decode speed changes level within seconds, a longer leg averages over
     the levels instead of landing on one."""
     spec = WORKLOADS[name]
+    if spec.get("reload"):
+        return reload_leg(llm, requests, name, round_, min_seconds)
     rnd = random.Random(f"{name}-{round_}")
     prompts = [
         {"prompt_token_ids": [rnd.randrange(1, 4000) for _ in range(spec["prompt"])]}
@@ -539,6 +547,37 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int,
     return {"workload": name, "round": round_, "wall": wall, "seconds": seconds,
             "tok_s": counted / seconds,
             "generated": generated, "calls": calls, "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "steal_s": after["steal_s"] - before["steal_s"],
+            "guest_busy_s": after["busy_s"] - before["busy_s"]}  # fmt: skip
+
+
+def reload_leg(llm, requests, name: str, round_: int, min_seconds: float = 0.0) -> dict:
+    """One leg of reload_lora: an adapter removed and added again, the next one after
+    it, until the leg has lasted `min_seconds` (the warm-up: one).
+
+    Why: a server with more tenants' adapters than slots loads them again and again,
+    and a load is where the default path does work of its own (it checks the new
+    slot's weights, one host sync per LoRA layer); at start the engines loaded
+    their adapters at the same time as others captured graphs, which said nothing.
+    vLLM's add_lora loads the files and activates the adapter, so no request runs."""
+    engine = llm.llm_engine
+    before = host_cpu()
+    wall = time.time()
+    started = time.perf_counter()
+    loads = 0
+    while True:
+        request = requests[(round_ + loads) % len(requests)]
+        engine.remove_lora(request.lora_int_id)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"{name}: adapter {request.lora_name} did not load again")
+        loads += 1
+        seconds = time.perf_counter() - started
+        if round_ == 0 or seconds >= min_seconds:
+            break
+    after = host_cpu()
+    return {"workload": name, "round": round_, "wall": wall, "seconds": seconds,
+            "tok_s": 60 * loads / seconds, "generated": 0, "calls": loads,
+            "cpu_s": after["cpu_s"] - before["cpu_s"],
             "steal_s": after["steal_s"] - before["steal_s"],
             "guest_busy_s": after["busy_s"] - before["busy_s"]}  # fmt: skip
 

@@ -557,3 +557,51 @@ def test_a_built_model_is_saved_in_files_no_larger_than_the_shard(tmp_path):
                 saved_numel += math.prod(saved.get_slice(key).get_shape())
     assert where == index["weight_map"]
     assert saved_numel == sum(p.numel() for p in built.parameters())
+
+
+class ReloadingEngine:
+    """vLLM's LLMEngine as reload_lora uses it: remove_lora, then add_lora."""
+
+    def __init__(self, fails: set[int] = frozenset()):
+        self.calls, self.fails = [], fails
+
+    def remove_lora(self, lora_id):
+        self.calls.append(("remove", lora_id))
+        return True
+
+    def add_lora(self, request):
+        self.calls.append(("add", request.lora_int_id))
+        return request.lora_int_id not in self.fails
+
+
+def lora_requests(count):
+    return [argparse.Namespace(lora_name=f"a{n}", lora_int_id=n + 1) for n in range(count)]
+
+
+def test_a_reload_leg_removes_and_adds_the_adapters_in_turn_and_counts_a_minute():
+    module = bench()
+    llm = argparse.Namespace(llm_engine=ReloadingEngine())
+    leg = module.reload_leg(llm, lora_requests(3), "reload_lora", 2, min_seconds=0.05)
+    ids = [lora_id for _, lora_id in llm.llm_engine.calls]
+    assert ids[:8] == [3, 3, 1, 1, 2, 2, 3, 3]  # round 2 starts at its own adapter
+    assert [what for what, _ in llm.llm_engine.calls[:2]] == ["remove", "add"]
+    assert leg["calls"] == len(ids) // 2 and leg["seconds"] >= 0.05
+    assert leg["tok_s"] == pytest.approx(60 * leg["calls"] / leg["seconds"])
+    warm = module.reload_leg(argparse.Namespace(llm_engine=ReloadingEngine()),
+                             lora_requests(3), "reload_lora", 0, min_seconds=9.0)  # fmt: skip
+    assert warm["calls"] == 1
+
+
+def test_a_reload_that_does_not_load_fails_the_leg():
+    module = bench()
+    llm = argparse.Namespace(llm_engine=ReloadingEngine(fails={2}))
+    with pytest.raises(RuntimeError, match="reload_lora: adapter a1 did not load again"):
+        module.reload_leg(llm, lora_requests(2), "reload_lora", 1, min_seconds=9.0)
+
+
+def test_the_reload_kind_picks_its_one_workload():
+    module = bench()
+    assert module.pick_workloads(["decode_b1", "reload"]) == [
+        "decode_b1_lora", "decode_b1_base", "reload_lora"]  # fmt: skip
+    spec = module.WORKLOADS["reload_lora"]
+    assert spec["lora"] and spec["reload"]

@@ -37,7 +37,8 @@
 # and depth links the first one's weights; the sets named in GS_LINKED build with
 # --linked-adapters: one adapter's weights on /dev/shm under every name). Every
 # set's engines start together; then, one set at a time, the others idle: decode
-# batch 1 and 4 rounds (legs of GS_LEG_S seconds, 2 by default), then batch 64 and
+# batch 1 and 4 rounds (legs of GS_LEG_S seconds, 2 by default; with them the
+# adapters' reload, reload_lora, unless GS_RELOAD=0), then batch 64 and
 # prefill rounds (GS_B64=0 leaves them out), for the sets named in GS_MEASURE
 # (default all; - for none), and last the workloads of GS_PROFILE (default
 # "decode_b1 decode_b4") once under the torch profiler (`bench_serving.py profile`,
@@ -271,7 +272,8 @@ serving() {
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
-  local engines=0 each=0 first=0 pin=()
+  local engines=0 each=0 first=0 pin=() first_kinds=(decode_b1 decode_b4)
+  [ "${GS_RELOAD:-1}" = 0 ] || first_kinds+=(reload)
   for set in $SETS; do engines=$((engines + $(set_engines "$set"))); done
   [ "${GS_PIN:-0}" = 1 ] && each=$(($(nproc) / engines))
   for set in $SETS; do
@@ -282,7 +284,7 @@ serving() {
       first=$((first + count))
     fi
     do_ env "${pin[@]}" "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
-      --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
+      --workloads "${first_kinds[@]}" --rounds 0 --keep --leg-seconds "$leg" \
       --deadline $((BENCH_END - SECONDS)) >"$G/serving-start-$name.log" 2>&1 &
     starts+=($!)
   done
