@@ -745,7 +745,7 @@ def start(
     }
     results: dict = {"configs": configs, "rounds": [], "start_s": {}, "errors": {},
                      "pids": {name: e.pid for name, e in engines.items()},
-                     "base": base, "workloads": workloads or list(WORKLOADS)}  # fmt: skip
+                     "base": base, "workloads": workloads or pick_workloads(None)}  # fmt: skip
     for name, engine in engines.items():
         try:
             ready = engine.wait_for(lambda m: m.get("ready"), deadline)
@@ -912,13 +912,15 @@ def differences(base: list | None, other: list | None, title: str, top: int = 15
 def measured(results: dict) -> list[str]:
     """The workloads that have counted rows, in WORKLOADS' order."""
     seen = {r["workload"] for r in results["rounds"] if "workload" in r}
-    return [w for w in WORKLOADS if w in seen] or list(WORKLOADS)
+    return [w for w in WORKLOADS if w in seen] or pick_workloads(None)
 
 
 def pick_workloads(kinds: list[str] | None) -> list[str]:
-    """--workloads decode_b1 prefill ...: each kind's _lora and _base workloads."""
+    """--workloads decode_b1 prefill ...: each kind's _lora and _base workloads. Without
+    kinds, every workload but reload_lora, which is asked for by name (`reload`): the
+    runs written down before it measured the others only."""
     if not kinds:
-        return list(WORKLOADS)
+        return [w for w, spec in WORKLOADS.items() if not spec.get("reload")]
     known = sorted({w.rsplit("_", 1)[0] for w in WORKLOADS})
     unknown = [k for k in kinds if k not in known]
     if unknown:

@@ -605,3 +605,4 @@ def test_the_reload_kind_picks_its_one_workload():
         "decode_b1_lora", "decode_b1_base", "reload_lora"]  # fmt: skip
     spec = module.WORKLOADS["reload_lora"]
     assert spec["lora"] and spec["reload"]
+    assert module.pick_workloads(None) == [w for w in module.WORKLOADS if w != "reload_lora"]
