@@ -440,12 +440,19 @@ def worker(work: Path, name: str) -> None:
     for command in mailbox.commands():
         if command.get("stop"):
             break
-        if command.get("profile"):
-            result = profiled(llm, SamplingParams, requests, command, profile_dir(work, name))
-        else:
-            result = run_workload(llm, SamplingParams, requests, command["workload"],
-                                  command["round"], command.get("min_seconds", 0.0))  # fmt: skip
+        try:
+            result = run_command(llm, SamplingParams, requests, command, work, name)
+        except Exception as exc:  # noqa: BLE001 - the leg failed, the engine serves on
+            result = {"error": f"{command.get('workload')}: {type(exc).__name__}: {exc}"}
         mailbox.answer({"id": command["id"], **result, **gpu_peak(llm)})
+
+
+def run_command(llm, sampling_params, requests, command: dict, work: Path, name: str) -> dict:
+    """A run's command to an engine: a leg of a workload, or one under the profiler."""
+    if command.get("profile"):
+        return profiled(llm, sampling_params, requests, command, profile_dir(work, name))
+    return run_workload(llm, sampling_params, requests, command["workload"], command["round"],
+                        command.get("min_seconds", 0.0))  # fmt: skip
 
 
 def profile_dir(work: Path, name: str) -> Path:
@@ -693,6 +700,8 @@ class Engine:
             command["min_seconds"] = min_seconds
         self.send(command, deadline)
         answer = self.wait_for(lambda m: m.get("id") == ident, deadline)
+        if "error" in answer:  # the engine lives on; the round is dropped (ask_round)
+            raise RuntimeError(f"engine {self.name}: {answer['error']}")
         return {k: v for k, v in answer.items() if k != "id"}
 
     def stop(self) -> None:

@@ -606,3 +606,22 @@ def test_the_reload_kind_picks_its_one_workload():
     spec = module.WORKLOADS["reload_lora"]
     assert spec["lora"] and spec["reload"]
     assert module.pick_workloads(None) == [w for w in module.WORKLOADS if w != "reload_lora"]
+
+
+def test_a_leg_the_engine_could_not_run_fails_its_round_not_the_engine(tmp_path):
+    """An engine answers a failed leg with its error and serves on; the run drops the
+    round and keeps the error, as for an engine that did not answer."""
+    module = bench()
+    engine = module.Engine("default", tmp_path, 1)
+    sent = []
+    engine.send = lambda command, deadline: sent.append(command)
+    engine.wait_for = lambda match, deadline: {
+        "id": sent[-1]["id"],
+        "error": "reload_lora: RuntimeError: adapter a1 did not load",
+    }
+    with pytest.raises(RuntimeError, match="engine default: reload_lora: RuntimeError: adapter"):
+        engine.ask("reload_lora", 3, deadline=1.0)
+    results = {"rounds": [], "errors": {}, "workloads": ["reload_lora"]}
+    assert not module.ask_round(results, {"default": engine}, ["reload_lora"], 3, 1.0)
+    assert results["errors"]["run"].startswith("round 3: engine default: reload_lora")
+    assert results["rounds"] == []
