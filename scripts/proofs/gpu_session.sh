@@ -37,8 +37,7 @@
 # and depth links the first one's weights; the sets named in GS_LINKED build with
 # --linked-adapters: one adapter's weights on /dev/shm under every name). Every
 # set's engines start together; then, one set at a time, the others idle: decode
-# batch 1 and 4 rounds (legs of GS_LEG_S seconds, 2 by default; with them the
-# adapters' reload, reload_lora, unless GS_RELOAD=0), then batch 64 and
+# batch 1 and 4 rounds (legs of GS_LEG_S seconds, 2 by default), then batch 64 and
 # prefill rounds (GS_B64=0 leaves them out), for the sets named in GS_MEASURE
 # (default all; - for none), and last the workloads of GS_PROFILE (default
 # "decode_b1 decode_b4") once under the torch profiler (`bench_serving.py profile`,
@@ -272,8 +271,7 @@ serving() {
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
     BENCH_GPU_MEMORY=0.10 BENCH_KV_GIB="${GS_KV_GIB:-4}" python3 scripts/bench_serving.py)
   say "serving: starting the engines of ${sets[*]}"
-  local engines=0 each=0 first=0 pin=() first_kinds=(decode_b1 decode_b4)
-  [ "${GS_RELOAD:-1}" = 0 ] || first_kinds+=(reload)
+  local engines=0 each=0 first=0 pin=()
   for set in $SETS; do engines=$((engines + $(set_engines "$set"))); done
   [ "${GS_PIN:-0}" = 1 ] && each=$(($(nproc) / engines))
   for set in $SETS; do
@@ -284,7 +282,7 @@ serving() {
       first=$((first + count))
     fi
     do_ env "${pin[@]}" "${bs[@]}" run "$G/bench-$name" --site /opt/pristine --configs ${configs//,/ } \
-      --workloads "${first_kinds[@]}" --rounds 0 --keep --leg-seconds "$leg" \
+      --workloads decode_b1 decode_b4 --rounds 0 --keep --leg-seconds "$leg" \
       --deadline $((BENCH_END - SECONDS)) >"$G/serving-start-$name.log" 2>&1 &
     starts+=($!)
   done
@@ -295,8 +293,11 @@ serving() {
   local profiles=$((profile_s * ${#profiled[@]})) shares=$((${#measure[@]} * (1 + b64)))
   local kept=$((b64 * ${GS_B64_S:-0} * ${#measure[@]}))
   [ "$kept" -gt 0 ] && shares=${#measure[@]}
+  # GS_RELOAD_S (60; 0: none) a set for reload_lora, after batch 64 and prefill
+  local reload_s=${GS_RELOAD_S:-60}
+  local reloads=$((reload_s * ${#measure[@]}))
   for name in "${measure[@]}"; do # batch 1 and 4: their share of what is left
-    left=$(((BENCH_END - SECONDS - profiles - kept) / shares))
+    left=$(((BENCH_END - SECONDS - profiles - reloads - kept) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
@@ -305,12 +306,19 @@ serving() {
   [ "$kept" -gt 0 ] && shares=${#measure[@]}
   for name in "${measure[@]}"; do # batch 64 and prefill with what is left
     [ "$b64" = 1 ] || break
-    left=$(((BENCH_END - SECONDS - profiles) / shares))
+    left=$(((BENCH_END - SECONDS - profiles - reloads) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" --keep \
       --workloads decode_b64 prefill --json "$G/serving-$name.json" \
       --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
     say "serving: $name batch 64 and prefill done"
     shares=$((shares - 1))
+  done
+  for name in "${measure[@]}"; do # the adapters' reload, last of the rounds: new, and
+    [ "$reload_s" -gt 0 ] || break # what it runs cannot cost the rounds above
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$reload_s" --keep \
+      --workloads reload --markdown "$G/serving-reload-$name.md" \
+      >"$G/serving-reload-$name.log" 2>&1
+    say "serving: $name reload done"
   done
   # Last: once vLLM's profiler has run, every later step of that engine annotates
   # itself for it (gpu_worker.annotate_profile), which the rounds must not carry.
