@@ -67,6 +67,18 @@ def test_the_table_gives_the_median_of_per_round_ratios():
     assert "| decode_b1_lora | 100 | 103 (103.0 %, q1 100.0 %, 97-110) | 3 |" in text
 
 
+def test_the_table_names_the_reload_unit_only_where_it_measured_reloads():
+    meta = {"date": "d", "gpu": "g", "vllm": "v", "torch": "t", "rounds": 3}
+    rows = [row(c, r, 100) for r in (1, 2, 3) for c in ("unpatched", "default")]
+    configs = {"unpatched": {}, "default": {}}
+    plain = bench().table({"configs": configs, "rounds": rows}, meta)
+    reloads = [r | {"workload": "reload_lora"} for r in rows]
+    both = bench().table({"configs": configs, "rounds": rows + reloads}, meta)
+    assert "adapters reloaded a minute" not in plain
+    assert "prefill: prompt tokens; reload_lora: adapters reloaded a minute)" in both
+    assert "| reload_lora | 100 | 100 (100.0 %" in both
+
+
 class Engines:
     """Engines that answer at once, and remember what they were asked (no GPU)."""
 
@@ -82,6 +94,29 @@ class Engines:
             self.outer.asked.append((self.name, workload, round_))
             self.outer.leg_seconds = min_seconds
             return {"workload": workload, "round": round_, "seconds": 1.0, "tok_s": 100.0}
+
+
+def test_a_round_that_cannot_fit_after_the_warm_up_is_not_begun(tmp_path, monkeypatch):
+    """A new workload's warm-up round says how long its rounds take at least: the
+    first counted round is not begun when it cannot end by the deadline (a round
+    that times out leaves its legs running in the engines)."""
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+    clock = [0.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    asked = fake.Engine.ask
+
+    def slow(self, workload, round_, deadline, min_seconds=0.0):
+        clock[0] += 10.0  # each leg: 10 s
+        return asked(self, workload, round_, deadline, min_seconds)
+
+    monkeypatch.setattr(fake.Engine, "ask", slow)
+    results = {"rounds": [row("default", 3, 100.0)], "errors": {},
+               "workloads": ["reload_lora"]}  # fmt: skip
+    module.measure(tmp_path, results, fake.engines, 99, deadline=80.0)
+    assert {r for _, _, r in fake.asked} == {0}  # 40 s of warm-up; a round needs 48 more
+    module.measure(tmp_path, results, fake.engines, 99, deadline=clock[0] + 200.0)
+    assert {r for _, _, r in fake.asked} == {0, 4, 5, 6, 7}
 
 
 def test_more_with_other_workloads_warms_them_up_first_uncounted(tmp_path):
@@ -529,8 +564,10 @@ def test_the_verdict_counts_met_cells_by_set_configuration_and_kind():
     results = {"configs": ["unpatched", "default"], "meta": {"layers": 32},
                "rounds": rows("decode_b1_lora", 5, 104.0) + rows("decode_b4_lora", 5, 96.0)
                + rows("decode_b1_base", 5, 110.0) + rows("prefill_lora", 2, 120.0)}  # fmt: skip
+    results["rounds"] += rows("reload_lora", 5, 50.0)  # not the criterion's: not judged
     lines = module.verdict_table([results])
     assert lines[-1] == "| dense27b 4 x r64, 32 layers | default | 1 of 2 | 0 of 1 | 1 |"
+    assert not [line for line in lines if "reload_lora" in line]
     assert lines[-3].startswith("| set | configuration | LoRA workloads met |")
 
 
@@ -597,6 +634,16 @@ def test_a_reload_that_does_not_load_fails_the_leg():
     llm = argparse.Namespace(llm_engine=ReloadingEngine(fails={2}))
     with pytest.raises(RuntimeError, match="reload_lora: adapter a1 did not load again"):
         module.reload_leg(llm, lora_requests(2), "reload_lora", 1, min_seconds=9.0)
+
+
+def test_a_reload_of_an_adapter_that_was_not_loaded_fails_the_leg():
+    """add_lora of a loaded adapter only touches it: that is no reload to time."""
+    module = bench()
+    engine = ReloadingEngine()
+    engine.remove_lora = lambda lora_id: False
+    with pytest.raises(RuntimeError, match="reload_lora: adapter a0 was not loaded to remove"):
+        module.reload_leg(argparse.Namespace(llm_engine=engine), lora_requests(2), "reload_lora",
+                          0)  # fmt: skip
 
 
 def test_the_reload_kind_picks_its_one_workload():
