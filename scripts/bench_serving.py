@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
+import itertools
 import json
 import math
 import os
@@ -538,24 +539,14 @@ def run_workload(llm, sampling_params, requests, name: str, round_: int,
     lora = None
     if spec["lora"]:
         lora = [requests[(round_ + i) % len(requests)] for i in range(spec["n"])]
-    before = host_cpu()
-    wall = time.time()  # to line a leg up with the sitting's GPU clock log (clocks.log)
-    started = time.perf_counter()
-    calls = generated = 0
-    while True:
+
+    def generate() -> int:
         results = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        calls += 1
-        generated += sum(len(r.outputs[0].token_ids) for r in results)
-        seconds = time.perf_counter() - started
-        if round_ == 0 or seconds >= min_seconds:
-            break
-    after = host_cpu()
-    counted = calls * spec["n"] * spec["prompt"] if spec["out"] == 1 else generated
-    return {"workload": name, "round": round_, "wall": wall, "seconds": seconds,
-            "tok_s": counted / seconds,
-            "generated": generated, "calls": calls, "cpu_s": after["cpu_s"] - before["cpu_s"],
-            "steal_s": after["steal_s"] - before["steal_s"],
-            "guest_busy_s": after["busy_s"] - before["busy_s"]}  # fmt: skip
+        return sum(len(r.outputs[0].token_ids) for r in results)
+
+    leg = timed_leg(generate, round_, min_seconds)
+    counted = leg["calls"] * spec["n"] * spec["prompt"] if spec["out"] == 1 else leg["generated"]
+    return {"workload": name, "round": round_, "tok_s": counted / leg["seconds"], **leg}
 
 
 def reload_leg(llm, requests, name: str, round_: int, min_seconds: float = 0.0) -> dict:
@@ -568,23 +559,37 @@ def reload_leg(llm, requests, name: str, round_: int, min_seconds: float = 0.0) 
     their adapters at the same time as others captured graphs, which said nothing.
     vLLM's add_lora loads the files and activates the adapter, so no request runs."""
     engine = llm.llm_engine
-    before = host_cpu()
-    wall = time.time()
-    started = time.perf_counter()
-    loads = 0
-    while True:
-        request = requests[(round_ + loads) % len(requests)]
+    turn = round_ % len(requests)
+    order = itertools.cycle(requests[turn:] + requests[:turn])  # this round's adapter first
+
+    def reload() -> int:
+        request = next(order)
         if not engine.remove_lora(request.lora_int_id):  # else add_lora only touches it
             raise RuntimeError(f"{name}: adapter {request.lora_name} was not loaded to remove")
         if not engine.add_lora(request):
             raise RuntimeError(f"{name}: adapter {request.lora_name} did not load again")
-        loads += 1
+        return 0
+
+    leg = timed_leg(reload, round_, min_seconds)
+    return {"workload": name, "round": round_, "tok_s": 60 * leg["calls"] / leg["seconds"], **leg}
+
+
+def timed_leg(call, round_: int, min_seconds: float) -> dict:
+    """`call()` again and again until the leg has lasted `min_seconds` (the warm-up,
+    round 0: once): when it began ("wall", to line it up with the sitting's GPU clock
+    log), its seconds, the calls, the tokens the calls returned, and the CPU it took."""
+    before = host_cpu()
+    wall = time.time()
+    started = time.perf_counter()
+    calls = generated = 0
+    while True:
+        generated += call()
+        calls += 1
         seconds = time.perf_counter() - started
         if round_ == 0 or seconds >= min_seconds:
             break
     after = host_cpu()
-    return {"workload": name, "round": round_, "wall": wall, "seconds": seconds,
-            "tok_s": 60 * loads / seconds, "generated": 0, "calls": loads,
+    return {"wall": wall, "seconds": seconds, "generated": generated, "calls": calls,
             "cpu_s": after["cpu_s"] - before["cpu_s"],
             "steal_s": after["steal_s"] - before["steal_s"],
             "guest_busy_s": after["busy_s"] - before["busy_s"]}  # fmt: skip

@@ -672,3 +672,31 @@ def test_a_leg_the_engine_could_not_run_fails_its_round_not_the_engine(tmp_path)
     assert not module.ask_round(results, {"default": engine}, ["reload_lora"], 3, 1.0)
     assert results["errors"]["run"].startswith("round 3: engine default: reload_lora")
     assert results["rounds"] == []
+
+
+class GeneratingLLM:
+    """vllm.LLM as run_workload uses it: generate(prompts, params, ...) -> outputs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        self.calls.append((len(prompts), params["max_tokens"], lora_request))
+        out = argparse.Namespace(token_ids=[0] * params["max_tokens"])
+        return [argparse.Namespace(outputs=[out]) for _ in prompts]
+
+
+def test_a_leg_counts_output_tokens_for_decode_and_prompt_tokens_for_prefill():
+    module = bench()
+    params = lambda **kw: kw  # noqa: E731 - SamplingParams as a dict
+    llm = GeneratingLLM()
+    warm = module.run_workload(llm, params, lora_requests(4), "decode_b4_lora", 0, 9.0)
+    assert llm.calls == [(4, module.WARMUP_OUT, lora_requests(4))]  # once, 32 tokens out
+    assert warm["calls"] == 1 and warm["generated"] == 4 * module.WARMUP_OUT
+    assert warm["tok_s"] == pytest.approx(warm["generated"] / warm["seconds"])
+    llm = GeneratingLLM()
+    leg = module.run_workload(llm, params, lora_requests(4), "prefill_base", 2, 0.02)
+    assert leg["calls"] == len(llm.calls) >= 1 and leg["seconds"] >= 0.02
+    assert llm.calls[0][2] is None  # a base workload asks for no adapter
+    assert leg["tok_s"] == pytest.approx(leg["calls"] * 16 * 4096 / leg["seconds"])
+    assert {"wall", "cpu_s", "steal_s", "guest_busy_s"} <= set(leg)
