@@ -367,6 +367,9 @@ case $STEP in
     # which vCPUs share a core: what GS_PIN's CPU runs are to be read against
     (lscpu; lscpu -e; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list) \
       >"$G/cpus.txt" 2>&1
+    # the room the builds and engines have: /dev/shm holds the models and adapters
+    (free -g; df -h /dev/shm /tmp /opt) >"$G/room.txt" 2>&1
+    cat "$G/room.txt"
     say "building the models in the background (build.log)"
     detach b1 build
     sleep "${GS_SLEEP:-20}"
