@@ -468,7 +468,7 @@ def profiled(llm, sampling_params, requests, command: dict, folder: Path) -> dic
     llm.start_profile()
     try:
         result = run_workload(llm, sampling_params, requests, command["workload"],
-                              command["round"])  # fmt: skip
+                              command["round"], command.get("min_seconds", 0.0))  # fmt: skip
     finally:
         llm.stop_profile()
     traces = sorted(set(folder.glob("*.pt.trace.json*")) - before)
@@ -837,22 +837,33 @@ def ask_round(results: dict, engines: dict[str, Engine], workloads: list[str], r
     return True
 
 
+PROFILED_RELOAD_S = 2.0  # reload_lora under the profiler: reloads for this long, at least one
+
+
 def profile(results: dict, engines: dict[str, Engine], workloads: list[str],
             deadline: float) -> None:  # fmt: skip
     """Each engine runs each of `workloads` once more (as counted round 1 would: the same
     prompts, every token) under vLLM's torch profiler; results["profiles"][config]
-    [workload] sums up its traces per engine step (kernel_trace.summary). Not a
-    counted round: the profiler slows the host. Profile after the rounds: once
-    vLLM's profiler has run, every later step of the engine annotates itself for it
-    (0.26.0's gpu_worker.annotate_profile), a host cost the rounds must not carry."""
+    [workload] sums up its traces per engine step (kernel_trace.summary), or per
+    reload for reload_lora, which reloads for PROFILED_RELOAD_S: where a reload's
+    time goes (the files, vLLM's copies into the slots, the default path's check of
+    each slot) is in its host ops. Not a counted round: the profiler slows the host.
+    Profile after the rounds: once vLLM's profiler has run, every later step of the
+    engine annotates itself for it (0.26.0's gpu_worker.annotate_profile), a host
+    cost the rounds must not carry."""
     import kernel_trace
 
     found = results.setdefault("profiles", {})
     for workload in workloads:
+        spec = WORKLOADS[workload]
         for name, engine in engines.items():
-            answer = engine.ask(workload, 1, deadline, profile=True)
-            spec = WORKLOADS[workload]
-            steps = spec["out"] if spec["out"] > 1 else 1  # a decode step per token out
+            if spec.get("reload"):
+                answer = engine.ask(workload, 1, deadline, profile=True,
+                                    min_seconds=PROFILED_RELOAD_S)  # fmt: skip
+                steps = answer["calls"]
+            else:
+                answer = engine.ask(workload, 1, deadline, profile=True)
+                steps = spec["out"] if spec["out"] > 1 else 1  # a decode step per token out
             traces = [Path(t) for t in answer["traces"]]
             found.setdefault(name, {})[workload] = {
                 "seconds": answer["seconds"], **kernel_trace.summary(traces, steps)}  # fmt: skip
@@ -867,8 +878,8 @@ def profile_table(results: dict) -> str:
     found = results.get("profiles", {})
     configs = [c for c in results["configs"] if c in found]
     lines = ["Profiled once per configuration and workload (vLLM's torch profiler, "
-             "kernels of CUDA-graph replays included), per engine step for decode and "
-             "per call for prefill, microseconds", "",
+             "kernels of CUDA-graph replays included), per engine step for decode, "
+             "per call for prefill and per reload for reload_lora, microseconds", "",
              "| workload | configuration | wall | GPU busy | kernels | LoRA-named kernels "
              "| host aten ops | host CUDA calls |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -313,6 +313,42 @@ def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, mon
     assert "Top kernels, decode_b1_lora, default" in text
 
 
+def test_a_reload_is_profiled_over_several_reloads_and_tabled_per_reload(tmp_path, monkeypatch):
+    """reload_lora under the profiler reloads for PROFILED_RELOAD_S, and its numbers are
+    per reload (calls), not per decode step: where an adapter load's time goes."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    module = bench()
+    fake = Engines(["unpatched", "default"])
+    asked = []
+
+    def profiled(name):
+        def ask(workload, round_, deadline, profile=False, min_seconds=0.0):
+            asked.append((name, workload, min_seconds))
+            path = tmp_path / f"{name}.pt.trace.json.gz"
+            events = [kernel("isfinite", 0, 8)]
+            events += [{"ph": "X", "cat": "cpu_op", "name": "aten::isfinite", "ts": 10 + n,
+                        "dur": 1} for n in range(8 if name == "default" else 0)]  # fmt: skip
+            trace(path, events)
+            return {"workload": workload, "round": 1, "seconds": 2.0, "calls": 4,
+                    "traces": [str(path)]}  # fmt: skip
+
+        return ask
+
+    for name, engine in fake.engines.items():
+        engine.ask = profiled(name)
+    results = {"configs": {"unpatched": {}, "default": {}}, "base": "unpatched", "rounds": [],
+               "errors": {}, "workloads": ["reload_lora"]}  # fmt: skip
+    args = argparse.Namespace(dir=tmp_path, workloads=["reload"], keep=True, markdown=None)
+    module.profile_step(args, results, fake.engines, deadline=float("inf"))
+    assert asked == [("unpatched", "reload_lora", module.PROFILED_RELOAD_S),
+                     ("default", "reload_lora", module.PROFILED_RELOAD_S)]  # fmt: skip
+    row = results["profiles"]["default"]["reload_lora"]
+    assert row["steps"] == 4 and row["gpu_busy_us"] == 2.0
+    text = module.profile_table(results)
+    assert "| reload_lora | default | 500000 | 2 | 0 | 0 (0) | 2.0 | 0.0 |" in text
+    assert "| `aten::isfinite` | 0.0 | 2.0 | 0.0 | 2.0 | +2.0 |" in text
+
+
 def test_a_profile_table_names_what_differs_from_the_base_kernels_and_host_ops(
     tmp_path, monkeypatch
 ):
@@ -627,6 +663,31 @@ def test_a_reload_leg_removes_and_adds_the_adapters_in_turn_and_counts_a_minute(
     warm = module.reload_leg(argparse.Namespace(llm_engine=ReloadingEngine()),
                              lora_requests(3), "reload_lora", 0, min_seconds=9.0)  # fmt: skip
     assert warm["calls"] == 1
+
+
+def test_a_profiled_reload_reloads_for_the_seconds_it_is_asked_and_returns_the_new_traces(
+    tmp_path,
+):
+    """The engine's side of profile's reload: the leg's min_seconds reach reload_leg (one
+    reload alone would be a sample of one), between start_profile and stop_profile."""
+    module = bench()
+    (tmp_path / "old.pt.trace.json.gz").write_text("")
+    said = []
+
+    class Profiling(argparse.Namespace):
+        def start_profile(self):
+            said.append("start")
+
+        def stop_profile(self):
+            said.append("stop")
+            (tmp_path / "new.pt.trace.json.gz").write_text("")
+
+    llm = Profiling(llm_engine=ReloadingEngine())
+    command = {"workload": "reload_lora", "round": 1, "min_seconds": 0.05, "profile": True}
+    answer = module.profiled(llm, None, lora_requests(2), command, tmp_path)
+    assert said == ["start", "stop"]
+    assert answer["calls"] > 1 and answer["seconds"] >= 0.05
+    assert answer["traces"] == [str(tmp_path / "new.pt.trace.json.gz")]
 
 
 def test_a_reload_that_does_not_load_fails_the_leg():
