@@ -48,7 +48,7 @@
 # more engines on the GPU. GS_PIN=1 gives each engine CPUs of its own
 # (bench_serving's BENCH_CPUS; b1 writes the host's CPU topology into cpus.txt).
 # Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
-# (the guest's /proc/stat) are written once a second.
+# (the guest's /proc/stat) are written once a second, mem.log (/proc/meminfo) every 5 s.
 #
 # Each step writes one archive, $OUT/gs-STEP.tar.gz (results under /tmp/gs,
 # weights and caches left out), and prints a summary. Wait limits are in
@@ -351,11 +351,30 @@ clock_log() {
   local smi=$!
   trap 'kill $smi 2>/dev/null; exit 0' TERM
   echo "# epoch; /proc/stat cpu: user nice system idle iowait irq softirq steal" >"$G/cpu.log"
+  echo "# epoch; /proc/meminfo kB: MemAvailable Shmem AnonPages Unevictable" >"$G/mem.log"
+  local tick=0
   while true; do
     read -r line </proc/stat
     echo "$EPOCHREALTIME; $line" >>"$G/cpu.log"
+    ((tick++ % 5)) || mem_line >>"$G/mem.log"
     sleep 1
   done
+}
+
+# mem_line: the host's memory every 5 s (mem.log), with bash builtins only (no process
+# a sample): what the models on /dev/shm and each engine's pinned adapter copies leave
+# free, which bounds how deep a sitting's cuts and how many its engines can be
+mem_line() {
+  local key value rest available shmem anon unevictable
+  while read -r key value rest; do
+    case $key in
+      MemAvailable:) available=$value ;;
+      Shmem:) shmem=$value ;;
+      AnonPages:) anon=$value ;;
+      Unevictable:) unevictable=$value ;;
+    esac
+  done </proc/meminfo
+  echo "$EPOCHREALTIME; $available $shmem $anon $unevictable"
 }
 
 case $STEP in
