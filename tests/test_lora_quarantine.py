@@ -199,6 +199,63 @@ def test_the_first_bad_tensor_in_layer_order_is_named_once_per_load(served, capl
                                                            *layer.lora_b_stacked))  # fmt: skip
 
 
+@contextlib.contextmanager
+def host_reads(monkeypatch):
+    """Count every read of a tensor's value on the host (bool, int, float, item, tolist):
+    on a GPU each is a sync that waits for all the copies queued before it."""
+    counted = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original, _name=name, **kwargs):
+            counted.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    yield counted
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("served", FAMILIES, indirect=True)
+def test_an_adapter_load_reads_its_layers_checks_in_one_host_sync(served, monkeypatch):
+    """vLLM's activate_adapter sets five LoRA layers; their checks are read once, when it
+    returns, not once a layer (a read waits for vLLM's non_blocking copies into the
+    slot, so per layer the host waited layer by layer); an adapter already active reads
+    nothing."""
+    version, manager, worker = served
+    manager.register(1, weights(1))
+    with host_reads(monkeypatch) as counted:
+        worker.add_adapter(request("healthy", 1))
+        loaded = list(counted)
+        worker.add_adapter(request("healthy", 1))
+    assert loaded == ["tolist"]
+    assert counted == loaded
+    masks = manager.wrapper.patchkit_token_masks
+    assert masks.health[manager.lora_index_to_id.index(1)] == 1
+
+
+@pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+def test_a_load_that_fails_midway_still_quarantines_the_layers_it_set(served, caplog):
+    """A set_lora that raises partway through activate_adapter: the layers set before it
+    are settled all the same, the bad one zeroed, its slot's weight NaN and the tensor
+    named; the error reaches the caller."""
+    version, manager, worker = served
+    manager.register(2, shared_expert_poison())
+    failing = manager.modules["model.layers.2.mlp.down_proj"]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no room")
+
+    failing.set_lora = refuse
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="no room"):
+        worker.add_adapter(request("poison-shared", 2))
+    assert quarantine_lines(caplog) == [LINE]
+    slot = manager.lora_index_to_id.index(2)
+    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+    bad = manager.modules["model.layers.1.mlp.shared_expert.down_proj"]
+    assert torch.isfinite(bad.lora_b_stacked[0][slot]).all()
+
+
 @pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
 def test_a_packed_slice_is_named_as_the_adapter_names_it(served, caplog):
     """gate_up_proj's second slice is up_proj in the adapter's files; a NaN in A is
