@@ -555,8 +555,9 @@ def reload_leg(llm, requests, name: str, round_: int, min_seconds: float = 0.0) 
 
     Why: a server with more tenants' adapters than slots loads them again and again,
     and a load is where the default path does work of its own (it checks the new
-    slot's weights, one host sync per LoRA layer); at start the engines loaded
-    their adapters at the same time as others captured graphs, which said nothing.
+    slot's weights on the device and reads the answers on the host); at start the
+    engines loaded their adapters at the same time as others captured graphs, which
+    said nothing.
     vLLM's add_lora loads the files and activates the adapter, so no request runs."""
     engine = llm.llm_engine
     turn = round_ % len(requests)
