@@ -257,6 +257,46 @@ def test_a_load_that_fails_midway_still_quarantines_the_layers_it_set(served, ca
 
 
 @pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+def test_a_set_lora_that_raises_after_writing_a_is_checked_all_the_same(served):
+    """A NaN in lora_A and a lora_B too wide for the slot: vLLM's set_lora writes A,
+    then raises on B, and the adapter counts as active; its written A is still checked,
+    zeroed and the slot marked bad, so no other row reads the NaN."""
+    version, manager, worker = served
+    found = weights(3, {"model.layers.0.mlp.down_proj": (0, "A", [float("nan")])})
+    a, b = found["model.layers.0.mlp.down_proj"]
+    found["model.layers.0.mlp.down_proj"] = (a, [torch.zeros(b[0].size(0) + 5, RANK,
+                                                             dtype=b[0].dtype)])  # fmt: skip
+    manager.register(3, found)
+    with pytest.raises(RuntimeError):
+        worker.add_adapter(request("too-wide", 3))
+    slot = manager.lora_index_to_id.index(3)
+    layer = manager.modules["model.layers.0.mlp.down_proj"]
+    assert torch.isfinite(layer.lora_a_stacked[0][slot]).all()
+    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+
+
+@pytest.mark.parametrize("served", ["0.26.0"], indirect=True)
+def test_an_error_naming_one_bad_layer_still_settles_the_layers_after_it(served, monkeypatch):
+    """Settling layer 1's quarantine raises (its record could not be written): layer 2,
+    written in the same activation, is still zeroed; then the error reaches the caller."""
+    version, manager, worker = served
+    manager.register(2, shared_expert_poison())
+    module = sys.modules[type(manager.wrapper).__module__]
+    matmul = sys.modules[module.__name__.rsplit(".", 1)[0] + ".patchkit_lora_matmul"]
+
+    def refuse(event):
+        raise MemoryError("no room for the record")
+
+    monkeypatch.setattr(matmul, "_to_probe_log", refuse)
+    with pytest.raises(MemoryError):
+        worker.add_adapter(request("poison-shared", 2))
+    slot = manager.lora_index_to_id.index(2)
+    later = manager.modules["model.layers.2.mlp.down_proj"]
+    assert torch.isfinite(later.lora_a_stacked[0][slot]).all()
+    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+
+
+@pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
 def test_a_packed_slice_is_named_as_the_adapter_names_it(served, caplog):
     """gate_up_proj's second slice is up_proj in the adapter's files; a NaN in A is
     counted as NaN; a later load of the adapter (after eviction) says it again."""

@@ -386,9 +386,10 @@ class AdoptedLayer:
         set_lora, reset_lora = layer.set_lora, layer.reset_lora
 
         def set_lora_then_check(index, *args, **kwargs):
-            result = set_lora(index, *args, **kwargs)
-            self.quarantine_non_finite(index)
-            return result
+            try:  # checked even when it raises: vLLM writes A before it finds B too wide
+                return set_lora(index, *args, **kwargs)
+            finally:
+                self.quarantine_non_finite(index)
 
         def reset_lora_then_clear(index, *args, **kwargs):
             result = reset_lora(index, *args, **kwargs)
@@ -469,12 +470,23 @@ def defer_checks_of(manager) -> None:
 
 
 def settle_checks(checks: list) -> None:
-    """Each deferred check settled in order, its answers read in one host sync."""
+    """Each deferred check settled in order, its answers read in one host sync.
+
+    Every layer is settled even when one raises (naming it, or writing the probe's
+    record): its slot was written already, so a layer left unsettled would keep its
+    non-finite values in a slot vLLM counts as active. The first error is raised after.
+    """
     if not checks:
         return
     finite = torch.stack([answer for _, _, answer in checks]).tolist()
+    error = None
     for (layer, index, _), ok in zip(checks, finite, strict=True):
-        layer.settle(index, ok)
+        try:
+            layer.settle(index, ok)
+        except Exception as exc:  # noqa: BLE001 (raised below, once every slot is safe)
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def first_non_finite(a_list: list, b_list: list, index: int) -> dict:
