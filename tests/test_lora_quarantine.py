@@ -216,6 +216,16 @@ def host_reads(monkeypatch):
     monkeypatch.undo()
 
 
+def assert_quarantined(manager, adapter_id: int, module: str) -> None:
+    """The adapter's slot is marked bad (its weight NaN) and `module`'s A and B in that
+    slot hold only finite values (the bad ones zeroed)."""
+    slot = manager.lora_index_to_id.index(adapter_id)
+    layer = manager.modules[module]
+    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+    for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked):
+        assert torch.isfinite(stacked[slot]).all()
+
+
 @pytest.mark.parametrize("served", FAMILIES, indirect=True)
 def test_an_adapter_load_reads_its_layers_checks_in_one_host_sync(served, monkeypatch):
     """vLLM's activate_adapter sets five LoRA layers; their checks are read once, when it
@@ -250,10 +260,7 @@ def test_a_load_that_fails_midway_still_quarantines_the_layers_it_set(served, ca
     with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="no room"):
         worker.add_adapter(request("poison-shared", 2))
     assert quarantine_lines(caplog) == [LINE]
-    slot = manager.lora_index_to_id.index(2)
-    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
-    bad = manager.modules["model.layers.1.mlp.shared_expert.down_proj"]
-    assert torch.isfinite(bad.lora_b_stacked[0][slot]).all()
+    assert_quarantined(manager, 2, "model.layers.1.mlp.shared_expert.down_proj")
 
 
 @pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
@@ -269,10 +276,7 @@ def test_a_set_lora_that_raises_after_writing_a_is_checked_all_the_same(served):
     manager.register(3, found)
     with pytest.raises(RuntimeError):
         worker.add_adapter(request("too-wide", 3))
-    slot = manager.lora_index_to_id.index(3)
-    layer = manager.modules["model.layers.0.mlp.down_proj"]
-    assert torch.isfinite(layer.lora_a_stacked[0][slot]).all()
-    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+    assert_quarantined(manager, 3, "model.layers.0.mlp.down_proj")
 
 
 @pytest.mark.parametrize("served", ["0.26.0"], indirect=True)
@@ -290,10 +294,7 @@ def test_an_error_naming_one_bad_layer_still_settles_the_layers_after_it(served,
     monkeypatch.setattr(matmul, "_to_probe_log", refuse)
     with pytest.raises(MemoryError):
         worker.add_adapter(request("poison-shared", 2))
-    slot = manager.lora_index_to_id.index(2)
-    later = manager.modules["model.layers.2.mlp.down_proj"]
-    assert torch.isfinite(later.lora_a_stacked[0][slot]).all()
-    assert torch.isnan(manager.wrapper.patchkit_token_masks.health[slot])
+    assert_quarantined(manager, 2, "model.layers.2.mlp.down_proj")
 
 
 @pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
