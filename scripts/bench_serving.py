@@ -495,10 +495,9 @@ def allocator_peak(worker) -> dict:
 
 def gpu_peak(llm) -> dict:
     """The worker's allocator peak and reserved bytes so far, or nothing where vLLM will not
-    run a function in its worker (VLLM_ALLOW_INSECURE_SERIALIZATION is set for the engines)."""
-    try:
-        found = llm.collective_rpc(allocator_peak)[0]
-    except Exception:  # noqa: BLE001 - a number the table can do without
+    run a function in its worker."""
+    found = worker_call(llm, allocator_peak)
+    if not found:
         return {}
     return {"gpu_peak_bytes": found["peak"], "gpu_reserved_bytes": found["reserved"],
             "gpu_allocated_bytes": found["allocated"]}  # fmt: skip
@@ -571,8 +570,70 @@ def reload_leg(llm, requests, name: str, round_: int, min_seconds: float = 0.0) 
             raise RuntimeError(f"{name}: adapter {request.lora_name} did not load again")
         return 0
 
+    timed = worker_call(llm, time_adapter_loads)  # once an engine; no time of the leg's
     leg = timed_leg(reload, round_, min_seconds)
-    return {"workload": name, "round": round_, "tok_s": 60 * leg["calls"] / leg["seconds"], **leg}
+    found = {"workload": name, "round": round_, "tok_s": 60 * leg["calls"] / leg["seconds"], **leg}
+    if timed:
+        found["adapter_loads"] = worker_call(llm, adapter_load_times) or []
+    return found
+
+
+def time_adapter_loads(worker) -> bool:
+    """Run in vLLM's worker: time each add_adapter of its LoRA manager that loads an
+    adapter, and the reading of its files inside it (_load_adapter), for
+    adapter_load_times; True once the timers are in (they go in once).
+
+    Why: a reload's seconds hold the files, which both sides read alike, and the
+    activation into the slot, where the default path does work of its own; with the
+    files' share apart, what the paths differ by is the activation's. Timed on the
+    host: vLLM's copies into the slot are non_blocking, so an add_adapter that does
+    not wait for them returns before they end."""
+    import time
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        return False
+    if hasattr(manager, "bench_load_times"):
+        return True
+    times, reads = [], []
+    add, read = manager.add_adapter, manager._load_adapter
+
+    def timed_read(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return read(*args, **kwargs)
+        finally:
+            reads.append(time.perf_counter() - started)
+
+    def timed_add(*args, **kwargs):
+        before, started = len(reads), time.perf_counter()
+        try:
+            return add(*args, **kwargs)
+        finally:
+            if len(reads) > before:  # a load, not the touch of an adapter in its slot
+                times.append([time.perf_counter() - started, sum(reads[before:])])
+
+    manager._load_adapter, manager.add_adapter = timed_read, timed_add
+    manager.bench_load_times = times
+    return True
+
+
+def adapter_load_times(worker) -> list:
+    """Run in vLLM's worker: [add_adapter seconds, of it the files' seconds] of each load
+    since the last call, then forgotten."""
+    manager = worker.model_runner.lora_manager
+    found = list(manager.bench_load_times)
+    manager.bench_load_times.clear()
+    return found
+
+
+def worker_call(llm, function):
+    """`function(worker)` in vLLM's worker process, or None where vLLM will not run it
+    (VLLM_ALLOW_INSECURE_SERIALIZATION is set for the engines)."""
+    try:
+        return llm.collective_rpc(function)[0]
+    except Exception:  # noqa: BLE001 - numbers the leg can do without
+        return None
 
 
 def timed_leg(call, round_: int, min_seconds: float) -> dict:
@@ -1035,6 +1096,7 @@ def table(results: dict, meta: dict) -> str:
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     lines += ["", *leg_table(counted, configs, base), *memory_lines(results["rounds"], configs)]
     lines += start_memory_lines(results.get("start_memory", {}), configs)
+    lines += adapter_load_lines(counted, configs)
     lines += ["", *spread_table(counted, configs, base, measured(results))]
     lines += ["", *noise_table(counted, configs, measured(results))]
     stolen = [r.get("steal_s", 0.0) for r in counted]
@@ -1042,6 +1104,25 @@ def table(results: dict, meta: dict) -> str:
               f"measurements: {sum(stolen):.1f} s in all, "
               f"some in {sum(x > 0 for x in stolen)}."]  # fmt: skip
     return "\n".join(lines)
+
+
+def adapter_load_lines(counted: list[dict], configs: list[str]) -> list[str]:
+    """One line: each engine's median add_adapter of the counted reloads, as its worker
+    timed it (time_adapter_loads), and of it the files and the rest (the activation into
+    the slot); nothing when no leg has the worker's times."""
+    cells = []
+    for name in configs:
+        loads = [load for r in counted if r["config"] == name
+                 for load in r.get("adapter_loads", [])]  # fmt: skip
+        if loads:
+            add, files = (statistics.median(x[i] for x in loads) * 1000 for i in (0, 1))
+            rest = statistics.median((a - f) * 1000 for a, f in loads)
+            cells.append(f"{name} {add:.0f} (the files {files:.0f}, the rest {rest:.0f}; "
+                         f"{len(loads)} loads)")  # fmt: skip
+    if not cells:
+        return []
+    return ["", "Adapter loads in the worker (reload_lora, its add_adapter timed there), "
+            "median ms: " + "; ".join(cells) + "."]  # fmt: skip
 
 
 def memory_lines(rows: list[dict], configs: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 
 import pytest
 
@@ -688,6 +689,62 @@ def test_a_profiled_reload_reloads_for_the_seconds_it_is_asked_and_returns_the_n
     assert said == ["start", "stop"]
     assert answer["calls"] > 1 and answer["seconds"] >= 0.05
     assert answer["traces"] == [str(tmp_path / "new.pt.trace.json.gz")]
+
+
+class TimedManager:
+    """vLLM's LRUCacheWorkerLoRAManager as time_adapter_loads sees it: add_adapter reads
+    the files (_load_adapter) only for an adapter it does not hold."""
+
+    def __init__(self):
+        self.held = set()
+
+    def _load_adapter(self, request):
+        time.sleep(0.002)
+        return request
+
+    def add_adapter(self, request):
+        if request.lora_int_id in self.held:
+            return False
+        self._load_adapter(request)
+        time.sleep(0.003)  # the activation
+        self.held.add(request.lora_int_id)
+        return True
+
+
+def test_the_worker_times_each_load_and_the_files_within_it_once_installed():
+    module = bench()
+    worker = argparse.Namespace(model_runner=argparse.Namespace(lora_manager=TimedManager()))
+    assert module.time_adapter_loads(worker) and module.time_adapter_loads(worker)  # once
+    manager = worker.model_runner.lora_manager
+    [first] = lora_requests(1)
+    manager.add_adapter(first)
+    manager.add_adapter(first)  # held: a touch, no load
+    [(add_s, files_s)] = module.adapter_load_times(worker)
+    assert 0.002 <= files_s < add_s and add_s >= 0.005
+    assert module.adapter_load_times(worker) == []  # forgotten once collected
+    assert not module.time_adapter_loads(argparse.Namespace(model_runner=None))
+
+
+def test_a_reload_leg_carries_the_workers_load_times_and_the_table_their_medians():
+    module = bench()
+    worker = argparse.Namespace(model_runner=argparse.Namespace(lora_manager=TimedManager()))
+
+    class Engine(ReloadingEngine):
+        def add_lora(self, request):
+            worker.model_runner.lora_manager.held.discard(request.lora_int_id)
+            worker.model_runner.lora_manager.add_adapter(request)
+            return super().add_lora(request)
+
+    llm = argparse.Namespace(llm_engine=Engine(),
+                             collective_rpc=lambda function: [function(worker)])  # fmt: skip
+    leg = module.reload_leg(llm, lora_requests(2), "reload_lora", 1, min_seconds=0.02)
+    assert len(leg["adapter_loads"]) == leg["calls"] > 1
+    rows = [{**leg, "config": "default"}]
+    rows.append({**leg, "config": "unpatched", "adapter_loads": [[0.010, 0.004]]})
+    [_, line] = module.adapter_load_lines(rows, ["unpatched", "default"])
+    assert "median ms: unpatched 10 (the files 4, the rest 6; 1 loads); default " in line
+    broken = argparse.Namespace(llm_engine=ReloadingEngine(), collective_rpc=None)
+    assert "adapter_loads" not in module.reload_leg(broken, lora_requests(1), "reload_lora", 0)
 
 
 def test_a_reload_that_does_not_load_fails_the_leg():
