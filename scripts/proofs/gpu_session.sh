@@ -44,7 +44,10 @@
 # GS_PROFILE_S seconds a set, 150 by default) on the sets of GS_PROFILE_SETS
 # (default all; - for none), within GS_BENCH_END (1,300 s for this plan) of the
 # start. GS_B64_S (0: an equal share of the time) keeps that many seconds a set for
-# batch 64 and prefill. GS_KV_GIB (4) is each engine's KV cache: less of it fits
+# batch 64 and prefill. GS_POISON=1 runs, before the engines start, verify with a
+# poisoned adapter on the default set's torch path (poison-torch: it must FAIL on
+# `poisoned` only, the quarantine line naming it in its engines' logs; about 300 s
+# of GS_BENCH_END). GS_KV_GIB (4) is each engine's KV cache: less of it fits
 # more engines on the GPU. GS_PIN=1 gives each engine CPUs of its own
 # (bench_serving's BENCH_CPUS; b1 writes the host's CPU topology into cpus.txt).
 # Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
@@ -124,9 +127,14 @@ summary() {
           "| $(tail -1 "$f")"
         grep -q '^exit ' "$f" || echo "   running: $(tail -1 "${f%.txt}.err" 2>/dev/null | cut -c1-150)"
         grep -E 'FAIL {2,}' "$f" | cut -c1-160 | head -8
-        [ "$(basename "$f")" = poison.txt ] &&
+        case $(basename "$f") in poison.txt | poison-torch.txt)
           echo "   failed rows naming poisoned: $(grep -E 'FAIL {2,}' "$f" | grep -c poisoned)," \
-            "naming full: $(grep -E 'FAIL {2,}' "$f" | grep -c ' full ')"
+            "naming full: $(grep -E 'FAIL {2,}' "$f" | grep -c ' full ')" ;;
+        esac
+        [ "$(basename "$f")" = poison-torch.txt ] &&
+          echo "   quarantine lines naming poisoned in its engines' logs:" \
+            "$(cat "$G"/poison-torch/*.log "$G"/poison-torch.err 2>/dev/null |
+              grep -c "patchkit LoRA torch path: adapter 'poisoned'")"
         ;;
     esac
   done
@@ -162,6 +170,10 @@ one() {
       ;;
     poison)
       env=(CUDA_VISIBLE_DEVICES=1 PATCHKIT_LORA_BACKEND=triton)
+      args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
+      ;;
+    poison-torch) # the default set's own LoRA path: the quarantine, on one GPU
+      env=(CUDA_VISIBLE_DEVICES=0)
       args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
       ;;
     probe) # not a verify run: the nan-probe proof on its own tree
@@ -266,6 +278,9 @@ serving() {
   read -r -a profiled <<<"${GS_PROFILE_SETS:-${sets[*]}}"
   [ "${profiled[*]}" = - ] && profiled=() # GS_PROFILE_SETS=-: no profile
   read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
+  # GS_POISON=1: first, alone on the GPU, verify with a poisoned adapter on the default
+  # set's own LoRA path (must FAIL naming poisoned only; the quarantine line in its logs)
+  [ "${GS_POISON:-0}" = 1 ] && one poison-torch
   clock_log &
   local clocks=$!
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
@@ -397,7 +412,12 @@ case $STEP in
     ;;
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
     if [ "${GS_PLAN:-}" = serving ]; then
+      if [ "${GS_POISON:-0}" = 1 ]; then # the stand-in and its poisoned adapter
+        (do_ python3 scripts/proofs/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
+          echo "exit $?" >>"$G/build-user.txt") &
+      fi
       build_sets
+      wait
       touch "$G/build.done"
       exit 0
     fi
