@@ -537,6 +537,29 @@ def test_verify_model_on_this_gpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
 
 
+def test_the_stand_ins_poisoned_adapter_is_its_source_with_one_inf_in_one_lora_b(tmp_path):
+    """verify_model_gpu --poison (the poisoned adapter of the GPU sittings' poison runs):
+    the copy holds every tensor of its source, one value of layer 1's mlp.down_proj
+    lora_B made inf, the rest equal."""
+    safetensors = pytest.importorskip("safetensors.torch", reason="the test extra has it")
+    from scripts.proofs.verify_model_gpu import poison
+
+    source = tmp_path / "full"
+    source.mkdir()
+    (source / "adapter_config.json").write_text("{}")
+    prefix = "base_model.model.model.language_model.layers"
+    tensors = {f"{prefix}.{n}.mlp.down_proj.lora_{x}.weight": torch.ones(4, 4)
+               for n in (0, 1) for x in "AB"}  # fmt: skip
+    safetensors.save_file(tensors, str(source / "adapter_model.safetensors"))
+    name = poison(source, tmp_path / "poisoned")
+    assert name == f"{prefix}.1.mlp.down_proj.lora_B.weight"
+    copied = safetensors.load_file(str(tmp_path / "poisoned" / "adapter_model.safetensors"))
+    assert set(copied) == set(tensors)
+    assert int(torch.isinf(copied[name]).sum()) == 1
+    assert all(torch.equal(copied[n], t) for n, t in tensors.items() if n != name)
+    assert (tmp_path / "poisoned" / "adapter_config.json").exists()
+
+
 def test_a_failed_engine_is_reported_by_its_exception_not_a_source_line():
     """Lines of a real vLLM 0.26.0 engine log from the test H200 (its worker's traceback):
     the first line with "Error" in it is ``raise AttributeError(``, which tells nothing."""

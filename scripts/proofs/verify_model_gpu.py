@@ -206,11 +206,13 @@ def poison_wide35b(source: Path, dest: Path) -> str:
 
 
 def poison(source: Path, dest: Path) -> str:
-    """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place)."""
+    """Copy an adapter with an inf in one lora_B (nan_probe_gpu's poison, the same place:
+    layer POISON_LAYER's mlp.down_proj, one value)."""
+    from scripts.proofs.nan_probe_gpu import POISON_MODULE
     from scripts.proofs.nan_probe_gpu import poison as poison_copy
 
     shutil.rmtree(dest, ignore_errors=True)
-    name = poison_copy(source, dest)
+    name = poison_copy(source, dest, POISON_MODULE, 1)
     print(f"poisoned: {source.name} with inf in {name}")
     return name
 
