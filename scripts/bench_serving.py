@@ -593,7 +593,8 @@ def time_adapter_loads(worker) -> bool:
     manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
     if manager is None:
         return False
-    if hasattr(manager, "bench_load_times"):
+    if hasattr(manager, "bench_load_times"):  # in already: a new leg, its own loads only
+        manager.bench_load_times.clear()
         return True
     times, reads = [], []
     add, read = manager.add_adapter, manager._load_adapter

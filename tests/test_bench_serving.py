@@ -722,6 +722,10 @@ def test_the_worker_times_each_load_and_the_files_within_it_once_installed():
     [(add_s, files_s)] = module.adapter_load_times(worker)
     assert 0.002 <= files_s < add_s and add_s >= 0.005
     assert module.adapter_load_times(worker) == []  # forgotten once collected
+    manager.held.clear()
+    manager.add_adapter(first)  # a leg that failed before it collected its loads
+    assert module.time_adapter_loads(worker)  # the next leg's start forgets them
+    assert module.adapter_load_times(worker) == []
     assert not module.time_adapter_loads(argparse.Namespace(model_runner=None))
 
 

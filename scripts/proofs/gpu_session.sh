@@ -131,10 +131,11 @@ summary() {
           echo "   failed rows naming poisoned: $(grep -E 'FAIL {2,}' "$f" | grep -c poisoned)," \
             "naming full: $(grep -E 'FAIL {2,}' "$f" | grep -c ' full ')" ;;
         esac
+        # verify serves an adapter NAME as patchkit-NAME; its engines log under --keep/model
         [ "$(basename "$f")" = poison-torch.txt ] &&
           echo "   quarantine lines naming poisoned in its engines' logs:" \
-            "$(cat "$G"/poison-torch/*.log "$G"/poison-torch.err 2>/dev/null |
-              grep -c "patchkit LoRA torch path: adapter 'poisoned'")"
+            "$(cat "$G"/poison-torch/model/vllm-*.log 2>/dev/null |
+              grep -c "patchkit LoRA torch path: adapter 'patchkit-poisoned'")"
         ;;
     esac
   done
@@ -280,7 +281,7 @@ serving() {
   read -r -a profile_kinds <<<"${GS_PROFILE:-decode_b1 decode_b4}"
   # GS_POISON=1: first, alone on the GPU, verify with a poisoned adapter on the default
   # set's own LoRA path (must FAIL naming poisoned only; the quarantine line in its logs)
-  [ "${GS_POISON:-0}" = 1 ] && one poison-torch
+  [ "${GS_POISON:-0}" = 1 ] && RUN_LIMIT=${GS_POISON_LIMIT:-420} one poison-torch # 254-283 s so far
   clock_log &
   local clocks=$!
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
