@@ -444,9 +444,10 @@ def defer_checks_of(manager) -> None:
     Why: vLLM copies each module's A and B into the slot with non_blocking copies from
     pinned memory, the routed experts' factors too, and a host read waits for every copy
     queued before it; read layer by layer, the host waited for the copies layer by layer
-    instead of queueing the next layer's meanwhile (an adapter reload, remove_lora and
-    add_lora, took 0.51 s on this path against 0.43 s on vLLM's kernels with 8 MoE
-    adapters of rank 16 at 28 layers, docs/evidence.md, 2026-12-02). Nothing else
+    instead of queueing the next layer's meanwhile: the suspect, not yet measured apart,
+    of an adapter reload (remove_lora and add_lora) taking 0.51 s on this path against
+    0.43 s on vLLM's kernels with 8 MoE adapters of rank 16 at 28 layers
+    (docs/evidence.md, 2026-12-02). Nothing else
     changes: activate_adapter returns only after every layer is settled, so no forward
     can read a slot before its bad values are zeroed, and the first bad tensor in layer
     order is still the one named. An exception inside settles what was set."""
