@@ -450,10 +450,14 @@ def worker(work: Path, name: str) -> None:
 
 def run_command(llm, sampling_params, requests, command: dict, work: Path, name: str) -> dict:
     """A run's command to an engine: a leg of a workload, or one under the profiler."""
+
+    def leg() -> dict:
+        return run_workload(llm, sampling_params, requests, command["workload"],
+                            command["round"], command.get("min_seconds", 0.0))  # fmt: skip
+
     if command.get("profile"):
-        return profiled(llm, sampling_params, requests, command, profile_dir(work, name))
-    return run_workload(llm, sampling_params, requests, command["workload"], command["round"],
-                        command.get("min_seconds", 0.0))  # fmt: skip
+        return profiled(llm, leg, profile_dir(work, name))
+    return leg()
 
 
 def profile_dir(work: Path, name: str) -> Path:
@@ -461,14 +465,13 @@ def profile_dir(work: Path, name: str) -> Path:
     return work / "profiles" / stem(name)
 
 
-def profiled(llm, sampling_params, requests, command: dict, folder: Path) -> dict:
-    """One workload under vLLM's torch profiler; the traces it wrote (vLLM names them
-    itself, so they are told apart from earlier ones by being new)."""
+def profiled(llm, leg, folder: Path) -> dict:
+    """`leg()` (a workload's leg) under vLLM's torch profiler; the traces it wrote (vLLM
+    names them itself, so they are told apart from earlier ones by being new)."""
     before = set(folder.glob("*.pt.trace.json*"))
     llm.start_profile()
     try:
-        result = run_workload(llm, sampling_params, requests, command["workload"],
-                              command["round"], command.get("min_seconds", 0.0))  # fmt: skip
+        result = leg()
     finally:
         llm.stop_profile()
     traces = sorted(set(folder.glob("*.pt.trace.json*")) - before)
@@ -919,14 +922,12 @@ def profile(results: dict, engines: dict[str, Engine], workloads: list[str],
     found = results.setdefault("profiles", {})
     for workload in workloads:
         spec = WORKLOADS[workload]
+        reload = spec.get("reload")
         for name, engine in engines.items():
-            if spec.get("reload"):
-                answer = engine.ask(workload, 1, deadline, profile=True,
-                                    min_seconds=PROFILED_RELOAD_S)  # fmt: skip
-                steps = answer["calls"]
-            else:
-                answer = engine.ask(workload, 1, deadline, profile=True)
-                steps = spec["out"] if spec["out"] > 1 else 1  # a decode step per token out
+            answer = engine.ask(workload, 1, deadline, profile=True,
+                                min_seconds=PROFILED_RELOAD_S if reload else 0.0)  # fmt: skip
+            # per reload, or per decode step (a token out), or per prefill call
+            steps = answer["calls"] if reload else max(spec["out"], 1)
             traces = [Path(t) for t in answer["traces"]]
             found.setdefault(name, {})[workload] = {
                 "seconds": answer["seconds"], **kernel_trace.summary(traces, steps)}  # fmt: skip

@@ -291,8 +291,8 @@ def test_profile_asks_each_engine_under_the_profiler_and_tables_it(tmp_path, mon
     durations = {"unpatched": 30, "default": 20}
 
     def profiled(name):
-        def ask(workload, round_, deadline, profile=False):
-            assert profile and round_ == 1
+        def ask(workload, round_, deadline, profile=False, min_seconds=0.0):
+            assert profile and round_ == 1 and min_seconds == 0.0
             path = tmp_path / f"{name}-{workload}.pt.trace.json.gz"
             trace(path, [kernel(f"_lora_{name}", 0, durations[name] * 256)])
             return {"workload": workload, "round": 1, "seconds": 0.512, "traces": [str(path)]}
@@ -672,7 +672,9 @@ def test_a_profiled_reload_reloads_for_the_seconds_it_is_asked_and_returns_the_n
     """The engine's side of profile's reload: the leg's min_seconds reach reload_leg (one
     reload alone would be a sample of one), between start_profile and stop_profile."""
     module = bench()
-    (tmp_path / "old.pt.trace.json.gz").write_text("")
+    folder = module.profile_dir(tmp_path, "default")  # where this engine's traces go
+    folder.mkdir(parents=True)
+    (folder / "old.pt.trace.json.gz").write_text("")
     said = []
 
     class Profiling(argparse.Namespace):
@@ -681,14 +683,14 @@ def test_a_profiled_reload_reloads_for_the_seconds_it_is_asked_and_returns_the_n
 
         def stop_profile(self):
             said.append("stop")
-            (tmp_path / "new.pt.trace.json.gz").write_text("")
+            (folder / "new.pt.trace.json.gz").write_text("")
 
     llm = Profiling(llm_engine=ReloadingEngine())
     command = {"workload": "reload_lora", "round": 1, "min_seconds": 0.05, "profile": True}
-    answer = module.profiled(llm, None, lora_requests(2), command, tmp_path)
+    answer = module.run_command(llm, None, lora_requests(2), command, tmp_path, "default")
     assert said == ["start", "stop"]
     assert answer["calls"] > 1 and answer["seconds"] >= 0.05
-    assert answer["traces"] == [str(tmp_path / "new.pt.trace.json.gz")]
+    assert answer["traces"] == [str(folder / "new.pt.trace.json.gz")]
 
 
 class TimedManager:

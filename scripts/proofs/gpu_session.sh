@@ -169,12 +169,10 @@ one() {
       args+=(--model "$w/model" --lora "full=$w/full" --lora "attn-mlp=$w/attn-mlp"
         --tensor-parallel-size "${name#model-tp}")
       ;;
-    poison)
+    poison | poison-torch)
       env=(CUDA_VISIBLE_DEVICES=1 PATCHKIT_LORA_BACKEND=triton)
-      args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
-      ;;
-    poison-torch) # the default set's own LoRA path: the quarantine, on one GPU
-      env=(CUDA_VISIBLE_DEVICES=0)
+      # poison-torch: the default set's own LoRA path, the quarantine, on one GPU
+      [ "$name" = poison-torch ] && env=(CUDA_VISIBLE_DEVICES=0)
       args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
       ;;
     probe) # not a verify run: the nan-probe proof on its own tree
@@ -252,6 +250,12 @@ build_sets() {
     mkdir -p "$G/bench-$name"
     for entry in /dev/shm/gs-bench/"$name"/*; do [ -e "$entry" ] && ln -sfn "$entry" "$G/bench-$name/"; done
   done
+}
+
+# build_user: the 8-layer stand-in verify's poison runs serve, with its poisoned adapter
+build_user() {
+  do_ python3 scripts/proofs/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
+  echo "exit $?" >>"$G/build-user.txt"
 }
 
 # set_configs SET: the configurations a GS_SETS entry names beside unpatched (default)
@@ -414,8 +418,7 @@ case $STEP in
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
     if [ "${GS_PLAN:-}" = serving ]; then
       if [ "${GS_POISON:-0}" = 1 ]; then # the stand-in and its poisoned adapter
-        (do_ python3 scripts/proofs/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
-          echo "exit $?" >>"$G/build-user.txt") &
+        build_user &
       fi
       build_sets
       wait
@@ -427,8 +430,7 @@ case $STEP in
         echo "exit $?" >>"$G/build-wide.txt") &
     fi
     if [ "${GS_PLAN:-}" != short ] && [ "${GS_PLAN:-}" != probe ]; then
-      (do_ python3 scripts/proofs/verify_model_gpu.py "$G/user" --poison full >"$G/build-user.txt" 2>&1
-        echo "exit $?" >>"$G/build-user.txt") &
+      build_user &
     fi
     if [ "${GS_PLAN:-}" != tail ]; then
       (do_ python3 scripts/bench_serving.py build "$G/bench" >"$G/build-bench.txt" 2>&1
