@@ -398,6 +398,10 @@ class AdoptedLayer:
 
         layer.set_lora, layer.reset_lora = set_lora_then_check, reset_lora_then_clear
 
+    def slot(self, index: int) -> list:
+        """Slot `index`'s A and B of every slice (views: a write reaches the slot)."""
+        return [w[index] for w in self.a + self.b]
+
     @torch.no_grad()
     def quarantine_non_finite(self, index: int) -> None:
         """Keep a non-finite weight of slot `index` out of every other slot's rows.
@@ -411,8 +415,7 @@ class AdoptedLayer:
         right away or, inside vLLM's activate_adapter, once for all its
         layers when it returns (`defer_checks_of`).
         """
-        weights = [w[index] for w in self.a + self.b]
-        finite = torch.stack([torch.isfinite(w).all() for w in weights]).all()
+        finite = torch.stack([torch.isfinite(w).all() for w in self.slot(index)]).all()
         if _DEFERRED is not None:
             _DEFERRED.append((self, index, finite))
             return
@@ -425,7 +428,7 @@ class AdoptedLayer:
         if finite:
             return
         found = first_non_finite(self.a, self.b, index)
-        for w in [w[index] for w in self.a + self.b]:
+        for w in self.slot(index):
             w.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         quarantined(index, self.layer_key, found)
 
