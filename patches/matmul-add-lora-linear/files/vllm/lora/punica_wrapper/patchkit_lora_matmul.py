@@ -421,6 +421,7 @@ class AdoptedLayer:
             return
         self.settle(index, bool(finite))
 
+    @torch.no_grad()  # as the check: settle_checks calls it outside quarantine_non_finite
     def settle(self, index: int, finite: bool) -> None:
         """Mark slot `index` as the check found it; a bad one is counted tensor by tensor
         (load time only), zeroed and named by `quarantined`."""
