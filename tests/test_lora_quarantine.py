@@ -29,6 +29,7 @@ from tests.helpers import record, write_log
 from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, methods
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
+TorchDispatchMode = pytest.importorskip("torch.utils._python_dispatch").TorchDispatchMode
 
 # every family of worker_manager.py's add_adapter (0.28 wraps it in gpu_sync_allowed)
 # and of activate_adapter (0.19 logs per module, 0.30 counts, 0.31 classifier heads)
@@ -242,6 +243,38 @@ def test_an_adapter_load_reads_its_layers_checks_in_one_host_sync(served, monkey
     assert counted == loaded
     masks = manager.wrapper.patchkit_token_masks
     assert masks.health[manager.lora_index_to_id.index(1)] == 1
+
+
+class OneElementCopies(TorchDispatchMode):
+    """Count copies into one-element tensors: `t[i] = value` on a CUDA tensor copies the
+    value from a host tensor, a blocking copy that waits for every copy queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counted = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].dim() == 0:
+            self.counted += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("served", FAMILIES, indirect=True)
+def test_an_adapter_load_copies_no_host_value_into_a_slots_health(served):
+    """vLLM's set_lora calls reset_lora before it queues its copies, and both mark the
+    slot's health; marked by a copy from the host, each layer waited there for the
+    copies of the layers before it (the H200 profile: 184 syncs a reload). A fill does
+    not wait; the health still reads 1 for a good adapter and NaN for a bad one."""
+    version, manager, worker = served
+    manager.register(1, weights(1))
+    manager.register(2, shared_expert_poison())
+    with OneElementCopies() as copies:
+        worker.add_adapter(request("healthy", 1))
+        worker.add_adapter(request("poison-shared", 2))
+    assert copies.counted == 0
+    masks = manager.wrapper.patchkit_token_masks
+    assert masks.health[manager.lora_index_to_id.index(1)] == 1
+    assert_quarantined(manager, 2, "model.layers.1.mlp.shared_expert.down_proj")
 
 
 @pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
