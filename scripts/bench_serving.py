@@ -943,7 +943,9 @@ def profile_table(results: dict) -> str:
     configs = [c for c in results["configs"] if c in found]
     lines = ["Profiled once per configuration and workload (vLLM's torch profiler, "
              "kernels of CUDA-graph replays included), per engine step for decode, "
-             "per call for prefill and per reload for reload_lora, microseconds", "",
+             "per call for prefill and per reload for reload_lora: wall, GPU busy and "
+             "LoRA-named kernels in microseconds (how many in brackets); kernels, host "
+             "aten ops and host CUDA calls counted", "",
              "| workload | configuration | wall | GPU busy | kernels | LoRA-named kernels "
              "| host aten ops | host CUDA calls |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -347,6 +347,9 @@ def test_a_reload_is_profiled_over_several_reloads_and_tabled_per_reload(tmp_pat
     assert row["steps"] == 4 and row["gpu_busy_us"] == 2.0
     text = module.profile_table(results)
     assert "| reload_lora | default | 500000 | 2 | 0 | 0 (0) | 2.0 | 0.0 |" in text
+    # 2.0 is 8 aten ops over 4 reloads, a count: the header must not call it microseconds
+    # (the 2026-12-02f entry was first written reading it as time)
+    assert "kernels, host aten ops and host CUDA calls counted" in text
     assert "| `aten::isfinite` | 0.0 | 2.0 | 0.0 | 2.0 | +2.0 |" in text
 
 
