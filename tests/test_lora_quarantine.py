@@ -246,8 +246,9 @@ def test_an_adapter_load_reads_its_layers_checks_in_one_host_sync(served, monkey
 
 
 class OneElementCopies(TorchDispatchMode):
-    """Count copies into one-element tensors: `t[i] = value` on a CUDA tensor copies the
-    value from a host tensor, a blocking copy that waits for every copy queued before it."""
+    """Count copies into 0-dim tensors: `t[i] = value` on a CUDA tensor copies the value
+    from a host tensor, a blocking copy that waits for every copy queued before it (on
+    CPU the same write dispatches the same copy_, so it is counted here)."""
 
     def __init__(self):
         super().__init__()
@@ -264,16 +265,22 @@ def test_an_adapter_load_copies_no_host_value_into_a_slots_health(served):
     """vLLM's set_lora calls reset_lora before it queues its copies, and both mark the
     slot's health; marked by a copy from the host, each layer waited there for the
     copies of the layers before it (the H200 profile: 184 syncs a reload). A fill does
-    not wait; the health still reads 1 for a good adapter and NaN for a bad one."""
+    not wait; the health still reads 1 for a good adapter and NaN for a bad one. The
+    third adapter trains all but one layer, which activate_adapter resets instead."""
     version, manager, worker = served
     manager.register(1, weights(1))
     manager.register(2, shared_expert_poison())
+    partial = weights(3)
+    del partial["model.layers.2.mlp.down_proj"]
+    manager.register(3, partial)
     with OneElementCopies() as copies:
         worker.add_adapter(request("healthy", 1))
         worker.add_adapter(request("poison-shared", 2))
+        worker.add_adapter(request("partial", 3))
     assert copies.counted == 0
     masks = manager.wrapper.patchkit_token_masks
     assert masks.health[manager.lora_index_to_id.index(1)] == 1
+    assert masks.health[manager.lora_index_to_id.index(3)] == 1
     assert_quarantined(manager, 2, "model.layers.1.mlp.shared_expert.down_proj")
 
 
