@@ -371,7 +371,7 @@ clock_log() {
   local smi=$!
   trap 'kill $smi 2>/dev/null; exit 0' TERM
   echo "# epoch; /proc/stat cpu: user nice system idle iowait irq softirq steal" >"$G/cpu.log"
-  echo "# epoch; /proc/meminfo kB: MemAvailable Shmem AnonPages Unevictable" >"$G/mem.log"
+  echo "# epoch; /proc/meminfo kB (KiB: 1024 bytes): MemAvailable Shmem AnonPages Unevictable" >"$G/mem.log"
   local tick=0
   while true; do
     read -r line </proc/stat
