@@ -6,9 +6,11 @@ the Triton kernels'). At 16 slots of rank 64 on the MoE's narrow layers (hidden
 read MoE 16 x r64 prefill with LoRA at 94.2 % of unpatched (median of per-round
 ratios; geometric mean 100.4 %, legs spread 9-17 %). This measures, with no
 vLLM, the GEMM route as patched (`_linear` of patchkit_lora_matmul.py, taken
-from patches/) against a prototype that sorts the tokens by slot once per
-batch and runs torch._grouped_mm per slice (shrink, then expand into y through
-index_add_): FLOPs of one slot per token.
+from patches/) against its grouped route (PATCHKIT_LORA_GROUPED=1: the tokens
+sorted by slot once a batch, torch._grouped_mm per slot and slice, the shrink,
+then the expand into y through index_add_): FLOPs of one slot per token. The
+batch's order is built here as update_metadata builds it (GroupedRows), outside
+the timing, as it runs once a batch, not once a layer.
 
   python3 scripts/research/prefill-lora/grouped_route_gpu.py [--json FILE]
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,6 +52,8 @@ BLOCK = 4096  # tokens a prompt, "blocks"
 
 
 def load_module():
+    """The module as the patch creates it, its grouped route on (read at import)."""
+    os.environ["PATCHKIT_LORA_GROUPED"] = "1"
     spec = importlib.util.spec_from_file_location("patchkit_lora_matmul", MODULE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -58,29 +63,6 @@ def load_module():
 def mapping_for(mix: str, tokens: int, slots: int) -> torch.Tensor:
     t = torch.arange(tokens, device=DEVICE)
     return (t % slots) if mix == "spread" else ((t // BLOCK) % slots)
-
-
-def grouped_meta(mapping: torch.Tensor, slots: int, dtype):
-    """Once per batch: token order by slot, group ends (int32), each sorted row's weight."""
-    order = torch.sort(mapping, stable=True).indices
-    counts = (mapping.unsqueeze(1) == torch.arange(slots, device=mapping.device)).sum(0)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    row_weights = torch.ones(mapping.size(0), 1, dtype=dtype, device=mapping.device)
-    return order, offs, row_weights
-
-
-def grouped_linear(y, x, lora_a, lora_b, order, offs, row_weights, scale):
-    xs = x.index_select(0, order)
-    offset = 0
-    for a, b in zip(lora_a, lora_b, strict=True):
-        slots, _, rank, hidden = a.shape
-        width = b.size(2)
-        h = torch._grouped_mm(xs, a.view(slots, rank, hidden).transpose(1, 2), offs=offs)
-        h.mul_(row_weights)
-        b3 = b.as_strided((slots, rank, width), (rank * width, width, 1))  # rank-major
-        z = torch._grouped_mm(h, b3, offs=offs)
-        y[:, offset : offset + width].index_add_(0, order, z, alpha=scale)
-        offset += width
 
 
 def reference(x, a, b, mapping) -> torch.Tensor:
@@ -139,14 +121,21 @@ def case(m, name, slots, rank, tokens, mix) -> dict:
     weights, no_lora = m._batch_weights(mapping, lora_ids, slots, dtype)
     reduce_weights = torch.zeros(1, 1, 8, device=DEVICE, dtype=dtype)
     flag = torch.tensor(False)
-    order, offs, row_weights = grouped_meta(mapping, slots, dtype)
+    slot_ids = torch.arange(slots, device=DEVICE)
+    rows = m.GroupedRows(tokens, slots, DEVICE)  # what update_metadata builds once a batch
+    rows.use_dtype(dtype)
+    rows.build(mapping, weights.float().sum(dim=1, keepdim=True), slot_ids)
+    grouped_args = rows.op_args(dtype)
     y_gemm, y_grouped = y0.clone(), y0.clone()
 
     def gemm():
         m._linear(y_gemm, x, a, b, weights, reduce_weights, no_lora, flag, 1.0, True)
 
     def grouped():
-        grouped_linear(y_grouped, x, a, b, order, offs, row_weights, 1.0)
+        m._linear(y_grouped, x, a, b, weights, reduce_weights, no_lora, flag, 1.0, True,
+                  grouped_args)  # fmt: skip
+
+    assert m._grouped_fits(y_grouped, x, a, b, tokens, True), "the grouped route does not fit"
 
     y_gemm.copy_(y0), gemm()
     y_grouped.copy_(y0), grouped()
