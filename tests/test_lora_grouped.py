@@ -118,6 +118,26 @@ def test_a_bad_adapter_reaches_only_its_own_rows(grouped, monkeypatch, caplog):
         assert torch.isnan(out[[t for t, s in enumerate(slots) if s == bad]]).all()
 
 
+@pytest.mark.parametrize("grouped", ["0.26.0"], indirect=True)
+def test_a_row_whose_slot_is_out_of_range_keeps_its_values(grouped, monkeypatch):
+    """A mapping value past the slots (no vLLM batch should hold one) gives its row no
+    slot weight on the GEMM route; on the grouped route the row still joins a group,
+    so that nothing unwritten by _grouped_mm is added into y: its row is unchanged."""
+    version, punica_gpu, ops = grouped
+    answers = taken(ops, monkeypatch)
+    widths = (64, 32)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, tokens=24)
+    wrapper.token_mapping_meta.token_lora_mapping[3] = SLOTS + 5
+    wrapper.patchkit_token_masks.update(24)
+    out = call(wrapper, layer, x, y, widths)
+    assert answers == [True]
+    assert same_bits(out[3], y[3])
+    slots = [s if t != 3 else -1 for t, s in enumerate(slots)]
+    rows = torch.tensor(slots) >= 0
+    expected = y.double() + reference(x, slots, adapters, widths)
+    assert_close_to(out[rows], expected[rows], torch.bfloat16)
+
+
 @pytest.mark.parametrize("grouped", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
 def test_the_route_is_taken_only_where_it_fits(grouped, monkeypatch):
     """Fewer tokens than GROUPED_MIN_TOKENS, a dual-stream write, float16 weights, or

@@ -350,8 +350,10 @@ class GroupedRows:
 
     def build(self, mapping: torch.Tensor, own_weights: torch.Tensor, slots) -> None:
         """Sort this batch's tokens by slot: a few kernels, no host sync."""
-        num_tokens = mapping.size(0)
-        key = torch.where(mapping < 0, slots.size(0) - 1, mapping)
+        num_tokens, last = mapping.size(0), slots.size(0) - 1
+        # Every row in some group: a row past the last group end would be left
+        # unwritten by _grouped_mm (whatever memory held) and then added into y.
+        key = torch.where((mapping < 0) | (mapping > last), last, mapping)
         order = torch.sort(key, stable=True).indices
         self.order[:num_tokens].copy_(order)
         counts = (key.unsqueeze(1) == slots).sum(dim=0)
