@@ -91,7 +91,7 @@ def test_judge_fails_nan_and_wrong_values():
     assert not result.ok and result.rel_error > kernelcheck.BF16_REL_TOL
 
 
-# ----- kernelcheck.judge_gemv: the GEMV route's cases -----
+# ----- kernelcheck.judge_route: the GEMV (and grouped) route's cases -----
 
 
 def gemv_judged_case(add_inputs=True, seed=1):
@@ -120,38 +120,46 @@ def gemv_judged_case(add_inputs=True, seed=1):
     return out.bfloat16(), y, x, a, b, widths, slots, add_inputs
 
 
-def test_judge_gemv_passes_a_correct_result_adding_and_writing():
+def test_judge_route_passes_a_correct_result_adding_and_writing():
     for add_inputs in (True, False):
-        result = kernelcheck.judge_gemv("case", *gemv_judged_case(add_inputs), [True])
+        result = kernelcheck.judge_route("case", *gemv_judged_case(add_inputs), [True])
         assert result.ok, result.detail
         assert "GEMV route taken" in result.detail and "2 rows of the bad adapter NaN" in (
             result.detail
         )
 
 
-def test_judge_gemv_fails_when_the_route_did_not_run():
+def test_judge_route_fails_when_the_route_did_not_run():
     """The GEMM route gives the same numbers: only what gemv_linear returned tells."""
     for taken in ([], [False], [True, True]):
-        result = kernelcheck.judge_gemv("case", *gemv_judged_case(), taken)
+        result = kernelcheck.judge_route("case", *gemv_judged_case(), taken)
         assert not result.ok and "NOT taken" in result.detail
 
 
-def test_judge_gemv_fails_a_bad_adapter_that_reaches_other_rows_or_not_its_own():
+def test_judge_route_names_the_route_it_judges():
+    """The grouped route's cases are judged as the GEMV route's, under their own name."""
+    result = kernelcheck.judge_route("case", *gemv_judged_case(), [True], route="grouped route")
+    assert result.ok and "grouped route taken" in result.detail
+    result = kernelcheck.judge_route("case", *gemv_judged_case(), [False], route="grouped route")
+    assert not result.ok and "grouped route NOT taken ([False])" in result.detail
+
+
+def test_judge_route_fails_a_bad_adapter_that_reaches_other_rows_or_not_its_own():
     out, *rest = gemv_judged_case()
     leaked = out.clone()
     leaked[1, 0] = float("nan")  # a good adapter's row
-    assert not kernelcheck.judge_gemv("case", leaked, *rest, [True]).ok
+    assert not kernelcheck.judge_route("case", leaked, *rest, [True]).ok
     plain = out.clone()
     plain[2, 1] = float("nan")  # a row without LoRA
-    result = kernelcheck.judge_gemv("case", plain, *rest, [True])
+    result = kernelcheck.judge_route("case", plain, *rest, [True])
     assert not result.ok and "CHANGED" in result.detail
     finite = out.clone()
     finite[0, 3] = 0.0  # the bad adapter's row not NaN everywhere
-    result = kernelcheck.judge_gemv("case", finite, *rest, [True])
+    result = kernelcheck.judge_route("case", finite, *rest, [True])
     assert not result.ok and "NOT all NaN" in result.detail
     wrong = out.clone()
     wrong[4] *= 1.5
-    result = kernelcheck.judge_gemv("case", wrong, *rest, [True])
+    result = kernelcheck.judge_route("case", wrong, *rest, [True])
     assert not result.ok and result.rel_error > kernelcheck.BF16_REL_TOL
 
 

@@ -10,7 +10,9 @@ Two groups:
   different ranks, an empty slot and rows without LoRA, once with the
   backend this install uses and once with the other one; and on the torch
   path, its GEMV route for decode-sized calls (1, 2, 4 and 8 tokens, 1-4
-  slices) with a quarantined non-finite adapter among the others.
+  slices) and its grouped route for prefill-sized ones (1,024 and 4,096
+  tokens, 1-4 slices; opt-in, so its cases count only where it is on), each
+  with a quarantined non-finite adapter among the others.
 
 Inputs are fresh random numbers each run (never only zeros). torch and vllm
 are imported inside functions only.
@@ -160,9 +162,9 @@ def _random_lora(gen, tokens: int, hidden: int, rank: int, width: int):
 
 def wrapper_cases(seed: int) -> list[KernelResult]:
     """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends, and
-    the torch path's GEMV route."""
+    the torch path's GEMV and grouped routes."""
     backend = installed_backend()
-    results = gemv_cases(seed)
+    results = gemv_cases(seed) + grouped_cases(seed)
     for name in ("torch", "triton"):
         if name == "torch" and backend != "torch":
             results.append(
@@ -387,7 +389,7 @@ def _gemv_run(seed: int, module) -> list[KernelResult]:
                     name = (f"add_lora_linear [torch] GEMV route T={tokens} "
                             f"{len(widths)} slice(s), {how}")  # fmt: skip
                     results.append(
-                        judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken)
+                        judge_route(name, out, y, x, a, b, widths, slots, add_inputs, taken)
                     )
             layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
     finally:
@@ -437,10 +439,12 @@ def _poison(layer, n: int) -> None:
     layer.set_lora(GEMV_BAD_SLOT)
 
 
-def judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken) -> KernelResult:
-    """A GEMV-route case: the route ran (``taken``, what gemv_linear returned), rows
-    without LoRA bit-identical, every value of the bad adapter's rows NaN, the others
-    finite and within BF16_REL_TOL of float64 (an empty slot's rows: y, or 0 written)."""
+def judge_route(name, out, y, x, a, b, widths, slots, add_inputs, taken,
+                route="GEMV route") -> KernelResult:  # fmt: skip
+    """A case of one of the torch path's own routes: the route ran (``taken``, what its
+    function returned), rows without LoRA bit-identical, every value of the bad
+    adapter's rows NaN, the others finite and within BF16_REL_TOL of float64 (an empty
+    slot's rows: y, or 0 written)."""
     import torch
 
     start = y.double() if add_inputs else torch.zeros_like(y, dtype=torch.float64)
@@ -454,8 +458,93 @@ def judge_gemv(name, out, y, x, a, b, widths, slots, add_inputs, taken) -> Kerne
     ran = taken == [True]
     ok = ran and untouched and contained and nonfinite == 0 and error <= BF16_REL_TOL
     notes = [
-        "GEMV route taken" if ran else f"GEMV route NOT taken ({taken})",
+        f"{route} taken" if ran else f"{route} NOT taken ({taken})",
         f"{int(plain.sum())} rows without LoRA " + ("bit-identical" if untouched else "CHANGED"),
         f"{int(bad.sum())} rows of the bad adapter " + ("NaN" if contained else "NOT all NaN"),
     ]
     return KernelResult(name, ok, error, nonfinite, "; ".join(notes))
+
+
+# ----- the torch path's grouped route: prefill-sized calls (opt-in) -----
+
+GROUPED_TOKENS = (1024, 4096)  # GROUPED_MIN_TOKENS and a chunk of a long prompt
+
+
+def grouped_cases(seed: int) -> list[KernelResult]:
+    """The torch path's grouped route (PATCHKIT_LORA_GROUPED=1) through the installed
+    wrapper's add_lora_linear, against the float64 reference: 1,024 and 4,096 tokens,
+    every slice count, the GEMV cases' adapters, empty slot, rows without LoRA and
+    non-finite adapter, adding (a write takes the GEMM route). Run whether or not the
+    route is on, so that turning it on is checked before; they count only where it is
+    on. On a GPU where the route cannot run (not sm_90) there is nothing to check."""
+    name = "add_lora_linear [torch] grouped route"
+    if installed_backend() != "torch":
+        return [KernelResult(name, True, 0.0, 0, "the torch path is not installed "
+                             "(patch not applied)", counts=False)]  # fmt: skip
+    import torch
+
+    module = importlib.import_module(TORCH_OPS)
+    if not module._grouped_device(torch.empty(1, device="cuda")):
+        return [KernelResult(name, True, 0.0, 0, "it runs on sm_90 only; not this GPU",
+                             counts=False)]  # fmt: skip
+    off = "" if module.GROUPED_ENABLED else f"the grouped route is off here (opt-in: " \
+        f"{module.GROUPED_ENV}=1)"  # fmt: skip
+    was = module.GROUPED_ENABLED
+    module.GROUPED_ENABLED = True  # before the wrapper: its slot masks keep the order then
+    try:
+        results = _grouped_run(seed, module)
+    finally:
+        module.GROUPED_ENABLED = was
+    for result in results:
+        result.counts = not off
+        result.detail = "; ".join(d for d in (result.detail, off) if d)
+    return results
+
+
+def _grouped_run(seed: int, module) -> list[KernelResult]:
+    import torch
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+    gen = torch.Generator(device="cuda").manual_seed(seed + 3)
+    hidden, max_rank, max_loras = 4096, 64, 8
+    config = LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
+    wrapper = PunicaWrapperGPU(max(GROUPED_TOKENS), 8, "cuda", lora_config=config)
+    ids = list(range(1, max_loras + 1))  # slot i holds adapter id i + 1
+    taken: list[bool] = []
+    grouped_linear = module.grouped_linear
+
+    def spy(*args):
+        taken.append(grouped_linear(*args))
+        return taken[-1]
+
+    results = []
+    module.grouped_linear = spy
+    try:
+        for n, widths in enumerate(GEMV_WIDTHS):
+            a, b = _gemv_adapters(gen, widths, hidden, max_rank, max_loras)
+            layer = _adopted(wrapper, a, b)
+            _poison(layer, n)
+            for tokens in GROUPED_TOKENS:
+                mapping = [GEMV_ROWS[(n + i) % len(GEMV_ROWS)] for i in range(tokens)]
+                wrapper.update_metadata(
+                    LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=True), ids,
+                    max_loras, 4096,
+                )  # fmt: skip
+                x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+                y = torch.randn(tokens, sum(widths), generator=gen, device="cuda")
+                y = y.to(torch.bfloat16)
+                slots = torch.tensor([i - 1 for i in mapping], device="cuda")
+                taken.clear()
+                out = y.clone()
+                wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked,
+                                        1.0, widths)  # fmt: skip
+                torch.cuda.synchronize()
+                case = f"add_lora_linear [torch] grouped route T={tokens} {len(widths)} slice(s)"
+                results.append(judge_route(case, out, y, x, a, b, widths, slots, True, taken,
+                                           route="grouped route"))  # fmt: skip
+            layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
+    finally:
+        module.grouped_linear = grouped_linear
+    return results
