@@ -139,8 +139,16 @@ if LORA_BACKEND != requested_backend():
     )
 
 
+GROUPED_ENV = "PATCHKIT_LORA_GROUPED"  # the opt-in grouped route of prefill-sized calls
+
+
+def grouped_requested() -> bool:
+    return os.environ.get(GROUPED_ENV, "").strip() == "1"
+
+
 def _key_the_compile_cache() -> None:
-    """Give each backend its own entry in vLLM's torch.compile cache.
+    """Give each backend, and the grouped route on or off, its own entry in vLLM's
+    torch.compile cache.
 
     vLLM keys compiled graphs by envs.compile_factors(), which walks every
     variable in vllm.envs.environment_variables. Without this, a graph
@@ -155,6 +163,9 @@ def _key_the_compile_cache() -> None:
     except ImportError:  # used on its own (tests, benchmarks)
         return
     envs.environment_variables.setdefault(BACKEND_ENV, backend_from_env)
+    # The grouped route gives every add_lora_linear in the traced graph four more
+    # inputs: a graph compiled with it on must not be loaded with it off, or back.
+    envs.environment_variables.setdefault(GROUPED_ENV, grouped_requested)
 
 
 _key_the_compile_cache()
@@ -247,7 +258,7 @@ class SlotMasks:
         server) launches nothing here, as on vLLM's Triton path.
         """
         self.num_tokens = num_tokens
-        if self.grouped is not None:
+        if self.grouped is not None and self.grouped.rows_cpu.item():
             self.grouped.rows_cpu.fill_(0)  # until this batch's order is built below
         if self.meta.no_lora_flag_cpu.item():
             self._clear(self.written)
@@ -314,8 +325,7 @@ def _batch_weights(mapping, lora_ids, num_slots, dtype):
 # of unpatched (docs/evidence.md, 2026-12-02g). Sorted by slot once a batch, each
 # token meets only its own slot's A and B: torch._grouped_mm (CUTLASS on sm_90, no
 # host sync), one slot's FLOPs a token, for a gather of x and a scatter-add into y.
-GROUPED_ENV = "PATCHKIT_LORA_GROUPED"
-GROUPED_ENABLED = os.environ.get(GROUPED_ENV, "").strip() == "1"
+GROUPED_ENABLED = grouped_requested()
 GROUPED_MIN_TOKENS = 1024  # a call of fewer tokens keeps the GEMM route (or the GEMV)
 
 
