@@ -331,69 +331,10 @@ def gemv_cases(seed: int) -> list[KernelResult]:
                              counts=False)]  # fmt: skip
     module = importlib.import_module(TORCH_OPS)
     off = "" if module.GEMV_ENABLED else f"the GEMV route is off here ({module.GEMV_ENV}=0)"
-    was = module.GEMV_ENABLED
-    module.GEMV_ENABLED = True
-    try:
-        results = _gemv_run(seed, module)
-    finally:
-        module.GEMV_ENABLED = was
+    results = _route_run(seed, module, GEMV)
     for result in results:
         result.counts = not off
         result.detail = "; ".join(d for d in (result.detail, off) if d)
-    return results
-
-
-def _gemv_run(seed: int, module) -> list[KernelResult]:
-    import torch
-    from vllm.config.lora import LoRAConfig
-    from vllm.lora.layers import LoRAMapping
-    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
-
-    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
-    hidden, max_rank, max_loras = 4096, 64, 8
-    wrapper = PunicaWrapperGPU(
-        256, 8, "cuda", lora_config=LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
-    )
-    ids = list(range(1, max_loras + 1))  # slot i holds adapter id i + 1
-    taken: list[bool] = []
-    gemv_linear = module.gemv_linear
-
-    def spy(*args):
-        taken.append(gemv_linear(*args))
-        return taken[-1]
-
-    results = []
-    module.gemv_linear = spy
-    try:
-        for n, widths in enumerate(GEMV_WIDTHS):
-            a, b = _gemv_adapters(gen, widths, hidden, max_rank, max_loras)
-            layer = _adopted(wrapper, a, b)
-            _poison(layer, n)
-            for tokens in GEMV_TOKENS:
-                mapping = [GEMV_ROWS[(n + i) % len(GEMV_ROWS)] for i in range(tokens)]
-                wrapper.update_metadata(
-                    LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=False), ids,
-                    max_loras, 4096,
-                )  # fmt: skip
-                x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-                y = torch.randn(tokens, sum(widths), generator=gen, device="cuda")
-                y = y.to(torch.bfloat16)
-                slots = torch.tensor([i - 1 for i in mapping], device="cuda")
-                for add_inputs in (True, False):
-                    taken.clear()
-                    out = y.clone()
-                    wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked,
-                                            1.0, widths, add_inputs=add_inputs)  # fmt: skip
-                    torch.cuda.synchronize()
-                    how = "adding" if add_inputs else "writing"
-                    name = (f"add_lora_linear [torch] GEMV route T={tokens} "
-                            f"{len(widths)} slice(s), {how}")  # fmt: skip
-                    results.append(
-                        judge_route(name, out, y, x, a, b, widths, slots, add_inputs, taken)
-                    )
-            layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
-    finally:
-        module.gemv_linear = gemv_linear
     return results
 
 
@@ -489,62 +430,84 @@ def grouped_cases(seed: int) -> list[KernelResult]:
                              counts=False)]  # fmt: skip
     off = "" if module.GROUPED_ENABLED else f"the grouped route is off here (opt-in: " \
         f"{module.GROUPED_ENV}=1)"  # fmt: skip
-    was = module.GROUPED_ENABLED
-    module.GROUPED_ENABLED = True  # before the wrapper: its slot masks keep the order then
-    try:
-        results = _grouped_run(seed, module)
-    finally:
-        module.GROUPED_ENABLED = was
+    results = _route_run(seed, module, GROUPED)
     for result in results:
         result.counts = not off
         result.detail = "; ".join(d for d in (result.detail, off) if d)
     return results
 
 
-def _grouped_run(seed: int, module) -> list[KernelResult]:
+@dataclass(frozen=True)
+class Route:
+    """One of the torch path's own routes, as its cases run it."""
+
+    label: str  # in the case names: "GEMV route"
+    function: str  # the module's function that takes the call or answers False
+    switch: str  # the module's flag that turns it on (read at import)
+    tokens: tuple[int, ...]  # the calls' token counts
+    add_inputs: tuple[bool, ...]  # adding, and writing (vLLM's dual stream) where it runs
+    prefill: bool  # the batch's LoRAMapping
+    seed: int  # added to verify's seed: each route its own numbers
+
+
+GEMV = Route("GEMV route", "gemv_linear", "GEMV_ENABLED", GEMV_TOKENS, (True, False), False, 2)
+GROUPED = Route("grouped route", "grouped_linear", "GROUPED_ENABLED", GROUPED_TOKENS, (True,),
+                True, 3)  # fmt: skip
+
+
+def _route_run(seed: int, module, route: Route) -> list[KernelResult]:
+    """The route's cases through a new wrapper: every slice count (GEMV_WIDTHS), the
+    GEMV cases' adapters with a poisoned one, each token count; the route switched on
+    for the run (before the wrapper exists: its slot masks are built for it then)
+    and the route's function spied on, so a case knows whether the route ran."""
     import torch
     from vllm.config.lora import LoRAConfig
     from vllm.lora.layers import LoRAMapping
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-    gen = torch.Generator(device="cuda").manual_seed(seed + 3)
+    gen = torch.Generator(device="cuda").manual_seed(seed + route.seed)
     hidden, max_rank, max_loras = 4096, 64, 8
-    config = LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
-    wrapper = PunicaWrapperGPU(max(GROUPED_TOKENS), 8, "cuda", lora_config=config)
-    ids = list(range(1, max_loras + 1))  # slot i holds adapter id i + 1
+    was, function = getattr(module, route.switch), getattr(module, route.function)
     taken: list[bool] = []
-    grouped_linear = module.grouped_linear
 
     def spy(*args):
-        taken.append(grouped_linear(*args))
+        taken.append(function(*args))
         return taken[-1]
 
     results = []
-    module.grouped_linear = spy
+    setattr(module, route.switch, True)
+    setattr(module, route.function, spy)
     try:
+        config = LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
+        wrapper = PunicaWrapperGPU(max(256, *route.tokens), 8, "cuda", lora_config=config)
+        ids = list(range(1, max_loras + 1))  # slot i holds adapter id i + 1
         for n, widths in enumerate(GEMV_WIDTHS):
             a, b = _gemv_adapters(gen, widths, hidden, max_rank, max_loras)
             layer = _adopted(wrapper, a, b)
             _poison(layer, n)
-            for tokens in GROUPED_TOKENS:
+            for tokens in route.tokens:
                 mapping = [GEMV_ROWS[(n + i) % len(GEMV_ROWS)] for i in range(tokens)]
                 wrapper.update_metadata(
-                    LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=True), ids,
+                    LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=route.prefill), ids,
                     max_loras, 4096,
                 )  # fmt: skip
                 x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
                 y = torch.randn(tokens, sum(widths), generator=gen, device="cuda")
                 y = y.to(torch.bfloat16)
                 slots = torch.tensor([i - 1 for i in mapping], device="cuda")
-                taken.clear()
-                out = y.clone()
-                wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked,
-                                        1.0, widths)  # fmt: skip
-                torch.cuda.synchronize()
-                case = f"add_lora_linear [torch] grouped route T={tokens} {len(widths)} slice(s)"
-                results.append(judge_route(case, out, y, x, a, b, widths, slots, True, taken,
-                                           route="grouped route"))  # fmt: skip
+                for add_inputs in route.add_inputs:
+                    taken.clear()
+                    out = y.clone()
+                    wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked,
+                                            1.0, widths, add_inputs=add_inputs)  # fmt: skip
+                    torch.cuda.synchronize()
+                    how = "adding" if add_inputs else "writing"
+                    name = (f"add_lora_linear [torch] {route.label} T={tokens} "
+                            f"{len(widths)} slice(s), {how}")  # fmt: skip
+                    results.append(judge_route(name, out, y, x, a, b, widths, slots, add_inputs,
+                                               taken, route=route.label))  # fmt: skip
             layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
     finally:
-        module.grouped_linear = grouped_linear
+        setattr(module, route.switch, was)
+        setattr(module, route.function, function)
     return results
