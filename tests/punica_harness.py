@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import random
 import sys
 import textwrap
 import types
@@ -247,3 +248,53 @@ class Layer:
             self.set_lora(slot, a[0], b[0])
         else:
             self.set_lora(slot, a, b)
+
+
+# ----- what the torch path's tests through the real wrapper share -----
+
+FAMILIES = ["0.17.0", "0.19.1", "0.20.0", "0.22.0", "0.26.0", "0.30.0", "0.31.0", "0.32.0"]
+HIDDEN, RANK, SLOTS = 96, 16, 4
+
+
+def adapter(seed: int, widths, rank: int):
+    """One adapter's per-slice A (rank, hidden) and B (width, rank), as vLLM passes them."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [(torch.randn(rank, HIDDEN, generator=gen) / 10).to(torch.bfloat16) for _ in widths]
+    b = [(torch.randn(w, rank, generator=gen) / 10).to(torch.bfloat16) for w in widths]
+    return a, b
+
+
+def reference(x, slots, adapters, widths, scale=1.0):
+    """float64 delta, token by token: scale * x_t @ A[slot].T @ B[slot].T."""
+    delta = torch.zeros(x.size(0), sum(widths), dtype=torch.float64)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        a, b = adapters[slot]
+        offset = 0
+        for a_s, b_s, w in zip(a, b, widths, strict=True):
+            delta[t, offset : offset + w] = (
+                x[t].double() @ a_s.double().T * scale
+            ) @ b_s.double().T
+            offset += w
+    return delta
+
+
+def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23, seed=0):
+    """A wrapper, a layer attached to it (set_mapping), adapters loaded, a batch mapped."""
+    wrapper = make_wrapper(punica_gpu, SLOTS, max_tokens=max(256, tokens))
+    layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
+    layer.set_mapping(wrapper)
+    rnd = random.Random(seed)
+    adapters = {}
+    for slot in loaded:
+        rank = rnd.choice([4, 8, RANK])
+        adapters[slot] = adapter(seed * 10 + slot, widths, rank)
+        layer.load(slot, *adapters[slot])
+    slots = [rnd.choice([-1, *loaded]) for _ in range(tokens)]
+    slots[0] = -1 if tokens > 1 else loaded[0]  # a row without LoRA, unless it is alone
+    update(wrapper, punica_gpu, slots, SLOTS)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    y = torch.randn(tokens, sum(widths), generator=gen).to(torch.bfloat16)
+    return wrapper, layer, adapters, slots, x, y

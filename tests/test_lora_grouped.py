@@ -17,8 +17,19 @@ import random
 import pytest
 
 from tests.conftest import assert_close_to, same_bits
-from tests.punica_harness import Layer, installed, load_wrapper_module, update
-from tests.test_lora_torch_path import FAMILIES, HIDDEN, RANK, SLOTS, adapter, reference, setup
+from tests.punica_harness import (
+    FAMILIES,
+    HIDDEN,
+    RANK,
+    SLOTS,
+    Layer,
+    adapter,
+    installed,
+    load_wrapper_module,
+    reference,
+    setup,
+    update,
+)
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 

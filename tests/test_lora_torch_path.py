@@ -11,13 +11,26 @@ float64, token by token, from the adapters' own weights.
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 from packaging.version import Version
 
 from tests.conftest import CATALOGUE, RELEASES, assert_close_to, same_bits
-from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, make_wrapper, update
+from tests.punica_harness import (
+    FAMILIES,
+    HIDDEN,
+    PATCH,
+    RANK,
+    SLOTS,
+    Layer,
+    adapter,
+    installed,
+    load_wrapper_module,
+    make_wrapper,
+    reference,
+    setup,
+    update,
+)
 
 torch = pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
@@ -26,8 +39,6 @@ from patchkit.catalogue.model import Variant  # noqa: E402
 PATCHED = [
     v for v in RELEASES if isinstance(CATALOGUE.get(PATCH).expected_for(Version(v)), Variant)
 ]
-FAMILIES = ["0.17.0", "0.19.1", "0.20.0", "0.22.0", "0.26.0", "0.30.0", "0.31.0", "0.32.0"]
-HIDDEN, RANK, SLOTS = 96, 16, 4
 
 
 @pytest.fixture
@@ -36,50 +47,6 @@ def wrapper_module(request, tmp_path, monkeypatch):
     with installed(version, tmp_path, monkeypatch):
         module = load_wrapper_module(version, tmp_path)
         yield version, module
-
-
-def adapter(seed: int, widths, rank: int):
-    """One adapter's per-slice A (rank, hidden) and B (width, rank), as vLLM passes them."""
-    gen = torch.Generator().manual_seed(seed)
-    a = [(torch.randn(rank, HIDDEN, generator=gen) / 10).to(torch.bfloat16) for _ in widths]
-    b = [(torch.randn(w, rank, generator=gen) / 10).to(torch.bfloat16) for w in widths]
-    return a, b
-
-
-def reference(x, slots, adapters, widths, scale=1.0):
-    """float64 delta, token by token: scale * x_t @ A[slot].T @ B[slot].T."""
-    delta = torch.zeros(x.size(0), sum(widths), dtype=torch.float64)
-    for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        a, b = adapters[slot]
-        offset = 0
-        for a_s, b_s, w in zip(a, b, widths, strict=True):
-            delta[t, offset : offset + w] = (
-                x[t].double() @ a_s.double().T * scale
-            ) @ b_s.double().T
-            offset += w
-    return delta
-
-
-def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23, seed=0):
-    """A wrapper, a layer attached to it (set_mapping), adapters loaded, a batch mapped."""
-    wrapper = make_wrapper(punica_gpu, SLOTS, max_tokens=max(256, tokens))
-    layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
-    layer.set_mapping(wrapper)
-    rnd = random.Random(seed)
-    adapters = {}
-    for slot in loaded:
-        rank = rnd.choice([4, 8, RANK])
-        adapters[slot] = adapter(seed * 10 + slot, widths, rank)
-        layer.load(slot, *adapters[slot])
-    slots = [rnd.choice([-1, *loaded]) for _ in range(tokens)]
-    slots[0] = -1 if tokens > 1 else loaded[0]  # a row without LoRA, unless it is alone
-    update(wrapper, punica_gpu, slots, SLOTS)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
-    y = torch.randn(tokens, sum(widths), generator=gen).to(torch.bfloat16)
-    return wrapper, layer, adapters, slots, x, y
 
 
 def assert_close(result, expected):
