@@ -124,7 +124,7 @@ def case(m, name, slots, rank, tokens, mix) -> dict:
     slot_ids = torch.arange(slots, device=DEVICE)
     rows = m.GroupedRows(tokens, slots, DEVICE)  # what update_metadata builds once a batch
     rows.use_dtype(dtype)
-    rows.build(mapping, weights.float().sum(dim=1, keepdim=True), slot_ids)
+    rows.build(mapping, mapping.unsqueeze(1) == slot_ids, no_lora, weights.float())
     grouped_args = rows.op_args(dtype)
     y_gemm, y_grouped = y0.clone(), y0.clone()
 

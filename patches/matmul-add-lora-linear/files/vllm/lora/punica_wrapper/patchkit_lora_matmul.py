@@ -277,7 +277,7 @@ class SlotMasks:
             repeated = weights.view(-1, 1, 1)[:reduce_rows].expand(-1, 1, SPLIT_K_MAX_SPLIT)
             self.reduce_weights[dtype][:reduce_rows].copy_(repeated)
         if self.grouped is not None and num_tokens >= GROUPED_MIN_TOKENS:
-            self.grouped.build(mapping, weights.sum(dim=1, keepdim=True), self.slots)
+            self.grouped.build(mapping, own, no_lora, weights)
 
     def _clear(self, rows: int) -> None:
         """Rows [0, rows) to the no-LoRA state: no_lora True, every weight 0."""
@@ -358,17 +358,21 @@ class GroupedRows:
         """The op's grouped_* arguments for layers of `dtype`."""
         return self.order, self.offs, self.weights[dtype], self.rows_cpu
 
-    def build(self, mapping: torch.Tensor, own_weights: torch.Tensor, slots) -> None:
-        """Sort this batch's tokens by slot: a few kernels, no host sync."""
-        num_tokens, last = mapping.size(0), slots.size(0) - 1
+    def build(self, mapping, own, no_lora, weights) -> None:
+        """Sort this batch's tokens by slot: a few kernels, no host sync. `own`,
+        `no_lora` and `weights` are SlotMasks.update's for the batch (token t uses
+        slot j; t uses none; t's weight for j), so a row without a slot is the
+        same row here as on the other routes, whatever its mapping value."""
+        num_tokens, last = mapping.size(0), own.size(1) - 1
         # Every row in some group: a row past the last group end would be left
         # unwritten by _grouped_mm (whatever memory held) and then added into y.
-        key = torch.where((mapping < 0) | (mapping > last), last, mapping)
+        key = torch.where(no_lora[:, 0], last, mapping)
         order = torch.sort(key, stable=True).indices
         self.order[:num_tokens].copy_(order)
-        counts = (key.unsqueeze(1) == slots).sum(dim=0)
+        counts = own.sum(dim=0)
+        counts[last] += no_lora.sum()
         self.offs.copy_(torch.cumsum(counts, dim=0))
-        sorted_weights = own_weights.index_select(0, order)
+        sorted_weights = weights.sum(dim=1, keepdim=True).index_select(0, order)
         for weights in self.weights.values():
             weights[:num_tokens].copy_(sorted_weights)
         self.rows_cpu.fill_(num_tokens)
