@@ -55,6 +55,14 @@ class KernelResult:
     counts: bool = True  # False: a config or backend this install does not use
 
 
+NOT_INSTALLED = "the torch path is not installed (patch not applied)"
+
+
+def not_counted(name: str, why: str) -> KernelResult:
+    """A case that does not apply to this install: said, with why, not counted."""
+    return KernelResult(name, True, 0.0, 0, why, counts=False)
+
+
 def installed_backend() -> str:
     """'torch' when the installed punica_gpu.py runs the patched torch ops, else 'triton'."""
     punica = importlib.import_module(PUNICA)
@@ -167,16 +175,7 @@ def wrapper_cases(seed: int) -> list[KernelResult]:
     results = gemv_cases(seed) + grouped_cases(seed)
     for name in ("torch", "triton"):
         if name == "torch" and backend != "torch":
-            results.append(
-                KernelResult(
-                    f"add_lora_linear [{name}]",
-                    True,
-                    0.0,
-                    0,
-                    "the torch path is not installed (patch not applied)",
-                    counts=False,
-                )
-            )
+            results.append(not_counted(f"add_lora_linear [{name}]", NOT_INSTALLED))
             continue
         for result in _wrapper_run(seed, name):
             result.counts = name == backend
@@ -326,16 +325,10 @@ def gemv_cases(seed: int) -> list[KernelResult]:
     and writing (vLLM's dual stream). A case passes only if the route ran, rows without
     LoRA are bit-identical, the bad adapter's rows are NaN and the others are close."""
     if installed_backend() != "torch":
-        return [KernelResult("add_lora_linear [torch] GEMV route", True, 0.0, 0,
-                             "the torch path is not installed (patch not applied)",
-                             counts=False)]  # fmt: skip
+        return [not_counted("add_lora_linear [torch] GEMV route", NOT_INSTALLED)]
     module = importlib.import_module(TORCH_OPS)
     off = "" if module.GEMV_ENABLED else f"the GEMV route is off here ({module.GEMV_ENV}=0)"
-    results = _route_run(seed, module, GEMV)
-    for result in results:
-        result.counts = not off
-        result.detail = "; ".join(d for d in (result.detail, off) if d)
-    return results
+    return _route_run(seed, module, GEMV, off)
 
 
 def _gemv_adapters(gen, widths, hidden, max_rank, max_loras):
@@ -420,21 +413,15 @@ def grouped_cases(seed: int) -> list[KernelResult]:
     on. On a GPU where the route cannot run (not sm_90) there is nothing to check."""
     name = "add_lora_linear [torch] grouped route"
     if installed_backend() != "torch":
-        return [KernelResult(name, True, 0.0, 0, "the torch path is not installed "
-                             "(patch not applied)", counts=False)]  # fmt: skip
+        return [not_counted(name, NOT_INSTALLED)]
     import torch
 
     module = importlib.import_module(TORCH_OPS)
     if not module._grouped_device(torch.empty(1, device="cuda")):
-        return [KernelResult(name, True, 0.0, 0, "it runs on sm_90 only; not this GPU",
-                             counts=False)]  # fmt: skip
+        return [not_counted(name, "it runs on sm_90 only; not this GPU")]
     off = "" if module.GROUPED_ENABLED else f"the grouped route is off here (opt-in: " \
         f"{module.GROUPED_ENV}=1)"  # fmt: skip
-    results = _route_run(seed, module, GROUPED)
-    for result in results:
-        result.counts = not off
-        result.detail = "; ".join(d for d in (result.detail, off) if d)
-    return results
+    return _route_run(seed, module, GROUPED, off)
 
 
 @dataclass(frozen=True)
@@ -455,11 +442,13 @@ GROUPED = Route("grouped route", "grouped_linear", "GROUPED_ENABLED", GROUPED_TO
                 True, 3)  # fmt: skip
 
 
-def _route_run(seed: int, module, route: Route) -> list[KernelResult]:
+def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
     """The route's cases through a new wrapper: every slice count (GEMV_WIDTHS), the
     GEMV cases' adapters with a poisoned one, each token count; the route switched on
     for the run (before the wrapper exists: its slot masks are built for it then)
-    and the route's function spied on, so a case knows whether the route ran."""
+    and the route's function spied on, so a case knows whether the route ran. `off`:
+    why this install does not run the route ("" when it does); its cases then run
+    and are said, but do not count."""
     import torch
     from vllm.config.lora import LoRAConfig
     from vllm.lora.layers import LoRAMapping
@@ -510,4 +499,7 @@ def _route_run(seed: int, module, route: Route) -> list[KernelResult]:
     finally:
         setattr(module, route.switch, was)
         setattr(module, route.function, function)
+    for result in results:
+        result.counts = not off
+        result.detail = "; ".join(d for d in (result.detail, off) if d)
     return results
