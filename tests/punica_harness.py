@@ -298,3 +298,15 @@ def setup(version, punica_gpu, widths=(64, 32, 48), loaded=(0, 2, 3), tokens=23,
     x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
     y = torch.randn(tokens, sum(widths), generator=gen).to(torch.bfloat16)
     return wrapper, layer, adapters, slots, x, y
+
+
+def compiled_call(wrapper, layer, widths):
+    """The layer's add_lora_linear as a function (x, y) -> y, eager and under
+    torch.compile (fullgraph, a dynamic token count, as vLLM compiles the model)."""
+    torch._dynamo.reset()
+
+    def forward(x, y):
+        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        return y
+
+    return forward, torch.compile(forward, fullgraph=True, dynamic=True)

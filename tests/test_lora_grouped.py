@@ -24,6 +24,7 @@ from tests.punica_harness import (
     SLOTS,
     Layer,
     adapter,
+    compiled_call,
     installed,
     load_wrapper_module,
     reference,
@@ -211,15 +212,9 @@ def test_compiled_once_it_reads_each_batchs_order_at_run_time(grouped, monkeypat
     give the eager results, so nothing of the first batch is baked in."""
     version, punica_gpu, ops = grouped
     answers = taken(ops, monkeypatch)
-    torch._dynamo.reset()
     widths = (64, 32)
     wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, tokens=48)
-
-    def forward(x, y):
-        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
-        return y
-
-    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    forward, compiled = compiled_call(wrapper, layer, widths)
     for tokens, seed in ((48, 1), (33, 2)):
         mix = random.Random(seed)
         batch = [mix.choice([-1, *adapters]) for _ in range(tokens)]

@@ -24,6 +24,7 @@ from tests.punica_harness import (
     SLOTS,
     Layer,
     adapter,
+    compiled_call,
     installed,
     load_wrapper_module,
     make_wrapper,
@@ -376,15 +377,9 @@ def test_embedding_and_logits_through_the_real_wrapper(wrapper_module):
 @pytest.mark.parametrize("wrapper_module", ["0.26.0"], indirect=True)
 def test_the_wrapper_call_compiles_fullgraph_with_a_dynamic_token_count(wrapper_module):
     version, punica_gpu = wrapper_module
-    torch._dynamo.reset()
     widths = (64, 32)
     wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, tokens=30)
-
-    def forward(x, y):
-        wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
-        return y
-
-    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    forward, compiled = compiled_call(wrapper, layer, widths)
     for tokens in (9, 30):
         eager = forward(x[:tokens], y[:tokens].clone())
         graph = compiled(x[:tokens], y[:tokens].clone())
