@@ -25,9 +25,6 @@ patched file) and its own empty compile cache:
                        first, the default since); only when asked for by --configs
   default-gemv         the same tree, PATCHKIT_LORA_GEMV=0 (the GEMV route off: the
                        torch path's GEMM route alone); only when asked for by --configs
-  default+grouped      the same tree, PATCHKIT_LORA_GROUPED=1 (the torch path's grouped
-                       route for prefill-sized calls, opt-in until serving judges it);
-                       only when asked for by --configs
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        cost); only when asked for by --configs
@@ -336,7 +333,6 @@ SAME_TREE = {
     "default+triton": {"PATCHKIT_LORA_BACKEND": "triton"},
     "default+gemv": {"PATCHKIT_LORA_GEMV": "1"},
     "default-gemv": {"PATCHKIT_LORA_GEMV": "0"},
-    "default+grouped": {"PATCHKIT_LORA_GROUPED": "1"},
 }
 
 

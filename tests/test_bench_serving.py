@@ -243,17 +243,6 @@ def test_a_same_tree_configuration_can_be_the_base(slim_tree_0260, tmp_path):
     assert "matmul-add-lora-linear" in sites["default"]["patches"]
 
 
-def test_the_grouped_route_alone_is_served_from_the_default_tree(slim_tree_0260, tmp_path):
-    """--configs default+grouped: the default set's tree with PATCHKIT_LORA_GROUPED=1,
-    against unpatched, without a default engine beside it (two engines fit a cut
-    twice as deep as three)."""
-    sites = bench().make_sites(slim_tree_0260, tmp_path / "work", ["default+grouped"])
-    assert set(sites) == {"unpatched", "default+grouped"}
-    assert sites["default+grouped"]["env"] == {"PATCHKIT_LORA_GROUPED": "1"}
-    assert "matmul-add-lora-linear" in sites["default+grouped"]["patches"]
-    assert sites["unpatched"]["patches"] == []
-
-
 def test_an_unpatched_twin_is_a_second_engine_on_the_unpatched_tree(slim_tree_0260, tmp_path):
     """--configs default unpatched-twin: the twin serves the unpatched tree, as its own
     configuration (its own engine and compile cache), so identical code is measured

@@ -10,9 +10,7 @@ Two groups:
   different ranks, an empty slot and rows without LoRA, once with the
   backend this install uses and once with the other one; and on the torch
   path, its GEMV route for decode-sized calls (1, 2, 4 and 8 tokens, 1-4
-  slices) and its grouped route for prefill-sized ones (1,024 and 4,096
-  tokens, 1-4 slices; opt-in, so its cases count only where it is on), each
-  with a quarantined non-finite adapter among the others.
+  slices), with a quarantined non-finite adapter among the others.
 
 Inputs are fresh random numbers each run (never only zeros). torch and vllm
 are imported inside functions only.
@@ -170,9 +168,9 @@ def _random_lora(gen, tokens: int, hidden: int, rank: int, width: int):
 
 def wrapper_cases(seed: int) -> list[KernelResult]:
     """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends, and
-    the torch path's GEMV and grouped routes."""
+    the torch path's GEMV route."""
     backend = installed_backend()
-    results = gemv_cases(seed) + grouped_cases(seed)
+    results = gemv_cases(seed)
     for name in ("torch", "triton"):
         if name == "torch" and backend != "torch":
             results.append(not_counted(f"add_lora_linear [{name}]", NOT_INSTALLED))
@@ -399,31 +397,6 @@ def judge_route(name, out, y, x, a, b, widths, slots, add_inputs, taken,
     return KernelResult(name, ok, error, nonfinite, "; ".join(notes))
 
 
-# ----- the torch path's grouped route: prefill-sized calls (opt-in) -----
-
-GROUPED_TOKENS = (1024, 4096)  # GROUPED_MIN_TOKENS and a chunk of a long prompt
-
-
-def grouped_cases(seed: int) -> list[KernelResult]:
-    """The torch path's grouped route (PATCHKIT_LORA_GROUPED=1) through the installed
-    wrapper's add_lora_linear, against the float64 reference: 1,024 and 4,096 tokens,
-    every slice count, the GEMV cases' adapters, empty slot, rows without LoRA and
-    non-finite adapter, adding (a write takes the GEMM route). Run whether or not the
-    route is on, so that turning it on is checked before; they count only where it is
-    on. On a GPU where the route cannot run (not sm_90) there is nothing to check."""
-    name = "add_lora_linear [torch] grouped route"
-    if installed_backend() != "torch":
-        return [not_counted(name, NOT_INSTALLED)]
-    import torch
-
-    module = importlib.import_module(TORCH_OPS)
-    if not module._grouped_device(torch.empty(1, device="cuda")):
-        return [not_counted(name, "it runs on sm_90 only; not this GPU")]
-    off = "" if module.GROUPED_ENABLED else f"the grouped route is off here (opt-in: " \
-        f"{module.GROUPED_ENV}=1)"  # fmt: skip
-    return _route_run(seed, module, GROUPED, off)
-
-
 @dataclass(frozen=True)
 class Route:
     """One of the torch path's own routes, as its cases run it."""
@@ -438,8 +411,6 @@ class Route:
 
 
 GEMV = Route("GEMV route", "gemv_linear", "GEMV_ENABLED", GEMV_TOKENS, (True, False), False, 2)
-GROUPED = Route("grouped route", "grouped_linear", "GROUPED_ENABLED", GROUPED_TOKENS, (True,),
-                True, 3)  # fmt: skip
 
 
 def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:

@@ -14,6 +14,9 @@ the timing, as it runs once a batch, not once a layer.
 
   python3 scripts/research/prefill-lora/grouped_route_gpu.py [--json FILE]
 
+It ran at 68558e7 (docs/evidence.md, 2026-12-02: slower than the GEMM route at every
+shape); the grouped route was removed after, so it runs in a checkout of 68558e7.
+
 Each case: one call, CUDA events, median of 20 after 3 warm-ups; each route's error is
 max |y - reference| over max |reference delta|, the reference in float64.
 """

@@ -29,12 +29,6 @@ is imported) punica_gpu.py installs this path:
   slot weight and scale, and adds into (or writes) y. No tl.dot, so no
   wgmma and none of sm_90's register-A hazard; no atomics, so the result
   is deterministic. Every route is chosen by shapes only.
-* A prefill-sized call (at least GROUPED_MIN_TOKENS tokens, bf16, on sm_90),
-  with PATCHKIT_LORA_GROUPED=1 only (opt-in until serving judges it), runs one
-  torch._grouped_mm per slot and slice over the batch's tokens sorted by slot
-  once in update_metadata (GroupedRows): one slot's FLOPs a token instead of
-  every slot's, for a gather of x and a scatter-add into y; never inside a CUDA
-  graph capture.
 * Every other call that reached the Triton kernels (add_shrink/add_expand,
   hence `_mcp_apply`; add_lora_embedding; add_lora_logits;
   apply_lora_full_linear) goes through `torch_lora_shrink` /
@@ -94,7 +88,6 @@ import re
 import shlex
 import sys
 import types
-import typing
 
 import torch
 
@@ -139,16 +132,8 @@ if LORA_BACKEND != requested_backend():
     )
 
 
-GROUPED_ENV = "PATCHKIT_LORA_GROUPED"  # the opt-in grouped route of prefill-sized calls
-
-
-def grouped_requested() -> bool:
-    return os.environ.get(GROUPED_ENV, "").strip() == "1"
-
-
 def _key_the_compile_cache() -> None:
-    """Give each backend, and the grouped route on or off, its own entry in vLLM's
-    torch.compile cache.
+    """Give each backend its own entry in vLLM's torch.compile cache.
 
     vLLM keys compiled graphs by envs.compile_factors(), which walks every
     variable in vllm.envs.environment_variables. Without this, a graph
@@ -163,9 +148,6 @@ def _key_the_compile_cache() -> None:
     except ImportError:  # used on its own (tests, benchmarks)
         return
     envs.environment_variables.setdefault(BACKEND_ENV, backend_from_env)
-    # The grouped route gives every add_lora_linear in the traced graph four more
-    # inputs: a graph compiled with it on must not be loaded with it off, or back.
-    envs.environment_variables.setdefault(GROUPED_ENV, grouped_requested)
 
 
 _key_the_compile_cache()
@@ -212,7 +194,6 @@ class SlotMasks:
         self.reduce_weights: dict[torch.dtype, torch.Tensor] = {}
         self.num_tokens = 0  # of the last update
         self.written = 0  # rows [0, written) may hold a LoRA batch's values; the rest hold none
-        self.grouped = GroupedRows(rows, num_slots, mapping.device) if GROUPED_ENABLED else None
 
     def use_dtype(self, dtype: torch.dtype) -> None:
         """Keep weights in `dtype` too (a LoRA layer's weight dtype), from now on."""
@@ -223,8 +204,6 @@ class SlotMasks:
         self.reduce_weights[dtype] = torch.zeros(
             self.reduce_rows(rows), 1, SPLIT_K_MAX_SPLIT, dtype=dtype, device=device
         )
-        if self.grouped is not None:
-            self.grouped.use_dtype(dtype)
         if self.num_tokens:  # a batch is mapped already: fill the new buffers for it
             self.update(self.num_tokens)
 
@@ -258,8 +237,6 @@ class SlotMasks:
         server) launches nothing here, as on vLLM's Triton path.
         """
         self.num_tokens = num_tokens
-        if self.grouped is not None and self.grouped.rows_cpu.item():
-            self.grouped.rows_cpu.fill_(0)  # until this batch's order is built below
         if self.meta.no_lora_flag_cpu.item():
             self._clear(self.written)
             self.written = 0
@@ -276,8 +253,6 @@ class SlotMasks:
             buffer[:num_tokens].copy_(weights)
             repeated = weights.view(-1, 1, 1)[:reduce_rows].expand(-1, 1, SPLIT_K_MAX_SPLIT)
             self.reduce_weights[dtype][:reduce_rows].copy_(repeated)
-        if self.grouped is not None and num_tokens >= GROUPED_MIN_TOKENS:
-            self.grouped.build(mapping, own, no_lora, weights)
 
     def _clear(self, rows: int) -> None:
         """Rows [0, rows) to the no-LoRA state: no_lora True, every weight 0."""
@@ -313,145 +288,6 @@ def _batch_weights(mapping, lora_ids, num_slots, dtype):
     active = (lora_ids.unsqueeze(1) == slots).any(dim=0)
     own = (mapping.unsqueeze(1) == slots) & active
     return own.to(dtype), ~own.any(dim=1, keepdim=True)
-
-
-# ----- prefill-sized calls: one grouped GEMM per slot (opt-in) -----
-
-# PATCHKIT_LORA_GROUPED=1 (read once, at import) turns it on; off by default until
-# serving judges it against unpatched vLLM, as the GEMV route was. Why: the GEMM
-# route computes every slot's rank for every token, L times the Triton kernels'
-# FLOPs; with 16 slots of rank 64 on the 35B-A3B's narrow layers that is about as
-# much work as the layers themselves, and MoE 16 x r64 prefill with LoRA read 94.2 %
-# of unpatched (docs/evidence.md, 2026-12-02g). Sorted by slot once a batch, each
-# token meets only its own slot's A and B: torch._grouped_mm (CUTLASS on sm_90, no
-# host sync), one slot's FLOPs a token, for a gather of x and a scatter-add into y.
-GROUPED_ENABLED = grouped_requested()
-GROUPED_MIN_TOKENS = 1024  # a call of fewer tokens keeps the GEMM route (or the GEMV)
-
-
-class GroupedRows:
-    """One batch's tokens sorted by slot, for the grouped route; built in update, once.
-
-    `order[:n]` lists the batch's n tokens by slot (stable); `offs[j]` is where slot
-    j's group ends in that order (int32, torch._grouped_mm's group ends); `weights`
-    holds each sorted row's own slot weight (1, NaN for a bad adapter, 0 for a row
-    without a slot, which joins the last slot's group and so adds exactly 0: every
-    slot's weights are finite, the quarantine sees to it). `rows_cpu` holds n, or 0
-    when this batch has no order (too few tokens, or no LoRA): a CPU tensor the op
-    reads at run time, as vLLM's no_lora_flag_cpu, never a Python int that
-    torch.compile would bake into its graph.
-    """
-
-    def __init__(self, rows: int, num_slots: int, device):
-        self.order = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.offs = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.rows_cpu = torch.zeros(1, dtype=torch.int64)
-        self.weights: dict[torch.dtype, torch.Tensor] = {}
-        self.device = device
-
-    def use_dtype(self, dtype: torch.dtype) -> None:
-        if dtype not in self.weights:
-            rows = self.order.size(0)
-            self.weights[dtype] = torch.zeros(rows, 1, dtype=dtype, device=self.device)
-
-    def op_args(self, dtype: torch.dtype) -> tuple:
-        """The op's grouped_* arguments for layers of `dtype`."""
-        return self.order, self.offs, self.weights[dtype], self.rows_cpu
-
-    def build(self, mapping, own, no_lora, weights) -> None:
-        """Sort this batch's tokens by slot: a few kernels, no host sync. `own`,
-        `no_lora` and `weights` are SlotMasks.update's for the batch (token t uses
-        slot j; t uses none; t's weight for j), so a row without a slot is the
-        same row here as on the other routes, whatever its mapping value."""
-        num_tokens, last = mapping.size(0), own.size(1) - 1
-        # Every row in some group: a row past the last group end would be left
-        # unwritten by _grouped_mm (whatever memory held) and then added into y.
-        key = torch.where(no_lora[:, 0], last, mapping)
-        order = torch.sort(key, stable=True).indices
-        self.order[:num_tokens].copy_(order)
-        counts = own.sum(dim=0)
-        counts[last] += no_lora.sum()
-        self.offs.copy_(torch.cumsum(counts, dim=0))
-        sorted_weights = weights.sum(dim=1, keepdim=True).index_select(0, order)
-        for weights in self.weights.values():
-            weights[:num_tokens].copy_(sorted_weights)
-        self.rows_cpu.fill_(num_tokens)
-
-
-def _grouped_device(x) -> bool:
-    """Where torch._grouped_mm runs without a host sync: sm_90's CUTLASS kernels (the
-    GPUs this path is for, and where it is measured), or the CPU (the tests')."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device) == (9, 0)
-    return x.device.type == "cpu"
-
-
-def _grouped_fits(y, x, lora_a, lora_b, rows: int, add_inputs: bool) -> bool:
-    """Whether a call takes the grouped route: on, this batch's order built for
-    exactly x's tokens, not inside a CUDA graph capture (whose replays would meet
-    other batches), bf16 (torch._grouped_mm's dtype), A contiguous per slice, B
-    rank-major, strides of 16 bytes (shapes and strides only, never values)."""
-    if not GROUPED_ENABLED or not add_inputs or rows != x.size(0) or x.dim() != 2:
-        return False
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    bf16 = torch.bfloat16
-    hidden, rank = x.size(1), lora_a[0].size(-2)
-    return (
-        x.dtype == y.dtype == bf16
-        and all(_grouped_a(a, hidden, rank) for a in lora_a)
-        and all(_grouped_b(b, rank) for b in lora_b)
-        and hidden % 8 == 0
-        and rank % 8 == 0
-        and y.stride(1) == 1
-        and _grouped_device(x)
-    )
-
-
-def _grouped_a(a: torch.Tensor, hidden: int, rank: int) -> bool:
-    """A (slots, [1,] rank, in) that reads as a column-major (in, rank) matrix a slot."""
-    return a.dtype == torch.bfloat16 and a.is_contiguous() and a.shape[-2:] == (rank, hidden)
-
-
-def _grouped_b(b: torch.Tensor, rank: int) -> bool:
-    """B (slots, [1,] width, rank) rank-major, rows of 16 bytes."""
-    b = b.reshape(b.size(0), 1, b.size(-2), b.size(-1))
-    return (
-        b.dtype == torch.bfloat16 and b.size(3) == rank and b.size(2) % 8 == 0
-        and _b_is_rank_major(b)
-    )  # fmt: skip
-
-
-def grouped_linear(y, x, lora_a, lora_b, grouped, scale, add_inputs) -> bool:
-    """add_lora_linear through one grouped GEMM per slot; False (nothing done) when
-    the call does not fit it.
-
-    x's rows are gathered in slot order; per slice, the shrink (x_sorted @
-    A[slot].T, A read in place as a column-major (in, rank) matrix a slot) is
-    weighted by each row's own slot weight, the expand (@ B[slot].T, B
-    rank-major) is added into y's rows where they came from (index_add_: each
-    row once, so the order of the adds is fixed). Temporaries: x gathered, and
-    per slice tokens x rank and tokens x width.
-    """
-    order, offs, weights, rows_cpu = grouped
-    if not _grouped_fits(y, x, lora_a, lora_b, int(rows_cpu.item()), add_inputs):
-        return False
-    num_tokens = x.size(0)
-    order, weights = order[:num_tokens], weights[:num_tokens]
-    xs = x.index_select(0, order)
-    offset = 0
-    for a, b in zip(lora_a, lora_b, strict=True):
-        slots, rank = a.size(0), a.size(-2)
-        a_t = a.view(slots, rank, -1).transpose(1, 2)  # (slots, in, rank), column-major
-        h = torch._grouped_mm(xs, a_t, offs=offs).mul_(weights)
-        width = b.size(-2)
-        b_slots = stacked_b(b).view(slots, rank, width)
-        delta = torch._grouped_mm(h, b_slots, offs=offs)
-        y[:, offset : offset + width].index_add_(0, order, delta, alpha=scale)
-        offset += width
-    return True
 
 
 # ----- once per model: the layout the matmuls read -----
@@ -1090,16 +926,11 @@ def _gemv_device(x) -> bool:
 
 
 def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag, scale,
-            add_inputs, grouped=None):  # fmt: skip
-    """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched.
-
-    `grouped`: the batch's GroupedRows tensors (order, offs, weights, rows_cpu), or None.
-    """
+            add_inputs):  # fmt: skip
+    """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched."""
     if no_lora_flag.item():  # a CPU tensor, as the Triton ops check it
         return
     if _gemv_device(x) and gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs):
-        return
-    if grouped is not None and grouped_linear(y, x, lora_a, lora_b, grouped, scale, add_inputs):
         return
     num_tokens = x.size(0)
     if _splits(x, lora_a, reduce_weights):
@@ -1232,16 +1063,7 @@ def _register_ops():
         no_lora_flag_cpu: torch.Tensor,
         scale: float,
         add_inputs: bool,
-        # typing.Optional: the spelling of torch's own table of schema types, which
-        # infer_schema looks each annotation up in
-        grouped_order: typing.Optional[torch.Tensor] = None,  # noqa: UP045
-        grouped_offs: typing.Optional[torch.Tensor] = None,  # noqa: UP045
-        grouped_weights: typing.Optional[torch.Tensor] = None,  # noqa: UP045
-        grouped_rows_cpu: typing.Optional[torch.Tensor] = None,  # noqa: UP045
     ) -> None:
-        grouped = None
-        if grouped_order is not None:
-            grouped = (grouped_order, grouped_offs, grouped_weights, grouped_rows_cpu)
         _IMPL["linear"](
             y,
             x,
@@ -1253,7 +1075,6 @@ def _register_ops():
             no_lora_flag_cpu,
             scale,
             add_inputs,
-            grouped,
         )
 
     for op in (lora_shrink, lora_expand, add_lora_linear):
@@ -1367,7 +1188,6 @@ def install_torch_path(cls):
         assert buffer is None, "add_lora_linear makes its own buffer"
         add_inputs = kwargs.pop("add_inputs", True)
         masks, dtype = self.patchkit_token_masks, lora_a_stacked[0].dtype
-        grouped = masks.grouped
         _LINEAR_OP(
             y.view(-1, y.shape[-1]),
             x.view(-1, x.shape[-1]),
@@ -1379,7 +1199,6 @@ def install_torch_path(cls):
             self.token_mapping_meta.no_lora_flag_cpu,
             float(scale),
             bool(add_inputs),
-            *(() if grouped is None else grouped.op_args(dtype)),
         )
 
     cls.__init__ = __init__
