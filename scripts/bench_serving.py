@@ -25,6 +25,8 @@ patched file) and its own empty compile cache:
                        first, the default since); only when asked for by --configs
   default-gemv         the same tree, PATCHKIT_LORA_GEMV=0 (the GEMV route off: the
                        torch path's GEMM route alone); only when asked for by --configs
+  default-active       the same tree, PATCHKIT_LORA_ACTIVE_ONLY=0 (prefill-sized calls'
+                       GEMMs over every slot, not only the batch's); only when asked for
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        cost); only when asked for by --configs
@@ -333,6 +335,7 @@ SAME_TREE = {
     "default+triton": {"PATCHKIT_LORA_BACKEND": "triton"},
     "default+gemv": {"PATCHKIT_LORA_GEMV": "1"},
     "default-gemv": {"PATCHKIT_LORA_GEMV": "0"},
+    "default-active": {"PATCHKIT_LORA_ACTIVE_ONLY": "0"},
 }
 
 

@@ -241,6 +241,9 @@ def test_a_same_tree_configuration_can_be_the_base(slim_tree_0260, tmp_path):
     assert sites["default-gemv"]["env"] == {"PATCHKIT_LORA_GEMV": "0"}
     assert sites["default-gemv"]["site"] == sites["default"]["site"]
     assert "matmul-add-lora-linear" in sites["default"]["patches"]
+    sites = bench().make_sites(slim_tree_0260, tmp_path / "work2", ["default"], "default-active")
+    assert sites["default-active"]["env"] == {"PATCHKIT_LORA_ACTIVE_ONLY": "0"}
+    assert sites["default-active"]["site"] == sites["default"]["site"]
 
 
 def test_an_unpatched_twin_is_a_second_engine_on_the_unpatched_tree(slim_tree_0260, tmp_path):

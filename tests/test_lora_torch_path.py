@@ -173,7 +173,9 @@ VIEWS = {
     "aten::reshape",
     "aten::alias",
     "aten::item",
-}  # fmt: skip  (item: the no-LoRA flag, a CPU tensor)
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+}  # fmt: skip  (item: the no-LoRA flag; resolve_*: tolist of ActiveSlots' state; CPU tensors)
 
 
 CALL_KERNELS = [

@@ -179,6 +179,21 @@ def test_the_gemv_cases_cover_every_kind_of_row_at_each_token_count():
     assert set(rows) - {0} <= set(range(1, 9)) and 0 in rows
 
 
+def test_the_active_slot_cases_are_batches_the_path_narrows():
+    """1,024 and 4,096 tokens (at least ACTIVE_MIN_TOKENS) on at most half of the 8
+    slots, so the path takes its narrowed GEMMs: the bad adapter's, the empty slot's,
+    a good adapter's, and rows without LoRA, whichever slice count starts the cycle."""
+    module = kernelcheck.ACTIVE
+    rows = module.rows
+    assert min(module.tokens) >= 512 and module.add_inputs == (True, False)
+    slots = {r - 1 for r in rows if r}
+    assert 0 in rows and 2 * len(slots) <= 8
+    assert {kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT} < slots
+    assert slots - {kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT} <= set(
+        kernelcheck.GEMV_RANKS
+    )
+
+
 # ----- e2e.compare: every end-to-end failure it must catch -----
 
 

@@ -10,7 +10,9 @@ Two groups:
   different ranks, an empty slot and rows without LoRA, once with the
   backend this install uses and once with the other one; and on the torch
   path, its GEMV route for decode-sized calls (1, 2, 4 and 8 tokens, 1-4
-  slices), with a quarantined non-finite adapter among the others.
+  slices) and its GEMMs narrowed to the batch's own slots for prefill-sized
+  ones (1,024 and 4,096 tokens on 3 of 8 slots, 1-4 slices, adding and
+  writing), each with a quarantined non-finite adapter among the others.
 
 Inputs are fresh random numbers each run (never only zeros). torch and vllm
 are imported inside functions only.
@@ -168,9 +170,9 @@ def _random_lora(gen, tokens: int, hidden: int, rank: int, width: int):
 
 def wrapper_cases(seed: int) -> list[KernelResult]:
     """PunicaWrapperGPU.add_lora_linear with several adapters, on both backends, and
-    the torch path's GEMV route."""
+    the torch path's own routes: the GEMV, and the GEMMs of the batch's slots only."""
     backend = installed_backend()
-    results = gemv_cases(seed)
+    results = gemv_cases(seed) + active_slot_cases(seed)
     for name in ("torch", "triton"):
         if name == "torch" and backend != "torch":
             results.append(not_counted(f"add_lora_linear [{name}]", NOT_INSTALLED))
@@ -397,6 +399,29 @@ def judge_route(name, out, y, x, a, b, widths, slots, add_inputs, taken,
     return KernelResult(name, ok, error, nonfinite, "; ".join(notes))
 
 
+# ----- the torch path's GEMMs narrowed to the batch's own slots: prefill-sized calls -----
+
+ACTIVE_TOKENS = (1024, 4096)  # two ACTIVE_MIN_TOKENS and a chunk of a long prompt
+# Adapter ids as GEMV_ROWS: the bad adapter's, no LoRA, the empty slot's, a good one's
+# (slots 3, none, 6, 1: three of the eight, so the batch is narrowed)
+ACTIVE_ROWS = (4, 0, 7, 2)
+
+
+def active_slot_cases(seed: int) -> list[KernelResult]:
+    """The torch path's GEMMs narrowed to the batch's slots, through the installed
+    wrapper's add_lora_linear, against the float64 reference: 1,024 and 4,096 tokens on
+    three of eight slots (a good adapter, the empty slot, the non-finite one) and rows
+    without LoRA, every slice count, adding and writing. A case passes only if the
+    call was narrowed, rows without LoRA are bit-identical, the bad adapter's rows are
+    NaN and the others are close."""
+    name = "add_lora_linear [torch] active-slot GEMMs"
+    if installed_backend() != "torch":
+        return [not_counted(name, NOT_INSTALLED)]
+    module = importlib.import_module(TORCH_OPS)
+    off = "" if module.ACTIVE_ONLY else f"narrowing is off here ({module.ACTIVE_ENV}=0)"
+    return _route_run(seed, module, ACTIVE, off)
+
+
 @dataclass(frozen=True)
 class Route:
     """One of the torch path's own routes, as its cases run it."""
@@ -408,9 +433,13 @@ class Route:
     add_inputs: tuple[bool, ...]  # adding, and writing (vLLM's dual stream) where it runs
     prefill: bool  # the batch's LoRAMapping
     seed: int  # added to verify's seed: each route its own numbers
+    rows: tuple[int, ...]  # the adapter ids the batch's tokens take in turn
 
 
-GEMV = Route("GEMV route", "gemv_linear", "GEMV_ENABLED", GEMV_TOKENS, (True, False), False, 2)
+GEMV = Route("GEMV route", "gemv_linear", "GEMV_ENABLED", GEMV_TOKENS, (True, False), False, 2,
+             GEMV_ROWS)  # fmt: skip
+ACTIVE = Route("active-slot GEMMs", "active_slots", "ACTIVE_ONLY", ACTIVE_TOKENS, (True, False),
+               True, 3, ACTIVE_ROWS)  # fmt: skip
 
 
 def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
@@ -430,9 +459,10 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
     was, function = getattr(module, route.switch), getattr(module, route.function)
     taken: list[bool] = []
 
-    def spy(*args):
-        taken.append(function(*args))
-        return taken[-1]
+    def spy(*args):  # what the function returned: True, or a value that is not None
+        answer = function(*args)
+        taken.append(answer is not None and answer is not False)
+        return answer
 
     results = []
     setattr(module, route.switch, True)
@@ -446,7 +476,7 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
             layer = _adopted(wrapper, a, b)
             _poison(layer, n)
             for tokens in route.tokens:
-                mapping = [GEMV_ROWS[(n + i) % len(GEMV_ROWS)] for i in range(tokens)]
+                mapping = [route.rows[(n + i) % len(route.rows)] for i in range(tokens)]
                 wrapper.update_metadata(
                     LoRAMapping(tuple(mapping), tuple(mapping), is_prefill=route.prefill), ids,
                     max_loras, 4096,

@@ -47,8 +47,9 @@
 # batch 64 and prefill. GS_POISON=1 runs, before the engines start, verify with a
 # poisoned adapter on the default set's torch path (poison-torch: it must FAIL on
 # `poisoned` only, the quarantine line naming it in its engines' logs; about 300 s
-# of GS_BENCH_END). GS_KV_GIB (4) is each engine's KV cache: less of it fits
-# more engines on the GPU. GS_PIN=1 gives each engine CPUs of its own
+# of GS_BENCH_END). GS_KERNELS=1 runs verify's GPU kernel checks (no --e2e, no
+# --model) on the default set first, alone (kernels.txt). GS_KV_GIB (4) is each
+# engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives each engine CPUs of its own
 # (bench_serving's BENCH_CPUS; b1 writes the host's CPU topology into cpus.txt).
 # Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
 # (the guest's /proc/stat) are written once a second, mem.log (/proc/meminfo) every 5 s.
@@ -122,7 +123,7 @@ summary() {
   for f in "$G"/*.txt; do
     [ -e "$f" ] || continue
     case $(basename "$f") in
-      e2e-* | model-* | poison* | probe.txt)
+      e2e-* | model-* | poison* | probe.txt | kernels.txt)
         echo "== $(basename "$f" .txt): $(grep -E '^(verify|probe) (PASSED|FAILED)' "$f" | tail -1)" \
           "| $(tail -1 "$f")"
         grep -q '^exit ' "$f" || echo "   running: $(tail -1 "${f%.txt}.err" 2>/dev/null | cut -c1-150)"
@@ -175,6 +176,7 @@ one() {
       [ "$name" = poison-torch ] && env=(CUDA_VISIBLE_DEVICES=0)
       args+=(--model "$u/model" --lora "full=$u/full" --lora "poisoned=$u/poisoned")
       ;;
+    kernels) env=(CUDA_VISIBLE_DEVICES=0) ;; # verify's GPU kernel checks alone (no --e2e, --model)
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
       do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
@@ -286,6 +288,8 @@ serving() {
   # GS_POISON=1: first, alone on the GPU, verify with a poisoned adapter on the default
   # set's own LoRA path (must FAIL naming poisoned only; the quarantine line in its logs)
   [ "${GS_POISON:-0}" = 1 ] && RUN_LIMIT=${GS_POISON_LIMIT:-420} one poison-torch # 254-283 s so far
+  # GS_KERNELS=1: verify's kernel checks on the default set (29 s on 2026-12-01h), alone
+  [ "${GS_KERNELS:-0}" = 1 ] && RUN_LIMIT=180 one kernels
   clock_log &
   local clocks=$!
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"

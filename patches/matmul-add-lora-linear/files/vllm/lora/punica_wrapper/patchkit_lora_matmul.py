@@ -20,6 +20,13 @@ is imported) punica_gpu.py installs this path:
   three in all, where cuBLAS alone takes four there (its split-K GEMM has
   its own reduce kernel). There is no host sync, so CUDA graphs capture it,
   and it is a custom op, opaque to torch.compile, like vLLM's.
+* A prefill-sized call (at least ACTIVE_MIN_TOKENS tokens, outside a CUDA
+  graph capture) whose batch uses at most half of the slots runs the same
+  GEMMs on those slots only: their A and B rows taken out once a call
+  (`index_select`), the slot weights' columns too, so the FLOPs are those of
+  the slots in use, not of max_loras. Which slots: vLLM's own active_lora_ids,
+  read on the host once a batch in update_metadata (ActiveSlots;
+  PATCHKIT_LORA_ACTIVE_ONLY=0 turns it off).
 * A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
   CUDA device, runs two Triton GEMV kernels instead (the default; see
   GEMV_ENABLED for why, and PATCHKIT_LORA_GEMV=0 turns it off), which read only each
@@ -88,6 +95,7 @@ import re
 import shlex
 import sys
 import types
+import typing
 
 import torch
 
@@ -194,6 +202,7 @@ class SlotMasks:
         self.reduce_weights: dict[torch.dtype, torch.Tensor] = {}
         self.num_tokens = 0  # of the last update
         self.written = 0  # rows [0, written) may hold a LoRA batch's values; the rest hold none
+        self.active = ActiveSlots(num_slots, mapping.device)
 
     def use_dtype(self, dtype: torch.dtype) -> None:
         """Keep weights in `dtype` too (a LoRA layer's weight dtype), from now on."""
@@ -237,6 +246,7 @@ class SlotMasks:
         server) launches nothing here, as on vLLM's Triton path.
         """
         self.num_tokens = num_tokens
+        self.active.forget()
         if self.meta.no_lora_flag_cpu.item():
             self._clear(self.written)
             self.written = 0
@@ -253,6 +263,8 @@ class SlotMasks:
             buffer[:num_tokens].copy_(weights)
             repeated = weights.view(-1, 1, 1)[:reduce_rows].expand(-1, 1, SPLIT_K_MAX_SPLIT)
             self.reduce_weights[dtype][:reduce_rows].copy_(repeated)
+        if ACTIVE_ONLY and num_tokens >= ACTIVE_MIN_TOKENS:
+            self.active.build(self.meta.active_lora_ids, num_tokens)
 
     def _clear(self, rows: int) -> None:
         """Rows [0, rows) to the no-LoRA state: no_lora True, every weight 0."""
@@ -288,6 +300,80 @@ def _batch_weights(mapping, lora_ids, num_slots, dtype):
     active = (lora_ids.unsqueeze(1) == slots).any(dim=0)
     own = (mapping.unsqueeze(1) == slots) & active
     return own.to(dtype), ~own.any(dim=1, keepdim=True)
+
+
+# ----- prefill-sized calls: the GEMMs of the batch's own slots -----
+
+# On unless PATCHKIT_LORA_ACTIVE_ONLY=0 (read once, at import). Why: the GEMM route
+# computes every slot's rank for every token, max_loras times the Triton kernels'
+# FLOPs; with 16 slots of rank 64 that cost 0.67 ms more a MoE layer at 8,192 tokens
+# than 8 x r16 did (docs/evidence.md, 2026-12-02h), and MoE 16 x r64 prefill with
+# LoRA read 94.2 % of unpatched (2026-12-02g). A prefill step holds few requests (the
+# benchmark's 8,192-token steps: two prompts of 4,096, two slots of 16), so the GEMMs
+# of the slots in use are a fraction of the work. A grouped GEMM per slot, the other
+# way to skip idle slots, was slower than the GEMM route at every shape (2026-12-02h).
+ACTIVE_ENV = "PATCHKIT_LORA_ACTIVE_ONLY"
+ACTIVE_ONLY = os.environ.get(ACTIVE_ENV, "").strip() != "0"
+# Calls of fewer tokens keep every slot: decode batches (CUDA graphs replay what they
+# captured) and small prefills, where the host read a batch would cost more than
+# the FLOPs it saves.
+ACTIVE_MIN_TOKENS = 512
+
+
+class ActiveSlots:
+    """The slots this batch's tokens use, for the GEMM route of calls outside CUDA
+    graphs: built in SlotMasks.update, once a batch of ACTIVE_MIN_TOKENS or more.
+
+    `index[:n]` holds the n slots in use, ascending; `state_cpu` holds (n, the
+    batch's tokens), or (0, 0) when this batch has none: a batch with LoRA on more
+    than half of the slots (narrowing would copy more than it saves), too few
+    tokens, no LoRA, or this off. A CPU tensor the op reads at run time, as vLLM's
+    no_lora_flag_cpu, never a Python int that torch.compile would bake into its graph.
+    """
+
+    def __init__(self, num_slots: int, device):
+        self.index = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.state_cpu = torch.zeros(2, dtype=torch.int64)
+        self.built = False  # state_cpu holds a batch's slots
+
+    def forget(self) -> None:
+        """No slots known for the batch being mapped (until build says otherwise); once
+        after a built batch, so that base traffic touches nothing here."""
+        if self.built:
+            self.state_cpu.zero_()
+            self.built = False
+
+    def build(self, active_lora_ids: torch.Tensor, num_tokens: int) -> None:
+        """From vLLM's active_lora_ids (the batch's distinct slots, -1 for none, -1
+        padded), which its prepare_tensors has just written: one read on the host (it
+        waits for those copies; prepare_tensors itself waits for the GPU twice, for
+        its no-LoRA flag and torch.unique), then the slots sorted on the device."""
+        if active_lora_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        num_slots = self.index.size(0)
+        count = sum(1 for slot in active_lora_ids.tolist() if slot >= 0)
+        if not count or 2 * count > num_slots:
+            return
+        ids = active_lora_ids.to(torch.int64)
+        keyed = torch.where(ids < 0, num_slots, ids)  # the slots first, ascending
+        self.index[:count].copy_(torch.sort(keyed).values[:count])
+        self.state_cpu[0], self.state_cpu[1] = count, num_tokens
+        self.built = True
+
+
+def active_slots(x, active) -> torch.Tensor | None:
+    """The slots a call's GEMMs are narrowed to (index, on x's device), or None for
+    every slot: not built for exactly these tokens, or inside a CUDA graph capture
+    (its replays would meet other batches)."""
+    if active is None:
+        return None
+    index, state_cpu = active
+    count, tokens = state_cpu.tolist()
+    if not count or tokens != x.size(0):
+        return None
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return index[:count]
 
 
 # ----- once per model: the layout the matmuls read -----
@@ -675,14 +761,27 @@ def _a_matrix(lora_a: list) -> torch.Tensor:
     return stacked_a([w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a])
 
 
-def _weighted_shrink(x, lora_a, weights) -> torch.Tensor:
+def _weighted_shrink(x, lora_a, weights, slots=None) -> torch.Tensor:
     """(tokens, slices, slots, rank): x @ A.T of every slice and slot, one GEMM, times
-    each token's slot weights (0 where the token does not use the slot)."""
+    each token's slot weights (0 where the token does not use the slot). `slots`
+    (an index, or None for all): only those slots, in that order."""
     num_tokens, slices = x.size(0), len(lora_a)
     num_slots, rank = lora_a[0].size(0), lora_a[0].size(-2)
-    a = _a_matrix(lora_a)
+    a, weights = _a_matrix(lora_a), weights[:num_tokens]
+    if slots is not None:
+        a = a.view(slices, num_slots, -1).index_select(1, slots).view(-1, a.size(1))
+        weights, num_slots = weights.index_select(1, slots), slots.size(0)
     shrunk = torch.mm(_cast(x, a.dtype), a.t()).view(num_tokens, slices, num_slots, rank)
-    return shrunk.mul_(weights[:num_tokens].view(num_tokens, 1, num_slots, 1))
+    return shrunk.mul_(weights.view(num_tokens, 1, num_slots, 1))
+
+
+def _b_matrix(b: torch.Tensor, slots=None) -> torch.Tensor:
+    """B of every slot, or of `slots` only, as one (slots * rank, out) matrix."""
+    matrix = stacked_b(b)
+    if slots is None:
+        return matrix
+    num_slots = b.size(0)
+    return matrix.view(num_slots, -1).index_select(0, slots).view(-1, matrix.size(1))
 
 
 def _split_shrink(x, a, reduce_weights, num_slots) -> torch.Tensor:
@@ -926,8 +1025,11 @@ def _gemv_device(x) -> bool:
 
 
 def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag, scale,
-            add_inputs):  # fmt: skip
-    """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched."""
+            add_inputs, active=None):  # fmt: skip
+    """y[:, slice s] (+)= scale * (x @ A_s[slot].T) @ B_s[slot].T, per token; -1 rows untouched.
+
+    `active`: the batch's ActiveSlots tensors (index, state_cpu), or None.
+    """
     if no_lora_flag.item():  # a CPU tensor, as the Triton ops check it
         return
     if _gemv_device(x) and gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs):
@@ -938,11 +1040,12 @@ def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag
         b = stacked_b(lora_b[0])
         _add_expand(y, h, b, 0, no_lora[:num_tokens], scale, add_inputs)
         return
-    shrunk = _weighted_shrink(x, lora_a, weights)
+    slots = active_slots(x, active)
+    shrunk = _weighted_shrink(x, lora_a, weights, slots)
     offset = 0
     for s, b in enumerate(lora_b):
         h = shrunk[:, s].reshape(num_tokens, -1)
-        _add_expand(y, h, stacked_b(b), offset, no_lora[:num_tokens], scale, add_inputs)
+        _add_expand(y, h, _b_matrix(b, slots), offset, no_lora[:num_tokens], scale, add_inputs)
         offset += b.size(-2)
 
 
@@ -1063,7 +1166,12 @@ def _register_ops():
         no_lora_flag_cpu: torch.Tensor,
         scale: float,
         add_inputs: bool,
+        # typing.Optional: the spelling of torch's own table of schema types, which
+        # infer_schema looks each annotation up in
+        active_index: typing.Optional[torch.Tensor] = None,  # noqa: UP045
+        active_state_cpu: typing.Optional[torch.Tensor] = None,  # noqa: UP045
     ) -> None:
+        active = None if active_index is None else (active_index, active_state_cpu)
         _IMPL["linear"](
             y,
             x,
@@ -1075,6 +1183,7 @@ def _register_ops():
             no_lora_flag_cpu,
             scale,
             add_inputs,
+            active,
         )
 
     for op in (lora_shrink, lora_expand, add_lora_linear):
@@ -1199,6 +1308,8 @@ def install_torch_path(cls):
             self.token_mapping_meta.no_lora_flag_cpu,
             float(scale),
             bool(add_inputs),
+            masks.active.index,
+            masks.active.state_cpu,
         )
 
     cls.__init__ = __init__
