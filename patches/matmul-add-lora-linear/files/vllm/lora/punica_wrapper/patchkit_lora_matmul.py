@@ -76,17 +76,19 @@ batch-invariant mode overrides aten::mm and its own LoRA shrink, not this
 path.
 
 Cost per add_lora_linear call, T tokens, S slices, L slots (max_loras), r
-rank, H in, N = sum of slice widths. GEMMs: FLOPs 2*T*L*r*(S*H + N), L
-times the Triton kernels' (which skip other slots), and every slot's
-weights read; a temporary of T*S*L*r elements (SPLIT_K_MAX_SPLIT times that
-for a split shrink). GEMV (T <= min(GEMV_MAX_TOKENS, L)): each row reads its
-own adapter's S*r*H + r*N weights (rows of one adapter share them through
-L2), FLOPs 2*T*r*(S*H + N) on the CUDA cores, 1 + S launches, a temporary of
-T*GEMV_SPLIT_K*S*r float32 (192 KiB at 8 tokens, 3 slices of rank 128); on
-an H200 a decode step's LoRA modules took 0.40-1.02 of the GEMM route's time
-there (GEMV_MAX_TOKENS says where). Per batch and model dtype: slot weights of
-max_num_batched_tokens * L elements, and of SPLIT_K_MAX_TOKENS * L *
-SPLIT_K_MAX_SPLIT elements for the split reduce.
+rank, H in, N = sum of slice widths. GEMMs: FLOPs 2*T*L*r*(S*H + N), L times
+the Triton kernels' (which skip other slots), and every slot's weights read; a
+temporary of T*S*L*r elements (SPLIT_K_MAX_SPLIT times that for a split
+shrink). Narrowed to the batch's n slots (n <= L/2): L replaced by n in both,
+plus copies of those slots' A and B rows (n/L of the layer's). GEMV (T <=
+min(GEMV_MAX_TOKENS, L)): each row reads its own adapter's S*r*H + r*N weights
+(rows of one adapter share them through L2), FLOPs 2*T*r*(S*H + N) on the CUDA
+cores, 1 + S launches, a temporary of T*GEMV_SPLIT_K*S*r float32 (192 KiB at 8
+tokens, 3 slices of rank 128); on an H200 a decode step's LoRA modules took
+0.40-1.02 of the GEMM route's time there (GEMV_MAX_TOKENS says where). Per
+batch and model dtype: slot weights of max_num_batched_tokens * L elements,
+and of SPLIT_K_MAX_TOKENS * L * SPLIT_K_MAX_SPLIT elements for the split
+reduce.
 """
 
 import logging
