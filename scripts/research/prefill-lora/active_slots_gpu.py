@@ -6,7 +6,7 @@ holds few requests, so most slots are idle (the serving benchmark's 8,192-token
 steps: 2 of 16). This loads `patchkit_lora_matmul.py` from patches/ and calls
 its `_linear` with and without the batch's ActiveSlots (built outside the
 timing, as update_metadata builds it once a batch), at the dense 27B's and the
-35B-A3B's LoRA shapes, 128-8,192 tokens, 1 to half of the slots in use, to say
+35B-A3B's LoRA shapes, 256-8,192 tokens, 1 to half of the slots in use, to say
 from how many tokens narrowing pays (ACTIVE_MIN_TOKENS).
 
   python3 scripts/research/prefill-lora/active_slots_gpu.py [--json FILE] [--cpu]
@@ -42,7 +42,7 @@ LAYERS = {  # name: (hidden, output slice widths)
     "dense.down": (17408, (5120,)),
 }
 SETS = ((16, 64), (8, 16), (2, 128))  # (slots, rank)
-TOKENS = (128, 256, 512, 1024, 2048, 8192)
+TOKENS = (256, 512, 1024, 8192)
 BLOCK = 4096  # tokens a prompt: a prefill step's requests, each on its own slot
 DEVICE = "cuda"
 
