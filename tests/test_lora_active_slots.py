@@ -5,13 +5,15 @@ runs the GEMMs of those slots only (ActiveSlots, built in update_metadata from
 vLLM's own active_lora_ids). These tests check what it computes and when it is
 taken, against a float64 reference token by token from the adapters' own
 weights and against the GEMM route over every slot; its speed is for the GPU
-host (scripts/research/prefill-lora/). ACTIVE_MIN_TOKENS is lowered here so
-that small batches take it, and SPLIT_K_MAX_TOKENS below it, as it is in the
-module (256 against 512), so that one-slice calls reach the GEMM route too.
+host (scripts/research/prefill-lora/). ACTIVE_MIN_TOKENS and ACTIVE_MIN_WORK are
+lowered here so that small batches take it (but for the test of the work rule),
+and SPLIT_K_MAX_TOKENS below it, as it is in the module (256 against 512), so
+that one-slice calls reach the GEMM route too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
@@ -46,6 +48,7 @@ def narrowed(request, tmp_path, monkeypatch):
         punica_gpu = load_wrapper_module(version, tmp_path)
         ops = punica_gpu.torch_lora_shrink.__globals__
         monkeypatch.setitem(ops, "ACTIVE_MIN_TOKENS", MIN_TOKENS)
+        monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 0)
         monkeypatch.setitem(ops, "SPLIT_K_MAX_TOKENS", MIN_TOKENS - 1)
         yield version, punica_gpu, ops
 
@@ -200,6 +203,64 @@ def test_every_slot_where_narrowing_does_not_pay_or_is_off(narrowed, monkeypatch
     check(out, y, x, slots, adapters, widths)
 
 
+@pytest.mark.parametrize("narrowed", ["0.26.0", "0.32.0"], indirect=True)
+def test_a_call_is_narrowed_only_where_it_skips_enough_work(narrowed, monkeypatch):
+    """ACTIVE_MIN_WORK: a call skipping fewer multiply-adds (tokens x idle slots x rank
+    x (slices x hidden + widths)) keeps every slot; one skipping as many is narrowed.
+    Layers of one batch are judged each by its own shapes."""
+    version, punica_gpu, ops = narrowed
+    answers = taken(ops, monkeypatch)
+    widths = (64, 32, 48)
+    wrapper, layer, adapters, _, x, y = setup(version, punica_gpu, widths, tokens=40)
+    slots = batch(40, (0,), seed=8)
+    update(wrapper, punica_gpu, slots, SLOTS)
+    work = 40 * (SLOTS - 1) * RANK * (3 * HIDDEN + sum(widths))
+    assert ops["skipped_work"](40, SLOTS - 1, layer.lora_a_stacked, layer.lora_b_stacked) == work
+    for threshold, expect in ((work + 1, None), (work, [0])):
+        monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", threshold)
+        check(call(wrapper, layer, x, y, widths), y, x, slots, adapters, widths)
+        assert answers[-1] == expect, threshold
+    one = Layer(version, (64,), SLOTS, RANK, HIDDEN)  # a narrower layer of the same batch
+    one.set_mapping(wrapper)
+    one.load(0, [adapters[0][0][0]], [adapters[0][1][0]])
+    call(wrapper, one, x, y[:, :64], (64,))
+    assert answers[-1] is None
+
+
+@pytest.mark.parametrize("narrowed", ["0.26.0", "0.32.0"], indirect=True)
+def test_the_host_read_is_one_vllm_allows_and_none_inside_a_capture(narrowed, monkeypatch):
+    """vLLM 0.28+ raises on a GPU wait outside gpu_sync_allowed when its sync check is
+    on: the read of active_lora_ids is inside it (once a batch, and only for a batch of
+    ACTIVE_MIN_TOKENS or more). Inside a CUDA graph capture nothing is read and no call
+    is narrowed, whatever the state says: the graph replays for other batches."""
+    version, punica_gpu, ops = narrowed
+    answers = taken(ops, monkeypatch)
+    entered = []
+
+    @contextlib.contextmanager
+    def allowed():
+        entered.append(True)
+        yield
+
+    monkeypatch.setitem(ops, "_sync_allowed", allowed)
+    widths = (64, 32)
+    wrapper, layer, adapters, _, x, y = setup(version, punica_gpu, widths, tokens=40)
+    state = wrapper.patchkit_token_masks.active.state_cpu
+    entered.clear()
+    update(wrapper, punica_gpu, batch(40, (3,), seed=1), SLOTS)
+    assert entered == [True] and state.tolist() == [1, 40]
+    update(wrapper, punica_gpu, batch(MIN_TOKENS - 1, (3,), seed=2), SLOTS)
+    assert entered == [True]  # too few tokens: not read
+    slots = batch(40, (3,), seed=3)
+    update(wrapper, punica_gpu, slots, SLOTS)
+    monkeypatch.setitem(ops, "_capturing", lambda t: True)
+    check(call(wrapper, layer, x, y, widths), y, x, slots, adapters, widths)
+    assert answers[-1] is None
+    entered.clear()
+    update(wrapper, punica_gpu, slots, SLOTS)
+    assert entered == [] and state.tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("narrowed", ["0.26.0"], indirect=True)
 def test_a_batch_after_a_narrowed_one_is_not_narrowed_by_it(narrowed, monkeypatch):
     """The slots are the batch's own: after a narrowed batch, a smaller batch, one on
@@ -272,6 +333,7 @@ def test_the_layers_of_another_dtype_are_narrowed_too(tmp_path, monkeypatch):
         punica_gpu = load_wrapper_module(version, tmp_path)
         ops = punica_gpu.torch_lora_shrink.__globals__
         monkeypatch.setitem(ops, "ACTIVE_MIN_TOKENS", MIN_TOKENS)
+        monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 0)
         monkeypatch.setitem(ops, "SPLIT_K_MAX_TOKENS", MIN_TOKENS - 1)
         answers = taken(ops, monkeypatch)
         widths = (64, 32)

@@ -186,6 +186,7 @@ def test_the_active_slot_cases_are_batches_the_path_narrows():
     module = kernelcheck.ACTIVE
     rows = module.rows
     assert min(module.tokens) >= 512 and module.add_inputs == (True, False)
+    assert module.settings == (("ACTIVE_MIN_WORK", 0),)  # its shapes skip less than the rule
     slots = {r - 1 for r in rows if r}
     assert 0 in rows and 2 * len(slots) <= 8
     assert {kernelcheck.GEMV_BAD_SLOT, kernelcheck.GEMV_EMPTY_SLOT} < slots

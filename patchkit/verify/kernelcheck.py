@@ -434,19 +434,23 @@ class Route:
     prefill: bool  # the batch's LoRAMapping
     seed: int  # added to verify's seed: each route its own numbers
     rows: tuple[int, ...]  # the adapter ids the batch's tokens take in turn
+    # module values set for the run besides the switch: the cases check what the route
+    # computes, not whether this shape's call would pick it
+    settings: tuple[tuple[str, object], ...] = ()
 
 
 GEMV = Route("GEMV route", "gemv_linear", "GEMV_ENABLED", GEMV_TOKENS, (True, False), False, 2,
              GEMV_ROWS)  # fmt: skip
 ACTIVE = Route("active-slot GEMMs", "active_slots", "ACTIVE_ONLY", ACTIVE_TOKENS, (True, False),
-               True, 3, ACTIVE_ROWS)  # fmt: skip
+               True, 3, ACTIVE_ROWS, (("ACTIVE_MIN_WORK", 0),))  # fmt: skip
 
 
 def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
     """The route's cases through a new wrapper: every slice count (GEMV_WIDTHS), the
     GEMV cases' adapters with a poisoned one, each token count; the route switched on
     for the run (before the wrapper exists: its slot masks are built for it then)
-    and the route's function spied on, so a case knows whether the route ran. `off`:
+    and the route's function spied on, so a case knows whether the route ran; the
+    route's other settings held for the run too. `off`:
     why this install does not run the route ("" when it does); its cases then run
     and are said, but do not count."""
     import torch
@@ -456,7 +460,8 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
 
     gen = torch.Generator(device="cuda").manual_seed(seed + route.seed)
     hidden, max_rank, max_loras = 4096, 64, 8
-    was, function = getattr(module, route.switch), getattr(module, route.function)
+    function = getattr(module, route.function)
+    held = {name: getattr(module, name) for name, _ in ((route.switch, 0), *route.settings)}
     taken: list[bool] = []
 
     def spy(*args):  # what the function returned: True, or a value that is not None
@@ -465,7 +470,8 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
         return answer
 
     results = []
-    setattr(module, route.switch, True)
+    for name, value in ((route.switch, True), *route.settings):
+        setattr(module, name, value)
     setattr(module, route.function, spy)
     try:
         config = LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras)
@@ -498,7 +504,8 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
                                                taken, route=route.label))  # fmt: skip
             layer.reset_lora(GEMV_BAD_SLOT)  # the next layer's masks start clean
     finally:
-        setattr(module, route.switch, was)
+        for name, value in held.items():
+            setattr(module, name, value)
         setattr(module, route.function, function)
     for result in results:
         result.counts = not off

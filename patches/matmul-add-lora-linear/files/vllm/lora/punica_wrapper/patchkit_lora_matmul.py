@@ -21,10 +21,11 @@ is imported) punica_gpu.py installs this path:
   its own reduce kernel). There is no host sync, so CUDA graphs capture it,
   and it is a custom op, opaque to torch.compile, like vLLM's.
 * A prefill-sized call (at least ACTIVE_MIN_TOKENS tokens, outside a CUDA
-  graph capture) whose batch uses at most half of the slots runs the same
-  GEMMs on those slots only: their A and B rows taken out once a call
-  (`index_select`), the slot weights' columns too, so the FLOPs are those of
-  the slots in use, not of max_loras. Which slots: vLLM's own active_lora_ids,
+  graph capture) whose batch uses at most half of the slots, and that skips at
+  least ACTIVE_MIN_WORK multiply-adds that way, runs the same GEMMs on those
+  slots only: their A and B rows taken out once a call (`index_select`), the
+  slot weights' columns too, so the FLOPs are those of the slots in use, not
+  of max_loras. Which slots: vLLM's own active_lora_ids,
   read on the host once a batch in update_metadata (ActiveSlots;
   PATCHKIT_LORA_ACTIVE_ONLY=0 turns it off).
 * A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
@@ -91,6 +92,7 @@ and of SPLIT_K_MAX_TOKENS * L * SPLIT_K_MAX_SPLIT elements for the split
 reduce.
 """
 
+import contextlib
 import logging
 import os
 import re
@@ -309,17 +311,31 @@ def _batch_weights(mapping, lora_ids, num_slots, dtype):
 # On unless PATCHKIT_LORA_ACTIVE_ONLY=0 (read once, at import). Why: the GEMM route
 # computes every slot's rank for every token, max_loras times the Triton kernels'
 # FLOPs; with 16 slots of rank 64 that cost 0.67 ms more a MoE layer at 8,192 tokens
-# than 8 x r16 did (docs/evidence.md, 2026-12-02h), and MoE 16 x r64 prefill with
-# LoRA read 94.2 % of unpatched (2026-12-02g). A prefill step holds few requests (the
-# benchmark's 8,192-token steps: two prompts of 4,096, two slots of 16), so the GEMMs
-# of the slots in use are a fraction of the work. A grouped GEMM per slot, the other
-# way to skip idle slots, was slower than the GEMM route at every shape (2026-12-02h).
+# than 8 x r16 did (docs/evidence.md, 2026-12-02h). A prefill step holds few requests
+# (the benchmark's 8,192-token steps: two prompts of 4,096, two slots of 16), so the
+# GEMMs of the slots in use are a fraction of the work. Where it pays, measured per
+# call on an H200 (docs/evidence.md, 2026-12-02i): at 8,192 tokens with 16 slots of
+# rank 64, 0.39-0.92 of the every-slot call's time on 6 of the 7 LoRA shapes of the
+# dense 27B and the 35B-A3B (out_proj lost); at 256-1,024 tokens, or with 8 x r16 or
+# 2 x r128, it mostly lost (up to 2.9 times), its 2 + S index_selects and host work
+# costing more than the FLOPs it skips. So a call is narrowed only where it skips at
+# least ACTIVE_MIN_WORK multiply-adds: the 20 of 224 measured calls that skip 6e10 or more all won
+# (0.39-0.76), every call that lost skips 4.8e10 or fewer, and 2 that won by more than
+# 20 % skip fewer (0.75 and 0.76: left to the every-slot route). A grouped GEMM per
+# slot, the other way to skip idle slots, was slower than the GEMM route at every
+# shape (2026-12-02h).
 ACTIVE_ENV = "PATCHKIT_LORA_ACTIVE_ONLY"
 ACTIVE_ONLY = os.environ.get(ACTIVE_ENV, "").strip() != "0"
-# Calls of fewer tokens keep every slot: decode batches (CUDA graphs replay what they
-# captured) and small prefills, where the host read a batch would cost more than
-# the FLOPs it saves.
+ACTIVE_MIN_WORK = 6 * 10**10  # multiply-adds a call skips: tokens x idle slots x rank x (S*H + N)
+# Batches of fewer tokens are not read at all: decode (CUDA graphs replay the route
+# they captured) and small prefills, which skip less than ACTIVE_MIN_WORK anyway up
+# to 16 slots of rank 128 on these models' widest layer.
 ACTIVE_MIN_TOKENS = 512
+
+try:  # vLLM 0.28+ checks that a step waits for the GPU only where it says so
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed as _sync_allowed
+except ImportError:  # earlier releases, or this module used on its own
+    _sync_allowed = contextlib.nullcontext
 
 
 class ActiveSlots:
@@ -347,13 +363,15 @@ class ActiveSlots:
 
     def build(self, active_lora_ids: torch.Tensor, num_tokens: int) -> None:
         """From vLLM's active_lora_ids (the batch's distinct slots, -1 for none, -1
-        padded), which its prepare_tensors has just written: one read on the host (it
-        waits for those copies; prepare_tensors itself waits for the GPU twice, for
-        its no-LoRA flag and torch.unique), then the slots sorted on the device."""
-        if active_lora_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        padded), which its prepare_tensors has just written: one read on the host
+        (it waits for those copies; prepare_tensors itself waits for the GPU twice, for
+        its no-LoRA flag and torch.unique; about 0.15 ms of host time on the H200),
+        inside vLLM's gpu_sync_allowed, then the slots sorted on the device."""
+        if _capturing(active_lora_ids):
             return
         num_slots = self.index.size(0)
-        count = sum(1 for slot in active_lora_ids.tolist() if slot >= 0)
+        with _sync_allowed():
+            count = sum(1 for slot in active_lora_ids.tolist() if slot >= 0)
         if not count or 2 * count > num_slots:
             return
         ids = active_lora_ids.to(torch.int64)
@@ -363,17 +381,31 @@ class ActiveSlots:
         self.built = True
 
 
-def active_slots(x, active) -> torch.Tensor | None:
+def _capturing(t: torch.Tensor) -> bool:
+    """Inside a CUDA graph capture on t's device (whose replays meet other batches)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def skipped_work(tokens: int, idle: int, lora_a: list, lora_b: list) -> int:
+    """Multiply-adds a call skips by leaving out `idle` slots: their shrink and expand."""
+    rank, hidden = lora_a[0].size(-2), lora_a[0].size(-1)
+    widths = sum(b.size(-2) for b in lora_b)
+    return tokens * idle * rank * (len(lora_a) * hidden + widths)
+
+
+def active_slots(x, active, lora_a, lora_b) -> torch.Tensor | None:
     """The slots a call's GEMMs are narrowed to (index, on x's device), or None for
-    every slot: not built for exactly these tokens, or inside a CUDA graph capture
-    (its replays would meet other batches)."""
+    every slot: not built for exactly these tokens, skipping less than
+    ACTIVE_MIN_WORK, or inside a CUDA graph capture."""
     if active is None:
         return None
     index, state_cpu = active
     count, tokens = state_cpu.tolist()
     if not count or tokens != x.size(0):
         return None
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if skipped_work(tokens, lora_a[0].size(0) - count, lora_a, lora_b) < ACTIVE_MIN_WORK:
+        return None
+    if _capturing(x):
         return None
     return index[:count]
 
@@ -1042,7 +1074,7 @@ def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag
         b = stacked_b(lora_b[0])
         _add_expand(y, h, b, 0, no_lora[:num_tokens], scale, add_inputs)
         return
-    slots = active_slots(x, active)
+    slots = active_slots(x, active, lora_a, lora_b)
     shrunk = _weighted_shrink(x, lora_a, weights, slots)
     offset = 0
     for s, b in enumerate(lora_b):
