@@ -326,27 +326,22 @@ def test_the_op_called_without_the_slots_runs_every_slot(narrowed, monkeypatch):
     check(out, y, x, slots, adapters, widths)
 
 
-def test_the_layers_of_another_dtype_are_narrowed_too(tmp_path, monkeypatch):
+@pytest.mark.parametrize("narrowed", ["0.26.0"], indirect=True)
+def test_the_layers_of_another_dtype_are_narrowed_too(narrowed, monkeypatch):
     """float16 LoRA layers beside bf16 ones read their own slot weights, narrowed."""
-    version = "0.26.0"
-    with installed(version, tmp_path, monkeypatch):
-        punica_gpu = load_wrapper_module(version, tmp_path)
-        ops = punica_gpu.torch_lora_shrink.__globals__
-        monkeypatch.setitem(ops, "ACTIVE_MIN_TOKENS", MIN_TOKENS)
-        monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 0)
-        monkeypatch.setitem(ops, "SPLIT_K_MAX_TOKENS", MIN_TOKENS - 1)
-        answers = taken(ops, monkeypatch)
-        widths = (64, 32)
-        wrapper, _, adapters, _, x, y = setup(version, punica_gpu, widths, tokens=30)
-        half = Layer(version, widths, SLOTS, RANK, HIDDEN, dtype=torch.float16)
-        half.set_mapping(wrapper)
-        for slot, weights in adapters.items():
-            half.load(slot, *weights)
-        slots = batch(30, (2,), seed=6)
-        update(wrapper, punica_gpu, slots, SLOTS)
-        out = call(wrapper, half, x.half(), y.half(), widths)
-        assert answers == [[2]]
-        rows = torch.tensor([s in adapters for s in slots])
-        expected = y.double() + reference(x, slots, adapters, widths)
-        assert_close_to(out[rows], expected[rows], torch.float16)
-        assert same_bits(out[~rows], y.half()[~rows])
+    version, punica_gpu, ops = narrowed
+    answers = taken(ops, monkeypatch)
+    widths = (64, 32)
+    wrapper, _, adapters, _, x, y = setup(version, punica_gpu, widths, tokens=30)
+    half = Layer(version, widths, SLOTS, RANK, HIDDEN, dtype=torch.float16)
+    half.set_mapping(wrapper)
+    for slot, weights in adapters.items():
+        half.load(slot, *weights)
+    slots = batch(30, (2,), seed=6)
+    update(wrapper, punica_gpu, slots, SLOTS)
+    out = call(wrapper, half, x.half(), y.half(), widths)
+    assert answers == [[2]]
+    rows = torch.tensor([s in adapters for s in slots])
+    expected = y.double() + reference(x, slots, adapters, widths)
+    assert_close_to(out[rows], expected[rows], torch.float16)
+    assert same_bits(out[~rows], y.half()[~rows])
