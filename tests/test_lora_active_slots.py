@@ -231,7 +231,8 @@ def test_a_call_is_narrowed_only_where_it_skips_enough_work(narrowed, monkeypatc
 def test_the_host_read_is_one_vllm_allows_and_none_inside_a_capture(narrowed, monkeypatch):
     """vLLM 0.28+ raises on a GPU wait outside gpu_sync_allowed when its sync check is
     on: the read of active_lora_ids is inside it (once a batch, and only for a batch of
-    ACTIVE_MIN_TOKENS or more). Inside a CUDA graph capture nothing is read and no call
+    ACTIVE_MIN_TOKENS or more, where a call of the widest layer adopted could skip
+    ACTIVE_MIN_WORK). Inside a CUDA graph capture nothing is read and no call
     is narrowed, whatever the state says: the graph replays for other batches."""
     version, punica_gpu, ops = narrowed
     answers = taken(ops, monkeypatch)
@@ -251,6 +252,12 @@ def test_the_host_read_is_one_vllm_allows_and_none_inside_a_capture(narrowed, mo
     assert entered == [True] and state.tolist() == [1, 40]
     update(wrapper, punica_gpu, batch(MIN_TOKENS - 1, (3,), seed=2), SLOTS)
     assert entered == [True]  # too few tokens: not read
+    widest = RANK * (2 * HIDDEN + sum(widths))  # the one layer: a token, a slot
+    assert wrapper.patchkit_token_masks.widest == widest
+    monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 40 * (SLOTS - 1) * widest + 1)
+    update(wrapper, punica_gpu, batch(40, (3,), seed=1), SLOTS)
+    assert entered == [True] and state.tolist() == [0, 0]  # no call could skip enough
+    monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 0)
     slots = batch(40, (3,), seed=3)
     update(wrapper, punica_gpu, slots, SLOTS)
     monkeypatch.setitem(ops, "_capturing", lambda t: True)
