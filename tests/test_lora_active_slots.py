@@ -212,11 +212,11 @@ def test_a_call_is_narrowed_only_where_it_skips_enough_work(narrowed, monkeypatc
     answers = taken(ops, monkeypatch)
     widths = (64, 32, 48)
     wrapper, layer, adapters, _, x, y = setup(version, punica_gpu, widths, tokens=40)
-    slots = batch(40, (0,), seed=8)
+    slots = batch(40, (0, 3), seed=8)
     update(wrapper, punica_gpu, slots, SLOTS)
-    work = 40 * (SLOTS - 1) * RANK * (3 * HIDDEN + sum(widths))
-    assert ops["skipped_work"](40, SLOTS - 1, layer.lora_a_stacked, layer.lora_b_stacked) == work
-    for threshold, expect in ((work + 1, None), (work, [0])):
+    work = 40 * (SLOTS - 2) * RANK * (3 * HIDDEN + sum(widths))
+    assert ops["skipped_work"](40, SLOTS - 2, layer.lora_a_stacked, layer.lora_b_stacked) == work
+    for threshold, expect in ((work + 1, None), (work, [0, 3])):
         monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", threshold)
         check(call(wrapper, layer, x, y, widths), y, x, slots, adapters, widths)
         assert answers[-1] == expect, threshold
@@ -252,8 +252,9 @@ def test_the_host_read_is_one_vllm_allows_and_none_inside_a_capture(narrowed, mo
     assert entered == [True] and state.tolist() == [1, 40]
     update(wrapper, punica_gpu, batch(MIN_TOKENS - 1, (3,), seed=2), SLOTS)
     assert entered == [True]  # too few tokens: not read
-    widest = RANK * (2 * HIDDEN + sum(widths))  # the one layer: a token, a slot
-    assert wrapper.patchkit_token_masks.widest == widest
+    call(wrapper, layer, x, y, widths)  # the calls record the widest layer's work
+    widest = RANK * (2 * HIDDEN + sum(widths))  # a token, a slot
+    assert ops["_WIDEST"][wrapper.patchkit_token_masks.active.index.data_ptr()] == widest
     monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 40 * (SLOTS - 1) * widest + 1)
     update(wrapper, punica_gpu, batch(40, (3,), seed=1), SLOTS)
     assert entered == [True] and state.tolist() == [0, 0]  # no call could skip enough
@@ -266,6 +267,29 @@ def test_the_host_read_is_one_vllm_allows_and_none_inside_a_capture(narrowed, mo
     entered.clear()
     update(wrapper, punica_gpu, slots, SLOTS)
     assert entered == [] and state.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("narrowed", ["0.26.0"], indirect=True)
+def test_the_bound_of_a_batch_is_the_widest_layer_that_called(narrowed, monkeypatch):
+    """SlotMasks.may_narrow bounds a batch by the widest layer that has called
+    add_lora_linear: a narrower layer calling after it does not lower the bound, and a
+    layer attached but never calling (as lm_head, whose LoRA runs in add_lora_logits)
+    does not raise it."""
+    version, punica_gpu, ops = narrowed
+    wide_widths, narrow_widths = (64, 32, 48), (16,)
+    wrapper, wide, adapters, _, x, y = setup(version, punica_gpu, wide_widths, tokens=40)
+    narrow = Layer(version, narrow_widths, SLOTS, RANK, HIDDEN)
+    narrow.set_mapping(wrapper)
+    never = Layer(version, (4096,), SLOTS, RANK, HIDDEN)  # attached, never called
+    never.set_mapping(wrapper)
+    update(wrapper, punica_gpu, batch(40, (0,), seed=4), SLOTS)
+    call(wrapper, wide, x, y, wide_widths)
+    call(wrapper, narrow, x, y[:, :16], narrow_widths)
+    widest = RANK * (3 * HIDDEN + sum(wide_widths))
+    assert ops["_WIDEST"][wrapper.patchkit_token_masks.active.index.data_ptr()] == widest
+    masks = wrapper.patchkit_token_masks
+    monkeypatch.setitem(ops, "ACTIVE_MIN_WORK", 40 * (SLOTS - 1) * widest)
+    assert masks.may_narrow(40) and not masks.may_narrow(39)
 
 
 @pytest.mark.parametrize("narrowed", ["0.26.0"], indirect=True)

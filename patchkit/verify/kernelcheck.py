@@ -418,6 +418,8 @@ def active_slot_cases(seed: int) -> list[KernelResult]:
     if installed_backend() != "torch":
         return [not_counted(name, NOT_INSTALLED)]
     module = importlib.import_module(TORCH_OPS)
+    if not hasattr(module, "ACTIVE_MIN_WORK"):  # a tree patched by an earlier patchkit
+        return [not_counted(name, "this tree's torch path predates it (`patchkit apply` again)")]
     off = "" if module.ACTIVE_ONLY else f"narrowing is off here ({module.ACTIVE_ENV}=0)"
     return _route_run(seed, module, ACTIVE, off)
 

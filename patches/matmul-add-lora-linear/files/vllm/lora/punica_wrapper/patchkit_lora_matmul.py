@@ -207,7 +207,6 @@ class SlotMasks:
         self.num_tokens = 0  # of the last update
         self.written = 0  # rows [0, written) may hold a LoRA batch's values; the rest hold none
         self.active = ActiveSlots(num_slots, mapping.device)
-        self.widest = 0  # the most multiply-adds a token and slot of an adopted layer
 
     def use_dtype(self, dtype: torch.dtype) -> None:
         """Keep weights in `dtype` too (a LoRA layer's weight dtype), from now on."""
@@ -273,13 +272,17 @@ class SlotMasks:
 
     def may_narrow(self, num_tokens: int) -> bool:
         """Whether a call of this batch could skip ACTIVE_MIN_WORK (at most every slot
-        but one idle, on the widest layer): if not, the host read is not worth doing
-        (8 x r16 and 2 x r128 never reach it at 8,192 tokens on these models)."""
+        but one idle, on the widest layer that has called add_lora_linear so far:
+        vLLM's profiling run calls every one before serving; without it the first
+        large batch does, unnarrowed): if not, the host read is not worth doing
+        (8 x r16 and 2 x r128 never reach it at 8,192 tokens on these models; one
+        slot never does)."""
         idle = self.slots.size(0) - 1
+        widest = _WIDEST.get(self.active.index.data_ptr(), 0)
         return (
             ACTIVE_ONLY
             and num_tokens >= ACTIVE_MIN_TOKENS
-            and num_tokens * idle * self.widest >= ACTIVE_MIN_WORK
+            and num_tokens * idle * widest >= ACTIVE_MIN_WORK
         )
 
     def _clear(self, rows: int) -> None:
@@ -344,7 +347,7 @@ ACTIVE_MIN_WORK = 6 * 10**10  # multiply-adds a call skips: tokens x idle slots 
 # to 16 slots of rank 128 on these models' widest layer.
 ACTIVE_MIN_TOKENS = 512
 
-try:  # vLLM 0.28+ checks that a step waits for the GPU only where it says so
+try:  # vLLM 0.25+ has it; from 0.28 a step may wait for the GPU only where it says so
     from vllm.utils.gpu_sync_debug import gpu_sync_allowed as _sync_allowed
 except ImportError:  # earlier releases, or this module used on its own
     _sync_allowed = contextlib.nullcontext
@@ -405,6 +408,14 @@ def skipped_work(tokens: int, idle: int, lora_a: list, lora_b: list) -> int:
     return tokens * idle * rank * (len(lora_a) * hidden + widths)
 
 
+# The most multiply-adds a token and slot of any layer that has called add_lora_linear,
+# by the data_ptr of its wrapper's ActiveSlots.index: what SlotMasks.may_narrow bounds
+# a batch's calls by. Recorded by the calls themselves, so that layers vLLM adopts but
+# runs elsewhere (lm_head's add_lora_logits, the merged layers' add_shrink/add_expand
+# of 0.20-0.24) do not count.
+_WIDEST: dict[int, int] = {}
+
+
 def active_slots(x, active, lora_a, lora_b) -> torch.Tensor | None:
     """The slots a call's GEMMs are narrowed to (index, on x's device), or None for
     every slot: not built for exactly these tokens, skipping less than
@@ -412,6 +423,9 @@ def active_slots(x, active, lora_a, lora_b) -> torch.Tensor | None:
     if active is None:
         return None
     index, state_cpu = active
+    work, key = skipped_work(1, 1, lora_a, lora_b), index.data_ptr()
+    if work > _WIDEST.get(key, 0):
+        _WIDEST[key] = work
     count, tokens = state_cpu.tolist()
     if not count or tokens != x.size(0):
         return None
@@ -518,8 +532,6 @@ class AdoptedLayer:
         self.b = _as_list(getattr(layer, "lora_b_stacked", None))
         self.masks = masks
         self.layer_key = id(layer)  # how an AdapterLoad finds the layer's module name
-        if _slot_shaped(self.a):  # a linear layer's (an embedding's A is (slots, vocab, rank))
-            masks.widest = max(masks.widest, skipped_work(1, 1, self.a, self.b))
         for b in self.b:
             _make_b_rank_major(b)
         if len(self.a) > 1 and _slot_shaped(self.a):
