@@ -463,7 +463,7 @@ def _route_run(seed: int, module, route: Route, off: str) -> list[KernelResult]:
     gen = torch.Generator(device="cuda").manual_seed(seed + route.seed)
     hidden, max_rank, max_loras = 4096, 64, 8
     function = getattr(module, route.function)
-    held = {name: getattr(module, name) for name, _ in ((route.switch, 0), *route.settings)}
+    held = {name: getattr(module, name) for name in (route.switch, *dict(route.settings))}
     taken: list[bool] = []
 
     def spy(*args):  # what the function returned: True, or a value that is not None

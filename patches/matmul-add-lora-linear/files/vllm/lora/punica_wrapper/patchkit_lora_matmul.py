@@ -25,9 +25,9 @@ is imported) punica_gpu.py installs this path:
   least ACTIVE_MIN_WORK multiply-adds that way, runs the same GEMMs on those
   slots only: their A and B rows taken out once a call (`index_select`), the
   slot weights' columns too, so the FLOPs are those of the slots in use, not
-  of max_loras. Which slots: vLLM's own active_lora_ids,
-  read on the host once a batch in update_metadata (ActiveSlots;
-  PATCHKIT_LORA_ACTIVE_ONLY=0 turns it off).
+  of max_loras. Which slots: vLLM's own active_lora_ids, read on the host
+  once a batch in update_metadata (ActiveSlots; PATCHKIT_LORA_ACTIVE_ONLY=0
+  turns it off).
 * A decode-sized call, at most min(GEMV_MAX_TOKENS, max_loras) tokens on a
   CUDA device, runs two Triton GEMV kernels instead (the default; see
   GEMV_ENABLED for why, and PATCHKIT_LORA_GEMV=0 turns it off), which read only each
@@ -331,14 +331,14 @@ def _batch_weights(mapping, lora_ids, num_slots, dtype):
 # GEMMs of the slots in use are a fraction of the work. Where it pays, measured per
 # call on an H200 (docs/evidence.md, 2026-12-02i): at 8,192 tokens with 16 slots of
 # rank 64, 0.39-0.92 of the every-slot call's time on 6 of the 7 LoRA shapes of the
-# dense 27B and the 35B-A3B (out_proj lost); at 256-1,024 tokens, or with 8 x r16 or
-# 2 x r128, it mostly lost (up to 2.9 times), its 2 + S index_selects and host work
+# dense 27B and the 35B-A3B (out_proj lost); at 256-1,024 tokens, or with 8 x r16
+# or 2 x r128, it mostly lost (up to 2.9 times), its 2 + S index_selects and host work
 # costing more than the FLOPs it skips. So a call is narrowed only where it skips at
-# least ACTIVE_MIN_WORK multiply-adds: the 20 of 224 measured calls that skip 6e10 or more all won
-# (0.39-0.76), every call that lost skips 4.8e10 or fewer, and 2 that won by more than
-# 20 % skip fewer (0.75 and 0.76: left to the every-slot route). A grouped GEMM per
-# slot, the other way to skip idle slots, was slower than the GEMM route at every
-# shape (2026-12-02h).
+# least ACTIVE_MIN_WORK multiply-adds: the 20 of 224 measured calls that skip 6e10 or
+# more all won (0.39-0.76), every call that lost skips 4.8e10 or fewer, and 2 that won
+# by more than 20 % skip fewer (0.75 and 0.76: left to the every-slot route). A
+# grouped GEMM per slot, the other way to skip idle slots, was slower than the GEMM
+# route at every shape (2026-12-02h).
 ACTIVE_ENV = "PATCHKIT_LORA_ACTIVE_ONLY"
 ACTIVE_ONLY = os.environ.get(ACTIVE_ENV, "").strip() != "0"
 ACTIVE_MIN_WORK = 6 * 10**10  # multiply-adds a call skips: tokens x idle slots x rank x (S*H + N)
@@ -359,9 +359,10 @@ class ActiveSlots:
 
     `index[:n]` holds the n slots in use, ascending; `state_cpu` holds (n, the
     batch's tokens), or (0, 0) when this batch has none: a batch with LoRA on more
-    than half of the slots (narrowing would copy more than it saves), too few
-    tokens, no LoRA, or this off. A CPU tensor the op reads at run time, as vLLM's
-    no_lora_flag_cpu, never a Python int that torch.compile would bake into its graph.
+    than half of the slots (narrowing would copy more than it saves), one in which
+    no call could skip ACTIVE_MIN_WORK (SlotMasks.may_narrow), no LoRA, or this off.
+    A CPU tensor the op reads at run time, as vLLM's no_lora_flag_cpu, never a
+    Python int that torch.compile would bake into its graph.
     """
 
     def __init__(self, num_slots: int, device):
@@ -423,13 +424,13 @@ def active_slots(x, active, lora_a, lora_b) -> torch.Tensor | None:
     if active is None:
         return None
     index, state_cpu = active
-    work, key = skipped_work(1, 1, lora_a, lora_b), index.data_ptr()
+    work, key = skipped_work(1, 1, lora_a, lora_b), index.data_ptr()  # a token and slot
     if work > _WIDEST.get(key, 0):
         _WIDEST[key] = work
     count, tokens = state_cpu.tolist()
     if not count or tokens != x.size(0):
         return None
-    if skipped_work(tokens, lora_a[0].size(0) - count, lora_a, lora_b) < ACTIVE_MIN_WORK:
+    if tokens * (lora_a[0].size(0) - count) * work < ACTIVE_MIN_WORK:
         return None
     if _capturing(x):
         return None
