@@ -27,6 +27,7 @@ patched file) and its own empty compile cache:
                        torch path's GEMM route alone); only when asked for by --configs
   default-active       the same tree, PATCHKIT_LORA_ACTIVE_ONLY=0 (prefill-sized calls'
                        GEMMs over every slot, not only the batch's); only when asked for
+                       by --configs
   default+nan-probe    its own tree: `patchkit apply`, then `patchkit apply --only
                        nan-probe`, served with PATCHKIT_PROBE_LOG set (the probe's
                        cost); only when asked for by --configs
