@@ -50,7 +50,8 @@
 # of GS_BENCH_END). GS_KERNELS=1 runs verify's GPU kernel checks (no --e2e, no
 # --model) on the default set first, alone (kernels.txt). GS_KV_GIB (4) is each
 # engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives each
-# engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU topology into cpus.txt).
+# engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
+# topology into cpus.txt).
 # Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
 # (the guest's /proc/stat) are written once a second, mem.log (/proc/meminfo) every 5 s.
 #
