@@ -488,6 +488,7 @@ def test_the_gemv_route_keeps_nothing_and_allocates_only_its_parts(tmp_path, wid
     layer = Layer(m, widths, slots, rank, hidden)
     layer.map(list(range(tokens)))
     x, y = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, sum(widths)).bfloat16()
+    layer.call(y.clone(), x)  # the layer's first call lays out its LayerPlan (no new storage)
     found = {}
     for route, gemv_tokens in (("gemv", m.GEMV_MAX_TOKENS), ("gemm", 0)):
         with pytest.MonkeyPatch.context() as mp:

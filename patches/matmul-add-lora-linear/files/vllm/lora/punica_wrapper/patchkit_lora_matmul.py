@@ -54,7 +54,11 @@ out) matrix, and the A tensors of a layer's slices share one storage, one
 (slices * slots * rank, in) matrix. vLLM keeps its tensors (same objects,
 shapes and values; only their strides change), so its set_lora/reset_lora
 write straight into this layout: nothing is copied again and no memory is
-added.
+added. The matrices the calls read of that layout (A of all slices, each
+slice's B) are made on a layer's first call and kept with it (LayerPlan):
+prefill steps too large for vLLM's CUDA graphs run every call's host work,
+and the ops are registered as vLLM registers its own, not through
+torch.library.custom_op, for the same reason.
 
 NaN: a token's row never takes another slot's numbers. The GEMMs read every
 slot and the slot weights multiply, so every loaded weight must be finite:
@@ -417,20 +421,20 @@ def skipped_work(tokens: int, idle: int, lora_a: list, lora_b: list) -> int:
 _WIDEST: dict[int, int] = {}
 
 
-def active_slots(x, active, lora_a, lora_b) -> torch.Tensor | None:
+def active_slots(x, active, plan) -> torch.Tensor | None:
     """The slots a call's GEMMs are narrowed to (index, on x's device), or None for
     every slot: not built for exactly these tokens, skipping less than
-    ACTIVE_MIN_WORK, or inside a CUDA graph capture."""
+    ACTIVE_MIN_WORK, or inside a CUDA graph capture. `plan`: the layer's LayerPlan."""
     if active is None:
         return None
     index, state_cpu = active
-    work, key = skipped_work(1, 1, lora_a, lora_b), index.data_ptr()  # a token and slot
-    if work > _WIDEST.get(key, 0):
-        _WIDEST[key] = work
+    key = index.data_ptr()
+    if plan.work > _WIDEST.get(key, 0):
+        _WIDEST[key] = plan.work
     count, tokens = state_cpu.tolist()
     if not count or tokens != x.size(0):
         return None
-    if tokens * (lora_a[0].size(0) - count) * work < ACTIVE_MIN_WORK:
+    if tokens * (plan.slots - count) * plan.work < ACTIVE_MIN_WORK:
         return None
     if _capturing(x):
         return None
@@ -822,26 +826,94 @@ def _a_matrix(lora_a: list) -> torch.Tensor:
     return stacked_a([w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a])
 
 
-def _weighted_shrink(x, lora_a, weights, slots=None) -> torch.Tensor:
-    """(tokens, slices, slots, rank): x @ A.T of every slice and slot, one GEMM, times
+PLAN_ATTR = "_patchkit_lora_plan"
+
+
+class LayerPlan:
+    """What a layer's add_lora_linear calls read of its weights, worked out on its first
+    call and kept on its first A tensor: the stacked A matrix, each slice's B matrix,
+    the shapes and layout checks, the work a token and slot costs.
+
+    Why: prefill steps too large for vLLM's CUDA graphs run every LoRA call eagerly,
+    and rebuilding these views on each call was most of the GEMM route's host work
+    (36 of a 4-slice call's 42 aten ops were views and metadata; docs/evidence.md,
+    2026-12-02i); scripts/bench_lora_host.py measures the host time a call.
+
+    The matrices are tensors of their own on the weights' storage (`set_`, not
+    views: a view would hold the A tensor it hangs on, a cycle through C++ that
+    would outlive the layer), so vLLM's set_lora writes reach them as before. A
+    layout that needs a copy (A outside the shared storage, B not rank-major) is
+    not kept: that copy is made on every call, as the weights change. `current`
+    checks on each call that the tensors still have the storage the plan was made
+    for.
+    """
+
+    __slots__ = ("pointers", "slots", "rank", "hidden", "widths", "work", "a", "b")
+
+    def __init__(self, lora_a: list, lora_b: list):
+        a = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a]
+        b = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_b]
+        self.pointers = _pointers(lora_a, lora_b)
+        self.slots, _, self.rank, self.hidden = a[0].shape
+        self.widths = tuple(w.size(2) for w in b)
+        self.work = skipped_work(1, 1, lora_a, lora_b)  # a token and slot
+        self.a = _own_tensor(stacked_a(a)) if _a_shared(a) else None
+        fits = all(w.size(0) == self.slots and w.size(3) == self.rank for w in b)
+        rank_major = fits and all(_b_is_rank_major(w) for w in b)
+        self.b = tuple(_own_tensor(stacked_b(w)) for w in b) if rank_major else None
+
+    def current(self, lora_a: list, lora_b: list) -> bool:
+        """Whether the call's tensors are still on the storage this plan reads."""
+        return self.pointers == _pointers(lora_a, lora_b)
+
+    def a_matrix(self, lora_a: list) -> torch.Tensor:
+        return self.a if self.a is not None else _a_matrix(lora_a)
+
+    def b_matrix(self, lora_b: list, s: int) -> torch.Tensor:
+        return self.b[s] if self.b is not None else stacked_b(lora_b[s])
+
+
+def _pointers(lora_a: list, lora_b: list) -> tuple:
+    return (len(lora_a), *(w.data_ptr() for w in lora_a), *(w.data_ptr() for w in lora_b))
+
+
+def _own_tensor(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on `view`'s storage, offset and strides that is not a view of its base."""
+    own = torch.empty(0, dtype=view.dtype, device=view.device)
+    return own.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def layer_plan(lora_a: list, lora_b: list) -> LayerPlan:
+    """The layer's LayerPlan, kept on its first A tensor; made again when the tensors'
+    storage changed. (A tensor object new on every call would get a new plan every
+    call: the same results, only not faster.)"""
+    held = lora_a[0].__dict__
+    plan = held.get(PLAN_ATTR)
+    if plan is None or not plan.current(lora_a, lora_b):
+        plan = held[PLAN_ATTR] = LayerPlan(lora_a, lora_b)
+    return plan
+
+
+def _weighted_shrink(x, lora_a, weights, slots=None, a=None) -> torch.Tensor:
+    """(tokens, slices, slots * rank): x @ A.T of every slice and slot, one GEMM, times
     each token's slot weights (0 where the token does not use the slot). `slots`
-    (an index, or None for all): only those slots, in that order."""
+    (an index, or None for all): only those slots, in that order. `a`: the stacked A
+    matrix, when the caller holds it."""
     num_tokens, slices = x.size(0), len(lora_a)
     num_slots, rank = lora_a[0].size(0), lora_a[0].size(-2)
-    a, weights = _a_matrix(lora_a), weights[:num_tokens]
+    a, weights = (_a_matrix(lora_a) if a is None else a), weights[:num_tokens]
     if slots is not None:
         a = a.view(slices, num_slots, -1).index_select(1, slots).view(-1, a.size(1))
         weights, num_slots = weights.index_select(1, slots), slots.size(0)
     shrunk = torch.mm(_cast(x, a.dtype), a.t()).view(num_tokens, slices, num_slots, rank)
-    return shrunk.mul_(weights.view(num_tokens, 1, num_slots, 1))
+    shrunk.mul_(weights.view(num_tokens, 1, num_slots, 1))
+    return shrunk.view(num_tokens, slices, num_slots * rank)
 
 
-def _b_matrix(b: torch.Tensor, slots=None) -> torch.Tensor:
-    """B of every slot, or of `slots` only, as one (slots * rank, out) matrix."""
-    matrix = stacked_b(b)
+def _b_matrix(matrix: torch.Tensor, num_slots: int, slots=None) -> torch.Tensor:
+    """A slice's B matrix (slots * rank, out), or its rows of `slots` only."""
     if slots is None:
         return matrix
-    num_slots = b.size(0)
     return matrix.view(num_slots, -1).index_select(0, slots).view(-1, matrix.size(1))
 
 
@@ -862,16 +934,18 @@ def _split_shrink(x, a, reduce_weights, num_slots) -> torch.Tensor:
     return torch.bmm(weights, by_slot).view(num_tokens, rows)
 
 
-def _splits(x, lora_a, reduce_weights) -> bool:
+def _splits(x, lora_a, reduce_weights, plan=None) -> bool:
     """Whether this call's shrink is split: one slice, few tokens, parts that divide."""
     num_tokens, hidden = x.shape
+    if len(lora_a) != 1 or num_tokens > SPLIT_K_MAX_TOKENS:
+        return False
+    plan = plan or layer_plan(lora_a, [])
     return (
-        len(lora_a) == 1
-        and num_tokens <= min(SPLIT_K_MAX_TOKENS, reduce_weights.size(0) // lora_a[0].size(0))
+        num_tokens <= reduce_weights.size(0) // plan.slots
         and hidden % split_k_parts(num_tokens) == 0
         and x.dtype == lora_a[0].dtype == reduce_weights.dtype
         and x.is_contiguous()
-        and _a_shared(lora_a)
+        and plan.a is not None
     )
 
 
@@ -1006,28 +1080,28 @@ if triton is not None:
             tl.store(out, delta.to(y_ptr.dtype.element_ty), mask=c_in)
 
 
-def _gemv_fits(y, x, lora_a, lora_b, weights) -> bool:
+def _gemv_fits(y, x, lora_a, lora_b, weights, plan=None) -> bool:
     """Whether a call takes the GEMV kernels: at most min(GEMV_MAX_TOKENS, slots)
     tokens, A in the shared layout, B rank-major, unit column strides (shapes and
-    strides only, never values)."""
-    if not GEMV_ENABLED or x.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1:
+    strides only, never values). The token count first: a prefill call is out at once."""
+    if not GEMV_ENABLED or x.dim() != 2 or not 0 < x.size(0) <= GEMV_MAX_TOKENS:
         return False
-    a = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_a]
-    b = [w.reshape(w.size(0), 1, w.size(-2), w.size(-1)) for w in lora_b]
-    slots, _, rank, hidden = a[0].shape
+    plan = plan or layer_plan(lora_a, lora_b)
     return (
-        0 < x.size(0) <= min(GEMV_MAX_TOKENS, slots)
-        and _a_shared(a)
-        and hidden == x.size(1)
-        and all(_b_is_rank_major(w) and w.size(0) == slots and w.size(3) == rank for w in b)
-        and y.size(1) >= sum(w.size(2) for w in b)
+        x.size(0) <= plan.slots
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+        and plan.a is not None
+        and plan.b is not None
+        and plan.hidden == x.size(1)
+        and y.size(1) >= sum(plan.widths)
         and weights.size(0) >= x.size(0)
-        and weights.size(1) == slots
+        and weights.size(1) == plan.slots
         and weights.stride(1) == 1
     )
 
 
-def gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs) -> bool:
+def gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs, plan=None) -> bool:
     """add_lora_linear through the GEMV kernels; False (nothing done) when the call
     does not fit them or Triton cannot be imported.
 
@@ -1039,11 +1113,12 @@ def gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs) -> bool:
     stale vLLM mapping is never read) and multiplied by its weight (NaN for
     a bad adapter).
     """
-    if triton is None or not _gemv_fits(y, x, lora_a, lora_b, weights):
+    plan = plan or layer_plan(lora_a, lora_b)
+    if triton is None or not _gemv_fits(y, x, lora_a, lora_b, weights, plan):
         return False
-    a = _a_matrix(lora_a)
+    a = plan.a
     num_tokens, hidden = x.shape
-    num_slots, rank = lora_a[0].size(0), lora_a[0].size(-2)
+    num_slots, rank = plan.slots, plan.rank
     rows = len(lora_a) * rank
     parts = torch.empty(num_tokens, GEMV_SPLIT_K, rows, dtype=torch.float32, device=x.device)
     blocks = -(-hidden // GEMV_BLOCK_K)
@@ -1056,8 +1131,7 @@ def gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs) -> bool:
     )  # fmt: skip
     block_r = gemv_block_r(rank)
     offset = 0
-    for s, stacked in enumerate(lora_b):
-        b = stacked_b(stacked)
+    for s, b in enumerate(plan.b):
         width = b.size(1)
         grid = (num_tokens, -(-width // GEMV_BLOCK_W))
         _gemv_expand_kernel[grid](
@@ -1093,21 +1167,22 @@ def _linear(y, x, lora_a, lora_b, weights, reduce_weights, no_lora, no_lora_flag
     """
     if no_lora_flag.item():  # a CPU tensor, as the Triton ops check it
         return
-    if _gemv_device(x) and gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs):
+    plan = layer_plan(lora_a, lora_b)
+    if _gemv_device(x) and gemv_linear(y, x, lora_a, lora_b, weights, scale, add_inputs, plan):
         return
     num_tokens = x.size(0)
-    if _splits(x, lora_a, reduce_weights):
-        h = _split_shrink(x, _a_matrix(lora_a), reduce_weights, lora_a[0].size(0))
-        b = stacked_b(lora_b[0])
-        _add_expand(y, h, b, 0, no_lora[:num_tokens], scale, add_inputs)
+    no_lora = no_lora[:num_tokens]
+    if _splits(x, lora_a, reduce_weights, plan):
+        h = _split_shrink(x, plan.a, reduce_weights, plan.slots)
+        _add_expand(y, h, plan.b_matrix(lora_b, 0), 0, no_lora, scale, add_inputs)
         return
-    slots = active_slots(x, active, lora_a, lora_b)
-    shrunk = _weighted_shrink(x, lora_a, weights, slots)
+    slots = active_slots(x, active, plan)
+    shrunk = _weighted_shrink(x, lora_a, weights, slots, plan.a_matrix(lora_a))
     offset = 0
-    for s, b in enumerate(lora_b):
-        h = shrunk[:, s].reshape(num_tokens, -1)
-        _add_expand(y, h, _b_matrix(b, slots), offset, no_lora[:num_tokens], scale, add_inputs)
-        offset += b.size(-2)
+    for s, width in enumerate(plan.widths):
+        b = _b_matrix(plan.b_matrix(lora_b, s), plan.slots, slots)
+        _add_expand(y, shrunk[:, s], b, offset, no_lora, scale, add_inputs)
+        offset += width
 
 
 def _add_expand(y, h, b, offset, no_lora, scale, add_inputs) -> None:
@@ -1137,7 +1212,9 @@ def _shrink(inputs, lora_a, output, mapping, lora_ids, no_lora_flag, scale) -> N
         return
     slices, num_tokens = len(lora_a), inputs.size(0)
     weights, _ = _batch_weights(mapping, lora_ids, lora_a[0].size(0), lora_a[0].dtype)
-    shrunk = _weighted_shrink(inputs, lora_a, weights)
+    shrunk = _weighted_shrink(inputs, lora_a, weights).view(
+        num_tokens, slices, -1, lora_a[0].size(-2)
+    )
     summed = shrunk.sum(dim=2, dtype=torch.float32)  # one slot per token: a pick, not a sum
     if scale != 1.0:
         summed.mul_(scale)
@@ -1158,98 +1235,113 @@ def _expand(inputs, lora_b, output, mapping, lora_ids, no_lora_flag, offset, add
         offset += b.size(1)
 
 
+OPS_NAMESPACE = "patchkit_lora"
+OPS_DEVICES = ("CPU", "CUDA")  # the dispatch keys the ops are registered for
+
+
+def lora_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    scaling: float,
+) -> None:
+    """The registered patchkit_lora::lora_shrink (through _IMPL: see _register_ops)."""
+    _IMPL["shrink"](
+        inputs, lora_a_weights, output_tensor, token_lora_mapping, lora_ids, no_lora_flag_cpu,
+        scaling,
+    )  # fmt: skip
+
+
+def lora_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    offset_start: int,
+    add_inputs: bool,
+) -> None:
+    """The registered patchkit_lora::lora_expand."""
+    _IMPL["expand"](
+        inputs, lora_b_weights, output_tensor, token_lora_mapping, lora_ids, no_lora_flag_cpu,
+        offset_start, add_inputs,
+    )  # fmt: skip
+
+
+def add_lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_weights: list[torch.Tensor],
+    lora_b_weights: list[torch.Tensor],
+    slot_weights: torch.Tensor,
+    reduce_weights: torch.Tensor,
+    no_lora: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    scale: float,
+    add_inputs: bool,
+    # typing.Optional: the spelling of torch's own table of schema types, which
+    # infer_schema looks each annotation up in
+    active_index: typing.Optional[torch.Tensor] = None,  # noqa: UP045
+    active_state_cpu: typing.Optional[torch.Tensor] = None,  # noqa: UP045
+) -> None:
+    """The registered patchkit_lora::add_lora_linear."""
+    active = None if active_index is None else (active_index, active_state_cpu)
+    _IMPL["linear"](
+        y, x, lora_a_weights, lora_b_weights, slot_weights, reduce_weights, no_lora,
+        no_lora_flag_cpu, scale, add_inputs, active,
+    )  # fmt: skip
+
+
+def _no_output(*args) -> None:
+    """The ops' fake (meta) implementation: they only write into their arguments."""
+
+
+def _infer_schema(func, mutates_args) -> str:
+    infer = getattr(torch.library, "infer_schema", None)
+    if infer is None:  # torch before 2.5
+        from torch._library.infer_schema import infer_schema as infer
+    return infer(func, mutates_args=mutates_args)
+
+
 def _register_ops():
     """Register the ops once per process, opaque to torch.compile like vLLM's Triton ops.
 
-    As custom ops that mutate their output (the same contract as vLLM's
+    As ops that mutate their output (the same contract as vLLM's
     lora_shrink/lora_expand), torch.compile keeps each as one call and CUDA
-    graphs capture the kernels inside; inductor never re-lowers them. The
-    registered functions call this module's through `_IMPL`, so a module
-    imported again (tests, importlib.reload) serves the ops with its own
-    functions and its own slot masks.
+    graphs capture the kernels inside; inductor never re-lowers them.
+    Registered the way vLLM's direct_register_custom_op registers its own
+    (a Library's define and impl, a fake for torch.compile), not with
+    torch.library.custom_op, whose dispatch costs several times more host time
+    a call (scripts/bench_lora_host.py; docs/evidence.md): every LoRA call of a
+    prefill step too large for vLLM's CUDA graphs pays it. The registered
+    functions call this module's through `_IMPL`, so a module imported again
+    (tests, importlib.reload) serves the ops with its own functions and its
+    own slot masks; the Library lives in _IMPL too, for the process (its
+    registrations end with it).
     """
     _IMPL.update(shrink=_shrink, expand=_expand, linear=_linear)
-    namespace = torch.ops.patchkit_lora
-    if hasattr(namespace, "add_lora_linear"):  # this module was imported before
-        return namespace.lora_shrink, namespace.lora_expand, namespace.add_lora_linear
-
-    @torch.library.custom_op("patchkit_lora::lora_shrink", mutates_args=("output_tensor",))
-    def lora_shrink(
-        inputs: torch.Tensor,
-        lora_a_weights: list[torch.Tensor],
-        output_tensor: torch.Tensor,
-        token_lora_mapping: torch.Tensor,
-        lora_ids: torch.Tensor,
-        no_lora_flag_cpu: torch.Tensor,
-        scaling: float,
-    ) -> None:
-        _IMPL["shrink"](
-            inputs,
-            lora_a_weights,
-            output_tensor,
-            token_lora_mapping,
-            lora_ids,
-            no_lora_flag_cpu,
-            scaling,
-        )
-
-    @torch.library.custom_op("patchkit_lora::lora_expand", mutates_args=("output_tensor",))
-    def lora_expand(
-        inputs: torch.Tensor,
-        lora_b_weights: list[torch.Tensor],
-        output_tensor: torch.Tensor,
-        token_lora_mapping: torch.Tensor,
-        lora_ids: torch.Tensor,
-        no_lora_flag_cpu: torch.Tensor,
-        offset_start: int,
-        add_inputs: bool,
-    ) -> None:
-        _IMPL["expand"](
-            inputs,
-            lora_b_weights,
-            output_tensor,
-            token_lora_mapping,
-            lora_ids,
-            no_lora_flag_cpu,
-            offset_start,
-            add_inputs,
-        )
-
-    @torch.library.custom_op("patchkit_lora::add_lora_linear", mutates_args=("y",))
-    def add_lora_linear(
-        y: torch.Tensor,
-        x: torch.Tensor,
-        lora_a_weights: list[torch.Tensor],
-        lora_b_weights: list[torch.Tensor],
-        slot_weights: torch.Tensor,
-        reduce_weights: torch.Tensor,
-        no_lora: torch.Tensor,
-        no_lora_flag_cpu: torch.Tensor,
-        scale: float,
-        add_inputs: bool,
-        # typing.Optional: the spelling of torch's own table of schema types, which
-        # infer_schema looks each annotation up in
-        active_index: typing.Optional[torch.Tensor] = None,  # noqa: UP045
-        active_state_cpu: typing.Optional[torch.Tensor] = None,  # noqa: UP045
-    ) -> None:
-        active = None if active_index is None else (active_index, active_state_cpu)
-        _IMPL["linear"](
-            y,
-            x,
-            lora_a_weights,
-            lora_b_weights,
-            slot_weights,
-            reduce_weights,
-            no_lora,
-            no_lora_flag_cpu,
-            scale,
-            add_inputs,
-            active,
-        )
-
-    for op in (lora_shrink, lora_expand, add_lora_linear):
-        op.register_fake(lambda *args: None)
-    return namespace.lora_shrink, namespace.lora_expand, namespace.add_lora_linear
+    namespace = getattr(torch.ops, OPS_NAMESPACE)
+    if "library" not in _IMPL:
+        library = _IMPL["library"] = torch.library.Library(OPS_NAMESPACE, "FRAGMENT")
+        for func, mutates in (
+            (lora_shrink, ("output_tensor",)),
+            (lora_expand, ("output_tensor",)),
+            (add_lora_linear, ("y",)),
+        ):
+            name = func.__name__
+            library.define(name + _infer_schema(func, mutates))
+            for key in OPS_DEVICES:
+                library.impl(name, func, key)
+            torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", _no_output, lib=library)
+    return (
+        namespace.lora_shrink.default,
+        namespace.lora_expand.default,
+        namespace.add_lora_linear.default,
+    )
 
 
 # One dict per process, shared by every import of this module (see _register_ops).
