@@ -48,7 +48,9 @@
 # poisoned adapter on the default set's torch path (poison-torch: it must FAIL on
 # `poisoned` only, the quarantine line naming it in its engines' logs; about 300 s
 # of GS_BENCH_END). GS_KERNELS=1 runs verify's GPU kernel checks (no --e2e, no
-# --model) on the default set first, alone (kernels.txt). GS_KV_GIB (4) is each
+# --model) on the default set first, alone (kernels.txt); GS_HOST_BENCH=1 then the
+# LoRA op's host time a call (lora-host-N.json: this tree's module, then those of
+# GS_HOST_BEFORE, earlier commits' module files). GS_KV_GIB (4) is each
 # engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives each
 # engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
 # topology into cpus.txt).
@@ -145,6 +147,9 @@ summary() {
 s = json.load(open(sys.argv[1]))['proofs']; print({k: v.get('checks', v) for k, v in s.items()})" \
     "$G/probe/summary.json" 2>&1 | cut -c1-600
   [ -f "$G/probe-kernels.txt" ] && grep -v '^check ' "$G/probe-kernels.txt" | tail -8
+  for f in "$G"/lora-host-*.txt; do # GS_HOST_BENCH: microseconds a call, per route
+    [ -e "$f" ] && { echo "== $(basename "$f" .txt)"; grep -o '"route.*' "$f" | tr -d '"{}' | head -14; }
+  done
   [ -f "$G/bench/serving.md" ] && head -12 "$G/bench/serving.md"
   for f in "$G"/serving-*.md; do [ -e "$f" ] && { echo "== $(basename "$f")"; grep '^|' "$f" | head -14; }; done
   [ -f "$G/bench.log" ] && tail -3 "$G/bench.log"
@@ -200,6 +205,16 @@ one() {
 }
 
 lane() { for run in "$@"; do one "$run"; done; }
+
+host_bench() {
+  local module n=0
+  for module in "" ${GS_HOST_BEFORE:-}; do
+    say "host bench ${module:-(this tree)}"
+    do_ env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_lora_host.py --device cuda \
+      ${module:+--module "$module"} --json "$G/lora-host-$n.json" >"$G/lora-host-$n.txt" 2>&1
+    n=$((n + 1))
+  done
+}
 
 # detach COPY STEP: run STEP from a snapshot $G/repo-COPY in a session of its own
 # that outlives the call, its output in $G/STEP.log. The subshell's own descriptors
@@ -291,6 +306,9 @@ serving() {
   [ "${GS_POISON:-0}" = 1 ] && RUN_LIMIT=${GS_POISON_LIMIT:-420} one poison-torch # 254-283 s so far
   # GS_KERNELS=1: verify's kernel checks on the default set (29 s on 2026-12-01h), alone
   [ "${GS_KERNELS:-0}" = 1 ] && RUN_LIMIT=180 one kernels
+  # GS_HOST_BENCH=1: the LoRA op's host time a call (scripts/bench_lora_host.py), the
+  # working tree's module, then each module file of GS_HOST_BEFORE (an earlier commit's)
+  [ "${GS_HOST_BENCH:-0}" = 1 ] && host_bench
   clock_log &
   local clocks=$!
   local bs=(env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk"
