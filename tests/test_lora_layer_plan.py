@@ -12,11 +12,13 @@ token by token, from the adapters' own weights.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
 
-from tests.conftest import assert_close_to, same_bits
+from tests.conftest import REPO, assert_close_to, same_bits
 from tests.punica_harness import (
     FAMILIES,
     SLOTS,
@@ -176,3 +178,87 @@ def test_compiled_calls_reuse_the_plan(wrapper_module, monkeypatch):
         out = compiled(x, y.clone())
         assert_result(out, y, x, slots, adapters, widths)
     assert made == [1]
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+def test_strides_changed_in_place_get_a_new_plan(wrapper_module):
+    """A tensor re-strided in place keeps its address (`as_strided_`): the plan checks
+    shape and strides too, not the address alone, so the call reads the new layout."""
+    version, punica_gpu, ops = wrapper_module
+    widths = (64, 32, 48)
+    wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths)
+    call(wrapper, layer, x, y, widths)
+    plan = layer.lora_a_stacked[0].__dict__[ops["PLAN_ATTR"]]
+    b = layer.lora_b_stacked[1]
+    row_major = b.contiguous()  # the same values, in (slots, 1, width, rank) order
+    address = b.data_ptr()
+    b.as_strided_(b.shape, row_major.stride())
+    b.copy_(row_major)
+    assert b.data_ptr() == address and not ops["_b_is_rank_major"](b)
+    assert_result(call(wrapper, layer, x, y, widths), y, x, slots, adapters, widths)
+    assert layer.lora_a_stacked[0].__dict__[ops["PLAN_ATTR"]] is not plan
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.26.0", "0.32.0"], indirect=True)
+def test_a_plan_made_under_inference_mode_serves_a_call_with_autograd(wrapper_module):
+    """vLLM's forwards run under inference_mode; the plan made there is of normal tensors,
+    so a later call with an input that needs gradients (a test, a user's own code) works
+    as it did before the plan."""
+    version, punica_gpu, ops = wrapper_module
+    for widths in WIDTHS:
+        tokens = tokens_for(widths)
+        wrapper, layer, adapters, slots, x, y = setup(version, punica_gpu, widths, tokens=tokens)
+        with torch.inference_mode():
+            call(wrapper, layer, x, y, widths)
+        plan = layer.lora_a_stacked[0].__dict__[ops["PLAN_ATTR"]]
+        assert not any(m.is_inference() for m in (plan.a, *plan.b))
+        out = call(wrapper, layer, x.clone().requires_grad_(), y, widths)
+        assert_result(out.detach(), y, x, slots, adapters, widths)
+
+
+OPS = {"lora_shrink": "output_tensor", "lora_expand": "output_tensor", "add_lora_linear": "y"}
+
+
+@pytest.mark.parametrize("wrapper_module", ["0.26.0"], indirect=True)
+def test_the_ops_are_registered_for_cpu_cuda_and_fake_and_write_only_their_output(
+    wrapper_module,
+):
+    """The registration itself: a kernel for CPU and CUDA and a fake (Meta: torch.compile
+    traces with it), and in the schema one written argument, the output, as vLLM's
+    lora_shrink/lora_expand declare theirs (torch.compile keeps the write)."""
+    for name, written in OPS.items():
+        qualified = f"patchkit_lora::{name}"
+        for key in ("CPU", "CUDA", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key), (name, key)
+        schema = getattr(torch.ops.patchkit_lora, name).default._schema
+        writes = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+        assert writes == [written], (name, writes)
+        assert not schema.returns
+
+
+REIMPORT = """
+import sys
+from pathlib import Path
+import torch
+from tests.conftest import created_source, module_from_source
+module = "vllm/lora/punica_wrapper/patchkit_lora_matmul.py"
+source = created_source("matmul-add-lora-linear", module)
+first = module_from_source("first_copy", source, Path(sys.argv[1]))
+del sys.modules["patchkit_lora_matmul_impl"]  # the ops' table gone, the ops still registered
+second = module_from_source("second_copy", source, Path(sys.argv[1]))
+flag, y = torch.tensor(True), torch.zeros(2, 4)
+torch.ops.patchkit_lora.add_lora_linear(y, torch.ones(2, 4), [torch.ones(1, 1, 2, 4)],
+    [torch.ones(1, 1, 4, 2)], torch.ones(2, 1), torch.ones(2, 1, 8), torch.ones(2, 1,
+    dtype=torch.bool), flag, 1.0, True)
+print("ok", y.abs().sum().item())
+"""
+
+
+def test_a_second_import_after_the_ops_table_is_gone_reuses_the_registered_ops(tmp_path):
+    """The ops are registered once a process; a module imported again when the table
+    that holds the Library is gone (a reloaded worker's sys.modules) finds them in
+    torch.ops instead of defining them twice, which torch refuses."""
+    done = subprocess.run([sys.executable, "-c", REIMPORT, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "0.0"]  # the no-LoRA flag: y untouched

@@ -844,8 +844,9 @@ class LayerPlan:
     would outlive the layer), so vLLM's set_lora writes reach them as before. A
     layout that needs a copy (A outside the shared storage, B not rank-major) is
     not kept: that copy is made on every call, as the weights change. `current`
-    checks on each call that the tensors still have the storage the plan was made
-    for.
+    checks on each call that the tensors still have the storage, shape and
+    strides the plan was made for (vLLM only writes into them, but a tensor
+    changed in place, `set_`, `resize_` or `as_strided_`, gets a new plan).
     """
 
     __slots__ = ("pointers", "slots", "rank", "hidden", "widths", "work", "a", "b")
@@ -874,13 +875,17 @@ class LayerPlan:
 
 
 def _pointers(lora_a: list, lora_b: list) -> tuple:
-    return (len(lora_a), *(w.data_ptr() for w in lora_a), *(w.data_ptr() for w in lora_b))
+    """What a plan is made from: each tensor's address, shape and strides."""
+    return (len(lora_a), *((w.data_ptr(), w.shape, w.stride()) for w in (*lora_a, *lora_b)))
 
 
 def _own_tensor(view: torch.Tensor) -> torch.Tensor:
-    """A tensor on `view`'s storage, offset and strides that is not a view of its base."""
-    own = torch.empty(0, dtype=view.dtype, device=view.device)
-    return own.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    """A tensor on `view`'s storage, offset and strides that is not a view of its base.
+    A normal tensor even when made under inference_mode (vLLM's forward), so that a
+    later call with autograd on can use it as it uses the weights."""
+    with torch.inference_mode(False):
+        own = torch.empty(0, dtype=view.dtype, device=view.device)
+        return own.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def layer_plan(lora_a: list, lora_b: list) -> LayerPlan:
@@ -1325,7 +1330,7 @@ def _register_ops():
     """
     _IMPL.update(shrink=_shrink, expand=_expand, linear=_linear)
     namespace = getattr(torch.ops, OPS_NAMESPACE)
-    if "library" not in _IMPL:
+    if "library" not in _IMPL and not hasattr(namespace, "add_lora_linear"):
         library = _IMPL["library"] = torch.library.Library(OPS_NAMESPACE, "FRAGMENT")
         for func, mutates in (
             (lora_shrink, ("output_tensor",)),
