@@ -26,6 +26,7 @@ patchkit_lora_matmul.py`), one module a process: each registers the same ops.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import platform
@@ -100,6 +101,12 @@ def aten_ops(call) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+def sha256(path: Path) -> str:
+    """The measured module's digest: which code ran, where the checkout's commit is not
+    known (a copy of the tree on another host may carry a stale or no .git)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -121,7 +128,8 @@ def main() -> int:
     m.ACTIVE_MIN_WORK = 0  # tiny shapes: narrow wherever the batch allows
     m.SPLIT_K_MAX_TOKENS = SPLIT_K_MAX_TOKENS
     op = torch.ops.patchkit_lora.add_lora_linear.default
-    info = dict(commit=commit(), module=str(args.module), host=platform.node(), device=args.device,
+    info = dict(commit=commit(), module=str(args.module), module_sha256=sha256(args.module),
+                host=platform.node(), device=args.device,
                 torch=torch.__version__, python=platform.python_version())  # fmt: skip
     print(json.dumps(info), flush=True)
     rows = []
