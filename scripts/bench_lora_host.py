@@ -17,6 +17,10 @@ kernels' own time is negligible, and each case reports microseconds per call
   gemv    4       the Triton GEMVs (CUDA only)
 
   python scripts/bench_lora_host.py [--device cpu|cuda] [--module FILE] [--json FILE]
+        [--gemv-without-launches]
+
+--gemv-without-launches (CPU): the GEMV route too, its two kernels' launches replaced
+by nothing, so that the route's own Python work is timed apart from the launches.
 
 --module measures another copy of the module (an earlier commit's, from `git
 show REV:patches/matmul-add-lora-linear/files/vllm/lora/punica_wrapper/
@@ -81,6 +85,21 @@ def op_arguments(m, device, slices, tokens, used) -> tuple:
             active.state_cpu)  # fmt: skip
 
 
+class NoLaunch:
+    """A Triton kernel whose launch does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def without_gemv_launches(m) -> None:
+    """The module's GEMV route taken on the CPU, its kernels launching nothing."""
+    m._gemv_shrink_kernel = m._gemv_expand_kernel = NoLaunch()
+    m._gemv_device = lambda x: True
+    if m.triton is None:  # a CPU install without Triton: the route only checks it is there
+        m.triton = object()
+
+
 def per_call_us(call, device, calls: int, repeats: int) -> float:
     runs = []
     for _ in range(repeats + 1):  # the first run warms up
@@ -123,18 +142,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--module", type=Path, default=MODULE)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--gemv-without-launches", action="store_true")
     args = parser.parse_args()
     m = load_module(args.module)
+    if args.gemv_without_launches:
+        without_gemv_launches(m)
     m.ACTIVE_MIN_WORK = 0  # tiny shapes: narrow wherever the batch allows
     m.SPLIT_K_MAX_TOKENS = SPLIT_K_MAX_TOKENS
     op = torch.ops.patchkit_lora.add_lora_linear.default
     info = dict(commit=commit(), module=str(args.module), module_sha256=sha256(args.module),
                 host=platform.node(), device=args.device,
+                gemv_without_launches=args.gemv_without_launches,
                 torch=torch.__version__, python=platform.python_version())  # fmt: skip
     print(json.dumps(info), flush=True)
     rows = []
     for route, (tokens, used) in ROUTES.items():
-        if route == "gemv" and args.device != "cuda":
+        if route == "gemv" and args.device != "cuda" and not args.gemv_without_launches:
             continue
         for slices in SLICES if route != "split" else (1,):
             arguments = op_arguments(m, args.device, slices, tokens, used)
