@@ -49,8 +49,9 @@
 # `poisoned` only, the quarantine line naming it in its engines' logs; about 300 s
 # of GS_BENCH_END). GS_KERNELS=1 runs verify's GPU kernel checks (no --e2e, no
 # --model) on the default set first, alone (kernels.txt); GS_HOST_BENCH=1 then the
-# LoRA op's host time a call (lora-host-N.json: this tree's module, then those of
-# GS_HOST_BEFORE, earlier commits' module files). GS_KV_GIB (4) is each
+# LoRA op's host time a call (lora-host-R-N.json: round R, this tree's module as N=0,
+# then those of GS_HOST_BEFORE, earlier commits' module files; GS_HOST_ROUNDS rounds).
+# GS_KV_GIB (4) is each
 # engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives each
 # engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
 # topology into cpus.txt).
@@ -206,13 +207,19 @@ one() {
 
 lane() { for run in "$@"; do one "$run"; done; }
 
+# GS_HOST_ROUNDS (1) rounds, each module once a round in turn: the host's speed
+# drifts between runs (2026-12-02k), so modules are compared round by round
 host_bench() {
-  local module n=0
-  for module in "" ${GS_HOST_BEFORE:-}; do
-    say "host bench ${module:-(this tree)}"
-    do_ env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_lora_host.py --device cuda \
-      ${module:+--module "$module"} --json "$G/lora-host-$n.json" >"$G/lora-host-$n.txt" 2>&1
-    n=$((n + 1))
+  local module n round
+  for round in $(seq 1 "${GS_HOST_ROUNDS:-1}"); do
+    n=0
+    for module in "" ${GS_HOST_BEFORE:-}; do
+      say "host bench round $round: ${module:-(this tree)}"
+      do_ env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_lora_host.py --device cuda \
+        ${module:+--module "$module"} --json "$G/lora-host-$round-$n.json" \
+        >"$G/lora-host-$round-$n.txt" 2>&1
+      n=$((n + 1))
+    done
   done
 }
 
