@@ -144,6 +144,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gemv-without-launches", action="store_true")
     args = parser.parse_args()
+    if args.gemv_without_launches and args.device != "cpu":
+        parser.error("--gemv-without-launches is for the CPU: on CUDA the launches are real")
     m = load_module(args.module)
     if args.gemv_without_launches:
         without_gemv_launches(m)

@@ -207,18 +207,20 @@ one() {
 
 lane() { for run in "$@"; do one "$run"; done; }
 
-# GS_HOST_ROUNDS (1) rounds, each module once a round in turn: the host's speed
-# drifts between runs (2026-12-02k), so modules are compared round by round
+# GS_HOST_ROUNDS (1) rounds, each module once a round, in reverse order every other
+# round (ABBA): the host's speed drifts between runs by up to a quarter
+# (2026-12-02k), so modules are compared round by round, not by one run each
 host_bench() {
-  local module n round
+  local module n round modules=("" ${GS_HOST_BEFORE:-}) order
   for round in $(seq 1 "${GS_HOST_ROUNDS:-1}"); do
-    n=0
-    for module in "" ${GS_HOST_BEFORE:-}; do
+    order=$(seq 0 $((${#modules[@]} - 1)))
+    [ $((round % 2)) = 0 ] && order=$(seq $((${#modules[@]} - 1)) -1 0)
+    for n in $order; do
+      module=${modules[$n]}
       say "host bench round $round: ${module:-(this tree)}"
       do_ env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/bench_lora_host.py --device cuda \
         ${module:+--module "$module"} --json "$G/lora-host-$round-$n.json" \
         >"$G/lora-host-$round-$n.txt" 2>&1
-      n=$((n + 1))
     done
   done
 }
@@ -314,7 +316,8 @@ serving() {
   # GS_KERNELS=1: verify's kernel checks on the default set (29 s on 2026-12-01h), alone
   [ "${GS_KERNELS:-0}" = 1 ] && RUN_LIMIT=180 one kernels
   # GS_HOST_BENCH=1: the LoRA op's host time a call (scripts/bench_lora_host.py), the
-  # working tree's module, then each module file of GS_HOST_BEFORE (an earlier commit's)
+  # working tree's module and each module file of GS_HOST_BEFORE (an earlier commit's),
+  # GS_HOST_ROUNDS rounds
   [ "${GS_HOST_BENCH:-0}" = 1 ] && host_bench
   clock_log &
   local clocks=$!
