@@ -864,7 +864,8 @@ class LayerPlan:
         self.b = tuple(_own_tensor(stacked_b(w)) for w in b) if rank_major else None
 
     def current(self, lora_a: list, lora_b: list) -> bool:
-        """Whether the call's tensors are still on the storage this plan reads."""
+        """Whether the call's tensors still have the storage, shapes and strides this
+        plan reads them by."""
         return self.pointers == _pointers(lora_a, lora_b)
 
     def a_matrix(self, lora_a: list) -> torch.Tensor:
@@ -889,9 +890,9 @@ def _own_tensor(view: torch.Tensor) -> torch.Tensor:
 
 
 def layer_plan(lora_a: list, lora_b: list) -> LayerPlan:
-    """The layer's LayerPlan, kept on its first A tensor; made again when the tensors'
-    storage changed. (A tensor object new on every call would get a new plan every
-    call: the same results, only not faster.)"""
+    """The layer's LayerPlan, kept on its first A tensor; made again when a tensor's
+    storage, shape or strides changed. (A tensor object new on every call would get a
+    new plan every call: the same results, only not faster.)"""
     held = lora_a[0].__dict__
     plan = held.get(PLAN_ATTR)
     if plan is None or not plan.current(lora_a, lora_b):
@@ -1305,13 +1306,6 @@ def _no_output(*args) -> None:
     """The ops' fake (meta) implementation: they only write into their arguments."""
 
 
-def _infer_schema(func, mutates_args) -> str:
-    infer = getattr(torch.library, "infer_schema", None)
-    if infer is None:  # torch before 2.5
-        from torch._library.infer_schema import infer_schema as infer
-    return infer(func, mutates_args=mutates_args)
-
-
 def _register_ops():
     """Register the ops once per process, opaque to torch.compile like vLLM's Triton ops.
 
@@ -1338,7 +1332,7 @@ def _register_ops():
             (add_lora_linear, ("y",)),
         ):
             name = func.__name__
-            library.define(name + _infer_schema(func, mutates))
+            library.define(name + torch.library.infer_schema(func, mutates_args=mutates))
             for key in OPS_DEVICES:
                 library.impl(name, func, key)
             torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", _no_output, lib=library)
