@@ -945,7 +945,7 @@ def _splits(x, lora_a, reduce_weights, plan=None) -> bool:
     num_tokens, hidden = x.shape
     if len(lora_a) != 1 or num_tokens > SPLIT_K_MAX_TOKENS:
         return False
-    plan = plan or layer_plan(lora_a, [])
+    plan = plan or LayerPlan(lora_a, [])  # on its own (tests): the layer's plan untouched
     return (
         num_tokens <= reduce_weights.size(0) // plan.slots
         and hidden % split_k_parts(num_tokens) == 0
