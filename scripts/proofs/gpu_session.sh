@@ -51,10 +51,9 @@
 # --model) on the default set first, alone (kernels.txt); GS_HOST_BENCH=1 then the
 # LoRA op's host time a call (lora-host-R-N.json: round R, this tree's module as N=0,
 # then those of GS_HOST_BEFORE, earlier commits' module files; GS_HOST_ROUNDS rounds).
-# GS_KV_GIB (4) is each
-# engine's KV cache: less of it fits more engines on the GPU. GS_PIN=1 gives each
-# engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes the host's CPU
-# topology into cpus.txt).
+# GS_KV_GIB (4) is each engine's KV cache: less of it fits more engines on the GPU.
+# GS_PIN=1 gives each engine CPUs of its own (bench_serving's BENCH_CPUS; b1 writes
+# the host's CPU topology into cpus.txt).
 # Meanwhile clocks.log (the GPU's clocks, power and throttle reasons) and cpu.log
 # (the guest's /proc/stat) are written once a second, mem.log (/proc/meminfo) every 5 s.
 #
