@@ -7,8 +7,8 @@ unpatched vLLM's (docs/evidence.md, 2026-12-02i). This measures that host
 work alone: the op is called the way vLLM's compiled graph calls it
 (torch.ops.patchkit_lora.add_lora_linear) with tiny tensors, so that the
 kernels' own time is negligible, and each case reports microseconds per call
-(median of --repeats runs of --calls calls) and the aten ops one call issues
-(torch.profiler). Loads `patchkit_lora_matmul.py` from patches/.
+(median of --repeats runs of --calls calls; each run's in runs_us) and the aten ops
+one call issues (torch.profiler). Loads `patchkit_lora_matmul.py` from patches/.
 
   route   tokens  what the call takes
   gemm    16      the GEMM route over every slot (16 slots, 15 in use)
@@ -100,7 +100,10 @@ def without_gemv_launches(m) -> None:
         m.triton = object()
 
 
-def per_call_us(call, device, calls: int, repeats: int) -> float:
+def per_call_us(call, device, calls: int, repeats: int) -> list[float]:
+    """µs a call in each of `repeats` runs of `calls` calls, after a warm-up run. All of
+    them, not only their median: a row that differs between two modules in every run
+    is the code's, one whose runs spread as far is the host's (2026-12-02l's GEMM row)."""
     runs = []
     for _ in range(repeats + 1):  # the first run warms up
         start = time.perf_counter()
@@ -109,7 +112,7 @@ def per_call_us(call, device, calls: int, repeats: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs[1:])
+    return runs[1:]
 
 
 def aten_ops(call) -> int:
@@ -168,9 +171,11 @@ def main() -> int:
                 op(*arguments)
 
             with torch.no_grad():
-                us = per_call_us(call, args.device, args.calls, args.repeats)
+                runs = per_call_us(call, args.device, args.calls, args.repeats)
                 ops = aten_ops(call)
-            row = dict(route=route, slices=slices, tokens=tokens, us=round(us, 1), aten_ops=ops)
+            row = dict(route=route, slices=slices, tokens=tokens,
+                       us=round(statistics.median(runs), 1), aten_ops=ops,
+                       runs_us=[round(r, 1) for r in runs])  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
