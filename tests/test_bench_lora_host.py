@@ -22,11 +22,9 @@ pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test e
 
 def test_each_row_keeps_every_run_and_their_median(tmp_path):
     out = tmp_path / "host.json"
-    subprocess.run(
-        [sys.executable, "scripts/bench_lora_host.py", "--calls", "3", "--repeats", "4",
-         "--gemv-without-launches", "--json", str(out)],  # fmt: skip
-        cwd=REPO, check=True, capture_output=True, timeout=300,
-    )
+    bench = [sys.executable, "scripts/bench_lora_host.py", "--calls", "3", "--repeats", "4"]
+    bench += ["--gemv-without-launches", "--json", str(out)]
+    subprocess.run(bench, cwd=REPO, check=True, capture_output=True, timeout=300)
     report = json.loads(out.read_text())
     assert report["info"]["device"] == "cpu" and report["info"]["gemv_without_launches"]
     routes = [(row["route"], row["slices"]) for row in report["rows"]]
