@@ -37,3 +37,38 @@ def test_each_row_keeps_every_run_and_their_median(tmp_path):
         assert len(row["runs_us"]) == 4, row
         assert abs(row["us"] - statistics.median(row["runs_us"])) <= 0.1, row  # both rounded
         assert row["aten_ops"] > 0, row
+
+
+PLANS_MADE = """
+import sys, torch
+sys.path.insert(0, "scripts")
+import bench_lora_host as bench
+module = bench.load_module()
+module.ACTIVE_MIN_WORK = 0
+module.SPLIT_K_MAX_TOKENS = bench.SPLIT_K_MAX_TOKENS
+made = []
+init = module.LayerPlan.__init__
+module.LayerPlan.__init__ = lambda plan, *a: made.append(1) or init(plan, *a)
+op = torch.ops.patchkit_lora.add_lora_linear.default
+for route, (tokens, used) in bench.ROUTES.items():
+    for slices in (bench.SLICES if route in ("gemm", "narrow") else (1,) * (route == "split")):
+        arguments = bench.op_arguments(module, "cpu", slices, tokens, used)
+        made.clear()
+        with torch.no_grad():
+            for _ in range(20):
+                op(*arguments)
+        print(route, slices, len(made))
+"""
+
+
+def test_each_route_makes_its_layer_plan_once():
+    """What the bench times is a call with the layer's plan made: a plan made again on
+    every call (a key that never matches) would be host work the rows hide. Through the
+    op, as vLLM's graph calls it, 20 calls of each CPU route make one plan."""
+    done = subprocess.run(
+        [sys.executable, "-c", PLANS_MADE], cwd=REPO, check=True, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    counts = [line.split() for line in done.stdout.splitlines()]
+    assert len(counts) == 9, done.stdout  # gemm and narrow 1-4 slices, split
+    assert all(made == "1" for _, _, made in counts), done.stdout
