@@ -150,6 +150,30 @@ def test_weights_are_laid_out_once_in_vllms_own_tensors(wrapper_module):
     assert not ops["_FALLBACKS"]
 
 
+@pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
+def test_b_is_laid_out_rank_major_in_the_storage_vllm_allocated(wrapper_module):
+    """B is re-laid in place, a slot at a time, not copied into a new storage: vLLM
+    creates the LoRA layers under a 20 MiB split limit, where a freed B of 20 MiB or
+    more went whole to the next request of that size (0.36 GiB on a 32-layer dense
+    model). Each B keeps its storage and address, holds the same values, rank-major."""
+    version, punica_gpu = wrapper_module
+    ops = punica_gpu.torch_lora_shrink.__globals__
+    widths = (64, 32, 48)
+    wrapper = make_wrapper(punica_gpu, SLOTS, max_tokens=256)
+    layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
+    gen = torch.Generator().manual_seed(7)
+    for b in layer.lora_b_stacked:
+        b.copy_(torch.randn(b.shape, generator=gen))
+    before = [
+        (b.data_ptr(), b.untyped_storage().data_ptr(), b.clone()) for b in layer.lora_b_stacked
+    ]
+    layer.set_mapping(wrapper)
+    for b, (address, storage, values) in zip(layer.lora_b_stacked, before, strict=True):
+        assert (b.data_ptr(), b.untyped_storage().data_ptr()) == (address, storage)
+        assert ops["_b_is_rank_major"](b) and not b.is_contiguous()
+        assert torch.equal(b, values)
+
+
 def direct_children(prof, op_name: str) -> list[str]:
     """aten ops called directly inside each call of op_name, in order."""
     return [

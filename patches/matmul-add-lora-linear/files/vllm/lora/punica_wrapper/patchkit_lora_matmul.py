@@ -470,10 +470,26 @@ def _b_is_rank_major(b: torch.Tensor) -> bool:
 
 
 def _make_b_rank_major(b: torch.Tensor) -> None:
-    """Store B (slots, 1, width, rank) as (slots, rank, width); same tensor, new strides."""
+    """Store B (slots, 1, width, rank) as (slots, rank, width); same tensor, new strides.
+
+    In place, a slot at a time, where B is contiguous (as vLLM makes it): B keeps the
+    block vLLM allocated, and the only temporary is one slot's. A new storage for the
+    whole B freed the old one, and vLLM creates the LoRA layers under a 20 MiB split
+    limit (gpu_worker.load_model), where the allocator hands a freed block of 20 MiB or
+    more whole to a later, smaller request of 20 MiB or more: on the dense 27B-wide
+    model at 16 x r64 each layer's freed gate_up B (34 MiB) went whole to its A join
+    (20 MiB), 0.36 GiB allocated for nothing over 32 layers (docs/evidence.md, 2026-12-03).
+    """
     if _b_is_rank_major(b):
         return
     slots, _, width, rank = b.shape
+    if b.is_contiguous():
+        flat = b.view(slots, width * rank)
+        for slot in range(slots):  # reshape copies the transposed slot before copy_ writes
+            flat[slot].copy_(flat[slot].view(width, rank).t().reshape(-1))
+        b.set_(b.untyped_storage(), b.storage_offset(), b.shape,
+               (rank * width, rank * width, 1, width))  # fmt: skip
+        return
     moved = b.reshape(slots, width, rank).transpose(1, 2).contiguous()
     b.set_(moved.untyped_storage(), 0, b.shape, (rank * width, rank * width, 1, width))
 
@@ -537,10 +553,10 @@ class AdoptedLayer:
         self.b = _as_list(getattr(layer, "lora_b_stacked", None))
         self.masks = masks
         self.layer_key = id(layer)  # how an AdapterLoad finds the layer's module name
+        if len(self.a) > 1 and _slot_shaped(self.a):  # its one new storage before any
+            _share_a_storage(self.a)  # old one is freed (_make_b_rank_major says why)
         for b in self.b:
             _make_b_rank_major(b)
-        if len(self.a) > 1 and _slot_shaped(self.a):
-            _share_a_storage(self.a)
         set_lora, reset_lora = layer.set_lora, layer.reset_lora
 
         def set_lora_then_check(index, *args, **kwargs):
