@@ -11,6 +11,7 @@ float64, token by token, from the adapters' own weights.
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 from packaging.version import Version
@@ -150,28 +151,62 @@ def test_weights_are_laid_out_once_in_vllms_own_tensors(wrapper_module):
     assert not ops["_FALLBACKS"]
 
 
+# (widths, slots, rank, adopted under inference_mode): the shapes where an in-place
+# transposition could go wrong (width == rank, one slot, a width or rank of 1, odd sizes)
+B_LAYOUTS = [
+    ((64, 32, 48), SLOTS, RANK, False),
+    ((16,), 1, 16, False),
+    ((16, 16, 16), 1, 16, False),
+    ((16, 16), 3, 16, True),
+    ((1, 40), 2, 8, False),
+    ((24,), 5, 1, False),
+    ((7, 5, 3), 4, 9, True),
+]
+
+
+@pytest.mark.parametrize("widths,slots,rank,inference", B_LAYOUTS)
 @pytest.mark.parametrize("wrapper_module", FAMILIES, indirect=True)
-def test_b_is_laid_out_rank_major_in_the_storage_vllm_allocated(wrapper_module):
+def test_b_is_laid_out_rank_major_in_the_storage_vllm_allocated(
+    wrapper_module, widths, slots, rank, inference
+):
     """B is re-laid in place, a slot at a time, not copied into a new storage: vLLM
     creates the LoRA layers under a 20 MiB split limit, where a freed B of 20 MiB or
     more went whole to the next request of that size (0.36 GiB on a 32-layer dense
-    model). Each B keeps its storage and address, holds the same values, rank-major."""
+    model). Each B keeps its storage and address, holds the same values, rank-major,
+    and the adapters loaded afterwards are served exactly (a helper's review shapes)."""
     version, punica_gpu = wrapper_module
     ops = punica_gpu.torch_lora_shrink.__globals__
-    widths = (64, 32, 48)
-    wrapper = make_wrapper(punica_gpu, SLOTS, max_tokens=256)
-    layer = Layer(version, widths, SLOTS, RANK, HIDDEN)
+    wrapper = make_wrapper(punica_gpu, slots, max_tokens=512)
+    layer = Layer(version, widths, slots, rank, HIDDEN)
     gen = torch.Generator().manual_seed(7)
-    for b in layer.lora_b_stacked:
+    for b in layer.lora_b_stacked:  # values in every slot: the re-layout must carry them
         b.copy_(torch.randn(b.shape, generator=gen))
     before = [
         (b.data_ptr(), b.untyped_storage().data_ptr(), b.clone()) for b in layer.lora_b_stacked
     ]
-    layer.set_mapping(wrapper)
+    wrapper.patchkit_token_masks.use_dtype(torch.bfloat16)  # its buffers made outside the mode
+    with torch.inference_mode(inference):
+        layer.set_mapping(wrapper)
     for b, (address, storage, values) in zip(layer.lora_b_stacked, before, strict=True):
         assert (b.data_ptr(), b.untyped_storage().data_ptr()) == (address, storage)
-        assert ops["_b_is_rank_major"](b) and not b.is_contiguous()
+        assert ops["_b_is_rank_major"](b)
         assert torch.equal(b, values)
+    adapters = {slot: adapter(slot, widths, rank) for slot in range(slots)}
+    for slot, weights in adapters.items():
+        layer.load(slot, *weights)
+    rnd = random.Random(0)
+    for tokens in (3, 40, 300):
+        token_slots = [rnd.choice([-1, *range(slots)]) for _ in range(tokens)]
+        update(wrapper, punica_gpu, token_slots, slots)
+        x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+        y = torch.randn(tokens, sum(widths), generator=gen).to(torch.bfloat16)
+        out = y.clone()
+        wrapper.add_lora_linear(out, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0, widths)
+        rows = torch.tensor(token_slots) >= 0
+        expected = y.double() + reference(x, token_slots, adapters, widths)
+        assert_close_to(out[rows], expected[rows], torch.bfloat16)
+        assert same_bits(out[~rows], y[~rows])
+    assert not ops["_FALLBACKS"]
 
 
 def direct_children(prof, op_name: str) -> list[str]:
