@@ -44,7 +44,9 @@
 # GS_PROFILE_S seconds a set, 150 by default) on the sets of GS_PROFILE_SETS
 # (default all; - for none), within GS_BENCH_END (1,300 s for this plan) of the
 # start. GS_B64_S (0: an equal share of the time) keeps that many seconds a set for
-# batch 64 and prefill. GS_POISON=1 runs, before the engines start, verify with a
+# batch 64 and prefill. GS_W14 and GS_W64 name other workloads for the two kinds of
+# rounds (a short sitting that measures only the cells still open: GS_W14=decode_b1
+# GS_W64=prefill). GS_POISON=1 runs, before the engines start, verify with a
 # poisoned adapter on the default set's torch path (poison-torch: it must FAIL on
 # `poisoned` only, the quarantine line naming it in its engines' logs; about 300 s
 # of GS_BENCH_END). GS_KERNELS=1 runs verify's GPU kernel checks (no --e2e, no
@@ -351,6 +353,7 @@ serving() {
   for name in "${measure[@]}"; do # batch 1 and 4: their share of what is left
     left=$(((BENCH_END - SECONDS - profiles - reloads - kept) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
+      --workloads ${GS_W14:-decode_b1 decode_b4} \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
     shares=$((shares - 1))
@@ -360,7 +363,7 @@ serving() {
     [ "$b64" = 1 ] || break
     left=$(((BENCH_END - SECONDS - profiles - reloads) / shares))
     do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" --keep \
-      --workloads decode_b64 prefill --json "$G/serving-$name.json" \
+      --workloads ${GS_W64:-decode_b64 prefill} --json "$G/serving-$name.json" \
       --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
     say "serving: $name batch 64 and prefill done"
     shares=$((shares - 1))
