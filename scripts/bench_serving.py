@@ -1015,16 +1015,19 @@ def measured(results: dict) -> list[str]:
 
 
 def pick_workloads(kinds: list[str] | None) -> list[str]:
-    """--workloads decode_b1 prefill ...: each kind's _lora and _base workloads. Without
-    kinds, every workload but reload_lora, which is asked for by name (`reload`): the
-    runs written down before it measured the others only."""
+    """--workloads decode_b1 prefill ...: each kind's _lora and _base workloads; a
+    workload's own name (prefill_base) picks it alone, for rounds of the cells still
+    open (a base cell's legs spread most and need the most rounds). Without kinds,
+    every workload but reload_lora, which is asked for by name (`reload`): the runs
+    written down before it measured the others only."""
     if not kinds:
         return [w for w, spec in WORKLOADS.items() if not spec.get("reload")]
     known = sorted({w.rsplit("_", 1)[0] for w in WORKLOADS})
-    unknown = [k for k in kinds if k not in known]
+    unknown = [k for k in kinds if k not in known and k not in WORKLOADS]
     if unknown:
-        raise SystemExit(f"--workloads {' '.join(unknown)}: known are {', '.join(known)}")
-    return [w for w in WORKLOADS if w.rsplit("_", 1)[0] in kinds]
+        raise SystemExit(f"--workloads {' '.join(unknown)}: known are {', '.join(known)}, "
+                         "or a workload's own name (decode_b1_base)")  # fmt: skip
+    return [w for w in WORKLOADS if w in kinds or w.rsplit("_", 1)[0] in kinds]
 
 
 def mirrored(order: list[str]) -> list[tuple[int, str]]:
@@ -1475,8 +1478,9 @@ def main() -> int:
     for step in (go, more):
         step.add_argument("--workloads", nargs="+", metavar="KIND",
                           help="only these workloads, each with LoRA and base: decode_b64, "
-                               "decode_b4, decode_b1, prefill (default: all; for `more`, "
-                               "those of the step before)")  # fmt: skip
+                               "decode_b4, decode_b1, prefill, or one alone by its name "
+                               "(prefill_base) (default: all; for `more`, those of the "
+                               "step before)")  # fmt: skip
     go.add_argument(
         "--after",
         type=Path,

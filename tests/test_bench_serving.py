@@ -787,6 +787,17 @@ def test_the_reload_kind_picks_its_one_workload():
     assert module.pick_workloads(None) == [w for w in module.WORKLOADS if w != "reload_lora"]
 
 
+def test_a_workload_named_alone_is_picked_alone():
+    """Rounds of the cells still open: a base cell by its own name, without its LoRA twin."""
+    module = bench()
+    assert module.pick_workloads(["prefill_base", "decode_b1_base"]) == [
+        "decode_b1_base", "prefill_base"]  # fmt: skip
+    assert module.pick_workloads(["decode_b1", "prefill_base"]) == [
+        "decode_b1_lora", "decode_b1_base", "prefill_base"]  # fmt: skip
+    with pytest.raises(SystemExit, match="prefill_bas: known are"):
+        module.pick_workloads(["prefill_bas"])
+
+
 def test_a_leg_the_engine_could_not_run_fails_its_round_not_the_engine(tmp_path):
     """An engine answers a failed leg with its error and serves on; the run drops the
     round and keeps the error, as for an engine that did not answer."""
