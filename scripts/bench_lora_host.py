@@ -17,10 +17,15 @@ one call issues (torch.profiler). Loads `patchkit_lora_matmul.py` from patches/.
   gemv    4       the Triton GEMVs (CUDA only)
 
   python scripts/bench_lora_host.py [--device cpu|cuda] [--module FILE] [--json FILE]
-        [--gemv-without-launches]
+        [--gemv-without-launches] [--plan-key]
 
 --gemv-without-launches (CPU): the GEMV route too, its two kernels' launches replaced
 by nothing, so that the route's own Python work is timed apart from the launches.
+
+--plan-key: instead of the op, the check each call makes of its layer's plan (the
+key `_pointers` of the call's A and B, made and compared with the plan's, 1-4
+slices; route `plan-key`): what a module's key adds to every call, apart from the
+rest of its host work.
 
 --module measures another copy of the module (an earlier commit's, from `git
 show REV:patches/matmul-add-lora-linear/files/vllm/lora/punica_wrapper/
@@ -146,6 +151,7 @@ def main() -> int:
     parser.add_argument("--module", type=Path, default=MODULE)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gemv-without-launches", action="store_true")
+    parser.add_argument("--plan-key", action="store_true")
     args = parser.parse_args()
     if args.gemv_without_launches and args.device != "cpu":
         parser.error("--gemv-without-launches is for the CPU: on CUDA the launches are real")
@@ -160,6 +166,37 @@ def main() -> int:
                 gemv_without_launches=args.gemv_without_launches,
                 torch=torch.__version__, python=platform.python_version())  # fmt: skip
     print(json.dumps(info), flush=True)
+    rows = plan_key_rows(m, args) if args.plan_key else op_rows(m, args, op)
+    if args.json:
+        args.json.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    return 0
+
+
+def measure(call, device, route, slices, tokens, calls, repeats) -> dict:
+    """One printed row: µs a call (every counted run, and their median), aten ops a call."""
+    with torch.no_grad():
+        runs = per_call_us(call, device, calls, repeats)
+        ops = aten_ops(call)
+    row = dict(route=route, slices=slices, tokens=tokens, us=round(statistics.median(runs), 1),
+               aten_ops=ops, runs_us=[round(r, 1) for r in runs])  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def plan_key_rows(m, args) -> list[dict]:
+    """Each slice count's plan check alone: the call's key made and compared with the
+    plan's, as LayerPlan.matches does."""
+    rows = []
+    for slices in SLICES:
+        _, _, a, b, *_ = op_arguments(m, args.device, slices, *ROUTES["gemm"])
+        kept = m._pointers(a, b)
+        rows.append(measure(lambda a=a, b=b, kept=kept: kept == m._pointers(a, b), args.device,
+                            "plan-key", slices, 0, args.calls, args.repeats))  # fmt: skip
+    return rows
+
+
+def op_rows(m, args, op) -> list[dict]:
+    """Each route's call through the op, as vLLM's compiled graph makes it."""
     rows = []
     for route, (tokens, used) in ROUTES.items():
         if route == "gemv" and args.device != "cuda" and not args.gemv_without_launches:
@@ -170,17 +207,9 @@ def main() -> int:
             def call(arguments=arguments):
                 op(*arguments)
 
-            with torch.no_grad():
-                runs = per_call_us(call, args.device, args.calls, args.repeats)
-                ops = aten_ops(call)
-            row = dict(route=route, slices=slices, tokens=tokens,
-                       us=round(statistics.median(runs), 1), aten_ops=ops,
-                       runs_us=[round(r, 1) for r in runs])  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
-    return 0
+            rows.append(measure(call, args.device, route, slices, tokens, args.calls,
+                                args.repeats))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

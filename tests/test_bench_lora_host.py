@@ -39,6 +39,21 @@ def test_each_row_keeps_every_run_and_their_median(tmp_path):
         assert row["aten_ops"] > 0, row
 
 
+def test_the_plan_key_is_timed_alone_and_issues_no_aten_op(tmp_path):
+    """--plan-key times what each call compares with its layer's plan, and that key is
+    host work only: a key that ran an aten op would be device work on every call."""
+    out = tmp_path / "key.json"
+    bench = [sys.executable, "scripts/bench_lora_host.py", "--calls", "3", "--repeats", "2"]
+    subprocess.run([*bench, "--plan-key", "--json", str(out)], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["route"], row["slices"]) for row in rows] == [
+        ("plan-key", s) for s in (1, 2, 3, 4)
+    ]
+    for row in rows:
+        assert len(row["runs_us"]) == 2 and row["aten_ops"] == 0, row
+
+
 PLANS_MADE = """
 import sys, torch
 sys.path.insert(0, "scripts")
