@@ -350,9 +350,13 @@ serving() {
   # GS_RELOAD_S (60; 0: none) a set for reload_lora, after batch 64 and prefill
   local reload_s=${GS_RELOAD_S:-60}
   local reloads=$((reload_s * ${#measure[@]}))
+  # more's --rounds is the last round's number, counted from the run's first round
+  # across every step, not this step's count: the deadlines alone end the rounds
+  # (2026-12-03c's prefill stopped at round 99, 270 s before its deadline)
+  local last_round=9999
   for name in "${measure[@]}"; do # batch 1 and 4: their share of what is left
     left=$(((BENCH_END - SECONDS - profiles - reloads - kept) / shares))
-    do_ "${bs[@]}" more "$G/bench-$name" --rounds 60 --deadline "$left" --keep \
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds "$last_round" --deadline "$left" --keep \
       --workloads ${GS_W14:-decode_b1 decode_b4} \
       --markdown "$G/serving-b14-$name.md" >"$G/serving-b14-$name.log" 2>&1
     say "serving: $name batch 1 and 4 done"
@@ -362,7 +366,7 @@ serving() {
   for name in "${measure[@]}"; do # batch 64 and prefill with what is left
     [ "$b64" = 1 ] || break
     left=$(((BENCH_END - SECONDS - profiles - reloads) / shares))
-    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$left" --keep \
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds "$last_round" --deadline "$left" --keep \
       --workloads ${GS_W64:-decode_b64 prefill} --json "$G/serving-$name.json" \
       --markdown "$G/serving-$name.md" >"$G/serving-$name.log" 2>&1
     say "serving: $name batch 64 and prefill done"
@@ -370,7 +374,7 @@ serving() {
   done
   for name in "${measure[@]}"; do # the adapters' reload, last of the rounds: new, and
     [ "$reload_s" -gt 0 ] || break # what it runs cannot cost the rounds above
-    do_ "${bs[@]}" more "$G/bench-$name" --rounds 99 --deadline "$reload_s" --keep \
+    do_ "${bs[@]}" more "$G/bench-$name" --rounds "$last_round" --deadline "$reload_s" --keep \
       --workloads reload --markdown "$G/serving-reload-$name.md" \
       >"$G/serving-reload-$name.log" 2>&1
     say "serving: $name reload done"
