@@ -344,6 +344,9 @@ def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidenc
     for item in items:
         file = _require(item, "file", origin, str)
         checked_relpath(file, f"{origin}: evidence file")
+        if item.get("absent") is True and "pattern" not in item:
+            evidence.append(Evidence(file=file, absent=True))
+            continue
         pattern = _require(item, "pattern", origin, str)
         try:
             re.compile(pattern)

@@ -25,13 +25,18 @@ DECISION_STATES = ("upstream", "not-applicable")
 
 @dataclass(frozen=True)
 class Evidence:
-    """A regular expression that must match in a vLLM file (content check)."""
+    """A regular expression that must match in a vLLM file (content check), or, with
+    ``absent``, the fact that the release does not ship the file (a removed module)."""
 
     file: str
-    pattern: str
+    pattern: str = ""
+    absent: bool = False
 
-    def found_in(self, text: str) -> bool:
-        return re.search(self.pattern, text, re.MULTILINE) is not None
+    def holds(self, text: str | None) -> bool:
+        """Whether the evidence holds on the file's text (None: the file is not there)."""
+        if self.absent:
+            return text is None
+        return re.search(self.pattern, text or "", re.MULTILINE) is not None
 
 
 @dataclass(frozen=True)

@@ -361,7 +361,7 @@ def _from_decisions(
 ) -> Assessment | None:
     ordered = sorted(patch.decisions, key=lambda d: d is not expected)
     for decision in ordered:
-        if all(e.found_in(files.text(e.file) or "") for e in decision.evidence):
+        if all(e.holds(files.text(e.file)) for e in decision.evidence):
             evidence_files = tuple(dict.fromkeys(e.file for e in decision.evidence))
             state = PatchState(decision.state)
             return Assessment(patch, state, reason=decision.reason, files=evidence_files)
@@ -491,7 +491,7 @@ def _notices(result: Assessment, tree: VllmTree, files: TreeFiles) -> list[Known
     found = []
     for notice in result.patch.notices:
         in_range = version is not None and notice.versions.contains(version, prereleases=True)
-        has_evidence = all(e.found_in(files.text(e.file) or "") for e in notice.evidence)
+        has_evidence = all(e.holds(files.text(e.file)) for e in notice.evidence)
         if notice.fixed_by and _applied(notice.fixed_by, files):
             continue
         if has_evidence and (in_range or (version is None and notice.evidence)):
