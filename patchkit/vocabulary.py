@@ -25,6 +25,9 @@ class PatchState(Word):
     UPSTREAM = "upstream"  # this release already has the fix
     NOT_APPLICABLE = "not-applicable"  # the release's design makes it meaningless
     CONFLICT = "conflict"  # neither pristine nor patched
+    # on a release the catalogue has not tested: a hunk does not fit a file that is the
+    # wheel's own (its RECORD hash), or the release no longer ships the file
+    CHANGED_UPSTREAM = "changed-upstream"
     OPT_IN = "opt-in"  # an opt-in patch (a diagnostic) not applied: only --only ID applies it
 
 

@@ -19,6 +19,8 @@ Three things, each read from the tree, not from its version number alone:
 
 from __future__ import annotations
 
+import shlex
+
 from packaging.version import Version
 
 from patchkit.adapters.names import ADAPTER_SAFETENSORS, layer_and_name
@@ -27,7 +29,9 @@ from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
 from patchkit.errors import PatchkitError
 from patchkit.patching import operations
+from patchkit.patching.decide import apply_command
 from patchkit.vllmtree.tree import VllmTree
+from patchkit.vocabulary import PatchState
 
 MOE_PATCH = "partial-moe-adapter"
 GDN_PATCH = "partial-gdn-adapter"
@@ -37,12 +41,34 @@ GDN_QKV_ONLY_LOADS = Version("0.29.0")
 
 def check_release(adapter, shapes, arch: str, tree: VllmTree, report: Report) -> None:
     report.vllm_version = tree.version
-    assessments = {
-        s.assessment.patch.id: s.assessment for s in operations.status(tree, load_catalogue()).steps
-    }
-    _single_parameter_experts(adapter, tree, assessments.get(MOE_PATCH), report)
-    _partial_gdn(adapter, tree, assessments.get(GDN_PATCH), report)
+    steps = operations.status(tree, load_catalogue()).steps
+    assessments = {s.assessment.patch.id: s.assessment for s in steps}
+    fix = _fixes(assessments, tree)
+    _single_parameter_experts(adapter, tree, assessments.get(MOE_PATCH), fix, report)
+    _partial_gdn(adapter, tree, assessments.get(GDN_PATCH), fix, report)
     _unwrapped(adapter, arch, tree, report)
+
+
+def _fixes(assessments: dict, tree: VllmTree) -> dict[str, str]:
+    """Per patch, the command that applies it on this tree: `patchkit apply`, or `apply
+    --only ID` where a plain apply would refuse (status's rule), with the tree named."""
+    states = {i: a.state for i, a in assessments.items()}
+    opt_in = {i for i, a in assessments.items() if a.patch.opt_in}
+    target = f" --target {shlex.quote(str(tree.root))}"
+    return {i: apply_command(states, opt_in, i) + target for i in assessments}
+
+
+def _say(report: Report, notice, tensor: str, message: str, tree: VllmTree) -> None:
+    """A finding where the catalogue decided this release; a note where it has not (the
+    bug was seen up to an older release: unknown here, never asserted)."""
+    if notice.undecided:
+        report.notes.append(
+            f"{tensor}: unknown on vLLM {tree.version}, which this catalogue has not decided "
+            f"(seen up to {notice.seen_up_to}, and the code it was seen in is still there): "
+            f"{message}"
+        )
+    else:
+        report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, tensor, message)
 
 
 def _by_layer(adapter) -> dict[int, dict[str, object]]:
@@ -58,24 +84,32 @@ def _first_factor(f) -> str:
     return (f.a or f.b).name
 
 
-def _single_parameter_experts(adapter, tree: VllmTree, assessment, report: Report) -> None:
-    notices = [n.message for n in assessment.notices] if assessment else []
+def _single_parameter_experts(adapter, tree: VllmTree, assessment, fix, report: Report) -> None:
+    notices = assessment.notices if assessment else []
     if not notices:
         return  # the patch is applied, or the release does not have the assert
     for layer, names in sorted(_by_layer(adapter).items()):
         if "mlp.experts" in names and "mlp.experts.base_layer" not in names:
-            report.add(
-                Kind.RELEASE,
-                ADAPTER_SAFETENSORS,
+            _say(
+                report,
+                notices[0],
                 _first_factor(names["mlp.experts"]),
                 f"layer {layer}: an adapter on one expert parameter; vLLM {tree.version} stops "
                 f"at `assert gate_up_proj_lora is not None` (_stack_moe_lora_weights) unless "
-                f"{MOE_PATCH} is applied (`patchkit apply --target {tree.root}`)",
+                f"{MOE_PATCH} is applied{_how(assessment, fix)}",
+                tree,
             )
 
 
-def _partial_gdn(adapter, tree: VllmTree, assessment, report: Report) -> None:
-    notices = [n.message for n in assessment.notices] if assessment else []
+def _how(assessment, fix: dict[str, str]) -> str:
+    """`` (`COMMAND`)`` that applies the patch here, or why patchkit cannot."""
+    if assessment.state == PatchState.NEEDED:
+        return f" (`{fix[assessment.patch.id]}`)"
+    return f" (it is {assessment.state} here: `patchkit status` says why)"
+
+
+def _partial_gdn(adapter, tree: VllmTree, assessment, fix, report: Report) -> None:
+    notices = assessment.notices if assessment else []
     if not notices:
         return  # applied, not applicable (0.17-0.20: separate modules), or fixed upstream
     version = tree.parsed_version
@@ -86,13 +120,14 @@ def _partial_gdn(adapter, tree: VllmTree, assessment, report: Report) -> None:
         if qkv and version is not None and version >= GDN_QKV_ONLY_LOADS:
             continue
         have, lack = ("in_proj_qkv", "in_proj_z") if qkv else ("in_proj_z", "in_proj_qkv")
-        report.add(
-            Kind.RELEASE,
-            ADAPTER_SAFETENSORS,
+        _say(
+            report,
+            notices[0],
             _first_factor(names[f"linear_attn.{have}"]),
             f"layer {layer}: {have} without {lack}; vLLM {tree.version} packs them as "
             f"in_proj_qkvz and expand_packed_lora fails on the missing one unless {GDN_PATCH} "
-            f"is applied (`patchkit apply --target {tree.root}`)",
+            f"is applied{_how(assessment, fix)}",
+            tree,
         )
 
 

@@ -302,7 +302,7 @@ def _assessment_json(a: Assessment) -> dict:
         "variant": a.variant.name if a.variant else None,
         "files": list(a.files),
         "warnings": a.warnings,
-        "notices": [n.message for n in a.notices],
+        "notices": [n.line for n in a.notices],
     }
 
 
@@ -714,7 +714,10 @@ def render_doctor(report, verbose: bool = False) -> None:
     out("")
     for v in report.verdicts:
         out(f"[{v.status}] {v.bug}")
-        out(f"    {v.reason}" + (f"; fix: {v.fix}" if v.fix and v.status == "exposed" else ""))
+        out(
+            f"    {v.reason}"
+            + (f"; fix: {v.fix}" if v.fix and v.status in ("exposed", "unknown") else "")
+        )
 
 
 def _render_tree(report) -> None:

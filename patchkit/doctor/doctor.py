@@ -43,7 +43,7 @@ from patchkit.errors import PatchkitError
 from patchkit.fs.files import read_json_file, write_cache_file
 from patchkit.patching import operations
 from patchkit.patching.bytecode import bytecode_paths
-from patchkit.patching.decide import Assessment
+from patchkit.patching.decide import Assessment, apply_command
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import PatchState, Verdict
 
@@ -322,7 +322,10 @@ def verdicts(
 ) -> list[BugVerdict]:
     """One verdict per bug that the catalogue's patches declare, then the stale-code check."""
     states = report.states()
-    found = [bug_verdict(report, version, states, group) for group in bug_groups(catalogue)]
+    undecided = "" if catalogue.is_tested(version) else newest_tested(catalogue)
+    found = [
+        bug_verdict(report, version, states, group, undecided) for group in bug_groups(catalogue)
+    ]
     found.append(_stale_verdict(report))
     if report.tree is None:  # no vLLM tree: nothing to judge a bug of vLLM by
         return [BugVerdict(v.bug, Verdict.UNKNOWN, "no vLLM found to judge by") for v in found]
@@ -338,16 +341,32 @@ def bug_groups(catalogue: Catalogue) -> list[list[Patch]]:
     return list(groups.values())
 
 
+def newest_tested(catalogue: Catalogue) -> str:
+    """The newest release the catalogue decided, for a verdict on one it has not."""
+    return max(catalogue.tested_releases, key=Version)
+
+
 def bug_verdict(
     report: DoctorReport,
     version: Version | None,
     states: dict[str, PatchState],
     patches: list[Patch],
+    undecided: str = "",
 ) -> BugVerdict:
-    """Judge one bug from its patches' declared diagnosis and this machine's facts."""
+    """Judge one bug from its patches' declared diagnosis and this machine's facts.
+
+    ``undecided``: the release is not one the catalogue decided (the newest it did). The
+    bug's range says nothing about it then; only content does (a patch found upstream or
+    not applicable by its evidence, or applied), or this machine's facts; otherwise the
+    verdict is unknown, never exposed or not affected by a range.
+    """
     d = patches[0].diagnosis
     if version is None:
         return BugVerdict(d.label, Verdict.UNKNOWN, "no vLLM version to judge by")
+    if undecided and not _decided_by_content(states, patches):
+        return _machine_verdict(report, d) or _undecided_verdict(
+            report, d, version, states, patches, undecided
+        )
     if not d.affected.contains(version, prereleases=True):
         return BugVerdict(d.label, Verdict.NOT_AFFECTED, f"vLLM {version} is not in {d.affected}")
     unaffected = _machine_unaffected(report, d)
@@ -362,6 +381,49 @@ def bug_verdict(
         judged.reason += f"; {mismatch}"
         return judged
     return _rule_verdict(d, report, states, patches)
+
+
+CONTENT_DECIDED = (PatchState.UPSTREAM, PatchState.NOT_APPLICABLE, PatchState.APPLIED)
+
+
+def _decided_by_content(states: dict[str, PatchState], patches: list[Patch]) -> bool:
+    """Whether a patch of the bug is upstream or not applicable by its evidence on this
+    tree, or applied: facts of the tree, whatever its release."""
+    return any(states.get(p.id) in CONTENT_DECIDED for p in patches)
+
+
+def _machine_verdict(report: DoctorReport, d: Diagnosis) -> BugVerdict | None:
+    unaffected = _machine_unaffected(report, d)
+    return BugVerdict(d.label, Verdict.NOT_AFFECTED, unaffected) if unaffected else None
+
+
+def _undecided_verdict(
+    report: DoctorReport,
+    d: Diagnosis,
+    version: Version,
+    states: dict[str, PatchState],
+    patches: list[Patch],
+    newest: str,
+) -> BugVerdict:
+    """Unknown on a release the catalogue has not decided: what is known, and the command
+    that applies a patch still fitting its code (apply --only where plain apply refuses)."""
+    reason = (
+        f"unknown on vLLM {version}: this catalogue has not decided that release (tested up "
+        f"to {newest}), and no patch for it is upstream, not applicable or applied here"
+    )
+    fitting = [p for p in patches if states.get(p.id) == PatchState.NEEDED]
+    if not fitting:
+        moved = [p.id for p in patches if states.get(p.id) == PatchState.CHANGED_UPSTREAM]
+        if moved:
+            reason += f"; {moved[0]} does not fit its code ({PatchState.CHANGED_UPSTREAM})"
+        return BugVerdict(d.label, Verdict.UNKNOWN, reason)
+    reason += f"; {fitting[0].id} still fits its code"
+    fix = apply_command(states, _opt_in(report), fitting[0].id) + _target(report)
+    return BugVerdict(d.label, Verdict.UNKNOWN, reason, fix)
+
+
+def _opt_in(report: DoctorReport) -> set[str]:
+    return {a.patch.id for a in report.patches if a.patch.opt_in}
 
 
 def _rule_verdict(
@@ -397,12 +459,15 @@ def _fix(
     """The bug's fix (`patchkit apply --target T`), unless its patches here are in conflict,
     which apply refuses: then how to see why."""
     conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
-    if conflicts and not any(states.get(p.id) == PatchState.NEEDED for p in patches):
+    needed = [p.id for p in patches if states.get(p.id) == PatchState.NEEDED]
+    if conflicts and not needed:
         return (
             f"apply refuses {', '.join(conflicts)} while it is in conflict: `patchkit "
             f"status{_target(report)}` names the line that differs; once that file is what "
             f"the patch expects, {_with_target(d.fix, report)}"
         )
+    if needed and d.fix == "patchkit apply":  # the apply that runs on this tree
+        return apply_command(states, _opt_in(report), needed[0]) + _target(report)
     return _with_target(d.fix, report)
 
 

@@ -8,6 +8,11 @@ States:
 * ``not-applicable`` - this release's design makes the patch meaningless.
 * ``conflict``       - neither pristine nor patched: a fork, a hand edit, a
   half-applied patch, or a file that differs from the wheel's RECORD.
+* ``changed-upstream`` - on a release the catalogue has not tested, the code
+  moved under the patch: a hunk does not fit a file that is the wheel's own
+  (its RECORD hash), or the release no longer ships the file. Nothing is
+  known about the bug there; on a tested release every patch is decided, so
+  this state never appears.
 
 The version only orders the search (the variant listed for it is tried
 first) and decides whether to warn that the release is untested.
@@ -32,16 +37,36 @@ from patchkit.vllmtree.tree import VllmTree, sha256_bytes
 from patchkit.vocabulary import FileFinding, PatchState
 
 NEEDED, APPLIED, CONFLICT = PatchState.NEEDED, PatchState.APPLIED, PatchState.CONFLICT
-NOT_APPLICABLE = PatchState.NOT_APPLICABLE
+NOT_APPLICABLE, CHANGED_UPSTREAM = PatchState.NOT_APPLICABLE, PatchState.CHANGED_UPSTREAM
 STALE, EDITED, FOREIGN = FileFinding.STALE, FileFinding.EDITED, FileFinding.FOREIGN
 
 
 @dataclass(frozen=True)
 class KnownIssue:
-    """A notice of the catalogue that holds on this tree; ``fixed_by`` a patch that ends it."""
+    """A notice of the catalogue that holds on this tree; ``fixed_by`` a patch that ends it.
+
+    ``remedy`` is what the user can do, by the state of that patch on this tree and by
+    whether a plain `patchkit apply` would run here (:func:`patchkit.patching.decide.plan`
+    fills it in once every patch is assessed). ``undecided`` is the release when the
+    catalogue has not tested it: the bug was seen up to ``seen_up_to`` and is unknown there.
+    """
 
     message: str
     fixed_by: str = ""
+    remedy: str = ""
+    undecided: str = ""
+    seen_up_to: str = ""
+
+    @property
+    def line(self) -> str:
+        """The notice as status, apply and doctor print it."""
+        text = self.message
+        if self.undecided:
+            text = (
+                f"unknown on vLLM {self.undecided}, which this catalogue has not decided (seen "
+                f"up to {self.seen_up_to}, and the code it was seen in is still there): {text}"
+            )
+        return f"{text}; {self.remedy}" if self.remedy else text
 
 
 @dataclass
@@ -162,6 +187,8 @@ def assess_with(
             reason=f"vLLM {tree.version} predates the releases this catalogue covers "
             f"({catalogue.tested_span}): the code this patch fixes is not in it",
         )
+    if result.state == CONFLICT and result.record is None and not catalogue.is_tested(version):
+        result = _changed_upstream(result, tree, files, catalogue) or result
     if not catalogue.is_tested(version):
         newest = newer_than_catalogue(catalogue, version)
         beyond = (
@@ -172,7 +199,7 @@ def assess_with(
             else f" ({catalogue.tested_span}); decided by content"
         )
         result.warnings.insert(0, f"vLLM {tree.version} is not a tested release{beyond}")
-    result.notices.extend(_notices(result, tree, files))
+    result.notices.extend(_notices(result, tree, files, catalogue))
     return result
 
 
@@ -457,6 +484,62 @@ def _needed(
     )
 
 
+def _changed_upstream(
+    conflict: Assessment, tree: VllmTree, files: TreeFiles, catalogue: Catalogue
+) -> Assessment | None:
+    """A conflict on an untested release whose files are the wheel's own: vLLM moved the
+    code, nobody edited it. None when a file differs from the RECORD (or there is none).
+
+    The variant judged is the one nearest the release (the newest for a release newer
+    than the catalogue), so the line names the code patchkit last saw.
+    """
+    patch = conflict.patch
+    made = [v for v in patch.variants if v.made]
+    if not made or not tree.record:
+        return None
+    newer = bool(newer_than_catalogue(catalogue, tree.parsed_version))
+    variant = made[-1] if newer else conflict.variant or made[0]
+    gone, rewritten = [], []
+    for path in variant.paths:
+        if path in variant.created:
+            continue
+        if files.data(path) is None:
+            if path in tree.record:
+                return None  # RECORD lists it: deleted by hand, not by vLLM
+            gone.append(path)
+        elif files.base_sha256(path) != tree.record.get(path):
+            return None  # not the wheel's file: an edit, a conflict proper
+        elif _try_variant_file(variant, path, files) is None:
+            rewritten.append(path)
+    if not gone and not rewritten:
+        return None
+    what = (
+        f"vLLM {tree.version} no longer ships {gone[0]}"
+        if gone
+        else f"vLLM {tree.version} rewrote the code {patch.id} changes in {rewritten[0]} (the "
+        "file is the wheel's own, as its RECORD says)"
+    )
+    return Assessment(
+        patch,
+        CHANGED_UPSTREAM,
+        reason=f"{what}; whether the bug is fixed there is not known to this catalogue, "
+        f"tested up to {max(catalogue.tested_releases, key=Version)}",
+        variant=variant,
+        files=variant.paths,
+    )
+
+
+def _try_variant_file(variant: Variant, path: str, files: TreeFiles) -> str | None:
+    """The variant's hunks for one file applied to it; None when they do not fit."""
+    for file_patch in variant.files:
+        if file_patch.path == path:
+            try:
+                return apply_file_patch(files.text(path), file_patch)[0] or ""
+            except HunkMismatch:
+                return None
+    return ""
+
+
 def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
     variant = expected if isinstance(expected, Variant) else patch.variants[0]
     if not variant.made:
@@ -486,30 +569,54 @@ def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFile
     )
 
 
-def _notices(result: Assessment, tree: VllmTree, files: TreeFiles) -> list[KnownIssue]:
+def _notices(
+    result: Assessment, tree: VllmTree, files: TreeFiles, catalogue: Catalogue
+) -> list[KnownIssue]:
+    """The patch's notices that hold here: in range (or no version) with their evidence.
+
+    On a release the catalogue has not tested the notice is shown as unknown there, with
+    the newest tested release it holds on: the catalogue never asserts a bug it has not
+    decided.
+    """
     version = tree.parsed_version
+    tested = catalogue.is_tested(version)
     found = []
     for notice in result.patch.notices:
         in_range = version is not None and notice.versions.contains(version, prereleases=True)
         has_evidence = all(e.holds(files.text(e.file)) for e in notice.evidence)
         if notice.fixed_by and _applied(notice.fixed_by, files):
             continue
-        if has_evidence and (in_range or (version is None and notice.evidence)):
-            remedy = _remedy(notice.fixed_by, result, tree)
-            message = f"{notice.message}; {remedy}" if remedy else notice.message
-            found.append(KnownIssue(message, notice.fixed_by))
+        if not (has_evidence and (in_range or (version is None and notice.evidence))):
+            continue
+        seen = [r for r in catalogue.tested_releases if notice.versions.contains(r)]
+        undecided = "" if tested or version is None or not seen else tree.version
+        found.append(
+            KnownIssue(
+                notice.message,
+                notice.fixed_by,
+                undecided=undecided,
+                seen_up_to=max(seen, key=Version) if undecided else "",
+            )
+        )
     return found
 
 
-def _remedy(fixed_by: str, result: Assessment, tree: VllmTree) -> str:
+def remedy(issue: KnownIssue, result: Assessment, tree: VllmTree, apply_command: str) -> str:
     """What the user can do about a known issue, by the state of the patch that fixes it
-    on this tree (a catalogue's notice states the facts only)."""
+    on this tree (a catalogue's notice states the facts only). ``apply_command`` is the
+    apply that would run on this tree for that patch (`patchkit apply`, or `patchkit apply
+    --only ID` where a plain apply refuses)."""
+    fixed_by = issue.fixed_by
     if not fixed_by:
         return ""
     if fixed_by != result.patch.id:
         return f"patchkit's {fixed_by} fixes it"
     if result.state == NEEDED:
-        return "`patchkit apply` fixes it"
+        if issue.undecided:
+            return f"{fixed_by} still fits this code: `{apply_command}` applies it"
+        return f"`{apply_command}` fixes it"
+    if result.state == CHANGED_UPSTREAM:
+        return f"{fixed_by} does not fit vLLM {tree.version}'s code, so patchkit has no fix here"
     if result.state == CONFLICT:
         until = (
             f"its files are vLLM {tree.version}'s own again (pip install --force-reinstall "

@@ -15,7 +15,7 @@ result of patches 1..N-1; revert takes them off from the top.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from patchkit.catalogue.model import Catalogue, Patch
 from patchkit.diffs.hunks import apply_file_patch
@@ -28,6 +28,7 @@ from patchkit.patching.assess import (
     chain_finding,
     force_refusal,
     newer_than_catalogue,
+    remedy,
 )
 from patchkit.patching.state import STATE_DIR, FileRecord, State, record_sha256
 from patchkit.patching.transaction import FileChange
@@ -114,6 +115,7 @@ def plan(
         _plan_forward(result, tree, catalogue, state, options)
     for line in unknown_warnings(state, catalogue, tree):
         result.warn(line)
+    _say_remedies(result, tree)
     if command == APPLY and options.strict and result.warnings:
         _fail_strict(result.warnings)
     return result
@@ -129,6 +131,7 @@ def _plan_forward(
     """
     files = TreeFiles(tree, state, catalogue.ids)
     selected = [p.id for p in select(catalogue, options.only)]  # in series order
+    moved: list[Assessment] = []  # changed-upstream patches the run would have to take
     for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
         step = Step(assessment)
@@ -147,6 +150,9 @@ def _plan_forward(
                 f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
                 f"{_after_conflict(tree, catalogue)}"
             )
+        if assessment.state == PatchState.CHANGED_UPSTREAM:
+            moved.append(assessment)
+            continue
         if assessment.state == PatchState.NEEDED:
             _refuse_under_later(patch, assessment, files)
             stack(files, assessment)
@@ -157,8 +163,29 @@ def _plan_forward(
                 f"{patch.id} was asked for with --only but is not applied: "
                 f"{assessment.state} ({assessment.reason})"
             )
+    if moved and result.command == APPLY:
+        _refuse_moved(moved, result, tree)
     if result.command == APPLY:
         result.drop = stale_records(state, catalogue, tree, selected)
+
+
+def _refuse_moved(moved: list[Assessment], result: Plan, tree: VllmTree) -> None:
+    """All or nothing: a run that would take a patch whose code vLLM changed applies
+    nothing, and names the `apply --only` that applies the patches that still fit."""
+    first = moved[0]
+    others = f" (and {', '.join(a.patch.id for a in moved[1:])})" if moved[1:] else ""
+    fit = [s.assessment.patch.id for s in result.steps if s.action != Action.NONE]
+    target = f"--target {shlex.quote(str(tree.root))}"
+    rest = (
+        f"`patchkit apply {' '.join(f'--only {i}' for i in fit)} {target}` applies the "
+        "patches that fit"
+        if fit
+        else "no other patch it would take is needed here"
+    )
+    raise PatchkitError(
+        f"{first.patch.id}: {PatchState.CHANGED_UPSTREAM}{others}: {first.reason}; nothing "
+        f"was changed; {rest}"
+    )
 
 
 def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
@@ -204,6 +231,32 @@ def _after_conflict(tree: VllmTree, catalogue: Catalogue) -> str:
         f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your "
         "own risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
     )
+
+
+# The states in which a plain `patchkit apply` refuses to run (apply --only the others).
+BLOCKING = (PatchState.CONFLICT, PatchState.CHANGED_UPSTREAM)
+
+
+def apply_command(states: dict[str, PatchState], opt_in: set[str], patch_id: str) -> str:
+    """The apply that would run on a tree in ``states`` and apply ``patch_id``: plain
+    `patchkit apply` unless a patch it would take is in a state that makes it refuse, then
+    `patchkit apply --only ID`."""
+    if any(s in BLOCKING for i, s in states.items() if i not in opt_in) or patch_id in opt_in:
+        return f"patchkit apply --only {patch_id}"
+    return "patchkit apply"
+
+
+def _say_remedies(result: Plan, tree: VllmTree) -> None:
+    """Each known issue's remedy, now that every patch's state is known (a command that
+    would run on this tree)."""
+    states = {s.assessment.patch.id: s.assessment.state for s in result.steps}
+    opt_in = {s.assessment.patch.id for s in result.steps if s.assessment.patch.opt_in}
+    for step in result.steps:
+        a = step.assessment
+        a.notices = [
+            replace(n, remedy=remedy(n, a, tree, apply_command(states, opt_in, n.fixed_by)))
+            for n in a.notices
+        ]
 
 
 def _status_step(step: Step, files: TreeFiles) -> None:

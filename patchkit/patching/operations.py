@@ -74,7 +74,7 @@ class RunReport:
         if self.command == REVERT:
             return []
         fixed = {s.assessment.patch.id for s in self.steps if s.state_after == "applied"}
-        return [n.message for n in step.assessment.notices if n.fixed_by not in fixed]
+        return [n.line for n in step.assessment.notices if n.fixed_by not in fixed]
 
 
 def state_of(tree: VllmTree, catalogue: Catalogue) -> State:

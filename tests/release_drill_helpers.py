@@ -1,0 +1,74 @@
+"""A release the catalogue has not seen, made from a real one: the release drill.
+
+``next_release`` copies a real release tree (from the PyPI wheel) and changes it as
+the next vLLM release might: some files removed, some code rewritten, and the
+dist-info renamed, its METADATA version and its RECORD rows updated to match, so
+that the tree is exactly what pip would install from such a wheel. Every test that
+uses it says which real tree it alters and how.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import shutil
+from pathlib import Path
+
+
+def record_hash(data: bytes) -> str:
+    """A RECORD row's hash field: urlsafe base64 of the sha256, unpadded."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=")
+
+
+def next_release(
+    source: Path,
+    dest: Path,
+    version: str,
+    remove: tuple[str, ...] = (),
+    rewrite: dict[str, tuple[str, str]] | None = None,
+) -> Path:
+    """``source`` (a real release tree) as release ``version`` at ``dest``: ``remove``
+    deleted, each ``rewrite`` path's ``old`` text replaced by ``new`` (once, and it must be
+    there), the dist-info renamed and its METADATA and RECORD made to match."""
+    shutil.copytree(source, dest, symlinks=True)
+    [dist_info] = [p for p in dest.iterdir() if p.name.endswith(".dist-info")]
+    for relpath in remove:
+        (dest / relpath).unlink()
+    for relpath, (old, new) in (rewrite or {}).items():
+        text = (dest / relpath).read_text()
+        assert text.count(old) == 1, (relpath, old)
+        (dest / relpath).write_text(text.replace(old, new))
+    renamed = dest / f"vllm-{version}.dist-info"
+    dist_info.rename(renamed)
+    metadata = renamed / "METADATA"
+    lines = metadata.read_text().splitlines(keepends=True)
+    metadata.write_text(
+        "".join(f"Version: {version}\n" if line.startswith("Version:") else line for line in lines)
+    )
+    _rewrite_record(dest, renamed, dist_info.name, set(remove), set(rewrite or {}))
+    return dest
+
+
+def _rewrite_record(
+    root: Path, dist_info: Path, old_name: str, removed: set[str], rewritten: set[str]
+) -> None:
+    rows = list(csv.reader(io.StringIO((dist_info / "RECORD").read_text())))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in rows:
+        path = row[0]
+        if path in removed:
+            continue
+        if path.startswith(old_name + "/"):
+            path = dist_info.name + path[len(old_name) :]
+        if path == f"{dist_info.name}/RECORD":
+            writer.writerow([path, "", ""])
+            continue
+        if path in rewritten or path.startswith(dist_info.name + "/"):
+            data = (root / path).read_bytes()
+            writer.writerow([path, record_hash(data), str(len(data))])
+            continue
+        writer.writerow([path, *row[1:]])
+    (dist_info / "RECORD").write_text(out.getvalue())
