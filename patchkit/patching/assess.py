@@ -551,19 +551,21 @@ def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFile
             f"--variant {variant.name} --add PATH ...` (CONTRIBUTING.md)",
             variant=variant,
         )
-    detail = "no variant matches"
+    detail, what = "no variant matches", "the file is neither the pristine text this patch "
+    what += "expects nor its patched text"
     try:
         for file_patch in variant.files:
+            if files.text(file_patch.path) is None and not file_patch.creates:
+                detail = f"{file_patch.path} is missing"
+                what = "the release's files are incomplete (deleted, or a partial install)"
+                break
             apply_file_patch(files.text(file_patch.path), file_patch)
     except HunkMismatch as exc:
         detail = str(exc)
     return Assessment(
         patch,
         CONFLICT,
-        reason=(
-            f"variant {variant.name}: {detail}; the file is neither the pristine text "
-            f"this patch expects nor its patched text"
-        ),
+        reason=f"variant {variant.name}: {detail}; {what}",
         variant=variant,
         files=variant.paths,
     )

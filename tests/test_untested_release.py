@@ -1,0 +1,156 @@
+"""The truth about a release the catalogue has not seen: `changed-upstream`, never advice
+to reinstall a pristine vLLM, and only commands that would run on that tree.
+
+Each "next release" here is a real release tree from its PyPI wheel, altered as the
+next vLLM release might be (tests/release_drill_helpers.py): one patched function
+rewritten, or one patched file removed, with the dist-info, METADATA and RECORD made
+to match, so the tree is what pip would install from such a wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+from tests.conftest import release_tree, run_cli, snapshot
+from tests.release_drill_helpers import next_release
+
+MANAGER = "vllm/lora/model_manager.py"
+COLUMN = "vllm/lora/layers/column_parallel_linear.py"
+# 0.34.0's _stack_moe_lora_weights as a next release might rewrite it: a raise
+# instead of the assert partial-moe-adapter's hunks are made on.
+ASSERT = (
+    "            # FIXME Edge case where LoRA is not added to gate_up_proj\n"
+    "            # or down_proj\n"
+    "            assert gate_up_proj_lora is not None\n"
+)
+RAISE = (
+    "            if gate_up_proj_lora is None:\n                raise ValueError('one parameter')\n"
+)
+# 0.33.0's expand_packed_lora with one line written another way: the hunks of
+# partial-gdn-adapter's coverage-after no longer fit.
+EXPAND = (
+    "expanded_a: list[torch.Tensor | None] = []",
+    "expanded_a: list[torch.Tensor | None] = list()",
+)
+
+
+def status(root: Path) -> dict:
+    result = run_cli("status", "--target", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def states(report: dict) -> dict[str, tuple[str, str]]:
+    return {p["id"]: (p["state"], p["reason"] or "") for p in report["patches"]}
+
+
+def rewritten_0340(tmp_path: Path) -> Path:
+    """0.34.0 with the assert partial-moe-adapter patches rewritten, as 0.35.0."""
+    return next_release(
+        release_tree("0.34.0"), tmp_path / "site", "0.35.0", rewrite={MANAGER: (ASSERT, RAISE)}
+    )
+
+
+def test_a_rewritten_function_is_changed_upstream_not_a_conflict(tmp_path):
+    root = rewritten_0340(tmp_path)
+    state, reason = states(status(root))["partial-moe-adapter"]
+    assert state == "changed-upstream"
+    assert reason.startswith(
+        f"vLLM 0.35.0 rewrote the code partial-moe-adapter changes in {MANAGER}"
+    )
+    assert "whether the bug is fixed there is not known to this catalogue" in reason
+    assert "reinstall" not in reason and "pip install" not in reason
+
+
+def test_a_removed_file_is_said_in_one_line(tmp_path):
+    root = next_release(release_tree("0.34.0"), tmp_path / "site", "0.35.0", remove=(MANAGER,))
+    state, reason = states(status(root))["partial-moe-adapter"]
+    assert state == "changed-upstream"
+    assert reason.startswith(f"vLLM 0.35.0 no longer ships {MANAGER};")
+    assert "neither the pristine text" not in reason
+
+
+def test_plain_apply_applies_nothing_and_names_the_apply_only_that_runs(tmp_path):
+    """0.33.0 as 0.35.0 with expand_packed_lora rewritten: partial-gdn-adapter moved,
+    partial-moe-adapter still fits. Plain apply (and --dry-run) refuse and change nothing;
+    the command they name runs and applies exactly the patch that fits."""
+    root = next_release(
+        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
+    )
+    pristine = snapshot(root)
+    assert states(status(root))["partial-gdn-adapter"][0] == "changed-upstream"
+    for args in ((), ("--dry-run",), ("--strict",)):
+        refused = run_cli("apply", "--target", str(root), *args)
+        assert refused.exit_code == 1, refused.output
+        assert snapshot(root) == pristine
+    refused = run_cli("apply", "--target", str(root))
+    [line] = [x for x in refused.stderr.splitlines() if x.startswith("patchkit: error:")]
+    assert "partial-gdn-adapter: changed-upstream: vLLM 0.35.0 rewrote" in line
+    command = line.split("`")[-2]
+    assert command == f"patchkit apply --only partial-moe-adapter --target {shlex.quote(str(root))}"
+    applied = run_cli(*shlex.split(command)[1:], "--json")
+    assert applied.exit_code == 0, applied.output
+    acted = {p["id"]: p["action"] for p in json.loads(applied.stdout)["patches"]}
+    assert [i for i, action in acted.items() if action == "applied"] == ["partial-moe-adapter"]
+    changed = {k for k, v in snapshot(root).items() if pristine.get(k) != v}
+    assert {c for c in changed if not c.startswith(".patchkit/")} == {
+        MANAGER,
+        "vllm/lora/peft_helper.py",
+    }
+
+
+def test_known_issues_are_unknown_there_and_their_command_runs(tmp_path):
+    root = next_release(
+        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
+    )
+    [notice] = [p for p in status(root)["patches"] if p["id"] == "partial-moe-adapter"][0][
+        "notices"
+    ]
+    assert notice.startswith("unknown on vLLM 0.35.0, which this catalogue has not decided")
+    assert "seen up to 0.34.0" in notice
+    assert notice.endswith("`patchkit apply --only partial-moe-adapter` applies it")
+    gdn = [p for p in status(root)["patches"] if p["id"] == "partial-gdn-adapter"][0]
+    assert gdn["notices"] == []  # its evidence is the old code's; nothing asserted
+
+
+def test_doctor_never_asserts_a_bug_on_an_undecided_release(tmp_path):
+    root = next_release(
+        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
+    )
+    result = run_cli("doctor", "--target", str(root), "--json")
+    verdicts = {v["bug"].split(":")[0]: v for v in json.loads(result.stdout)["verdicts"]}
+    gdn = verdicts["vLLM #47639 / #57851"]
+    assert gdn["status"] == "unknown" and "unknown on vLLM 0.35.0" in gdn["reason"]
+    assert "partial-gdn-adapter does not fit its code (changed-upstream)" in gdn["reason"]
+    moe = verdicts["vLLM #48460"]
+    assert moe["status"] == "unknown"
+    target = shlex.quote(str(root))
+    assert moe["fix"] == f"patchkit apply --only partial-moe-adapter --target {target}"
+    assert run_cli(*shlex.split(moe["fix"])[1:]).exit_code == 0
+    # the NaN's fix is in the code (its evidence), whatever the release: not affected
+    assert verdicts["vLLM #48590"]["status"] == "not affected"
+
+
+def test_an_edited_file_on_an_untested_release_is_still_a_conflict(tmp_path):
+    """The RECORD tells vLLM's change from an edit: a file that is not the wheel's own is
+    a conflict, with the reinstall that gives it back."""
+    root = rewritten_0340(tmp_path)
+    path = root / MANAGER
+    path.write_text(path.read_text().replace("raise ValueError('one parameter')", "pass"))
+    state, reason = states(status(root))["partial-moe-adapter"]
+    assert state == "conflict"
+    assert "differs from the sha256 in vLLM 0.35.0's RECORD" in reason or "neither" in reason
+
+
+def test_a_missing_file_on_a_tested_release_is_not_a_contradiction(tmp_path):
+    """0.26.0 (tested) with model_manager.py deleted by hand: a conflict that says the
+    file is missing, not that it is 'neither the pristine text nor its patched text'."""
+    root = tmp_path / "site"
+    shutil.copytree(release_tree("0.26.0"), root, symlinks=True)
+    (root / MANAGER).unlink()
+    state, reason = states(status(root))["partial-moe-adapter"]
+    assert state == "conflict"
+    assert f"{MANAGER} is missing" in reason and "neither" not in reason
