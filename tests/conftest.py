@@ -246,6 +246,7 @@ SLIM = (
     "vllm/__init__.py",
     "vllm/lora",
     "vllm/model_executor/models/qwen3_5.py",
+    "vllm/model_executor/models/registry.py",  # adapter check: which model file is served
     "vllm/model_executor/layers/mamba/gdn_linear_attn.py",
     "vllm/v1/worker/gpu_model_runner.py",
 )
