@@ -7,7 +7,9 @@ between them (incompressible bytes fetch must skip, as it skips the real
 .so files). The index is http.server in a thread: a PEP 691 JSON or PEP 503
 HTML project page, and the wheel with or without byte ranges, behind Basic
 credentials or a proxy when asked; each request is recorded, and a test can
-make any answer hostile.
+make any answer hostile. An index of several releases (``Index(wheels={NAME: BYTES})``)
+lists and serves each wheel by its own name; :func:`next_release` makes a release the
+index has not published yet from a real tree.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def tree_files(root: Path) -> dict[str, tuple[bytes, int]]:
 class Index:
     """What the index serves and how; ``seen`` records each request."""
 
-    wheel: bytes
+    wheel: bytes = b""
+    wheels: dict | None = None  # name -> bytes: the page lists these instead of `wheel`
     ranges: bool = True
     json_page: bool = True
     credentials: tuple[str, str] | None = None
@@ -158,8 +161,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(302, b"", {"Location": index.hostile["redirect"][path]})
         if path == "/simple/vllm/":
             return self._page()
-        if path == f"/files/{WHEEL}":
-            return self._file()
+        served = index.wheels if index.wheels is not None else {WHEEL: index.wheel}
+        name = path.removeprefix("/files/")
+        if path.startswith("/files/") and name in served:
+            return self._file(served[name])
         return self._send(404, b"not here")
 
     def _authorized(self) -> bool:
@@ -168,28 +173,41 @@ class Handler(BaseHTTPRequestHandler):
         return self.headers.get("Authorization") == f"Basic {token}"
 
     def _page(self):
+        """The project page; ``hostile["page"]`` (bytes) is served in its place, with the
+        JSON page's Content-Type."""
         index = self.index
-        sha = index.page_sha256 or hashlib.sha256(index.wheel).hexdigest()
-        size = len(index.wheel) if index.page_size is None else index.page_size
-        url = f"../../files/{WHEEL}"
-        if index.json_page:
-            entry = {"filename": index.filename, "url": url, "hashes": {"sha256": sha}}
+        if "page" in index.hostile:
+            kind = "application/vnd.pypi.simple.v1+json"
+            return self._send(200, index.hostile["page"], {"Content-Type": kind})
+        if index.wheels is not None:
+            listed = [(name, name, data, None, None) for name, data in index.wheels.items()]
+        else:
+            listed = [(index.filename, WHEEL, index.wheel, index.page_sha256, index.page_size)]
+        entries, anchors = [], []
+        for filename, served, data, sha, size in listed:
+            sha = sha or hashlib.sha256(data).hexdigest()
+            size = len(data) if size is None else size
+            url = f"../../files/{served}"
+            entry = {"filename": filename, "url": url, "hashes": {"sha256": sha}}
             if size >= 0:
                 entry["size"] = size
-            body = json.dumps({"meta": {"api-version": "1.1"}, "name": "vllm", "files": [entry]})
+            entries.append(entry)
+            anchors.append(f'<a href="{url}#sha256={sha}">{served}</a>')
+        if index.json_page:
+            body = json.dumps({"meta": {"api-version": "1.1"}, "name": "vllm", "files": entries})
             kind = "application/vnd.pypi.simple.v1+json"
         else:
-            body = f'<html><body><a href="{url}#sha256={sha}">{WHEEL}</a></body></html>'
+            body = f"<html><body>{''.join(anchors)}</body></html>"
             kind = "text/html"
         self._send(200, body.encode(), {"Content-Type": kind})
 
-    def _file(self):
-        """The wheel; ``hostile`` keys change the range answer: content_range (a function of
+    def _file(self, wheel: bytes):
+        """A wheel; ``hostile`` keys change the range answer: content_range (a function of
         (start, end, total) giving the header), extra_bytes (sent beyond the range),
         short_by (bytes left out), status (for range requests), accept_ranges (its header),
         body (the bytes served)."""
         index, hostile = self.index, self.index.hostile
-        data = hostile.get("body", index.wheel)
+        data = hostile.get("body", wheel)
         asked = self.headers.get("Range")
         if not (index.ranges and asked):
             return self._send(200, data, {"Content-Type": "application/octet-stream"}, count=True)
@@ -254,3 +272,35 @@ def only_this_index(monkeypatch, index_url: str, home: Path) -> None:
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_INDEX_URL", index_url)
     monkeypatch.setenv("HOME", str(home))  # no ~/.netrc of the machine's
+
+
+def wheel_name(version: str) -> str:
+    return WHEEL.replace("0.26.0", version)
+
+
+def next_release(source: Path, dest: Path, version: str, relpaths=None) -> Path:
+    """A release the index has not published yet: ``source``'s tree (or only its
+    ``relpaths``, files or folders) copied to ``dest`` as ``version``: its dist-info
+    renamed, METADATA's Version and RECORD's paths changed to match."""
+    import shutil
+
+    [dist_info] = [p.name for p in source.glob("vllm-*.dist-info")]
+    old = dist_info.removeprefix("vllm-").removesuffix(".dist-info")
+    for relpath in relpaths or [p.name for p in source.iterdir() if p.name != dist_info]:
+        if not (source / relpath).exists() or relpath.startswith(".patchkit"):
+            continue
+        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
+        if (source / relpath).is_dir():
+            shutil.copytree(source / relpath, dest / relpath)
+        else:
+            shutil.copy2(source / relpath, dest / relpath)
+    new = dest / f"vllm-{version}.dist-info"
+    shutil.copytree(source / dist_info, new)
+    metadata = (new / "METADATA").read_text()
+    assert f"\nVersion: {old}\n" in metadata
+    (new / "METADATA").write_text(
+        metadata.replace(f"\nVersion: {old}\n", f"\nVersion: {version}\n")
+    )
+    record = (new / "RECORD").read_text()
+    (new / "RECORD").write_text(record.replace(f"{dist_info}/", f"{new.name}/"))
+    return dest

@@ -77,21 +77,38 @@ def supported_tags() -> list[Tag]:
 def find_wheel(version: str, settings: PipSettings, transport: Transport) -> WheelLink:
     """The wheel pip would download; a one-line error naming the indexes when there is none."""
     wanted = SpecifierSet(f"=={Version(version)}")  # as pip reads vllm==VERSION: +local too
+    found = _candidates(wanted, settings, transport)
+    if not found:
+        raise FetchError(
+            f"fetch: no wheel of vllm=={version} for CPython 3.12 on x86_64 Linux "
+            f"at {where(settings)}"
+        )
+    # pip's order: not yanked, then the higher version (a +local one), then the better tag;
+    # max keeps the first of equals
+    return max(found, key=lambda link: (not link.yanked, link.version, -link.rank))
+
+
+def wheels(settings: PipSettings, transport: Transport) -> list[WheelLink]:
+    """Every wheel of vllm, of any version (pre-releases and yanked ones too), that fetch
+    could take from the places pip is configured with, in the order found: what
+    ``find_wheel`` chooses among, for every release at once."""
+    return _candidates(SpecifierSet(), settings, transport)
+
+
+def where(settings: PipSettings) -> str:
+    """The places pip looks, for a message: find-links, then the indexes, no credentials."""
+    places = [*settings.find_links, *settings.index_urls]
+    return ", ".join(without_credentials(p) for p in places) or "no index (no-index is set)"
+
+
+def _candidates(wanted: SpecifierSet, settings: PipSettings, transport: Transport):
     ranks = {tag: n for n, tag in enumerate(supported_tags())}
     found: list[WheelLink] = []
     for location in settings.find_links:
         found += _fitting(_links_at(location, transport), wanted, ranks)
     for index in settings.index_urls:
         found += _fitting(_project_page(index, transport), wanted, ranks)
-    if not found:
-        places = [*settings.find_links, *settings.index_urls]
-        where = ", ".join(without_credentials(p) for p in places) or "no index (no-index is set)"
-        raise FetchError(
-            f"fetch: no wheel of vllm=={version} for CPython 3.12 on x86_64 Linux at {where}"
-        )
-    # pip's order: not yanked, then the higher version (a +local one), then the better tag;
-    # max keeps the first of equals
-    return max(found, key=lambda link: (not link.yanked, link.version, -link.rank))
+    return found
 
 
 def _fitting(links, version: SpecifierSet, ranks: dict[Tag, int]) -> list[WheelLink]:
