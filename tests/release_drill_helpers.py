@@ -26,13 +26,16 @@ def next_release(
     source: Path,
     dest: Path,
     version: str,
+    relpaths: tuple[str, ...] | list[str] | None = None,
     remove: tuple[str, ...] = (),
     rewrite: dict[str, tuple[str, str]] | None = None,
 ) -> Path:
-    """``source`` (a real release tree) as release ``version`` at ``dest``: ``remove``
-    deleted, each ``rewrite`` path's ``old`` text replaced by ``new`` (once, and it must be
-    there), the dist-info renamed and its METADATA and RECORD made to match."""
-    shutil.copytree(source, dest, symlinks=True)
+    """``source`` (a real release tree) as release ``version`` at ``dest``: only
+    ``relpaths`` (files or folders) and the dist-info when given (a slim release, as the
+    wheel server's tests serve), ``remove`` deleted, each ``rewrite`` path's ``old`` text
+    replaced by ``new`` (once, and it must be there), the dist-info renamed and its
+    METADATA and RECORD made to match."""
+    _copy(source, dest, relpaths)
     [dist_info] = [p for p in dest.iterdir() if p.name.endswith(".dist-info")]
     for relpath in remove:
         (dest / relpath).unlink()
@@ -49,6 +52,21 @@ def next_release(
     )
     _rewrite_record(dest, renamed, dist_info.name, set(remove), set(rewrite or {}))
     return dest
+
+
+def _copy(source: Path, dest: Path, relpaths) -> None:
+    if relpaths is None:
+        shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".patchkit*"))
+        return
+    [dist_info] = [p.name for p in source.iterdir() if p.name.endswith(".dist-info")]
+    for relpath in [*relpaths, dist_info]:
+        if not (source / relpath).exists():
+            continue
+        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
+        if (source / relpath).is_dir():
+            shutil.copytree(source / relpath, dest / relpath, symlinks=True)
+        else:
+            shutil.copy2(source / relpath, dest / relpath)
 
 
 def _rewrite_record(

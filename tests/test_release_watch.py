@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SLIM, release_tree, run_cli, snapshot
+from tests.release_drill_helpers import next_release
 from tests.wheelserver_helpers import (
     PIP_ENV,
     Index,
     build_wheel,
-    next_release,
     only_this_index,
     serving,
     wheel_name,

@@ -8,8 +8,8 @@ between them (incompressible bytes fetch must skip, as it skips the real
 HTML project page, and the wheel with or without byte ranges, behind Basic
 credentials or a proxy when asked; each request is recorded, and a test can
 make any answer hostile. An index of several releases (``Index(wheels={NAME: BYTES})``)
-lists and serves each wheel by its own name; :func:`next_release` makes a release the
-index has not published yet from a real tree.
+lists and serves each wheel by its own name; tests/release_drill_helpers.py makes a
+release the index has not published yet from a real tree.
 """
 
 from __future__ import annotations
@@ -276,31 +276,3 @@ def only_this_index(monkeypatch, index_url: str, home: Path) -> None:
 
 def wheel_name(version: str) -> str:
     return WHEEL.replace("0.26.0", version)
-
-
-def next_release(source: Path, dest: Path, version: str, relpaths=None) -> Path:
-    """A release the index has not published yet: ``source``'s tree (or only its
-    ``relpaths``, files or folders) copied to ``dest`` as ``version``: its dist-info
-    renamed, METADATA's Version and RECORD's paths changed to match."""
-    import shutil
-
-    [dist_info] = [p.name for p in source.glob("vllm-*.dist-info")]
-    old = dist_info.removeprefix("vllm-").removesuffix(".dist-info")
-    for relpath in relpaths or [p.name for p in source.iterdir() if p.name != dist_info]:
-        if not (source / relpath).exists() or relpath.startswith(".patchkit"):
-            continue
-        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
-        if (source / relpath).is_dir():
-            shutil.copytree(source / relpath, dest / relpath)
-        else:
-            shutil.copy2(source / relpath, dest / relpath)
-    new = dest / f"vllm-{version}.dist-info"
-    shutil.copytree(source / dist_info, new)
-    metadata = (new / "METADATA").read_text()
-    assert f"\nVersion: {old}\n" in metadata
-    (new / "METADATA").write_text(
-        metadata.replace(f"\nVersion: {old}\n", f"\nVersion: {version}\n")
-    )
-    record = (new / "RECORD").read_text()
-    (new / "RECORD").write_text(record.replace(f"{dist_info}/", f"{new.name}/"))
-    return dest
