@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SLIM, release_tree, run_cli, snapshot
-from tests.release_drill_helpers import next_release
+from tests.release_drill_helpers import MOE_ASSERT_REWRITTEN, next_release
 from tests.wheelserver_helpers import (
     PIP_ENV,
     Index,
@@ -97,9 +97,14 @@ def slim_wheel(version: str, work: Path) -> bytes:
     return build_wheel(tree, work / wheel_name(version)).read_bytes()
 
 
-def next_wheel(work: Path, whole: bool) -> bytes:
+def next_wheel(work: Path, whole: bool, moved: bool = False) -> bytes:
+    """0.34.0 as 0.35.0; ``moved``: with the code partial-moe-adapter patches rewritten."""
     tree = next_release(
-        release_tree("0.34.0"), work / "tree-0.35.0", "0.35.0", None if whole else SLIM
+        release_tree("0.34.0"),
+        work / "tree-0.35.0",
+        "0.35.0",
+        None if whole else SLIM,
+        rewrite=MOE_ASSERT_REWRITTEN if moved else None,
     )
     return build_wheel(tree, work / wheel_name("0.35.0")).read_bytes()
 
@@ -112,8 +117,13 @@ def one_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("whole", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_lists_only_the_untested_release_with_status_s_states(tmp_path, whole, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "whole, moved",
+    [(False, False), (False, True), pytest.param(True, False, marks=pytest.mark.slow)],
+)
+def test_lists_only_the_untested_release_with_status_s_states(
+    tmp_path, whole, moved, monkeypatch, capsys
+):
     """0.33.0 and 0.34.0 are tested; 0.35.0 is listed, fetched into the cache, and each
     patch's state, reason, warnings and notices are exactly status's on that tree. The
     tested releases' wheels are never downloaded; nothing is written outside the cache.
@@ -121,7 +131,7 @@ def test_lists_only_the_untested_release_with_status_s_states(tmp_path, whole, m
     work = tmp_path / "wheels"
     work.mkdir()
     wheels = {wheel_name(v): slim_wheel(v, work) for v in ("0.33.0", "0.34.0")}
-    wheels[wheel_name("0.35.0")] = next_wheel(work, whole)
+    wheels[wheel_name("0.35.0")] = next_wheel(work, whole, moved)
     catalogue = snapshot(REPO / "patches")
     run = tmp_path / "run"
     with serving(Index(wheels=wheels)) as index:
@@ -144,6 +154,8 @@ def test_lists_only_the_untested_release_with_status_s_states(tmp_path, whole, m
     assert status.exit_code == 0, status.output
     assert release["status"] == json.loads(status.stdout)
     states = [p["state"] for p in release["status"]["patches"]]
+    moe = [p["state"] for p in release["status"]["patches"] if p["id"] == "partial-moe-adapter"]
+    assert moe == ["changed-upstream" if moved else "needed"]
     assert sum(release["states"].values()) == len(states)
     assert release["states"] == {s: states.count(s) for s in release["states"]}
     assert any("0.35.0" in w for w in release["status"]["warnings"])  # not a tested release

@@ -15,20 +15,9 @@ import shutil
 from pathlib import Path
 
 from tests.conftest import release_tree, run_cli, snapshot
-from tests.release_drill_helpers import next_release
+from tests.release_drill_helpers import MANAGER, MOE_ASSERT_REWRITTEN, next_release
 
-MANAGER = "vllm/lora/model_manager.py"
 COLUMN = "vllm/lora/layers/column_parallel_linear.py"
-# 0.34.0's _stack_moe_lora_weights as a next release might rewrite it: a raise
-# instead of the assert partial-moe-adapter's hunks are made on.
-ASSERT = (
-    "            # FIXME Edge case where LoRA is not added to gate_up_proj\n"
-    "            # or down_proj\n"
-    "            assert gate_up_proj_lora is not None\n"
-)
-RAISE = (
-    "            if gate_up_proj_lora is None:\n                raise ValueError('one parameter')\n"
-)
 # 0.33.0's expand_packed_lora with one line written another way: the hunks of
 # partial-gdn-adapter's coverage-after no longer fit.
 EXPAND = (
@@ -50,7 +39,7 @@ def states(report: dict) -> dict[str, tuple[str, str]]:
 def rewritten_0340(tmp_path: Path) -> Path:
     """0.34.0 with the assert partial-moe-adapter patches rewritten, as 0.35.0."""
     return next_release(
-        release_tree("0.34.0"), tmp_path / "site", "0.35.0", rewrite={MANAGER: (ASSERT, RAISE)}
+        release_tree("0.34.0"), tmp_path / "site", "0.35.0", rewrite=MOE_ASSERT_REWRITTEN
     )
 
 
