@@ -91,6 +91,29 @@ def patched_text(version: str, patch_id: str, relpath: str) -> str:
     return new_text
 
 
+def releases_with_variant(patch_id: str, name: str | None = None) -> list[str]:
+    """The tested releases where the catalogue gives ``patch_id`` a variant (``name``: that
+    one), in order: a test of the patched code runs on each, so a new release is data."""
+    patch = CATALOGUE.get(patch_id)
+    return [
+        release
+        for release in RELEASES
+        if isinstance(entry := patch.expected_for(Version(release)), Variant)
+        and name in (None, entry.name)
+    ]
+
+
+def releases_decided(patch_id: str, state: str) -> list[str]:
+    """The tested releases where the catalogue decides ``patch_id`` ``state`` (``upstream``,
+    ``not-applicable``), in order."""
+    patch = CATALOGUE.get(patch_id)
+    return [
+        release
+        for release in RELEASES
+        if getattr(patch.expected_for(Version(release)), "state", None) == state
+    ]
+
+
 def created_source(patch_id: str, relpath: str) -> str:
     """A file a patch creates, read from patches/<id>/files/ (no vLLM wheel involved)."""
     variant = next(v for v in CATALOGUE.get(patch_id).variants if relpath in v.created)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_subprocess
+from tests.conftest import releases_with_variant, run_cli, run_subprocess
 from tests.helpers import REPORT_IMPORTS
 
 NAN_BUG = "vLLM #48590"
@@ -172,7 +172,7 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", releases_with_variant("partial-moe-adapter"))
 def test_the_one_expert_parameter_adapter_bug_is_named_until_the_patch_is_applied(
     hopper: Path, tmp_path: Path, version: str
 ):

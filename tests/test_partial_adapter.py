@@ -1,4 +1,4 @@
-"""partial-gdn-adapter on the real code of 0.21.0, 0.26.0, 0.29.0 and 0.33.0.
+"""partial-gdn-adapter on the real code of every tested release that has expand_packed_lora.
 
 ``MergedColumnParallelLinearWithLoRA.set_lora`` and ``expand_packed_lora``
 (with patchkit's helper, when patched) are taken from each release's real
@@ -7,14 +7,25 @@ catalogue's variant leaves it, and run on CPU against a stand-in layer
 shaped like a GDN ``in_proj_qkvz``: four output slices Q, K, V, Z, two
 packed adapter members (in_proj_qkv over Q+K+V, in_proj_z over Z), a
 missing member passed as None as vLLM's PackedLoRALayerWeights.pack does.
+
+The releases come from the catalogue: the patched code is tested on each release
+it gives a variant, the pristine code on each it decides ``upstream`` (where it
+must load a partial adapter on its own slices, or the decision is wrong).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 
-from tests.conftest import patched_text, release_tree
+from tests.conftest import (
+    CATALOGUE,
+    patched_text,
+    release_tree,
+    releases_decided,
+    releases_with_variant,
+)
 from tests.punica_harness import methods
 
 RELPATH = "vllm/lora/layers/column_parallel_linear.py"
@@ -67,12 +78,35 @@ def slices_of(layer: GdnLayer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-VERSIONS = ["0.21.0", "0.26.0", "0.29.0", "0.33.0"]
+PATCH = "partial-gdn-adapter"
+VERSIONS = releases_with_variant(PATCH)  # the patched code
+UPSTREAM = releases_decided(PATCH, "upstream")  # the pristine code, fixed upstream
+# What the pristine code of each variant's releases does with a partial adapter: the
+# exception it raises, or None where it loads (0.29.0's PR #47640 takes a qkv-only one).
+UNPATCHED = {
+    "backport-47640": {"qkv": "'NoneType' object has no attribute 'shape'",
+                       "z": "'NoneType' object has no attribute 'shape'"},
+    "coverage-after": {"qkv": None, "z": "Cannot determine how to split lora_b"},
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+def pristine(version: str) -> str:
+    return (release_tree(version) / RELPATH).read_text()
+
+
+def code(version: str) -> str:
+    """The code that must load partial adapters: patched where the catalogue has a variant,
+    pristine where it decides upstream."""
+    return pristine(version) if version in UPSTREAM else patched_text(version, PATCH, RELPATH)
+
+
+def test_every_variant_says_what_its_pristine_code_does():
+    assert {v.name for v in CATALOGUE.get(PATCH).variants} == set(UNPATCHED)
+
+
+@pytest.mark.parametrize("version", VERSIONS + UPSTREAM)
 def test_qkv_only_fills_q_k_v_and_leaves_z_at_base(version):
-    layer = load(patched_text(version, "partial-gdn-adapter", RELPATH), "qkv")
+    layer = load(code(version), "qkv")
     (a_qkv, _), (b_qkv, _) = adapter("qkv")
     start = 0
     for (a, b), size in zip(slices_of(layer)[:3], SIZES[:3], strict=True):
@@ -82,9 +116,9 @@ def test_qkv_only_fills_q_k_v_and_leaves_z_at_base(version):
     assert not a_z.any() and not b_z.any()  # Z stays at base weights
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS + UPSTREAM)
 def test_z_only_fills_z_and_leaves_q_k_v_at_base(version):
-    layer = load(patched_text(version, "partial-gdn-adapter", RELPATH), "z")
+    layer = load(code(version), "z")
     (_, a_z), (_, b_z) = adapter("z")
     for a, b in slices_of(layer)[:3]:
         assert not a.any() and not b.any()
@@ -92,29 +126,22 @@ def test_z_only_fills_z_and_leaves_q_k_v_at_base(version):
     assert torch.equal(a, a_z) and torch.equal(b, b_z)
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", VERSIONS + UPSTREAM)
 def test_both_members_load_exactly_as_before(version):
-    pristine = load((release_tree(version) / RELPATH).read_text(), "both")
-    patched = load(patched_text(version, "partial-gdn-adapter", RELPATH), "both")
-    for (a0, b0), (a1, b1) in zip(slices_of(pristine), slices_of(patched), strict=True):
+    before = load(pristine(version), "both")
+    after = load(code(version), "both")
+    for (a0, b0), (a1, b1) in zip(slices_of(before), slices_of(after), strict=True):
         assert torch.equal(a0, a1) and torch.equal(b0, b1) and b0.any()
 
 
-@pytest.mark.parametrize(
-    "version, members, error",
-    [
-        ("0.21.0", "qkv", "'NoneType' object has no attribute 'shape'"),
-        ("0.26.0", "z", "'NoneType' object has no attribute 'shape'"),
-        ("0.29.0", "z", "Cannot determine how to split lora_b"),
-        ("0.33.0", "z", "Cannot determine how to split lora_b"),
-    ],
-)
-def test_the_unpatched_code_reproduces_the_crash(version, members, error):
+@pytest.mark.parametrize("members", ["qkv", "z"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_unpatched_code_reproduces_the_crash(version, members):
+    variant = CATALOGUE.get(PATCH).expected_for(Version(version)).name
+    error = UNPATCHED[variant][members]
+    if error is None:  # #47640's half: the trailing member may be missing (the patch keeps that)
+        layer = load(pristine(version), members)
+        assert not slices_of(layer)[3][1].any() and slices_of(layer)[0][1].any()
+        return
     with pytest.raises((AttributeError, ValueError), match=error):
-        load((release_tree(version) / RELPATH).read_text(), members)
-
-
-def test_unpatched_0290_already_takes_a_qkv_only_adapter():
-    """#47640's half: the trailing member may be missing (the patch keeps that)."""
-    layer = load((release_tree("0.29.0") / RELPATH).read_text(), "qkv")
-    assert not slices_of(layer)[3][1].any() and slices_of(layer)[0][1].any()
+        load(pristine(version), members)

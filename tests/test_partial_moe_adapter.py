@@ -48,7 +48,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.conftest import CATALOGUE, patched_text, release_tree
+from tests.conftest import CATALOGUE, patched_text, release_tree, releases_with_variant
 from tests.punica_harness import definitions, methods
 
 PATCH = "partial-moe-adapter"
@@ -254,13 +254,13 @@ def assert_delta(layer: Experts, param: str, expected: torch.Tensor) -> None:
     torch.testing.assert_close(layer_delta(layer, param), expected, rtol=1e-5, atol=1e-5)
 
 
-# Every release family of _stack_moe_lora_weights (0.17-0.20, 0.21-0.23 reading
-# the experts' count on base_layer, 0.24-0.32, 0.33 popping base_layer) and of
-# LoRAModel / PEFTHelper (0.31, 0.32+ with rank/alpha patterns); 0.26.0 and 0.32.0
-# are the variants' made_on.
-VERSIONS = ["0.17.0", "0.20.2", "0.21.0", "0.23.0", "0.24.0", "0.26.0", "0.31.0", "0.32.0",
-            "0.33.0"]  # fmt: skip
-WITH_PATTERNS = ["0.32.0", "0.33.0"]
+# Every tested release where the catalogue has a variant (today all of them): the
+# families of _stack_moe_lora_weights (0.17-0.20, 0.21-0.23 reading the experts'
+# count on base_layer, 0.24-0.32, 0.33+ popping base_layer) and of LoRAModel /
+# PEFTHelper (0.31, 0.32+ with rank/alpha patterns) come with them.
+VERSIONS = releases_with_variant(PATCH)
+# Where the variant reads PEFT's rank_pattern / alpha_pattern (PEFTHelper matches them).
+WITH_PATTERNS = releases_with_variant(PATCH, "single-parameter-patterns")
 
 
 @pytest.mark.slow

@@ -157,3 +157,46 @@ def test_the_try_it_output_is_what_apply_prints_on_the_real_release(tmp_path):
     assert result.stdout.endswith(rows) and rows.count("\n") > 10
     header = " ".join(result.stdout[: -len(rows)].split())  # its own path, wrapped or not
     assert header == first.replace("/root/.cache/patchkit/trees/vllm-0.26.0", str(tree))
+
+
+# ----- docs/: the release ranges written in the pages are the catalogue's -----
+
+DOC_PAGES = sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "evidence.md")
+SPAN = r"(\d+\.\d+\.\d+)\s*(?:–|-|to)\s*(\d+\.\d+\.\d+)"
+
+
+def runs_in_docs_notation(patch) -> list[str]:
+    """A patch's runs of tested releases as the pages write them: "0.17.0–0.32.0" where it
+    applies, "`upstream` 0.33.0–0.34.0" (one release alone: "`upstream` 0.34.0")."""
+    from patchkit.cli.render import coverage_runs
+
+    written = []
+    for run in coverage_runs(patch, load_catalogue()):
+        if run == "opt-in":
+            continue
+        word, span = run.rsplit(" ", 1) if "(" not in run else run.split(" (")[0].rsplit(" ", 1)
+        span = span.replace("-", "–")
+        written.append(span if word == "applies to" else f"`{word}` {span}")
+    return written
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_every_tested_range_a_page_names_is_the_catalogues(page: Path):
+    """A page that names the tested range names the catalogue's (docs/evidence.md's dated
+    entries say what was true on their day, and are left as they are)."""
+    releases = load_catalogue().tested_releases
+    text = " ".join(page.read_text().split())
+    for match in re.finditer(r"tested (?:range|releases)[^.\d]{0,20}" + SPAN, text):
+        assert match.groups() == (releases[0], releases[-1]), (page.name, match[0])
+
+
+def test_docs_patches_table_gives_each_patch_the_catalogues_releases():
+    """docs/patches.md's releases column (and the opt-in probe's sentence) holds each of a
+    patch's runs of tested releases, in the states' words, as `patchkit list` computes them."""
+    text = (REPO / "docs" / "patches.md").read_text()
+    cells = {m[1]: m[2] for m in re.finditer(r"^\| `([a-z0-9-]+)` \|.*\| ([^|]+) \|$", text, re.M)}
+    probe = re.search(r"opt-in: `nan-probe` \(([^)]*)\)", " ".join(text.split()))
+    cells["nan-probe"] = probe[1] if probe else ""
+    for patch in load_catalogue().patches:
+        for run in runs_in_docs_notation(patch):
+            assert run in cells[patch.id], (patch.id, run, cells[patch.id])

@@ -9,14 +9,14 @@ only. Two things keep that from checking the catalogue against itself:
   evidence matches, and a range that disagrees with the content is a warning.
   test_release requires the content's decision to be the catalogue's, with no
   warning, and apply to change exactly the expected variants' files.
-- SURVEY: what the survey of every release 0.17.0-0.33.0 found (shared
-  VLLM-RELEASES.md, re-checked against the wheels), written by hand as ranges
-  once. Content cannot catch a wrong decision whose diff still fits
+- The survey (patches/survey.toml): what reading every surveyed release's
+  real files found, written by hand as ranges, never derived from the
+  catalogue. Content cannot catch a wrong decision whose diff still fits
   (block-k-32 and torch-ops apply cleanly on 0.33.0, which has the upstream
   fix; single-parameter on 0.32.0, which needs the patterns variant); inside
   the survey the catalogue must agree with it, and every surveyed release must
-  stay tested. A release after 0.33.0 is checked by content alone until its
-  facts are surveyed.
+  stay tested. A release not yet in the survey is checked by content alone
+  until its facts are surveyed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import json
 import py_compile
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,50 +32,34 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from patchkit.catalogue.model import Decision, Notice, Variant
-from tests.conftest import CATALOGUE, RELEASES, copy_tree, run_cli, snapshot
+from tests.conftest import (
+    CATALOGUE,
+    RELEASES,
+    REPO,
+    copy_tree,
+    patched_text,
+    release_tree,
+    releases_with_variant,
+    run_cli,
+    snapshot,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 # ----- the survey: facts written by hand, never derived -----
 
-SURVEYED_RELEASES = (
-    "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2",
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
-    "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)  # fmt: skip
+# patches/survey.toml: beside the catalogue, read only here, written by hand.
+SURVEY_FILE = REPO / "patches" / "survey.toml"
+_SURVEY = tomllib.loads(SURVEY_FILE.read_text())
+SURVEYED_RELEASES = tuple(_SURVEY["releases"])
 # Per patch, what each surveyed release gets: a variant's name or a decision's
 # state, by range ("" = every surveyed release).
-SURVEY = {
-    "expand-block-n": {
-        "block-k-16": "<0.18.0",
-        "block-k-32": ">=0.18.0,<0.33.0",
-        "upstream": ">=0.33.0",  # lora_expand forces num_stages=1 on sm_90
-    },
-    "matmul-add-lora-linear": {"torch-ops": "<0.33.0", "upstream": ">=0.33.0"},
-    "split-in-proj-qkvz": {
-        "backport-36976": "<0.19.0",
-        "upstream": ">=0.19.0,<0.21.0",  # PR #36976
-        "not-applicable": ">=0.21.0",  # fused again, expand_packed_lora
-    },
-    # 0.17-0.20 have no expand_packed_lora (separate in_proj_qkv / in_proj_z modules);
-    # 0.21-0.28 fail on any partial adapter (#47639); 0.29-0.33 carry #47640, which
-    # still sends an in_proj_z-only adapter to the wrong slices (#57851).
-    "partial-gdn-adapter": {
-        "not-applicable": "<0.21.0",
-        "backport-47640": ">=0.21.0,<0.29.0",
-        "coverage-after": ">=0.29.0",
-    },
-    # Every _stack_moe_lora_weights asserts both expert parameters; from 0.32
-    # PEFTHelper matches rank/alpha patterns against <experts> as down_proj.
-    "partial-moe-adapter": {"single-parameter": "<0.32.0", "single-parameter-patterns": ">=0.32.0"},
-    # Opt-in; its two hooks in gpu_model_runner.py fit every release.
-    "nan-probe": {"runner-hooks": ""},
-}
+SURVEY: dict[str, dict[str, str]] = _SURVEY["patches"]
 # The known upstream bugs status names (notices, not warnings), by range.
-SURVEYED_NOTICES = {
-    "#38927": ">=0.19.0,<0.20.0",
-    "#47639": ">=0.21.0,<0.29.0",
-    "#57851": ">=0.29.0",
-    "#48460": "",
-}
+SURVEYED_NOTICES: dict[str, str] = _SURVEY["notices"]
 
 
 def surveyed(table: dict[str, str], version: str) -> list[str]:
@@ -84,7 +69,15 @@ def surveyed(table: dict[str, str], version: str) -> list[str]:
 
 def test_every_surveyed_release_is_still_tested():
     assert [r for r in RELEASES if r in SURVEYED_RELEASES] == list(SURVEYED_RELEASES)
-    assert set(SURVEY) == set(CATALOGUE.ids), "a new patch writes its surveyed facts here"
+    assert set(SURVEY) == set(CATALOGUE.ids), (
+        f"a new patch writes its surveyed facts in {SURVEY_FILE}"
+    )
+
+
+@pytest.mark.parametrize("version", SURVEYED_RELEASES)
+def test_the_survey_decides_each_release_once_per_patch(version: str):
+    for patch_id, table in SURVEY.items():
+        assert len(surveyed(table, version)) == 1, (patch_id, version, table)
 
 
 @pytest.mark.parametrize("version", [r for r in RELEASES if r in SURVEYED_RELEASES])
@@ -180,7 +173,8 @@ def test_release(version: str, scratch_path: Path):
     }
     assert_listed(patched["notices"], [n for n in notices if n.fixed_by not in needed])
 
-    stack_nan_probe(root, scratch_path, after_apply, expected_files(version, "nan-probe"))
+    if states["nan-probe"][0] == "opt-in":  # a variant; where none, apply --only does nothing
+        stack_nan_probe(root, scratch_path, after_apply, expected_files(version, "nan-probe"))
     reverted = run_cli("revert", "--target", str(root))
     assert reverted.exit_code == 0, reverted.output
     assert snapshot(root) == pristine
@@ -243,16 +237,16 @@ class FakePlatform:
         return self.capability == capability
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])
-def test_patched_block_n_is_32_on_sm90_only(version: str, tmp_path: Path):
-    """Evaluate the patched expression from the real patched file on fake platforms."""
-    root = copy_tree(version, tmp_path / "site-packages")
+@pytest.mark.parametrize("version", releases_with_variant("expand-block-n"))
+def test_patched_block_n_is_32_on_sm90_only(version: str):
+    """Evaluate the patched expression from the real file, as the variant leaves it, on
+    fake platforms: every release the catalogue gives a variant."""
     relpath = "vllm/lora/ops/triton_ops/utils.py"
-    before = expand_block_n_expression((root / relpath).read_text())
-    assert run_cli("apply", "--target", str(root)).exit_code == 0
+    before = expand_block_n_expression((release_tree(version) / relpath).read_text())
     after = compile(
-        ast.Expression(expand_block_n_expression((root / relpath).read_text())), "", "eval"
+        ast.Expression(expand_block_n_expression(patched_text(version, "expand-block-n", relpath))),
+        "",
+        "eval",
     )
     cases = {
         (True, 90): (32, 64),  # Hopper: single slice 32, several slices unchanged

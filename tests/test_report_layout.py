@@ -5,7 +5,7 @@ series order, opt-in ones in status's word) with the same columns, in text and
 in --json; `--only` limits what a run does, not what it shows, and the
 summary's states are the ones `status` says next. Text wraps at the terminal's
 width, at most 100 columns, 100 where stdout is not a terminal; a word is never
-split. `list` is two lines per patch; `list -v` and `show ID` give the full
+split. `list` is a patch's releases then its title; `list -v` and `show ID` give the full
 text. Each test runs the real catalogue on a real 0.26.0 tree.
 """
 
@@ -198,30 +198,74 @@ def test_a_narrow_terminal_continues_a_reason_at_8(slim_tree_0260):
 # ----- list short, list -v and show in full -----
 
 
-def test_list_is_two_lines_per_patch():
-    """`list` printed 141 lines for five patches (each one's whole Why)."""
-    result = run_cli("list", env={"COLUMNS": "100"})
+def list_blocks(text: str) -> dict[str, list[str]]:
+    """`list`'s lines per patch: from its "ID: " line to the line before the next one's."""
+    lines = text.splitlines()
+    lines = lines[: next(i for i, x in enumerate(lines) if "tested release" in x)]  # the footer
+    starts = [i for i, line in enumerate(lines) for p in IDS if line.startswith(f"{p}: ")]
+    ends = [*starts[1:], len(lines)]
+    return {lines[i].split(":")[0]: lines[i:j] for i, j in zip(starts, ends, strict=True)}
+
+
+@pytest.mark.parametrize("columns", ["100", "72"])
+def test_list_is_the_releases_then_the_title_per_patch(columns: str):
+    """`list` printed 141 lines for five patches (each one's whole Why). Now each patch is
+    its releases, then its title at column 4: two lines unless the releases are longer
+    than the line; then they continue under themselves (never at the title's column 4),
+    a run ("upstream 0.34.0") never split. Nothing of the why or remove-when."""
+    result = run_cli("list", env={"COLUMNS": columns})
     assert result.exit_code == 0, result.output
-    lines = result.stdout.splitlines()
-    assert len(lines) <= 2 * len(CATALOGUE.patches) + 2
+    blocks = list_blocks(result.stdout)
+    assert list(blocks) == IDS
     for patch in CATALOGUE.patches:
-        first = next(i for i, line in enumerate(lines) if line.startswith(f"{patch.id}: "))
-        assert lines[first + 1].strip() == patch.title
+        block = blocks[patch.id]
+        title_at = next(i for i, line in enumerate(block) if line[:5] == "    " + line[4:5]
+                        and line[4] != " ")  # fmt: skip
+        assert " ".join(line.strip() for line in block[title_at:]) == patch.title
+        assert all(line.startswith("    ") for line in block[title_at:])
+        releases = block[:title_at]
+        assert releases, block
+        for line in releases[1:]:  # under the releases, never at the title's column
+            assert len(line) - len(line.lstrip()) >= 8, block
+        said = " ".join(line.strip() for line in releases).split(": ", 1)[1]
+        assert said == listed_releases(patch.id)
+        for run in said.split(", "):  # each run whole on one line
+            assert any(run in line for line in releases), (run, block)
+        assert all(len(line) <= int(columns) for line in block)
         assert "why:" not in result.stdout and patch.remove_when[:40] not in result.stdout
-    assert "`patchkit show ID`" in lines[-2] + lines[-1]
+    assert "`patchkit show ID`" in " ".join(result.stdout.splitlines()[-3:])
+
+
+def listed_releases(patch_id: str) -> str:
+    """What `list` says of a patch's releases, from the catalogue: runs of tested releases
+    with one word each, in the states' words."""
+    from packaging.version import Version
+
+    from patchkit.catalogue.model import Variant
+
+    patch, runs = CATALOGUE.get(patch_id), []
+    for release in CATALOGUE.tested_releases:
+        entry = patch.expected_for(Version(release))
+        word = "applies to" if isinstance(entry, Variant) else entry.state
+        name = entry.name if isinstance(entry, Variant) else None
+        if runs and runs[-1][0] == word:
+            runs[-1][2] = release
+        else:
+            runs.append([word, release, release, set()])
+        runs[-1][3] |= {name} - {None}
+    words = [f"{w} {a}" + (f"-{b}" if b != a else "") + (f" ({len(n)} variants)" if len(n) > 1
+             else "") for w, a, b, n in runs]  # fmt: skip
+    return ", ".join((["opt-in"] if patch.opt_in else []) + words)
 
 
 def test_list_names_the_releases_in_the_states_words():
-    lines = run_cli("list", env={"COLUMNS": "100"}).stdout.splitlines()
-
-    def covered(patch_id: str) -> str:
-        return next(line for line in lines if line.startswith(f"{patch_id}: ")).split(": ", 1)[1]
-
-    assert covered("expand-block-n") == "applies to 0.17.0-0.32.0 (2 variants), upstream 0.33.0"
-    assert covered(SPLIT) == (
-        "applies to 0.17.0-0.18.1, upstream 0.19.0-0.20.2, not-applicable 0.21.0-0.33.0"
-    )
-    assert covered("nan-probe") == "opt-in, applies to 0.17.0-0.33.0"
+    text = run_cli("list", env={"COLUMNS": "100"}).stdout
+    blocks = list_blocks(text)
+    for patch_id in IDS:
+        lines = blocks[patch_id][:-1]
+        said = " ".join(line.strip() for line in lines).split(": ", 1)[1]
+        assert said == listed_releases(patch_id)
+    assert blocks["nan-probe"][0].startswith("nan-probe: opt-in, applies to 0.17.0-")
 
 
 def test_each_release_in_list_is_what_status_says_on_a_pristine_tree(tmp_path):

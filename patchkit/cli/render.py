@@ -568,13 +568,15 @@ def _canary_verdict_json(v) -> dict:
 
 
 def render_catalogue(catalogue: Catalogue, verbose: bool = False) -> None:
-    """`list`: two lines per patch (id, the releases it covers in the states' words, what
-    it fixes); ``verbose`` (`list -v`): each patch's full text, as `show ID` prints it."""
+    """`list`: per patch, its id and the releases it covers in the states' words, then what
+    it fixes at column 4 (two lines, three where the releases are longer than the line: they
+    continue under themselves, a run of releases never split); ``verbose`` (`list -v`): each
+    patch's full text, as `show ID` prints it."""
     for patch in catalogue.patches:
         if verbose:
             render_patch(patch, catalogue)
             continue
-        for line in wrap(f"{patch.id}: ", coverage(patch, catalogue), 4):
+        for line in wrap_runs(f"{patch.id}: ", coverage_runs(patch, catalogue)):
             out(line)
         for line in wrap("    ", patch.title):
             out(line)
@@ -617,10 +619,34 @@ def render_patch(patch, catalogue: Catalogue) -> None:
     field("remove when", patch.remove_when)
 
 
+def wrap_runs(first: str, runs: list[str]) -> list[str]:
+    """``first`` then ``runs`` joined by ", " and filled to :func:`line_width`, breaking only
+    between runs; the next lines under where the runs start (at INDENT when that leaves too
+    little room), so they never read as the title below them."""
+    width = line_width()
+    column = len(first) if width - len(first) >= COLUMN else INDENT
+    pieces = [run + "," for run in runs[:-1]] + runs[-1:]
+    if not pieces:
+        return [first.rstrip()]
+    lines = [first + pieces[0]]
+    for piece in pieces[1:]:
+        if len(lines[-1]) + 1 + len(piece) <= width:
+            lines[-1] += " " + piece
+        else:
+            lines.append(" " * column + piece)
+    return lines
+
+
 def coverage(patch, catalogue: Catalogue) -> str:
     """The tested releases a patch covers, in runs of one word: "applies to 0.17.0-0.32.0
     (2 variants), upstream 0.33.0"; `upstream` and `not-applicable` as status says them, an
     opt-in patch's runs marked `opt-in`."""
+    return ", ".join(coverage_runs(patch, catalogue))
+
+
+def coverage_runs(patch, catalogue: Catalogue) -> list[str]:
+    """:func:`coverage`'s runs, each a word and its releases ("upstream 0.33.0-0.34.0"), an
+    opt-in patch's first run "opt-in"."""
     runs: list[list] = []  # [word, first, last, variant names]
     for release in catalogue.tested_releases:
         entry = patch.expected_for(Version(release))
@@ -639,7 +665,7 @@ def coverage(patch, catalogue: Catalogue) -> str:
         span = first if first == last else f"{first}-{last}"
         variants = f" ({counted(len(names), 'variant')})" if len(names) > 1 else ""
         parts.append(f"{word} {span}{variants}")
-    return ("opt-in, " if patch.opt_in else "") + ", ".join(parts)
+    return (["opt-in"] if patch.opt_in else []) + parts
 
 
 def catalogue_json(catalogue: Catalogue, only: str | None = None) -> dict:
