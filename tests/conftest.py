@@ -103,6 +103,17 @@ def releases_with_variant(patch_id: str, name: str | None = None) -> list[str]:
     ]
 
 
+def family_releases(patch_id: str, name: str | None = None) -> list[str]:
+    """One tested release per code family of each of ``patch_id``'s variants (``name``:
+    that one), as the catalogue declares them (``families``; every release of a variant
+    that declares none), in order: the tests that run the patched code take these."""
+    patch = CATALOGUE.get(patch_id)
+    declared = {r for v in patch.variants if name in (None, v.name) for r in v.families}
+    undeclared = [v.name for v in patch.variants if not v.families and name in (None, v.name)]
+    chosen = declared | {r for n in undeclared for r in releases_with_variant(patch_id, n)}
+    return [release for release in RELEASES if release in chosen]
+
+
 def releases_decided(patch_id: str, state: str) -> list[str]:
     """The tested releases where the catalogue decides ``patch_id`` ``state`` (``upstream``,
     ``not-applicable``), in order."""
@@ -374,3 +385,8 @@ def checkout(tmp_path: Path) -> Path:
     git(root, "add", "FORK.md")
     git(root, "commit", "-qm", "fork: unrelated local change")
     return root
+
+
+# The releases the torch LoRA path's real-code tests run on: one per family of punica_gpu.py
+# (the catalogue's `families` of matmul-add-lora-linear).
+TORCH_PATH_FAMILIES = family_releases("matmul-add-lora-linear")

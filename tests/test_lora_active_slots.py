@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from tests.conftest import assert_close_to, same_bits
+from tests.conftest import TORCH_PATH_FAMILIES, assert_close_to, same_bits
 from tests.punica_harness import (
     FAMILIES,
     HIDDEN,
@@ -172,7 +172,7 @@ def test_a_bad_adapter_reaches_only_its_own_rows(narrowed, monkeypatch, caplog):
         assert same_bits(out[none], y[none])
 
 
-@pytest.mark.parametrize("narrowed", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("narrowed", TORCH_PATH_FAMILIES, indirect=True)
 def test_every_slot_where_narrowing_does_not_pay_or_is_off(narrowed, monkeypatch):
     """Fewer tokens than ACTIVE_MIN_TOKENS, more than half of the slots in use, x of
     another token count than the batch mapped, or PATCHKIT_LORA_ACTIVE_ONLY=0 (the

@@ -18,7 +18,7 @@ import weakref
 
 import pytest
 
-from tests.conftest import REPO, assert_close_to, same_bits
+from tests.conftest import REPO, TORCH_PATH_FAMILIES, assert_close_to, same_bits
 from tests.punica_harness import (
     FAMILIES,
     SLOTS,
@@ -82,7 +82,7 @@ def test_an_adapter_loaded_after_the_first_call_is_read_by_the_next(wrapper_modu
         assert layer.lora_a_stacked[0].__dict__[ops["PLAN_ATTR"]] is plan  # the same plan
 
 
-@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("wrapper_module", TORCH_PATH_FAMILIES, indirect=True)
 def test_the_plan_allocates_nothing_and_dies_with_the_layer(wrapper_module):
     """Its matrices are tensors on the weights' storage, not copies and not views (a view
     would hold the A tensor the plan hangs on: a cycle through C++ that gc cannot
@@ -106,7 +106,7 @@ def test_the_plan_allocates_nothing_and_dies_with_the_layer(wrapper_module):
     assert alive() is None
 
 
-@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("wrapper_module", TORCH_PATH_FAMILIES, indirect=True)
 def test_weights_moved_to_new_storage_get_a_new_plan(wrapper_module):
     """A tensor set_ to other storage (the weights replaced in place, not written) is seen
     on the next call, for A and for B."""
@@ -180,7 +180,7 @@ def test_compiled_calls_reuse_the_plan(wrapper_module, monkeypatch):
     assert made == [1]
 
 
-@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("wrapper_module", TORCH_PATH_FAMILIES, indirect=True)
 def test_strides_changed_in_place_get_a_new_plan(wrapper_module):
     """A tensor re-strided in place keeps its address (`as_strided_`): the plan checks
     shape and strides too, not the address alone, so the call reads the new layout."""

@@ -18,6 +18,7 @@ from patchkit.catalogue.model import Variant
 from tests.conftest import (
     CATALOGUE,
     RELEASES,
+    TORCH_PATH_FAMILIES,
     assert_close_to,
     module_from_source,
     patched_text,
@@ -293,7 +294,7 @@ def test_every_triton_lora_call_in_the_wrapper_goes_through_the_rebound_names(ve
 # ----- the backend switch is part of vLLM's torch.compile cache key -----
 
 
-@pytest.mark.parametrize("version", ["0.17.0", "0.26.0", "0.32.0"])
+@pytest.mark.parametrize("version", TORCH_PATH_FAMILIES)
 def test_backend_switch_is_in_vllms_compile_cache_key(version, tmp_path, monkeypatch):
     """vLLM's real envs.compile_factors() gives each backend its own key, once the
     patched module is imported (as punica_gpu imports it before vLLM compiles)."""

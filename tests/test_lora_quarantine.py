@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import created_source, module_from_source, patched_text, release_tree, run_cli
+from tests.conftest import (
+    TORCH_PATH_FAMILIES,
+    created_source,
+    module_from_source,
+    patched_text,
+    release_tree,
+    run_cli,
+)
 from tests.helpers import record, write_log
 from tests.punica_harness import PATCH, Layer, installed, load_wrapper_module, methods
 
@@ -284,7 +291,7 @@ def test_an_adapter_load_copies_no_host_value_into_a_slots_health(served):
     assert_quarantined(manager, 2, "model.layers.1.mlp.shared_expert.down_proj")
 
 
-@pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("served", TORCH_PATH_FAMILIES, indirect=True)
 def test_a_load_that_fails_midway_still_quarantines_the_layers_it_set(served, caplog):
     """A set_lora that raises partway through activate_adapter: the layers set before it
     are settled all the same, the bad one zeroed, its slot's weight NaN and the tensor
@@ -303,7 +310,7 @@ def test_a_load_that_fails_midway_still_quarantines_the_layers_it_set(served, ca
     assert_quarantined(manager, 2, "model.layers.1.mlp.shared_expert.down_proj")
 
 
-@pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("served", TORCH_PATH_FAMILIES, indirect=True)
 def test_a_set_lora_that_raises_after_writing_a_is_checked_all_the_same(served):
     """A NaN in lora_A and a lora_B too wide for the slot: vLLM's set_lora writes A,
     then raises on B, and the adapter counts as active; its written A is still checked,
@@ -337,7 +344,7 @@ def test_an_error_naming_one_bad_layer_still_settles_the_layers_after_it(served,
     assert_quarantined(manager, 2, "model.layers.2.mlp.down_proj")
 
 
-@pytest.mark.parametrize("served", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("served", TORCH_PATH_FAMILIES, indirect=True)
 def test_a_packed_slice_is_named_as_the_adapter_names_it(served, caplog):
     """gate_up_proj's second slice is up_proj in the adapter's files; a NaN in A is
     counted as NaN; a later load of the adapter (after eviction) says it again."""

@@ -16,7 +16,7 @@ import random
 import pytest
 from packaging.version import Version
 
-from tests.conftest import CATALOGUE, RELEASES, assert_close_to, same_bits
+from tests.conftest import CATALOGUE, RELEASES, TORCH_PATH_FAMILIES, assert_close_to, same_bits
 from tests.punica_harness import (
     FAMILIES,
     HIDDEN,
@@ -328,7 +328,7 @@ def test_base_traffic_launches_nothing_per_batch(wrapper_module):
     assert same_bits(y, before)
 
 
-@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("wrapper_module", TORCH_PATH_FAMILIES, indirect=True)
 def test_a_graph_captured_with_lora_replayed_for_a_batch_without(wrapper_module):
     """With cudagraph_specialize_lora off, vLLM replays the graph captured with LoRA
     for a batch without: the kernels run on the stale token_lora_mapping that vLLM
@@ -424,7 +424,7 @@ def test_shrink_then_expand_as_mcp_apply_uses_the_batch_masks(wrapper_module):
     assert not {"aten::eq", "aten::ne", "aten::arange", "aten::any"} & set(inside)
 
 
-@pytest.mark.parametrize("wrapper_module", ["0.17.0", "0.26.0", "0.32.0"], indirect=True)
+@pytest.mark.parametrize("wrapper_module", TORCH_PATH_FAMILIES, indirect=True)
 def test_embedding_and_logits_through_the_real_wrapper(wrapper_module):
     version, punica_gpu = wrapper_module
     wrapper = make_wrapper(punica_gpu, SLOTS)
@@ -462,7 +462,7 @@ def test_the_wrapper_call_compiles_fullgraph_with_a_dynamic_token_count(wrapper_
         assert same_bits(graph, eager)
 
 
-@pytest.mark.parametrize("version", ["0.19.1", "0.26.0", "0.32.0"])
+@pytest.mark.parametrize("version", TORCH_PATH_FAMILIES)
 def test_batch_invariant_mode_keeps_vllms_triton_path(version, tmp_path, monkeypatch, caplog):
     """VLLM_BATCH_INVARIANT=1: one log line, the wrapper and the op names are vLLM's,
     and layers are not re-laid out."""

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, copy_tree, patched_text, run_cli
+from tests.conftest import REPO, copy_tree, family_releases, patched_text, run_cli
 
 PATCH = "split-in-proj-qkvz"
 MODEL = "vllm/model_executor/models/qwen3_5.py"
 # 0.17.1 and 0.18.1 ship byte-identical qwen3_5.py to 0.17.0 and 0.18.0.
-FAMILIES = ("0.17.0", "0.18.0")
+FAMILIES = family_releases(PATCH)
 VLLM_PYTHON = os.environ.get("PATCHKIT_VLLM_PYTHON")
 
 

@@ -94,15 +94,19 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
 
 
 def _check_made_on(patch: Patch, releases: tuple[str, ...]) -> None:
-    """Each variant is made on a tested release of its own range (refresh reproduces it)."""
+    """Each variant is made on a tested release of its own range (refresh reproduces it),
+    and the releases naming its code families are tested releases of that range too."""
     for variant in patch.variants:
-        if variant.made_on not in releases or not variant.versions.contains(
-            Version(variant.made_on), prereleases=True
-        ):
-            raise PatchkitError(
-                f"{patch.root / 'patch.toml'}: variant {variant.name}: made_on "
-                f"{variant.made_on} must be a tested release in {variant.versions}"
-            )
+        for key, release in [("made_on", variant.made_on)] + [
+            ("families", f) for f in variant.families
+        ]:
+            if release not in releases or not variant.versions.contains(
+                Version(release), prereleases=True
+            ):
+                raise PatchkitError(
+                    f"{patch.root / 'patch.toml'}: variant {variant.name}: {key} "
+                    f"{release} must be a tested release in {variant.versions}"
+                )
 
 
 def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
@@ -218,6 +222,9 @@ def _variant(table: dict, directory: Path, origin: Path) -> Variant:
     context = table.get("context", 3)
     if not isinstance(context, int) or not 0 < context <= 10:
         raise PatchkitError(f"{origin}: variants.context: 1 to 10 lines expected, got {context!r}")
+    families = table.get("families", [])
+    if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
+        raise PatchkitError(f"{origin}: variants.families: a list of tested releases expected")
     return Variant(
         name=_require(table, "name", origin, str),
         diff_path=directory / _require(table, "diff", origin, str),
@@ -225,6 +232,7 @@ def _variant(table: dict, directory: Path, origin: Path) -> Variant:
         created=tuple(created),
         made_on=made_on,
         context=context,
+        families=tuple(families),
     )
 
 

@@ -57,6 +57,10 @@ class Variant:
     created: tuple[str, ...] = ()
     made_on: str = ""
     context: int = 3
+    # One tested release per code family of the files the variant changes (where the
+    # code it runs with differs): the tests that run the patched code on real releases
+    # take these; none declared means every tested release of the variant.
+    families: tuple[str, ...] = ()
 
     @property
     def files_dir(self) -> Path:
