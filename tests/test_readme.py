@@ -200,3 +200,60 @@ def test_docs_patches_table_gives_each_patch_the_catalogues_releases():
     for patch in load_catalogue().patches:
         for run in runs_in_docs_notation(patch):
             assert run in cells[patch.id], (patch.id, run, cells[patch.id])
+
+
+def proof_rows() -> list[tuple[list[str], str, str]]:
+    """(releases, torch pin, GPU column) per row of the README's "proven where" table."""
+    text = (REPO / "README.md").read_text()
+    table = text.split("| releases | torch they pin |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((spans(cells[0]), cells[1], cells[2]))
+    return rows
+
+
+def spans(cell: str) -> list[str]:
+    """The tested releases a cell like "0.20.0-0.21.0, 0.22.1-0.25.1" names."""
+    from packaging.version import Version
+
+    from tests.conftest import RELEASES
+
+    found = []
+    for part in cell.split(","):
+        low, _, high = part.strip().partition("-")
+        found += [r for r in RELEASES if Version(low) <= Version(r) <= Version(high or low)]
+    return found
+
+
+def test_the_proof_table_names_each_release_once_with_the_torch_it_pins():
+    """Every tested release in one row; its torch is its wheel's own pin (METADATA)."""
+    from tests.conftest import RELEASES, release_tree
+
+    named = [r for releases, _, _ in proof_rows() for r in releases]
+    assert sorted(named) == sorted(RELEASES) and len(named) == len(set(named))
+    for releases, torch, _ in proof_rows():
+        for release in releases:
+            metadata = (
+                release_tree(release) / f"vllm-{release}.dist-info" / "METADATA"
+            ).read_text()
+            assert f"Requires-Dist: torch=={torch}\n" in metadata, (release, torch)
+
+
+def test_a_release_proven_on_the_gpu_runs_there_and_has_a_ledger_entry():
+    """A row that claims a GPU run pins the GPU host's torch (2.11.0) and the ledger has
+    a run of that release on an H200 or H100; the others say they were not run."""
+    ledger = (REPO / "docs" / "evidence.md").read_text()
+    for releases, torch, gpu in proof_rows():
+        if gpu.startswith("cannot run"):
+            assert torch != "2.11.0", releases
+        elif "not run" in gpu:
+            assert torch == "2.11.0", releases
+        else:
+            assert torch == "2.11.0" and len(releases) == 1, releases
+            runs = [
+                line
+                for line in ledger.splitlines()
+                if f"({releases[0]})" in line or f"vLLM {releases[0]}" in line
+            ]
+            assert any(("H200" in line or "H100" in line) for line in runs), releases
