@@ -42,12 +42,13 @@ def next_release(
     relpaths: tuple[str, ...] | list[str] | None = None,
     remove: tuple[str, ...] = (),
     rewrite: dict[str, tuple[str, str]] | None = None,
+    add: dict[str, str] | None = None,
 ) -> Path:
     """``source`` (a real release tree) as release ``version`` at ``dest``: only
     ``relpaths`` (files or folders) and the dist-info when given (a slim release, as the
     wheel server's tests serve), ``remove`` deleted, each ``rewrite`` path's ``old`` text
-    replaced by ``new`` (once, and it must be there), the dist-info renamed and its
-    METADATA and RECORD made to match."""
+    replaced by ``new`` (once, and it must be there), ``add`` written (path -> text), the
+    dist-info renamed and its METADATA and RECORD made to match."""
     _copy(source, dest, relpaths)
     [dist_info] = [p for p in dest.iterdir() if p.name.endswith(".dist-info")]
     for relpath in remove:
@@ -56,6 +57,9 @@ def next_release(
         text = (dest / relpath).read_text()
         assert text.count(old) == 1, (relpath, old)
         (dest / relpath).write_text(text.replace(old, new))
+    for relpath, text in (add or {}).items():
+        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (dest / relpath).write_text(text)
     renamed = dest / f"vllm-{version}.dist-info"
     dist_info.rename(renamed)
     metadata = renamed / "METADATA"
@@ -63,7 +67,7 @@ def next_release(
     metadata.write_text(
         "".join(f"Version: {version}\n" if line.startswith("Version:") else line for line in lines)
     )
-    _rewrite_record(dest, renamed, dist_info.name, set(remove), set(rewrite or {}))
+    _rewrite_record(dest, renamed, dist_info.name, set(remove), set(rewrite or {}), set(add or {}))
     return dest
 
 
@@ -83,7 +87,12 @@ def _copy(source: Path, dest: Path, relpaths) -> None:
 
 
 def _rewrite_record(
-    root: Path, dist_info: Path, old_name: str, removed: set[str], rewritten: set[str]
+    root: Path,
+    dist_info: Path,
+    old_name: str,
+    removed: set[str],
+    rewritten: set[str],
+    added: set[str],
 ) -> None:
     rows = list(csv.reader(io.StringIO((dist_info / "RECORD").read_text())))
     out = io.StringIO()
@@ -95,6 +104,9 @@ def _rewrite_record(
         if path.startswith(old_name + "/"):
             path = dist_info.name + path[len(old_name) :]
         if path == f"{dist_info.name}/RECORD":
+            for new in sorted(added):
+                data = (root / new).read_bytes()
+                writer.writerow([new, record_hash(data), str(len(data))])
             writer.writerow([path, "", ""])
             continue
         if path in rewritten or path.startswith(dist_info.name + "/"):

@@ -53,7 +53,6 @@ from tests.punica_harness import definitions, methods
 
 PATCH = "partial-moe-adapter"
 MANAGER_FILE = "vllm/lora/model_manager.py"
-HELPER_FILE = "vllm/lora/peft_helper.py"
 LAYER_FILE = "vllm/lora/layers/fused_moe.py"
 EXPERTS = "model.language_model.layers.0.mlp.experts"  # PEFT's module name, prefix dropped
 PEFT_PREFIX = "base_model.model."
@@ -97,14 +96,26 @@ def source(version: str, relpath: str, patched: bool) -> str:
 
 
 @cache
+def helper_file(version: str) -> str:
+    """The release's file that defines PEFTHelper (vllm/lora/peft_helper.py so far), found
+    by its content, so a release that moves the class needs no edit here."""
+    lora = release_tree(version) / "vllm/lora"
+    return next(
+        p.relative_to(release_tree(version)).as_posix()
+        for p in sorted(lora.rglob("*.py"))
+        if "\nclass PEFTHelper" in p.read_text()
+    )
+
+
+@cache
 def lora_classes(version: str, patched: bool) -> dict:
     """PEFTHelper, LoRALayerWeights and LoRAModel of a release (their files import vLLM)."""
     lora = release_tree(version) / "vllm/lora"
     names = {"torch": torch, "PIN_MEMORY": False, "is_pin_memory_available": lambda: False}
     helper = {"dataclass": dataclass, "field": field, "fields": fields, "MISSING": MISSING}
     helper |= {"json": json, "math": math, "os": os, "re": re}
-    text = source(version, HELPER_FILE, patched)
-    definitions(lora / "peft_helper.py", ("PEFTHelper",), helper, text)
+    text = source(version, helper_file(version), patched)
+    definitions(release_tree(version) / helper_file(version), ("PEFTHelper",), helper, text)
     definitions(lora / "lora_weights.py", ("LoRALayerWeights",), names)
     parsers = [n for n in ("is_base_embedding_weights", "is_base_embeddding_weights")
                if f"def {n}(" in (lora / "utils.py").read_text()]  # fmt: skip

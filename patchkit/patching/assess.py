@@ -513,12 +513,13 @@ def _changed_upstream(
             rewritten.append(path)
     if not gone and not rewritten:
         return None
-    what = (
-        f"vLLM {tree.version} no longer ships {gone[0]}"
-        if gone
-        else f"vLLM {tree.version} rewrote the code {patch.id} changes in {rewritten[0]} (the "
-        "file is the wheel's own, as its RECORD says)"
-    )
+    moved = [f"no longer ships {gone[0]}"] if gone else []
+    if rewritten:
+        moved.append(
+            f"rewrote the code {patch.id} changes in {rewritten[0]} (the file is the wheel's "
+            "own, as its RECORD says)"
+        )
+    what = f"vLLM {tree.version} " + " and ".join(moved)
     return Assessment(
         patch,
         CHANGED_UPSTREAM,
