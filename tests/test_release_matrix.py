@@ -65,8 +65,9 @@ SURVEY = {
     # Every _stack_moe_lora_weights asserts both expert parameters; from 0.32
     # PEFTHelper matches rank/alpha patterns against <experts> as down_proj.
     "partial-moe-adapter": {"single-parameter": "<0.32.0", "single-parameter-patterns": ">=0.32.0"},
-    # Opt-in; its two hooks in gpu_model_runner.py fit every release.
-    "nan-probe": {"runner-hooks": ""},
+    # Opt-in. Model Runner V2 ships in every surveyed release; its execute_model takes
+    # today's shape from 0.19.0 (hooked there with V1's, both-runners); before, V1 only.
+    "nan-probe": {"runner-hooks": "<0.19.0", "both-runners": ">=0.19.0"},
 }
 # The known upstream bugs status names (notices, not warnings), by range.
 SURVEYED_NOTICES = {
