@@ -687,10 +687,12 @@ _PROBE: Probe | None = None
 # whether or not the probe is on; check_wired() tells a runner without hooks by it.
 _WIRED: str | None = None
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
-# V2's kernel warm-up (vllm/v1/worker/gpu/warmup.py) runs execute_model on made-up
-# requests with these ids, not as a dummy run; their steps are not read (V1 never
-# reaches the hook in its warm-up). tests/test_nan_probe_v2.py reads the real ids.
-V2_WARMUP_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+# V2's warm-ups (vllm/v1/worker/gpu/warmup.py, vllm/model_executor/warmup/) run
+# execute_model on made-up requests, not as a dummy run: "_warmup_0_",
+# "_v2_mixed_warmup_decode_", "_context_warmup_0_", "_sparse_mla_v2_warmup_...". A
+# step of only such requests is not read (V1's warm-up never reaches its hook).
+# tests/test_nan_probe_v2.py reads the real ids of each release.
+V2_WARMUP_ID = re.compile(r"^_[a-z0-9_]*warmup")
 
 
 def install(runner, kind: str = "v1") -> None:
@@ -769,7 +771,7 @@ def after_forward(runner, batch=None) -> None:
 
 def _is_warmup(batch) -> bool:
     req_ids = list(batch.req_ids[: batch.num_reqs])
-    return bool(req_ids) and all(str(r).startswith(V2_WARMUP_PREFIXES) for r in req_ids)
+    return bool(req_ids) and all(V2_WARMUP_ID.match(str(r)) for r in req_ids)
 
 
 def batch_meta(runner, batch=None) -> dict:
