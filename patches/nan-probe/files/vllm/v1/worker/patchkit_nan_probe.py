@@ -705,7 +705,7 @@ def install(runner, kind: str = "v1") -> None:
     global _PROBE, _WIRED
     _WIRED = kind
     log_path = os.environ.get(LOG_ENV, "")
-    if not log_path or _PROBE is not None:  # off, or a second load_model: wrapped once
+    if not log_path:
         return
     with_stats = os.environ.get(STATS_ENV, "").strip() not in ("", "0")
     if getattr(getattr(runner, "parallel_config", None), "enable_dbo", False):
