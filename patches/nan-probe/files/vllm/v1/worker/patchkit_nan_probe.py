@@ -14,10 +14,15 @@ back a step later, so async scheduling keeps running) and writes JSON lines.
 
 Probed: each decoder layer's output (hidden state and residual), the first
 layer's input, and each LoRA-wrapped linear projection inside a decoder layer.
-Only steps of real requests are read: the runner calls ``after_forward`` from
+Only steps of real requests are read: the V1 runner calls ``after_forward`` from
 ``_model_forward``, which its profile, warm-up and capture runs (``_dummy_run``)
-never call. ``PATCHKIT_PROBE_STATS=1`` adds exact NaN / Inf counts, mean and
-std per module (more kernels per module) and logs every module every step.
+never call; Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) calls it
+from ``execute_model`` after the model ran, only when ``dummy_run`` is False (its
+capture runs go through the CUDA-graph manager, never ``execute_model``). What
+the two runners hold differently (the batch's request ids, ``query_start_loc``,
+adapters) is read in one place, :func:`batch_meta`. ``PATCHKIT_PROBE_STATS=1``
+adds exact NaN / Inf counts, mean and std per module (more kernels per module)
+and logs every module every step.
 """
 
 from __future__ import annotations
@@ -624,7 +629,9 @@ def _has_base(module, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(module).__mro__)
 
 
-def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) -> Probe:
+def install_on(
+    model, log_path: str, with_stats: bool, max_tokens: int, device, runner: str = "v1"
+) -> Probe:
     """Wrap the model's decoder layers and LoRA projections; allocate the buffers."""
     targets = probe_targets(model)
     first_layer = min((t[0] for t in targets if t[2] == "layer"), default=None)
@@ -644,7 +651,7 @@ def install_on(model, log_path: str, with_stats: bool, max_tokens: int, device) 
         plan.append((module, kind, input_slot, slot.index))
     probe = Probe(log_path, with_stats, max_tokens, device, slots)
     # before wrapping: a log it cannot write wraps nothing
-    write_lines(log_path, [_header(probe, unprobed_lora(model))])
+    write_lines(log_path, [_header(probe, unprobed_lora(model), runner)])
     for module, kind, input_slot, out_slot in plan:
         _wrap(module, probe, kind, input_slot, out_slot)
     return probe
@@ -660,10 +667,11 @@ def _wrap(module, probe: Probe, kind: str, input_slot: int, out_slot: int) -> No
     module.__class__ = probed_class(type(module), input_slot >= 0)
 
 
-def _header(probe: Probe, unprobed: list[dict]) -> dict:
+def _header(probe: Probe, unprobed: list[dict], runner: str) -> dict:
     return {
         "probe": "nan-probe",
         "format": 1,
+        "runner": runner,  # the model runner whose hooks feed this log: "v1" or "v2"
         "rank": probe.rank,
         "stats": probe.with_stats,
         "time": time.time(),
@@ -672,21 +680,42 @@ def _header(probe: Probe, unprobed: list[dict]) -> dict:
     }
 
 
-# ----- the runner's two calls (the patch's hunks) -----
+# ----- the runners' calls (the patch's hunks) -----
 
 _PROBE: Probe | None = None
+# The runner whose load_model reached install() in this process ("v1" or "v2"),
+# whether or not the probe is on; check_wired() tells a runner without hooks by it.
+_WIRED: str | None = None
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+# V2's warm-ups (vllm/v1/worker/gpu/warmup.py, vllm/model_executor/warmup/) run
+# execute_model on made-up requests, not as a dummy run: "_warmup_0_",
+# "_v2_mixed_warmup_decode_", "_context_warmup_0_", "_sparse_mla_v2_warmup_...". A
+# step of only such requests is not read (V1's warm-up never reaches its hook).
+# tests/test_nan_probe_v2.py reads the real ids of each release.
+V2_WARMUP_ID = re.compile(r"^_[a-z0-9_]*warmup")
 
 
-def install(runner) -> None:
-    """From GPUModelRunner.load_model, after LoRA wrapped the layers, before compile."""
-    global _PROBE
+def install(runner, kind: str = "v1") -> None:
+    """From the runner's load_model, after LoRA wrapped the layers, before compile.
+
+    ``kind`` names the runner whose hook calls it: "v1" (GPUModelRunner of
+    vllm/v1/worker/gpu_model_runner.py) or "v2" (Model Runner V2); the log's
+    header records it.
+    """
+    global _PROBE, _WIRED
+    _WIRED = kind
     log_path = os.environ.get(LOG_ENV, "")
     if not log_path:
         return
     with_stats = os.environ.get(STATS_ENV, "").strip() not in ("", "0")
+    if getattr(getattr(runner, "parallel_config", None), "enable_dbo", False):
+        # micro-batches write their rows from row 0 each: no row could be attributed
+        _warn(log_path, ValueError("dual batch overlap (--enable-dbo) is on"),
+              "the probe is off (it cannot attribute a micro-batched step's rows)")  # fmt: skip
+        return
     device = next(runner.model.parameters()).device
     try:
-        _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device)
+        _PROBE = install_on(runner.model, log_path, with_stats, runner.max_num_tokens, device, kind)
     except Exception as exc:  # noqa: BLE001 - vLLM must load, probed or not
         # a link, another user's file, a directory, a FIFO, a missing folder, a full
         # disk (OSError), or anything unexpected: vLLM still loads, unprobed
@@ -695,36 +724,86 @@ def install(runner) -> None:
     atexit.register(_PROBE.flush)
 
 
-def after_forward(runner) -> None:
-    """From GPUModelRunner._model_forward, i.e. a step of real requests only.
+def check_wired(runner) -> None:
+    """From the worker's load_model, once the runner vLLM picked has loaded the model.
 
-    A diagnostic must not fail the request it watches: an unexpected error in
-    the host-side reading (a runner attribute renamed in a later vLLM, say)
-    turns the probe off with one line on stderr and the step goes on.
+    Why: the hooks live in the runner files; where vLLM picks a runner this
+    tree's probe has no hooks in (a V1-only probe while Model Runner V2 serves,
+    VLLM_USE_V2_MODEL_RUNNER=1 on a release whose V2 the probe does not hook),
+    the probe would log nothing and look like a healthy model. One line says so.
+    """
+    if not os.environ.get(LOG_ENV, "") or _WIRED is not None:
+        return
+    cls = type(runner)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    which = "Model Runner V2" if cls.__module__ == V2_RUNNER_MODULE else "a runner"
+    print(
+        f"patchkit nan-probe: vLLM picked {which} ({name}), which has no probe hooks in "
+        f"this tree; nothing is probed (`patchkit status` names the runner and the variable "
+        f"that picks the other one)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def after_forward(runner, batch=None) -> None:
+    """After the model ran a step of real requests (never a dummy, profile or capture run).
+
+    V1 calls it from GPUModelRunner._model_forward (``batch`` None: the runner's
+    own input_batch and query_start_loc); V2 from execute_model with the step's
+    InputBatch. A diagnostic must not fail the request it watches: an
+    unexpected error in the host-side reading (a runner attribute renamed in a
+    later vLLM, say) turns the probe off with one line on stderr and the step
+    goes on.
     """
     global _PROBE
     if _PROBE is None:
         return
     try:
-        _PROBE.after_forward(batch_meta(runner))
+        if batch is not None and _is_warmup(batch):
+            _PROBE.reset()
+            return
+        _PROBE.after_forward(batch_meta(runner, batch))
     except Exception as exc:  # noqa: BLE001 - anything: the server keeps serving
         path, _PROBE = _PROBE.log_path, None
         _warn(path, exc, f"the probe is off from here ({type(exc).__name__} reading a step)")
 
 
-def batch_meta(runner) -> dict:
-    """The step's requests, their token ranges and adapters, as the runner has them now."""
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    req_ids = list(batch.req_ids[:num_reqs])
-    bounds = [int(b) for b in runner.query_start_loc.np[: num_reqs + 1]]
-    adapters = {}
-    mapping = getattr(batch, "request_lora_mapping", None)
-    known = getattr(batch, "lora_id_to_lora_request", {})
-    for i, req_id in enumerate(req_ids):
-        lora = known.get(int(mapping[i])) if mapping is not None else None
-        if lora is not None:
-            adapters[req_id] = bounded(lora.lora_name, MAX_ADAPTER_NAME)
+def _is_warmup(batch) -> bool:
+    req_ids = list(batch.req_ids[: batch.num_reqs])
+    return bool(req_ids) and all(V2_WARMUP_ID.match(str(r)) for r in req_ids)
+
+
+def batch_meta(runner, batch=None) -> dict:
+    """The step's requests, their token ranges and adapters, as the runner has them now.
+
+    The one place where the two runners differ. V1 (``batch`` None): the
+    persistent ``runner.input_batch`` (req_ids, request_lora_mapping,
+    lora_id_to_lora_request) and ``runner.query_start_loc.np``. V2: the step's
+    InputBatch (req_ids in the step's order, ``query_start_loc_np``; padded
+    requests after ``num_reqs`` are not read) and ``runner.lora_state.lora_requests``
+    (request id to its LoRARequest).
+    """
+    if batch is None:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = list(batch.req_ids[:num_reqs])
+        bounds = [int(b) for b in runner.query_start_loc.np[: num_reqs + 1]]
+        mapping = getattr(batch, "request_lora_mapping", None)
+        known = getattr(batch, "lora_id_to_lora_request", {})
+        loras = [known.get(int(mapping[i])) if mapping is not None else None
+                 for i in range(len(req_ids))]  # fmt: skip
+    else:
+        num_reqs = batch.num_reqs
+        req_ids = list(batch.req_ids[:num_reqs])
+        bounds = [int(b) for b in batch.query_start_loc_np[: num_reqs + 1]]
+        requests = getattr(getattr(runner, "lora_state", None), "lora_requests", None) or {}
+        loras = [requests.get(req_id) for req_id in req_ids]
+    adapters = {
+        req_id: bounded(lora.lora_name, MAX_ADAPTER_NAME)
+        for req_id, lora in zip(req_ids, loras, strict=True)
+        if lora is not None
+    }
     return {
         "req_ids": req_ids,
         "query_start_loc": bounds,
