@@ -17,6 +17,13 @@
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
+# GS_PLAN=v2 (one GPU, about 1,200 s; calls b1, b3, b2, collect): Model Runner V2 on
+# vLLM 0.26.0 (VLLM_USE_V2_MODEL_RUNNER=1 for every run): the nan-probe proof under V2
+# (torch-cudagraph: the quarantine record; triton-eager: the poisoned NaN named by
+# layer and projection; the log's header must say "v2"), then `verify --e2e` (the
+# torch path's answers against the reference, base rows, under V2), then the serving
+# benchmark of the default set against unpatched under V2 (LoRA decode batch 1 and 64,
+# LoRA prefill; interleaved rounds) until GS_BENCH_END, one after another on GPU 0.
 # GS_PLAN=probe (nan-probe only, about 1,100 s; calls b1, b2, collect; no b3): the
 # nan-probe proof on GPU 1, then the serving benchmark's rounds on GPU 0 (its
 # engines start at once, its rounds wait for the proof), until GS_BENCH_END.
@@ -90,6 +97,8 @@ SEED=${GS_SEED:-11}
 RUN_LIMIT=${GS_RUN_LIMIT:-1500}     # one verify run, at most
 BENCH_END=${GS_BENCH_END:-1100}     # the benchmark ends this long after the proofs start
 [ "${GS_PLAN:-}" = serving ] && BENCH_END=${GS_BENCH_END:-1300}
+# GS_PLAN=v2: every engine of the sitting on Model Runner V2 (0.19.0-0.33.0 read it)
+[ "${GS_PLAN:-}" = v2 ] && export VLLM_USE_V2_MODEL_RUNNER=1
 SETS=${GS_SETS:-m8=moe35b:8x16 d16=dense27b:16x64}
 export PYTHONUNBUFFERED=1
 # The host keeps NVLink multicast off (KINDS.md); every child inherits these.
@@ -172,6 +181,7 @@ one() {
   local env=()
   case $name in
     e2e-tp1) env=(CUDA_VISIBLE_DEVICES=1) args+=(--e2e --tensor-parallel-size 1) ;;
+    e2e-v2) env=(CUDA_VISIBLE_DEVICES=0) args+=(--e2e --tensor-parallel-size 1) ;;
     e2e-tp2) args+=(--e2e --tensor-parallel-size 2) ;;
     model-tp1 | model-tp2)
       [ "$name" = model-tp1 ] && env=(CUDA_VISIBLE_DEVICES="${GS_MODEL_GPU:-0}")
@@ -187,9 +197,12 @@ one() {
     kernels) env=(CUDA_VISIBLE_DEVICES=0) ;; # verify's GPU kernel checks alone (no --e2e, --model)
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
+      local probe_args=(--budget 300 --proofs triton-cudagraph --no-bench) limit=330
+      [ "${GS_PLAN:-}" = v2 ] && probe_args=(--budget 420 --proofs torch-cudagraph,triton-eager \
+        --serial --no-bench --runner v2) limit=450
       do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
-        timeout 330 python3 scripts/proofs/nan_probe_gpu.py "$G/probe" --budget 300 \
-        --proofs triton-cudagraph --no-bench >"$G/probe.txt" 2>"$G/probe.err"
+        timeout "$limit" python3 scripts/proofs/nan_probe_gpu.py "$G/probe" "${probe_args[@]}" \
+        >"$G/probe.txt" 2>"$G/probe.err"
       local rc=$?
       echo "probe $([ $rc = 0 ] && echo PASSED || echo FAILED) (nan_probe_gpu.py checks)" >>"$G/probe.txt"
       echo "exit $rc after $((SECONDS - start)) s" >>"$G/probe.txt"
@@ -249,10 +262,14 @@ bench() {
   local after=(--after "$G/proofs.done")
   [ "${GS_PLAN:-}" = short ] && after=()
   # The parent imports the unpatched tree (for its version); each engine its own site.
+  # GS_PLAN=v2: the default set against unpatched, LoRA only, under Model Runner V2
+  local compare=(--base default --configs default+nan-probe)
+  [ "${GS_PLAN:-}" = v2 ] && compare=(--base unpatched --configs default
+    --workloads decode_b1_lora decode_b64_lora prefill_lora)
   do_ env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
     CUDA_VISIBLE_DEVICES=0 timeout $((left + 60)) \
-    python3 scripts/bench_serving.py run "$G/bench" --site /opt/pristine --base default \
-    --configs default+nan-probe --rounds 40 --deadline "$left" "${after[@]}" \
+    python3 scripts/bench_serving.py run "$G/bench" --site /opt/pristine "${compare[@]}" \
+    --rounds 40 --deadline "$left" "${after[@]}" \
     --json "$G/bench/serving.json" --markdown "$G/bench/serving.md" >"$G/bench.log" 2>&1
   say "bench: exit $?"
 }
@@ -464,11 +481,11 @@ case $STEP in
       touch "$G/build.done"
       exit 0
     fi
-    if [ "${GS_PLAN:-}" != probe ]; then
+    if [ "${GS_PLAN:-}" != probe ] && [ "${GS_PLAN:-}" != v2 ]; then
       (do_ python3 scripts/proofs/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
         echo "exit $?" >>"$G/build-wide.txt") &
     fi
-    if [ "${GS_PLAN:-}" != short ] && [ "${GS_PLAN:-}" != probe ]; then
+    if [ "${GS_PLAN:-}" != short ] && [ "${GS_PLAN:-}" != probe ] && [ "${GS_PLAN:-}" != v2 ]; then
       build_user &
     fi
     if [ "${GS_PLAN:-}" != tail ]; then
@@ -525,7 +542,13 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       say "all done"
       exit 0
     fi
-    if [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
+    if [ "${GS_PLAN:-}" = v2 ]; then
+      # one GPU, one engine at a time (memory profiles count each other's allocations)
+      (GS_PROBE_GPU=0 one probe; one e2e-v2; touch "$G/proofs.done"; bench) &
+      p1=$!
+      p2=$!
+      p3=
+    elif [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
       # one GPU: an engine counts what others allocate during its memory
       # profile as its own (docs/evidence.md), so nothing starts beside it
       (one probe; touch "$G/proofs.done"; bench) &

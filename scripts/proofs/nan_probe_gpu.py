@@ -150,10 +150,18 @@ def poison(source: Path, dest: Path, module: str, count: int) -> str:
 # ----- the children -----
 
 
-def child_env(out: Path, backend: str, probe: bool, in_process: bool = True) -> dict:
+RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER for each (0.19.0-0.33.0)
+
+
+def child_env(
+    out: Path, backend: str, probe: bool, in_process: bool = True, runner: str = ""
+) -> dict:
     """A configuration's environment; in_process keeps the engine in the child (the
-    proof reads the probe's step count), the bench's two engines need their own."""
+    proof reads the probe's step count), the bench's two engines need their own.
+    ``runner`` ("v1", "v2") forces vLLM's model runner; "" leaves vLLM's default."""
     env = dict(os.environ)
+    if runner:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = RUNNERS[runner]
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     env["VLLM_CACHE_ROOT"] = str(out / "vllm-cache")
     env["PATCHKIT_LORA_BACKEND"] = backend
@@ -226,7 +234,10 @@ def bench_child(out: Path, built: dict, ready: Path, deadline: float) -> None:
     """Probe on and off, CUDA graphs, torch LoRA path: interleaved rounds until the deadline."""
     engines = {}
     for name in ("off", "on"):
-        env = child_env(out / name, "torch", probe=(name == "on"), in_process=False)
+        env = child_env(
+            out / name, "torch", probe=(name == "on"), in_process=False,
+            runner=built.get("runner", ""),
+        )  # fmt: skip
         (out / name).mkdir(parents=True, exist_ok=True)
         os.environ.clear()
         os.environ.update(env)
@@ -287,6 +298,9 @@ def check_proof(out: Path, backend: str) -> dict:
         "healthy_phase_zero_records": not healthy_bad,
         "only_poisoned_requests_bad": adapters == [poisoned],
     }
+    if built.get("runner"):  # the log's header names the runner its hooks are in
+        header = next((r for r in records if "probe" in r), {})
+        checks["log_header_names_the_runner"] = header.get("runner") == built["runner"]
     if backend == "triton":
         checks["report_names_layer_and_projection"] = bool(findings) and all(
             f["layer"] == bad["layer"] and f["module"] == bad["module"] for f in findings
@@ -364,7 +378,7 @@ def wait(child: subprocess.Popen, until: float) -> None:
 
 
 def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench: bool,
-           model: str = "tiny") -> int:  # fmt: skip
+           model: str = "tiny", runner: str = "") -> int:  # fmt: skip
     """Build, then run the proof children and the bench; ``serial`` runs one engine
     start at a time (vLLM's memory profiling fails when another process on the GPU
     frees memory meanwhile, seen on the H200 with six engines starting at once)."""
@@ -373,13 +387,14 @@ def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench
     started = time.monotonic()
     built = build_moe(out / "work") if model == "moe35b" else build(out / "work")
     built["build_seconds"] = time.monotonic() - started
+    built["runner"] = runner
     built_file = out / "built.json"
     built_file.write_text(json.dumps(built, indent=1))
     ready = out / "proofs-done"
     children = {}
     for name in proofs:
         backend, mode = name.split("-")
-        env = child_env(out / f"proof-{name}", backend, True)
+        env = child_env(out / f"proof-{name}", backend, True, runner=runner)
         children[name] = start("proof", out / f"proof-{name}", built_file, env, mode)
         if serial:
             wait(children[name], deadline - 60)
@@ -390,7 +405,7 @@ def parent(out: Path, budget: float, proofs: list[str], serial: bool, with_bench
     if not with_bench:
         return judge(out)
     bench = start("bench", out / "bench", built_file,
-                  child_env(out / "bench", "torch", False, in_process=False),
+                  child_env(out / "bench", "torch", False, in_process=False, runner=runner),
                   str(ready), str(deadline))  # fmt: skip
     wait(bench, deadline)
     return judge(out)
@@ -452,12 +467,22 @@ def main() -> int:
         "--model", choices=("tiny", "moe35b"), default="tiny",
         help="moe35b: the 35B-A3B-wide MoE, shared-expert poison, torch-cudagraph only",
     )  # fmt: skip
+    parser.add_argument(
+        "--runner", choices=("v1", "v2"), default="",
+        help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER, 0.19.0-0.33.0); the "
+        "probe log's header must name it",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.check:
         return judge(args.out)
     if args.model == "moe35b":
-        return parent(args.out, args.budget, ["torch-cudagraph"], True, False, "moe35b")
-    return parent(args.out, args.budget, args.proofs.split(","), args.serial, not args.no_bench)
+        return parent(
+            args.out, args.budget, ["torch-cudagraph"], True, False, "moe35b", args.runner
+        )
+    return parent(
+        args.out, args.budget, args.proofs.split(","), args.serial, not args.no_bench,
+        runner=args.runner,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
