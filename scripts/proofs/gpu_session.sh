@@ -19,8 +19,9 @@
 #
 # GS_PLAN=v2 (one GPU, about 1,200 s; calls b1, b3, b2, collect): Model Runner V2 on
 # vLLM 0.26.0 (VLLM_USE_V2_MODEL_RUNNER=1 for every run): the nan-probe proof under V2
-# (torch-cudagraph: the quarantine record; triton-eager: the poisoned NaN named by
-# layer and projection; the log's header must say "v2"), then `verify --e2e` (the
+# (GS_V2_PROOFS, default torch-cudagraph: under CUDA graphs, the quarantine record and
+# the report naming the poisoned tensor and layer; the log's header must say "v2";
+# triton-eager adds the NaN named by layer and projection), then `verify --e2e` (the
 # torch path's answers against the reference, base rows, under V2), then the serving
 # benchmark of the default set against unpatched under V2 (LoRA decode batch 1 and 64,
 # LoRA prefill; interleaved rounds) until GS_BENCH_END, one after another on GPU 0.
@@ -198,8 +199,8 @@ one() {
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
       local probe_args=(--budget 300 --proofs triton-cudagraph --no-bench) limit=330
-      [ "${GS_PLAN:-}" = v2 ] && probe_args=(--budget 420 --proofs torch-cudagraph,triton-eager \
-        --serial --no-bench --runner v2) limit=450
+      [ "${GS_PLAN:-}" = v2 ] && probe_args=(--budget 300 --proofs "${GS_V2_PROOFS:-torch-cudagraph}" \
+        --serial --no-bench --runner v2) limit=330
       do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
         timeout "$limit" python3 scripts/proofs/nan_probe_gpu.py "$G/probe" "${probe_args[@]}" \
         >"$G/probe.txt" 2>"$G/probe.err"
