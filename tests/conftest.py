@@ -283,6 +283,8 @@ SLIM = (
     "vllm/model_executor/models/registry.py",  # adapter check: which model file is served
     "vllm/model_executor/layers/mamba/gdn_linear_attn.py",
     "vllm/v1/worker/gpu_model_runner.py",
+    "vllm/v1/worker/gpu/model_runner.py",  # nan-probe's Model Runner V2 hooks
+    "vllm/v1/worker/gpu_worker.py",  # nan-probe's check that the serving runner is hooked
 )
 
 
