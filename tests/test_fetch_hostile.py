@@ -331,7 +331,7 @@ def test_a_timeout_that_is_not_a_finite_number_names_the_setting(env, words):
     assert pip_settings({"PIP_CONFIG_FILE": os.devnull, "PIP_TIMEOUT": "1e9"}).timeout == 3600.0
 
 
-# ----- issue 54: as strict as pip -----
+# ----- as strict as pip: the index's sha256, one RECORD, bounded, escaped, one line -----
 
 
 def test_ranges_never_publish_a_wheel_the_index_hash_does_not_vouch_for(

@@ -1,17 +1,18 @@
 """Only the wanted members of a wheel, read by byte ranges, checked, written into staging.
 
-The wheel is a *source* of byte ranges: a remote file read with HTTP range
-requests, or a local file (one on the index's file system, or the whole
-wheel downloaded when the server refuses ranges). Either way the same
-steps run: the tail, the central directory, the wanted members' spans
-coalesced into few reads (fetched a few at a time, so a far server's
-latency is paid a few times, not once a member), each member inflated,
-checked against its CRC and then the wheel's RECORD (read first: a wheel's
-RECORD lies near its end, in the tail read first), and only then written
-under the staging directory while the other reads go on, through :class:`patchkit.fs.safepath.Root`
-(descriptor walks, no links followed, a name that would leave the tree
-refused).
-"""
+The wheel is a *source* of byte ranges: a local file (the whole wheel
+downloaded and checked against the index's sha256, the default, or one on the
+index's file system) or, with ``--trust-ranges``, a remote file read with HTTP
+range requests. Either way the same steps run: the tail, the central
+directory, the one ``vllm-VERSION.dist-info`` (pip refuses a wheel with more),
+the declared sizes of the wanted members summed against MAX_UNPACKED, that
+dist-info's RECORD read first, on its own, then the other wanted members'
+spans coalesced into few reads (fetched a few at a time, so a far server's
+latency is paid a few times, not once a member), each member inflated (no
+further than its declared size), checked against its CRC and then RECORD,
+and written at once under the staging directory while the other reads go on,
+through :class:`patchkit.fs.safepath.Root` (descriptor walks, no links
+followed, a name that would leave the tree refused)"""
 
 from __future__ import annotations
 
