@@ -71,7 +71,6 @@ def fetch(
     version = str(Version(version))  # v0.26.0 (a Docker tag) is 0.26.0: one release, one tree
     own = dest is None  # only patchkit's own cache is swept for dead fetches
     dest = _checked_dest(Path(dest)) if dest else cache_root() / "trees" / f"vllm-{version}"
-    settings = pip_settings()  # read, and refused if broken, before anything is written
     if own and dest.parent.is_dir():
         remove_stale_staging(dest.parent)
     if (dest / MARKER).is_file():
@@ -85,13 +84,15 @@ def fetch(
         raise PatchkitError(
             f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
         )
+    settings = pip_settings()  # pip's settings and the deadline: refused before any write
+    transport = Transport(settings)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with held():  # a staging directory is never left without its marker
         tmp = Path(tempfile.mkdtemp(prefix=f".vllm-{version}-", dir=dest.parent))
         (tmp / STAGING_MARKER).write_text(json.dumps(_this_process()))
     try:
         staging = tmp / "tree"
-        wheel = _fetch_members(version, settings, tmp, progress, trust_ranges)
+        wheel = _fetch_members(version, settings, transport, tmp, progress, trust_ranges)
         (staging / MARKER).write_text(f"{wheel}\n")
         os.replace(staging, dest)  # over an empty --dest too, in one step: never removed first
     finally:
@@ -216,10 +217,14 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def _fetch_members(
-    version: str, settings: PipSettings, tmp: Path, progress: bool, trust_ranges: bool
+    version: str,
+    settings: PipSettings,
+    transport: Transport,
+    tmp: Path,
+    progress: bool,
+    trust_ranges: bool,
 ) -> str:
     """The wanted members of the release's wheel into ``tmp/tree``; the wheel's name."""
-    transport = Transport(settings)
     try:
         link = find_wheel(version, settings, transport)
         os.mkdir(tmp / "tree")
