@@ -10,9 +10,11 @@ tree, a member RECORD does not vouch for, redirects in a loop or to a file.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import struct
+import threading
 import zipfile
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from tests.wheelserver_helpers import (
     build_wheel,
     only_this_index,
     serving,
+    urlsafe,
 )
 
 
@@ -42,15 +45,16 @@ def wheel_bytes(tree, tmp_path_factory) -> bytes:
     return build_wheel(tree, tmp_path_factory.mktemp("w") / WHEEL).read_bytes()
 
 
-def failed_fetch(tmp_path, monkeypatch, index: Index) -> str:
-    """Run `patchkit fetch` against ``index``; its one error line. The cache directory
-    holds nothing afterwards (no tree, no staging, no wheel) and nothing appeared beside it."""
+def failed_fetch(tmp_path, monkeypatch, index: Index, *options: str) -> str:
+    """Run `patchkit fetch [options]` against ``index``; its one error line. The cache
+    directory holds nothing afterwards (no tree, no staging, no wheel) and nothing appeared
+    beside it."""
     cache = tmp_path / "cache"
     cache.mkdir()
     before = sorted(os.listdir(tmp_path))
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
-        result = run_cli("fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"))
+        result = run_cli("fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"), *options)
     line = one_error_line(result)
     assert os.listdir(cache) == []
     assert sorted(os.listdir(tmp_path)) == before
@@ -82,7 +86,7 @@ def one_error_line(result) -> str:
 def test_a_content_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes, content_range,
                                              words):  # fmt: skip
     index = Index(wheel_bytes, hostile={"content_range": content_range})
-    assert words in failed_fetch(tmp_path, monkeypatch, index)
+    assert words in failed_fetch(tmp_path, monkeypatch, index, "--trust-ranges")
 
 
 def test_a_later_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes):
@@ -91,7 +95,7 @@ def test_a_later_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes):
     index = Index(wheel_bytes, hostile={
         "content_range": lambda a, b, t: f"bytes {a}-{b - 1}/{t}" if b == t
         else f"bytes {a + 1}-{b}/{t}"})  # fmt: skip
-    line = failed_fetch(tmp_path, monkeypatch, index)
+    line = failed_fetch(tmp_path, monkeypatch, index, "--trust-ranges")
     assert "127.0.0.1 answered bytes" in line and "to a request for" in line
 
 
@@ -101,13 +105,16 @@ def test_a_later_range_that_does_not_match(tmp_path, monkeypatch, wheel_bytes):
 ])  # fmt: skip
 def test_more_or_fewer_bytes_than_the_range(tmp_path, monkeypatch, wheel_bytes, hostile, words):
     index = Index(wheel_bytes, hostile=hostile)
-    assert words in failed_fetch(tmp_path, monkeypatch, index)
+    assert words in failed_fetch(tmp_path, monkeypatch, index, "--trust-ranges")
 
 
 def test_a_size_the_index_got_wrong(tmp_path, monkeypatch, wheel_bytes):
     index = Index(wheel_bytes, page_size=len(wheel_bytes) + 1)
-    line = failed_fetch(tmp_path, monkeypatch, index)
+    line = failed_fetch(tmp_path, monkeypatch, index, "--trust-ranges")
     assert f"{WHEEL} is {len(wheel_bytes):,} bytes at 127.0.0.1, the index says" in line
+    (tmp_path / "whole").mkdir()
+    line = failed_fetch(tmp_path / "whole", monkeypatch, Index(wheel_bytes, page_size=7))
+    assert f"127.0.0.1 sent {len(wheel_bytes):,} bytes, over 7" in line
 
 
 def test_the_whole_wheel_must_match_the_index_sha256(tmp_path, monkeypatch, wheel_bytes):
@@ -322,3 +329,163 @@ def test_a_timeout_that_is_not_a_finite_number_names_the_setting(env, words):
     with pytest.raises(PatchkitError, match=re.escape(words)):
         pip_settings({"PIP_CONFIG_FILE": os.devnull, **env})
     assert pip_settings({"PIP_CONFIG_FILE": os.devnull, "PIP_TIMEOUT": "1e9"}).timeout == 3600.0
+
+
+# ----- as strict as pip: the index's sha256, one RECORD, bounded, escaped, one line -----
+
+
+def test_ranges_never_publish_a_wheel_the_index_hash_does_not_vouch_for(
+    tmp_path, monkeypatch, wheel_bytes
+):
+    """A server that serves ranges, an index whose sha256 the wheel does not have: the
+    default downloads the whole wheel and refuses it, as pip does (range reads published
+    it, RECORD agreeing with itself). Only --trust-ranges, asked for, takes the host's word."""
+    index = Index(wheel_bytes, page_sha256="0" * 64)
+    line = failed_fetch(tmp_path, monkeypatch, index)
+    assert line.endswith(f"fetch: {WHEEL} does not match its index's sha256")
+    assert not [r for r in index.seen if r["range"]]  # one whole download, no ranges
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        result = run_cli("fetch", "0.26.0", "--dest", str(tmp_path / "t"), "--trust-ranges")
+    assert result.exit_code == 0, result.output
+
+
+def test_the_unpacked_total_is_bounded_before_anything_is_inflated(tree, tmp_path, monkeypatch):
+    """Each member was capped, their sum was not (a 1 MB wheel wrote 1.1 GB): members
+    declared at 200 MiB each, together over the bound, are refused from the directory."""
+    extra = {f"vllm/bomb{n}.py": b"\n" * 100 for n in range(4)}
+    data = bytearray(build_wheel(tree, tmp_path / WHEEL, extra=extra).read_bytes())
+    for name in extra:
+        struct.pack_into("<L", data, _central_entry(data, name.encode()) + 24, 200 << 20)
+    line = failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+    assert f"bytes unpacked, over the {members.MAX_UNPACKED:,} a vLLM tree may have" in line
+
+
+def test_another_packages_record_is_never_the_one_checked_against(tree, tmp_path, monkeypatch):
+    """aaa-1.0.dist-info/RECORD came first in the zip and vouched for a vllm/extra.py the
+    wheel's own RECORD does not: the members were checked against it, exit 0. A second
+    dist-info is refused, as pip refuses it."""
+    extra = {"vllm/extra.py": b"x = 1\n"}
+    rows = {"vllm/extra.py": ("sha256=" + "A" * 43, "6")}
+    first = build_wheel(tree, tmp_path / "first.whl", extra=extra, rows=rows)
+    with zipfile.ZipFile(first) as archive:
+        names = [n for n in archive.namelist() if not n.endswith("/RECORD")]
+        table = [(n, f"sha256={urlsafe(hashlib.sha256(archive.read(n)).digest())}", "")
+                 for n in names]  # fmt: skip
+    forged = "".join(f"{n},{h},{z}\n" for n, h, z in table).encode()
+    extra["aaa-1.0.dist-info/RECORD"] = forged
+    rows["aaa-1.0.dist-info/RECORD"] = None
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra=extra, rows=rows)
+    line = failed_fetch(tmp_path, monkeypatch, Index(wheel.read_bytes()))
+    assert "must hold one .dist-info directory, vllm-0.26.0's; it holds 'aaa-1.0.dist-info'" in line
+
+
+def test_a_file_named_record_elsewhere_in_the_dist_info_is_checked(tree, tmp_path, monkeypatch):
+    """Any */RECORD under a .dist-info was written unchecked; only the wheel's own is."""
+    extra = {"vllm-0.26.0.dist-info/sub/RECORD": b"x"}
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra=extra, rows=dict.fromkeys(extra))
+    line = failed_fetch(tmp_path, monkeypatch, Index(wheel.read_bytes()))
+    assert "vllm-0.26.0.dist-info/sub/RECORD is not in the wheel's RECORD" in line
+
+
+def test_record_signatures_are_never_written(tree, tmp_path, monkeypatch):
+    """RECORD.jws and RECORD.p7s cannot be in RECORD and nothing checks them: left out."""
+    extra = {"vllm-0.26.0.dist-info/RECORD.jws": b"sig", "vllm-0.26.0.dist-info/RECORD.p7s": b"s"}
+    wheel = build_wheel(tree, tmp_path / WHEEL, extra=extra, rows=dict.fromkeys(extra))
+    index = Index(wheel.read_bytes())
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        result = run_cli("fetch", "0.26.0", "--dest", str(tmp_path / "t"))
+    assert result.exit_code == 0, result.output
+    assert not list((tmp_path / "t" / "vllm-0.26.0.dist-info").glob("RECORD.*"))
+
+
+def test_the_wheel_name_from_the_index_is_printed_escaped(tmp_path, monkeypatch, wheel_bytes):
+    """ESC and a carriage return fit in a wheel name's build tag: the line saying the
+    whole wheel is downloaded carried them raw to the terminal."""
+    name = WHEEL.replace("-cp38", "-1\x1b[2K\r-cp38")
+    index = Index(wheel_bytes, ranges=False, filename=name)
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        result = run_cli("fetch", "0.26.0", "--dest", str(tmp_path / "t"), "--trust-ranges")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stderr and "\r" not in result.stderr
+    assert "-1\\x1b[2K\\r-cp38" in result.stderr
+
+
+def _zip64_extra_at(data: bytes, name: bytes) -> int:
+    """Where the zip64 extra field (tag 1) of ``name``'s directory entry starts."""
+    at = _central_entry(data, name)
+    name_len = struct.unpack_from("<H", data, at + 28)[0]
+    extra = at + 46 + name_len
+    assert struct.unpack_from("<H", data, extra)[0] == 1
+    return extra
+
+
+@pytest.mark.parametrize("case", ["record size", "short zip64 extra"])
+def test_a_broken_number_in_the_wheel_is_one_line_not_exit_3(tree, tmp_path, monkeypatch, case):
+    """A RECORD size of '²' (str.isdigit() says yes, int() says no) and a zip64 extra
+    field longer than the extra data were ValueError and struct.error: exit 3."""
+    if case == "record size":
+        row = ("sha256=" + "A" * 43, "²")
+        wheel = build_wheel(tree, tmp_path / WHEEL, extra={"vllm/x.py": b"1\n"},
+                            rows={"vllm/x.py": row})  # fmt: skip
+        data = wheel.read_bytes()
+        words = "RECORD gives 'vllm/x.py' the size '²', not a number"
+    else:
+        data = bytearray(build_wheel(tree, tmp_path / WHEEL, zip64=True).read_bytes())
+        struct.pack_into("<H", data, _zip64_extra_at(data, b"vllm/__init__.py") + 2, 4000)
+        words = "member b'vllm/__init__.py' lacks its zip64 sizes"
+    assert words in failed_fetch(tmp_path, monkeypatch, Index(bytes(data)))
+
+
+@pytest.mark.parametrize("entry,words", [
+    ({"requires-python": 3}, f"gives {WHEEL} a requires-python that is not a string: '3'"),
+    ({"hashes": {"sha256": 5}}, f"gives {WHEEL} a sha256 that is not 64 hex digits: '5'"),
+])  # fmt: skip
+def test_a_json_index_value_of_the_wrong_type_is_one_line(
+    tmp_path, monkeypatch, wheel_bytes, entry, words
+):
+    index = Index(wheel_bytes, page_entry=entry)
+    assert words in failed_fetch(tmp_path, monkeypatch, index)
+
+
+@pytest.mark.parametrize("password", ["s3cr#et", "s3cr/et", "12/s3cret"])
+def test_an_index_url_with_an_unescaped_password_is_one_line_without_it(
+    tmp_path, monkeypatch, wheel_bytes, password
+):
+    """'#' or '/' in a password ends the URL's host part: the rest became a port (exit 3,
+    the message quoting it) or a path sent to a host named after the user."""
+    index = Index(wheel_bytes, credentials=("user", password))
+    cache = tmp_path / "cache"
+    with serving(index):
+        only_this_index(monkeypatch, f"http://user:{password}@127.0.0.1:{index.port}/simple",
+                        tmp_path)  # fmt: skip
+        result = run_cli("fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"))
+    line = one_error_line(result)
+    assert "pip's index-url setting is not a URL fetch can read" in line
+    assert "s3cr" not in result.output and "et@" not in result.output
+    assert not cache.exists() and index.seen == []
+
+
+def test_one_deadline_bounds_the_whole_fetch(tmp_path, monkeypatch, wheel_bytes):
+    """A server sending a byte every 50 ms never lets a socket timeout fire (600 s here):
+    fetch stopped only when the server did. PATCHKIT_FETCH_DEADLINE bounds the whole
+    fetch; the server here goes on until fetch hangs up (or 120 s, for the old code)."""
+    until = threading.Event()
+    threading.Timer(120, until.set).start()
+    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "600")
+    monkeypatch.setenv("PATCHKIT_FETCH_DEADLINE", "1")
+    try:
+        index = Index(wheel_bytes, hostile={"drip": until})
+        line = failed_fetch(tmp_path, monkeypatch, index)
+    finally:
+        until.set()
+    assert line.endswith("fetch: stopped after 1 s, the bound on one whole fetch "
+                         "(PATCHKIT_FETCH_DEADLINE)")  # fmt: skip
+
+
+def test_a_deadline_that_is_no_number_is_one_line(tmp_path, monkeypatch, wheel_bytes):
+    monkeypatch.setenv("PATCHKIT_FETCH_DEADLINE", "nan")
+    line = failed_fetch(tmp_path, monkeypatch, Index(wheel_bytes))
+    assert "PATCHKIT_FETCH_DEADLINE='nan' is not a positive number of seconds" in line

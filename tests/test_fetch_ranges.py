@@ -83,7 +83,7 @@ def test_the_range_tree_is_the_full_extraction_and_skips_the_extension(
     index = Index(wheel.read_bytes(), json_page=page == "json")
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
-        dest = fetch("0.26.0", tmp_path / "cache" / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "cache" / "vllm-0.26.0", trust_ranges=True)
     assert tree_files(dest) == tree_files(extracted(wheel, tmp_path / "full"))
     assert (dest / MARKER).read_text() == f"{WHEEL}\n"
     assert all(r["range"] for r in _wheel_requests(index))
@@ -100,7 +100,7 @@ def test_reads_are_coalesced_into_few_requests(tmp_path, monkeypatch, wheels):
     index = Index(wheels["plain"].read_bytes())
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert sum(1 for _ in dest.rglob("*.py")) > 40
     assert 2 <= len(_wheel_requests(index)) <= 4, _wheel_requests(index)
 
@@ -112,7 +112,7 @@ def test_a_tail_of_the_end_record_alone(tmp_path, monkeypatch, wheels):
     index = Index(wheels["plain"].read_bytes())
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
     assert requested_ranges(index)[0] == (len(index.wheel) - 22, len(index.wheel))
 
@@ -130,7 +130,7 @@ def test_a_server_without_ranges_gets_the_whole_wheel_and_one_line(
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
         dest = tmp_path / "d" / "vllm-0.26.0"
-        result = run_cli("fetch", "0.26.0", "--dest", str(dest))
+        result = run_cli("fetch", "0.26.0", "--dest", str(dest), "--trust-ranges")
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and "does not serve byte ranges" in lines[0], result.stderr
@@ -146,7 +146,7 @@ def test_a_proxy_from_the_environment_carries_every_request(tmp_path, monkeypatc
     with serving(index):
         only_this_index(monkeypatch, "http://index.invalid/simple", tmp_path)
         monkeypatch.setenv("http_proxy", index.url)
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
     assert index.seen and all(r["path"].startswith("http://index.invalid/") for r in index.seen)
 
@@ -158,7 +158,7 @@ def test_no_proxy_is_honoured(tmp_path, monkeypatch, wheels):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
         monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
         monkeypatch.setenv("no_proxy", "127.0.0.1")
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
 
 
@@ -167,7 +167,7 @@ def test_credentials_in_the_index_url_go_with_every_request(tmp_path, monkeypatc
     with serving(index):
         only_this_index(monkeypatch, f"http://reader:p%40ss%3Aword@127.0.0.1:{index.port}/simple",
                         tmp_path)  # fmt: skip
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
     assert len({r["auth"] for r in index.seen}) == 1 and index.seen[0]["auth"]
 
@@ -180,7 +180,7 @@ def test_credentials_from_netrc(tmp_path, monkeypatch, wheels):
         netrc.write_text("machine 127.0.0.1 login reader password secret\n")
         netrc.chmod(0o600)
         monkeypatch.setenv("NETRC", str(netrc))
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
 
 
@@ -202,7 +202,7 @@ def test_a_redirect_to_another_host_does_not_carry_the_credentials(tmp_path, mon
             index.hostile["redirect"] = {"/simple/vllm/": f"{files.url}/simple/vllm/"}
             only_this_index(monkeypatch, f"http://reader:secret@127.0.0.1:{index.port}/simple",
                             tmp_path)  # fmt: skip
-            dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+            dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
     assert index.seen[0]["auth"] and files.seen
     assert all(r["auth"] is None for r in files.seen)
@@ -262,7 +262,7 @@ def test_the_wheel_pip_would_take(tmp_path):
 def test_a_wheel_in_a_find_links_directory_is_read_in_place(tmp_path, monkeypatch, wheels):
     only_this_index(monkeypatch, "file:///nonexistent/simple", tmp_path)
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels["plain"].parent))
-    dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
 
 
@@ -275,21 +275,17 @@ def test_a_find_links_wheel_whose_name_holds_a_plus_is_read(tmp_path, monkeypatc
     local.write_bytes(wheels["plain"].read_bytes())
     only_this_index(monkeypatch, "file:///nonexistent/simple", tmp_path)
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
-    dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+    dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert tree_files(dest) == tree_files(extracted(wheels["plain"], tmp_path / "full"))
 
 
 @pytest.mark.network
 @pytest.mark.slow
 def test_the_real_wheel_by_ranges_is_the_whole_wheel_unpacked(tmp_path, monkeypatch):
-    """vLLM 0.26.0 from the index pip is set to: by ranges, and by the whole wheel (ranges
-    refused), the same files with the same modes, and the same as the test cache's tree."""
-    by_ranges = fetch("0.26.0", tmp_path / "ranges" / "vllm-0.26.0")
-
-    def refuse(*args):
-        raise members.RangesRefused("refused by the test")
-
-    monkeypatch.setattr("patchkit.releases.fetch.remote_source", refuse)
+    """vLLM 0.26.0 from the index pip is set to: by ranges, and by the whole wheel (the
+    default, its sha256 checked), the same files with the same modes, and the same as the
+    test cache's tree."""
+    by_ranges = fetch("0.26.0", tmp_path / "ranges" / "vllm-0.26.0", trust_ranges=True)
     whole = fetch("0.26.0", tmp_path / "whole" / "vllm-0.26.0")
     files = tree_files(by_ranges)
     assert len(files) > 2000
@@ -304,7 +300,7 @@ def test_an_index_without_the_project_is_skipped_for_the_next(tmp_path, monkeypa
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/elsewhere", tmp_path)
         monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"{index.url}/simple")
-        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        dest = fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert (dest / "vllm" / "__init__.py").is_file()
     assert [r["path"] for r in index.seen[:2]] == ["/elsewhere/vllm/", "/simple/vllm/"]
 
@@ -350,7 +346,7 @@ def test_each_host_is_looked_up_once(tmp_path, monkeypatch, wheels):
     index = Index(wheels["plain"].read_bytes())
     with serving(index):
         only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
-        fetch("0.26.0", tmp_path / "vllm-0.26.0")
+        fetch("0.26.0", tmp_path / "vllm-0.26.0", trust_ranges=True)
     assert len(index.seen) >= 3
     assert looked_up == ["127.0.0.1"]
 

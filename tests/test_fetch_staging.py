@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import PATCHKIT, REPO, copy_tree, run_cli, slim_tree
 from tests.fault_helpers import default_dispositions
-from tests.wheelserver_helpers import PIP_ENV, WHEEL, Index, build_wheel, serving
+from tests.wheelserver_helpers import PIP_ENV, WHEEL, Index, build_wheel, only_this_index, serving
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_ctrl_c_during_the_range_reads_removes_the_staging_at_once(tmp_path):
         for name in PIP_ENV[1:]:
             env.pop(name, None)
         child = subprocess.Popen(
-            [*PATCHKIT, "fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0")],
+            [*PATCHKIT, "fetch", "0.26.0", "--dest", str(cache / "vllm-0.26.0"), "--trust-ranges"],
             env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_dispositions,
         )  # fmt: skip
         try:
@@ -181,3 +181,44 @@ def test_a_fetch_with_dest_never_sweeps_the_directories_beside_it(tmp_path):
     result = run_cli("fetch", "0.26.0", "--dest", str(home / "newtree"), env=env)
     assert result.exit_code == 1  # nothing listens there
     assert (mine / "notes.txt").read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "link"])
+def test_dest_is_taken_as_given(tmp_path, kind):
+    """--dest D/sub/../sub deleted the user's empty D/sub and left a staging tree in D;
+    a --dest that is a link got a confusing error. Both are one line, before anything is
+    read or written: D/sub stays, D holds nothing new."""
+    home = tmp_path / "D"
+    (home / "sub").mkdir(parents=True)
+    (home / "elsewhere").mkdir()
+    if kind == "dotdot":
+        dest = f"{home}/sub/../sub"
+        words = f"fetch: --dest {dest} holds '..'; give the directory itself"
+    else:
+        (home / "link").symlink_to(home / "elsewhere")
+        dest = str(home / "link")
+        words = f"fetch: --dest {dest} is a symbolic link; give the directory it points to"
+    before = sorted(os.listdir(home))
+    env = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_CONFIG_FILE": "/dev/null"}
+    result = run_cli("fetch", "0.26.0", "--dest", dest, env=env)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip() == f"patchkit: error: {words}"
+    assert sorted(os.listdir(home)) == before and (home / "sub").is_dir()
+    assert os.listdir(home / "elsewhere") == []
+
+
+def test_an_empty_dest_is_replaced_by_the_tree_and_staging_is_swept(tmp_path, monkeypatch):
+    """An empty --dest is the tree afterwards (one rename, never removed first); a failed
+    fetch into it leaves it as it was, with no staging beside it."""
+    tree = slim_tree(tmp_path / "tree")
+    index = Index(build_wheel(tree, tmp_path / WHEEL).read_bytes())
+    dest = tmp_path / "D" / "sub"
+    dest.mkdir(parents=True)
+    with serving(index):
+        only_this_index(monkeypatch, f"{index.url}/simple", tmp_path)
+        index.page_sha256 = "0" * 64
+        assert run_cli("fetch", "0.26.0", "--dest", str(dest)).exit_code == 1
+        assert os.listdir(tmp_path / "D") == ["sub"] and os.listdir(dest) == []
+        index.page_sha256 = None
+        assert run_cli("fetch", "0.26.0", "--dest", str(dest)).exit_code == 0
+    assert (dest / "vllm" / "__init__.py").is_file() and os.listdir(tmp_path / "D") == ["sub"]

@@ -126,6 +126,7 @@ class Index:
     page_sha256: str | None = None  # None: the wheel's own
     page_size: int | None = None  # None: the wheel's own; -1 leaves it out
     filename: str = WHEEL  # the name the JSON page gives
+    page_entry: dict = field(default_factory=dict)  # more keys of the JSON page's file entry
     hostile: dict = field(default_factory=dict)  # see Handler._file
     hold: threading.Event | None = None  # set: range requests before the tail wait for it
     seen: list = field(default_factory=list)
@@ -159,6 +160,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(401, b"credentials", {"WWW-Authenticate": 'Basic realm="x"'})
         if path in index.hostile.get("redirect", {}):
             return self._send(302, b"", {"Location": index.hostile["redirect"][path]})
+        if path == "/simple/vllm/" and "drip" in index.hostile:
+            return self._drip(index.hostile["drip"])
         if path == "/simple/vllm/":
             return self._page()
         served = index.wheels if index.wheels is not None else {WHEEL: index.wheel}
@@ -189,6 +192,7 @@ class Handler(BaseHTTPRequestHandler):
             size = len(data) if size is None else size
             url = f"../../files/{served}"
             entry = {"filename": filename, "url": url, "hashes": {"sha256": sha}}
+            entry.update(index.page_entry)
             if size >= 0:
                 entry["size"] = size
             entries.append(entry)
@@ -220,6 +224,20 @@ class Handler(BaseHTTPRequestHandler):
         headers = {"Content-Range": header(start, end, len(data)),
                    "Accept-Ranges": hostile.get("accept_ranges", "bytes")}  # fmt: skip
         self._send(hostile.get("status", 206), body, headers, count=True)
+
+    def _drip(self, until: threading.Event):
+        """A page that never ends: a byte at a time, each soon after the last (no socket
+        timeout fires), until ``until`` is set or the client hangs up."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(1 << 20))
+        self.end_headers()
+        while not until.wait(0.05):
+            try:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+            except OSError:
+                return
 
     def _send(self, status: int, body: bytes, headers: dict | None = None, count: bool = False):
         self.send_response(status)

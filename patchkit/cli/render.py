@@ -27,6 +27,7 @@ from patchkit.caches.compiled import CacheResult
 from patchkit.catalogue.model import Catalogue, Variant
 from patchkit.cli import exits
 from patchkit.doctor import sass
+from patchkit.errors import printable  # noqa: F401 (render.printable: the one escaping rule)
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
@@ -478,11 +479,6 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     for line in canary_lines(report):
         # model ids and answers come from the server: escaped, and no line past LINE
         out(fields.one_line(check.scrub(line, api_key), fields.LINE))
-
-
-def printable(line: str) -> str:
-    """``line`` with control characters (ESC, a newline) escaped as Python writes them."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 MODEL_NAME = 80  # characters of a model's name in the canary's per-model lines

@@ -2,17 +2,23 @@
 
 The wheel is the one ``pip download vllm==VERSION`` would take (CPython 3.12,
 x86_64 Linux), found through the index pip is configured with
-(:mod:`patchkit.releases.index`). Only its Python files and its
-``vllm-VERSION.dist-info/`` (with the RECORD of sha256 hashes) are read, by
-HTTP range requests on the wheel's zip directory, about 8 MB of a 300 MB
-wheel, and unpacked into an install-like directory, so ``--target`` sees
-exactly what ``pip install`` would have put in site-packages; each file is
-checked against the wheel's RECORD before it is written
-(:mod:`patchkit.releases.members`). Compiled extensions are left out:
-patches touch Python files only, and the tree stays small. A server that
-does not serve ranges gets the whole wheel downloaded (checked against the
-index's sha256) and one line saying so; the wheel is deleted after
-unpacking; the tree is the cache.
+(:mod:`patchkit.releases.index`). fetch is never weaker than pip: the whole
+wheel is downloaded (streamed to a file in the staging directory, never held
+in memory) and its sha256 checked against the index's before anything is
+unpacked, so the tree comes only from bytes the index vouches for. Then only
+its Python files and its ``vllm-VERSION.dist-info/`` are unpacked into an
+install-like directory, so ``--target`` sees exactly what ``pip install``
+would have put in site-packages; each file is checked against the wheel's own
+RECORD before it is written (:mod:`patchkit.releases.members`). Compiled
+extensions are left out: patches touch Python files only, and the tree stays
+small. The wheel is deleted after unpacking; the tree is the cache.
+
+``trust_ranges`` (``fetch --trust-ranges``, off by default) reads only those
+members by HTTP range requests, about 8 MB of a 300 MB wheel: the index's
+sha256 of the whole file cannot be checked then, only RECORD, which whoever
+can change the file can rewrite too; it trusts the host. The test suite's
+release cache uses it. A server that refuses ranges gets the whole wheel,
+checked, and one line saying so.
 
 A killed fetch must not leave work behind: the staging directory holds a
 marker file patchkit writes first (its pid and the process's start time), so
@@ -32,7 +38,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, printable
 from patchkit.fs.files import open_regular
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
@@ -46,50 +52,70 @@ from patchkit.releases.members import (
     local_source,
     remote_source,
 )
-from patchkit.releases.pipconfig import pip_settings
+from patchkit.releases.pipconfig import PipSettings, pip_settings
 from patchkit.releases.transport import FetchError, RangesRefused, Transport, host_of
 from patchkit.vllmtree.tree import is_version
 
 MARKER = ".patchkit-fetched"
 STAGING_MARKER = ".patchkit-staging"
-WHOLE_WHEEL = "wheel.whl"  # in the staging directory, when ranges are refused
+WHOLE_WHEEL = "wheel.whl"  # the whole wheel, in the staging directory
 
 
-def fetch(version: str, dest: Path | None = None, progress: bool = False) -> Path:
-    """Return a directory holding vllm/ and its dist-info for ``version``."""
+def fetch(
+    version: str, dest: Path | None = None, progress: bool = False, trust_ranges: bool = False
+) -> Path:
+    """Return a directory holding vllm/ and its dist-info for ``version``; ``trust_ranges``
+    reads it by range requests, without the check of the whole wheel's sha256."""
     if not is_version(version):
         raise PatchkitError(f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)")
     version = str(Version(version))  # v0.26.0 (a Docker tag) is 0.26.0: one release, one tree
     own = dest is None  # only patchkit's own cache is swept for dead fetches
-    dest = Path(dest) if dest else cache_root() / "trees" / f"vllm-{version}"
+    dest = _checked_dest(Path(dest)) if dest else cache_root() / "trees" / f"vllm-{version}"
     if own and dest.parent.is_dir():
         remove_stale_staging(dest.parent)
     if (dest / MARKER).is_file():
         if (dest / ".patchkit").exists():
-            print(
+            say(
                 f"note: {dest} has patchkit changes applied "
-                f"(`patchkit revert --target {dest}` undoes them)",
-                file=sys.stderr,
+                f"(`patchkit revert --target {dest}` undoes them)"
             )
         return dest
-    if dest.exists() and any(dest.iterdir()):
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
         raise PatchkitError(
             f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
         )
+    settings = pip_settings()  # pip's settings and the deadline: refused before any write
+    transport = Transport(settings)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with held():  # a staging directory is never left without its marker
         tmp = Path(tempfile.mkdtemp(prefix=f".vllm-{version}-", dir=dest.parent))
         (tmp / STAGING_MARKER).write_text(json.dumps(_this_process()))
     try:
         staging = tmp / "tree"
-        wheel = _fetch_members(version, tmp, progress)
+        wheel = _fetch_members(version, settings, transport, tmp, progress, trust_ranges)
         (staging / MARKER).write_text(f"{wheel}\n")
-        if dest.exists():
-            dest.rmdir()
-        os.replace(staging, dest)
+        os.replace(staging, dest)  # over an empty --dest too, in one step: never removed first
     finally:
         _remove_staging(dest.parent, tmp.name)
     return dest
+
+
+def _checked_dest(dest: Path) -> Path:
+    """--dest as given: a '..' in it (its parent is not where it looks: the staging
+    directory beside it would land elsewhere) or a link (the tree would land elsewhere)
+    is refused in one line."""
+    if ".." in dest.parts:
+        raise PatchkitError(f"fetch: --dest {dest} holds '..'; give the directory itself")
+    if dest.is_symlink():
+        raise PatchkitError(
+            f"fetch: --dest {dest} is a symbolic link; give the directory it points to"
+        )
+    return dest
+
+
+def say(line: str) -> None:
+    """One line on stderr, escaped: it may carry the index's data (a wheel's name)."""
+    print(printable(line), file=sys.stderr)
 
 
 def _this_process() -> dict:
@@ -190,31 +216,46 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _start_time(pid) in (None, start)
 
 
-def _fetch_members(version: str, tmp: Path, progress: bool) -> str:
+def _fetch_members(
+    version: str,
+    settings: PipSettings,
+    transport: Transport,
+    tmp: Path,
+    progress: bool,
+    trust_ranges: bool,
+) -> str:
     """The wanted members of the release's wheel into ``tmp/tree``; the wheel's name."""
-    settings = pip_settings()
-    transport = Transport(settings)
-    link = find_wheel(version, settings, transport)
-    os.mkdir(tmp / "tree")
-    with Root.open(tmp / "tree") as staging:
-        if link.is_local:
-            fetched = _from_local_file(link, staging)
-        else:
-            try:
-                source = remote_source(link.url, link.filename, link.size, transport)
-                fetched = extract(source, _wanted, staging)
-            except RangesRefused as refused:
-                print(
-                    f"fetch: {link.host} does not serve byte ranges ({refused.why}); "
-                    f"downloading the whole {link.filename}{_megabytes(link.size)}",
-                    file=sys.stderr,
-                )
-                fetched = _from_whole_wheel(link, transport, tmp, staging, refused)
+    try:
+        link = find_wheel(version, settings, transport)
+        os.mkdir(tmp / "tree")
+        with Root.open(tmp / "tree") as staging:
+            fetched = _unpack(link, transport, tmp, staging, trust_ranges)
+    finally:
+        transport.close()
     if not (tmp / "tree" / "vllm" / "__init__.py").is_file():
         raise FetchError(f"fetch: {link.filename} holds no vllm/ package")
     if progress:
-        print(_summary(link, fetched, transport), file=sys.stderr)
+        say(_summary(link, fetched, transport))
     return link.filename
+
+
+def _unpack(
+    link: WheelLink, transport: Transport, tmp: Path, staging: Root, trust_ranges: bool
+) -> Fetched:
+    """A local wheel in place; a remote one whole (checked), or by ranges when trusted."""
+    if link.is_local:
+        return _from_local_file(link, staging)
+    if not trust_ranges:
+        return _from_whole_wheel(link, transport, tmp, staging)
+    try:
+        source = remote_source(link.url, link.filename, link.size, transport)
+        return extract(source, _wanted, staging, link.version)
+    except RangesRefused as refused:
+        say(
+            f"fetch: {link.host} does not serve byte ranges ({refused.why}); "
+            f"downloading the whole {link.filename}{_megabytes(link.size)}"
+        )
+        return _from_whole_wheel(link, transport, tmp, staging, refused.response)
 
 
 def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
@@ -230,17 +271,21 @@ def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
         raise FetchError(f"fetch: cannot read {path}: {exc}") from None
     try:
         hash_file(fd, link.filename, link.sha256, link.size)
-        return extract(local_source(fd, link.filename), _wanted, staging)
+        return extract(local_source(fd, link.filename), _wanted, staging, link.version)
     finally:
         os.close(fd)
 
 
 def _from_whole_wheel(
-    link: WheelLink, transport: Transport, tmp: Path, staging: Root, refused: RangesRefused
+    link: WheelLink,
+    transport: Transport,
+    tmp: Path,
+    staging: Root,
+    response=None,
 ) -> Fetched:
-    """The whole wheel into the staging directory (sha256 and size as the index says), then
-    its members as from any local wheel; the 200 that refused a range is that download."""
-    response = getattr(refused, "response", None)
+    """The whole wheel streamed into the staging directory (sha256 and size as the index
+    says), then its members as from any local wheel; ``response``: a 200 that refused a
+    range is that download already."""
     if response is None or response.status != 200:
         if response is not None:
             response.close()
@@ -256,10 +301,10 @@ def _from_whole_wheel(
             if link.sha256 and digest.hexdigest() != link.sha256.lower():
                 raise FetchError(f"fetch: {link.filename} does not match its index's sha256")
             hash_file(out, link.filename, None, link.size)
-            fetched = extract(local_source(out, link.filename), _wanted, staging)
+            fetched = extract(local_source(out, link.filename), _wanted, staging, link.version)
         finally:
             os.close(out)
-    fetched.refused = refused.why
+    fetched.whole = True
     return fetched
 
 
@@ -268,11 +313,13 @@ def _megabytes(size: int | None) -> str:
 
 
 def _summary(link: WheelLink, fetched: Fetched, transport: Transport) -> str:
-    how = (
-        "from the whole wheel"
-        if fetched.refused
-        else f"in {transport.requests} requests, {transport.bytes_read / 1e6:,.1f} MB read"
-    )
+    if not (fetched.whole or link.is_local):
+        checked = "by ranges, trusting the host (the wheel's sha256 not checked)"
+    elif link.sha256:
+        checked = "the wheel's sha256 checked"
+    else:
+        checked = "the index gives no sha256 to check"
+    how = f"in {transport.requests} requests, {transport.bytes_read / 1e6:,.1f} MB read, {checked}"
     return (
         f"fetch: {fetched.members:,} files ({fetched.wanted_bytes / 1e6:,.1f} MB) of "
         f"{link.filename}{_megabytes(link.size)} from {host_of(link.url)}, {how}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -35,6 +36,7 @@ PYTHON = (3, 12)
 PLATFORMS = ["manylinux2014_x86_64"] + [
     f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)
 ]
+SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 MAX_PAGE = 64 << 20  # PyPI's vllm page is 0.13 MB as JSON; torch's is a few MB
 ACCEPT = (
     "application/vnd.pypi.simple.v1+json, "
@@ -120,6 +122,7 @@ def _fitting(links, version: SpecifierSet, ranks: dict[Tag, int]) -> list[WheelL
             continue
         if canonicalize_name(name) != PROJECT or not version.contains(found, prereleases=True):
             continue
+        sha256, requires = _checked(filename, url, sha256, requires)
         rank = min((ranks[t] for t in tags if t in ranks), default=None)
         if rank is None or not _admits(requires):
             continue
@@ -212,6 +215,23 @@ def _json_links(body: bytes, base: str, url: str):
         raise FetchError(
             f"fetch: {host_of(url)}'s page for {PROJECT} is not the JSON simple API"
         ) from None
+
+
+def _checked(filename: str, url: str, sha256, requires) -> tuple[str | None, str | None]:
+    """A candidate's sha256 (64 hex digits or none) and Requires-Python (a string or none),
+    as the index gave them; anything else is one line naming the file, never taken as
+    'no hash' (the check it stands for would silently go)."""
+    if sha256 is not None and not (isinstance(sha256, str) and SHA256.fullmatch(sha256)):
+        raise FetchError(
+            f"fetch: {host_of(url)} gives {filename[:120]} a sha256 that is not 64 hex "
+            f"digits: {str(sha256)[:80]!r}"
+        )
+    if requires is not None and not isinstance(requires, str):
+        raise FetchError(
+            f"fetch: {host_of(url)} gives {filename[:120]} a requires-python that is not "
+            f"a string: {str(requires)[:40]!r}"
+        )
+    return (sha256.lower() if sha256 else None), requires
 
 
 def _html_links(body: bytes, base: str):

@@ -1,17 +1,18 @@
 """Only the wanted members of a wheel, read by byte ranges, checked, written into staging.
 
-The wheel is a *source* of byte ranges: a remote file read with HTTP range
-requests, or a local file (one on the index's file system, or the whole
-wheel downloaded when the server refuses ranges). Either way the same
-steps run: the tail, the central directory, the wanted members' spans
-coalesced into few reads (fetched a few at a time, so a far server's
-latency is paid a few times, not once a member), each member inflated,
-checked against its CRC and then the wheel's RECORD (read first: a wheel's
-RECORD lies near its end, in the tail read first), and only then written
-under the staging directory while the other reads go on, through :class:`patchkit.fs.safepath.Root`
-(descriptor walks, no links followed, a name that would leave the tree
-refused).
-"""
+The wheel is a *source* of byte ranges: a local file (the whole wheel
+downloaded and checked against the index's sha256, the default, or one on the
+index's file system) or, with ``--trust-ranges``, a remote file read with HTTP
+range requests. Either way the same steps run: the tail, the central
+directory, the one ``vllm-VERSION.dist-info`` (pip refuses a wheel with more),
+the declared sizes of the wanted members summed against MAX_UNPACKED, that
+dist-info's RECORD read first, on its own, then the other wanted members'
+spans coalesced into few reads (fetched a few at a time, so a far server's
+latency is paid a few times, not once a member), each member inflated (no
+further than its declared size), checked against its CRC and then RECORD,
+and written at once under the staging directory while the other reads go on,
+through :class:`patchkit.fs.safepath.Root` (descriptor walks, no links
+followed, a name that would leave the tree refused)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from patchkit.errors import PatchkitError
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
@@ -41,7 +45,8 @@ TAIL_READ = 1 << 20  # the end record, and for a vLLM wheel its directory and RE
 GAP = 1 << 16  # members closer than this come in one read
 MOST = 16 << 20  # bytes one coalesced read may span
 WORKERS = 4
-MAX_WHEEL = 8 << 30  # a whole wheel downloaded when ranges are refused
+MAX_WHEEL = 8 << 30  # a whole wheel downloaded
+MAX_UNPACKED = 512 << 20  # all kept members together; vLLM 0.34.0's are 64 MB
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Fetched:
     members: int = 0
     wanted_bytes: int = 0
     reads: int = 0
-    refused: str | None = None  # why the whole wheel was downloaded
+    whole: bool = False  # the whole wheel was downloaded (and its sha256 checked)
 
 
 def remote_source(url: str, filename: str, size: int | None, transport: Transport) -> Source:
@@ -125,9 +130,12 @@ def hash_file(fd: int, filename: str, sha256: str | None, size: int | None) -> N
         raise FetchError(f"fetch: {filename} does not match its index's sha256")
 
 
-def extract(source: Source, wanted: Callable[[str], bool], staging: Root) -> Fetched:
-    """The members ``wanted`` names, from ``source`` into ``staging``; each RECORD-checked
-    before it is written."""
+def extract(
+    source: Source, wanted: Callable[[str], bool], staging: Root, version: Version
+) -> Fetched:
+    """The members ``wanted`` names, from ``source`` into ``staging``: the wheel's own
+    ``vllm-VERSION.dist-info/RECORD`` first, then each member checked against it and
+    written as it comes (none held back), their declared sizes at most MAX_UNPACKED in all."""
     what = source.what
     tail_start = source.size - len(source.tail)
     if not source.tail:
@@ -136,27 +144,72 @@ def extract(source: Source, wanted: Callable[[str], bool], staging: Root) -> Fet
     directory = wheelzip.locate_directory(source.tail, tail_start, source.size, source.read, what)
     data = _from_tail(source, tail_start, directory.offset, directory.offset + directory.size)
     members = wheelzip.read_directory(data, directory, what)
-    chosen = [m for m in members if wanted(m.name)]
-    if not any(m.name.endswith(".dist-info/RECORD") for m in chosen):
-        raise wheelzip.BadWheel(f"fetch: {what} has no .dist-info/RECORD")
-    spans = wheelzip.spans(members, chosen, directory, what)
-    ranges = wheelzip.coalesce(spans, GAP, MOST)
-    record_name = next(m.name for m in chosen if m.name.endswith(".dist-info/RECORD"))
-    fetched = Fetched(reads=sum(1 for r in ranges if r[0] < tail_start))
-    record, pending = None, {}
+    dist_info = _own_dist_info(members, version, what)
+    record_name = f"{dist_info}/RECORD"
+    chosen = [m for m in members if wanted(m.name) and m.name not in _signatures(dist_info)]
+    if not any(m.name == record_name for m in chosen):
+        raise wheelzip.BadWheel(f"fetch: {what} has no {record_name}")
+    spans = wheelzip.spans(members, chosen, directory, what)  # each member's own bound
+    _check_total(chosen, what)
+    [(start, end, record_member)] = [s for s in spans if s[2].name == record_name]
+    record_bytes = wheelzip.member_bytes(
+        record_member, _from_tail(source, tail_start, start, end), start, what
+    )
+    record = parse_record(record_bytes, what)
+    ranges = wheelzip.coalesce([s for s in spans if s[2] is not record_member], GAP, MOST)
+    fetched = Fetched(members=1, wanted_bytes=len(record_bytes))
+    fetched.reads = sum(1 for r in ranges if r[0] < tail_start) + (start < tail_start)
     with _Writer(staging) as writer:
+        writer.write(record_name, record_bytes)
         for name, content in _members(source, tail_start, ranges):
+            check_member(name, content, record, what)
+            writer.write(name, content)
             fetched.members += 1
             fetched.wanted_bytes += len(content)
-            if name == record_name:
-                record = parse_record(content, what)
-            pending[name] = content
-            if record is not None:  # RECORD first (a vLLM wheel's is in the tail), then each
-                for held, data in pending.items():
-                    check_member(held, data, record, what)
-                    writer.write(held, data)
-                pending.clear()
     return fetched
+
+
+def _own_dist_info(members: list[wheelzip.Member], version: Version, what: str) -> str:
+    """The wheel's one top-level ``*.dist-info`` directory (pip refuses a wheel with more),
+    and it must be vLLM's of the wheel's version (or of its public part: a +local build's
+    file name), so no other package's RECORD is ever the one members are checked against."""
+    found = sorted({m.name.split("/", 1)[0] for m in members if _is_dist_info(m.name)})
+    if len(found) == 1:
+        name, _, release = found[0].removesuffix(".dist-info").partition("-")
+        try:
+            ours = canonicalize_name(name) == "vllm" and Version(release) in (
+                version,
+                Version(version.public),
+            )
+        except InvalidVersion:
+            ours = False
+        if ours:
+            return found[0]
+    listed = ", ".join(repr(top[:80]) for top in found[:3]) or "none"
+    raise wheelzip.BadWheel(
+        f"fetch: {what} must hold one .dist-info directory, vllm-{version}'s; it holds {listed}"
+    )
+
+
+def _is_dist_info(name: str) -> bool:
+    return name.split("/", 1)[0].endswith(".dist-info")
+
+
+def _signatures(dist_info: str) -> tuple[str, ...]:
+    """RECORD's signatures: RECORD cannot list them, nothing here checks them, so they are
+    never written."""
+    return (f"{dist_info}/RECORD.jws", f"{dist_info}/RECORD.p7s")
+
+
+def _check_total(chosen: list[wheelzip.Member], what: str) -> None:
+    """The declared sizes of the kept members, summed before any is read: inflating stops
+    at each member's declared size, so this bounds what is inflated and written."""
+    total = sum(m.size for m in chosen)
+    if total > MAX_UNPACKED:
+        raise wheelzip.BadWheel(
+            f"fetch: {what}'s Python files and dist-info come to {total:,} bytes unpacked, "
+            f"over the {MAX_UNPACKED:,} a vLLM tree may have"
+        )
 
 
 def _from_tail(source: Source, tail_start: int, start: int, end: int) -> bytes:

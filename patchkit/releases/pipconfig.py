@@ -24,6 +24,7 @@ import configparser
 import math
 import os
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,18 +142,45 @@ def _normal(key: str) -> str:
 
 def _settings(options: dict[str, str], sources: tuple[str, ...]) -> PipSettings:
     def listed(key: str) -> tuple[str, ...]:
-        return tuple(options.get(key, "").split())
+        return tuple(_url(u, key) for u in options.get(key, "").split())
+
+    def one(key: str) -> str | None:
+        return _url((options.get(key) or "").strip(), key) or None
 
     return PipSettings(
-        index_url=(options.get("index-url") or "").strip() or PYPI,
+        index_url=one("index-url") or PYPI,
         extra_index_urls=listed("extra-index-url"),
         find_links=listed("find-links"),
         no_index=_flag(options.get("no-index"), "no-index"),
-        proxy=(options.get("proxy") or "").strip() or None,
+        proxy=one("proxy"),
         cert=(options.get("cert") or "").strip() or None,
         timeout=_timeout(options),
         sources=sources,
     )
+
+
+def _url(value: str, key: str) -> str:
+    """``value`` if it is no URL (a find-links path) or a URL whose parts can be told apart.
+
+    A password holding an unescaped '#', '/', '?' or '@' ends the host part early: the
+    rest of the password becomes a port (ValueError, which was exit 3) or the path (sent
+    to a host named after the user, and shown in messages). Such a URL is refused without
+    showing it, since it holds a password.
+    """
+    if "://" not in value:
+        return value
+    try:
+        parts = urllib.parse.urlsplit(value)  # raises for a '[' host that is no IPv6 address
+        parts.port  # noqa: B018 (it raises for a port that is no number)
+        broken = "@" not in parts.netloc and "@" in value.split("://", 1)[1]
+    except ValueError:
+        broken = True
+    if broken:
+        raise PatchkitError(
+            f"fetch: pip's {key} setting is not a URL fetch can read (not shown: it may hold "
+            "a password); in a password, write '#' as %23, '/' as %2F, '?' as %3F, '@' as %40"
+        )
+    return value
 
 
 def _flag(value: str | None, key: str) -> bool:

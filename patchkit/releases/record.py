@@ -12,11 +12,12 @@ import base64
 import csv
 import hashlib
 import io
+import re
 
 from patchkit.errors import PatchkitError
 
 ALGORITHMS = ("sha256", "sha384", "sha512")  # the wheel format forbids md5 and sha1
-UNLISTED = ("RECORD", "RECORD.jws", "RECORD.p7s")  # of the dist-info: not hashed in RECORD
+SIZE = re.compile(r"[0-9]{1,15}")  # ASCII digits: str.isdigit() takes '²', which int() refuses
 
 
 class RecordMismatch(PatchkitError):
@@ -35,13 +36,25 @@ def parse_record(data: bytes, what: str) -> dict[str, tuple[str, str, int | None
             continue
         path, digest, size = (row + ["", ""])[:3]
         algorithm, _, value = digest.partition("=")
-        entries[path] = (algorithm, value, int(size) if size.strip().isdigit() else None)
+        entries[path] = (algorithm, value, _size(size, path, what))
     return entries
 
 
+def _size(field: str, path: str, what: str) -> int | None:
+    """A row's size: None where RECORD leaves it empty; a field that is no number is refused."""
+    if not field.strip():
+        return None
+    if not SIZE.fullmatch(field.strip()):
+        raise RecordMismatch(
+            f"fetch: {what}'s RECORD gives {path[:100]!r} the size {field[:20]!r}, not a number"
+        )
+    return int(field)
+
+
 def check_member(name: str, content: bytes, record: dict, what: str) -> None:
-    """``content`` is what RECORD says ``name`` holds (a dist-info's RECORD itself excepted)."""
-    if name.endswith("/") or (".dist-info/" in name and name.rsplit("/", 1)[1] in UNLISTED):
+    """``content`` is what RECORD says ``name`` holds (every member but RECORD itself, which
+    the caller never passes; a directory entry has no content)."""
+    if name.endswith("/"):
         return
     entry = record.get(name)
     if entry is None:

@@ -23,9 +23,11 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from dataclasses import dataclass
 
 from patchkit.errors import PatchkitError
@@ -34,6 +36,8 @@ from patchkit.releases.pipconfig import PipSettings
 MAX_REDIRECTS = 5
 CHUNK = 1 << 20
 CONTENT_RANGE = re.compile(r"bytes (\d{1,15})-(\d{1,15})/(\d{1,15})")
+DIGITS = re.compile(r"[0-9]{1,15}")  # ASCII: str.isdigit() takes '²', which int() refuses
+DEADLINE = 1800.0  # seconds for one whole fetch; PATCHKIT_FETCH_DEADLINE changes it
 
 
 class FetchError(PatchkitError):
@@ -52,6 +56,7 @@ class RangesRefused(Exception):
     def __init__(self, why: str):
         super().__init__(why)
         self.why = why
+        self.response = None  # the 200 that refused, where the whole body can be read
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class Transport:
     def __init__(self, settings: PipSettings, environ: dict[str, str] | None = None):
         env = os.environ if environ is None else environ
         self.timeout = settings.timeout
+        self.deadline = Deadline(deadline_seconds(env))
         self.index_credentials = _index_credentials(settings.index_urls)
         self.netrc_path = env.get("NETRC") or os.path.join(
             env.get("HOME") or os.path.expanduser("~"), ".netrc"
@@ -93,7 +99,7 @@ class Transport:
         )
         context = _tls(settings.cert)
         self.addresses = _Addresses()
-        plain, secure = _connections(self.addresses)
+        plain, secure = _connections(self.addresses, self.deadline)
         self.opener = urllib.request.build_opener(
             urllib.request.ProxyHandler(proxies),
             _PlainHandler(plain),
@@ -144,13 +150,25 @@ class Transport:
         self.authorize(request, url)
         return request
 
+    def close(self) -> None:
+        """The deadline's watch ends (the fetch is over)."""
+        self.deadline.cancel()
+
     def open(self, url: str, headers: dict[str, str] | None = None):
-        """The response to a GET (any 2xx); an HTTP error or a network failure is one line."""
+        """The response to a GET (any 2xx); an HTTP error or a network failure is one line,
+        the deadline's own once it has passed (it cut the connection)."""
         request = self.request(url, headers)
         with self._counting:
             self.requests += 1
         try:
-            return self.opener.open(request, timeout=self.timeout)
+            return self._open(request, url, headers)
+        except FetchError:
+            self.deadline.check()
+            raise
+
+    def _open(self, request, url: str, headers: dict[str, str] | None):
+        try:
+            return self.opener.open(request, timeout=min(self.timeout, self.deadline.left()))
         except urllib.error.HTTPError as exc:
             exc.close()
             if 300 <= exc.code < 400 and "infinite loop" in str(exc.reason):
@@ -217,6 +235,15 @@ class Transport:
         return data
 
     def _read(self, response, most: int, url: str) -> bytes:
+        try:
+            data = self._read_some(response, most, url)
+        except FetchError:
+            self.deadline.check()
+            raise
+        self.deadline.check()  # a connection the deadline cut reads as a body that ended
+        return data
+
+    def _read_some(self, response, most: int, url: str) -> bytes:
         parts, got = [], 0
         try:
             while got < most:
@@ -296,20 +323,103 @@ class _Addresses:
         raise failure or OSError(f"{host} has no address")
 
 
-def _connections(addresses: _Addresses):
-    """http.client's connection classes, connecting through ``addresses``."""
+def _connections(addresses: _Addresses, deadline: Deadline):
+    """http.client's connection classes, connecting through ``addresses``; each socket
+    (after TLS, the TLS one) is watched by ``deadline``."""
 
     class Plain(http.client.HTTPConnection):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._create_connection = addresses.connect
 
+        def connect(self):
+            super().connect()
+            deadline.watch(self.sock)
+
     class Secure(http.client.HTTPSConnection):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._create_connection = addresses.connect
 
+        def connect(self):
+            super().connect()
+            deadline.watch(self.sock)
+
     return Plain, Secure
+
+
+def deadline_seconds(env) -> float:
+    """PATCHKIT_FETCH_DEADLINE, in seconds (a positive, finite number), else DEADLINE."""
+    value = env.get("PATCHKIT_FETCH_DEADLINE")
+    if not value:
+        return DEADLINE
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise PatchkitError(
+            f"fetch: PATCHKIT_FETCH_DEADLINE={value[:40]!r} is not a positive number of seconds"
+        )
+    return seconds
+
+
+class Deadline:
+    """One bound on a whole fetch, not only on each wait: a server sending one byte a
+    second never lets a socket timeout fire. When it passes, a timer thread shuts down
+    every socket the fetch still has open, which wakes any read (status line, headers or
+    body, plain or TLS); the failure that follows is reported as the deadline's."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.ends = time.monotonic() + seconds
+        self.sockets: weakref.WeakSet = weakref.WeakSet()
+        self.lock = threading.Lock()
+        self.passed = False
+        self.timer: threading.Timer | None = None
+
+    def left(self) -> float:
+        """Seconds left; the deadline's FetchError when none are."""
+        left = self.ends - time.monotonic()
+        if left <= 0:
+            self.passed = True
+        self.check()
+        return left
+
+    def check(self) -> None:
+        if self.passed:
+            raise FetchError(
+                f"fetch: stopped after {self.seconds:g} s, the bound on one whole fetch "
+                "(PATCHKIT_FETCH_DEADLINE)"
+            )
+
+    def watch(self, sock) -> None:
+        with self.lock:
+            self.sockets.add(sock)
+            if self.timer is None:
+                self.timer = threading.Timer(max(0.0, self.ends - time.monotonic()), self._cut)
+                self.timer.daemon = True
+                self.timer.start()
+            if self.passed:
+                self._cut_one(sock)
+
+    def cancel(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+
+    def _cut(self) -> None:
+        with self.lock:
+            self.passed = True
+            for sock in list(self.sockets):
+                self._cut_one(sock)
+
+    @staticmethod
+    def _cut_one(sock) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError):
+            pass  # closed already
 
 
 class _PlainHandler(urllib.request.HTTPHandler):
@@ -360,7 +470,7 @@ def _content_length(response, url: str) -> int | None:
     value = response.headers.get("Content-Length")
     if value is None:
         return None
-    if not value.strip().isdigit() or len(value.strip()) > 15:
+    if not DIGITS.fullmatch(value.strip()):
         raise FetchError(f"fetch: {host_of(url)} sent a Content-Length of {value[:30]!r}")
     return int(value)
 

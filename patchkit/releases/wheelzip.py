@@ -147,6 +147,8 @@ def _zip64_extra(extra, size, compressed, offset, raw, what):
     at = 0
     while at + 4 <= len(extra):
         tag, length = struct.unpack_from("<2H", extra, at)
+        if at + 4 + length > len(extra):
+            break  # a field longer than the extra data holding it
         if tag == 1:
             values = list(struct.unpack_from(f"<{length // 8}Q", extra, at + 4))
             result = [size, compressed, offset]
