@@ -34,6 +34,7 @@ from patchkit.patching.state import (
     tidy,
 )
 from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
+from patchkit.vllmtree.runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action
 
@@ -53,6 +54,7 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
     wrote: bool = False  # the run committed its writes to the tree
     recovered: bool = False  # it rolled an interrupted run back first
+    runner: RunnerChoice | None = None  # status: the GPU model runner vLLM picks here
 
     @property
     def changed(self) -> bool:

@@ -56,6 +56,13 @@ class RunnerChoice:
         return self.runner in (V1, V2)
 
 
+def hooked(files) -> frozenset[str]:
+    """The runners whose files a patch's variant changes (``v1``, ``v2``)."""
+    return frozenset(
+        runner for runner, relpath in ((V1, V1_FILE), (V2, V2_FILE)) if relpath in files
+    )
+
+
 def decide(fs: Root, env_value: str | None) -> RunnerChoice:
     """The runner for the tree behind ``fs``; ``env_value`` is ``VLLM_USE_V2_MODEL_RUNNER``."""
     try:
