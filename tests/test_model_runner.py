@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.fs.safepath import Root
-from patchkit.vllmtree import runner as model_runner
+from patchkit.vllmtree import model_runner
 from tests.conftest import RELEASES, release_tree, run_cli, run_subprocess
 from tests.helpers import REPORT_IMPORTS
 

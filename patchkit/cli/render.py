@@ -30,7 +30,7 @@ from patchkit.doctor import sass
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
-from patchkit.vllmtree import runner as model_runner
+from patchkit.vllmtree import model_runner
 from patchkit.vocabulary import Action, PatchState
 
 SOURCES = {

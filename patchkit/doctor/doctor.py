@@ -44,8 +44,8 @@ from patchkit.fs.files import read_json_file, write_cache_file
 from patchkit.patching import operations
 from patchkit.patching.bytecode import bytecode_paths
 from patchkit.patching.decide import Assessment, apply_command
-from patchkit.vllmtree import runner as model_runner
-from patchkit.vllmtree.runner import RunnerChoice
+from patchkit.vllmtree import model_runner
+from patchkit.vllmtree.model_runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import PatchState, Verdict
 

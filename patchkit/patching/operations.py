@@ -34,7 +34,7 @@ from patchkit.patching.state import (
     tidy,
 )
 from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
-from patchkit.vllmtree.runner import RunnerChoice
+from patchkit.vllmtree.model_runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action
 

@@ -21,7 +21,7 @@ from patchkit.forks import forkmode
 from patchkit.fs import signals
 from patchkit.patching import operations
 from patchkit.patching.decide import RunOptions
-from patchkit.vllmtree import runner as model_runner
+from patchkit.vllmtree import model_runner
 from patchkit.vllmtree.tree import locate
 
 
