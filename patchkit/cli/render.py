@@ -172,7 +172,7 @@ def render_run(report: RunReport) -> None:
     header = f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})"
     for line in wrap("", header, 4):
         out(line)
-    if report.runner is not None:
+    if report.runner is not None and report.command == "status":
         for text in runner_lines(report.runner, [s.assessment for s in report.steps]):
             for line in wrap("", text, 4):
                 out(line)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from patchkit.catalogue.load import load_catalogue
@@ -21,7 +19,6 @@ from patchkit.forks import forkmode
 from patchkit.fs import signals
 from patchkit.patching import operations
 from patchkit.patching.decide import RunOptions
-from patchkit.vllmtree import model_runner
 from patchkit.vllmtree.tree import locate
 
 
@@ -62,7 +59,6 @@ def status(target: str | None, vllm_version: str | None, as_json: bool) -> None:
     """Show each patch's state on the tree (reads files only)."""
     tree = locate(target, vllm_version)
     result = operations.status(tree, load_catalogue())
-    result.runner = model_runner.decide(tree.fs, os.environ.get(model_runner.ENV))
     if forkmode.is_fork(tree):
         forkmode.annotate_status(tree, result)
     show(result, as_json)
