@@ -28,7 +28,7 @@ IDS = [p.id for p in CATALOGUE.patches]
 ROW_KEYS = {"id", "state", "state_before", "action", "reason", "variant", "files", "warnings",
             "notices", "hunks"}  # fmt: skip
 TOP_KEYS = {"ok", "command", "vllm", "patches", "warnings", "notices", "notes", "summary",
-            "dry_run", "bytecode_removed", "caches_removed"}  # fmt: skip
+            "dry_run", "bytecode_removed", "caches_removed", "runner"}  # fmt: skip
 SPLIT = "split-in-proj-qkvz"  # not-applicable on 0.26.0, with a 125-character reason
 
 

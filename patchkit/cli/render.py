@@ -31,6 +31,7 @@ from patchkit.errors import printable  # noqa: F401 (render.printable: the one e
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
+from patchkit.vllmtree import model_runner
 from patchkit.vocabulary import Action, PatchState
 
 SOURCES = {
@@ -172,6 +173,10 @@ def render_run(report: RunReport) -> None:
     header = f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})"
     for line in wrap("", header, 4):
         out(line)
+    if report.runner is not None and report.command == "status":
+        for text in runner_lines(report.runner, [s.assessment for s in report.steps]):
+            for line in wrap("", text, 4):
+                out(line)
     for note in report.notes:
         for line in wrap("note: ", note, 4):
             out(line)
@@ -267,6 +272,120 @@ def run_json(report: RunReport) -> dict:
         "dry_run": report.options.dry_run,
         "bytecode_removed": report.bytecode_removed,
         "caches_removed": [_cache_json(c) for c in report.caches_removed],
+    } | (
+        {"runner": runner_json(report.runner, [s.assessment for s in report.steps])}
+        if report.runner is not None
+        else {}
+    )
+
+
+# ----- the model runner (status, doctor) -----
+
+SERVES = "Qwen3.5/3.6 + LoRA"
+HOOKS = {frozenset({"v1"}): "V1", frozenset({"v2"}): "Model Runner V2"}
+
+
+def _runner_name(runner: str | None) -> str:
+    return model_runner.NAMES.get(runner or "", runner or "unknown")
+
+
+def runner_lines(choice, assessments: list[Assessment]) -> list[str]:
+    """``runner: ...``: which runner serves here and what switches it; then, where a patch
+    that hooks runners is applied or opt-in and the runner that serves is not hooked, one line."""
+    lines = [f"runner: {_runner_headline(choice)}"]
+    probe = _probe_gap(choice, assessments)
+    if probe:
+        lines.append(f"runner: {probe}")
+    return lines
+
+
+def _runner_headline(choice) -> str:
+    if not choice.known:
+        return f"unknown for {SERVES} here: {choice.reason}"
+    name = _runner_name(choice.runner)
+    if choice.only:
+        text = f"{name} serves {SERVES} here, the only runner this vLLM has (nothing switches it)"
+    elif choice.flip_to:
+        text = (
+            f"{name} serves {SERVES} here by default ({choice.flip} gives "
+            f"{_runner_name(choice.flip_to)})"
+        )
+    elif choice.flip_refused:
+        text = (
+            f"{name} serves {SERVES} here by default ({choice.flip} makes vLLM refuse it: "
+            f"{choice.flip_refused})"
+        )
+    else:
+        text = f"{name} serves {SERVES} here by default (no setting switches it)"
+    if choice.env_value is not None and choice.effective != choice.runner and not choice.only:
+        said = f"{model_runner.ENV}={choice.env_value[:40]}"
+        if choice.effective == "refused":
+            text += f"; this environment's {said} makes vLLM refuse it: {choice.effective_reason}"
+        else:
+            text += f"; this environment's {said} gives {_runner_name(choice.effective)}"
+    return text
+
+
+def _serving(choice) -> str | None:
+    """The runner that serves with this environment: the default, or what its value gives."""
+    return choice.effective if choice.effective in ("v1", "v2") else None
+
+
+def _probe_gap(choice, assessments: list[Assessment]) -> str:
+    serving = _serving(choice)
+    for a in assessments:
+        hooked = model_runner.hooked(a.files)
+        state = str(a.state)
+        if not hooked or state not in ("applied", "opt-in") or serving is None:
+            continue
+        if serving in hooked:
+            continue
+        other = "v1" if serving == "v2" else "v2"
+        what = "is applied" if state == "applied" else "is opt-in here"
+        switch = ""
+        if choice.flip and choice.flip_to == other:
+            switch = f"set {choice.flip} or "
+        elif choice.env_value is not None and choice.runner == other:
+            switch = f"unset {model_runner.ENV} or "
+        return (
+            f"{a.patch.id} {what} but its hooks are in {HOOKS.get(hooked, 'V1 and V2')}, and "
+            f"{_runner_name(serving)} serves here: {switch}use a release whose {a.patch.id} "
+            f"variant hooks {_runner_name(serving)}"
+        )
+    return ""
+
+
+def runner_json(choice, assessments: list[Assessment]) -> dict:
+    probe = _probe_gap(choice, assessments)
+    hooks = {
+        a.patch.id: sorted(model_runner.hooked(a.files))
+        for a in assessments
+        if model_runner.hooked(a.files) and str(a.state) in ("applied", "opt-in")
+    }
+    return {
+        "model": SERVES,
+        "default": choice.runner,
+        "name": _runner_name(choice.runner) if choice.known else None,
+        "only": choice.only,
+        "reason": choice.reason,
+        "flip": (
+            {
+                "env": model_runner.ENV,
+                "value": choice.flip.split("=", 1)[1],
+                "gives": choice.flip_to,
+                "refused": choice.flip_refused or None,
+            }
+            if choice.flip
+            else None
+        ),
+        "environment": {
+            "value": choice.env_value,
+            "runner": choice.effective,
+            "reason": choice.effective_reason or None,
+        },
+        "hooks": hooks,
+        "warning": probe or None,
+        "line": f"runner: {_runner_headline(choice)}",
     }
 
 
@@ -725,6 +844,10 @@ def render_doctor(report, verbose: bool = False) -> None:
         out(f"vLLM: {report.tree_error}")
     else:
         _render_tree(report)
+        if report.runner is not None:
+            for text in runner_lines(report.runner, report.patches):
+                for line in wrap("", text, 4):
+                    out(line)
     for c in report.tuned_configs:
         out(f"tuned config {c.file}: {c.problem}")
     for pyc in report.stale_bytecode:
@@ -848,6 +971,7 @@ def doctor_json(report) -> dict:
         "old_caches": [_fields(c) for c in report.old_caches],
         "kernels": scan_json(report.kernels) if report.kernels else {},
         "verdicts": [_fields(v) | {"status": str(v.status)} for v in report.verdicts],
+        "runner": runner_json(report.runner, report.patches) if report.runner else None,
     }
 
 

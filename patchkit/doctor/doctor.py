@@ -44,6 +44,8 @@ from patchkit.fs.files import read_json_file, write_cache_file
 from patchkit.patching import operations
 from patchkit.patching.bytecode import bytecode_paths
 from patchkit.patching.decide import Assessment, apply_command
+from patchkit.vllmtree import model_runner
+from patchkit.vllmtree.model_runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import PatchState, Verdict
 
@@ -95,6 +97,7 @@ class DoctorReport:
     old_caches: list[OldCache] = field(default_factory=list)
     kernels: ScanReport | None = None  # the --kernels scan, when asked for
     verdicts: list[BugVerdict] = field(default_factory=list)
+    runner: RunnerChoice | None = None  # the GPU model runner vLLM picks for the tree
 
     def states(self) -> dict[str, PatchState]:
         return {a.patch.id: PatchState(a.state) for a in self.patches}
@@ -702,6 +705,7 @@ def run(
         return report
     report.tree_triton = tree_triton(tree.root)
     report.patches = [step.assessment for step in operations.status(tree, catalogue).steps]
+    report.runner = model_runner.decide(tree.fs, os.environ.get(model_runner.ENV))
     relpaths = sorted({path for p in catalogue.patches for path in _paths(p, tree)})
     report.stale_bytecode = stale_bytecode(tree, relpaths)
     applied = [

@@ -12,6 +12,7 @@ later failure may make the run look as if it had changed nothing.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,6 +35,8 @@ from patchkit.patching.state import (
     tidy,
 )
 from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
+from patchkit.vllmtree import model_runner
+from patchkit.vllmtree.model_runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action
 
@@ -53,6 +56,11 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
     wrote: bool = False  # the run committed its writes to the tree
     recovered: bool = False  # it rolled an interrupted run back first
+    runner: RunnerChoice | None = None  # the GPU model runner vLLM picks on the tree
+
+    def __post_init__(self) -> None:
+        if self.runner is None and self.tree.fs is not None:
+            self.runner = model_runner.decide(self.tree.fs, os.environ.get(model_runner.ENV))
 
     @property
     def changed(self) -> bool:

@@ -1,0 +1,553 @@
+"""Which GPU model runner (V1 or Model Runner V2) vLLM picks for a Qwen3.5/3.6 hybrid with LoRA.
+
+Read from the tree's own code, never imported: ``vllm/envs.py`` (the default
+of ``VLLM_USE_V2_MODEL_RUNNER``), ``vllm/config/vllm.py`` (the
+``use_v2_model_runner`` property and the methods it calls, evaluated here by a
+small interpreter over their syntax tree) and which runner files exist. The
+interpreter knows one configuration, vLLM's defaults plus ``--enable-lora``
+for a Qwen3.5/3.6 hybrid (Gated DeltaNet + attention) on CUDA; a statement,
+call or attribute it does not know makes the answer ``unknown`` with the line
+it stopped at, never a guess.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from patchkit.fs.safepath import Root
+
+ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V1, V2 = "v1", "v2"
+NAMES = {V1: "V1", V2: "Model Runner V2"}
+CONFIG = "vllm/config/vllm.py"
+ENVS = "vllm/envs.py"
+V1_FILE = "vllm/v1/worker/gpu_model_runner.py"
+V2_FILE = "vllm/v1/worker/gpu/model_runner.py"
+MAX_SOURCE_BYTES = 4 << 20
+MAX_STEPS = 20_000
+ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
+class Unknown(Exception):
+    """The code is not a shape this module understands; the message says where."""
+
+
+class _Refused(Exception):
+    """vLLM raises here: it refuses the configuration."""
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    """What the tree's code decides; ``runner`` is ``v1``, ``v2`` or ``unknown``."""
+
+    runner: str
+    reason: str  # why (or why unknown)
+    only: bool = False  # the other runner is gone from the tree
+    flip: str | None = None  # "VLLM_USE_V2_MODEL_RUNNER=0", None where nothing flips it
+    flip_to: str | None = None  # the runner the flip gives
+    flip_refused: str = ""  # the flip makes vLLM refuse to start: its message
+    env_value: str | None = None  # the environment's value, as given
+    effective: str | None = None  # the runner with that value (v1, v2, refused, unknown)
+    effective_reason: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.runner in (V1, V2)
+
+
+def hooked(files) -> frozenset[str]:
+    """The runners whose files a patch's variant changes (``v1``, ``v2``)."""
+    return frozenset(
+        runner for runner, relpath in ((V1, V1_FILE), (V2, V2_FILE)) if relpath in files
+    )
+
+
+def decide(fs: Root, env_value: str | None) -> RunnerChoice:
+    """The runner for the tree behind ``fs``; ``env_value`` is ``VLLM_USE_V2_MODEL_RUNNER``."""
+    try:
+        return _decide(fs, env_value)
+    except Unknown as exc:
+        return RunnerChoice("unknown", str(exc), env_value=env_value)
+
+
+def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
+    has_v1 = fs.lstat(V1_FILE, "runner") is not None
+    has_v2 = fs.lstat(V2_FILE, "runner") is not None
+    if not has_v1 and not has_v2:
+        raise Unknown(f"neither {V1_FILE} nor {V2_FILE} is in the tree")
+    envs_tree = _parse(fs, ENVS)
+    default = _env_default(envs_tree)  # None: unset means "let the config decide"
+    if not has_v1 or not has_v2:
+        if default is not _ABSENT:
+            raise Unknown(f"only one runner file is in the tree, but {ENVS} still reads {ENV}")
+        runner = V2 if has_v2 else V1
+        missing = V1_FILE if has_v2 else V2_FILE
+        return RunnerChoice(
+            runner,
+            f"{missing} is gone and {ENVS} no longer reads {ENV}",
+            only=True,
+            env_value=env_value,
+            effective=runner,
+        )
+    if default is _ABSENT:
+        raise Unknown(f"{ENVS} does not read {ENV}, yet both runner files are in the tree")
+    config = _Config(_parse(fs, CONFIG))
+    outcomes = {value: config.runner(value) for value in (None, False, True)}
+    runner, why = outcomes[None] if default is None else outcomes[default]
+    if runner not in (V1, V2):
+        raise Unknown(f"with {ENV} unset vLLM refuses the configuration: {why}")
+    flip_value = runner == V1  # V1 by default: =1 asks for V2, and the other way round
+    flip_runner, flip_why = outcomes[flip_value]
+    choice = RunnerChoice(
+        runner,
+        why,
+        flip=f"{ENV}={int(flip_value)}",
+        flip_to=flip_runner if flip_runner in (V1, V2) else None,
+        flip_refused=flip_why if flip_runner == "refused" else "",
+        env_value=env_value,
+    )
+    if flip_runner == runner:
+        choice = RunnerChoice(runner, why, env_value=env_value)
+    return _with_env(choice, outcomes, default, env_value)
+
+
+def _with_env(choice, outcomes, default, env_value) -> RunnerChoice:
+    if env_value is None:
+        return _replace(choice, effective=choice.runner)
+    try:
+        value = bool(int(env_value))  # what vLLM's envs.py does with it
+    except ValueError:
+        return _replace(
+            choice,
+            effective="refused",
+            effective_reason=f"vLLM reads {ENV} with int(), which fails on {env_value[:40]!r}",
+        )
+    runner, why = outcomes[value]
+    return _replace(choice, effective=runner, effective_reason=why)
+
+
+def _replace(choice: RunnerChoice, **changes) -> RunnerChoice:
+    import dataclasses
+
+    return dataclasses.replace(choice, **changes)
+
+
+def _parse(fs: Root, relpath: str) -> ast.Module:
+    found = fs.lstat(relpath, "runner")
+    if found is None:
+        raise Unknown(f"{relpath} is not in the tree")
+    if found.st_size > MAX_SOURCE_BYTES:
+        raise Unknown(f"{relpath} is larger than {MAX_SOURCE_BYTES} bytes")
+    data = fs.read(relpath, "runner")
+    if data is None or len(data) > MAX_SOURCE_BYTES:
+        raise Unknown(f"{relpath} could not be read whole")
+    try:
+        return ast.parse(data.decode("utf-8"), filename=relpath)
+    except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise Unknown(f"{relpath} does not parse ({type(exc).__name__})") from None
+
+
+_ABSENT = object()
+
+
+def _env_default(tree: ast.Module):
+    """The variable's default as vLLM reads it: False ("0"), None (unset) or _ABSENT."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "getenv"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == ENV
+        ):
+            if len(node.args) != 2 or not isinstance(node.args[1], ast.Constant):
+                raise Unknown(f"{ENVS}:{node.lineno}: os.getenv({ENV!r}) has no constant default")
+            default = node.args[1].value
+            if default is None:
+                return None
+            if isinstance(default, str) and default.strip().lstrip("-").isdigit():
+                return bool(int(default))
+            raise Unknown(f"{ENVS}:{node.lineno}: {ENV}'s default {default!r} is not understood")
+    return _ABSENT
+
+
+# -- the configuration the interpreter knows --------------------------------------------
+
+_OFF = object()  # a setting left off (None, False, 0 or empty, as the code tests it)
+
+
+class _Obj:
+    """An object of the configuration: known attributes only."""
+
+    def __init__(self, name: str, attrs: dict):
+        self.name, self.attrs = name, attrs
+
+    def get(self, attr: str, line: int):
+        if attr not in self.attrs:
+            raise Unknown(
+                f"{CONFIG}:{line}: reads {self.name}.{attr}, which this check does not know"
+            )
+        return self.attrs[attr]
+
+
+_MODEL = _Obj(
+    "model_config",
+    {
+        "runner_type": "generate",
+        "architectures": ARCHITECTURES,
+        "is_hybrid": True,
+        "has_inner_state": True,
+        "is_attention_free": False,
+        "is_diffusion": False,
+        "is_moe": None,  # Qwen3.5 comes dense and MoE: code that needs it gives unknown
+        "is_quantized": None,
+        "enable_return_routed_experts": False,
+        "enable_prompt_embeds": False,
+        "logits_processors": None,
+        "logprobs_mode": "raw_logprobs",
+    },
+)
+_SETTINGS = {
+    "model_config": _MODEL,
+    "lora_config": _Obj("lora_config", {}),  # --enable-lora: present
+    "speculative_config": None,
+    "reasoning_config": None,
+    "ec_transfer_config": None,
+    "kv_transfer_config": None,
+    "attention_config": _Obj("attention_config", {"hisparse_config": None}),
+    "watermark_config": None,
+    "parallel_config": _Obj(
+        "parallel_config",
+        {
+            "prefill_context_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "enable_dbo": False,
+            "use_ubatching": False,
+            "enable_elastic_ep": False,
+            "distributed_executor_backend": None,
+        },
+    ),
+    "cache_config": _Obj(
+        "cache_config", {"kv_sharing_fast_prefill": False, "mamba_cache_mode": "none"}
+    ),
+    "compilation_config": _Obj(
+        "compilation_config",
+        {"mode": "VLLM_COMPILE", "pass_config": _Obj("pass_config", {"enable_sp": False})},
+    ),
+}
+_PLATFORM = _Obj("current_platform", {})
+_OFF_CALLS = {"is_rocm", "is_xpu", "is_cpu", "is_tpu"}  # current_platform on CUDA
+_LOGGER_CALLS = {"warning_once", "info_once", "debug_once", "warning", "info", "debug"}
+
+
+class _Return(Exception):
+    def __init__(self, value):
+        self.value = value
+
+
+class _Config:
+    """VllmConfig's methods, run on the configuration above."""
+
+    def __init__(self, tree: ast.Module):
+        self.functions: dict[str, ast.FunctionDef] = {}
+        self.constants: dict[str, object] = {}
+        self.methods: dict[str, ast.FunctionDef] = {}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                self.functions[node.name] = node
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id.isupper():
+                    self.constants[target.id] = node.value
+            elif isinstance(node, ast.ClassDef) and node.name == "VllmConfig":
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        self.methods[item.name] = item
+        self.env: bool | None = None
+        self.steps = 0
+
+    def runner(self, env: bool | None) -> tuple[str, str]:
+        """``(runner, why)`` with the variable at ``env``: v1, v2, or refused."""
+        self.env, self.steps = env, 0
+        said = " unset" if env is None else f"={int(env)}"
+        if "use_v2_model_runner" not in self.methods:
+            # 0.17-0.21: the worker takes the variable as it is.
+            if env and "_validate_v2_model_runner" in self.methods:
+                refused = self._refusal("_validate_v2_model_runner")
+                if refused:
+                    return "refused", refused
+            return (V2 if env else V1), f"{ENV}{said}, and the config has no use_v2_model_runner"
+        try:
+            chose = self.call_method("use_v2_model_runner", [])
+        except _Refused as exc:
+            return "refused", str(exc)
+        if not isinstance(chose, bool):
+            raise Unknown(f"{CONFIG}: use_v2_model_runner gave {chose!r}, not a bool")
+        if chose and "_validate_v2_model_runner" in self.methods:
+            refused = self._refusal("_validate_v2_model_runner")
+            if refused:
+                return "refused", refused
+        where = self.methods["use_v2_model_runner"].lineno
+        return (V2 if chose else V1), f"{ENV}{said}: use_v2_model_runner ({CONFIG}:{where})"
+
+    def _refusal(self, name: str) -> str:
+        try:
+            self.call_method(name, [])
+        except _Refused as exc:
+            return str(exc)
+        return ""
+
+    # -- calls ---------------------------------------------------------------------------
+    def call_method(self, name: str, args: list):
+        return self._run(self.methods[name], args, {"self": "self"})
+
+    def _run(self, function: ast.FunctionDef, args: list, scope: dict):
+        if args or len(function.args.args) != len(scope):
+            raise Unknown(f"{CONFIG}:{function.lineno}: {function.name} takes arguments")
+        local = dict(scope)
+        try:
+            self.block(function.body, local)
+        except _Return as ret:
+            return ret.value
+        return None
+
+    # -- statements ----------------------------------------------------------------------
+    def block(self, body: list[ast.stmt], local: dict) -> None:
+        for stmt in body:
+            self.statement(stmt, local)
+
+    def statement(self, stmt: ast.stmt, local: dict) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise Unknown(f"{CONFIG}: more than {MAX_STEPS} steps")
+        if isinstance(stmt, ast.Return):
+            raise _Return(None if stmt.value is None else self.expr(stmt.value, local))
+        if isinstance(stmt, ast.If):
+            test = self.expr(stmt.test, local)
+            self.block(stmt.body if self.truth(test, stmt.test) else stmt.orelse, local)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            if not all(isinstance(t, ast.Name) for t in targets) or stmt.value is None:
+                raise Unknown(f"{CONFIG}:{stmt.lineno}: an assignment this check does not know")
+            value = self.expr(stmt.value, local)
+            for target in targets:
+                local[target.id] = value
+        elif isinstance(stmt, ast.ImportFrom):
+            for alias in stmt.names:
+                local[alias.asname or alias.name] = (
+                    _PLATFORM if alias.name == "current_platform" else ("imported", alias.name)
+                )
+        elif isinstance(stmt, ast.Raise):
+            raise _Refused(self._message(stmt, local))
+        elif isinstance(stmt, ast.Expr):
+            self.expression_statement(stmt, local)
+        elif not isinstance(stmt, ast.Pass):
+            raise Unknown(
+                f"{CONFIG}:{stmt.lineno}: a {type(stmt).__name__} statement this check "
+                "does not know"
+            )
+
+    def expression_statement(self, stmt: ast.Expr, local: dict) -> None:
+        value = stmt.value
+        if isinstance(value, ast.Constant):
+            return  # a docstring
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+            owner, attr = value.func.value, value.func.attr
+            if isinstance(owner, ast.Name) and owner.id == "logger" and attr in _LOGGER_CALLS:
+                return
+            if isinstance(owner, ast.Name) and attr in ("append", "extend"):
+                target = local.get(owner.id)
+                if isinstance(target, list) and len(value.args) == 1:
+                    item = self.expr(value.args[0], local)
+                    target.append(item) if attr == "append" else target.extend(item)
+                    return
+        self.expr(value, local)
+
+    def _message(self, stmt: ast.Raise, local: dict) -> str:
+        exc = stmt.exc
+        if isinstance(exc, ast.Call) and exc.args:
+            try:
+                text = self.expr(exc.args[0], local)
+            except Unknown:
+                text = None
+            if isinstance(text, str):
+                return text
+        return f"vLLM raises at {CONFIG}:{stmt.lineno}"
+
+    # -- expressions ---------------------------------------------------------------------
+    def truth(self, value, node: ast.AST) -> bool:
+        if value is None and isinstance(node, ast.Attribute) and node.attr in ("is_moe",):
+            raise Unknown(f"{CONFIG}:{node.lineno}: depends on whether the model is MoE")
+        if isinstance(value, _Obj):
+            return True
+        if isinstance(value, tuple) and value[:1] == ("unknown",):
+            raise Unknown(f"{CONFIG}:{node.lineno}: {value[1]}")
+        return bool(value)
+
+    def expr(self, node: ast.expr, local: dict):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return self.name(node, local)
+        if isinstance(node, ast.Attribute):
+            return self.attribute(node, local)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return not self.truth(self.expr(node.operand, local), node.operand)
+        if isinstance(node, ast.BoolOp):
+            is_and = isinstance(node.op, ast.And)
+            for operand in node.values:
+                value = self.expr(operand, local)
+                if self.truth(value, operand) != is_and:
+                    return value
+            return value
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            return self.compare(node, local)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            values = [self.expr(e, local) for e in node.elts]
+            return values if isinstance(node, ast.List) else frozenset(values)
+        if isinstance(node, ast.JoinedStr):
+            return "".join(
+                str(self.expr(v.value, local)) if isinstance(v, ast.FormattedValue) else v.value
+                for v in node.values
+            )
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            left, right = self.expr(node.left, local), self.expr(node.right, local)
+            try:
+                return left + right if isinstance(node.op, ast.Add) else left - right
+            except TypeError:
+                raise Unknown(f"{CONFIG}:{line}: an operation this check does not know") from None
+        if isinstance(node, ast.Call):
+            return self.call(node, local)
+        raise Unknown(f"{CONFIG}:{line}: a {type(node).__name__} this check does not know")
+
+    def name(self, node: ast.Name, local: dict):
+        if node.id in local:
+            return local[node.id]
+        if node.id == "HAS_TRITON":
+            return True  # vLLM on CUDA ships Triton
+        if node.id in self.constants:
+            return self.expr(self.constants[node.id], {})
+        if node.id in ("envs",):
+            return ("module", "envs")
+        if node.id == "CompilationMode":
+            return ("enum", "CompilationMode")
+        raise Unknown(f"{CONFIG}:{node.lineno}: reads {node.id}, which this check does not know")
+
+    def attribute(self, node: ast.Attribute, local: dict):
+        owner = self.expr(node.value, local)
+        if owner == "self":
+            if node.attr not in _SETTINGS:
+                raise Unknown(
+                    f"{CONFIG}:{node.lineno}: reads self.{node.attr}, which this check "
+                    "does not know"
+                )
+            return _SETTINGS[node.attr]
+        if owner == ("module", "envs"):
+            if node.attr != ENV:
+                raise Unknown(f"{CONFIG}:{node.lineno}: reads envs.{node.attr}")
+            return self.env
+        if owner == ("enum", "CompilationMode"):
+            return node.attr
+        if isinstance(owner, _Obj):
+            return owner.get(node.attr, node.lineno)
+        raise Unknown(
+            f"{CONFIG}:{node.lineno}: reads .{node.attr} of something this check does not know"
+        )
+
+    def compare(self, node: ast.Compare, local: dict):
+        left = self.expr(node.left, local)
+        right = self.expr(node.comparators[0], local)
+        op = node.ops[0]
+        if (
+            left is None
+            and isinstance(node.left, ast.Attribute)
+            and node.left.attr
+            in (
+                "is_moe",
+                "is_quantized",
+            )
+        ):
+            raise Unknown(f"{CONFIG}:{node.lineno}: depends on model_config.{node.left.attr}")
+        if isinstance(op, ast.Is):
+            return left is right
+        if isinstance(op, ast.IsNot):
+            return left is not right
+        if isinstance(op, ast.Eq):
+            return left == right
+        if isinstance(op, ast.NotEq):
+            return left != right
+        if isinstance(op, (ast.In, ast.NotIn)):
+            if not isinstance(right, (frozenset, list, tuple, str)):
+                raise Unknown(
+                    f"{CONFIG}:{node.lineno}: `in` over something this check does not know"
+                )
+            return (left in right) == isinstance(op, ast.In)
+        if isinstance(op, (ast.Gt, ast.GtE, ast.Lt, ast.LtE)) and all(
+            isinstance(v, int) for v in (left, right)
+        ):
+            return {ast.Gt: left > right, ast.GtE: left >= right, ast.Lt: left < right}.get(
+                type(op), left <= right
+            )
+        raise Unknown(f"{CONFIG}:{node.lineno}: a comparison this check does not know")
+
+    def call(self, node: ast.Call, local: dict):
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "join"
+            and isinstance(func.value, ast.Constant)
+            and isinstance(func.value.value, str)
+            and len(node.args) == 1
+        ):
+            return func.value.value.join(str(v) for v in self.expr(node.args[0], local))
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if func.value.id == "self" and func.attr in self.methods:
+                return self.call_method(func.attr, node.args)
+            if local.get(func.value.id) is _PLATFORM and func.attr in _OFF_CALLS and not node.args:
+                return False
+        if isinstance(func, ast.Name):
+            if func.id == "getattr" and len(node.args) in (2, 3):
+                owner = self.expr(node.args[0], local)
+                attr = self.expr(node.args[1], local)
+                if owner == "self" and isinstance(attr, str):
+                    if attr in _SETTINGS:
+                        return _SETTINGS[attr]
+                    raise Unknown(f"{CONFIG}:{node.lineno}: getattr(self, {attr!r}) is not known")
+                if isinstance(owner, _Obj) and isinstance(attr, str):
+                    return owner.get(attr, node.lineno)
+            if func.id == "frozenset" and len(node.args) == 1:
+                return frozenset(self.expr(node.args[0], local))
+            if func.id == "any" and len(node.args) == 1:
+                return self.any(node.args[0], local)
+            if func.id == "bool" and len(node.args) == 1:
+                inner = node.args[0]
+                if self._entry_points(inner, local):
+                    return False  # no vllm.logits_processors plugin installed (vLLM's default)
+                return self.truth(self.expr(inner, local), inner)
+            if func.id in self.functions and not node.args:
+                return self._run(self.functions[func.id], [], {})
+        raise Unknown(f"{CONFIG}:{node.lineno}: a call this check does not know")
+
+    def _entry_points(self, node: ast.expr, local: dict) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and local.get(node.func.id) == ("imported", "entry_points")
+        )
+
+    def any(self, node: ast.expr, local: dict) -> bool:
+        if not (isinstance(node, ast.GeneratorExp) and len(node.generators) == 1):
+            raise Unknown(f"{CONFIG}:{node.lineno}: any() over something this check does not know")
+        gen = node.generators[0]
+        if not isinstance(gen.target, ast.Name) or gen.ifs or gen.is_async:
+            raise Unknown(f"{CONFIG}:{node.lineno}: any() over something this check does not know")
+        for item in self.expr(gen.iter, local):
+            inner = dict(local, **{gen.target.id: item})
+            if self.truth(self.expr(node.elt, inner), node.elt):
+                return True
+        return False

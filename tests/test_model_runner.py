@@ -1,0 +1,179 @@
+"""status and doctor say which GPU model runner vLLM picks for a Qwen3.5/3.6 hybrid with LoRA,
+and what switches it, read from each real release's code (never a version table in patchkit);
+code of a shape they do not understand gives "unknown" with a reason, never a guess."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from patchkit.fs.safepath import Root
+from patchkit.vllmtree import model_runner
+from tests.conftest import RELEASES, release_tree, run_cli, run_subprocess
+from tests.helpers import REPORT_IMPORTS
+
+ENV = "VLLM_USE_V2_MODEL_RUNNER"
+REFUSES = "does not yet support: hybrid/mamba models"
+
+# The test's own expectations, read by hand from each wheel's vllm/config/vllm.py,
+# vllm/envs.py and its runner files (not computed from the code under test):
+# release range -> (default runner, the value that switches it, what that value gives)
+#   0.17.0-0.19.1  envs default "0", no use_v2_model_runner, no V2 check     V1, =1 gives V2
+#   0.20.0-0.21.0  envs default "0"; _validate_v2_model_runner refuses has_inner_state
+#                  (hybrids): =1 makes vLLM refuse the model                  V1, =1 refused
+#   0.22.0-0.22.1  Qwen3ForCausalLM only in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES; with =1
+#                  _get_v2_model_runner_unsupported_features lists hybrids   V1, =1 refused
+#   0.23.0-0.24.0  architecture list without Qwen3_5*; hybrids only refused in align mode
+#                                                                             V1, =1 gives V2
+#   0.25.0-0.26.0  _is_default_v2_model_runner_model False for is_hybrid     V1, =1 gives V2
+#   0.27.0-0.28.0  hybrids V1 unless the architecture is listed (no Qwen3_5*) V1, =1 gives V2
+#   0.29.0-0.33.0  no default-model check, nothing unsupported for hybrid+LoRA V2, =0 gives V1
+#   0.34.0         gpu_model_runner.py and the variable removed              V2 only
+FACTS = {
+    **dict.fromkeys(
+        ["0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1"], ("v1", "1", "v2")
+    ),
+    **dict.fromkeys(["0.20.0", "0.20.1", "0.20.2", "0.21.0"], ("v1", "1", "refused")),
+    **dict.fromkeys(["0.22.0", "0.22.1"], ("v1", "1", "refused")),
+    **dict.fromkeys(["0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0"], ("v1", "1", "v2")),
+    **dict.fromkeys(["0.27.0", "0.27.1", "0.28.0"], ("v1", "1", "v2")),
+    **dict.fromkeys(["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"], ("v2", "0", "v1")),
+    "0.34.0": ("v2", None, None),
+}
+
+
+def decide(root: Path, env: str | None = None) -> model_runner.RunnerChoice:
+    with Root.open(root) as fs:
+        return model_runner.decide(fs, env)
+
+
+def test_every_tested_release_has_its_facts_here():
+    assert set(RELEASES) <= set(FACTS), sorted(set(RELEASES) - set(FACTS))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_runner_each_release_picks(release: str):
+    runner, value, gives = FACTS[release]
+    choice = decide(release_tree(release))
+    assert choice.runner == runner, choice.reason
+    assert choice.effective == runner
+    if value is None:
+        assert choice.only and choice.flip is None
+        return
+    assert not choice.only and choice.flip == f"{ENV}={value}"
+    if gives == "refused":
+        assert choice.flip_to is None and REFUSES in choice.flip_refused
+    else:
+        assert choice.flip_to == gives and not choice.flip_refused
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_environment_value_changes_it(release: str):
+    runner, value, gives = FACTS[release]
+    if value is None:  # the variable is gone: vLLM does not read it
+        assert decide(release_tree(release), "0").effective == runner
+        return
+    flipped = decide(release_tree(release), value)
+    assert flipped.runner == runner  # the default stays what the code says
+    assert flipped.effective == gives
+    kept = decide(release_tree(release), "1" if value == "0" else "0")
+    assert kept.effective == runner
+
+
+def test_a_value_vllm_cannot_read_is_refused_not_guessed():
+    choice = decide(release_tree("0.30.0"), "yes")
+    assert choice.runner == "v2" and choice.effective == "refused"
+    assert "int()" in choice.effective_reason
+
+
+def _copy_runner_files(release: str, dest: Path) -> Path:
+    source = release_tree(release)
+    for relpath in (
+        "vllm/__init__.py",
+        model_runner.CONFIG,
+        model_runner.ENVS,
+        model_runner.V1_FILE,
+        model_runner.V2_FILE,
+    ):
+        (dest / relpath).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / relpath, dest / relpath)
+    return dest
+
+
+def test_a_future_shape_is_unknown_with_the_line(tmp_path: Path):
+    """This alters a copy of the real 0.30.0 tree: use_v2_model_runner asks the model
+    something new before its Triton check, as a later release might."""
+    root = _copy_runner_files("0.30.0", tmp_path / "t")
+    config = root / model_runner.CONFIG
+    text = config.read_text()
+    old = "        use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER\n"
+    assert text.count(old) == 1
+    new = "        if self.model_config.prefers_v1_runner:\n            return False\n"
+    config.write_text(text.replace(old, new + old))
+    choice = decide(root)
+    assert choice.runner == "unknown" and not choice.known
+    assert "prefers_v1_runner" in choice.reason and model_runner.CONFIG in choice.reason
+    result = run_cli("status", "--target", str(root), "--vllm-version", "0.30.0")
+    assert "runner: unknown for Qwen3.5/3.6 + LoRA here: " in " ".join(result.stdout.split())
+
+
+def test_a_changed_env_default_is_unknown(tmp_path: Path):
+    """This alters a copy of the real 0.26.0 tree's envs.py: a default vLLM never had."""
+    root = _copy_runner_files("0.26.0", tmp_path / "t")
+    envs = root / model_runner.ENVS
+    text = envs.read_text()
+    old = 'os.getenv("VLLM_USE_V2_MODEL_RUNNER", None)'
+    assert text.count(old) == 1
+    envs.write_text(text.replace(old, 'os.getenv("VLLM_USE_V2_MODEL_RUNNER", "auto")'))
+    choice = decide(root)
+    assert choice.runner == "unknown" and "'auto'" in choice.reason
+
+
+def test_status_text_and_json_show_the_runner():
+    tree = str(release_tree("0.30.0"))
+    text = run_cli("status", "--target", tree, env={ENV: None}).stdout.splitlines()
+    second = text[1] + " " + text[2].strip()  # the header's next line, wrapped
+    assert second == (
+        "runner: Model Runner V2 serves Qwen3.5/3.6 + LoRA here by default "
+        "(VLLM_USE_V2_MODEL_RUNNER=0 gives V1)"
+    )
+    assert text[3].startswith("  expand-block-n")
+    data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: None}).stdout)
+    runner = data["runner"]
+    assert runner["default"] == "v2" and runner["flip"]["value"] == "0"
+    assert runner["flip"]["gives"] == "v1" and runner["environment"]["value"] is None
+    assert runner["hooks"] == {"nan-probe": ["v1", "v2"]} and runner["warning"] is None
+
+
+def test_status_names_a_probe_that_does_not_hook_the_runner_that_serves():
+    """0.17.0's nan-probe (runner-hooks) hooks V1 only; the environment asks for V2."""
+    tree = str(release_tree("0.17.0"))
+    data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: "1"}).stdout)
+    runner = data["runner"]
+    assert runner["environment"]["runner"] == "v2"
+    assert runner["warning"].startswith(
+        "nan-probe is opt-in here but its hooks are in V1, and Model Runner V2 serves here"
+    )
+    text = " ".join(run_cli("status", "--target", tree, env={ENV: "1"}).stdout.split())
+    assert "runner: nan-probe is opt-in here but its hooks are in V1" in text
+    quiet = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: None}).stdout)
+    assert quiet["runner"]["warning"] is None
+
+
+def test_doctor_shows_the_runner():
+    tree = str(release_tree("0.34.0"))
+    text = " ".join(run_cli("doctor", "--target", tree, env={ENV: None}).stdout.split())
+    assert "runner: Model Runner V2 serves Qwen3.5/3.6 + LoRA here, the only runner" in text
+    data = json.loads(run_cli("doctor", "--target", tree, "--json", env={ENV: None}).stdout)
+    assert data["runner"]["default"] == "v2" and data["runner"]["only"] is True
+    assert data["runner"]["hooks"] == {"nan-probe": ["v2"]}
+
+
+def test_status_still_imports_neither_vllm_nor_torch():
+    result = run_subprocess("status", "--target", str(release_tree("0.30.0")), code=REPORT_IMPORTS)
+    assert result.returncode == 0, result.stderr
+    assert "runner: Model Runner V2" in result.stdout
+    assert "IMPORTED: []" in result.stderr
