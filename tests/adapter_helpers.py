@@ -20,7 +20,7 @@ NK, DK, NV, DV = 2, 4, 2, 4
 QKV, Z = 2 * NK * DK + NV * DV, NV * DV
 E, I_MOE, I_SHARED, I_DENSE = 4, 6, 6, 24
 P = "base_model.model.model.language_model.layers."
-SIZES = {"BF16": 2, "F16": 2, "F32": 4}
+SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def config(moe: bool) -> dict:
@@ -71,6 +71,7 @@ def tensor(shape, dtype="BF16", poison: dict | None = None) -> tuple:
 BF16_NAN, BF16_INF, BF16_NEG_INF = b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"
 F16_INF = struct.pack("<e", float("inf"))
 F32_NAN = struct.pack("<f", float("nan"))
+F64_NAN = struct.pack("<d", float("nan"))
 
 
 def write_safetensors(path: Path, tensors: dict) -> None:

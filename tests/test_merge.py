@@ -655,7 +655,7 @@ REFUSALS = {
     "layer_replication": (dict(layer_replication=[[0, 2]]), "layer_replication"),
     "alora": (dict(alora_invocation_tokens=[5]), "aLoRA"),
     "qalora": (dict(use_qalora=True), "use_qalora"),
-    "ia3": (dict(peft_type="IA3"), "peft_type is IA3"),
+    "ia3": (dict(peft_type="IA3"), "peft_type is 'IA3', not LORA"),
     "dora_tensor": (
         dict(_extra={f"base_model.model.{O_PROJ}.lora_magnitude_vector": torch.ones(H)}),
         "DoRA magnitude vector",
@@ -766,7 +766,7 @@ def test_missing_files_and_corrupt_headers(tmp_path):
     model = write_checkpoint(tmp_path / "model", base_tensors())
     adapter = write_adapter(tmp_path / "lora", _o_proj_factors())
     (adapter / "adapter_config.json").unlink()
-    with pytest.raises(PatchkitError, match="has no adapter_config.json"):
+    with pytest.raises(PatchkitError, match="adapter_config.json: missing"):
         mergeplan.plan_merge(model, adapter)
     adapter = write_adapter(tmp_path / "lora2", {})
     with pytest.raises(PatchkitError, match="holds no LoRA factors"):

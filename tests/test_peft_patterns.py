@@ -1,4 +1,4 @@
-"""PEFT's pattern keys without backtracking (patchkit/verify/patterns.py).
+"""PEFT's pattern keys without backtracking (patchkit/adapters/patterns.py).
 
 PEFT's get_pattern_key and vLLM 0.32+'s PEFTHelper._match_pattern (read in the
 0.33.0 wheel, vllm/lora/peft_helper.py) take the first key with
@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 
-from patchkit.verify.patterns import MAX_STATES, Matcher, compile_peft_key
+from patchkit.adapters.patterns import MAX_STATES, Matcher, compile_peft_key
 
 
 def peft_match(key: str, name: str) -> bool:
@@ -171,7 +171,7 @@ def test_keys_that_make_re_backtrack_for_ever_finish_under_a_cpu_limit():
         f"""
         import resource
         resource.setrlimit(resource.RLIMIT_CPU, (20, 20))
-        from patchkit.verify.patterns import compile_peft_key
+        from patchkit.adapters.patterns import compile_peft_key
         for key in {BACKTRACKING!r}:
             for name in ("a" * 5000, "model.layers.1.self_attn.q_proj" * 160):
                 print(key, len(name), compile_peft_key(key).match(name))
@@ -206,7 +206,7 @@ def test_a_pattern_asked_about_many_hostile_names_stops_at_its_work_limit(monkey
     """Linear per name is not bounded over a hostile adapter's many long names: the
     matcher counts the states it visits and gives up past MAX_WORK, in one ValueError
     (here with a small MAX_WORK, so the test does not spend the real one)."""
-    from patchkit.verify import patterns
+    from patchkit.adapters import patterns
 
     monkeypatch.setattr(patterns, "MAX_WORK", 200_000)
     matcher = compile_peft_key("(a?){400}")
@@ -218,7 +218,7 @@ def test_a_pattern_asked_about_many_hostile_names_stops_at_its_work_limit(monkey
 
 
 def test_real_keys_over_a_large_model_stay_far_below_the_work_limit():
-    from patchkit.verify import patterns
+    from patchkit.adapters import patterns
 
     names = [f"base_model.model.model.language_model.layers.{layer}.{module}.{expert}"
              for layer in range(64) for module in ("mlp.experts", "self_attn.q_proj")

@@ -6,7 +6,7 @@ the descriptor before a byte is read, parsed with its nesting and numbers
 bounded, and checked by type; every failure is one line naming the file and
 the key, exit 1 (bad content) or 2 (bad usage), decided before torch is
 imported and before anything is written. A rank_pattern key is matched
-without backtracking (patchkit/verify/patterns.py; its semantics are tested in
+without backtracking (patchkit/adapters/patterns.py; its semantics are tested in
 tests/test_peft_patterns.py). Bounds are shown with RLIMIT_CPU and RLIMIT_AS
 in a child process, never with a clock.
 """
@@ -117,6 +117,24 @@ CASES = {
     "r true": (lambda u: edit_json(adapter_config(u), r=True), 1, "r is True; it must be"),
     "r a list": (lambda u: edit_json(adapter_config(u), r=[4]), 1, "r is [4]; it must be"),
     "r negative": (lambda u: edit_json(adapter_config(u), r=-4), 1, "r is -4; it must be"),
+    "r 4.7 (vLLM's r <= 0 test passes it; no factor has that rank)": (
+        lambda u: edit_json(adapter_config(u), r=4.7),
+        1, "r is 4.7; it must be a whole number above 0",
+    ),
+    # what `adapter check` names as a config finding, verify refuses in the same words
+    "lora_bias": (
+        lambda u: edit_json(adapter_config(u), lora_bias=True),
+        1, "lora_bias is True: lora_B carries a bias; vLLM refuses it from 0.32.0",
+    ),
+    "init_lora_weights pissa": (
+        lambda u: edit_json(adapter_config(u), init_lora_weights="pissa"),
+        1, "init_lora_weights is 'pissa': PiSSA/OLoRA/CorDA/LoftQ change the base weights",
+    ),
+    "several problems": (
+        lambda u: edit_json(adapter_config(u), use_qalora=True, use_bdlora={"nblocks": 2}),
+        1, "use_qalora is True: QALoRA; vLLM refuses it from 0.32.0; earlier releases drop "
+        "the key unread (1 more problem: `patchkit adapter check` names each)",
+    ),
     "lora_alpha a string": (
         lambda u: edit_json(adapter_config(u), lora_alpha="8"),
         1, "lora_alpha is '8'; it must be a number",

@@ -1,9 +1,11 @@
 """`patchkit adapter check`: a PEFT LoRA adapter judged before any server loads it.
 
 ``check(adapter_dir, model_dir, target, max_rank)`` reads the adapter's
-adapter_config.json and the header of adapter_model.safetensors, scans
-every floating-point tensor for NaN/Inf (:mod:`patchkit.adapters.nonfinite`,
-in chunks), and, given the model's config.json, the shapes of every factor
+adapter_config.json (:mod:`patchkit.adapters.adapterconfig`, the reader and
+rule `verify` refuses by) and the header of adapter_model.safetensors, scans
+every tensor of every floating type vLLM loads for NaN/Inf
+(:mod:`patchkit.adapters.nonfinite`, in chunks; any other type is a finding,
+never read), and, given the model's config.json, the shapes of every factor
 (:mod:`patchkit.adapters.modelshapes`); given a vLLM tree, what that release
 would refuse or ignore (:mod:`patchkit.adapters.release` and the catalogue's
 patch states). Everything is a :class:`Finding` naming the file and the
@@ -27,14 +29,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.adapters import nonfinite, targetcheck
-from patchkit.adapters.directory import Directory
+from patchkit.adapters import adapterconfig, nonfinite, targetcheck
+from patchkit.adapters.adapterconfig import AdapterConfig
+from patchkit.adapters.directory import Directory, without_path
 from patchkit.adapters.modelshapes import EXPERT_PARAMS, ModelShapes, architecture, model_shapes
 from patchkit.adapters.names import (
     ADAPTER_CONFIG,
     ADAPTER_SAFETENSORS,
+    NO_INDEX,
     PEFT_PREFIX,
     PICKLES,
+    index,
     layer_and_name,
 )
 from patchkit.adapters.report import Kind, Report
@@ -61,11 +66,16 @@ class Factors:
 
 @dataclass
 class _Adapter:
-    config: dict | None
-    r: int | None
-    ranks: set[int] = field(default_factory=set)  # r and every rank_pattern value
-    target_parameters: list[str] = field(default_factory=list)
+    config: AdapterConfig  # adapterconfig.read's: every value that passed the rule
     modules: dict[str, Factors] = field(default_factory=dict)
+    refused_keys: set[str] = field(default_factory=set)  # pattern keys already said
+
+    def key_refused(self, exc: adapterconfig.PatternRefused, report: Report) -> None:
+        """A pattern key whose matching ran past its work bound: one finding, however many
+        modules were matched against it."""
+        if exc.problem.message not in self.refused_keys:
+            self.refused_keys.add(exc.problem.message)
+            report.add(Kind.CONFIG, ADAPTER_CONFIG, exc.problem.key, exc.problem.message)
 
 
 def check(
@@ -94,17 +104,17 @@ def check(
             with st:
                 _read_tensors(st, adapter, report)
                 _check_pairs(adapter, report, max_rank)
-    shapes = None
+    shapes, arch = None, ""
     if model_dir is None:
         report.skipped.append(SKIPPED_MODEL)
     else:
-        shapes = _model(Path(model_dir), report)
+        shapes, arch = _model(Path(model_dir), report)
         if shapes is not None:
             _check_model(adapter, shapes, report)
     if target is None:
         report.skipped.append(SKIPPED_TARGET)
     else:
-        targetcheck.check_release(adapter, shapes, _arch(model_dir), target, report)
+        targetcheck.check_release(adapter, shapes, arch, target, report)
     return report
 
 
@@ -112,87 +122,37 @@ def check(
 
 
 def _read_config(folder: Directory, report: Report, max_rank: int | None) -> _Adapter:
-    where = ADAPTER_CONFIG
-    if not folder.has(ADAPTER_CONFIG):
-        report.add(
-            Kind.CONFIG, where, "", "missing; vLLM reads r, lora_alpha and target_modules from it"
-        )
-        return _Adapter(None, None)
-    try:
-        cfg = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
-    except PatchkitError as exc:
-        report.add(Kind.CONFIG, where, "", _after_path(str(exc), folder.path / where))
-        return _Adapter(None, None)
-    adapter = _Adapter(cfg, None)
-    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
-    if missing:
-        report.add(
-            Kind.CONFIG,
-            where,
-            ", ".join(missing),
-            f"missing {', '.join(missing)}; vLLM refuses the adapter (PEFTHelper.from_dict)",
-        )
-    peft_type = cfg.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        report.add(Kind.CONFIG, where, "peft_type", f"is {shown(peft_type)}, not LORA")
-    for key, why in (
-        ("use_dora", "vLLM does not support DoRA"),
-        ("modules_to_save", "vLLM only supports modules_to_save being None"),
-    ):
-        if cfg.get(key):
-            report.add(Kind.CONFIG, where, key, f"is {shown(cfg[key])}; {why}")
-    if cfg.get("bias", "none") != "none":
-        report.add(Kind.CONFIG, where, "bias", f"is {shown(cfg['bias'])}; vLLM refuses it")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if "r" in cfg and not (type(r) is int and r > 0):
-        report.add(Kind.CONFIG, where, "r", f"is {shown(r)}; a positive integer expected")
-    elif "r" in cfg:
-        adapter.r = r
-        adapter.ranks.add(r)
-        if max_rank is not None and r > max_rank:
+    """The shared reader's problems as findings (patchkit.adapters.adapterconfig: verify
+    refuses on the same ones), then what only this check judges: --max-lora-rank and the
+    scale."""
+    config = adapterconfig.read(folder)
+    for problem in config.problems:
+        report.add(Kind.CONFIG, ADAPTER_CONFIG, problem.key, problem.message)
+    adapter = _Adapter(config)
+    if max_rank is not None:
+        _rank_limit(config, max_rank, report)
+    if config.r is not None and config.alpha is not None:
+        _check_scale(report, config.r, config.alpha, config.use_rslora, "lora_alpha / r")
+        for name, a in config.alpha_pattern.items():
+            _check_scale(
+                report, config.r, a, config.use_rslora, f"alpha_pattern[{shown(name)}] / r"
+            )
+    return adapter
+
+
+def _rank_limit(config: AdapterConfig, max_rank: int, report: Report) -> None:
+    """vLLM's validate_legal: the largest of r and (0.32.0 on) every rank_pattern rank."""
+    ranks = [("r", config.r)] if config.r is not None else []
+    ranks += [(f"rank_pattern[{shown(k)}]", v) for k, v in config.rank_pattern.items()]
+    for key, rank in ranks:
+        if rank > max_rank:
             report.add(
                 Kind.RANK_LIMIT,
-                where,
-                "r",
-                f"r {r} is above --max-lora-rank {max_rank}; vLLM refuses the adapter "
-                "('LoRA rank ... is greater than max_lora_rank')",
+                ADAPTER_CONFIG,
+                key,
+                f"{'r' if key == 'r' else 'rank'} {rank} is above --max-lora-rank {max_rank}; "
+                "vLLM refuses the adapter ('LoRA rank ... is greater than max_lora_rank')",
             )
-    if "lora_alpha" in cfg and not _is_number(alpha):
-        report.add(Kind.CONFIG, where, "lora_alpha", f"is {shown(alpha)}; a number expected")
-        alpha = None
-    rslora = cfg.get("use_rslora", False)
-    if not isinstance(rslora, bool):
-        report.add(Kind.CONFIG, where, "use_rslora", f"is {shown(rslora)}, not true or false")
-        rslora = False
-    targets = cfg.get("target_modules")
-    if "target_modules" in cfg and not _names_or_regex(targets):
-        report.add(
-            Kind.CONFIG, where, "target_modules", f"is {shown(targets)}; a list of names or a str"
-        )
-    params = cfg.get("target_parameters") or []
-    params = [params] if isinstance(params, str) else params
-    if not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
-        report.add(Kind.CONFIG, where, "target_parameters", "is not a list of parameter names")
-        params = []
-    adapter.target_parameters = params
-    patterns = {}
-    for key in ("rank_pattern", "alpha_pattern"):
-        value = cfg.get(key) or {}
-        if not isinstance(value, dict):
-            report.add(Kind.CONFIG, where, key, "is not a JSON object (module pattern to value)")
-            value = {}
-        patterns[key] = value
-    for name, rank in patterns["rank_pattern"].items():
-        if type(rank) is int and rank > 0:
-            adapter.ranks.add(rank)
-        else:
-            report.add(Kind.CONFIG, where, f"rank_pattern[{shown(name)}]", f"is {shown(rank)}")
-    if adapter.r is not None and alpha is not None:
-        _check_scale(report, adapter.r, alpha, rslora, "lora_alpha / r")
-        for name, a in patterns["alpha_pattern"].items():
-            if _is_number(a):
-                _check_scale(report, adapter.r, a, rslora, f"alpha_pattern[{shown(name)}] / r")
-    return adapter
 
 
 def _check_scale(report: Report, r: int, alpha: float, rslora: bool, what: str) -> None:
@@ -207,22 +167,6 @@ def _check_scale(report: Report, r: int, alpha: float, rslora: bool, what: str) 
             f"scale {what}{' (rsLoRA)' if rslora else ''} = {formula} = {scale:.4g}, outside "
             f"[1/64, 16] (docs/adapter-check.md: the scale range)",
         )
-
-
-def _is_number(value: object) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def _names_or_regex(value: object) -> bool:
-    return isinstance(value, str) or (
-        isinstance(value, list) and all(isinstance(v, str) for v in value)
-    )
-
-
-def _after_path(message: str, path: Path) -> str:
-    """A PatchkitError's text without the path it starts with (the finding names the file)."""
-    prefix = f"{path}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
 
 
 # ----- the weights file -----
@@ -246,7 +190,7 @@ def _open_weights(folder: Directory, report: Report) -> SafetensorsFile | None:
     try:
         return SafetensorsFile(path, opener=lambda: folder.open(ADAPTER_SAFETENSORS))
     except PatchkitError as exc:
-        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", _after_path(str(exc), path))
+        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", without_path(str(exc), path))
         return None
 
 
@@ -255,8 +199,8 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
     file = ADAPTER_SAFETENSORS
     report.tensors = len(st.tensors)
     for key, info in st.tensors.items():
-        if info.dtype not in (*nonfinite.FLOATS, "F64"):
-            report.add(Kind.NAME, file, key, f"is {info.dtype}; LoRA factors are floating point")
+        if info.dtype not in nonfinite.FLOATS:
+            report.add(Kind.NAME, file, key, _not_scanned(info.dtype))
         elif not info.numel:  # floating point, but (0, 2**63) holds nothing to scan
             report.add(
                 Kind.SHAPE,
@@ -265,23 +209,40 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
                 f"{info.dtype} {dims(info.shape)} holds no values; a LoRA factor is "
                 "(r, in) or (out, r) with r and both sizes above 0",
             )
-        elif info.dtype in nonfinite.FLOATS:
+        else:
             try:
                 bad = nonfinite.scan(st, info)
             except PatchkitError as exc:  # cut short since its header was read
-                report.add(Kind.FILE, file, key, _after_path(str(exc), st.path))
+                report.add(Kind.FILE, file, key, without_path(str(exc), st.path))
                 return
             report.bytes_scanned += info.nbytes
             if bad is not None:
-                report.add(
-                    Kind.NONFINITE,
-                    file,
-                    key,
-                    f"{bad.count} non-finite of {info.numel} ({bad.nan} NaN, {bad.inf} Inf); "
-                    f"first at flat index {bad.first} ({bad.first_value}), {info.dtype} "
-                    f"{dims(info.shape)}",
-                )
+                report.add(Kind.NONFINITE, file, key, _bad_values(bad, info))
         _file_factor(key, info, adapter, report)
+
+
+def _not_scanned(dtype: str) -> str:
+    """Why a tensor of this dtype is refused: no float, or one patchkit cannot scan."""
+    if dtype in ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"):
+        return f"is {dtype}; LoRA factors are floating point"
+    return (
+        f"is {shown(dtype)}, a type patchkit does not scan for NaN/Inf (it scans "
+        f"{', '.join(nonfinite.FLOATS)}); refused unread"
+    )
+
+
+def _bad_values(bad: nonfinite.Nonfinite, info: TensorInfo) -> str:
+    counts = f"{bad.nan} NaN, {bad.inf} Inf"
+    if bad.beyond:
+        counts += (
+            f", {bad.beyond} past bfloat16's largest ({nonfinite.BF16_LARGEST:.3g}), Inf once "
+            "vLLM casts them to a bf16 model's LoRA dtype"
+        )
+    what = "non-finite once served" if bad.beyond else "non-finite"
+    return (
+        f"{bad.count} {what} of {info.numel} ({counts}); first at flat index {bad.first} "
+        f"({bad.first_value}), {info.dtype} {dims(info.shape)}"
+    )
 
 
 def _file_factor(key: str, info: TensorInfo, adapter: _Adapter, report: Report) -> None:
@@ -345,16 +306,31 @@ def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> Non
         _judge_rank(report, adapter, f, f.a.shape[0], max_rank)
 
 
-def _judge_rank(report: Report, adapter: _Adapter, f: Factors, rank: int, max_rank) -> None:
-    if adapter.ranks and rank not in adapter.ranks:
+def _judge_rank(
+    report: Report, adapter: _Adapter, f: Factors, rank: int, max_rank, name: str | None = None
+) -> None:
+    """The factors' rank against the one PEFT and vLLM give the module ``name`` (the module's
+    own by default; an expert parameter's for fused experts): rank_pattern's first matching
+    key, else r."""
+    config = adapter.config
+    want, why = config.r, f"r={config.r}"
+    try:
+        found = config.matching("rank_pattern", name or f.module)
+    except adapterconfig.PatternRefused as exc:  # its matching ran past the work bound
+        adapter.key_refused(exc, report)
+        found, want = None, None
+    if found is not None:
+        want, why = found[1], f"{found[1]} (rank_pattern[{shown(found[0])}])"
+    if want is not None and rank != want:
+        unmatched = found is None and config.rank_pattern
         report.add(
             Kind.RANK,
             ADAPTER_SAFETENSORS,
             f.a.name,
-            f"rank {rank}, but {ADAPTER_CONFIG} gives r={adapter.r}"
-            + (" and rank_pattern no such rank" if len(adapter.ranks) > 1 else ""),
+            f"rank {rank}, but {ADAPTER_CONFIG} gives {why}"
+            + (" and no rank_pattern key matches it" if unmatched else ""),
         )
-    if max_rank is not None and rank > max_rank and rank != adapter.r:
+    if max_rank is not None and rank > max_rank and rank not in adapter.config.ranks:
         report.add(
             Kind.RANK_LIMIT,
             ADAPTER_SAFETENSORS,
@@ -370,7 +346,9 @@ def _is_experts(module: str) -> bool:
 # ----- against the model -----
 
 
-def _model(model_dir: Path, report: Report) -> ModelShapes | None:
+def _model(model_dir: Path, report: Report) -> tuple[ModelShapes | None, str]:
+    """The model's shapes (None for an architecture patchkit has no widths for) and its
+    architecture, from one read of its config.json."""
     where = str(model_dir / "config.json")
     try:
         with Directory(model_dir) as folder:
@@ -378,22 +356,19 @@ def _model(model_dir: Path, report: Report) -> ModelShapes | None:
         shapes = model_shapes(config, where)
     except PatchkitError as exc:
         raise PatchkitError(f"--model: {exc}") from None
+    arch = architecture(config)
     if shapes is None:
         report.skipped.append(
-            f"shapes against the model ({architecture(config) or 'no architecture'} "
+            f"shapes against the model ({_named(arch) if arch else 'no architecture'} "
             "in config.json; patchkit knows Qwen3.5/3.6 and Qwen3-Next widths)"
         )
-    return shapes
+    return shapes, arch
 
 
-def _arch(model_dir) -> str:
-    if model_dir is None:
-        return ""
-    try:
-        with Directory(Path(model_dir)) as folder:
-            return architecture(folder.read_json("config.json", "a model config"))
-    except PatchkitError:
-        return ""
+def _named(value: object, width: int = 60) -> str:
+    """A name from the model's config.json as it is (escaped on output), or shown cut when it
+    is no short string."""
+    return value if isinstance(value, str) and len(value) <= width else shown(value, width)
 
 
 def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
@@ -409,12 +384,14 @@ def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None
         layer, name = place
         if layer is None:
             _check_embedding(f, name, shapes, report)
-        elif layer >= shapes.layers:
+        elif layer == NO_INDEX or layer >= shapes.layers:
+            said = "a layer index no module of the model has" if layer == NO_INDEX else layer
             report.add(
                 Kind.TARGET,
                 ADAPTER_SAFETENSORS,
                 f.a.name,
-                f"layer {layer}: the model has {shapes.layers} layers (0-{shapes.layers - 1})",
+                f"layer {said}: the model has {shapes.layers} layers (0-{shapes.layers - 1}); "
+                "vLLM finds no module of that name and skips it",
             )
         elif re.fullmatch(r"mlp\.experts(\.base_layer)*", name):
             experts.setdefault(layer, {})[name] = f
@@ -449,21 +426,23 @@ def _check_embedding(f: Factors, name: str, shapes: ModelShapes, report: Report)
 
 
 def _check_linear(f: Factors, layer: int, name: str, shapes: ModelShapes, report: Report) -> None:
-    per_expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
+    per_expert = re.fullmatch(r"mlp\.experts\.([0-9]+)\.(gate_proj|up_proj|down_proj)", name)
     if per_expert and shapes.moe:
-        if int(per_expert[1]) >= shapes.experts:
+        expert = index(per_expert[1])
+        if expert == NO_INDEX or expert >= shapes.experts:
+            said = "an index no expert of the model has" if expert == NO_INDEX else expert
             report.add(
                 Kind.TARGET,
                 ADAPTER_SAFETENSORS,
                 f.a.name,
-                f"expert {per_expert[1]}: the model has {shapes.experts} experts",
+                f"expert {said}: the model has {shapes.experts} experts",
             )
             return
         want = shapes.expert_proj[per_expert[2]]
     else:
         modules = shapes.layer_modules(layer)
         if name not in modules:
-            kind = shapes.layer_types[layer]
+            kind = _named(shapes.layer_types[layer])
             report.add(
                 Kind.TARGET,
                 ADAPTER_SAFETENSORS,
@@ -514,7 +493,7 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
         for f in found.values():
             report.add(Kind.TARGET, file, f.a.name, "the model has no routed experts (dense)")
         return
-    params = expert_params(adapter.target_parameters, found)
+    params = expert_params(adapter.config.target_parameters, found)
     for name, f in found.items():
         if name not in params:
             report.add(Kind.LAYOUT, file, f.a.name, "nested deeper than PEFT's two parameters")
@@ -540,7 +519,8 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
         if fits:
             if not params[name]:
                 report.notes.append(f"{where}: one expert parameter, by its shapes {fits[0]}")
-            _judge_rank(report, adapter, f, a[0] // n, None)
+            root = re.sub(r"(\.base_layer)+$", "", f.module)
+            _judge_rank(report, adapter, f, a[0] // n, None, f"{root}.{fits[0]}")
             continue
         wants = "; ".join(
             f"{p} {dims(shapes.expert_params[p])}: lora_A (r*{n}, {shapes.expert_params[p][2]}), "
@@ -564,12 +544,11 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
 
 def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
     """target_modules and target_parameters the model has no module or parameter for."""
-    cfg = adapter.config or {}
-    targets = cfg.get("target_modules")
+    targets = adapter.config.target_modules  # None, a pattern string, or a list of names
     held = {m.rsplit(".", 1)[-1] for m in adapter.modules}
     if isinstance(targets, list):
         for name in targets:
-            last = name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+            last = name.rsplit(".", 1)[-1]
             if last not in shapes.module_names() and last not in held:
                 report.add(
                     Kind.TARGET,
@@ -578,12 +557,13 @@ def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> No
                     f"names {shown(name)}: {shapes.architecture} has no such module and the "
                     "adapter holds no tensor for it",
                 )
-    for name in adapter.target_parameters:
+    for name in adapter.config.target_parameters:
         param = name.rsplit(".", 1)[-1]
         if not any(_names_param(name, p) for p in EXPERT_PARAMS) or not shapes.moe:
             report.add(
                 Kind.TARGET,
                 ADAPTER_CONFIG,
                 "target_parameters",
-                f"names {shown(name)}: the model has no parameter {param} on routed experts",
+                f"names {shown(name)}: the model has no parameter {shown(param, 40)} on routed "
+                "experts",
             )

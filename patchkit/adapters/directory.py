@@ -67,10 +67,17 @@ class Directory:
 
     def open(self, name: str):
         """The regular file ``name`` (or the file beside it that a link names, or the blob a
-        Hugging Face snapshot links to), for reading."""
+        Hugging Face snapshot links to), for reading.
+
+        Its type is checked before it is opened, and again on the descriptor: a
+        device is never opened (opening one can act, as a tape rewinds or a
+        watchdog arms), and what was opened is what is read."""
         where, target = self._resolve(name)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
+            mode = os.stat(target, dir_fd=where, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise PatchkitError(f"{self.path / name}: {kind_of(mode)}, not a regular file")
             fd = os.open(target, flags, dir_fd=where)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # swapped for a link since _resolve looked
@@ -168,3 +175,9 @@ class Directory:
         if not isinstance(data, dict):
             raise PatchkitError(f"{self.path / name}: not a JSON object ({what} expected)")
         return data
+
+
+def without_path(message: str, path: Path) -> str:
+    """A PatchkitError's text without the path it starts with (a finding names the file)."""
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message

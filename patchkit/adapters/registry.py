@@ -31,6 +31,13 @@ REGISTRY = "vllm/model_executor/models/registry.py"
 _MODELS_PACKAGE = "vllm.model_executor.models"
 _ALL = "_VLLM_MODELS"
 _MAX_HOPS = 4  # re-exports followed from the registry's module to the class statement
+# The largest Python file read (vLLM 0.34.0's largest is under 300 kB) and the deepest
+# syntax tree walked (its deepest is 30 nodes; the walks recurse once or twice a level).
+MAX_SOURCE_BYTES = 4 << 20
+MAX_DEPTH = 100
+# Dicts merged into _VLLM_MODELS (`**_TEXT_GENERATION_MODELS`, ...: 0.34.0 has 8), and
+# classes followed through their bases; a longer chain is a file patchkit does not read.
+MAX_CHAIN = 64
 # platform tests in a model package's __init__.py, as on a CUDA machine
 _CUDA_TRUE = {"is_cuda", "is_cuda_alike"}
 
@@ -47,16 +54,49 @@ class Served:
 
 
 def parse(tree: VllmTree, relpath: str, why: str) -> ast.Module | None:
-    """A tree file's syntax tree; None when it is missing."""
+    """A tree file's syntax tree; None when it is missing.
+
+    The file is the tree's, so it may be anything: larger than MAX_SOURCE_BYTES,
+    nested past what Python's parser takes (it raises RecursionError or
+    MemoryError then, not SyntaxError), or parsed but nested deeper than
+    MAX_DEPTH, which every walk here would recurse through: each is one line
+    naming the file."""
+    found = tree.fs.lstat(relpath, "adapter check")
+    if found is None:
+        return None
+    if found.st_size > MAX_SOURCE_BYTES:
+        raise PatchkitError(
+            f"{tree.root / relpath}: {found.st_size} bytes, larger than the "
+            f"{MAX_SOURCE_BYTES} of any Python file patchkit reads ({why})"
+        )
     data = tree.fs.read(relpath, "adapter check")
     if data is None:
         return None
     try:
-        return ast.parse(data, filename=relpath)
+        parsed = ast.parse(data, filename=relpath)
     except (SyntaxError, ValueError) as exc:
         raise PatchkitError(
             f"{tree.root / relpath}: not Python patchkit reads ({why}): {exc}"
         ) from None
+    except (RecursionError, MemoryError):  # the parser's own stack, past its bound
+        parsed = None
+    if parsed is None or _deeper(parsed, MAX_DEPTH):
+        raise PatchkitError(
+            f"{tree.root / relpath}: not Python patchkit reads ({why}): nested deeper than "
+            f"{MAX_DEPTH} (vLLM's own files: at most 30)"
+        )
+    return parsed
+
+
+def _deeper(node: ast.AST, bound: int) -> bool:
+    """Whether the syntax tree is more than ``bound`` nodes deep (walked without recursion)."""
+    todo = [(node, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > bound:
+            return True
+        todo.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return False
 
 
 def module_file(tree: VllmTree, module: str) -> tuple[str, ast.Module | None]:
@@ -137,18 +177,20 @@ def _entries(registry: ast.Module, tree: VllmTree) -> dict[str, object]:
     if _ALL not in dicts:
         raise PatchkitError(f"{tree.root / REGISTRY}: no {_ALL} dict patchkit reads")
     entries: dict[str, object] = {}
-    _merge(dicts[_ALL], dicts, entries, set())
+    _merge(dicts[_ALL], dicts, entries, set(), tree.root / REGISTRY)
     return entries
 
 
-def _merge(node: ast.Dict, dicts: dict, entries: dict, seen: set[int]) -> None:
+def _merge(node: ast.Dict, dicts: dict, entries: dict, seen: set[int], where) -> None:
     if id(node) in seen:
         return
     seen.add(id(node))
+    if len(seen) > MAX_CHAIN:
+        raise PatchkitError(f"{where}: {_ALL} merges more than {MAX_CHAIN} dicts")
     for key, value in zip(node.keys, node.values, strict=True):
         if key is None:  # **_TEXT_GENERATION_MODELS
             if isinstance(value, ast.Name) and value.id in dicts:
-                _merge(dicts[value.id], dicts, entries, seen)
+                _merge(dicts[value.id], dicts, entries, seen, where)
             continue
         if isinstance(key, ast.Constant) and isinstance(key.value, str):
             try:

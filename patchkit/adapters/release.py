@@ -28,7 +28,14 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from patchkit.adapters.registry import Served, is_vllm_module, module_file, parse, served_class
+from patchkit.adapters.registry import (
+    MAX_CHAIN,
+    Served,
+    is_vllm_module,
+    module_file,
+    parse,
+    served_class,
+)
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import VllmTree
 
@@ -120,13 +127,37 @@ def lora_support(tree: VllmTree, arch: str) -> LoraSupport | None:
         if depth < _DEPTH:
             todo += [(m, depth + 1) for m in _imports(module, relpath, support)]
     support.files = seen
-    key = _lookup(support, served.file, served.cls, set())
-    packed = _packed(support, key, set()) if key else None
+    try:
+        key = _lookup(support, served.file, served.cls, set())
+        packed = _packed(support, key, set()) if key else None
+        support.is_3d = _is_3d(support, key, set()) if key else False
+    except _TooLong as exc:
+        raise PatchkitError(
+            f"{tree.root / exc.relpath}: {exc.what} followed past {MAX_CHAIN} steps; not a "
+            "model file patchkit reads"
+        ) from None
+    except RecursionError:  # each step bounded, their product not: mappings built on bases'
+        raise PatchkitError(
+            f"{tree.root / served.file}: the packed_modules_mapping of {served.cls} is built "
+            "through more classes and expressions than patchkit follows"
+        ) from None
     # no mapping of its own or its bases' (vLLM then merges its children's), or one patchkit
     # cannot evaluate: every mapping read, merged, as the set can only grow
     support.packed = packed or merged
-    support.is_3d = _is_3d(support, key, set()) if key else False
     return support
+
+
+class _TooLong(Exception):
+    """A chain of imports or base classes longer than MAX_CHAIN (each step recurses)."""
+
+    def __init__(self, relpath: str, what: str):
+        super().__init__(what)
+        self.relpath, self.what = relpath, what
+
+
+def _step(seen: set, relpath: str, what: str) -> None:
+    if len(seen) > MAX_CHAIN:
+        raise _TooLong(relpath, what)
 
 
 def _imports(module: ast.Module, relpath: str, support: LoraSupport) -> list[str]:
@@ -236,6 +267,7 @@ def _lookup(support: LoraSupport, relpath: str, name: str, seen: set) -> tuple |
     if (relpath, name) in seen:
         return None
     seen.add((relpath, name))
+    _step(seen, relpath, f"the imports of {name}")
     if (relpath, name) in support.classes:
         return (relpath, name)
     source = support.names.get(relpath, {}).get(name)
@@ -252,6 +284,7 @@ def _packed(support: LoraSupport, key: tuple, seen: set) -> dict[str, list[str]]
     if key in seen:
         return {}
     seen.add(key)
+    _step(seen, key[0], f"the bases of {key[1]}")
     cls = support.classes[key]
     if cls.packed is not None:
         return _evaluate(support, cls.file, cls.packed, seen)
@@ -292,6 +325,7 @@ def _is_3d(support: LoraSupport, key: tuple, seen: set) -> bool:
     if key in seen:
         return False
     seen.add(key)
+    _step(seen, key[0], f"the bases of {key[1]}")
     cls = support.classes[key]
     if cls.is_3d:
         return True

@@ -1,6 +1,6 @@
 """`adapter check --target`: what one installed vLLM release would refuse or ignore.
 
-Three things, each read from the tree, not from its version number alone:
+Four things, each read from the tree, not from its version number alone:
 
 - an adapter on one expert parameter (``<experts>.lora_A`` with no
   ``<experts>.base_layer``): every release from 0.17.0 stops at ``assert
@@ -14,16 +14,23 @@ Three things, each read from the tree, not from its version number alone:
   the missing one), unless ``partial-gdn-adapter`` is applied; again the
   patch's notices decide;
 - modules the release's LoRA loader refuses by name
-  (:mod:`patchkit.adapters.release`).
+  (:mod:`patchkit.adapters.release`);
+- ``rank_pattern``/``alpha_pattern`` that the release never reads (its
+  ``PEFTHelper`` has no such field before 0.32.0): a module they give
+  another scale is served at the scale of r and lora_alpha.
 """
 
 from __future__ import annotations
 
+import ast
+import math
 import shlex
 
 from packaging.version import Version
 
-from patchkit.adapters.names import ADAPTER_SAFETENSORS, layer_and_name
+from patchkit.adapters.adapterconfig import PatternRefused
+from patchkit.adapters.names import ADAPTER_CONFIG, ADAPTER_SAFETENSORS, NO_INDEX, layer_and_name
+from patchkit.adapters.registry import parse
 from patchkit.adapters.release import lora_support
 from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
@@ -37,6 +44,7 @@ MOE_PATCH = "partial-moe-adapter"
 GDN_PATCH = "partial-gdn-adapter"
 # From 0.29.0 (vLLM PR #47640) an in_proj_qkv-only layer loads; in_proj_z-only still raises.
 GDN_QKV_ONLY_LOADS = Version("0.29.0")
+PEFT_HELPER = "vllm/lora/peft_helper.py"
 
 
 def check_release(adapter, shapes, arch: str, tree: VllmTree, report: Report) -> None:
@@ -47,6 +55,7 @@ def check_release(adapter, shapes, arch: str, tree: VllmTree, report: Report) ->
     _single_parameter_experts(adapter, tree, assessments.get(MOE_PATCH), fix, report)
     _partial_gdn(adapter, tree, assessments.get(GDN_PATCH), fix, report)
     _unwrapped(adapter, arch, tree, report)
+    _patterns_unread(adapter, tree, report)
 
 
 def _fixes(assessments: dict, tree: VllmTree) -> dict[str, str]:
@@ -75,7 +84,7 @@ def _by_layer(adapter) -> dict[int, dict[str, object]]:
     layers: dict[int, dict[str, object]] = {}
     for module, f in adapter.modules.items():
         place = layer_and_name(module)
-        if place is not None and place[0] is not None:
+        if place is not None and place[0] is not None and place[0] != NO_INDEX:
             layers.setdefault(place[0], {})[place[1]] = f
     return layers
 
@@ -134,7 +143,8 @@ def _partial_gdn(adapter, tree: VllmTree, assessment, fix, report: Report) -> No
 def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
     try:
         support = lora_support(tree, arch) if arch else None
-        why = f"architecture {arch}" if arch else "no --model to name the architecture"
+        name = arch if len(arch) <= 60 else arch[:57] + "..."  # config.json's, any length
+        why = f"architecture {name}" if arch else "no --model to name the architecture"
     except PatchkitError as exc:
         support, why = None, str(exc)
     if support is None:
@@ -162,3 +172,65 @@ def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
                 f"vLLM {tree.version} refuses the adapter: its LoRA code wraps no module "
                 f"named like {module} for {arch}{hint}",
             )
+
+
+def _patterns_unread(adapter, tree: VllmTree, report: Report) -> None:
+    """rank_pattern / alpha_pattern on a release whose PEFTHelper has no such field (every
+    release before 0.32.0): from_dict drops them unread and serves every module at the
+    scale of r and lora_alpha. A finding when that scale is not PEFT's for some module."""
+    config = adapter.config
+    used = [k for k in ("rank_pattern", "alpha_pattern") if getattr(config, k)]
+    if not used or config.r is None or config.alpha is None:
+        return
+    try:
+        fields = _peft_helper_fields(tree)
+    except PatchkitError as exc:
+        report.skipped.append(f"whether vLLM {tree.version} reads {' and '.join(used)} ({exc})")
+        return
+    unread = [k for k in used if k not in fields]
+    if not unread:
+        return
+    served = config.scale(config.r, config.alpha)
+    changed = []
+    for module in sorted(adapter.modules):
+        try:
+            rank, alpha = config.rank_alpha(_pattern_name(module))
+        except PatternRefused as exc:  # a key matched past its work bound
+            adapter.key_refused(exc, report)
+            return
+        if not math.isclose(config.scale(rank, alpha), served, rel_tol=1e-9):
+            changed.append(module)
+    if changed:
+        report.add(
+            Kind.RELEASE,
+            ADAPTER_CONFIG,
+            unread[0],
+            f"vLLM {tree.version} does not read {' or '.join(unread)} (its PEFTHelper has no "
+            f"such field; 0.32.0 on reads them): it serves {len(changed)} module(s) (e.g. "
+            f"{changed[0]}) at the scale of r and lora_alpha, not the one PEFT trained",
+        )
+
+
+def _pattern_name(module: str) -> str:
+    """The name vLLM (0.32.0 on) and PEFT match patterns against: the fused experts as their
+    parameters, ``experts.base_layer`` gate_up_proj and ``experts`` down_proj."""
+    if module.endswith(".experts.base_layer"):
+        return module.removesuffix(".base_layer") + ".gate_up_proj"
+    if module.endswith(".experts"):
+        return module + ".down_proj"
+    return module
+
+
+def _peft_helper_fields(tree: VllmTree) -> set[str]:
+    """The fields of the release's PEFTHelper dataclass (``name: type = ...`` in its body)."""
+    parsed = parse(tree, PEFT_HELPER, "vLLM's reader of adapter_config.json")
+    if parsed is None:
+        raise PatchkitError(f"{tree.root / PEFT_HELPER} is missing")
+    for node in parsed.body:
+        if isinstance(node, ast.ClassDef) and node.name == "PEFTHelper":
+            return {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    raise PatchkitError(f"{tree.root / PEFT_HELPER}: defines no class PEFTHelper")

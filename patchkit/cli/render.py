@@ -1073,21 +1073,30 @@ def render_probe_warnings(report) -> None:
 
 
 def render_adapter_check(report) -> None:
-    """One line per finding (kind, file, tensor, what), the checks skipped, one summary line.
+    """One line per finding (kind, file, tensor, what), the notes, the checks skipped, one
+    summary line.
 
-    Tensor names and messages come from the user's files: escaped, one line each.
+    Every line holds what the user's files say (tensor names, config values, a
+    model's architecture, paths): each is escaped here, on its way out, and nowhere
+    else (:func:`printable`).
     """
+    for line in adapter_check_lines(report):
+        out(printable(line))
+
+
+def adapter_check_lines(report) -> list[str]:
+    """The text report, unescaped (:func:`render_adapter_check` escapes every line)."""
+    lines = []
     for f in report.findings:
         where = f"{f.file}: {f.tensor}" if f.tensor else f.file
-        out(printable(f"{f.kind}: {where}: {f.message}"))
-    for note in report.notes:
-        out(printable(f"note: {note}"))
-    for skipped in report.skipped:
-        out(f"skipped: {skipped}")
+        lines.append(f"{f.kind}: {where}: {f.message}")
+    lines += [f"note: {note}" for note in report.notes]
+    lines += [f"skipped: {skipped}" for skipped in report.skipped]
     release = f", vLLM {report.vllm_version}" if report.vllm_version else ""
     scanned = f"{counted(report.tensors, 'tensor')}, {report.bytes_scanned / 1e6:.1f} MB scanned"
     verdict = "clean" if report.ok else counted(len(report.findings), "finding")
-    out(printable(f"adapter check {report.adapter}{release}: {verdict} ({scanned})"))
+    lines.append(f"adapter check {report.adapter}{release}: {verdict} ({scanned})")
+    return lines
 
 
 def adapter_check_json(report) -> dict:

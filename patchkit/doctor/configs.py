@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.adapters.adapterconfig import read_ranks
 from patchkit.doctor.signatures import Launch, capturing
 from patchkit.doctor.standins import Gpu, Sandbox
 from patchkit.errors import PatchkitError
@@ -150,13 +151,9 @@ def _model_of(config: dict, directory: Path, adapters: Iterable[Path]) -> Model:
 
 
 def adapter_ranks(directory: Path) -> set[int]:
-    path = Path(directory) / "adapter_config.json"
-    data = _json_object(path)
-    try:
-        return {int(data["r"]), *(int(r) for r in (data.get("rank_pattern") or {}).values())}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        what = f"needs an integer r and rank_pattern ranks ({exc!r})"
-        raise PatchkitError(f"{path}: {what}") from None
+    """r and the rank_pattern ranks, read by `adapter check`'s and `verify`'s reader and rule
+    (patchkit.adapters.adapterconfig): "8" and 4.7 are refused there, not read as 8 and 4."""
+    return read_ranks(Path(directory))
 
 
 def _json_object(path: Path) -> dict:

@@ -1,75 +1,34 @@
 """A PEFT LoRA adapter as the merge reads it: adapter_config.json, its tensors, PEFT's key rules.
 
-``read_adapter_config`` checks every value the merge uses (r, lora_alpha,
-use_rslora, rank_pattern and alpha_pattern, whose keys are compiled by
-patchkit.verify.patterns so a hostile pattern cannot backtrack for ever)
-and refuses, in one line naming the key, every adapter whose delta is not
-scale * B @ A (DoRA, trained biases, replaced modules, PiSSA-style inits,
-aLoRA, ...). ``module_keys`` groups the tensors by module as PEFT names
-them and vLLM reads them; ``AdapterTensors`` reads them (safetensors
-lazily, a .bin/.pt whole) and ``FactorCache`` keeps the float32 factors
-of the merge within a byte budget. The sources read for these rules are in
+``read_adapter_config`` is the reader `adapter check` uses too
+(:mod:`patchkit.adapters.adapterconfig`: one rule for r, lora_alpha,
+use_rslora and the patterns, whose keys are compiled by
+patchkit.adapters.patterns so a hostile pattern cannot backtrack for ever),
+refusing the first of its problems in one line naming the key: every
+adapter whose delta is not scale * B @ A (DoRA, trained biases, replaced
+modules, PiSSA-style inits, aLoRA, ...) is refused with the words `adapter
+check` reports it in. ``module_keys`` groups the tensors by module as PEFT
+names them and vLLM reads them; ``AdapterTensors`` reads them (safetensors
+lazily, a .bin/.pt whole) and ``FactorCache`` keeps the float32 factors of
+the merge within a byte budget. The sources read for these rules are in
 docs/verify.md ("The merged reference").
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.adapters import adapterconfig
+from patchkit.adapters.adapterconfig import AdapterConfig
 from patchkit.adapters.directory import Directory
-from patchkit.adapters.safetensorsfile import SafetensorsFile, dtype_name, shown
+from patchkit.adapters.names import ADAPTER_CONFIG, ADAPTER_SAFETENSORS, PEFT_PREFIX, PICKLES
+from patchkit.adapters.safetensorsfile import SafetensorsFile, dtype_name
 from patchkit.errors import PatchkitError
 from patchkit.verify.checkpoint import CONFIG_BYTES
-from patchkit.verify.patterns import Matcher, compile_peft_key
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_SAFETENSORS = "adapter_model.safetensors"
-ADAPTER_BIN = ("adapter_model.bin", "adapter_model.pt")
-PEFT_PREFIX = "base_model.model."
-_OK_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
-
-
-@dataclass
-class AdapterConfig:
-    path: Path
-    r: int
-    alpha: float
-    use_rslora: bool
-    rank_pattern: dict
-    alpha_pattern: dict
-    target_parameters: list[str]
-    # Each pattern key, compiled (patterns.compile_peft_key): matched without backtracking.
-    matchers: dict[str, Matcher] = field(default_factory=dict, repr=False)
-
-    def _pattern(self, which: str, pattern: dict, name: str):
-        """The value of the first key matching the name, PEFT's rule (get_pattern_key);
-        a key whose matching runs past patterns.MAX_WORK is refused in one line."""
-        for key, value in pattern.items():
-            try:
-                found = self.matchers[key].match(name)
-            except ValueError as exc:
-                raise PatchkitError(
-                    f"{self.path}: {which} key {shown(key)} is refused: {exc}"
-                ) from None
-            if found:
-                return value
-        return None
-
-    def rank_alpha(self, name: str) -> tuple[int, float]:
-        rank = self._pattern("rank_pattern", self.rank_pattern, name)
-        alpha = self._pattern("alpha_pattern", self.alpha_pattern, name)
-        return (self.r if rank is None else int(rank)), (self.alpha if alpha is None else alpha)
-
-    def scale(self, rank: int, alpha: float) -> float:
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
-
-    @property
-    def global_scale(self) -> float:
-        return self.scale(self.r, self.alpha)
+ADAPTER_BIN = PICKLES
 
 
 def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
@@ -77,116 +36,11 @@ def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
 
     Read through the directory's descriptor as `adapter check` reads it (a
     regular file, or a link to one beside it; capped at 1 MiB; no FIFO, no
-    device, no link out of the directory) and every pattern key compiled here,
-    so what is refused is refused before any file is written or GPU touched.
+    device, no link out of the directory), by the same reader and rule, every
+    pattern key compiled, so what is refused is refused before any file is
+    written or GPU touched, in the words `adapter check` names it with.
     """
-    path = adapter_dir / ADAPTER_CONFIG
-    with Directory(adapter_dir) as folder:
-        if not folder.has(ADAPTER_CONFIG):
-            raise PatchkitError(f"adapter directory {adapter_dir} has no {ADAPTER_CONFIG}")
-        cfg = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
-
-    def refuse(what: str) -> PatchkitError:
-        return PatchkitError(f"{path}: {what}; patchkit merges plain LoRA adapters only")
-
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise refuse(f"peft_type is {shown(peft_type)[1:-1]}, not LORA")
-    if cfg.get("use_dora"):
-        raise refuse("use_dora is set (DoRA rescales columns by a magnitude vector)")
-    if str(cfg.get("bias", "none")) != "none":
-        raise refuse(f"bias is {shown(cfg.get('bias'))} (the adapter trains base biases)")
-    if cfg.get("lora_bias"):
-        raise refuse("lora_bias is set (lora_B carries a bias)")
-    if cfg.get("modules_to_save"):
-        raise refuse(f"modules_to_save is {shown(cfg['modules_to_save'])} (whole modules replaced)")
-    if cfg.get("trainable_token_indices"):
-        raise refuse("trainable_token_indices is set (embedding rows replaced)")
-    init = cfg.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower() not in _OK_INITS:
-        raise refuse(
-            f"init_lora_weights is {shown(init)} (PiSSA/OLoRA/CorDA/LoftQ change the base weights "
-            "at init; convert the adapter with PEFT's path_initial_model_for_weight_conversion)"
-        )
-    if cfg.get("layer_replication"):
-        raise refuse("layer_replication is set")
-    if cfg.get("alora_invocation_tokens"):
-        raise refuse("alora_invocation_tokens is set (aLoRA acts only after its invocation tokens)")
-    if cfg.get("use_qalora"):
-        raise refuse("use_qalora is set")
-    if cfg.get("use_bdlora"):
-        raise refuse("use_bdlora is set")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    # 4.7 was read as 4, "8" and true as 8 and 1: only a number that is a whole rank counts
-    if not _is_number(r) or r != int(r) or r <= 0:
-        raise PatchkitError(f"{path}: r is {shown(r)}; it must be a positive integer")
-    if not _is_number(alpha):
-        raise PatchkitError(f"{path}: lora_alpha is {shown(alpha)}; it must be a number")
-    use_rslora = cfg.get("use_rslora") or False
-    if not isinstance(use_rslora, bool):  # "false" was read as true
-        raise PatchkitError(f"{path}: use_rslora is {shown(use_rslora)}, not true or false")
-    rank_pattern = _mapping(path, cfg, "rank_pattern")
-    alpha_pattern = _mapping(path, cfg, "alpha_pattern")
-    for key, value in rank_pattern.items():
-        if type(value) is not int or value <= 0:
-            raise PatchkitError(
-                f"{path}: rank_pattern[{shown(key)}] is {shown(value)}; ranks are positive integers"
-            )
-    for key, value in alpha_pattern.items():
-        if not _is_number(value):
-            raise PatchkitError(
-                f"{path}: alpha_pattern[{shown(key)}] is {shown(value)}; a finite number"
-            )
-    target_parameters = cfg.get("target_parameters") or []
-    if isinstance(target_parameters, str):
-        target_parameters = [target_parameters]
-    if not isinstance(target_parameters, list) or not all(
-        isinstance(name, str) for name in target_parameters
-    ):
-        raise PatchkitError(f"{path}: target_parameters is not a list of parameter names")
-    return AdapterConfig(
-        path=path,
-        r=int(r),
-        alpha=float(alpha),
-        use_rslora=use_rslora,
-        rank_pattern=dict(rank_pattern),
-        alpha_pattern=dict(alpha_pattern),
-        target_parameters=list(target_parameters),
-        matchers=_matchers(path, rank_pattern, alpha_pattern),
-    )
-
-
-def _is_number(value: object) -> bool:
-    """An int or a float, not a bool (JSON numbers: finite, read_user_json saw to that)."""
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def _matchers(path: Path, rank_pattern: dict, alpha_pattern: dict) -> dict[str, Matcher]:
-    """Every pattern key compiled now, so a key that is refused is refused before any work.
-
-    PEFT and vLLM run each key through Python's re, where ``(.|.)*(.|.)*Q``
-    backtracks for ever; patterns.compile_peft_key matches the same names in
-    linear time, or refuses the key.
-    """
-    matchers = {}
-    for which, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        for key in pattern:
-            if key not in matchers:
-                try:
-                    matchers[key] = compile_peft_key(key)
-                except ValueError as exc:
-                    raise PatchkitError(
-                        f"{path}: {which} key {shown(key)} is refused: {exc}"
-                    ) from None
-    return matchers
-
-
-def _mapping(path: Path, cfg: dict, key: str) -> dict:
-    """rank_pattern / alpha_pattern: an object, or one line (a list raised AttributeError)."""
-    value = cfg.get(key) or {}
-    if not isinstance(value, dict):
-        raise PatchkitError(f"{path}: {key} is not a JSON object (module pattern to value)")
-    return value
+    return adapterconfig.read_strict(Path(adapter_dir))
 
 
 class AdapterTensors:

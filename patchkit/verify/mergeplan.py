@@ -221,7 +221,10 @@ class _Planner:
                     "as the GDN conv1d is not supported)",
                 )
             if dtype not in _MERGEABLE:
-                raise self.fail(module, f"lora_{which} is {dtype}, not a floating-point tensor")
+                raise self.fail(
+                    module,
+                    f"lora_{which} is {dtype!r}; the merge reads {', '.join(_MERGEABLE)} factors",
+                )
 
     def rank_for(self, module: str, pattern_name: str, rank: int) -> tuple[int, float]:
         cfg_rank, alpha = self.cfg.rank_alpha(pattern_name)

@@ -206,7 +206,7 @@ def adapter_rank(adapter_dir: Path) -> int:
     from patchkit.verify import adapterfiles
 
     config = adapterfiles.read_adapter_config(adapter_dir)
-    return max([config.r, *config.rank_pattern.values()])
+    return max(config.ranks)
 
 
 def weight_bytes(model_dir: Path) -> int:

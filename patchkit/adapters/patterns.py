@@ -2,11 +2,12 @@
 
 PEFT (``get_pattern_key``, ``src/peft/utils/other.py``) and vLLM 0.32+
 (``PEFTHelper._match_pattern``, ``vllm/lora/peft_helper.py`` in the 0.33.0
-wheel) give a module the value of the first key for which
-``re.match(rf"(.*\\.)?({key})$", name)`` succeeds. Python's ``re``
-backtracks: a key such as ``(.|.)*(.|.)*(.|.)*Q`` never finishes against a
-module name of 40 characters. :func:`compile_peft_key` builds that same
-pattern text and parses it here into a Thompson automaton, which is run over
+wheel, where ``re`` is the ``regex`` package: ``import regex as re``) give a
+module the value of the first key for which ``re.match(rf"(.*\\.)?({key})$",
+name)`` succeeds. Both ``re`` and ``regex`` backtrack: a key such as
+``(.|.)*(.|.)*(.|.)*Q`` never finishes against a module name of 40 characters.
+:func:`compile_peft_key` builds that same pattern text and parses it here
+into a Thompson automaton, which is run over
 the name as a set of states (each set's steps cached, as RE2 does): time
 proportional to the name's length times the pattern's size, whatever the
 pattern. Whether a name matches is all PEFT asks, and that does not depend on
