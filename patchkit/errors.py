@@ -6,16 +6,6 @@ traceback. The message says what happened, why, and the next command.
 """
 
 
-def printable(line: str) -> str:
-    """``line`` with control characters (ESC, a newline) escaped as Python writes them.
-
-    The one escaping rule for text from files, the environment or the network on its way
-    to a terminal; here, below every layer, so a layer that prints (fetch's notes) uses
-    it too. The CLI's ``render.printable`` is this function.
-    """
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
-
-
 class PatchkitError(Exception):
     """A failure the user can act on; printed as one line, exit status 1."""
 

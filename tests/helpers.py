@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
+import select
 from pathlib import Path
 
 # The files the default set patches (and creates) in a 0.26.0 tree.
@@ -179,3 +181,17 @@ made_on = "0.26.0"
         )
         (directory / patch_id / f"{patch_id}.diff").write_text("".join(diff))
     return directory
+
+
+def wait_for_exit(pid: int, timeout: float = 120) -> None:
+    """Until process ``pid`` (ours or not) has ended: its pidfd turns readable then. A test
+    waits for the event itself, never for a while; ``timeout`` only ends a hang."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # ended (and reaped) already
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"process {pid} still runs after {timeout} s"
+    finally:
+        os.close(fd)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import wait_for_exit
 
 
 def bench():
@@ -463,10 +464,7 @@ def test_an_engine_with_cpus_runs_on_those_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(module.sys, "executable", str(fake))
     config = {"site": str(tmp_path), "env": {}, "cpus": [0]}
     engine = module.Engine.start("default", config, tmp_path / "work", "")
-    for _ in range(200):
-        if seen.exists() and seen.read_text() or not engine.alive():
-            break
-        module.time.sleep(0.05)
+    wait_for_exit(engine.pid)  # the stand-in writes, then ends
     assert seen.read_text().split() == ["Cpus_allowed_list:", "0"]
 
 

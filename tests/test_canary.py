@@ -27,6 +27,7 @@ server's exchanges; those recordings are to replace these hand-made shapes.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import sys
 import threading
@@ -563,7 +564,9 @@ def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(mon
         for filler in fillers:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", port))
-        time.sleep(0.2)
+        # the first filler's handshake done fills the queue (backlog 0): from then on the
+        # kernel drops new SYNs; wait for that, not for a while
+        assert select.select([], [fillers[0]], [], 30)[1], "the queue never filled"
         started = time.monotonic()
         result = canary_cli(f"http://127.0.0.1:{port}", "--timeout", "20")
         elapsed = time.monotonic() - started

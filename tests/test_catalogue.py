@@ -56,7 +56,7 @@ BROKEN = [
     ("expand-block-n/block-k-32.diff", "+++ b/vllm/", "+++ b/../vllm/", "leaves the vLLM tree"),
     ("series.toml", '"0.26.0", "0.27.0"', '"0.26.0", "latest"', "'latest' is not a version"),
     (MATMUL, 'unless = ["", "0"]', 'unless = ["0"], values = ["1"]', "values or unless, not both"),
-    (MATMUL, '{ env = "VLLM_BATCH_INVARIANT",', '{ name = "VLLM_BATCH_INVARIANT",', "needs env"),
+    (MATMUL, 'env = "VLLM_BATCH_INVARIANT"', 'name = "VLLM_BATCH_INVARIANT"', "unknown key 'name'"),
     (BLOCK_N, 'made_on = "0.18.0"', 'made_on = "0.17.0"', "made_on 0.17.0 must be a tested"),
     (MATMUL, 'patchkit_lora_matmul.py"]', 'nowhere.py"]', "cannot read the created file"),
     (MATMUL, "context = 2", "context = 0", "variants.context: 1 to 10 lines"),

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from patchkit.fs.safepath import Root
 from patchkit.patching.transaction import TreeLock
-from tests.conftest import copy_tree, release_tree, run_cli, run_subprocess, snapshot
+from tests.conftest import REPO, copy_tree, release_tree, run_cli, run_subprocess, snapshot
 from tests.helpers import FILES, MARK, REPORT_IMPORTS, make_catalogue
 
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
@@ -160,25 +160,64 @@ def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
     assert "nothing else was changed" in line
 
 
-SLOW_COMMIT = """
-import time, patchkit.patching.operations as o
+# The first run, inside the tree's lock at its commit, says so on its pipe and waits for
+# the test's word; the second says on its own pipe when it finds the lock taken. No
+# sleep decides who is first: the lock does, and the test sees it (a loaded machine
+# only makes each step slower).
+HOLDS_THE_LOCK = """
+import os, patchkit.patching.operations as o
 _real = o.commit
-def _slow(*a, **k):
-    time.sleep(1.5)
+def _held(*a, **k):
+    os.write(int(os.environ["TEST_SAID"]), b"locked\\n")
+    os.read(int(os.environ["TEST_GO"]), 1)  # until the test says go
     _real(*a, **k)
-o.commit = _slow
+o.commit = _held
 """
+WAITS_FOR_THE_LOCK = """
+import os, patchkit.fs.locks as locks
+_real = locks.try_flock
+_told = []
+def _trying(fd):
+    taken = _real(fd)
+    if not taken and not _told:
+        _told.append(os.write(int(os.environ["TEST_SAID"]), b"waiting\\n"))
+    return taken
+locks.try_flock = _trying
+"""
+
+
+def started(code: str, args: list[str], extra: tuple[int, ...] = ()):
+    """patchkit with ``code`` first; its pipe for what it says, and (``extra``) the
+    read end of the test's pipe as TEST_GO."""
+    said_r, said_w = os.pipe()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TEST_SAID": str(said_w),
+           "PATCHKIT_LOCK_TIMEOUT": "600"}  # fmt: skip
+    if extra:
+        env["TEST_GO"] = str(extra[0])
+    command = [sys.executable, "-c", code + "\nfrom patchkit.cli.main import main\nmain()\n"]
+    child = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True, env=env,
+                             pass_fds=(said_w, *extra))  # fmt: skip
+    os.close(said_w)
+    return child, os.fdopen(said_r, "rb")
 
 
 @pytest.mark.slow
 def test_two_concurrent_applies(slim_tree_0260: Path):
     """The second run waits for the lock, then finds the patch applied."""
-    command = [sys.executable, "-c", SLOW_COMMIT + "\nfrom patchkit.cli.main import main\nmain()\n"]
     args = ["apply", "--target", str(slim_tree_0260), "--json"]
-    first = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
-    time.sleep(0.7)  # the first run is inside its lock, sleeping before the commit
-    second = subprocess.Popen(command + args, stdout=subprocess.PIPE, text=True)
-    outputs = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
+    go_r, go_w = os.pipe()
+    first, first_said = started(HOLDS_THE_LOCK, args, (go_r,))
+    os.close(go_r)
+    try:
+        assert first_said.readline() == b"locked\n"  # it holds the lock, before its commit
+        second, second_said = started(WAITS_FOR_THE_LOCK, args)
+        assert second_said.readline() == b"waiting\n"  # it found the lock taken
+        os.write(go_w, b"g")
+    finally:
+        os.close(go_w)
+    outputs = [json.loads(p.communicate(timeout=120)[0]) for p in (first, second)]
+    first_said.close()
+    second_said.close()
     assert [first.returncode, second.returncode] == [0, 0]
     actions = [(o["patches"][0]["action"], o["patches"][0]["state"]) for o in outputs]
     assert actions == [("applied", "applied"), ("none", "applied")]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import git, release_tree, run_cli, run_subprocess, snapshot
-from tests.helpers import UTILS, one_line
+from tests.helpers import UTILS, one_line, wait_for_exit
 
 
 @pytest.mark.slow
@@ -219,21 +219,24 @@ def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
 
 SIGNAL_PARENT_HOOK = """#!/bin/sh
 # SIGTERM to patchkit (git's parent) while this commit runs; the commit then succeeds.
+# git's own pid goes to the test first, which waits for that git to end.
+echo $PPID > {pidfile}
 kill -TERM $(ps -o ppid= -p $PPID)
-sleep 1
 exit 0
 """
 
 
 @pytest.mark.slow
-def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout):
+def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout, tmp_path):
+    """patchkit holds the signal until git is done, then puts everything back. The test
+    waits for that git process itself to end, not for a while: had patchkit died and
+    left git committing on its own, the commit is there once git has ended."""
+    pidfile = tmp_path / "git.pid"
     hook = checkout / ".git" / "hooks" / "pre-commit"
-    hook.write_text(SIGNAL_PARENT_HOOK)
+    hook.write_text(SIGNAL_PARENT_HOOK.format(pidfile=pidfile))
     hook.chmod(0o755)
     before = git_state(checkout)
     result = run_subprocess("apply", "--target", str(checkout), env=IDENTITY, timeout=60)
     assert result.returncode == 143, result.stderr
-    import time
-
-    time.sleep(2)  # had git gone on alone, its commit would land now
+    wait_for_exit(int(pidfile.read_text()))
     assert git_state(checkout) == before and not (checkout / ".patchkit").exists()

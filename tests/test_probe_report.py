@@ -160,6 +160,23 @@ def test_bad_inputs_are_one_line_naming_file_and_line(tmp_path):
     assert run_cli("probe", "report", str(tmp_path)).exit_code == 2  # a directory: usage
 
 
+def test_a_line_is_a_header_only_when_it_is_one_and_nothing_else(tmp_path):
+    """Any line with a "probe" key was taken for a header: a record that carried one was
+    dropped ("no request had a NaN", exit 0), or its odd unprobed_lora ended in exit 3.
+    Which kind a line is is decided once: a header says "nan-probe" and carries no
+    record's keys, else the line is refused with one line."""
+    bad = record(3, 1, "self_attn.o_proj", "lora", ["req-1"])
+    other = write_log(tmp_path, HEADER, {**bad, "probe": "x"})
+    one_line_error([str(other)], 1, f"{other}:2", "'probe': 'x' is not 'nan-probe'")
+    crash = write_log(tmp_path, HEADER, {**bad, "probe": "x", "unprobed_lora": [1]})
+    one_line_error([str(crash)], 1, f"{crash}:2", "not a nan-probe header")
+    both = write_log(tmp_path, HEADER, {**bad, **HEADER})
+    one_line_error([str(both)], 1, f"{both}:2", "a line is a header or a record, not both")
+    event = write_log(tmp_path, {**HEADER, "event": "quarantine"})
+    one_line_error([str(event)], 1, f"{event}:1", "a line is a header or a record, not both")
+    assert only(report(write_log(tmp_path, HEADER, bad)))["request"] == "req-1"
+
+
 def test_json_errors_carry_the_exit_code(tmp_path):
     not_json = write_log(tmp_path, "garbage")
     result = run_cli("probe", "report", str(not_json), "--json")
@@ -488,6 +505,10 @@ def test_a_large_log_is_read_in_memory_bounded_by_the_report_not_the_file(tmp_pa
         ("/srv/it's $(id)", "patchkit adapter check '/srv/it'\"'\"'s $(id)'"),
         ("/srv/x\n; rm -rf ~", "patchkit adapter check DIR"),
         (None, "patchkit adapter check DIR"),
+        # a relative path that starts with "-" was an option of adapter check
+        ("-rf", "patchkit adapter check ./-rf"),
+        ("--target=/etc", "patchkit adapter check ./--target=/etc"),
+        ("-x y", "patchkit adapter check './-x y'"),
     ],
 )
 def test_the_next_command_is_safe_to_paste_whatever_path_a_tenant_loaded(path, command):
@@ -499,4 +520,5 @@ def test_the_next_command_is_safe_to_paste_whatever_path_a_tenant_loaded(path, c
 
     found = Quarantine(0, 0, "evil", 7, path, 3, "self_attn.o_proj", "lora_B", 0, 1)
     assert found.command() == command
-    assert len(shlex.split(found.command())) == 4
+    words = shlex.split(found.command())
+    assert len(words) == 4 and not words[3].startswith("-")

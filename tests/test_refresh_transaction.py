@@ -4,9 +4,10 @@ A refresh computes and checks everything first, then writes the variant's
 diff, its created files and the tree's record all or none. Faults are
 injected at every write point (an audit hook in a forked patchkit: SIGKILL,
 Ctrl-C, a full disk) and at the syscalls themselves (strace: ENOSPC at every
-write to a file, SIGINT at every rename); afterwards, once the next command
-has run, the catalogue and the tree's record are both as before or both as
-after, and nothing of the run is left in ``patches/``. Every test works on a
+write to a file, SIGINT at every rename); afterwards, once `refresh --recover`
+has run (refresh owns its journal: no other command writes the catalogue),
+the catalogue and the tree's record are both as before or both as after, and
+nothing of the run is left in ``patches/``. Every test works on a
 copy of the catalogue and of real 0.26.0 trees.
 """
 
@@ -288,7 +289,7 @@ def test_a_forged_journal_is_refused_and_never_acted_on(tmp_path, path):
     (catalogue / "expand-block-n" / "files" / "vllm" / "linked").symlink_to(victim)
     forged(catalogue, tmp_path, path)
     before = snapshot(catalogue)
-    result = run_cli("list", env=env_for(catalogue))
+    result = run_cli("refresh", "--recover", env=env_for(catalogue))
     assert result.exit_code == 1, result.output
     assert "not acted on" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert snapshot(catalogue) == before and (victim / "x.py").read_text() == "mine\n"
@@ -301,7 +302,7 @@ def test_a_journal_whose_tree_path_holds_a_link_is_refused(tmp_path):
     diff = "expand-block-n/block-k-32.diff"
     forged(catalogue, tmp_path / "link", diff)
     before = (catalogue / diff).read_bytes()
-    result = run_cli("list", env=env_for(catalogue))
+    result = run_cli("refresh", "--recover", env=env_for(catalogue))
     assert result.exit_code == 1 and "not acted on" in result.stderr, result.output
     assert (catalogue / diff).read_bytes() == before
 
@@ -359,8 +360,15 @@ def outcome(work: Path, revert: bool = False) -> dict:
 
 
 def settled(scenario: dict, work: Path, where: str) -> str:
-    """After the next commands: 'before' or 'after', all of it; fails on anything else."""
+    """After `refresh --recover` and the next commands: 'before' or 'after', all of it;
+    fails on anything else."""
     env = env_for(work / "patches")
+    left = (work / "patches" / JOURNAL_DIR).exists()
+    recovered = run_cli("refresh", "--recover", env=env)
+    assert recovered.exit_code == 0, f"{where}: refresh --recover after the fault: {recovered}"
+    said = recovered.stdout.strip().splitlines()
+    assert said and all(line.startswith("refresh: ") for line in said), (where, said)
+    assert ("nothing to do" in said[0]) == (not left), (where, said)
     listed = run_cli("list", env=env)
     assert listed.exit_code == 0, f"{where}: list after the fault: {listed.output}"
     assert not (work / "patches" / JOURNAL_DIR).exists(), f"{where}: staging left"

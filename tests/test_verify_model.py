@@ -76,6 +76,14 @@ def usage_cases(user, tmp_path):
         (["--model", str(no_config), "--lora", one], "no readable config.json"),
         (["--model", model, "--lora", one, "--lora", f"one={user['two']}"], "a NAME given twice"),
         (["--model", model, "--lora", one, "--max-model-len", "300"], "need at least 616"),
+        # 0 was taken as "not given" (16400); a length that small is refused like 300
+        (["--model", model, "--lora", one, "--max-model-len", "0"], "len 0: the checks need"),
+        (["--model", model, "--lora", one, "--max-model-len", "-1"], "len -1: the checks need"),
+        # vLLM seeds numpy with it (0 to 2**32 - 1): larger ones failed on the GPU host
+        (["--e2e", "--seed", str(2**64)], f"--seed {2**64}: a whole number from 0 to"),
+        (["--e2e", "--seed", str(2**32)], f"--seed {2**32}: a whole number from 0 to"),
+        (["--e2e", "--seed", "-1"], "--seed -1: a whole number from 0 to 4294967295"),
+        (["--e2e", "--seed", str(10**300)], "--seed of 997 bits: a whole number from 0 to"),
         (["--e2e", "--max-model-len", "4096"], "--max-model-len goes with --model"),
         (["--e2e", "--workdir", str(user["model"])], f"--workdir {user['model']}: not empty"),
         (["--e2e", "--workdir", str(user["model"] / "config.json")], "not a directory"),
@@ -205,6 +213,28 @@ def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
         assert child.wait(timeout=10) is not None
     finally:
         child.kill()
+
+
+def test_every_seed_numpy_takes_is_accepted_and_none_other():
+    from patchkit.errors import UsageProblem
+    from patchkit.verify import runner
+
+    for seed in (0, 11, 2**31, 2**32 - 1):
+        runner.check_seed(seed)
+    for seed in (-1, 2**32, 2**64, -(2**70)):
+        with pytest.raises(UsageProblem, match="a whole number from 0 to 4294967295"):
+            runner.check_seed(seed)
+
+
+def test_a_max_model_len_of_0_is_a_length_not_the_default():
+    from patchkit.errors import UsageProblem
+    from patchkit.verify import usermodel
+
+    assert usermodel.max_model_len({}, None) == 16400
+    for asked in (0, -5, 615):
+        with pytest.raises(UsageProblem, match=f"--max-model-len {asked}: the checks need"):
+            usermodel.max_model_len({}, asked)
+    assert usermodel.max_model_len({}, 616) == 616
 
 
 def test_tensor_parallel_beyond_the_visible_gpus_is_refused():

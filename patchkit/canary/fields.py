@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from patchkit.terminal import printable
+
 SERVER_TEXT = 200  # characters of the server's own text in a line (an error message, a name)
 LINE = 280  # one printed line: with "patchkit: error: " it stays within 300 characters
 
@@ -25,7 +27,7 @@ def one_line(text: str, limit: int = SERVER_TEXT) -> str:
     """``text`` with control characters escaped (a newline, ESC, a bidi mark: as Python
     writes them in a literal) and cut to ``limit`` characters, marked with an ellipsis."""
     head = text[: limit * 2]  # escaping only lengthens: no need to look further
-    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in head)
+    escaped = printable(head)
     if len(escaped) > limit:
         return escaped[: limit - 1] + "…"
     return escaped

@@ -15,32 +15,37 @@ land or neither does, whatever kills the process:
    point;
 5. ``.patchkit-refresh/`` is removed.
 
-Every later load of the catalogue (:func:`recover`) finds a journal left by
-a killed run and decides by the tree's state file: the journal's sha256,
-and the run committed, so the new files go into place; anything else, and
-the old ones come back. Nothing else is ever written there: no temporary
-file stays in ``patches/``. The journal is hostile input like the tree's: it
-may name only a diff (``<id>/<name>.diff``) or a created file
-(``<id>/files/vllm/...``) of a patch in the series, reached by descriptor
-walks that never follow a link; the tree is only read. The catalogue
-directory itself is locked (``flock``) while a run writes or recovers.
+Only refresh, the command that owns the journal, acts on one a killed run
+left (:func:`recover`): every ``patchkit refresh`` first, and ``patchkit
+refresh --recover`` alone, and each says what it did. It decides by the
+tree's state file: the journal's sha256, and the run committed, so the new
+files go into place; anything else, and the old ones come back. Every other
+command only notices the journal (:func:`pending`, one ``lstat``) and never
+writes: reading the catalogue never changes it. Nothing else is ever
+written there: no temporary file stays in ``patches/``. The journal is
+hostile input like the tree's: it may name only a diff (``<id>/<name>.diff``)
+or a created file (``<id>/files/vllm/...``) of a patch in the series,
+reached by descriptor walks that never follow a link; the tree is only read;
+and no file is read past its bound (the journal 1 MiB, each catalogue file
+and the tree's record 16 MiB), so a huge staged file is refused, not read
+whole. The catalogue directory itself is locked (``flock``, waited for as
+:mod:`patchkit.fs.locks` says) while a run writes or recovers.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import stat
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.errors import PatchkitError, os_error_line
+from patchkit.fs import locks
 from patchkit.fs.files import decode_json
-from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
+from patchkit.fs.safepath import Root, TooLarge, UnsafePath, checked_relpath
 from patchkit.fs.signals import held
 from patchkit.vllmtree.tree import sha256_bytes
 
@@ -48,7 +53,7 @@ JOURNAL_DIR = ".patchkit-refresh"
 JOURNAL = f"{JOURNAL_DIR}/journal.json"
 TREE_RECORD = ".patchkit/state.json"  # engine.state.STATE_FILE, read here (a lower layer)
 MAX_JOURNAL_BYTES = 1 << 20
-_LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
+MAX_FILE_BYTES = 16 << 20  # a diff or a created file (the largest is 70 kB); the tree's record
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -78,34 +83,24 @@ def catalogue_path(relpath: object, ids: Iterable[str], origin: str) -> str:
 
 
 class CatalogueLock:
-    """An exclusive ``flock`` on the catalogue directory, waited for like the tree's lock."""
+    """An exclusive ``flock`` on the catalogue directory, waited for like the tree's lock
+    (:mod:`patchkit.fs.locks`: one rule, one reading of PATCHKIT_LOCK_TIMEOUT)."""
 
     def __init__(self, fs: Root):
         self.fs = fs
+        self.timeout = locks.lock_timeout()
 
     def __enter__(self) -> Root:
-        deadline = time.monotonic() + _lock_timeout()
-        while True:
-            try:
-                fcntl.flock(self.fs.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self.fs
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise PatchkitError(
-                        f"another patchkit refresh is writing {self.fs.path}; let it finish, "
-                        "then run the command again"
-                    ) from None
-                time.sleep(0.05)
+        locks.wait_for(
+            lambda: locks.try_flock(self.fs.fd),
+            self.timeout,
+            f"another patchkit refresh is writing {self.fs.path} (waited {self.timeout:.0f} s); "
+            "let it finish, then run the command again",
+        )
+        return self.fs
 
     def __exit__(self, *exc_info) -> None:
-        fcntl.flock(self.fs.fd, fcntl.LOCK_UN)
-
-
-def _lock_timeout() -> float:
-    try:
-        return max(0.0, float(os.environ.get(_LOCK_TIMEOUT_ENV, "60")))
-    except ValueError:
-        return 60.0
+        locks.release(self.fs.fd)
 
 
 def tree_path(fs: Root) -> str:
@@ -152,7 +147,15 @@ class CatalogueWrite:
         self.installed: list[CatalogueFile] = []
 
     def prepare(self) -> None:
-        """Stage every new and old file, then write the journal (nothing in place yet)."""
+        """Stage every new and old file, then write the journal (nothing in place yet).
+
+        A file past MAX_FILE_BYTES is refused first: recovery would refuse to read it."""
+        for item in self.files:
+            if max(len(item.after), len(item.before or b"")) > MAX_FILE_BYTES:
+                raise PatchkitError(
+                    f"{self.fs.full(item.path)}: more than {MAX_FILE_BYTES} bytes, more than a "
+                    "catalogue file may hold; nothing was written"
+                )
         self.fs.remove_tree(JOURNAL_DIR, "journal")  # a run that died before its journal
         for item in self.files:
             _stage(self.fs, f"{JOURNAL_DIR}/new/{item.path}", item.after, item.mode)
@@ -180,7 +183,7 @@ class CatalogueWrite:
     def undo(self) -> int:
         """Put back every file installed so far and drop the staging; how many came back.
 
-        If that fails the journal stays, and the next load of the catalogue
+        If that fails the journal stays, and the next refresh (or `refresh --recover`)
         rolls the run back from it.
         """
         restored = len(self.installed)
@@ -191,13 +194,13 @@ class CatalogueWrite:
             self.fs.remove_tree(JOURNAL_DIR, "rollback")
         except BaseException as exc:
             raise PatchkitError(
-                f"putting the catalogue back after a failed refresh failed too ({exc}); the "
-                f"next patchkit command puts it back from {self.fs.full(JOURNAL)}"
+                f"putting the catalogue back after a failed refresh failed too ({exc}); "
+                f"`patchkit refresh --recover` puts it back from {self.fs.full(JOURNAL)}"
             ) from None
         return restored
 
     def finish(self) -> None:
-        """Remove the staging after the commit point (what is left, the next load removes)."""
+        """Remove the staging after the commit point (what is left, the next refresh removes)."""
         self.fs.remove_tree(JOURNAL_DIR, "journal")
 
 
@@ -240,7 +243,7 @@ def _tree_record_sha(tree: str) -> str | None:
     """sha256 of the tree's state file, read from ``/`` without following links; None: absent."""
     try:
         with Root.open_absolute(Path(tree), "the journal's tree") as fs:
-            return _sha(fs.read(TREE_RECORD, "the journal's tree"))
+            return _sha(fs.read(TREE_RECORD, "the journal's tree", MAX_FILE_BYTES))
     except FileNotFoundError:
         return None  # the tree is gone: the run's record went with it
 
@@ -252,8 +255,19 @@ class _Entry:
     after: str
 
 
+def pending(root: Path) -> Path | None:
+    """The staging a refresh that died mid-write left in the catalogue at ``root``, if any:
+    one ``lstat``, no lock, nothing written (every command but refresh asks only this)."""
+    try:
+        with Root.open(root) as fs:
+            return fs.full(JOURNAL_DIR) if fs.lstat(JOURNAL_DIR, "journal") is not None else None
+    except OSError:
+        return None  # no catalogue there: the load names the missing file
+
+
 def recover(root: Path, ids: Iterable[str]) -> list[str]:
-    """Finish or undo a refresh that died mid-write; called by every load of the catalogue.
+    """Finish or undo a refresh that died mid-write (refresh's, and only refresh's, to call);
+    what it did, one line each (nothing: no line).
 
     Costs one ``lstat`` when there is nothing to do (a read-only, installed
     catalogue never has anything).
@@ -271,7 +285,7 @@ def recover(root: Path, ids: Iterable[str]) -> list[str]:
         except OSError as exc:
             raise PatchkitError(
                 f"{os_error_line(exc, 'finishing an interrupted refresh in')}; the catalogue "
-                f"keeps its journal ({fs.full(JOURNAL)}) for the next command"
+                f"keeps its journal ({fs.full(JOURNAL)}) for `patchkit refresh --recover`"
             ) from None
 
 
@@ -289,7 +303,7 @@ def recover_locked(fs: Root, ids: Iterable[str]) -> list[str]:
         raise _not_acted_on(fs, f"its tree {tree} cannot be read: {exc}") from None
     try:  # every file is checked before any is touched
         moves = [_move_for(fs, entry, committed) for entry in entries]
-    except UnsafePath as exc:
+    except (UnsafePath, TooLarge) as exc:
         raise _not_acted_on(fs, str(exc)) from None
     for entry, staged in moves:
         if staged is None:
@@ -305,7 +319,7 @@ def _move_for(fs: Root, entry: _Entry, forward: bool) -> tuple[_Entry, str | Non
     """What leaves one file as the run left it after (``forward``) or found it before:
     the staged copy to move into place, '' for nothing, None to remove the file."""
     want, other = (entry.after, entry.before) if forward else (entry.before, entry.after)
-    current = _sha(fs.read(entry.path, "journal"))
+    current = _sha(fs.read(entry.path, "journal", MAX_FILE_BYTES))
     if current == want:
         return entry, ""
     if current != other:
@@ -313,7 +327,7 @@ def _move_for(fs: Root, entry: _Entry, forward: bool) -> tuple[_Entry, str | Non
     if want is None:
         return entry, None
     staged = f"{JOURNAL_DIR}/{'new' if forward else 'old'}/{entry.path}"
-    if _sha(fs.read(staged, "journal")) != want:
+    if _sha(fs.read(staged, "journal", MAX_FILE_BYTES)) != want:
         raise _not_acted_on(fs, f"its copy of {entry.path} is missing or damaged")
     return entry, staged
 
@@ -321,7 +335,7 @@ def _move_for(fs: Root, entry: _Entry, forward: bool) -> tuple[_Entry, str | Non
 def _read_journal(fs: Root, ids: Iterable[str]) -> tuple[str, str, list[_Entry]]:
     ids = tuple(ids)
     try:
-        raw = fs.read(JOURNAL, "journal")
+        raw = fs.read(JOURNAL, "journal", MAX_JOURNAL_BYTES)
         data = decode_json(raw or b"", MAX_JOURNAL_BYTES)
         if not isinstance(data, dict) or set(data) != {"tree", "state_after", "files"}:
             raise ValueError("wrong keys")
@@ -334,7 +348,7 @@ def _read_journal(fs: Root, ids: Iterable[str]) -> tuple[str, str, list[_Entry]]
         entries = [_entry(item, ids, str(fs.full(JOURNAL))) for item in data["files"]]
         if len({e.path for e in entries}) != len(entries):
             raise ValueError("a file is listed twice")
-    except (ValueError, UnsafePath) as exc:
+    except (ValueError, UnsafePath, TooLarge) as exc:
         raise _not_acted_on(fs, f"invalid journal ({exc})") from None
     return data["tree"], data["state_after"], entries
 

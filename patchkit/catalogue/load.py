@@ -12,6 +12,7 @@ not by number). Every tested release must map to exactly one of them.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -45,6 +46,81 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 PATCHES_DIR_ENV = "PATCHKIT_PATCHES_DIR"
 
+# Every table the catalogue's files hold, and the keys each may hold. A key not listed is
+# refused when the file loads, with one line naming the file, the table and the key, and
+# nothing loads: a typo of an optional key (`opt-in` for `opt_in`) would otherwise change
+# what `apply` does without a word. A key whose value is a table (`[diagnosis]`) or an
+# array of tables (`[[variants]]`, `evidence = [{...}]`) names, in brackets, the entry
+# that lists that table's keys. A new key is one word here (and the code that reads it);
+# a file the loader does not read (patches/survey.toml) is not checked.
+SCHEMA: dict[str, dict[str, str | None]] = {
+    "series.toml": {"series": None, "tested_releases": None},
+    "bugs.toml": {"bug": "[[bug]]"},
+    "bug": {
+        "ids": None,
+        "title": None,
+        "affected": None,
+        "fix": None,
+        "needs_compute_capability": None,
+        "fixed_by_ptxas": None,
+        "kernel_scan": None,
+        "upstream_fix": "[upstream_fix]",
+    },
+    "upstream_fix": {"evidence": "[[evidence]]"},
+    "patch.toml": {
+        "id": None,
+        "title": None,
+        "why": None,
+        "upstream": None,
+        "remove_when": None,
+        "runtime_gate": None,
+        "covers": None,
+        "opt_in": None,
+        "variants": "[[variants]]",
+        "decisions": "[[decisions]]",
+        "notices": "[[notices]]",
+        "diagnosis": "[diagnosis]",
+        "overridden_by": "[overridden_by]",
+    },
+    "variants": {
+        "name": None,
+        "diff": None,
+        "versions": None,
+        "made_on": None,
+        "creates": None,
+        "context": None,
+    },
+    "decisions": {
+        "state": None,
+        "versions": None,
+        "reason": None,
+        "evidence": "[[evidence]]",
+        "evidence_from": None,
+    },
+    "notices": {"versions": None, "message": None, "evidence": "[[evidence]]", "fixed_by": None},
+    "diagnosis": {
+        "bugs": None,
+        "protects": None,
+        "replaces_kernels": None,
+        "disabled_by": "[[disabled_by]]",
+    },
+    "disabled_by": {"env": None, "values": None, "unless": None},
+    "overridden_by": {"env": None, "versions": None, "detail": None, "check": None},
+    # { file, pattern }: a pattern that must match; { file, absent = true }: no such file
+    "evidence": {"file": None, "pattern": None, "absent": None},
+}
+BUG_FACTS = (
+    "title",
+    "affected",
+    "fix",
+    "needs_compute_capability",
+    "fixed_by_ptxas",
+    "kernel_scan",
+)
+# what an unknown key most likely means, where it is more than a typo
+HINTS = {("diagnosis", fact): "a bug's facts are written once, in bugs.toml" for fact in BUG_FACTS}
+MAX_SHOWN_KEY = 60  # characters of an unknown key an error line quotes
+
 
 def default_root() -> Path:
     """The catalogue shipped with patchkit, unless PATCHKIT_PATCHES_DIR names another."""
@@ -68,17 +144,23 @@ def installed_catalogue(root: Path) -> bool:
 
 
 def load_catalogue(root: Path | None = None) -> Catalogue:
+    """The catalogue at ``root`` (default: :func:`default_root`), every file checked; it
+    only reads (an interrupted refresh is noticed, and left to refresh)."""
     root = Path(root) if root is not None else default_root()
-    series_file = root / "series.toml"
-    series = _read_toml(series_file)
-    ids = _require(series, "series", series_file, list)
-    releases = tuple(_require(series, "tested_releases", series_file, list))
-    for release in releases:
-        if not isinstance(release, str) or not is_version(release):
-            raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
-    if len(set(ids)) != len(ids):
-        raise PatchkitError(f"{series_file}: series lists a patch twice")
-    journal.recover(root, [i for i in ids if isinstance(i, str)])  # a refresh killed mid-write
+    try:
+        return _load(root)
+    except PatchkitError as exc:
+        staging = journal.pending(root)
+        if staging is None:
+            raise
+        raise PatchkitError(
+            f"{exc} (a patchkit refresh was interrupted while writing this catalogue, "
+            f"{staging}: `patchkit refresh --recover` finishes or undoes it)"
+        ) from None
+
+
+def _load(root: Path) -> Catalogue:
+    ids, releases = _series(root)
     bugs = _load_bugs(root / "bugs.toml")
     patches = tuple(_load_patch(root / patch_id, patch_id, bugs) for patch_id in ids)
     for patch in patches:
@@ -90,7 +172,36 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
                     f"{patch.root / 'patch.toml'}: notices.fixed_by: {notice.fixed_by!r} is "
                     "not in the series"
                 )
-    return Catalogue(root=root, patches=patches, tested_releases=releases)
+    # a refresh killed mid-write: noticed, never acted on here (reading never writes);
+    # refresh, which owns the journal, finishes or undoes it
+    interrupted = journal.pending(root)
+    return Catalogue(root, patches, releases, interrupted_refresh=interrupted)
+
+
+def _series(root: Path) -> tuple[list[str], tuple[str, ...]]:
+    """series.toml: the patch ids in order, and the tested releases."""
+    series_file = root / "series.toml"
+    series = _read_toml(series_file, "series.toml")
+    ids = _require(series, "series", series_file, list)
+    releases = tuple(_require(series, "tested_releases", series_file, list))
+    for release in releases:
+        if not isinstance(release, str) or not is_version(release):
+            raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
+    for patch_id in ids:
+        if not isinstance(patch_id, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", patch_id):
+            raise PatchkitError(f"{series_file}: series: {patch_id!r} is not a patch id")
+    if len(set(ids)) != len(ids):
+        raise PatchkitError(f"{series_file}: series lists a patch twice")
+    return ids, releases
+
+
+def recover_interrupted_refresh(root: Path | None = None) -> list[str]:
+    """Finish or undo a refresh that died while writing the catalogue at ``root``: refresh's
+    first step (it owns the journal), `refresh --recover`'s only one; what it did, a line
+    each. Needs only series.toml, so a catalogue half one refresh's still gets there."""
+    root = Path(root) if root is not None else default_root()
+    ids, _ = _series(root)
+    return journal.recover(root, ids)
 
 
 def _check_made_on(patch: Patch, releases: tuple[str, ...]) -> None:
@@ -132,7 +243,7 @@ def _load_bugs(path: Path) -> dict[tuple[str, ...], Bug]:
     """patches/bugs.toml: each bug's facts, keyed by its ids (no file: no bugs)."""
     if not path.is_file():
         return {}
-    entries = _read_toml(path).get("bug", [])
+    entries = _read_toml(path, "bugs.toml").get("bug", [])
     if not isinstance(entries, list):
         raise PatchkitError(f"{path}: [[bug]] entries expected")
     bugs = {}
@@ -144,9 +255,9 @@ def _load_bugs(path: Path) -> dict[tuple[str, ...], Bug]:
             title=_require(table, "title", path, str),
             affected=_specifier({"versions": table.get("affected")}, path),
             fix=_require(table, "fix", path, str),
-            needs_compute_capability=table.get("needs_compute_capability", ""),
-            fixed_by_ptxas=table.get("fixed_by_ptxas", ""),
-            kernel_scan=bool(table.get("kernel_scan", False)),
+            needs_compute_capability=_optional(table, "needs_compute_capability", path, str, ""),
+            fixed_by_ptxas=_optional(table, "fixed_by_ptxas", path, str, ""),
+            kernel_scan=_optional(table, "kernel_scan", path, bool, False),
             upstream_fix=_evidence(fix, path) if fix else (),
         )
     return bugs
@@ -160,7 +271,7 @@ def _bug_ids(ids: list, origin: Path, key: str) -> tuple[str, ...]:
 
 def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]) -> Patch:
     meta_file = directory / "patch.toml"
-    meta = _read_toml(meta_file)
+    meta = _read_toml(meta_file, "patch.toml")
     if meta.get("id") != patch_id:
         raise PatchkitError(f"{meta_file}: id must be {patch_id!r} (the series entry)")
     variants = tuple(_variant(v, directory, meta_file) for v in meta.get("variants", []))
@@ -178,7 +289,7 @@ def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]
             versions=_specifier(n, meta_file),
             message=_require(n, "message", meta_file, str),
             evidence=_evidence(n, meta_file, required=False),
-            fixed_by=n.get("fixed_by", ""),
+            fixed_by=_optional(n, "fixed_by", meta_file, str, ""),
         )
         for n in meta.get("notices", [])
     )
@@ -188,14 +299,14 @@ def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]
         id=patch_id,
         title=_require(meta, "title", meta_file, str),
         why=_require(meta, "why", meta_file, str).strip(),
-        upstream=tuple(_require(meta, "upstream", meta_file, list)),
+        upstream=tuple(_strings(meta, "upstream", meta_file)),
         remove_when=_require(meta, "remove_when", meta_file, str).strip(),
         variants=variants,
         decisions=decisions,
         notices=notices,
-        runtime_gate=meta.get("runtime_gate", "").strip(),
+        runtime_gate=_optional(meta, "runtime_gate", meta_file, str, "").strip(),
         overridden_by=_override(meta.get("overridden_by"), meta_file),
-        covers=meta.get("covers", "").strip(),
+        covers=_optional(meta, "covers", meta_file, str, "").strip(),
         diagnosis=_diagnosis(meta.get("diagnosis"), meta_file, bugs),
         opt_in=_opt_in(meta, meta_file),
         root=directory,
@@ -220,7 +331,7 @@ def _variant(table: dict, directory: Path, origin: Path) -> Variant:
     if not is_version(made_on):
         raise PatchkitError(f"{origin}: variants.made_on: {made_on!r} is not a version")
     context = table.get("context", 3)
-    if not isinstance(context, int) or not 0 < context <= 10:
+    if type(context) is not int or not 0 < context <= 10:
         raise PatchkitError(f"{origin}: variants.context: 1 to 10 lines expected, got {context!r}")
     families = table.get("families", [])
     if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
@@ -236,28 +347,13 @@ def _variant(table: dict, directory: Path, origin: Path) -> Variant:
     )
 
 
-BUG_FACTS = (
-    "title",
-    "affected",
-    "fix",
-    "needs_compute_capability",
-    "fixed_by_ptxas",
-    "kernel_scan",
-)
-
-
 def _diagnosis(table: dict | None, origin: Path, bugs: dict) -> Diagnosis | None:
     if table is None:
         return None
-    facts = [key for key in BUG_FACTS if key in table]
-    if facts:
-        raise PatchkitError(
-            f"{origin}: diagnosis.{facts[0]}: a bug's facts are written once, in bugs.toml"
-        )
     return Diagnosis(
         bug=_bug(table, origin, bugs),
         protects=_require(table, "protects", origin, str),
-        replaces_kernels=bool(table.get("replaces_kernels", False)),
+        replaces_kernels=_optional(table, "replaces_kernels", origin, bool, False),
         disabled_by=_switches(table.get("disabled_by", []), origin),
     )
 
@@ -273,7 +369,7 @@ def _bug(table: dict, origin: Path, bugs: dict) -> Bug:
 
 def _decision_evidence(table: dict, origin: Path, bugs: dict) -> tuple[Evidence, ...]:
     """A decision's evidence, its own or (evidence_from) its bug's upstream fix."""
-    source = table.get("evidence_from")
+    source = _optional(table, "evidence_from", origin, str, None)
     if source is None:
         return _evidence(table, origin)
     bug = next((b for ids, b in bugs.items() if source in ids), None)
@@ -285,8 +381,7 @@ def _decision_evidence(table: dict, origin: Path, bugs: dict) -> tuple[Evidence,
 
 
 def _switches(tables, origin: Path) -> tuple[Switch, ...]:
-    """`disabled_by`: one { env, values | unless } table or a list of them."""
-    tables = [tables] if isinstance(tables, dict) else tables
+    """`disabled_by`: a list of { env, values | unless } tables (their keys checked)."""
     found = []
     for table in tables:
         if not isinstance(table, dict) or not isinstance(table.get("env"), str):
@@ -295,7 +390,8 @@ def _switches(tables, origin: Path) -> tuple[Switch, ...]:
             raise PatchkitError(
                 f"{origin}: diagnosis.disabled_by {table['env']}: give values or unless, not both"
             )
-        lower = tuple(str(v).strip().lower() for v in table.get("values", table.get("unless")))
+        given = _strings(table, "values" if "values" in table else "unless", origin)
+        lower = tuple(v.strip().lower() for v in given)
         unless = lower if "unless" in table else None
         found.append(Switch(table["env"], () if unless is not None else lower, unless))
     return tuple(found)
@@ -308,24 +404,88 @@ def _override(table: dict | None, origin: Path) -> Override | None:
         env=_require(table, "env", origin, str),
         versions=_specifier(table, origin),
         detail=_require(table, "detail", origin, str).strip(),
-        check=table.get("check", ""),
+        check=_optional(table, "check", origin, str, ""),
     )
 
 
-def _read_toml(path: Path) -> dict:
+def _read_toml(path: Path, schema: str) -> dict:
+    """A catalogue file, its every table's keys checked against SCHEMA[``schema``]."""
     try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle)
+            data = tomllib.load(handle)
     except OSError as exc:
         raise PatchkitError(f"{path}: cannot read the patch catalogue: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise PatchkitError(f"{path}: invalid TOML: {exc}") from None
+    check_keys(data, schema, path)
+    return data
+
+
+def check_keys(table: dict, schema: str, origin: Path, where: tuple[str, ...] = ()) -> None:
+    """Every key of ``table`` (and of the tables inside it) is one SCHEMA lists for it,
+    and a table's place holds a table (an array of them where SCHEMA says ``[[...]]``);
+    else one line naming the file, the table and the key."""
+    allowed = SCHEMA[schema]
+    for key, value in table.items():
+        if key not in allowed:
+            raise PatchkitError(_unknown_key(origin, schema, where, key))
+        inner = allowed[key]
+        if inner is None:
+            continue
+        name, many = inner.strip("[]"), inner.startswith("[[")
+        label = (f"[{inner.strip('[]')}]" if not many else inner) if not where else key
+        if many and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            for number, item in enumerate(value, start=1):
+                check_keys(item, name, origin, (*where, f"{label} #{number}"))
+        elif not many and isinstance(value, dict):
+            check_keys(value, name, origin, (*where, label))
+        else:
+            shape = "an array of tables" if many else "a table"
+            place = ", ".join((*where, key)) if where else key
+            raise PatchkitError(
+                f"{origin}: {place}: {shape} expected ({inner}), got {type(value).__name__}"
+            )
+
+
+def _unknown_key(origin: Path, schema: str, where: tuple[str, ...], key: str) -> str:
+    allowed = SCHEMA[schema]
+    table = ", ".join(where) if where else "the top-level table"
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = HINTS.get((schema, key)) or (f"did you mean {close[0]!r}?" if close else "")
+    shown = repr(key) if len(key) <= MAX_SHOWN_KEY else f"{key[:MAX_SHOWN_KEY]!r}..."
+    return (
+        f"{origin}: unknown key {shown} in {table}" + (f" ({hint})" if hint else "") + "; "
+        f"known there: {', '.join(allowed)}. A key patchkit does not know is refused, never "
+        "ignored: nothing was loaded"
+    )
 
 
 def _require(table: dict, key: str, origin: Path, kind: type):
     value = table.get(key)
     if not isinstance(value, kind) or not value:
         raise PatchkitError(f"{origin}: missing or empty {key!r} ({kind.__name__} expected)")
+    return value
+
+
+def _optional(table: dict, key: str, origin: Path, kind: type, default):
+    """An optional key's value, of type ``kind`` (a bool is no str, and 1 is no bool), or
+    ``default`` when it is absent; a value of another type is one line: `"false"` for a
+    boolean would otherwise be true."""
+    if key not in table:
+        return default
+    value = table[key]
+    if type(value) is not kind:
+        raise PatchkitError(
+            f"{origin}: {key}: {kind.__name__} expected, got {type(value).__name__} {value!r:.60}"
+        )
+    return value
+
+
+def _strings(table: dict, key: str, origin: Path) -> list[str]:
+    """A required, non-empty list of strings."""
+    value = _require(table, key, origin, list)
+    if not all(isinstance(v, str) for v in value):
+        raise PatchkitError(f"{origin}: {key}: a list of strings expected")
     return value
 
 
@@ -352,7 +512,14 @@ def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidenc
     for item in items:
         file = _require(item, "file", origin, str)
         checked_relpath(file, f"{origin}: evidence file")
-        if item.get("absent") is True and "pattern" not in item:
+        absent = item.get("absent", False)
+        if not isinstance(absent, bool):
+            raise PatchkitError(f"{origin}: evidence {file}: absent: true or false expected")
+        if absent and "pattern" in item:
+            raise PatchkitError(
+                f"{origin}: evidence {file}: give a pattern or absent = true, not both"
+            )
+        if absent:
             evidence.append(Evidence(file=file, absent=True))
             continue
         pattern = _require(item, "pattern", origin, str)

@@ -293,6 +293,20 @@ class Catalogue:
     root: Path
     patches: tuple[Patch, ...]
     tested_releases: tuple[str, ...]
+    # the staging of a refresh that died mid-write (journal.pending), left for refresh to
+    # finish or undo: until then the catalogue may hold some of its files and not others
+    interrupted_refresh: Path | None = None
+
+    @property
+    def interrupted_note(self) -> str | None:
+        """What to say about :attr:`interrupted_refresh`, or None when there is none."""
+        if self.interrupted_refresh is None:
+            return None
+        return (
+            f"a patchkit refresh was interrupted while writing the catalogue "
+            f"({self.interrupted_refresh}), which may hold some of its files and not others; "
+            "`patchkit refresh --recover` finishes or undoes it"
+        )
 
     @property
     def ids(self) -> tuple[str, ...]:

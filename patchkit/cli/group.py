@@ -44,9 +44,9 @@ class PatchkitGroup(click.Group):
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code, "--json" in args)
         except (click.Abort, KeyboardInterrupt):
-            click.echo("patchkit: error: interrupted; nothing was done", err=True)
+            render.warn("patchkit: error: interrupted; nothing was done")
             sys.exit(exits.INTERRUPTED)
         except signals.Terminated as exc:
-            click.echo(f"patchkit: error: {exc} received; nothing was done", err=True)
+            render.warn(f"patchkit: error: {exc} received; nothing was done")
             sys.exit(exc.exit_code)
         sys.exit(result if isinstance(result, int) else exits.OK)

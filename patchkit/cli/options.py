@@ -39,6 +39,19 @@ def check_only(only: tuple[str, ...], catalogue, param_hint: str = "--only") -> 
     return only
 
 
+def noted_catalogue():
+    """The catalogue, for a command that only reads it (list, show, doctor, verify): a
+    refresh interrupted while writing it is said on stderr, never acted on (refresh
+    finishes or undoes it; status, apply and revert say it in their own reports)."""
+    from patchkit.catalogue.load import load_catalogue
+    from patchkit.cli import render
+
+    catalogue = load_catalogue()
+    if catalogue.interrupted_note:
+        render.warn(f"warning: {catalogue.interrupted_note}")
+    return catalogue
+
+
 def target_options(func):
     func = click.option(
         "--target",

@@ -5,17 +5,22 @@ written with the same word in every command (:mod:`patchkit.vocabulary`);
 apply and revert add what the run did to it, and end with one summary line.
 
 One way to print: every line for stdout goes through :func:`out` (a report's
-text and its JSON alike), every line for stderr through :func:`warn`. Text
-that must be filtered first (the canary's API key, control characters from a
-server or a log) is filtered on the way into them, never printed some other
-way. Each command's JSON is made by one ``*_json`` function here; no object
-below the CLI carries a ``to_json``.
+text and its JSON alike), every line for stderr through :func:`warn`, and both
+escape control characters (:func:`patchkit.terminal.printable`, the one rule
+for text on its way to a terminal): a file name, an index's answer, a model's
+config, an adapter's name or a probe record in a line never reaches the
+terminal raw, whichever command prints it. A line is one line: a newline in
+it is escaped too, so text with several lines (JSON) is given line by line.
+Text that must be filtered otherwise (the canary's API key) is filtered on the
+way into them, never printed some other way. Each command's JSON is made by
+one ``*_json`` function here; no object below the CLI carries a ``to_json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import textwrap
 from collections import Counter
@@ -27,12 +32,14 @@ from patchkit.caches.compiled import CacheResult
 from patchkit.catalogue.model import Catalogue, Variant
 from patchkit.cli import exits
 from patchkit.doctor import sass
-from patchkit.errors import printable  # noqa: F401 (render.printable: the one escaping rule)
 from patchkit.patching.assess import Assessment
 from patchkit.patching.decide import Step
 from patchkit.patching.operations import RunReport
+from patchkit.terminal import printable
 from patchkit.vllmtree import model_runner
 from patchkit.vocabulary import Action, PatchState
+
+# `from patchkit.cli.render import printable` stays valid: it is patchkit.terminal's
 
 SOURCES = {
     "metadata": "dist-info metadata",
@@ -61,24 +68,34 @@ class ReportLost(Exception):
 
 
 def out(line: str = "") -> None:
-    """Write one line of a report to stdout: every line of every report goes through here."""
+    """Write one line of a report to stdout, escaped (:func:`printable`): every line of
+    every report goes through here."""
     try:
-        click.echo(line)
+        click.echo(printable(line))
     except OSError as exc:
         raise ReportLost(exc) from None
 
 
 def warn(line: str) -> None:
-    """One line on stderr; a stderr that cannot take it costs the line, not the command."""
+    """One line on stderr, escaped (:func:`printable`); a stderr that cannot take it
+    costs the line, not the command."""
     try:
-        click.echo(line, err=True)
+        click.echo(printable(line), err=True)
     except OSError:
         pass
 
 
+def out_lines(text: str) -> None:
+    """Text of several lines (a JSON document), each line through :func:`out`."""
+    for line in text.split("\n"):
+        out(line)
+
+
 def emit_json(data: dict) -> None:
-    """A command's JSON (one of the ``*_json`` functions below), on stdout."""
-    out(json.dumps(data, indent=2))
+    """A command's JSON (one of the ``*_json`` functions below), on stdout. json.dumps
+    escapes every control character inside a string, so its lines pass :func:`out`
+    unchanged and the document stays valid JSON."""
+    out_lines(json.dumps(data, indent=2))
 
 
 def _fields(obj) -> dict:
@@ -105,16 +122,23 @@ def line_width() -> int:
     return max(NARROWEST, min(columns, WIDEST))
 
 
+LAYOUT = re.compile(r"[ \t\n]+")  # the whitespace that wrapping reflows
+
+
 def wrap(first: str, text: str, under: int | None = None) -> list[str]:
     """``first`` then ``text`` filled to :func:`line_width`, the next lines under column
     ``under`` (default: where ``text`` starts) or at INDENT when that leaves too little room.
-    A word (a path, a URL, a command) is never split; one longer than the line stays whole."""
+    A word (a path, a URL, a command) is never split; one longer than the line stays whole.
+
+    Spaces, tabs and newlines are reflowed; any other control character (``\r``, ESC)
+    is escaped first (:func:`printable`), so it is shown, never taken for a space."""
     width = line_width()
+    first = printable(first)
     column = len(first) if under is None else under
     if width - column < COLUMN:
         column = INDENT
     lines = textwrap.wrap(
-        " ".join(text.split()),
+        " ".join(printable(word) for word in LAYOUT.split(text) if word),
         width,
         initial_indent=first,
         subsequent_indent=" " * column,
@@ -131,7 +155,7 @@ def blocks(text: str) -> list[str]:
     per release range) then stays a list instead of running into its neighbours."""
     parts: list[str] = []
     fresh = True
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): a \r or \x1c is escaped, not a break
         words = line.strip()
         if not words:
             fresh = True
@@ -170,7 +194,8 @@ def render_run(report: RunReport) -> None:
     its state, what the run did to it and why, wrapped at :func:`line_width`; then the
     summary, on one line whatever its length (the line scripts and logs look for)."""
     tree = report.tree
-    header = f"vLLM {tree.version} at {tree.root} (version from {SOURCES[tree.source]})"
+    where = printable(str(tree.root))  # exact: a newline in the path shown as \n, not a space
+    header = f"vLLM {tree.version} at {where} (version from {SOURCES[tree.source]})"
     for line in wrap("", header, 4):
         out(line)
     if report.runner is not None and report.command == "status":
@@ -434,6 +459,8 @@ def _placement_json(place) -> dict:
 
 
 def render_refresh(report) -> None:
+    for line in report.recovered:  # what it finished or undid before it refreshed
+        out(f"note: {line}")
     out(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
     for relpath in report.changed:
         out(f"  diff of {relpath}")
@@ -469,7 +496,20 @@ def refresh_json(report) -> dict:
         "unchanged": report.unchanged,
         "created": [str(p) for p in report.created],
         "added": report.added,
+        "recovered": report.recovered,
     }
+
+
+def render_recover(recovered: list[str]) -> None:
+    """`refresh --recover`: what it finished or undid, or that there was nothing."""
+    for line in recovered:
+        out(f"refresh: {line}")
+    if not recovered:
+        out("refresh: no interrupted refresh in the catalogue: nothing to do")
+
+
+def recover_json(recovered: list[str]) -> dict:
+    return {"ok": True, "command": "refresh --recover", "recovered": recovered}
 
 
 # ----- verify -----
@@ -593,7 +633,7 @@ def emit_canary(report, as_json: bool, api_key: str | None) -> None:
     from patchkit.canary import check, fields
 
     if as_json:
-        out(check.scrub(json.dumps(canary_json(report), indent=2), api_key))
+        out_lines(check.scrub(json.dumps(canary_json(report), indent=2), api_key))
         return
     for line in canary_lines(report):
         # model ids and answers come from the server: escaped, and no line past LINE
@@ -1016,13 +1056,9 @@ def render_probe_report(report) -> None:
     """Per affected request: where it first went bad, the verdict, where to look.
 
     Request ids (a client's X-Request-Id), adapter and module names come from the
-    log: control characters are escaped, so no ESC sequence or newline in them
-    reaches the terminal as such.
+    log: :func:`out` escapes their control characters, as every line's.
     """
-
-    def say(line: str) -> None:
-        out(printable(line))
-
+    say = out
     records, steps = counted(report.records, "record"), counted(report.steps, "step")
     say(f"nan-probe log {report.path}: {records} over {steps}")
     for q in report.quarantines:
@@ -1066,7 +1102,7 @@ def probe_json(report) -> dict:
 def render_probe_warnings(report) -> None:
     """A cut last line the report skipped: on stderr, in text and --json alike."""
     for warning in report.warnings:
-        warn(printable(f"warning: {warning}"))
+        warn(f"warning: {warning}")
 
 
 # ----- adapter check -----
@@ -1081,7 +1117,7 @@ def render_adapter_check(report) -> None:
     else (:func:`printable`).
     """
     for line in adapter_check_lines(report):
-        out(printable(line))
+        out(line)
 
 
 def adapter_check_lines(report) -> list[str]:

@@ -54,6 +54,13 @@ class UnsafePath(PatchkitError):
     """A path that would lead outside the tree, through a link, or to a non-file."""
 
 
+class TooLarge(PatchkitError):
+    """A file larger than its reader's bound: refused before it is read whole."""
+
+    def __init__(self, path: Path, limit: int):
+        super().__init__(f"{path} is larger than {limit} bytes")
+
+
 def checked_relpath(relpath: object, origin: str, top: str | None = CODE_TOP) -> str:
     """``relpath`` if it is clean, relative and under ``top``; else UnsafePath naming ``origin``."""
     if not isinstance(relpath, str) or not relpath:
@@ -161,10 +168,11 @@ class Root:
             return None if fd is None else _lstat_at(fd, name)
 
     # -- files --------------------------------------------------------------
-    def read(self, relpath: str, origin: str) -> bytes | None:
-        """A regular file's bytes; None when it is missing. Links and FIFOs are refused."""
+    def read(self, relpath: str, origin: str, limit: int | None = None) -> bytes | None:
+        """A regular file's bytes; None when it is missing. Links and FIFOs are refused;
+        with ``limit``, so is a file of more bytes (:class:`TooLarge`), before it is read."""
         with self.parent(relpath, origin) as (fd, name):
-            return None if fd is None else _read_at(fd, name, self.full(relpath))
+            return None if fd is None else _read_at(fd, name, self.full(relpath), limit)
 
     def write(self, relpath: str, data: bytes, origin: str) -> None:
         """Replace ``relpath`` atomically (temporary file, fsync, renameat, fsync the directory).
@@ -356,8 +364,9 @@ def _not_a_file(path: Path, mode: int, fd: int, name: str) -> UnsafePath:
     )
 
 
-def _read_at(fd: int, name: str, path: Path) -> bytes | None:
-    """Read a regular file relative to ``fd``; refuse any other type before opening it."""
+def _read_at(fd: int, name: str, path: Path, limit: int | None = None) -> bytes | None:
+    """Read a regular file relative to ``fd``; refuse any other type before opening it,
+    and (``limit``) a file larger than ``limit`` bytes before reading it or as it grows."""
     found = _lstat_at(fd, name)
     if found is None:
         return None
@@ -376,9 +385,14 @@ def _read_at(fd: int, name: str, path: Path) -> bytes | None:
         opened = os.fstat(handle)
         if not stat.S_ISREG(opened.st_mode):  # swapped between the lstat and the open
             raise _not_a_file(path, opened.st_mode, fd, name)
-        chunks = []
+        if limit is not None and opened.st_size > limit:
+            raise TooLarge(path, limit)
+        chunks, size = [], 0
         while chunk := os.read(handle, 1 << 20):
             chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:  # it grew after the fstat
+                raise TooLarge(path, limit)
         return b"".join(chunks)
     finally:
         os.close(handle)

@@ -107,6 +107,8 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
     """Assess every patch; reads files only."""
     state = state_of(tree, catalogue)
     report = RunReport(STATUS, tree, plan(STATUS, tree, catalogue, state, DEFAULTS))
+    if catalogue.interrupted_note:
+        report.plan.warn(catalogue.interrupted_note)
     if interrupted(tree.fs):
         report.plan.warn(
             "an earlier patchkit run was interrupted while writing; the next "
@@ -147,9 +149,16 @@ def _run(
     if options.dry_run:
         state = state_of(tree, catalogue)
         report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
+        if catalogue.interrupted_note:
+            report.plan.warn(catalogue.interrupted_note)
         if interrupted(tree.fs):
             report.plan.warn("an interrupted run will be rolled back first by a real apply")
         return report
+    if catalogue.interrupted_note:  # its diffs may be half one refresh's, half before it
+        raise PatchkitError(
+            f"{catalogue.interrupted_note}; {command} writes nothing into a tree from a "
+            "half-written catalogue: nothing was changed"
+        )
     notes: list[str] = []
     report = None
     try:

@@ -64,6 +64,7 @@ class RefreshReport:
     unchanged: list[str] = field(default_factory=list)  # back to their original: left out
     created: list[Path] = field(default_factory=list)  # sources copied back to files/
     added: list[str] = field(default_factory=list)  # --add: files newly in the patch
+    recovered: list[str] = field(default_factory=list)  # what it finished or undid first
 
 
 @dataclass
@@ -104,14 +105,35 @@ def refresh(
         )
     patch = catalogue.get(patch_id)
     pristine = _pristine_tree(tree, catalogue, patch, add, pristine)  # may download: no lock
+    recovered: list[str] = []
     with Root.open(catalogue.root) as root, journal.CatalogueLock(root), TreeLock(tree.fs):
         with signals.held():
-            journal.recover_locked(root, catalogue.ids)
-            recover(tree.fs, catalogue.file_kinds)
+            # the CLI finished or undid an interrupted refresh before it loaded the
+            # catalogue (recover_interrupted_refresh); one that died since makes this run
+            # stop (its catalogue is stale), an interrupted run on the tree is rolled back
+            # and the report says so
+            recovered += journal.recover_locked(root, catalogue.ids)
+            if recovered:
+                raise PatchkitError(
+                    f"{recovered[0]} as this refresh started: run the command again, so that "
+                    "it reads the catalogue as it is now (nothing else was changed)"
+                )
+            recovered += recover(tree.fs, catalogue.file_kinds)
             state = load_state(tree.fs, catalogue.file_kinds)
             sweep(state)
-        plan = _plan(tree, catalogue, root, patch, state, variant_name, add, pristine)
-        _write(tree, root, plan)
+        try:
+            plan = _plan(tree, catalogue, root, patch, state, variant_name, add, pristine)
+            _write(tree, root, plan)
+        except (OSError, PatchkitError) as exc:
+            if not recovered or isinstance(exc, InterruptedAfterRefresh):
+                raise
+            # the roll-back of an interrupted run stands: the error says so
+            what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, "reading")
+            what = what.replace("nothing was changed", "nothing else was changed")
+            raise PatchkitError(
+                f"{what} (before that: {'; '.join(recovered)}; that stands)"
+            ) from None
+    plan.report.recovered = recovered
     return plan.report
 
 
@@ -388,7 +410,7 @@ def _write(tree: VllmTree, root: Root, plan: _Plan) -> None:
 
 
 def _finish(tree: VllmTree, write: journal.CatalogueWrite) -> int | None:
-    """After the commit point: tidy up; a failure here leaves what the next command removes.
+    """After the commit point: tidy up; a failure here leaves what the next refresh removes.
 
     Returns the signal that arrived meanwhile, taken so it cannot claim that
     nothing changed.

@@ -26,14 +26,13 @@ the same tree from interleaving; a second run waits for the first.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import stat
-import time
 from dataclasses import dataclass
 
 from patchkit.errors import PatchkitError, os_error_line
+from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.fs.signals import held
 from patchkit.patching.state import (
@@ -48,7 +47,6 @@ from patchkit.patching.state import (
 )
 from patchkit.vllmtree.tree import sha256_bytes
 
-LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
 LOCK_FILE = f"{STATE_DIR}/lock"
 JOURNAL = f"{TXN_DIR}/journal.json"
 _UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -72,11 +70,11 @@ class LockUnavailable(PatchkitError):
 
 
 class TreeLock:
-    """An exclusive lock on one tree, waited for up to PATCHKIT_LOCK_TIMEOUT s (60)."""
+    """An exclusive lock on one tree, waited for as :mod:`patchkit.fs.locks` says."""
 
     def __init__(self, fs: Root):
         self.fs = fs
-        self.timeout = _lock_timeout()
+        self.timeout = locks.lock_timeout()
         self._fd = -1
         self._made: list[str] = []  # lock file and directory this lock made: undone on failure
 
@@ -119,14 +117,12 @@ class TreeLock:
         try:
             with held():
                 self._open()
-            deadline = time.monotonic() + self.timeout
-            while not self._try_lock():
-                if time.monotonic() >= deadline:
-                    raise PatchkitError(
-                        f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
-                        "let it finish, then run the command again"
-                    )
-                time.sleep(0.05)
+            locks.wait_for(
+                self._try_lock,
+                self.timeout,
+                f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
+                "let it finish, then run the command again",
+            )
         except BaseException:
             with held():
                 self._close()
@@ -136,9 +132,7 @@ class TreeLock:
 
     def _try_lock(self) -> bool:
         with held():
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not locks.try_flock(self._fd):
                 return False
             if self._still_linked():
                 return True
@@ -181,14 +175,6 @@ class TreeLock:
                     self.fs.rmdir(relpath, "lock")  # only if empty
             except OSError:
                 pass
-
-
-def _lock_timeout() -> float:
-    raw = os.environ.get(LOCK_TIMEOUT_ENV, "60")
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        raise PatchkitError(f"{LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
 
 
 def interrupted(fs: Root) -> bool:

@@ -97,10 +97,12 @@ class Quarantine:
 
     def command(self) -> str:
         """The next command, safe to paste: the path is one shell word (a tenant chooses
-        it), or DIR where it holds characters that would not show as written."""
+        it) that is never an option (a relative path starting with "-" is written
+        "./-..."), or DIR where it holds characters that would not show as written."""
         path = self.adapter_path
-        word = shlex.quote(path) if path and path.isascii() and path.isprintable() else "DIR"
-        return f"{CHECK_COMMAND} {word}"
+        if not (path and path.isascii() and path.isprintable()):
+            return f"{CHECK_COMMAND} DIR"
+        return f"{CHECK_COMMAND} {shlex.quote('./' + path if path.startswith('-') else path)}"
 
     def named(self) -> str:
         adapter = repr(self.adapter) if self.adapter is not None else "(no name)"
@@ -175,11 +177,12 @@ class Tally:
     listed: dict[tuple, Quarantine] = field(default_factory=dict)  # distinct, in order
     not_listed: int = 0
 
-    def add(self, entry: dict) -> None:
-        if "probe" in entry:  # each server start writes its own header
+    def add(self, kind: str, entry: dict) -> None:
+        """One checked line, of the kind :func:`line_kind` gave it."""
+        if kind == HEADER:  # each server start writes its own header
             self.unwatched.append(unprobed_by_layer(entry))
             return
-        if entry.get("event") == "quarantine":
+        if kind == QUARANTINE:
             self.add_quarantine(entry)
             return
         self.records += 1
@@ -262,7 +265,7 @@ def read_log(path: Path, tally: Tally) -> list[str]:
                 ]
             if entry is not None:
                 seen += 1
-                tally.add(entry)
+                tally.add(*entry)
     return []
 
 
@@ -307,8 +310,9 @@ def _open_regular(path: Path):
         raise
 
 
-def _parse(path: Path, number: int, line: str) -> dict | None:
-    """One line: None when blank, else a checked record or header.
+def _parse(path: Path, number: int, line: str) -> tuple[str, dict] | None:
+    """One line: None when blank, else its kind (:func:`line_kind`) and the line,
+    checked as that kind.
 
     json.loads raises a plain ValueError (not a JSONDecodeError) for an
     integer longer than Python converts (4,300 digits): caught as not JSON too.
@@ -323,14 +327,37 @@ def _parse(path: Path, number: int, line: str) -> dict | None:
         raise CutLine(f"{where}: not JSON ({name}): not a nan-probe log", "not JSON") from None
     if not isinstance(entry, dict):
         raise PatchkitError(f"{where}: a JSON object expected, got {type(entry).__name__}")
-    if entry.get("probe") == "nan-probe":
-        _check_header(where, entry)
-        return entry
-    if entry.get("event") == "quarantine":
-        _check_quarantine(where, entry)
-        return entry
-    _check_record(where, entry)
-    return entry
+    kind = line_kind(where, entry)
+    {HEADER: _check_header, QUARANTINE: _check_quarantine, RECORD: _check_record}[kind](
+        where, entry
+    )
+    return kind, entry
+
+
+HEADER, QUARANTINE, RECORD = "header", "quarantine", "record"
+RECORD_ONLY = ("step", "bad_requests", "event")  # keys a header never carries
+
+
+def line_kind(where: str, entry: dict) -> str:
+    """What a line is, decided once, here, for the checks and the tally alike: a header
+    is the line with a ``probe`` key, and that key says ``nan-probe`` and the line
+    carries nothing of a record's (a line that is both would have a header's
+    checks and a record's meaning, and its bad requests would go unreported); a
+    quarantine is ``"event": "quarantine"``; anything else is a step's record."""
+    if "probe" in entry:
+        if entry["probe"] != "nan-probe":
+            raise PatchkitError(
+                f"{where}: 'probe': {quoted(entry['probe'])} is not 'nan-probe': "
+                "not a nan-probe header"
+            )
+        mixed = [key for key in RECORD_ONLY if key in entry]
+        if mixed:
+            raise PatchkitError(
+                f'{where}: a header ("probe": "nan-probe") with a record\'s {mixed[0]!r}: '
+                "a line is a header or a record, not both"
+            )
+        return HEADER
+    return QUARANTINE if entry.get("event") == "quarantine" else RECORD
 
 
 def _check_quarantine(where: str, entry: dict) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from patchkit.errors import PatchkitError, printable
+from patchkit.errors import PatchkitError
 from patchkit.fs.files import open_regular
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
@@ -54,6 +54,7 @@ from patchkit.releases.members import (
 )
 from patchkit.releases.pipconfig import PipSettings, pip_settings
 from patchkit.releases.transport import FetchError, RangesRefused, Transport, host_of
+from patchkit.terminal import printable
 from patchkit.vllmtree.tree import is_version
 
 MARKER = ".patchkit-fetched"

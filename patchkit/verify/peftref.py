@@ -86,6 +86,7 @@ from pathlib import Path
 
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import read_user_json
+from patchkit.terminal import printable
 from patchkit.verify import serving
 
 NAME = "peft-reference"  # the job's name: its log, its files, its entry in served.json
@@ -404,7 +405,7 @@ def run(spec: serving.Job, out_file: Path) -> None:
             lambda: load_base(model_dir, max_memory), adapters, spec.prompts, spec.requests
         )
     except PatchkitError as exc:
-        print(f"patchkit: error: {exc}", file=sys.stderr)
+        print(printable(f"patchkit: error: {exc}"), file=sys.stderr)
         result["error"] = str(exc)
     result |= {"seconds": time.monotonic() - started, "peak_bytes": _peak_bytes()}
     out_file.write_text(json.dumps(result))

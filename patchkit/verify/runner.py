@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.catalogue.model import Catalogue
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.patching import operations
 from patchkit.verify.checks import FAILED, INCONCLUSIVE, PASSED, overall
 from patchkit.verify.usermodel import ModelResult
@@ -103,6 +103,20 @@ def environment(torch, tree: VllmTree) -> dict:
         "vllm_path": str(tree.root),
         "lora_backend": installed_backend(),
     }
+
+
+# The largest --seed: vLLM seeds numpy with it (vllm.utils.torch_utils.set_random_seed:
+# np.random.seed takes 0 to 2**32 - 1), and torch's generators with it plus a few.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: int) -> None:
+    """A seed every generator verify hands it to takes: 0 to MAX_SEED."""
+    if not 0 <= seed <= MAX_SEED:
+        shown = str(seed) if seed.bit_length() <= 128 else f"of {seed.bit_length()} bits"
+        raise UsageProblem(
+            f"--seed {shown}: a whole number from 0 to {MAX_SEED} (vLLM seeds numpy with it)"
+        )
 
 
 @dataclass

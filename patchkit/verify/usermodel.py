@@ -160,15 +160,20 @@ def read_config(model_dir: Path) -> dict:
 
 
 def max_model_len(config: dict, asked: int | None) -> int:
-    """--max-model-len, or 16k plus the generated tokens, within the model's positions."""
+    """--max-model-len, or 16k plus the generated tokens, within the model's positions.
+
+    ``asked`` is the option as given: 0 is a length (refused), not "not given"."""
     positions = config.get("max_position_embeddings") or LONGEST + serving.GENERATED
-    length = asked or min(LONGEST + serving.GENERATED, positions)
-    if length < PROMPT_LENGTHS[0] + serving.GENERATED:
-        raise UsageProblem(
-            f"--max-model-len {length}: the checks need at least "
-            f"{PROMPT_LENGTHS[0] + serving.GENERATED} tokens"
-        )
+    length = asked if asked is not None else min(LONGEST + serving.GENERATED, positions)
+    check_max_model_len(length)
     return length
+
+
+def check_max_model_len(length: int) -> None:
+    """A length the checks can run in: room for the shortest prompt and its answer."""
+    shortest = PROMPT_LENGTHS[0] + serving.GENERATED
+    if length < shortest:
+        raise UsageProblem(f"--max-model-len {length}: the checks need at least {shortest} tokens")
 
 
 def prompt_lengths(length: int) -> list[int]:

@@ -20,6 +20,8 @@ def check_url(ctx, param, value: str) -> str:
 
     if not value.strip().lower().startswith(("http://", "https://")):
         raise click.BadParameter(f"{value!r} must start with http:// or https://")
+    if not value.strip().isprintable():  # httpx.InvalidURL inside the run: exit 3
+        raise click.BadParameter(f"{value!r} holds a control character; no URL does")
     try:
         parts = urlsplit(value.strip())
         parts.port  # noqa: B018 -- raises ValueError when out of range or not a number

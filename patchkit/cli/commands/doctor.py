@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import render
-from patchkit.cli.options import json_option, target_options
+from patchkit.cli.options import json_option, noted_catalogue, target_options
 from patchkit.cli.outcome import user_errors
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import locate
@@ -69,7 +68,7 @@ def doctor_command(
         request = doctor.ScanRequest(
             Path(model) if model else None, tuple(Path(a) for a in adapters)
         )
-    result = doctor.run(tree, tree_error, load_catalogue(), kernels=request)
+    result = doctor.run(tree, tree_error, noted_catalogue(), kernels=request)
     if as_json:
         render.emit_json(render.doctor_json(result))
     else:

@@ -11,6 +11,7 @@ from patchkit.cli.options import (
     caches_option,
     check_only,
     json_option,
+    noted_catalogue,
     only_option,
     target_options,
 )
@@ -30,7 +31,7 @@ from patchkit.vllmtree.tree import locate
 @user_errors
 def list_patches(verbose: bool, as_json: bool) -> None:
     """Print the patch catalogue: per patch its releases and what it fixes."""
-    catalogue = load_catalogue()
+    catalogue = noted_catalogue()
     if as_json:
         render.emit_json(render.catalogue_json(catalogue))
     else:
@@ -43,7 +44,7 @@ def list_patches(verbose: bool, as_json: bool) -> None:
 @user_errors
 def show_patch(patch_id: str, as_json: bool) -> None:
     """Print one patch in full: why, variants, decisions, known issues, upstream, remove-when."""
-    catalogue = load_catalogue()
+    catalogue = noted_catalogue()
     check_only((patch_id,), catalogue, param_hint="ID")
     if as_json:
         render.emit_json(render.catalogue_json(catalogue, only=patch_id))

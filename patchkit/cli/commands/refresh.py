@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from patchkit.catalogue.load import load_catalogue
+from patchkit.catalogue.load import load_catalogue, recover_interrupted_refresh
 from patchkit.cli import render
 from patchkit.cli.options import check_only, json_option, target_options
 from patchkit.cli.outcome import outcome, user_errors
@@ -26,7 +26,7 @@ def check_add(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @click.command("refresh")
-@click.argument("patch_id", metavar="ID")
+@click.argument("patch_id", metavar="ID", required=False)
 @target_options
 @click.option("--variant", metavar="NAME", help="The variant to write (default: the one applied).")
 @click.option(
@@ -42,29 +42,60 @@ def check_add(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     type=click.Path(file_okay=False, exists=True),
     help="A pristine tree of the same release, for --add (default: `patchkit fetch VERSION`).",
 )
+@click.option(
+    "--recover",
+    is_flag=True,
+    help="Only finish or undo a refresh that was interrupted while writing the catalogue "
+    "(every refresh does that first), then stop.",
+)
 @json_option
 @user_errors
-def refresh_command(patch_id, target, vllm_version, variant, add, pristine, as_json) -> None:
+def refresh_command(
+    patch_id, target, vllm_version, variant, add, pristine, recover, as_json
+) -> None:
     """Rewrite patch ID's diff from the tree it is applied to (maintainers; like quilt refresh).
 
     Apply the patch, edit the patched files in the tree, then refresh: the
     variant's diff is made from the originals patchkit keeps to the files as
     they are, files the patch creates are copied back to patches/ID/files/,
     and the tree's record follows, so status still says applied.
+
+    A refresh killed while it wrote leaves a journal in the catalogue; the
+    next refresh (or `refresh --recover` alone) finishes or undoes it and
+    says so. No other command writes the catalogue.
     """
     from pathlib import Path
 
     from patchkit.fs.safepath import checked_relpath
     from patchkit.patching.refresh import refresh
 
-    catalogue = load_catalogue()
+    if recover and (patch_id or add or variant or pristine or target):
+        raise click.UsageError("--recover takes no ID and no other option; it only recovers")
+    if not recover and not patch_id:
+        raise click.UsageError("Missing argument 'ID' (or --recover).")
+    if recover:  # series.toml alone: a catalogue that does not load still gets recovered
+        recovered = recover_interrupted_refresh()
+        if recovered:
+            outcome().done([f"refresh: {line}" for line in recovered])
+        if as_json:
+            render.emit_json(render.recover_json(recovered))
+        else:
+            render.render_recover(recovered)
+        return
+    catalogue = load_catalogue()  # reads only: a usage error comes before any write
     check_only((patch_id,), catalogue)
     for relpath in add:
         checked_relpath(relpath, "--add")
+    recovered = []
+    if catalogue.interrupted_refresh:  # refresh owns the journal: it finishes or undoes it
+        recovered = recover_interrupted_refresh(catalogue.root)
+        outcome().done([f"refresh: {line}" for line in recovered])
+        catalogue = load_catalogue(catalogue.root)  # as the recovery left it
     tree = locate(target, vllm_version)
     result = refresh(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
+    result.recovered[:0] = recovered
     outcome().done([render.refresh_summary(result)])
     if as_json:
         render.emit_json(render.refresh_json(result))

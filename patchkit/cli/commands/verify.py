@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
 import click
 
-from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import exits, render
-from patchkit.cli.options import json_option
+from patchkit.cli.options import json_option, noted_catalogue
 from patchkit.cli.outcome import user_errors
 from patchkit.verify import checks
 
@@ -94,8 +92,7 @@ def verify_command(
     )
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    say = functools.partial(click.echo, err=True)
-    result = runner.run(load_catalogue(), request, say)
+    result = runner.run(noted_catalogue(), request, render.warn)
     render.emit_json(render.verify_json(result)) if as_json else render.render_verify(result)
     sys.exit(VERDICT_EXITS[result.verdict])
 
@@ -114,7 +111,7 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep, re
 
     from patchkit.errors import UsageProblem
     from patchkit.verify import runner
-    from patchkit.verify.usermodel import parse_lora
+    from patchkit.verify.usermodel import check_max_model_len, parse_lora
 
     if loras and model is None:
         raise UsageProblem("--lora needs --model DIR (the base model the adapters belong to)")
@@ -122,6 +119,10 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep, re
         raise UsageProblem("--model needs at least one --lora NAME=DIR")
     if max_model_len is not None and model is None:
         raise UsageProblem("--max-model-len goes with --model")
+    if max_model_len is not None:  # 0 is a length, refused here: never "not given"
+        check_max_model_len(max_model_len)
+    if seed is not None:
+        runner.check_seed(seed)
     if reference is not None and model is None:
         raise UsageProblem("--reference goes with --model")
     if model is not None and not Path(model).is_dir():
