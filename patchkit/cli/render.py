@@ -1113,8 +1113,8 @@ def render_adapter_check(report) -> None:
     summary line.
 
     Every line holds what the user's files say (tensor names, config values, a
-    model's architecture, paths): each is escaped here, on its way out, and nowhere
-    else (:func:`printable`).
+    model's architecture, paths): :func:`out` escapes each on its way out, as it does
+    every command's lines.
     """
     for line in adapter_check_lines(report):
         out(line)
