@@ -16,7 +16,20 @@ import io
 import shutil
 from pathlib import Path
 
+from packaging.version import Version
+
 MANAGER = "vllm/lora/model_manager.py"
+
+
+def next_version(releases) -> str:
+    """The version a drill's release takes: the minor after the newest of ``releases``
+    (the catalogue's tested ones), so a release added to the catalogue never makes the
+    drill's release a tested one. The drills alter real trees of tested releases
+    (0.33.0, 0.34.0), which stay in the cache whatever is added after them."""
+    newest = max(Version(v) for v in releases)
+    return f"{newest.major}.{newest.minor + 1}.0"
+
+
 # 0.34.0's _stack_moe_lora_weights as a next release might rewrite it: a raise instead
 # of the assert that partial-moe-adapter's hunks are made on.
 MOE_ASSERT_REWRITTEN = {

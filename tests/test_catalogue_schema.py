@@ -25,6 +25,11 @@ NAN_PROBE = "nan-probe/patch.toml"
 MATMUL = "matmul-add-lora-linear/patch.toml"
 BLOCK_N = "expand-block-n/patch.toml"
 GDN = "partial-gdn-adapter/patch.toml"
+# partial-gdn-adapter's not-applicable evidence: made an absent-file one by the tests
+NO_EXPAND = (
+    '{ file = "vllm/lora/layers/column_parallel_linear.py", '
+    "pattern = '\\A(?![\\s\\S]*def\\s+expand_packed_lora\\b)' }"
+)
 
 
 def copied(tmp_path: Path) -> Path:
@@ -60,7 +65,8 @@ TYPOS = [
     (NAN_PROBE, "covers =", "cover =", "cover", "the top-level table"),
     (NAN_PROBE, "context = 1", "contexts = 1", "contexts", "[[variants]] #1"),
     (NAN_PROBE, "made_on = ", "made-on = ", "made-on", "[[variants]] #1"),
-    (NAN_PROBE, "absent = true", "absnt = true", "absnt", "[[decisions]] #1, evidence #1"),
+    (GDN, NO_EXPAND, '{ file = "vllm/lora/x.py", absnt = true }', "absnt",
+     "[[decisions]] #2, evidence #1"),
     (MATMUL, "disabled_by = [", "disabled-by = [", "disabled-by", "[diagnosis]"),
     (MATMUL, "replaces_kernels =", "replace_kernels =", "replace_kernels", "[diagnosis]"),
     (MATMUL, '"VLLM_BATCH_INVARIANT", unless', '"VLLM_BATCH_INVARIANT", unles', "unles",
@@ -95,7 +101,7 @@ def test_an_unknown_key_anywhere_is_one_line_naming_file_table_and_key(
 
 def test_a_table_where_a_value_goes_or_a_value_where_a_table_goes_is_one_line(tmp_path):
     cases = [
-        (NAN_PROBE, "[[variants]]\nname", 'variants = "runner-hooks"\n[[oops]]\nname'),
+        (MATMUL, 'id = "matmul', 'variants = "torch-ops"\nid = "matmul'),
         (NAN_PROBE, 'id = "nan-probe"', 'overridden_by = 1\nid = "nan-probe"'),
         (MATMUL, 'disabled_by = [\n    { env = "PATCHKIT_LORA_BACKEND", values = ["triton"] },',
          'disabled_by = [\n    "PATCHKIT_LORA_BACKEND",'),
@@ -103,6 +109,8 @@ def test_a_table_where_a_value_goes_or_a_value_where_a_table_goes_is_one_line(tm
     for number, (file, old, new) in enumerate(cases):
         root = copied(tmp_path / str(number))
         edited(root, file, old, new)
+        if new.startswith("variants ="):  # the file's array of tables renamed away
+            edited(root, file, "[[variants]]", "[[oops]]")
         result = run_cli("list", env={"PATCHKIT_PATCHES_DIR": str(root)})
         assert result.exit_code == 1, (file, result.output)
         [line] = result.stderr.strip().splitlines()
@@ -111,10 +119,10 @@ def test_a_table_where_a_value_goes_or_a_value_where_a_table_goes_is_one_line(tm
 
 def test_evidence_is_a_pattern_or_an_absent_file_never_both(tmp_path):
     root = copied(tmp_path)
-    edited(root, NAN_PROBE, "absent = true }", "absent = true, pattern = 'x' }")
+    edited(root, GDN, NO_EXPAND, "{ file = 'vllm/x.py', absent = true, pattern = 'x' }")
     result = run_cli("list", env={"PATCHKIT_PATCHES_DIR": str(root)})
     assert result.exit_code == 1 and "a pattern or absent = true, not both" in result.stderr
-    edited(root, NAN_PROBE, "absent = true, pattern = 'x' }", 'absent = "yes" }')
+    edited(root, GDN, "absent = true, pattern = 'x' }", 'absent = "yes" }')
     result = run_cli("list", env={"PATCHKIT_PATCHES_DIR": str(root)})
     assert result.exit_code == 1 and "absent: true or false expected" in result.stderr
 

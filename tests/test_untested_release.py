@@ -14,8 +14,13 @@ import shlex
 import shutil
 from pathlib import Path
 
-from tests.conftest import release_tree, run_cli, snapshot
-from tests.release_drill_helpers import MANAGER, MOE_ASSERT_REWRITTEN, next_release
+from packaging.version import Version
+
+from tests.conftest import CATALOGUE, RELEASES, release_tree, run_cli, snapshot
+from tests.release_drill_helpers import MANAGER, MOE_ASSERT_REWRITTEN, next_release, next_version
+
+NEXT = next_version(RELEASES)  # the drills' release: one the catalogue has not seen
+NEWEST = max(RELEASES, key=Version)
 
 COLUMN = "vllm/lora/layers/column_parallel_linear.py"
 # 0.33.0's expand_packed_lora with one line written another way: the hunks of
@@ -37,9 +42,9 @@ def states(report: dict) -> dict[str, tuple[str, str]]:
 
 
 def rewritten_0340(tmp_path: Path) -> Path:
-    """0.34.0 with the assert partial-moe-adapter patches rewritten, as 0.35.0."""
+    """0.34.0 with the assert partial-moe-adapter patches rewritten, as NEXT."""
     return next_release(
-        release_tree("0.34.0"), tmp_path / "site", "0.35.0", rewrite=MOE_ASSERT_REWRITTEN
+        release_tree("0.34.0"), tmp_path / "site", NEXT, rewrite=MOE_ASSERT_REWRITTEN
     )
 
 
@@ -48,27 +53,25 @@ def test_a_rewritten_function_is_changed_upstream_not_a_conflict(tmp_path):
     state, reason = states(status(root))["partial-moe-adapter"]
     assert state == "changed-upstream"
     assert reason.startswith(
-        f"vLLM 0.35.0 rewrote the code partial-moe-adapter changes in {MANAGER}"
+        f"vLLM {NEXT} changed the code partial-moe-adapter changes in {MANAGER}"
     )
     assert "whether the bug is fixed there is not known to this catalogue" in reason
     assert "reinstall" not in reason and "pip install" not in reason
 
 
 def test_a_removed_file_is_said_in_one_line(tmp_path):
-    root = next_release(release_tree("0.34.0"), tmp_path / "site", "0.35.0", remove=(MANAGER,))
+    root = next_release(release_tree("0.34.0"), tmp_path / "site", NEXT, remove=(MANAGER,))
     state, reason = states(status(root))["partial-moe-adapter"]
     assert state == "changed-upstream"
-    assert reason.startswith(f"vLLM 0.35.0 no longer ships {MANAGER};")
+    assert reason.startswith(f"vLLM {NEXT} no longer ships {MANAGER} (moved or removed);")
     assert "neither the pristine text" not in reason
 
 
 def test_plain_apply_applies_nothing_and_names_the_apply_only_that_runs(tmp_path):
-    """0.33.0 as 0.35.0 with expand_packed_lora rewritten: partial-gdn-adapter moved,
+    """0.33.0 as NEXT with expand_packed_lora rewritten: partial-gdn-adapter moved,
     partial-moe-adapter still fits. Plain apply (and --dry-run) refuse and change nothing;
     the command they name runs and applies exactly the patch that fits."""
-    root = next_release(
-        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
-    )
+    root = next_release(release_tree("0.33.0"), tmp_path / "site", NEXT, rewrite={COLUMN: EXPAND})
     pristine = snapshot(root)
     assert states(status(root))["partial-gdn-adapter"][0] == "changed-upstream"
     for args in ((), ("--dry-run",), ("--strict",)):
@@ -77,7 +80,7 @@ def test_plain_apply_applies_nothing_and_names_the_apply_only_that_runs(tmp_path
         assert snapshot(root) == pristine
     refused = run_cli("apply", "--target", str(root))
     [line] = [x for x in refused.stderr.splitlines() if x.startswith("patchkit: error:")]
-    assert "partial-gdn-adapter: changed-upstream: vLLM 0.35.0 rewrote" in line
+    assert f"partial-gdn-adapter: changed-upstream: vLLM {NEXT} changed" in line
     command = line.split("`")[-2]
     assert command == f"patchkit apply --only partial-moe-adapter --target {shlex.quote(str(root))}"
     applied = run_cli(*shlex.split(command)[1:], "--json")
@@ -92,27 +95,25 @@ def test_plain_apply_applies_nothing_and_names_the_apply_only_that_runs(tmp_path
 
 
 def test_known_issues_are_unknown_there_and_their_command_runs(tmp_path):
-    root = next_release(
-        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
-    )
+    root = next_release(release_tree("0.33.0"), tmp_path / "site", NEXT, rewrite={COLUMN: EXPAND})
     [notice] = [p for p in status(root)["patches"] if p["id"] == "partial-moe-adapter"][0][
         "notices"
     ]
-    assert notice.startswith("unknown on vLLM 0.35.0, which this catalogue has not decided")
-    assert "seen up to 0.34.0" in notice
+    assert notice.startswith(f"unknown on vLLM {NEXT}, which this catalogue has not decided")
+    [moe_notice] = CATALOGUE.get("partial-moe-adapter").notices
+    seen = max((r for r in RELEASES if moe_notice.versions.contains(r)), key=Version)
+    assert f"seen up to {seen}" in notice
     assert notice.endswith("`patchkit apply --only partial-moe-adapter` applies it")
     gdn = [p for p in status(root)["patches"] if p["id"] == "partial-gdn-adapter"][0]
     assert gdn["notices"] == []  # its evidence is the old code's; nothing asserted
 
 
 def test_doctor_never_asserts_a_bug_on_an_undecided_release(tmp_path):
-    root = next_release(
-        release_tree("0.33.0"), tmp_path / "site", "0.35.0", rewrite={COLUMN: EXPAND}
-    )
+    root = next_release(release_tree("0.33.0"), tmp_path / "site", NEXT, rewrite={COLUMN: EXPAND})
     result = run_cli("doctor", "--target", str(root), "--json")
     verdicts = {v["bug"].split(":")[0]: v for v in json.loads(result.stdout)["verdicts"]}
     gdn = verdicts["vLLM #47639 / #57851"]
-    assert gdn["status"] == "unknown" and "unknown on vLLM 0.35.0" in gdn["reason"]
+    assert gdn["status"] == "unknown" and f"unknown on vLLM {NEXT}" in gdn["reason"]
     assert "partial-gdn-adapter does not fit its code (changed-upstream)" in gdn["reason"]
     moe = verdicts["vLLM #48460"]
     assert moe["status"] == "unknown"
@@ -131,7 +132,7 @@ def test_an_edited_file_on_an_untested_release_is_still_a_conflict(tmp_path):
     path.write_text(path.read_text().replace("raise ValueError('one parameter')", "pass"))
     state, reason = states(status(root))["partial-moe-adapter"]
     assert state == "conflict"
-    assert "differs from the sha256 in vLLM 0.35.0's RECORD" in reason or "neither" in reason
+    assert f"differs from the sha256 in vLLM {NEXT}'s RECORD" in reason or "neither" in reason
 
 
 def test_a_missing_file_on_a_tested_release_is_not_a_contradiction(tmp_path):
@@ -143,3 +144,22 @@ def test_a_missing_file_on_a_tested_release_is_not_a_contradiction(tmp_path):
     state, reason = states(status(root))["partial-moe-adapter"]
     assert state == "conflict"
     assert f"{MANAGER} is missing" in reason and "neither" not in reason
+
+
+def test_on_a_newer_release_the_newest_variant_that_fits_is_tried_first(tmp_path):
+    """0.34.0's code as NEXT fits both partial-moe-adapter variants (the pre-0.32 one
+    changes model_manager.py alone); with no variant listed for the release, a release
+    newer than the catalogue gets the newest that fits, not the oldest (which would leave
+    PEFTHelper's rank and alpha patterns unfixed): the release drill's finding."""
+    from patchkit.patching.assess import TreeFiles, _from_variants
+    from patchkit.patching.state import State
+    from patchkit.vllmtree.tree import locate
+
+    root = next_release(release_tree("0.34.0"), tmp_path / "site", NEXT)
+    tree = locate(str(root))
+    patch = CATALOGUE.get("partial-moe-adapter")
+    files = TreeFiles(tree, State(tree.fs), CATALOGUE.ids)
+    newest = _from_variants(patch, None, tree, files, newer=True)
+    oldest = _from_variants(patch, None, tree, files, newer=False)
+    assert (newest.state, newest.variant.name) == ("needed", "single-parameter-patterns")
+    assert (oldest.state, oldest.variant.name) == ("needed", "single-parameter")

@@ -89,6 +89,7 @@ SCHEMA: dict[str, dict[str, str | None]] = {
         "made_on": None,
         "creates": None,
         "context": None,
+        "families": None,
     },
     "decisions": {
         "state": None,

@@ -173,10 +173,11 @@ def assess_with(
     version = tree.parsed_version
     expected = patch.expected_for(version)
     record = state.patches.get(patch.id)
+    newer = bool(newer_than_catalogue(catalogue, version))
     result = (
         _from_record(patch, record, files, catalogue)
         or _from_decisions(patch, expected, files)
-        or _from_variants(patch, expected, tree, files)
+        or _from_variants(patch, expected, tree, files, newer)
     )
     if record is not None and result.record is None:
         result.record, result.stale_record = record, True
@@ -396,9 +397,19 @@ def _from_decisions(
 
 
 def _from_variants(
-    patch: Patch, expected: Variant | Decision | None, tree: VllmTree, files: TreeFiles
+    patch: Patch,
+    expected: Variant | Decision | None,
+    tree: VllmTree,
+    files: TreeFiles,
+    newer: bool = False,
 ) -> Assessment:
-    ordered = sorted(patch.variants, key=lambda v: v is not expected)
+    """The variant listed for the release first; then the others, oldest first, or, on a
+    release newer than the catalogue (``newer``), newest first: an older variant may fit
+    newer code too and miss what the newer variants added for it."""
+    rest = [v for v in patch.variants if v is not expected]
+    if newer:
+        rest.sort(key=lambda v: Version(v.made_on), reverse=True)
+    ordered = ([expected] if isinstance(expected, Variant) else []) + rest
     for variant in ordered:
         attempt = _try_variant(variant, files, reverse=False)
         if attempt is not None:
@@ -498,7 +509,8 @@ def _changed_upstream(
     if not made or not tree.record:
         return None
     newer = bool(newer_than_catalogue(catalogue, tree.parsed_version))
-    variant = made[-1] if newer else conflict.variant or made[0]
+    newest = max(made, key=lambda v: Version(v.made_on))
+    variant = newest if newer else conflict.variant or made[0]
     gone, rewritten = [], []
     for path in variant.paths:
         if path in variant.created:
@@ -513,10 +525,10 @@ def _changed_upstream(
             rewritten.append(path)
     if not gone and not rewritten:
         return None
-    moved = [f"no longer ships {gone[0]}"] if gone else []
+    moved = [f"no longer ships {gone[0]} (moved or removed)"] if gone else []
     if rewritten:
         moved.append(
-            f"rewrote the code {patch.id} changes in {rewritten[0]} (the file is the wheel's "
+            f"changed the code {patch.id} changes in {rewritten[0]} (the file is the wheel's "
             "own, as its RECORD says)"
         )
     what = f"vLLM {tree.version} " + " and ".join(moved)

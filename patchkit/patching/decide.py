@@ -180,7 +180,8 @@ def _refuse_moved(moved: list[Assessment], result: Plan, tree: VllmTree) -> None
         f"`patchkit apply {' '.join(f'--only {i}' for i in fit)} {target}` applies the "
         "patches that fit"
         if fit
-        else "no other patch it would take is needed here"
+        else f"no other patch it would take is needed here; `patchkit doctor {target}` says "
+        "which known bugs stay unknown on this release until a patchkit that has decided it"
     )
     raise PatchkitError(
         f"{first.patch.id}: {PatchState.CHANGED_UPSTREAM}{others}: {first.reason}; nothing "
