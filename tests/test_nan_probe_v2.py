@@ -109,6 +109,8 @@ def test_v2_warmup_request_ids_are_the_ones_the_probe_skips(version, probe):
 
 torch = pytest.importorskip("torch", reason="the probe module needs torch (the test extra)")
 
+from tests.probe_helpers import Model  # noqa: E402 (torch first)
+
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
@@ -134,44 +136,6 @@ def input_batch_fields(version: str) -> set[str]:
         if isinstance(n, ast.ClassDef) and n.name == "InputBatch"
     )
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
-
-
-class BaseLayerWithLoRA(torch.nn.Module):
-    """Stands in for vLLM's LoRA base class (found by name)."""
-
-
-class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
-    def __init__(self, width: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return self.linear(x), None
-
-
-class Layer(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.qkv_proj = BaseLinearLayerWithLoRA(width)
-
-    def forward(self, positions, hidden_states, residual):
-        residual = hidden_states if residual is None else hidden_states + residual
-        hidden, _ = self.qkv_proj(residual)
-        return hidden, residual
-
-
-class Model(torch.nn.Module):
-    """A decoder stack named as vLLM names it (``layers.N``): the GPU model's stand-in."""
-
-    def __init__(self, width: int = 8, layers: int = 2):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
-
-    def forward(self, positions, hidden_states):
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        return hidden_states
 
 
 @pytest.mark.parametrize("version", [r for r in RELEASES if r in REQUIRED])
