@@ -49,6 +49,23 @@ def test_nearest_match_wins_when_context_repeats():
     assert placements[0].line == 5
 
 
+def test_a_later_hunk_is_sought_where_the_one_before_it_moved():
+    """Hunk 2's context (``)`` and a blank line) occurs all over the file; hunk 1's is
+    distinctive and moved 40 lines up. Hunk 2 goes beside hunk 1, as GNU patch carries
+    the offset, not at its header's line, where another ``)`` sits (nan-probe's V1 hook
+    landed in another method of vLLM 0.19.0 and 0.33.0's runner that way)."""
+    diff = (
+        "--- a/vllm/x.py\n+++ b/vllm/x.py\n"
+        "@@ -50,2 +50,2 @@\n doc\n-return call(\n+out = call(\n"
+        "@@ -53,2 +53,3 @@\n )\n+after(out)\n \n"
+    )
+    filler = "".join(f"x{i}\n)\n\n" for i in range(30))  # a ")" then a blank, many times
+    text = "doc\nreturn call(\n  arg,\n)\n\n" + filler
+    new, placements = apply_file_patch(text, one(diff))
+    assert new.startswith("doc\nout = call(\n  arg,\n)\nafter(out)\n\n")
+    assert [(p.line, p.offset) for p in placements] == [(1, -49), (4, -49)]
+
+
 def test_crlf_file_keeps_crlf_and_crlf_diff_parses():
     crlf = ORIGINAL.replace("\n", "\r\n")
     text, _ = apply_file_patch(crlf, one(DIFF.replace("\n", "\r\n")))

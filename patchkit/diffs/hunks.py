@@ -243,11 +243,13 @@ def apply_file_patch(text: str | None, file_patch: FilePatch) -> tuple[str | Non
     lower = 0  # hunks apply in order and must not overlap
     shift = 0  # lines added minus removed by the hunks applied so far
     for hunk in file_patch.hunks:
+        # where the code moved to: the offset the hunk before was found at, as GNU patch
+        # carries it (a hunk with a plain context such as a closing bracket is sought
+        # beside its neighbour, not at the line numbers of the release the diff was made on)
+        drift = placements[-1].offset if placements else 0
         expected = max(hunk.source_start - 1, 0) + shift
-        found = _locate(parsed.lines, hunk.old, expected, lower)
+        found = _locate(parsed.lines, hunk.old, expected + drift, lower)
         if found is None:
-            # where the code moved to: the offset the hunk before was found at
-            drift = placements[-1].offset if placements else 0
             near = max(hunk.source_start - 1, 0) + drift
             why = _why_no_match(_Text.parse(text).lines, hunk, near)
             raise HunkMismatch(path, hunk.index, hunk.header, why)
