@@ -7,6 +7,7 @@ readings beside it. Used by the doctor --kernels, advice and Docker tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -50,9 +51,12 @@ def torch_site() -> Path:
     """The tests' CPU torch and what it imports, linked into one directory for a .pth.
 
     The scan runs vLLM's launchers on meta tensors, so it needs torch, as every
-    vLLM environment has; an image-like test venv gets it through this.
+    vLLM environment has; an image-like test venv gets it through this. One directory
+    per environment (its prefix's hash): the cache outlives the virtual environment that
+    made its links, and a link left by a removed one must not stand for this one's.
     """
-    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}"
+    prefix = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    site = TEST_CACHE / f"torch-site-cp{sys.version_info[0]}{sys.version_info[1]}-{prefix}"
     with cache_lock(site.name):  # two processes must not make the same link
         _link_torch(site)
     return site
@@ -69,7 +73,9 @@ def _link_torch(site: Path) -> None:
         origin = Path(spec.origin)
         source = origin.parent if origin.name == "__init__.py" else origin
         link = site / source.name
-        if not link.exists():
+        if link.is_symlink() and Path(os.readlink(link)) != source:
+            link.unlink()  # made by an environment since replaced at the same prefix
+        if not link.is_symlink():
             link.symlink_to(source)
 
 
