@@ -146,7 +146,7 @@ def print_block(block: dict) -> None:
 
 def watch(pre: bool, as_json: bool) -> None:
     catalogue = load_catalogue()
-    newest_tested = max(catalogue.tested_releases, key=Version)
+    newest_tested = catalogue.newest_tested
     settings = pip_settings()
     transport = Transport(settings)
     newer, newest_on_index = newer_releases(Version(newest_tested), pre, settings, transport)

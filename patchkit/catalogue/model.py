@@ -339,5 +339,10 @@ class Catalogue:
         return version is not None and version < min(Version(r) for r in self.tested_releases)
 
     @property
+    def newest_tested(self) -> str:
+        """The newest release the catalogue decided (a version, not the last listed)."""
+        return max(self.tested_releases, key=Version)
+
+    @property
     def tested_span(self) -> str:
         return f"{self.tested_releases[0]} to {self.tested_releases[-1]}"

@@ -325,7 +325,7 @@ def verdicts(
 ) -> list[BugVerdict]:
     """One verdict per bug that the catalogue's patches declare, then the stale-code check."""
     states = report.states()
-    undecided = "" if catalogue.is_tested(version) else newest_tested(catalogue)
+    undecided = "" if catalogue.is_tested(version) else catalogue.newest_tested
     found = [
         bug_verdict(report, version, states, group, undecided) for group in bug_groups(catalogue)
     ]
@@ -342,11 +342,6 @@ def bug_groups(catalogue: Catalogue) -> list[list[Patch]]:
         if patch.diagnosis is not None:
             groups.setdefault(patch.diagnosis.bugs, []).append(patch)
     return list(groups.values())
-
-
-def newest_tested(catalogue: Catalogue) -> str:
-    """The newest release the catalogue decided, for a verdict on one it has not."""
-    return max(catalogue.tested_releases, key=Version)
 
 
 def bug_verdict(

@@ -213,7 +213,7 @@ def assess_replacement(patch: Patch, tree: VllmTree, files: TreeFiles) -> Assess
 
 def newer_than_catalogue(catalogue: Catalogue, version: Version | None) -> str:
     """The newest tested release when ``version`` is newer than it; '' otherwise."""
-    newest = max(catalogue.tested_releases, key=Version)
+    newest = catalogue.newest_tested
     return newest if version is not None and version > Version(newest) else ""
 
 
@@ -521,7 +521,7 @@ def _changed_upstream(
             gone.append(path)
         elif files.base_sha256(path) != tree.record.get(path):
             return None  # not the wheel's file: an edit, a conflict proper
-        elif _try_variant_file(variant, path, files) is None:
+        elif not _fits(variant, path, files):
             rewritten.append(path)
     if not gone and not rewritten:
         return None
@@ -536,21 +536,20 @@ def _changed_upstream(
         patch,
         CHANGED_UPSTREAM,
         reason=f"{what}; whether the bug is fixed there is not known to this catalogue, "
-        f"tested up to {max(catalogue.tested_releases, key=Version)}",
+        f"tested up to {catalogue.newest_tested}",
         variant=variant,
         files=variant.paths,
     )
 
 
-def _try_variant_file(variant: Variant, path: str, files: TreeFiles) -> str | None:
-    """The variant's hunks for one file applied to it; None when they do not fit."""
-    for file_patch in variant.files:
-        if file_patch.path == path:
-            try:
-                return apply_file_patch(files.text(path), file_patch)[0] or ""
-            except HunkMismatch:
-                return None
-    return ""
+def _fits(variant: Variant, path: str, files: TreeFiles) -> bool:
+    """Whether the variant's hunks for one file apply to it."""
+    try:
+        for file_patch in (f for f in variant.files if f.path == path):
+            apply_file_patch(files.text(path), file_patch)
+    except HunkMismatch:
+        return False
+    return True
 
 
 def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
@@ -564,8 +563,8 @@ def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFile
             f"--variant {variant.name} --add PATH ...` (CONTRIBUTING.md)",
             variant=variant,
         )
-    detail, what = "no variant matches", "the file is neither the pristine text this patch "
-    what += "expects nor its patched text"
+    detail = "no variant matches"
+    what = "the file is neither the pristine text this patch expects nor its patched text"
     try:
         for file_patch in variant.files:
             if files.text(file_patch.path) is None and not file_patch.creates:
