@@ -31,6 +31,8 @@
 # GS_PROBE_GPU=0 puts the proof on GPU 0 too, for a one-GPU host: the benchmark
 # then starts after the proof (two engines profiling memory at once on one GPU
 # count each other's allocations: docs/evidence.md).
+# GS_PLAN=probe GS_V2=1: the same under Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 for
+# every engine; the proof runs GS_V2_PROOFS, default torch-cudagraph, with --runner v2).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -100,6 +102,9 @@ BENCH_END=${GS_BENCH_END:-1100}     # the benchmark ends this long after the pro
 [ "${GS_PLAN:-}" = serving ] && BENCH_END=${GS_BENCH_END:-1300}
 # GS_PLAN=v2: every engine of the sitting on Model Runner V2 (0.19.0-0.33.0 read it)
 [ "${GS_PLAN:-}" = v2 ] && export VLLM_USE_V2_MODEL_RUNNER=1
+# GS_V2=1 with GS_PLAN=probe: the probe plan on Model Runner V2 (the proof's engines
+# and both benchmark engines, default and default+nan-probe); GS_V2_PROOFS picks the proofs
+[ "${GS_V2:-0}" = 1 ] && export VLLM_USE_V2_MODEL_RUNNER=1
 SETS=${GS_SETS:-m8=moe35b:8x16 d16=dense27b:16x64}
 export PYTHONUNBUFFERED=1
 # The host keeps NVLink multicast off (KINDS.md); every child inherits these.
@@ -199,7 +204,7 @@ one() {
     probe) # not a verify run: the nan-probe proof on its own tree
       say "start probe: nan_probe_gpu.py on /opt/probe"
       local probe_args=(--budget 300 --proofs triton-cudagraph --no-bench) limit=330
-      [ "${GS_PLAN:-}" = v2 ] && probe_args=(--budget 300 --proofs "${GS_V2_PROOFS:-torch-cudagraph}" \
+      [ "${GS_PLAN:-}" = v2 ] || [ "${GS_V2:-0}" = 1 ] && probe_args=(--budget 300 --proofs "${GS_V2_PROOFS:-torch-cudagraph}" \
         --serial --no-bench --runner v2) limit=330
       do_ env CUDA_VISIBLE_DEVICES="${GS_PROBE_GPU:-1}" PYTHONPATH="/opt/probe:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
         timeout "$limit" python3 scripts/proofs/nan_probe_gpu.py "$G/probe" "${probe_args[@]}" \
