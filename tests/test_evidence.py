@@ -1,10 +1,15 @@
-"""The evidence ledger (docs/evidence.md) stays honest.
+"""The evidence ledger (docs/evidence.md) stays honest, and readable.
 
 Every measured number patchkit's documentation relies on lives there, each
 with the date, commit, host and command that produced it. A number whose
 script was renamed, whose archive was dropped or whose commit was mistyped
 would be a claim without its evidence; a dated prose folder beside the ledger
 would be a second place for the same numbers to drift apart in.
+
+Readable: an entry opens with its claim in one sentence, then a small table of
+its numbers, its command and its archive; the reasoning that led there lives in
+the entry's notes (docs/evidence/NAME.md beside the archive NAME.tar.xz, under
+the entry's own heading), so no line of the ledger is a wall of text.
 """
 
 from __future__ import annotations
@@ -24,8 +29,89 @@ LEDGER = REPO / "docs" / "evidence.md"
 THIS = Path(__file__).resolve()
 ARCHIVES = REPO / "docs" / "evidence"
 REQUIRED = ("date", "commit", "host", "command")
+FORM = ("claim", "data", "notes")  # what a converted `###` entry has besides
+NOTES = re.compile(r"^`(docs/evidence/[a-z0-9][a-z0-9.-]*\.md)`")
+# A line a reader takes in at once: 400 characters is four lines of a 100-column
+# screen, room for a field that quotes a sitting's whole `GS_...` command line; the
+# old ledger's walls (up to 3,198 characters) were paragraphs of reasoning, which
+# belong in the notes. Fenced code blocks are exempt (a command is copied, not read).
+LONGEST_LINE = 400
+LONGEST_CLAIM = 300
+# `###` entries (and `##`/`###` prose) not yet in the claim/table/notes form, by the
+# start of their heading: each is exempt from FORM and LONGEST_LINE until converted,
+# then must leave this list.
+NOT_YET_CONVERTED: tuple[str, ...] = (
+    "The archives",
+    "2026-12-03 · a batch without LoRA: the h",
+    "2026-12-03 · the host time of one call i",
+    "2026-12-02 · the host time of one call, ",
+    "2026-12-02 · the host time of one call w",
+    "2026-12-02 · the host time of one call: ",
+    "2026-12-02 · the GEMMs of the batch's ow",
+    "2026-12-02 · a grouped GEMM per slot for",
+    "2026-12-01 · the GEMV route as committed",
+    "2026-12-01 · the torch path's GEMV route",
+    "2026-12-01 · the GEMV route inside vLLM ",
+    "2026-12-01 · a decode step's LoRA module",
+    "2026-11-30 · fourth session: the split s",
+    "2026-11-30 · host work of the slot masks",
+    "2026-11-30 · third session, afterwards: the split shrink ins",
+    "2026-11-30 · third session, afterwards: the split shrink on ",
+    "2026-11-30 · third session: where the ti",
+    "2026-11-30 · third session: 58 of 60, th",
+    "2026-11-30 · second session: 58 of 60",
+    "2026-11-29 · the custom-op torch path, C",
+    "2026-11-29 · the first (traced) torch pa",
+    "2026-11-29 · vLLM's expand kernel: block",
+    "2026-12-01 · every LoRA kernel, the SASS",
+    "2026-12-01 · the scan's two shortcuts ag",
+    "2026-12-01 · the GEMV route's kernels in",
+    "2026-12-01 · the GEMV route's memory at ",
+    "2026-12-01 · every LoRA kernel, on an id",
+    "2026-11-30 · every LoRA kernel, on the s",
+    "2026-11-30 · what the scan finds, per re",
+    "2026-11-30 · the 48-config scan on the t",
+    "Not recorded (written up 2026-11-30) · the 48-conf",
+    "Not recorded (written up 2026-11-30) · the prototy",
+    "2026-12-06 · verify --e2e under Model Ru",
+    "2026-12-02 · verify's kernel checks at 8",
+    "2026-12-02 · verify's kernel checks with the revie",
+    "2026-12-02 · verify's kernel checks with the ops r",
+    "2026-12-02 · verify's kernel checks with the GEMMs",
+    "2026-12-01 · verify's kernel checks with",
+    "`verify --e2e`",
+    "`verify --model`",
+    "The must-fail run: a poisoned adapter on",
+    "Re-judged from recorded engines (CPU, ev",
+    "Base rows against an engine without LoRA",
+    "The float32 transformers + PEFT referenc",
+    "2026-11-30 · torch, triton, torch with o",
+    "2026-12-01 · serving cost with the row k",
+    "2026-12-01 · the probe's kernels alone, ",
+    "2026-11-30 · the probe's kernels alone: ",
+    "2026-11-30 · serving cost after the host",
+    "2026-11-30 · the probe's host side on th",
+    "2026-11-30 · serving cost, first measure",
+    "2026-11-30 · the probe's cost, not measu",
+    "2026-12-06 · the probe on Model Runner V",
+    "2026-12-01 · the quarantine named: a sha",
+    "2026-12-01 · the probe proof with the ro",
+    "2026-12-01 · the first probe proof of th",
+    "2026-11-30 · the probe proof, four confi",
+    "2026-11-30 · `vllm serve` with healthy a",
+    "2026-12-06 · the release drill: a next r",
+    "2026-12-06 · the release watch on the re",
+    "2026-12-03 · where the default set's +0.",
+    "2026-12-01 · `patchkit adapter check` wi",
+    "2026-12-01 · `patchkit adapter check` on",
+    "2026-11-29 · `patchkit status`, `apply` ",
+    "2026-11-29 · split-in-proj-qkvz on the r",
+    "The test suite's time",
+    "2026-11-30 · where the time went, and wh",
+    "How a GPU sitting is run",
+)
 NOT_RECORDED = "not recorded"
-NOT_GROUPS = ("Reading this ledger", "The archives")
+NOT_GROUPS = ("Index", "Reading this ledger", "The archives")
 HOWTO = "How a GPU sitting is run"
 HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 SHORT_HASH = re.compile(r"\b[0-9a-f]{7}\b")  # how this house writes a commit in prose
@@ -66,10 +152,11 @@ def cells(line: str) -> list[str]:
 
 @cache
 def ledger() -> tuple[list[str], list[Entry]]:
-    """The ledger's `##` groups in order, and its entries: `###` sections with the
-    `- field: value` lines right under their heading, and the rows of tables whose
-    header names date and commit. A `###` heading with no fields over such a table
-    is the table's title, not an entry."""
+    """The ledger's `##` groups in order, and its entries: `###` sections with their
+    `- field: value` lines (anywhere in the section: the claim opens it, the numbers'
+    table and the other fields follow), and the rows of tables whose header names
+    date and commit. A `###` heading with no fields over such a table is the table's
+    title, not an entry."""
     groups: list[str] = []
     entries: list[Entry] = []
     group = sub = ""
@@ -77,7 +164,7 @@ def ledger() -> tuple[list[str], list[Entry]]:
     section: Entry | None = None
     for number, line in enumerate(LEDGER.read_text().splitlines(), 1):
         if line.startswith("|"):
-            row, section = cells(line), None
+            row = cells(line)
             if header is None:
                 header = [c.lower() for c in row]
             elif {"date", "commit"} <= set(header) and not set("".join(row)) <= set("-: "):
@@ -94,14 +181,25 @@ def ledger() -> tuple[list[str], list[Entry]]:
             entries.append(section)
         elif section is not None and (match := FIELD.match(line)):
             section.fields.setdefault(match[1], match[2].strip())
-        elif line.strip():
-            section = None
     titles = {(e.group, e.sub) for e in entries if e.sub}
     return groups, [e for e in entries if e.fields or (e.group, e.heading) not in titles]
 
 
-def entries_in(groups: set[str] | None = None) -> list[Entry]:
-    return [e for e in ledger()[1] if groups is None or e.group in groups]
+def notes_files() -> list[Path]:
+    return sorted(ARCHIVES.glob("*.md"))
+
+
+def evidence_text() -> str:
+    """The ledger and its notes: what either cites must exist."""
+    return "\n".join([LEDGER.read_text(), *(p.read_text() for p in notes_files())])
+
+
+def entries_in(groups: set[str] | None = None, heading: str | None = None) -> list[Entry]:
+    return [
+        e
+        for e in ledger()[1]
+        if (groups is None or e.group in groups) and (heading is None or e.heading == heading)
+    ]
 
 
 @cache
@@ -158,14 +256,14 @@ def test_every_commit_the_ledger_names_is_one_git_knows():
     """Commit fields, and every short hash in the text (`written up in X`, `git show
     X:path`, the archives' table): a mistyped hash is a claim nobody can check out."""
     named = {h for e in entries_in() for h in HASH.findall(e.fields.get("commit", ""))}
-    named |= {h for h in SHORT_HASH.findall(LEDGER.read_text()) if not h.isdigit()}
+    named |= {h for h in SHORT_HASH.findall(evidence_text()) if not h.isdigit()}
     assert len(named) > 20, sorted(named)
     names = tuple(sorted(f"{h}^{{commit}}" for h in named))
     assert unknown_commits(names) == set()
 
 
 def test_every_script_and_test_the_ledger_cites_exists():
-    text = LEDGER.read_text()
+    text = evidence_text()
     cited = set(SCRIPT.findall(text))
     assert cited, "the ledger cites no script"
     missing = sorted(p for p in cited if not (REPO / p).is_file())
@@ -175,7 +273,7 @@ def test_every_script_and_test_the_ledger_cites_exists():
 
 
 def test_every_test_data_file_and_archive_the_ledger_cites_exists():
-    text = LEDGER.read_text()
+    text = evidence_text()
     data = set(TEST_DATA.findall(text))
     archives = set(ARCHIVE.findall(text))
     assert data and archives
@@ -205,10 +303,13 @@ def test_every_archive_member_an_entry_cites_is_in_its_archive():
 
 
 def test_every_archive_under_docs_evidence_is_cited_by_the_ledger():
+    """The archives, and the notes beside them: nothing else lives there."""
     cited = set(ARCHIVE.findall(LEDGER.read_text()))
-    present = {str(p.relative_to(REPO)) for p in ARCHIVES.iterdir()}
+    present = {str(p.relative_to(REPO)) for p in ARCHIVES.iterdir() if p.name.endswith(".tar.xz")}
     assert present, "docs/evidence holds no archive"
     assert present <= cited, f"raw data no entry relies on: {sorted(present - cited)}"
+    others = sorted(p.name for p in ARCHIVES.iterdir() if not p.name.endswith((".tar.xz", ".md")))
+    assert others == [], f"neither an archive nor notes: {others}"
 
 
 def test_no_dated_folder_is_left_beside_the_ledger():
@@ -234,9 +335,13 @@ def test_nothing_points_at_the_numbers_old_homes():
 
 def test_the_ledger_names_no_issue_numbers():
     """The ledger says what is claimed; an issue number says nothing to a reader
-    without the tracker (upstream vLLM's #48590 and the like are fine)."""
-    found = [f"line {n}: {line.strip()}" for n, line in
-             enumerate(LEDGER.read_text().splitlines(), 1) if ISSUE.search(line)]  # fmt: skip
+    without the tracker (upstream vLLM's #48590 and the like are fine). Its notes too."""
+    found = [
+        f"{path.name} line {n}: {line.strip()}"
+        for path in (LEDGER, *notes_files())
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if ISSUE.search(line)
+    ]
     assert found == [], "\n".join(found)
 
 
@@ -253,3 +358,89 @@ def test_each_group_lists_its_entries_newest_first():
                 if older.fields["date"][:10] > newer.fields["date"][:10]:
                     problems.append(f"{group}: {older.where} is newer than {newer.where} above it")
     assert problems == [], "\n".join(problems)
+
+
+def converted(entry: Entry) -> bool:
+    return entry.heading != "" and not entry.heading.startswith(NOT_YET_CONVERTED)
+
+
+def test_every_entry_opens_with_a_one_sentence_claim_and_names_its_data_and_notes():
+    """A converted `###` entry: `- claim:` first under its heading, one sentence a
+    reader takes in at once; `- data:` (the archive and its members, or what else
+    holds the output, or "not kept"); `- notes:` naming its notes file."""
+    problems = []
+    lines = LEDGER.read_text().splitlines()
+    for entry in [e for e in entries_in() if converted(e)]:
+        for name in FORM:
+            if not entry.fields.get(name, "").strip():
+                problems.append(f"{entry.where}: no {name}")
+        number = int(entry.where.split()[1])
+        first = next((line for line in lines[number:] if line.strip()), "")
+        if not first.startswith("- claim: "):
+            problems.append(f"{entry.where}: the first line under the heading is not its claim")
+        claim = entry.fields.get("claim", "")
+        if len(claim) > LONGEST_CLAIM:
+            problems.append(f"{entry.where}: a claim of {len(claim)} characters")
+        if claim and (not claim.endswith(".") or re.search(r"[.;] [A-Z]", claim)):
+            problems.append(f"{entry.where}: the claim is not one sentence: {claim!r}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_every_notes_file_an_entry_names_holds_that_entry():
+    """`- notes: `docs/evidence/X.md`` names a file beside the archives with a `##`
+    heading equal to the entry's; every notes file is named by an entry, and each
+    of its headings is an entry's (no reasoning left behind for a removed entry)."""
+    problems, named = [], set()
+    headings = {e.heading for e in entries_in() if e.heading}
+    for entry in [e for e in entries_in() if "notes" in e.fields]:
+        match = NOTES.match(entry.fields["notes"])
+        if not match:
+            problems.append(f"{entry.where}: notes {entry.fields['notes']!r} names no notes file")
+            continue
+        path = REPO / match[1]
+        named.add(path)
+        if not path.is_file():
+            problems.append(f"{entry.where}: {match[1]} does not exist")
+        elif f"## {entry.heading}" not in path.read_text().splitlines():
+            problems.append(f"{entry.where}: {match[1]} has no heading '## {entry.heading}'")
+    for path in notes_files():
+        if path not in named:
+            problems.append(f"{path.name}: no entry names it")
+        for line in path.read_text().splitlines():
+            if line.startswith("## ") and line[3:] not in headings:
+                problems.append(f"{path.name}: '{line}' is no entry of the ledger")
+    assert problems == [], "\n".join(problems)
+
+
+def test_no_line_of_the_ledger_is_a_wall_of_text():
+    """Outside fenced code blocks and the parts not yet converted, no line is longer
+    than LONGEST_LINE; the list of those parts only shrinks."""
+    problems, code, exempt, titles = [], False, False, []
+    for number, line in enumerate(LEDGER.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            code = not code
+        if line.startswith(("## ", "### ")):
+            titles.append(line.split(" ", 1)[1])
+            exempt = titles[-1].startswith(NOT_YET_CONVERTED)
+        if not code and not exempt and len(line) > LONGEST_LINE:
+            problems.append(f"line {number}: {len(line)} characters: {line[:80]}...")
+    for start in NOT_YET_CONVERTED:
+        matches = [t for t in titles if t.startswith(start)]
+        if len(matches) != 1:
+            problems.append(f"NOT_YET_CONVERTED {start!r} matches {len(matches)} headings")
+        elif any(all(e.fields.get(f) for f in FORM) for e in entries_in(heading=matches[0])):
+            problems.append(f"{start!r} is converted: remove it from NOT_YET_CONVERTED")
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_index_names_every_group():
+    """The index at the top leads to each group of claims by its anchor."""
+    groups = [g for g in ledger()[0] if g != "Index"]
+    index = LEDGER.read_text().split("## Index", 1)[-1].split("\n## ", 1)[0]
+    missing = [g for g in groups if f"(#{anchor(g)})" not in index]
+    assert missing == [], f"groups the index does not link: {missing}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
