@@ -42,40 +42,7 @@ LONGEST_CLAIM = 300
 # `###` entries (and `##`/`###` prose) not yet in the claim/table/notes form, by the
 # start of their heading: each is exempt from FORM and LONGEST_LINE until converted,
 # then must leave this list.
-NOT_YET_CONVERTED: tuple[str, ...] = (
-    "2026-12-01 · every LoRA kernel, the SASS",
-    "2026-12-01 · the scan's two shortcuts ag",
-    "2026-12-01 · the GEMV route's kernels in",
-    "2026-12-01 · the GEMV route's memory at ",
-    "2026-12-01 · every LoRA kernel, on an id",
-    "2026-11-30 · every LoRA kernel, on the s",
-    "2026-11-30 · what the scan finds, per re",
-    "2026-11-30 · the 48-config scan on the t",
-    "Not recorded (written up 2026-11-30) · the 48-conf",
-    "Not recorded (written up 2026-11-30) · the prototy",
-    "2026-11-30 · torch, triton, torch with o",
-    "2026-12-01 · serving cost with the row k",
-    "2026-12-01 · the probe's kernels alone, ",
-    "2026-11-30 · the probe's kernels alone: ",
-    "2026-11-30 · serving cost after the host",
-    "2026-11-30 · the probe's host side on th",
-    "2026-11-30 · serving cost, first measure",
-    "2026-11-30 · the probe's cost, not measu",
-    "2026-12-06 · the probe on Model Runner V",
-    "2026-12-01 · the quarantine named: a sha",
-    "2026-12-01 · the probe proof with the ro",
-    "2026-12-01 · the first probe proof of th",
-    "2026-11-30 · the probe proof, four confi",
-    "2026-11-30 · `vllm serve` with healthy a",
-    "2026-12-06 · the release drill: a next r",
-    "2026-12-06 · the release watch on the re",
-    "2026-12-03 · where the default set's +0.",
-    "2026-12-01 · `patchkit adapter check` wi",
-    "2026-12-01 · `patchkit adapter check` on",
-    "2026-11-29 · `patchkit status`, `apply` ",
-    "2026-11-29 · split-in-proj-qkvz on the r",
-    "How a GPU sitting is run",
-)
+NOT_YET_CONVERTED: tuple[str, ...] = ("How a GPU sitting is run",)
 NOT_RECORDED = "not recorded"
 NOT_GROUPS = ("Index", "Reading this ledger", "The archives")
 HOWTO = "How a GPU sitting is run"
