@@ -33,6 +33,8 @@
 # count each other's allocations: docs/evidence.md).
 # GS_PLAN=probe GS_V2=1: the same under Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 for
 # every engine; the proof runs GS_V2_PROOFS, default torch-cudagraph, with --runner v2).
+# GS_FIRST="COMMAND" (any plan): run first in the proofs step, alone on the GPU, its
+# output in first.log, inside GS_BENCH_END (e.g. another proof of the same sitting).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -542,6 +544,13 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       sleep 30
     done) &
     SECONDS=0
+    # GS_FIRST: a command run first, alone on the GPU, before the plan's runs (its
+    # output in first.log; GS_BENCH_END counts its time): another proof of the sitting
+    if [ -n "${GS_FIRST:-}" ]; then
+      say "first: $GS_FIRST"
+      do_ bash -c "$GS_FIRST" >"$G/first.log" 2>&1
+      say "first: exit $? after $SECONDS s"
+    fi
     if [ "${GS_PLAN:-}" = serving ]; then
       serving
       touch "$G/proofs.done" "$G/all.done"
