@@ -566,7 +566,8 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     elif [ "${GS_PLAN:-}" = probe ] && [ "${GS_PROBE_GPU:-1}" = 0 ]; then
       # one GPU: an engine counts what others allocate during its memory
       # profile as its own (docs/evidence.md), so nothing starts beside it
-      (one probe; touch "$G/proofs.done"; bench) &
+      # GS_PROBE_PROOF=0: the benchmark alone (the proof ran in an earlier sitting)
+      ([ "${GS_PROBE_PROOF:-1}" = 0 ] || one probe; touch "$G/proofs.done"; bench) &
       p1=$!
       p2=$!
       p3=
