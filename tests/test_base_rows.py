@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.verify import baserows, e2e, serving, usermodel
+from patchkit.verify import baserows, e2e, engines, modelchecks, serving
 
 DATA = Path(__file__).parent / "data"
 TITLE = "base requests of the LoRA engine equal an engine without LoRA"
@@ -145,14 +145,14 @@ COMMON = {"tensor_parallel_size": 1, "max_model_len": 4096, "seed": 3,
 
 @pytest.fixture
 def no_rank_lookup(monkeypatch):
-    monkeypatch.setattr(usermodel, "adapter_rank", lambda path: 16)
+    monkeypatch.setattr(engines, "adapter_rank", lambda path: 16)
 
 
 def test_verify_model_serves_the_base_prompts_without_lora_in_each_mode(no_rank_lookup):
     prompts = {"p600": [1] * 600, "p3000": [2] * 3000}
     setup = {"prompts": prompts, **COMMON}
     refs = {"one": {"merged": Path("/r/m"), "rounding": Path("/r/r")}}
-    jobs = usermodel.jobs(Path("/m"), {"one": Path("/nowhere")}, refs, setup, prefix="moe-")
+    jobs = engines.jobs(Path("/m"), {"one": Path("/nowhere")}, refs, setup, prefix="moe-")
     plain = [j for j in jobs if j.name.startswith("moe-nolora-")]
     assert [(j.name, j.mode) for j in plain] == [
         ("moe-nolora-eager", "eager"),
@@ -218,10 +218,10 @@ def test_recorded_base_rows_that_answer_as_the_adapter_fail(tp):
 
 def test_verify_model_judges_base_rows_with_its_other_checks():
     result = recorded(1)
-    assert [c.name for c in usermodel.compare(result, ["moe"], prefix="moe-") if not c.ok] == []
+    assert [c.name for c in modelchecks.compare(result, ["moe"], prefix="moe-") if not c.ok] == []
     runs = result["moe-eager"]["runs"]
     runs["base"] = copy.deepcopy(runs["lora:moe"])
-    failed = [c.name for c in usermodel.compare(result, ["moe"], prefix="moe-") if not c.ok]
+    failed = [c.name for c in modelchecks.compare(result, ["moe"], prefix="moe-") if not c.ok]
     assert f"moe-eager: {TITLE}" in failed and f"moe-cudagraph: {TITLE}" not in failed
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.verify import e2e, serving, usermodel
+from patchkit.verify import e2e, references, serving
 from tests.conftest import REPO
 from tests.helpers import failing
 from tests.verify_helpers import fake_served, shift
@@ -81,7 +81,7 @@ def test_a_healthy_run_passes_with_the_partial_adapters_judged_against_peft():
 
 
 def test_the_bound_is_one_and_a_half_times_the_engines_own_base_error():
-    """PEFT's base 0.08 from vLLM's: LoRA may be 0.12 off, not more (usermodel.bounds_for)."""
+    """PEFT's base 0.08 from vLLM's: LoRA may be 0.12 off, not more (rule.bounds_for)."""
     assert failing(e2e.moe_checks(moe_served(floor=0.08, off=0.11))) == []
     detail = rows(e2e.moe_checks(moe_served(floor=0.08)))[
         f"{PREFIX}eager: {DOWN} 600 tokens vs peft"
@@ -197,7 +197,7 @@ def test_without_the_peft_reference_the_partial_adapters_are_undecided_not_faile
 
 def coarse_merged(served: dict) -> None:
     """The full adapter's rounding control 0.3 from its merged reference: too coarse to
-    decide (usermodel.ROUNDING_LIMIT 0.1), as the 35B-A3B-wide cut's was."""
+    decide (rule.ROUNDING_LIMIT 0.1), as the 35B-A3B-wide cut's was."""
     shift(served[f"{PREFIX}rounding-{FULL}"]["runs"]["merged"], 0.3)
 
 
@@ -262,8 +262,8 @@ def moe_case(tmp_path: Path) -> e2e.MoeCase:
 def test_the_moe_lora_engines_serve_every_adapter_the_partial_ones_last(tmp_path, monkeypatch):
     """Unpatched, loading a partial adapter kills the engine: a base request after it
     would have taken the engine's every answer with it (it raises; seen on the H200)."""
-    monkeypatch.setattr(usermodel, "plan_references", lambda model, adapters, work, say: {})
-    monkeypatch.setattr(usermodel, "write_references", lambda plans, work, say, seed: {})
+    monkeypatch.setattr(references, "plan_references", lambda model, adapters, work, say: {})
+    monkeypatch.setattr(references, "write_references", lambda plans, work, say, seed: {})
     memory = {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.1, "kv_cache_bytes": 1}
     jobs = {job.name: job for job in e2e.moe_jobs(moe_case(tmp_path), tmp_path, 0, memory, print)}
     for mode in MODES:

@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 
 from patchkit.errors import PatchkitError, UsageProblem
-from patchkit.verify import e2e, mergeplan, serving, usermodel
+from patchkit.verify import (
+    e2e,
+    engines,
+    mergeplan,
+    modelchecks,
+    references,
+    rule,
+    serving,
+    usermodel,
+)
 from tests.conftest import run_cli, run_subprocess
 from tests.helpers import failing
 from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift
@@ -298,7 +307,7 @@ def test_engine_memory_and_lora_rank():
 def test_the_disk_the_references_need_is_said_before_anything_is_written(user, tmp_path):
     said = []
     adapters = {"one": user["one"], "two": user["two"]}
-    plans = usermodel.plan_references(user["model"], adapters, tmp_path / "work", said.append)
+    plans = references.plan_references(user["model"], adapters, tmp_path / "work", said.append)
     needed = 2 * sum(p.bytes_needed for p in plans.values())  # reference and rounding control
     assert needed > 0 and not (tmp_path / "work").exists()
     assert said[0].startswith("merged references: 2 adapter(s), each merged twice (")
@@ -311,7 +320,7 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 100, 100))
     before = listing(tmp_path)
     with pytest.raises(PatchkitError, match=r"need .* and 100 B is free; give --workdir"):
-        usermodel.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
+        references.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
     assert listing(tmp_path) == before
 
 
@@ -389,7 +398,7 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
 
 
 def test_compare_passes_a_clean_run():
-    assert failing(usermodel.compare(fake_served(["one", "two"]), ["one", "two"])) == []
+    assert failing(modelchecks.compare(fake_served(["one", "two"]), ["one", "two"])) == []
 
 
 @pytest.mark.parametrize(
@@ -424,7 +433,7 @@ def test_compare_passes_a_clean_run():
 def test_compare_catches(damage, expected):
     served = fake_served(["one", "two"])
     damage(served)
-    assert expected in failing(usermodel.compare(served, ["one", "two"]))
+    assert expected in failing(modelchecks.compare(served, ["one", "two"]))
 
 
 @pytest.mark.parametrize(
@@ -440,7 +449,7 @@ def test_the_bound_is_the_references_own_rounding_times_the_factor(rounding, lor
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], rounding - 0.004)
     shift(lora(served), lora_off)
-    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
     assert row.ok is passes, row.detail
     assert checks["reference one: its own bf16 rounding"].ok
@@ -452,7 +461,7 @@ def test_the_references_rounding_is_taken_over_all_prompts():
     served = fake_served(["one"])
     shift({"p3000": served["rounding-one"]["runs"]["merged"]["p3000"]}, 0.026)  # 0.03 apart
     shift({"p600": lora(served)["p600"]}, 0.04)
-    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
     assert row.ok and "(<= 0.045)" in row.detail, row.detail
 
@@ -464,9 +473,9 @@ def test_a_control_with_one_wild_token_does_not_let_a_broken_position_by():
     served["rounding-one"]["runs"]["merged"]["p600"]["prompt_logprobs"][10] -= 6.0
     for position in (0, 300):
         lora(served)["p600"]["prompt_logprobs"][position] -= 8.0
-    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one"])}
     row = checks["eager: one 600 tokens vs merged"]
-    assert not row.ok and f"(<= {usermodel.MAX_CEILING})" in row.detail, row.detail
+    assert not row.ok and f"(<= {rule.MAX_CEILING})" in row.detail, row.detail
     assert checks["cudagraph: one 600 tokens vs merged"].ok
 
 
@@ -500,7 +509,7 @@ def test_a_reference_too_coarse_to_judge_by_fails_and_says_why():
     served = fake_served(["one"])
     shift(served["rounding-one"]["runs"]["merged"], 0.2)
     shift(lora(served), 0.15)  # within 1.5 x the 0.2 apart: passes only on a reference this coarse
-    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one"])}
     coarse = checks["reference one: its own bf16 rounding"]
     assert not coarse.ok and "too coarse in bf16 to judge a LoRA path by" in coarse.detail
     assert not coarse.decided and coarse.adapter == "one"  # undecided, not a failure
@@ -511,7 +520,7 @@ def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
     for group in [served["merged-one"]["runs"]["merged"], lora(served), lora(served, "cudagraph")]:
         for request in group.values():
             request["prompt_logprobs"] = [v + 0.095 for v in request["prompt_logprobs"]]
-    checks = {c.name: c for c in usermodel.compare(served, ["one"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one"])}
     weak = checks["eager: one adapter differs from base"]
     assert not weak.ok and "too little to tell LoRA applied from not" in weak.detail
     assert not weak.decided
@@ -520,11 +529,11 @@ def test_an_adapter_too_weak_to_tell_from_noise_fails_with_the_reason():
 def test_e2e_checks_the_moe_case_like_a_user_model():
     """The MoE engines of --e2e are judged by model.compare under the moe- prefix."""
     served = fake_served(["moe"], prefix="moe-")
-    checks = usermodel.compare(served, ["moe"], prefix="moe-")
+    checks = modelchecks.compare(served, ["moe"], prefix="moe-")
     assert checks and failing(checks) == []
     assert "moe-eager: moe 600 tokens vs merged" in [c.name for c in checks]
     lora(served, "moe-cudagraph", "moe")["p3000"]["prompt_logprobs"][0] = -30.0
-    assert failing(usermodel.compare(served, ["moe"], prefix="moe-")) == [
+    assert failing(modelchecks.compare(served, ["moe"], prefix="moe-")) == [
         "moe-cudagraph: moe 3000 tokens vs merged"
     ]
     assert e2e.MOE_PROMPT_LENGTHS == [600, 3000]
@@ -535,7 +544,7 @@ def test_jobs_name_their_engines_and_requests():
              "max_model_len": 3016, "seed": 1, "gpu_memory_utilization": 0.05,
              "kv_cache_bytes": 1 << 30}  # fmt: skip
     adapters = {"one": Path("/a/one"), "two": Path("/a/two")}
-    requests = usermodel.lora_requests(list(adapters), setup["prompts"])
+    requests = engines.lora_requests(list(adapters), setup["prompts"])
     assert requests == [
         ("base", "p600", None), ("base", "p3000", None),
         ("lora:one", "p600", "one"), ("lora:one", "p3000", "one"),
@@ -605,7 +614,7 @@ def test_an_engine_wide_health_row_names_the_adapter_whose_requests_went_bad():
     served = fake_served(["one", "two"])
     lora(served, name="two")["p600"]["prompt_logprobs"][3] = math.nan
     lora(served, name="two")["p3000"]["tokens"] = [0, 0, 0, 0]
-    checks = {c.name: c for c in usermodel.compare(served, ["one", "two"])}
+    checks = {c.name: c for c in modelchecks.compare(served, ["one", "two"])}
     assert checks["eager: no NaN log-probabilities"].detail == "1 NaN (in lora:two)"
     zero = checks["eager: no run of token id 0"]
     assert not zero.ok and zero.detail.endswith("zeros in a row (in lora:two)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.verify import usermodel
+from patchkit.verify import engines, modelchecks, references
 from tests.helpers import failing
 
 DATA = Path(__file__).parent / "data"
@@ -33,7 +33,7 @@ def recorded(tp: int) -> dict:
 
 
 def test_the_moe_case_served_at_tp1_passes_against_its_reference_and_control():
-    checks = usermodel.compare(recorded(1), ["moe"], prefix="moe-")
+    checks = modelchecks.compare(recorded(1), ["moe"], prefix="moe-")
     assert failing(checks) == []
     rows = {c.name: c.detail for c in checks}
     assert "0.0314-0.0400" in rows["moe-reference moe: its own bf16 rounding"]
@@ -41,10 +41,10 @@ def test_the_moe_case_served_at_tp1_passes_against_its_reference_and_control():
 
 def test_the_moe_case_served_at_tp2_passes_with_the_tp1_rounding():
     tp1, tp2 = recorded(1), recorded(2)
-    floors = usermodel.rounding_floors(usermodel.Served.from_json(tp1, ["moe"], "moe-"), "moe")
+    floors = references.rounding_floors(engines.Served.from_json(tp1, ["moe"], "moe-"), "moe")
     merged = tp2["moe-merged-moe"]["runs"]["merged"]
     for mode in ("moe-eager", "moe-cudagraph"):
-        checks = usermodel.adapter_checks(mode, "moe", tp2[mode]["runs"], merged, floors)
+        checks = modelchecks.adapter_checks(mode, "moe", tp2[mode]["runs"], merged, floors)
         assert failing(checks) == [], [c.detail for c in checks]
 
 
@@ -54,14 +54,14 @@ def test_the_moe_case_served_at_tp2_with_its_own_control_passes():
     path = DATA / "h200-2026-11-30i-moe-tp2-served.json.gz"
     with gzip.open(path, "rt") as handle:
         served = json.load(handle)
-    checks = usermodel.compare(served, ["moe"], prefix="moe-")
+    checks = modelchecks.compare(served, ["moe"], prefix="moe-")
     assert failing(checks) == []
     rows = {c.name: c.detail for c in checks}
     assert "0.0403-0.0409" in rows["moe-reference moe: its own bf16 rounding"]
     assert "(<= 0.0614)" in rows["moe-eager: moe 600 tokens vs merged"]
     served["moe-eager"]["runs"]["lora:moe"] = copy.deepcopy(served["moe-eager"]["runs"]["base"])
     assert "moe-eager: moe 600 tokens vs merged" in failing(
-        usermodel.compare(served, ["moe"], prefix="moe-")
+        modelchecks.compare(served, ["moe"], prefix="moe-")
     )
 
 
@@ -71,7 +71,7 @@ def test_the_fixed_bound_alone_failed_this_correct_deployment():
     del served["moe-rounding-moe"]["runs"]
     served["moe-rounding-moe"]["error"] = "not run"
     assert "moe-eager: moe 600 tokens vs merged" in failing(
-        usermodel.compare(served, ["moe"], prefix="moe-")
+        modelchecks.compare(served, ["moe"], prefix="moe-")
     )
 
 
@@ -82,7 +82,7 @@ def test_the_adapter_left_out_fails_on_the_real_numbers(mode):
     served = recorded(1)
     runs = served[mode]["runs"]
     runs["lora:moe"] = copy.deepcopy(runs["base"])
-    failed = failing(usermodel.compare(served, ["moe"], prefix="moe-"))
+    failed = failing(modelchecks.compare(served, ["moe"], prefix="moe-"))
     assert f"{mode}: moe 600 tokens vs merged" in failed
     assert f"{mode}: moe adapter differs from base" in failed
 
@@ -97,5 +97,5 @@ def test_the_adapter_at_half_strength_fails_on_the_real_numbers():
             (a + b) / 2 for a, b in zip(request["prompt_logprobs"], base, strict=True)
         ]
     assert "moe-eager: moe 3000 tokens vs merged" in failing(
-        usermodel.compare(served, ["moe"], prefix="moe-")
+        modelchecks.compare(served, ["moe"], prefix="moe-")
     )

@@ -26,7 +26,7 @@ import pytest
 import patchkit.verify
 from patchkit.cli.commands.verify import verify_request
 from patchkit.errors import PatchkitError, UsageProblem
-from patchkit.verify import adaptercontrols, serving, usermodel
+from patchkit.verify import adaptercontrols, engines, references, rule, serving, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 from tests.verify_helpers import fake_controls, fake_served, lora, merged, request, shift
 
@@ -62,7 +62,7 @@ MOE_CONTROLS = {
 }  # fmt: skip
 
 
-def judge_recorded(served) -> usermodel.ModelResult:
+def judge_recorded(served) -> rule.ModelResult:
     return usermodel.judge(served, ["moe"], MOE_CONTROLS, merged(served, ["moe"], "moe-"), "moe-")
 
 
@@ -100,19 +100,19 @@ WIDE_CONTROLS = {
 }  # fmt: skip
 
 
-def judge_wide35b() -> usermodel.ModelResult:
+def judge_wide35b() -> rule.ModelResult:
     """`verify --model` of the healthy rank-16 adapter on the 35B-A3B-wide cut as the H200
     served it (tests/data/h200-2026-12-01i-wide35b-served.json.xz: vLLM 0.26.0 with the
     default set; every engine, the controls and transformers + PEFT in float32), judged
     as run_model judges: the merged reference first, then PEFT where it cannot decide."""
     with lzma.open(DATA / "h200-2026-12-01i-wide35b-served.json.xz", "rt") as handle:
         served = json.load(handle)
-    peft = served.pop(usermodel.PEFT_ENTRY)
+    peft = served.pop(engines.PEFT_ENTRY)
     chosen, need = usermodel.choose_references(served, ["a0"], WIDE_CONTROLS, None)
     assert need == ["a0"], "the merged reference decided on the wide MoE"
-    served[usermodel.PEFT_ENTRY] = peft
-    run = usermodel.Served.from_json(served, ["a0"])
-    chosen["a0"] = usermodel.peft_or_merged(run, "a0", chosen["a0"])
+    served[engines.PEFT_ENTRY] = peft
+    run = engines.Served.from_json(served, ["a0"])
+    chosen["a0"] = references.peft_or_merged(run, "a0", chosen["a0"])
     return usermodel.judge(served, ["a0"], WIDE_CONTROLS, chosen)
 
 
@@ -129,7 +129,7 @@ def test_the_wide_moe_healthy_adapter_passes_against_peft_and_rejects_every_cont
 def test_the_wide_moe_run_was_inconclusive_under_the_old_two_nat_ceiling(monkeypatch):
     """The same numbers with the PEFT max bound capped at 2 nats, as when the H200 first
     served this: single tokens 1.85-2.69 off, inside vLLM's own 2.80-3.11 against float32."""
-    monkeypatch.setattr(usermodel, "PEFT_MAX_CEILING", 2.0)
+    monkeypatch.setattr(rule, "PEFT_MAX_CEILING", 2.0)
     [verdict] = judge_wide35b().adapters
     assert verdict.verdict == "INCONCLUSIVE"
 
@@ -439,7 +439,7 @@ def test_the_controls_are_served_in_the_lora_engines(user, tmp_path):
     controls = {"one": adaptercontrols.build("one", user["one"], work)}
     setup = {"prompts": {"p600": [1] * 600}, "tensor_parallel_size": 1, "max_model_len": 616,
              "seed": 1, "gpu_memory_utilization": 0.1, "kv_cache_bytes": 1 << 30}  # fmt: skip
-    jobs = usermodel.jobs(user["model"], {"one": user["one"]}, {}, setup, controls=controls)
+    jobs = engines.jobs(user["model"], {"one": user["one"]}, {}, setup, controls=controls)
     assert [j.name for j in jobs] == ["eager", "cudagraph", "nolora-eager", "nolora-cudagraph"]
     assert jobs[0].loras == {"one": str(user["one"]), "one+half": str(work / "control-one+half")}
     assert ("control:one+half", "p600", "one+half") in jobs[0].requests

@@ -67,7 +67,7 @@ def lora(served, mode="eager", name="one"):
 
 def merged(served, adapters, prefix="") -> dict:
     """Each adapter's merged reference, read from served as `verify --model` reads it."""
-    from patchkit.verify import usermodel
+    from patchkit.verify import engines, references
 
-    run = usermodel.Served.from_json(served, adapters, prefix)
-    return {name: usermodel.merged_reference(run, name, "") for name in adapters}
+    run = engines.Served.from_json(served, adapters, prefix)
+    return {name: references.merged_reference(run, name, "") for name in adapters}

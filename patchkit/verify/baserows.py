@@ -41,7 +41,7 @@ TITLE = "base requests of the LoRA engine equal an engine without LoRA"
 # for the max, a fifth of that for the mean.
 FLOOR = (0.01, checks.REPEAT_MAX_TOL)
 # Allowed: this many times the distance between the two engines without LoRA
-# (as usermodel.ROUNDING_FACTOR does for the merged reference's rounding control).
+# (as rule.ROUNDING_FACTOR does for the merged reference's rounding control).
 BOUND_FACTOR = 1.5
 # A near-tied routing choice that flips moves one token by up to ~1.4 nats; a
 # bound wider than this would let a broken position by.

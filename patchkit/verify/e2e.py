@@ -34,7 +34,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
-from patchkit.verify import baserows, checks, peftref, serving, usermodel
+from patchkit.verify import (
+    baserows,
+    checks,
+    engines,
+    modelchecks,
+    peftref,
+    references,
+    serving,
+    usermodel,
+)
 from patchkit.verify.checks import Check
 
 PROMPT_LENGTHS = (50, 600, 3000)
@@ -387,7 +396,7 @@ def dense_jobs(model_dir: Path, adapter_dir: Path, seed: int, memory: dict) -> l
             seed=seed,
             **memory,
         )
-        for engine in usermodel.lora_engines()
+        for engine in engines.lora_engines()
     ] + baserows.jobs(
         str(model_dir), prompts(seed), {"max_model_len": 4096, "seed": seed, **memory}
     )
@@ -411,13 +420,13 @@ def moe_case(workdir: Path, seed: int) -> MoeCase:
 
 def moe_jobs(case: MoeCase, workdir: Path, seed: int, memory: dict, say) -> list:
     """The MoE model with every adapter in each mode, the full adapter's merged
-    reference and rounding control, and the engines without LoRA (usermodel.jobs).
+    reference and rounding control, and the engines without LoRA (engines.jobs).
     The partial adapters have no merged reference: transformers + PEFT judges them."""
     full = {MOE_FULL: case.adapters[MOE_FULL]}
-    plans = usermodel.plan_references(case.model, full, workdir, say)
-    references = usermodel.write_references(plans, workdir, say, seed)
+    plans = references.plan_references(case.model, full, workdir, say)
+    written = references.write_references(plans, workdir, say, seed)
     setup = {"prompts": case.prompts, "max_model_len": 4096, "seed": seed, **memory}
-    jobs = usermodel.jobs(case.model, case.adapters, references, setup, prefix=MOE_PREFIX)
+    jobs = engines.jobs(case.model, case.adapters, written, setup, prefix=MOE_PREFIX)
     return [partial_requests_last(job) for job in jobs]
 
 
@@ -466,17 +475,17 @@ def run_e2e(
     reference = reference_logprobs(model_dir, adapter_dir, seed)
     (workdir / "reference.json").write_text(json.dumps(reference))
     memory, at_once = engine_memory(model_dir, tp, gpu)
-    engines = dense_jobs(model_dir, adapter_dir, seed, memory)
+    jobs = dense_jobs(model_dir, adapter_dir, seed, memory)
     case = moe_case(workdir, seed)
-    engines += moe_jobs(case, workdir, seed, memory, say)
+    jobs += moe_jobs(case, workdir, seed, memory, say)
     say(
-        f"serving the e2e models: {len(engines)} engines, {at_once} at a time, TP={tp}; "
+        f"serving the e2e models: {len(jobs)} engines, {at_once} at a time, TP={tp}; "
         "then the MoE case's transformers + PEFT reference alone"
     )
-    served = serving.serve_all(engines, workdir, timeout, at_once)
+    served = serving.serve_all(jobs, workdir, timeout, at_once)
     served[MOE_PEFT] = moe_peft_reference(case, served, workdir, timeout, say)
     (workdir / "served.json").write_text(json.dumps(served))
-    loras = usermodel.Served.from_json(served, []).lora()
+    loras = engines.Served.from_json(served, []).lora()
     dense = [check for lora in loras for check in compare(lora.engine.mode, lora.result, reference)]
     dense += baserows.base_rows_checks(served, {e.engine.mode: e.engine.name for e in loras})
     return dense + moe_checks(served, say)  # baserows included
@@ -490,35 +499,35 @@ PARTIAL_WHY = (
 )
 
 
-def moe_references(served: dict) -> dict[str, usermodel.Reference]:
+def moe_references(served: dict) -> dict[str, references.Reference]:
     """Each MoE adapter's reference: the full adapter's merged one where it decides, else
     transformers + PEFT (usermodel.choose_references, as `verify --model` chooses); the
     partial adapters' transformers + PEFT (served[MOE_PEFT])."""
     chosen, need = usermodel.choose_references(served, [MOE_FULL], {}, None, MOE_PREFIX)
-    run = usermodel.Served.from_json(served, [MOE_FULL], MOE_PREFIX)
+    run = engines.Served.from_json(served, [MOE_FULL], MOE_PREFIX)
     run.peft = served.get(MOE_PEFT)
     for name in need:
-        chosen[name] = usermodel.peft_or_merged(run, name, chosen[name])
+        chosen[name] = references.peft_or_merged(run, name, chosen[name])
     for name in MOE_PARTIAL_ADAPTERS:
-        chosen[name] = usermodel.peft_reference(run, name, PARTIAL_WHY)
+        chosen[name] = references.peft_reference(run, name, PARTIAL_WHY)
     return chosen
 
 
 def moe_checks(served: dict, say=lambda line: None) -> list[Check]:
     """The MoE case's checks: the full adapter, the engines and base rows as `verify
-    --model` judges them (usermodel.compare), then each partial adapter in each mode."""
-    references = moe_references(served)
-    for name, reference in references.items():
+    --model` judges them (modelchecks.compare), then each partial adapter in each mode."""
+    chosen = moe_references(served)
+    for name, reference in chosen.items():
         say(f"MoE case: {name} judged against the {reference.kind} reference: {reference.why}")
-    full = {MOE_FULL: references[MOE_FULL]}
+    full = {MOE_FULL: chosen[MOE_FULL]}
     out = [
-        _named_bug(c) for c in usermodel.compare(served, [MOE_FULL], MOE_PREFIX, references=full)
+        _named_bug(c) for c in modelchecks.compare(served, [MOE_FULL], MOE_PREFIX, references=full)
     ]
-    for lora in usermodel.Served.from_json(served, [], MOE_PREFIX).lora():
+    for lora in engines.Served.from_json(served, [], MOE_PREFIX).lora():
         if "error" in lora.result:  # compare reported it ("vLLM ran")
             continue
         for name in MOE_PARTIAL_ADAPTERS:
-            out += partial_moe_checks(lora, name, references[name])
+            out += partial_moe_checks(lora, name, chosen[name])
     return out
 
 
@@ -533,7 +542,7 @@ def _named_bug(check: Check) -> Check:
 @dataclass(frozen=True)
 class Other:
     """Another adapter's answers as a control of a partial one (what
-    usermodel.control_check reads): the partial adapter's bound must reject the full
+    modelchecks.control_check reads): the partial adapter's bound must reject the full
     adapter's answers and the other partial's, or the run could not tell the projection
     it trains from the other one (down_proj from gate_up_proj) or from both."""
 
@@ -549,14 +558,14 @@ class Other:
         return f"lora:{self.other}"
 
 
-def partial_moe_checks(lora: usermodel.EngineServed, name: str, reference) -> list[Check]:
-    """One partial expert adapter in one LoRA engine, by usermodel.adapter_checks against
+def partial_moe_checks(lora: engines.EngineServed, name: str, reference) -> list[Check]:
+    """One partial expert adapter in one LoRA engine, by modelchecks.adapter_checks against
     transformers + PEFT (bound 1.5 x |vLLM base - PEFT base| of this engine): served,
     finite, within the bound, moving the output, and told apart from the full adapter
     and the other partial one. Not served: the row names the bug and the fix."""
     others = [Other(name, o) for o in (MOE_FULL, *MOE_PARTIAL_ADAPTERS) if o != name]
     engine = lora.engine.name
-    found = usermodel.adapter_checks(
+    found = modelchecks.adapter_checks(
         engine, name, lora.runs, reference, reference.floors.get(engine), others
     )
     served = f"{engine}: {name} adapter served"

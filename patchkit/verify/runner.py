@@ -24,7 +24,7 @@ from patchkit.catalogue.model import Catalogue
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.patching import operations
 from patchkit.verify.checks import FAILED, INCONCLUSIVE, PASSED, overall
-from patchkit.verify.usermodel import ModelResult
+from patchkit.verify.rule import ModelResult
 from patchkit.vllmtree.tree import VllmTree, locate
 
 
@@ -144,7 +144,7 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
     seed = random.SystemRandom().randrange(2**31) if request.seed is None else request.seed
     setup = None
     if request.model is not None:
-        from patchkit.verify import usermodel
+        from patchkit.verify import modelchecks, references, usermodel
 
         setup = usermodel.prepare(
             request.model,
@@ -157,15 +157,15 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
         # The adapters are read and the disk is said here, not after the kernel
         # checks and --e2e's minutes on the GPU: a bad adapter fails first.
         if request.reference != "peft":
-            base = usermodel.reference_base(_model_keep(request), request.workdir)
-            setup["plans"] = usermodel.plan_references(request.model, setup["adapters"], base, say)
+            base = references.reference_base(_model_keep(request), request.workdir)
+            setup["plans"] = references.plan_references(request.model, setup["adapters"], base, say)
     torch = require_gpu()
     from patchkit.verify.serving import check_tensor_parallel
 
     check_tensor_parallel(request.tensor_parallel_size, torch.cuda.device_count())
     tree = importable_tree()
     if setup is not None:  # before any GPU work: what the adapters' files already say
-        setup["admission"] = usermodel.admission_checks(setup["adapters"], request.model, tree)
+        setup["admission"] = modelchecks.admission_checks(setup["adapters"], request.model, tree)
     patches = [
         {
             "id": s.assessment.patch.id,

@@ -1,0 +1,269 @@
+"""The checks of one `verify --model` run: each reference healthy and precise enough,
+each LoRA engine healthy, each adapter within its reference's bound, moving the output,
+its controls rejected, and what `adapter check` found first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from patchkit.verify import baserows, checks
+from patchkit.verify.checks import Check
+from patchkit.verify.engines import EngineServed, Served
+from patchkit.verify.references import Reference, merged_reference, rounding_floors
+from patchkit.verify.rule import (
+    EFFECT_FLOOR,
+    EFFECT_SHARE,
+    MERGED_BOUNDS,
+    RESOLUTION_LIMIT,
+    ROUNDING_FACTOR,
+    ROUNDING_LIMIT,
+    bounds_for,
+    ceiling_for,
+    decisive,
+    floor_text,
+)
+
+
+def compare(
+    served: dict,
+    adapters: list[str],
+    prefix: str = "",
+    controls: dict[str, list] | None = None,
+    references: dict[str, Reference] | None = None,
+) -> list[Check]:
+    """Every check of one `--model` run: the references, then each mode.
+
+    ``served`` is served.json's form (serving.serve_all's, or a recorded run's),
+    read here once into what each engine served. Each adapter is judged
+    against ``references[adapter]`` (default: its merged reference) and
+    its ``controls`` (patchkit.verify.adaptercontrols) must be rejected.
+    """
+    run = Served.from_json(served, adapters, prefix, merged=_any_merged(references))
+    references = references or {a: merged_reference(run, a, "") for a in adapters}
+    out = []
+    for name in adapters:
+        if references[name].kind == "merged":
+            out += merged_reference_checks(f"{prefix}reference {name}", run, name)
+    for lora in run.lora():
+        out += compare_mode(lora, run, adapters, references, controls or {})
+    lora_names = {e.engine.mode: e.engine.name for e in run.lora()}
+    return out + baserows.base_rows_checks(served, lora_names, prefix)
+
+
+def _any_merged(references: dict[str, Reference] | None) -> bool:
+    return references is None or any(r.kind == "merged" for r in references.values())
+
+
+def merged_reference_checks(label: str, run: Served, name: str) -> list[Check]:
+    """The merged reference and its rounding control ran, healthy, and are precise
+    enough to judge by; a problem here leaves the adapter undecided, not failed
+    (the reference is the adapter merged into bf16 weights, not vLLM's LoRA path)."""
+    result = run.reference("merged", name).result
+    out = checks.engine_ran(f"{label} (merged, no LoRA)", result)
+    if "error" not in result:
+        out += checks.health_checks(f"{label} (merged, no LoRA)", result)
+    out += rounding_check(label, run, name, rounding_floors(run, name))
+    return [_undecided(c, name) for c in out]
+
+
+def _undecided(check: Check, adapter: str) -> Check:
+    return Check(check.name, check.ok, check.detail, adapter, decided=check.ok)
+
+
+def compare_mode(
+    lora: EngineServed, run: Served, adapters: list[str], references: dict, controls: dict
+) -> list[Check]:
+    """One LoRA engine: health, each adapter against its reference, the repeats."""
+    name, result = lora.engine.name, lora.result
+    ran = checks.engine_ran(name, result)
+    if "error" in result:
+        return ran
+    runs = result["runs"]
+    out = ran + checks.health_checks(name, result)
+    for adapter in adapters:
+        reference = references[adapter]
+        floors = reference.floors.get(name, {})
+        out += adapter_checks(name, adapter, runs, reference, floors, controls.get(adapter, []))
+    out.append(
+        checks.repeat_check(
+            name, runs, "base_after_lora", "base", "base after LoRA equals base before"
+        )
+    )
+    out.append(
+        checks.repeat_check(
+            name,
+            runs,
+            "lora_after_long",
+            f"lora:{adapters[0]}",
+            "short prompt after a long one unaffected",
+        )
+    )
+    return out
+
+
+def rounding_check(
+    label: str, run: Served, adapter: str, floors: dict[str, tuple[float, float]]
+) -> list[Check]:
+    """The rounding control ran, and the reference is precise enough to judge LoRA by
+    (``floors``: rounding_floors of this adapter)."""
+    control = run.reference("rounding", adapter).result
+    ran = checks.engine_ran(f"{label} (rounding control)", control)
+    if "error" in control or "error" in run.reference("merged", adapter).result:
+        return ran
+    title = f"{label}: its own bf16 rounding"
+    if not floors:
+        why = (
+            "no finite distance between the two references: NaN or inf in their answers "
+            "(the merged weights hold them), or a prompt missing from one of them"
+        )
+        return [*ran, Check(title, False, why)]
+    means = [f[0] for f in floors.values()]
+    detail = (
+        f"mean |nearest - stochastic| {min(means):.4f}-{max(means):.4f} (<= {ROUNDING_LIMIT}), "
+        f"max {max(f[1] for f in floors.values()):.3f}; LoRA allowed {ROUNDING_FACTOR}x that"
+    )
+    if max(means) > ROUNDING_LIMIT:
+        detail += ": the reference is too coarse in bf16 to judge a LoRA path by"
+    return [*ran, Check(title, max(means) <= ROUNDING_LIMIT, detail)]
+
+
+def adapter_checks(
+    name: str,
+    adapter: str,
+    runs: dict,
+    reference: Reference | dict | None,
+    floors: dict | None = None,
+    controls: list | None = None,
+) -> list[Check]:
+    """The adapter loaded, answers finite, matches its reference within the reference's
+    own precision (``floors``, per prompt, taken together by bounds_for), changes the
+    output, and each control falls outside the bound. ``reference`` may be the merged
+    reference's answers alone ({prompt: request}), as recorded runs hold them."""
+    if not isinstance(reference, Reference):
+        reference = Reference("merged", reference, {name: floors or {}}, "")
+    label = f"lora:{adapter}"
+    error = checks.served_error(runs, label)
+    if error:
+        return [Check(f"{name}: {adapter} adapter served", False, error, adapter)]
+    health = checks.rows_check(f"{name}: {adapter} answers", runs, [label])
+    if not health.ok:
+        return [Check(health.name, False, health.detail, adapter)]
+    against = f"vs {reference.kind}"
+    if not reference.runs:
+        why = f"the reference did not run: {reference.missing}"
+        return [Check(f"{name}: {adapter} {against}", False, why, adapter, decided=False)]
+    ceiling = ceiling_for(reference.kind)
+    bounds = bounds_for(floors, ceiling, reference.max_floor)
+    sure = decisive(floors, ceiling)
+    out = []
+    for prompt in runs[label]:
+        title = f"{name}: {adapter} {prompt[1:]} tokens {against}"
+        found = checks.bound_check(
+            title,
+            checks.logprobs(runs, label, prompt),
+            reference.runs[prompt]["prompt_logprobs"],
+            bounds,
+        )
+        if not found.ok and not sure:
+            found.detail += f": within this reference's own noise ({floor_text(floors)})"
+        out.append(Check(found.name, found.ok, found.detail, adapter, decided=found.ok or sure))
+    out.append(effect_check(name, adapter, runs, reference.runs, bounds[0], reference.base))
+    for control in controls or []:
+        out.append(control_check(name, control, runs, reference.runs, bounds))
+    return out
+
+
+def control_check(name: str, control, runs: dict, reference: dict, bounds) -> Check:
+    """A control (patchkit.verify.adaptercontrols) served like the adapter: the bound must
+    reject it on some prompt, or the run could not tell it from the adapter."""
+    title = f"{name}: {control.adapter} control {control.what} rejected"
+    error = checks.served_error(runs, control.label)
+    if error:
+        return Check(title, False, f"not served: {error}", control.adapter, decided=False)
+    worst = None
+    for prompt in runs[control.label]:
+        if prompt not in reference:
+            continue
+        found = checks.bound_check(
+            title,
+            checks.logprobs(runs, control.label, prompt),
+            reference[prompt]["prompt_logprobs"],
+            bounds,
+        )
+        if not found.ok:
+            detail = f"{prompt[1:]} tokens: {found.detail}"
+            return Check(title, True, detail, control.adapter)
+        worst = found.detail
+    why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
+    return Check(title, False, why, control.adapter, decided=False)
+
+
+def effect_check(
+    name: str,
+    adapter: str,
+    runs: dict,
+    merged: dict,
+    bound: float = MERGED_BOUNDS[0],
+    reference_base: dict | None = None,
+) -> Check:
+    """LoRA moves the output by at least half of what the reference's adapter moves it.
+
+    Served with the adapter silently not applied, LoRA equals base; the
+    reference says how far it should be (from its own base answers when it
+    has them: PEFT's, else vLLM's). An adapter whose effect is below
+    EFFECT_FLOOR cannot be told from noise: undecided, with the reason. The
+    bound's share of the effect is reported; the controls decide whether the
+    run could tell a weaker adapter apart.
+    """
+    label = f"lora:{adapter}"
+    served, wanted = [], []
+    for prompt in runs[label]:
+        base = checks.logprobs(runs, "base", prompt)
+        theirs = (
+            checks.logprobs({"base": reference_base}, "base", prompt) if reference_base else base
+        )
+        served.append(checks.diff(checks.logprobs(runs, label, prompt), base)[0])
+        wanted.append(checks.diff(merged[prompt]["prompt_logprobs"], theirs)[0])
+    share = min(s / w if w else 0.0 for s, w in zip(served, wanted, strict=True))
+    title = f"{name}: {adapter} adapter differs from base"
+    if min(wanted) < EFFECT_FLOOR:
+        return Check(
+            title,
+            False,
+            f"the reference's adapter moves log-probs by {min(wanted):.4f} "
+            f"only (< {EFFECT_FLOOR}): too little to tell LoRA applied from not",
+            adapter,
+            decided=False,
+        )
+    resolution = bound / min(wanted)
+    detail = (
+        f"mean |LoRA - base| {min(served):.4f}, reference {min(wanted):.4f}; "
+        f"smallest share {share:.2f} (>= {EFFECT_SHARE}); the bound is "
+        f"{resolution:.0%} of the effect"
+    )
+    if resolution > RESOLUTION_LIMIT:
+        detail += (
+            f" (> {RESOLUTION_LIMIT:.0%}: an adapter at {1 - resolution:.0%} of its strength "
+            "could pass; the controls say what this run tells apart)"
+        )
+    return Check(title, share >= EFFECT_SHARE, detail, adapter)
+
+
+def admission_checks(adapters: dict[str, Path], model_dir: Path, tree) -> list[Check]:
+    """`patchkit adapter check` of each adapter against the model and the vLLM tree that
+    will serve it, as rows: a finding fails the adapter (NaN in a factor, a shape the
+    model does not have, what this release refuses), and the run still serves it, so a
+    poisoned adapter is also seen failing in serving."""
+    from patchkit.adapters.check import check
+
+    out = []
+    for name, path in adapters.items():
+        report = check(path, model_dir, target=tree)
+        if report.ok:
+            detail = f"{report.tensors} tensors, no finding"
+            out.append(Check(f"adapter check {name}", True, detail, adapter=name))
+        for finding in report.findings:
+            where = " ".join(part for part in (finding.file, finding.tensor) if part)
+            title = f"adapter check {name}: {finding.kind}"
+            out.append(Check(title, False, f"{where}: {finding.message}", adapter=name))
+    return out

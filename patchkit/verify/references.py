@@ -1,0 +1,181 @@
+"""What each adapter of a `verify --model` run is judged against: the merged references
+(planned, written, served by engines of their own), or transformers + PEFT, and how
+precise each is (its floors)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from patchkit.errors import PatchkitError
+from patchkit.verify import checks, serving
+from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
+from patchkit.verify.rule import MERGED_BOUNDS, PEFT_MOE_MAX_FLOOR
+
+
+def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, say) -> dict:
+    """Plan every merge (headers only), say the disk they need, refuse when it is not free.
+
+    Nothing is written before this returns, so a refusal leaves the disk as it was.
+    """
+    from patchkit.verify import mergeplan
+
+    plans = {name: mergeplan.plan_merge(model_dir, path) for name, path in adapters.items()}
+    needed = 2 * sum(plan.bytes_needed for plan in plans.values())  # reference and control
+    free = shutil.disk_usage(_existing(workdir)).free
+    say(
+        f"merged references: {len(plans)} adapter(s), each merged twice (rounded to nearest, "
+        f"and stochastically as the measure of the reference's own bf16 precision), need "
+        f"{mergeplan.human_bytes(needed)} under {workdir} ({mergeplan.human_bytes(free)} free); "
+        "removed afterwards unless --keep"
+    )
+    for plan in plans.values():
+        for note in plan.notes:
+            say(f"note: {note}")
+    if needed > free:
+        raise PatchkitError(
+            f"the merged references need {mergeplan.human_bytes(needed)} under {workdir} and "
+            f"{mergeplan.human_bytes(free)} is free; give --workdir a disk with more space"
+        )
+    return plans
+
+
+def _existing(path: Path) -> Path:
+    """The nearest existing directory at or above path (where disk_usage can look)."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
+    """Each merged checkpoint under workdir/merged-NAME, and its rounding control
+    (the same merge rounded stochastically) under workdir/rounding-NAME."""
+    from patchkit.verify import mergewrite
+
+    out = {}
+    for number, (name, plan) in enumerate(plans.items()):
+        say(f"writing merged reference and rounding control for {name}")
+        out[name] = {kind: workdir / f"{kind}-{name}" for kind in REFERENCES}
+        mergewrite.write_merged(plan, out[name]["merged"])
+        control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
+        mergewrite.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
+    return out
+
+
+@dataclass
+class Reference:
+    """What one adapter's LoRA answers are judged against, and how precise it is.
+
+    ``floors`` is, per LoRA engine (mode) and prompt, the (mean, max) distance
+    that says how far the reference itself is from what vLLM would answer if
+    nothing were wrong: for the merged reference its two bf16 roundings
+    (nearest vs stochastic), the same for every mode; for the PEFT reference
+    |vLLM base - PEFT base| of that mode's engine (vLLM's own bf16 error
+    against float32). ``base`` is the reference's answers without the
+    adapter (None: vLLM's own base answers), for the adapter's effect.
+
+    Both take the same bound, ROUNDING_FACTOR (1.5) x the floor (bounds_for).
+    For PEFT that factor rests on the tiny Qwen3.5-MoE measured on the H200
+    with a real PEFT 0.21 target_parameters adapter: vLLM LoRA vs PEFT LoRA
+    0.077 mean against vLLM base vs PEFT base 0.088 (LoRA adds 0.88 x the
+    engine's own error, not more), effect 0.383. 1.5 x 0.088 = 0.132 leaves
+    1.7 x headroom over what LoRA measured and is 34 % of the effect: the
+    adapter at half strength sits about 0.19 from the reference, outside it.
+    The controls check that on every run instead of trusting it.
+    """
+
+    kind: str  # "merged" or "peft"
+    runs: dict | None  # {prompt: request}; None when it did not run
+    floors: dict[str, dict[str, tuple[float, float]]]
+    why: str  # why this reference judges the adapter
+    missing: str = ""  # why it did not run, when runs is None
+    base: dict | None = None
+    max_floor: float = MERGED_BOUNDS[1]  # the least max bound (PEFT_MOE_MAX_FLOOR on MoE)
+
+
+def merged_reference(run: Served, adapter: str, why: str) -> Reference:
+    """The merged reference: floors from its rounding control, the same in every mode."""
+    runs = _reference_runs(run, "merged", adapter)
+    floors = rounding_floors(run, adapter)
+    error = run.reference("merged", adapter).result.get("error", "")
+    return Reference("merged", runs, {lora.engine.name: floors for lora in run.lora()},
+                     why, missing=error or "it served nothing")  # fmt: skip
+
+
+def peft_reference(run: Served, adapter: str, why: str) -> Reference:
+    """The transformers + PEFT reference: floors from vLLM base vs PEFT base, per mode."""
+    peft = run.peft or {"error": "not run"}
+    runs = peft.get("runs", {})
+    mine, base = runs.get(f"lora:{adapter}"), runs.get("base")
+    if "error" in peft or not isinstance(mine, dict) or "error" in mine or not base:
+        missing = peft.get("error") or (mine or {}).get("error") or "it served nothing"
+        return Reference("peft", None, {}, why, missing=f"the PEFT reference: {missing}")
+    floors = {}
+    for lora in run.lora():
+        vllm_base = lora.runs.get("base") or {}
+        floors[lora.engine.name] = _floors(vllm_base, base)
+    routed = any(lora.result.get("routed_experts", 0) for lora in run.lora())
+    max_floor = PEFT_MOE_MAX_FLOOR if routed else MERGED_BOUNDS[1]
+    return Reference("peft", mine, floors, why, base=base, max_floor=max_floor)
+
+
+def _floors(ours: dict, theirs: dict) -> dict[str, tuple[float, float]]:
+    """Per prompt of ``theirs``, (mean, max) |ours - theirs|; {} when one is missing or
+    a value is not finite (no precision can be read from it)."""
+    floors = {}
+    for prompt, request in theirs.items():
+        other = ours.get(prompt)
+        if not isinstance(request, dict) or not isinstance(other, dict):
+            return {}
+        floor = checks.diff(other["prompt_logprobs"], request["prompt_logprobs"])
+        if not all(math.isfinite(v) for v in floor):
+            return {}
+        floors[prompt] = floor
+    return floors
+
+
+def _reference_runs(run: Served, kind: str, adapter: str) -> dict | None:
+    return run.reference(kind, adapter).runs.get("merged")
+
+
+def rounding_floors(run: Served, adapter: str) -> dict[str, tuple[float, float]]:
+    """Per prompt, (mean, max) |reference - rounding control|: the reference's own
+    precision. {} when either did not run or a value is not finite."""
+    merged = _reference_runs(run, "merged", adapter)
+    control = _reference_runs(run, "rounding", adapter)
+    if not merged or not control:
+        return {}
+    return _floors(control, merged)
+
+
+def peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
+    """The PEFT reference for an adapter the merged one could not decide; when PEFT did
+    not run (no transformers, no peftref), the merged verdict stands and says why."""
+    why = merged.why if merged.kind == "peft" else f"{merged.why}; the PEFT reference decides"
+    peft = peft_reference(run, name, why)
+    if peft.runs is None and merged.kind == "merged":
+        merged.why += f"; it did not run, {peft.missing}"
+        return merged
+    return peft
+
+
+def run_peft_reference(
+    model_dir: Path, adapters: dict[str, Path], prompts: dict, work: Path
+) -> dict:
+    """transformers + PEFT's answers (patchkit.verify.peftref in a child process), in a
+    served engine's form, or ``{"error": ...}`` (the verdict then says why)."""
+    try:
+        from patchkit.verify import peftref
+    except ImportError as exc:
+        return {"error": f"patchkit.verify.peftref cannot be imported ({exc})"}
+    job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)  # every GPU: alone
+    return serving.wait(serving.start([job], work), work, WAVE_TIMEOUT)[PEFT_ENTRY]
+
+
+def reference_base(keep: Path | None, workdir: Path | None) -> Path:
+    """The directory whose disk the merged references go on."""
+    return keep if keep is not None else Path(workdir or tempfile.gettempdir())

@@ -1,0 +1,207 @@
+"""The decision rule of `verify --model`: how far LoRA may be from its reference, and
+the verdict of an adapter from its checks.
+
+Bounds. LoRA served in bf16 computes x W + s (x A^T) B^T: base output and
+LoRA output are each rounded to bf16 and added; the merged reference
+rounds W + s B A to bf16 once, per weight. Where the delta is small
+against W, that rounding moves a weight by up to half a bf16 step of W, a
+perturbation of every changed weight; how much it moves the output grows
+with the model's width and depth (measured on the test H200: mean
+0.012-0.015 on an 8-layer stand-in, 0.032-0.034 on a Qwen3.5-27B-wide
+cut; vLLM's own Triton kernels as far from the reference as patchkit's
+torch path, docs/evidence.md). A fixed bound is therefore either too
+tight for a large model or too loose for a small one, so each adapter gets
+a rounding control: the same merge rounded stochastically (an equally
+valid bf16 version of the same float32 weights), served like the
+reference. How far the two references answer apart is the reference's own
+precision, and LoRA may differ from the reference by ROUNDING_FACTOR times
+that, never less than MERGED_BOUNDS.
+
+Everything that decides lives here, apart from the checks that measure: the
+thresholds, the bound (bounds_for), whether a miss is vLLM's fault
+(decisive), and the verdict (adapter_verdict, ModelResult.verdict), so the
+rule can be replaced as one module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from patchkit.verify import checks
+from patchkit.verify.checks import (
+    FAILED,
+    INCONCLUSIVE,
+    PASSED,
+    AdapterVerdict,
+    Check,
+    ControlResult,
+)
+
+# (mean, max) |LoRA served - merged reference| of prompt log-probabilities that
+# always passes, whatever the rounding control says: --e2e's bounds against
+# transformers (the 8-layer stand-in measured 0.0116-0.0153 / 0.049-0.098 at
+# TP=2, docs/evidence.md).
+MERGED_BOUNDS = (0.03, 0.3)
+# LoRA vs the reference may reach this many times the distance between the two
+# roundings of the reference. Were the output linear in the weights, that distance
+# would be about sqrt(3) times the reference's own error (nearest rounding's error
+# spread is a step / sqrt(12), the difference's a step / 2), so this allows about
+# 2.6 times the reference's error; measured on the H200, LoRA sat at 0.9-1.4
+# times the distance (docs/evidence.md)...
+ROUNDING_FACTOR = 1.5
+# ...unless the roundings differ by more than this (mean): then the reference is
+# too coarse to judge a LoRA path by, and the run says so instead of passing on it.
+ROUNDING_LIMIT = 0.1
+# The max bound never widens past this many nats: in a MoE model a near-tied
+# routing choice that flips moves single tokens by up to 1.4 between the two
+# roundings, but a bug that breaks a few positions (a chunk boundary, the first
+# token) moves them further, and a control with one wild token must not let it by.
+MAX_CEILING = 2.0
+# Against the transformers + PEFT reference (float32) the floor is vLLM's own error on
+# these very prompts, and on a wide MoE it reaches single tokens further than
+# MAX_CEILING: on the H200's 35B-A3B-wide cut vLLM base against float32 base moved
+# one token by up to 2.80-3.11 nats (a near-tied routing choice of 256 experts that
+# bf16 flips), and LoRA against PEFT's LoRA by 1.85-2.69, inside it, while every
+# control lay 1.7x the mean bound away (docs/evidence.md). There the max bound is
+# ROUNDING_FACTOR x that floor, up to this many nats: a position moved further is
+# broken whatever the engine's noise, and past it the max cannot decide.
+PEFT_MAX_CEILING = 6.0
+# ...and on a model with routed experts its max bound is never below MAX_CEILING: the
+# engine's own worst token is one sample of a heavy tail, and a mild sample made a
+# tight bound. On the H200 (tiny Qwen3.5-MoE, 8 experts top 2, `verify --e2e`) vLLM base
+# vs PEFT base reached at most 0.98 nats on 3000 tokens, so the bound was 1.47, while
+# the adapters on one expert parameter, healthy by every other row (mean 0.027-0.031,
+# within 0.041-0.046, every control rejected 13x outside), reached 1.95 and 1.54 on
+# three single tokens each, inside the 2.0 a merged MoE reference allows for the same
+# near-tied routing choices (its two roundings moved one token by 1.45 there).
+PEFT_MOE_MAX_FLOOR = MAX_CEILING
+# LoRA must move the output by at least this share of what the merged adapter does...
+EFFECT_SHARE = 0.5
+# ...and the adapter must move it clearly more than bf16 noise, or the check cannot tell...
+EFFECT_FLOOR = 0.01
+# ...and clearly more than the bound allows LoRA to be off, or an adapter applied at
+# a fraction of its strength would pass (on the H200 the bound was 9-12 % of the
+# effect: MoE 0.06 of 0.60, 27B-wide `full` 0.052 of 0.45, `attn-mlp` 0.03 of 0.25).
+RESOLUTION_LIMIT = 0.25
+
+
+def extent(floors: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """The largest (mean, max) distance over the prompts of non-empty ``floors``: the
+    reference's precision as one perturbation, taken whole (bounds_for says why)."""
+    return max(f[0] for f in floors.values()), max(f[1] for f in floors.values())
+
+
+def ceiling_for(kind: str) -> float:
+    """The max bound's ceiling for a reference kind: MAX_CEILING for the merged one,
+    PEFT_MAX_CEILING for transformers + PEFT (the engine's own error is its floor)."""
+    return PEFT_MAX_CEILING if kind == "peft" else MAX_CEILING
+
+
+def bounds_for(
+    floors: dict[str, tuple[float, float]] | None,
+    ceiling: float = MAX_CEILING,
+    max_floor: float = MERGED_BOUNDS[1],
+) -> tuple[float, float]:
+    """MERGED_BOUNDS (the max at least ``max_floor``), widened to ROUNDING_FACTOR x the
+    reference's own rounding.
+
+    The rounding is one perturbation of the adapter's weights, so its size is
+    taken over all prompts (the largest mean and max), not prompt by prompt:
+    one prompt's distance is a sample of it, and in a MoE model a sample that
+    a few routing flips decide (on the H200 the MoE reference's two roundings
+    differed by 0.031 on 600 tokens and 0.040 on 3000).
+    """
+    if not floors:
+        return MERGED_BOUNDS[0], max_floor
+    mean, worst = extent(floors)
+    return (
+        max(MERGED_BOUNDS[0], round(ROUNDING_FACTOR * mean, 4)),
+        min(ceiling, max(max_floor, round(ROUNDING_FACTOR * worst, 3))),
+    )
+
+
+def decisive(floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX_CEILING) -> bool:
+    """Whether LoRA outside the bound is vLLM's fault: the reference's own distance from
+    vLLM is small (mean <= ROUNDING_LIMIT) and the max bound was not cut below
+    ROUNDING_FACTOR x it by MAX_CEILING. Otherwise a LoRA answer outside the bound
+    may be the reference's own noise: INCONCLUSIVE, not FAILED."""
+    if not floors:
+        return False
+    mean, worst = extent(floors)
+    return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= ceiling
+
+
+def floor_text(floors: dict | None) -> str:
+    if not floors:
+        return "unknown: no finite distance measured"
+    mean, worst = extent(floors)
+    return f"mean {mean:.4f}, max {worst:.3f}"
+
+
+@dataclass
+class ModelResult:
+    """`verify --model`'s result: every check, and a verdict per adapter."""
+
+    checks: list[Check]
+    adapters: list[AdapterVerdict]
+
+    @property
+    def verdict(self) -> str:
+        """FAILED if a check of an engine or the run failed, or an adapter did; else
+        INCONCLUSIVE if an adapter is; else PASSED."""
+        engine_failed = any(c.failed for c in self.checks if c.adapter is None)
+        found = [a.verdict for a in self.adapters]
+        return checks.overall([*found, FAILED] if engine_failed else found)
+
+
+PEFT_DECIDES = (
+    "`--reference peft` (transformers + PEFT in float32 from the same bf16 weights, the "
+    "adapter unmerged)"
+)
+
+
+def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> AdapterVerdict:
+    """One adapter's verdict from its checks (those of every LoRA engine and of its
+    reference): FAILED on a decided failure, INCONCLUSIVE on a check its reference
+    could not decide (a control inside the bound among them), else PASSED.
+    ``reference`` is the adapter's patchkit.verify.references.Reference (its kind and
+    why are what the verdict reports; not imported: references builds on this rule)."""
+    mine = [c for c in found if c.adapter == adapter]
+    results = control_results(mine, controls)
+    failed = [c for c in mine if c.failed]
+    crashed = [c for c in found if c.adapter is None and c.failed and c.name.endswith("vLLM ran")]
+    verdict = AdapterVerdict(adapter, PASSED, reference.kind, reference.why, "", "", results)
+    if failed or crashed:
+        first = (crashed or failed)[0]
+        verdict.verdict, verdict.why = FAILED, f"{first.name}: {first.detail}"
+        return verdict
+    open_ = [c for c in mine if not c.ok]
+    if open_:
+        verdict.verdict, verdict.why = INCONCLUSIVE, f"{open_[0].name}: {open_[0].detail}"
+        verdict.decides_instead = (
+            PEFT_DECIDES
+            if reference.kind == "merged"
+            else "nothing this run has: vLLM's own bf16 error against float32 is as large "
+            "as what tells the adapter from its controls; a longer prompt set or a stronger "
+            "adapter would"
+        )
+        return verdict
+    verdict.why = f"within the {reference.kind} reference's bound"
+    if results:
+        verdict.why += ", and every control outside it"
+    return verdict
+
+
+def control_results(mine: list[Check], controls) -> list[ControlResult]:
+    """Each control: rejected when every engine rejected it, None when one did not serve it."""
+    out = []
+    for control in controls:
+        rows = [c for c in mine if c.name.endswith(f" control {control.what} rejected")]
+        if not rows:
+            continue
+        if any(c.detail.startswith("not served") for c in rows):
+            out.append(ControlResult(control.what, None, rows[0].detail))
+            continue
+        misses = [c for c in rows if not c.ok]
+        out.append(ControlResult(control.what, not misses, (misses or rows)[0].detail))
+    return out
