@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.verify import baserows, e2e, engines, modelchecks, serving
+from patchkit.verify import baserows, e2e, engines, modelchecks, rule, serving
 
 DATA = Path(__file__).parent / "data"
 TITLE = "base requests of the LoRA engine equal an engine without LoRA"
@@ -110,7 +110,7 @@ def test_the_bound_is_the_distance_between_the_engines_without_lora_times_the_fa
     lora["prompt_logprobs"] = [v + 0.01 for v in lora["prompt_logprobs"]]  # 0.035 in all
     assert not row(result, "eager").ok
     assert baserows.bounds(None) == baserows.FLOOR
-    assert baserows.bounds((1.0, 5.0)) == (1.5, baserows.MAX_CEILING)
+    assert baserows.bounds((1.0, 5.0)) == (1.5, rule.MAX_CEILING)
 
 
 def test_an_engine_without_lora_that_did_not_run_fails_and_says_so():

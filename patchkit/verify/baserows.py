@@ -22,7 +22,8 @@ MoE LoRA kernel path, not the no-LoRA one. The measure is how far the two
 engines without LoRA (eager and CUDA graphs: the same weights, two valid
 kernel choices) answer apart, taken over all prompts; the LoRA engine's base
 rows may differ from their mode's engine without LoRA by BOUND_FACTOR times
-that, never less than FLOOR, the max never more than MAX_CEILING. A base
+that, never less than FLOOR, the max never more than MAX_CEILING (the rule's,
+patchkit.verify.rule: a near-tied routing flip moves one token by up to ~1.4 nats). A base
 row that takes an adapter's delta (a stale slot: 1.59 nats seen once on the
 H200) or loops moves the answer by about an adapter's effect (0.3-0.6 mean
 in these runs), far past kernel noise.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from patchkit.verify import checks, serving
 from patchkit.verify.checks import Check
+from patchkit.verify.rule import MAX_CEILING  # one ceiling, for the same routing flips
 
 TITLE = "base requests of the LoRA engine equal an engine without LoRA"
 # (mean, max) |d logprob| always allowed: run-to-run noise (checks.REPEAT_MAX_TOL)
@@ -43,9 +45,6 @@ FLOOR = (0.01, checks.REPEAT_MAX_TOL)
 # Allowed: this many times the distance between the two engines without LoRA
 # (as rule.ROUNDING_FACTOR does for the merged reference's rounding control).
 BOUND_FACTOR = 1.5
-# A near-tied routing choice that flips moves one token by up to ~1.4 nats; a
-# bound wider than this would let a broken position by.
-MAX_CEILING = 2.0
 
 
 def engine_names(prefix: str = "") -> dict[str, str]:

@@ -56,6 +56,7 @@ ROUNDING_LIMIT = 0.1
 # routing choice that flips moves single tokens by up to 1.4 between the two
 # roundings, but a bug that breaks a few positions (a chunk boundary, the first
 # token) moves them further, and a control with one wild token must not let it by.
+# The base rows' bound (patchkit.verify.baserows) stops here too, for the same flips.
 MAX_CEILING = 2.0
 # Against the transformers + PEFT reference (float32) the floor is vLLM's own error on
 # these very prompts, and on a wide MoE it reaches single tokens further than
