@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from patchkit.errors import PatchkitError
-from patchkit.symptoms import longest_zero_run
+from patchkit.symptoms import ZERO_RUN_PROSE, longest_zero_run
 
 # The packages by name: `patchkit` on the public index is another project.
 MISSING_DEPS = (
@@ -98,9 +98,8 @@ MAX_BODY = 16 * 1024 * 1024  # decoded bytes of one answer: a wrong URL must not
 MAX_MODELS = 64  # checked per run; a server listing thousands must not outlast --timeout
 MAX_COUNTER_LINES = 1024  # of /metrics lines about the counter: one per model and engine
 # Greedy decoding after a NaN emits token id 0 (`!` in Qwen tokenizers) at every
-# step; 8 in a row never comes from a sane model continuing English prose.
-ZERO_RUN = 8
-BANG_RUN = "!" * ZERO_RUN
+# step: patchkit.symptoms.ZERO_RUN_PROSE in a row is the symptom here.
+BANG_RUN = "!" * ZERO_RUN_PROSE
 # The greedy token is the argmax, so its log-probability is at least
 # -ln(vocabulary), about -12.5 for 260k tokens; far below means broken logits
 # (vLLM floors -inf to -9999.0).
@@ -702,7 +701,7 @@ def judge_completion(verdict: Verdict, answer: Exchange, with_logprobs: bool) ->
     if completion.completion_tokens is not None:
         verdict.completion_tokens = completion.completion_tokens
     run = longest_zero_run(verdict.token_ids or [])
-    if run >= ZERO_RUN:
+    if run >= ZERO_RUN_PROSE:
         verdict.mark("bad", f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)")
     elif verdict.token_ids is None and BANG_RUN in verdict.text:
         verdict.mark("bad", f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}")

@@ -14,10 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from patchkit.symptoms import longest_zero_run
+from patchkit.symptoms import ZERO_RUN_RANDOM, longest_zero_run
 
-# A run of this many token-id-0 tokens is the "!!!!" symptom.
-ZERO_RUN = 3
 # The same request twice (before/after other requests) must agree within
 # run-to-run noise: the Triton shrink kernel sums split-k partials with
 # atomic adds (order not fixed), which moved a 50-token prompt's log-probs by
@@ -158,13 +156,13 @@ def health_checks(name: str, served: dict) -> list[Check]:
             f"{nan_total} NaN" + _naming([label for label, n in nan if n]),
         )
     )
-    zero_runs = [label for label, r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN]
+    zero_runs = [label for label, r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN_RANDOM]
     checks.append(
         Check(
             f"{name}: no run of token id 0",
             not zero_runs,
-            f"{len(zero_runs)} output{'s' if len(zero_runs) != 1 else ''} with >= {ZERO_RUN} "
-            "zeros in a row" + _naming(zero_runs),
+            f"{len(zero_runs)} output{'s' if len(zero_runs) != 1 else ''} with "
+            f">= {ZERO_RUN_RANDOM} zeros in a row" + _naming(zero_runs),
         )
     )
     return checks
@@ -216,10 +214,10 @@ def rows_check(title: str, runs: dict, labels: list[str]) -> Check:
         for r in every
         if any(not math.isfinite(v) for v in r["prompt_logprobs"] + r["token_logprobs"])
     )
-    zeros = sum(1 for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN)
+    zeros = sum(1 for r in every if longest_zero_run(r["tokens"]) >= ZERO_RUN_RANDOM)
     return Check(
         f"{title}: finite, no run of token id 0",
         not bad and not zeros,
-        f"{bad} request(s) with NaN or inf log-probabilities, {zeros} with >= {ZERO_RUN} "
+        f"{bad} request(s) with NaN or inf log-probabilities, {zeros} with >= {ZERO_RUN_RANDOM} "
         "zeros in a row",
     )
