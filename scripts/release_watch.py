@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO))
 
 from packaging.version import Version  # noqa: E402
 
+from patchkit import signals  # noqa: E402
 from patchkit.catalogue.load import load_catalogue  # noqa: E402
 from patchkit.cli import exits, render  # noqa: E402
 from patchkit.errors import PatchkitError, os_error_line  # noqa: E402
-from patchkit.fs import signals  # noqa: E402
 from patchkit.patching import operations  # noqa: E402
 from patchkit.releases.fetch import fetch  # noqa: E402
 from patchkit.releases.index import wheels, where  # noqa: E402

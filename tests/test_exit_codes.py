@@ -22,7 +22,7 @@ import pytest
 
 from patchkit.cli import exits
 from patchkit.errors import UsageProblem
-from patchkit.fs.signals import Terminated
+from patchkit.signals import Terminated
 from tests.conftest import REPO, run_cli, run_subprocess
 
 ROW = re.compile(r"^\| (\d+) \| (.+) \|$")

@@ -196,7 +196,7 @@ def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from patchkit.fs import signals
+    from patchkit import signals
 
     started = []
 

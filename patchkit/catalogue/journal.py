@@ -46,8 +46,8 @@ from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.files import decode_json
 from patchkit.fs.safepath import Root, TooLarge, UnsafePath, checked_relpath
-from patchkit.fs.signals import held
-from patchkit.vllmtree.tree import sha256_bytes
+from patchkit.identity import sha256_bytes
+from patchkit.signals import held
 
 JOURNAL_DIR = ".patchkit-refresh"
 JOURNAL = f"{JOURNAL_DIR}/journal.json"

@@ -37,7 +37,7 @@ from patchkit.catalogue.model import (
 )
 from patchkit.errors import PatchkitError
 from patchkit.fs.safepath import checked_relpath
-from patchkit.vllmtree.tree import is_version
+from patchkit.identity import is_version
 
 if sys.version_info >= (3, 11):
     import tomllib

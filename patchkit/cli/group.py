@@ -16,9 +16,9 @@ import sys
 
 import click
 
+from patchkit import signals
 from patchkit.cli import exits, render
 from patchkit.cli.outcome import fail, standard_streams
-from patchkit.fs import signals
 
 
 class PatchkitGroup(click.Group):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import click
 
 from patchkit.errors import PatchkitError
+from patchkit.identity import is_version
 from patchkit.patching.decide import select
-from patchkit.vllmtree.tree import is_version
 
 TARGET_HELP = (
     "Directory that contains vllm/ (site-packages, dist-packages or a vLLM checkout). "

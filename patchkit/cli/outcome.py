@@ -31,9 +31,9 @@ import traceback
 
 import click
 
+from patchkit import signals
 from patchkit.cli import exits, render
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.fs import signals
 
 
 class Outcome:

@@ -28,8 +28,8 @@ from pathlib import Path
 from patchkit.catalogue.model import Patch
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.safepath import Root, UnsafePath, kind_of
-from patchkit.fs.signals import Terminated, held
 from patchkit.patching.state import STATE_DIR
+from patchkit.signals import Terminated, held
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action, PatchState
 

@@ -1,4 +1,3 @@
 """Layer 1: paths walked by directory descriptors (safepath), settings and cache files
-(files), signals held across writes (signals), waiting for a lock (locks), patchkit's own
-cache folder (places).
+(files), waiting for a lock (locks), patchkit's own cache folder (places).
 """

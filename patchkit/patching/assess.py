@@ -31,9 +31,10 @@ from patchkit.catalogue.model import Catalogue, Decision, Patch, Variant
 from patchkit.diffs.hunks import Placement, apply_file_patch
 from patchkit.errors import HunkMismatch
 from patchkit.fs.safepath import checked_relpath
+from patchkit.identity import sha256_bytes
 from patchkit.patching.state import FileRecord, PatchRecord, State
 from patchkit.patching.transaction import FileChange
-from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import FileFinding, PatchState
 
 NEEDED, APPLIED, CONFLICT = PatchState.NEEDED, PatchState.APPLIED, PatchState.CONFLICT

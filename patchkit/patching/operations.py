@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from patchkit import signals
 from patchkit.caches import compiled
 from patchkit.catalogue.model import Catalogue
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.fs import signals
 from patchkit.patching import bytecode
 from patchkit.patching.decide import APPLY, REVERT, STATUS, Plan, RunOptions, Step, plan, select
 from patchkit.patching.state import (

@@ -30,14 +30,15 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit import signals
 from patchkit.catalogue import journal
 from patchkit.catalogue.load import installed_catalogue
 from patchkit.catalogue.model import Catalogue, Patch, Variant, variant_files, variant_sha256
 from patchkit.diffs.hunks import apply_file_patch
 from patchkit.diffs.unified import unified_diff
 from patchkit.errors import PatchkitError, os_error_line
-from patchkit.fs import signals
 from patchkit.fs.safepath import Root
+from patchkit.identity import sha256_bytes
 from patchkit.patching.assess import TreeFiles
 from patchkit.patching.decide import later_on_same_files
 from patchkit.patching.state import (
@@ -52,7 +53,7 @@ from patchkit.patching.state import (
     sweep,
 )
 from patchkit.patching.transaction import TreeLock, commit_or_undo, recover
-from patchkit.vllmtree.tree import VllmTree, sha256_bytes
+from patchkit.vllmtree.tree import VllmTree
 
 
 @dataclass

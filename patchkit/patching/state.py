@@ -30,7 +30,7 @@ from pathlib import Path
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import decode_json
 from patchkit.fs.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
-from patchkit.vllmtree.tree import sha256_bytes
+from patchkit.identity import sha256_bytes
 
 STATE_DIR = ".patchkit"
 STATE_FILE = f"{STATE_DIR}/state.json"

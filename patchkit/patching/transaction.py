@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
-from patchkit.fs.signals import held
+from patchkit.identity import sha256_bytes
 from patchkit.patching.state import (
     STATE_DIR,
     STATE_FILE,
@@ -45,7 +45,7 @@ from patchkit.patching.state import (
     load_json,
     record_sha256,
 )
-from patchkit.vllmtree.tree import sha256_bytes
+from patchkit.signals import held
 
 LOCK_FILE = f"{STATE_DIR}/lock"
 JOURNAL = f"{TXN_DIR}/journal.json"

@@ -42,7 +42,7 @@ from patchkit.errors import PatchkitError
 from patchkit.fs.files import open_regular
 from patchkit.fs.places import cache_root
 from patchkit.fs.safepath import Root, UnsafePath, mount_id, remove_entry
-from patchkit.fs.signals import held
+from patchkit.identity import is_version
 from patchkit.releases.index import WheelLink, find_wheel
 from patchkit.releases.members import (
     MAX_WHEEL,
@@ -54,8 +54,8 @@ from patchkit.releases.members import (
 )
 from patchkit.releases.pipconfig import PipSettings, pip_settings
 from patchkit.releases.transport import FetchError, RangesRefused, Transport, host_of
+from patchkit.signals import held
 from patchkit.terminal import printable
-from patchkit.vllmtree.tree import is_version
 
 MARKER = ".patchkit-fetched"
 STAGING_MARKER = ".patchkit-staging"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import csv
-import hashlib
 import importlib.util
 import io
 import os
@@ -24,9 +23,9 @@ from packaging.version import InvalidVersion, Version
 
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.safepath import Root
+from patchkit.identity import is_version
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
-MAX_VERSION_LENGTH = 200  # PEP 440 sets none; 5,000 digits overflow int() on the way
 MAX_METADATA_BYTES = 64 << 20
 
 
@@ -54,21 +53,6 @@ class VllmTree:
 
     def describe(self) -> dict:
         return {"version": self.version, "path": str(self.root), "source": self.source}
-
-
-def is_version(text: object) -> bool:
-    """Whether ``text`` is a PEP 440 version (0.26.0, 0.26.0+cu130) of a sane length."""
-    if not isinstance(text, str) or len(text) > MAX_VERSION_LENGTH:
-        return False
-    try:
-        Version(text)
-    except (InvalidVersion, ValueError):
-        return False
-    return True
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def locate(target: str | None, version_override: str | None = None) -> VllmTree:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from patchkit import signals
 from patchkit.catalogue.load import load_catalogue
 from patchkit.cli import render
 from patchkit.cli.options import (
@@ -17,7 +18,6 @@ from patchkit.cli.options import (
 )
 from patchkit.cli.outcome import outcome, user_errors
 from patchkit.forks import forkmode
-from patchkit.fs import signals
 from patchkit.patching import operations
 from patchkit.patching.decide import RunOptions
 from patchkit.vllmtree.tree import locate
