@@ -247,8 +247,8 @@ def _pristine_file(tree: VllmTree, relpath: str, pristine: Path | None) -> bytes
         raise PatchkitError(f"{tree.root}'s record changed while refresh ran; run it again")
     with Root.open(pristine) as fs:
         data = fs.read(relpath, "--pristine")
-    recorded = tree.record.get(relpath)
-    if data is not None and recorded is not None and sha256_bytes(data) != recorded:
+    row = tree.record.row(relpath)
+    if data is not None and row is not None and not row.matches(data):
         raise PatchkitError(
             f"{pristine}/{relpath} is not vLLM {tree.version}'s file (RECORD); pass "
             "--pristine a pristine tree of the same release"

@@ -8,11 +8,7 @@ fail on a build machine), so everything here reads files only.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import csv
 import importlib.util
-import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +20,7 @@ from packaging.version import InvalidVersion, Version
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.safepath import Root
 from patchkit.identity import is_version
+from patchkit.vllmtree.record import RecordRow, RecordUnreadable, WheelRecord, read_rows
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
 MAX_METADATA_BYTES = 64 << 20
@@ -36,7 +33,8 @@ class VllmTree:
     root: Path
     version: str  # as reported, local label kept ("0.26.0+cu130")
     source: str  # metadata | git | file | override | unknown
-    record: dict[str, str] = field(default_factory=dict)  # relpath -> sha256 hex
+    # relpath -> sha256 hex of the wheel's file; empty without a RECORD
+    record: WheelRecord = field(default_factory=WheelRecord.empty)
     git_root: Path | None = None
     fs: Root | None = field(default=None, repr=False, compare=False)  # root, held open
 
@@ -147,13 +145,13 @@ def _lists_vllm(fs: Root, dist_info: str) -> bool:
     text = _metadata_text(fs, f"{dist_info}/RECORD")
     if text is None:
         return fs.lstat(f"{dist_info}/METADATA", "dist-info") is not None
-    return any(row and row[0] == "vllm/__init__.py" for row in _record_rows(fs, dist_info, text))
+    return "vllm/__init__.py" in _record_rows(fs, dist_info, text)
 
 
-def _record_rows(fs: Root, dist_info: str, text: str) -> list[list[str]]:
+def _record_rows(fs: Root, dist_info: str, text: str) -> dict[str, RecordRow]:
     try:
-        return list(csv.reader(io.StringIO(text, newline="")))
-    except csv.Error as exc:
+        return read_rows(text)
+    except RecordUnreadable as exc:
         raise PatchkitError(
             f"{fs.full(dist_info)}/RECORD: not a valid RECORD ({exc}); reinstall vLLM "
             "(pip install --force-reinstall --no-deps vllm)"
@@ -175,31 +173,18 @@ def _metadata_version(fs: Root, dist_info: str) -> str:
     return version
 
 
-def _read_record(fs: Root, dist_info: str) -> dict[str, str]:
-    """RECORD rows as relpath -> sha256 hex; rows without a hash are skipped."""
+def _read_record(fs: Root, dist_info: str) -> WheelRecord:
+    """RECORD as each file's sha256 (patchkit.vllmtree.record); a row whose hash is not
+    one of its algorithm is refused, naming the row."""
     text = _metadata_text(fs, f"{dist_info}/RECORD")
-    if text is None:
-        return {}
-    hashes = {}
-    for row in _record_rows(fs, dist_info, text):
-        if len(row) >= 2 and row[1].startswith("sha256="):
-            hashes[row[0]] = _record_digest(fs, dist_info, row)
-    return hashes
-
-
-def _record_digest(fs: Root, dist_info: str, row: list[str]) -> str:
-    """A RECORD hash (urlsafe base64, unpadded) as hex; PatchkitError when it is no sha256."""
-    digest = row[1][len("sha256=") :]
-    try:
-        raw = base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
-    except (binascii.Error, ValueError):
-        raw = b""
-    if len(raw) != 32:
-        raise PatchkitError(
-            f"{fs.full(dist_info)}/RECORD: {row[0][:80]}: {row[1][:60]!r} is not a sha256; "
-            "reinstall vLLM (pip install --force-reinstall --no-deps vllm)"
-        )
-    return raw.hex()
+    rows = {} if text is None else _record_rows(fs, dist_info, text)
+    for row in rows.values():
+        if row.known and row.digest() is None:
+            raise PatchkitError(
+                f"{fs.full(dist_info)}/RECORD: {row.path[:80]}: {row.hash[:60]!r} is not a "
+                f"{row.algorithm}; reinstall vLLM (pip install --force-reinstall --no-deps vllm)"
+            )
+    return WheelRecord(rows, lambda relpath: fs.read(relpath, "RECORD"))
 
 
 def _git_root(root: Path) -> Path | None:
