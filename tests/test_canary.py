@@ -620,7 +620,7 @@ def test_default_budget_is_sixty_seconds(monkeypatch):
 
     def fake_run(url, api_key, models, prompt_tokens, timeout, record):
         seen["timeout"] = timeout
-        return check.Report(url=url, models=[check.Verdict(model="m")])
+        return check.Report(url=url, models=[check.ModelCheck(model="m")])
 
     monkeypatch.setattr(check, "run", fake_run)
     assert canary_cli("http://127.0.0.1:1").exit_code == 0

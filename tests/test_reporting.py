@@ -285,12 +285,12 @@ def test_a_dry_run_shows_the_state_the_tree_is_in(tree_0260):
 
 def test_counts_are_in_their_number():
     """ "all 1 models answer sanely", "(and 1 more warnings)"."""
-    from patchkit.canary.check import Report, Verdict
+    from patchkit.canary.check import ModelCheck, Report
     from patchkit.errors import PatchkitError
     from patchkit.patching.decide import _fail_strict
 
-    assert Report("http://h", models=[Verdict("m")]).summary() == "the 1 model answers sanely"
-    assert Report("http://h", models=[Verdict("m"), Verdict("n")]).summary() == (
+    assert Report("http://h", models=[ModelCheck("m")]).summary() == "the 1 model answers sanely"
+    assert Report("http://h", models=[ModelCheck("m"), ModelCheck("n")]).summary() == (
         "all 2 models answer sanely"
     )
     with pytest.raises(PatchkitError, match=r"^--strict: a \(and 1 more warning\); "):

@@ -146,7 +146,7 @@ class Exchange:
 
 
 @dataclass
-class Verdict:
+class ModelCheck:
     """What one model answered and what the canary makes of it.
 
     verdict: ok, bad (evidence of NaN: the failure this tool exists for),
@@ -185,8 +185,8 @@ class Report:
     url: str
     version: str | None = None
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
-    models: list[Verdict] = field(default_factory=list)
-    recheck: Verdict | None = None  # the base model again, after a bad adapter
+    models: list[ModelCheck] = field(default_factory=list)
+    recheck: ModelCheck | None = None  # the base model again, after a bad adapter
     counter: dict = field(default_factory=dict)  # name, present, before, after
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
@@ -619,9 +619,9 @@ def request_body(model: str, prompt: str, logprobs: bool) -> dict:
     return body
 
 
-def check_model(server: Server, card: dict, prompt: str) -> Verdict:
+def check_model(server: Server, card: dict, prompt: str) -> ModelCheck:
     """One completion with log-probabilities; after a failure, one without to see the text."""
-    verdict = Verdict(model=card["id"], parent=card.get("parent"))
+    verdict = ModelCheck(model=card["id"], parent=card.get("parent"))
     started = server.now()
     try:
         answer = server.post("/v1/completions", request_body(card["id"], prompt, True))
@@ -642,7 +642,7 @@ def check_model(server: Server, card: dict, prompt: str) -> Verdict:
     return verdict
 
 
-def look_at_text(server: Server, verdict: Verdict, model: str, prompt: str) -> None:
+def look_at_text(server: Server, verdict: ModelCheck, model: str, prompt: str) -> None:
     """The request again without log-probabilities: no NaN can break its JSON; the text shows."""
     answer = server.post("/v1/completions", request_body(model, prompt, False))
     if answer.status == 200:
@@ -687,7 +687,7 @@ def read_completion(data: object) -> Completion:
     )
 
 
-def judge_completion(verdict: Verdict, answer: Exchange, with_logprobs: bool) -> None:
+def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool) -> None:
     """Token-id-0 or `!` runs, NaN, missing or impossible log-probabilities."""
     try:
         completion = read_completion(answer.json())
@@ -709,7 +709,7 @@ def judge_completion(verdict: Verdict, answer: Exchange, with_logprobs: bool) ->
         judge_logprobs(verdict, completion.logprobs)
 
 
-def judge_logprobs(verdict: Verdict, values: list[float | None] | None) -> None:
+def judge_logprobs(verdict: ModelCheck, values: list[float | None] | None) -> None:
     """Bad: none, null entries, NaN, infinite, positive (a log-probability is at most 0)
     or far below what a greedy token can have."""
     if not values:
@@ -783,14 +783,14 @@ def some_names(names: list[str], shown: int = 3) -> str:
     return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list[Verdict]]:
+def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list[ModelCheck]]:
     """The cards to check (all, base models first) and a not-served verdict per unknown --model."""
     if not wanted:
         return sorted(cards, key=lambda c: bool(c.get("parent"))), []
     by_id = {c["id"]: c for c in cards}
     served = some_names(list(by_id), shown=5)
     missing = [
-        Verdict(
+        ModelCheck(
             model=name,
             verdict="not-served",
             evidence=[f"not in GET /v1/models (served: {served})"],
@@ -855,7 +855,7 @@ def run(
 def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: int):
     """One model's verdict, with the counter read after its requests."""
     if server.remaining() <= 0:
-        return Verdict(
+        return ModelCheck(
             model=card["id"],
             parent=card.get("parent"),
             verdict="not-checked",
@@ -870,7 +870,7 @@ def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: i
     return verdict
 
 
-def judge_counter(server: Server, report: Report, verdict: Verdict) -> None:
+def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
     """A rise of the counter while the model's requests ran is bad; a counter that turned
     unreadable (NaN) is an error, since it could hide one."""
     before = report.counter["after"]
