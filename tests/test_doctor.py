@@ -255,12 +255,12 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     from packaging.version import Version
 
     from patchkit.catalogue.load import load_catalogue
-    from patchkit.doctor.doctor import DoctorReport, Gpu, bug_groups, bug_verdict
+    from patchkit.doctor.doctor import DetectedGpu, DoctorReport, bug_groups, bug_verdict
     from patchkit.doctor.kernelscan import ScanReport
     from patchkit.doctor.toolchain import Toolchain
     from patchkit.vocabulary import PatchState, Verdict
 
-    report = DoctorReport(gpus=[Gpu("NVIDIA H200", "9.0")])
+    report = DoctorReport(gpus=[DetectedGpu("NVIDIA H200", "9.0")])
     tools = Toolchain(triton="3.7.1", ptxas="/x/ptxas", ptxas_version=ptxas)
     report.kernels = ScanReport(toolchain=tools, cases=cases)
     nan_patches = bug_groups(load_catalogue())[0]

@@ -8,7 +8,7 @@ every tensor of every floating type vLLM loads for NaN/Inf
 never read), and, given the model's config.json, the shapes of every factor
 (:mod:`patchkit.adapters.modelshapes`); given a vLLM tree, what that release
 would refuse or ignore (:mod:`patchkit.adapters.release` and the catalogue's
-patch states). Everything is a :class:`Finding` naming the file and the
+patch states). Everything is a :class:`AdapterFinding` naming the file and the
 tensor; nothing imports torch or vLLM, nothing is written.
 
 The scale range. vLLM multiplies B @ A by lora_alpha / r (rsLoRA: lora_alpha

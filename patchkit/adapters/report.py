@@ -24,7 +24,7 @@ class Kind(Word):
 
 
 @dataclass(frozen=True)
-class Finding:
+class AdapterFinding:
     """One problem: where (file, and the tensor or key) and what."""
 
     kind: Kind
@@ -43,7 +43,7 @@ class Report:
     vllm_version: str | None = None
     tensors: int = 0
     bytes_scanned: int = 0
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AdapterFinding] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # checks not run, each with its reason
     notes: list[str] = field(default_factory=list)
 
@@ -52,4 +52,4 @@ class Report:
         return not self.findings
 
     def add(self, kind: Kind, file: str, tensor: str, message: str) -> None:
-        self.findings.append(Finding(kind, file, tensor, message))
+        self.findings.append(AdapterFinding(kind, file, tensor, message))

@@ -53,13 +53,15 @@ HOPPER = "9.0"
 
 
 @dataclass(frozen=True)
-class Gpu:
+class DetectedGpu:
+    """A GPU nvidia-smi reports (the scan's model of one is patchkit.doctor.standins.Gpu)."""
+
     name: str
     compute_capability: str
 
 
 @dataclass(frozen=True)
-class Finding:
+class OverrideFinding:
     """A tuned-config file that changes what a patch protects."""
 
     file: str
@@ -83,7 +85,7 @@ class BugVerdict:
 
 @dataclass
 class DoctorReport:
-    gpus: list[Gpu] = field(default_factory=list)
+    gpus: list[DetectedGpu] = field(default_factory=list)
     gpu_note: str = ""
     toolchain: Toolchain = field(default_factory=Toolchain)
     fixed_from: str | None = None  # the ptxas release that fixes the race
@@ -91,8 +93,9 @@ class DoctorReport:
     tree: VllmTree | None = None
     tree_error: str = ""
     patches: list[Assessment] = field(default_factory=list)
-    tuned_configs: list[Finding] = field(default_factory=list)  # every override check's findings
-    overrides: dict[str, list[Finding]] = field(default_factory=dict)  # the same, per patch id
+    # every override check's findings, and the same per patch id
+    tuned_configs: list[OverrideFinding] = field(default_factory=list)
+    overrides: dict[str, list[OverrideFinding]] = field(default_factory=dict)
     stale_bytecode: list[str] = field(default_factory=list)
     old_caches: list[OldCache] = field(default_factory=list)
     kernels: ScanReport | None = None  # the --kernels scan, when asked for
@@ -113,7 +116,7 @@ class DoctorReport:
 # ----- facts -----
 
 
-def gpus() -> tuple[list[Gpu], str]:
+def gpus() -> tuple[list[DetectedGpu], str]:
     """Name and compute capability of each GPU nvidia-smi shows."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -131,11 +134,11 @@ def gpus() -> tuple[list[Gpu], str]:
     found = []
     for line in out.strip().splitlines():
         name, _, capability = line.rpartition(",")
-        found.append(Gpu(name.strip(), capability.strip()))
+        found.append(DetectedGpu(name.strip(), capability.strip()))
     return found, "" if found else "nvidia-smi lists no GPU"
 
 
-def tuned_configs(folder: str | None) -> list[Finding]:
+def tuned_configs(folder: str | None) -> list[OverrideFinding]:
     """Expand config files in VLLM_TUNED_CONFIG_FOLDER that matter for num_slices=1."""
     if not folder:
         return []
@@ -144,23 +147,23 @@ def tuned_configs(folder: str | None) -> list[Finding]:
         try:
             data = read_json_file(path)
         except (OSError, ValueError) as exc:
-            found.append(Finding(str(path), f"unreadable: {exc}"))
+            found.append(OverrideFinding(str(path), f"unreadable: {exc}"))
             continue
         if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-            found.append(Finding(str(path), "not a {max_loras: {num_slices: ...}}"))
+            found.append(OverrideFinding(str(path), "not a {max_loras: {num_slices: ...}}"))
             continue
         for max_loras, by_slices in data.items():
             found += _risky_leaves(path, max_loras, by_slices)
     return found
 
 
-def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[Finding]:
+def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[OverrideFinding]:
     if "1" not in by_slices:
         problem = (
             f"max_loras {max_loras} has no num_slices '1' entry: "
             "single-slice expand raises KeyError"
         )
-        return [Finding(str(path), problem)]
+        return [OverrideFinding(str(path), problem)]
     risky = [
         c
         for c in leaf_configs(by_slices["1"])
@@ -172,7 +175,7 @@ def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[Finding]:
         f"max_loras {max_loras}: {len(risky)} num_slices=1 configs with block_n > 32 and "
         "num_stages >= 2 replace the patched block_n 32"
     )
-    return [Finding(str(path), problem)]
+    return [OverrideFinding(str(path), problem)]
 
 
 def leaf_configs(node) -> list[dict]:
@@ -187,7 +190,7 @@ def leaf_configs(node) -> list[dict]:
 OVERRIDE_CHECKS = {"tuned-lora-configs": tuned_configs}
 
 
-def override_findings(catalogue: Catalogue) -> dict[str, list[Finding]]:
+def override_findings(catalogue: Catalogue) -> dict[str, list[OverrideFinding]]:
     """For each patch with an ``[overridden_by]`` check: what its setting does here."""
     found = {}
     for patch in catalogue.patches:

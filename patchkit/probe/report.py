@@ -59,7 +59,7 @@ CHECK_COMMAND = "patchkit adapter check"
 
 
 @dataclass
-class Finding:
+class RequestFinding:
     """Where one request first went bad, and what the decision tree makes of it."""
 
     request: str
@@ -115,7 +115,7 @@ class ProbeReport:
     steps: int  # distinct steps with a record
     records: int
     headers: int
-    findings: list[Finding]
+    findings: list[RequestFinding]
     padding_only: int  # records whose bad rows were all padding (no request)
     warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
     quarantines: list[Quarantine] = field(default_factory=list)
@@ -505,7 +505,7 @@ def unprobed_by_layer(header: dict) -> dict[int, dict[str, str]]:
     return found
 
 
-def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
+def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> RequestFinding:
     """The decision tree, at the first step and the first layer where the request went bad.
 
     ``unwatched`` holds, per header of the log, what that server's probe did not
@@ -524,7 +524,7 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
     if inputs:
         verdict = "hidden state already bad at the layer's input"
         look_at = "upstream of this layer: the embedding or an earlier pipeline stage"
-        return Finding(**common, module="input", verdict=verdict, look_at=look_at)
+        return RequestFinding(**common, module="input", verdict=verdict, look_at=look_at)
     who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
     if projections:
         first = projections[0].module
@@ -532,7 +532,7 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
             f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
             "lora_B) or the LoRA kernels (patchkit doctor)"
         )
-        return Finding(
+        return RequestFinding(
             **common, module=first, verdict=f"projection {first} bad first", look_at=look_at
         )
     verdict = "every probed projection fine, the layer output bad"
@@ -545,10 +545,10 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> Finding:
             f"does not watch ({_listed(sorted(set(modules.values())))}): if only requests "
             "with an adapter go bad here, check that adapter's expert weights"
         )
-    return Finding(**common, module="output", verdict=verdict, look_at=look_at)
+    return RequestFinding(**common, module="output", verdict=verdict, look_at=look_at)
 
 
-def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> Finding:
+def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> RequestFinding:
     """A request of an adapter quarantined at load: the recorded tensor is the cause.
 
     Its rows were made NaN by the quarantine from the first LoRA projection
@@ -565,7 +565,7 @@ def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> Findin
         "non-finite tensor; fix or replace the adapter, then load it again"
     )
     common = {**common, "layer": quarantine.layer if quarantine.layer is not None else -1}
-    return Finding(
+    return RequestFinding(
         **common,
         module=quarantine.module,
         verdict=verdict,

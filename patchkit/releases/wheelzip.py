@@ -56,13 +56,15 @@ class Member:
 
 
 @dataclass(frozen=True)
-class Directory:
+class CentralDirectory:
     offset: int
     size: int
     count: int
 
 
-def locate_directory(tail: bytes, tail_start: int, total: int, read: Read, what: str) -> Directory:
+def locate_directory(
+    tail: bytes, tail_start: int, total: int, read: Read, what: str
+) -> CentralDirectory:
     """Where the central directory is, from the last bytes of the file (``tail``)."""
     at = _end_record(tail, what)
     _, disk, cd_disk, _, count, size, offset, _ = EOCD.unpack_from(tail, at)
@@ -79,7 +81,7 @@ def locate_directory(tail: bytes, tail_start: int, total: int, read: Read, what:
             f"fetch: {what}'s directory ({offset:,}+{size:,}) lies outside the file "
             f"({total:,} bytes, end record at {end_record:,})"
         )
-    return Directory(offset, size, count)
+    return CentralDirectory(offset, size, count)
 
 
 def _end_record(tail: bytes, what: str) -> int:
@@ -112,7 +114,7 @@ def _zip64(tail, tail_start, locator_at, total, read, what):
     return count, size, offset, record_at
 
 
-def read_directory(data: bytes, directory: Directory, what: str) -> list[Member]:
+def read_directory(data: bytes, directory: CentralDirectory, what: str) -> list[Member]:
     """The members the central directory lists, each checked to lie before it."""
     members, at = [], 0
     for _ in range(directory.count):
@@ -164,7 +166,7 @@ def _zip64_extra(extra, size, compressed, offset, raw, what):
     raise BadWheel(f"fetch: {what}: member {raw[:80]!r} lacks its zip64 sizes")
 
 
-def _check_layout(members: list[Member], directory: Directory, what: str) -> None:
+def _check_layout(members: list[Member], directory: CentralDirectory, what: str) -> None:
     """Every local header before the directory, no two at one place, names unique."""
     names, offsets = set(), set()
     for member in members:
@@ -178,7 +180,7 @@ def _check_layout(members: list[Member], directory: Directory, what: str) -> Non
         offsets.add(member.offset)
 
 
-def spans(members: list[Member], wanted: Iterable[Member], directory: Directory, what: str):
+def spans(members: list[Member], wanted: Iterable[Member], directory: CentralDirectory, what: str):
     """(start, end, member) for each wanted member: its local header up to the next one's."""
     starts = sorted(m.offset for m in members) + [directory.offset]
     following = dict(zip(starts, starts[1:], strict=False))
