@@ -308,10 +308,10 @@ def test_a_journal_whose_tree_path_holds_a_link_is_refused(tmp_path):
 
 
 def test_the_journal_reads_the_state_file_the_engine_writes():
-    from patchkit.catalogue.journal import TREE_RECORD
+    from patchkit.catalogue.journal import TREE_STATE
     from patchkit.patching.state import STATE_FILE
 
-    assert TREE_RECORD == STATE_FILE
+    assert TREE_STATE == STATE_FILE
 
 
 # ----- faults at every write point -----

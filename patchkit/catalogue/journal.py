@@ -1,7 +1,7 @@
-"""All-or-nothing writes into the catalogue, with the tree's record, for ``patchkit refresh``.
+"""All-or-nothing writes into the catalogue, with the tree's state, for ``patchkit refresh``.
 
 refresh rewrites a variant's diff and created files under ``patches/`` and
-the record of the same patch in the tree (``.patchkit/state.json``). Both
+the state entry of the same patch in the tree (``.patchkit/state.json``). Both
 land or neither does, whatever kills the process:
 
 1. each new file, and each file it replaces, is copied into
@@ -27,7 +27,7 @@ hostile input like the tree's: it may name only a diff (``<id>/<name>.diff``)
 or a created file (``<id>/files/vllm/...``) of a patch in the series,
 reached by descriptor walks that never follow a link; the tree is only read;
 and no file is read past its bound (the journal 1 MiB, each catalogue file
-and the tree's record 16 MiB), so a huge staged file is refused, not read
+and the tree's state 16 MiB), so a huge staged file is refused, not read
 whole. The catalogue directory itself is locked (``flock``, waited for as
 :mod:`patchkit.fs.locks` says) while a run writes or recovers.
 """
@@ -51,9 +51,9 @@ from patchkit.signals import held
 
 JOURNAL_DIR = ".patchkit-refresh"
 JOURNAL = f"{JOURNAL_DIR}/journal.json"
-TREE_RECORD = ".patchkit/state.json"  # engine.state.STATE_FILE, read here (a lower layer)
+TREE_STATE = ".patchkit/state.json"  # patching.state.STATE_FILE, read here (a lower layer)
 MAX_JOURNAL_BYTES = 1 << 20
-MAX_FILE_BYTES = 16 << 20  # a diff or a created file (the largest is 70 kB); the tree's record
+MAX_FILE_BYTES = 16 << 20  # a diff or a created file (the largest is 70 kB); the tree's state
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -243,9 +243,9 @@ def _tree_record_sha(tree: str) -> str | None:
     """sha256 of the tree's state file, read from ``/`` without following links; None: absent."""
     try:
         with Root.open_absolute(Path(tree), "the journal's tree") as fs:
-            return _sha(fs.read(TREE_RECORD, "the journal's tree", MAX_FILE_BYTES))
+            return _sha(fs.read(TREE_STATE, "the journal's tree", MAX_FILE_BYTES))
     except FileNotFoundError:
-        return None  # the tree is gone: the run's record went with it
+        return None  # the tree is gone: the run's state went with it
 
 
 @dataclass(frozen=True)

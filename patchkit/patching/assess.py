@@ -32,7 +32,7 @@ from patchkit.diffs.hunks import Placement, apply_file_patch
 from patchkit.errors import HunkMismatch
 from patchkit.fs.safepath import checked_relpath
 from patchkit.identity import sha256_bytes
-from patchkit.patching.state import FileRecord, PatchRecord, State
+from patchkit.patching.state import AppliedPatch, PatchedFile, State
 from patchkit.patching.transaction import FileChange
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import FileFinding, PatchState
@@ -85,8 +85,8 @@ class Assessment:
     # Known upstream bugs a user of this release should know about; shown under
     # this patch by status and apply (not revert), never a failure (not --strict).
     notices: list[KnownIssue] = field(default_factory=list)
-    record: PatchRecord | None = None
-    stale_record: bool = False  # ``record`` no longer describes the files (vLLM reinstalled)
+    entry: AppliedPatch | None = None
+    stale_entry: bool = False  # ``entry`` no longer describes the files (vLLM reinstalled)
     outdated: str = ""  # applied from an older catalogue: the warning that says so
 
 
@@ -125,7 +125,7 @@ class TreeFiles:
 
     def without(self, patch_id: str, undo: list[FileChange]) -> TreeFiles:
         """The files as they would be on disk with ``patch_id`` taken off (``undo``) and
-        its record gone: what a replacement of that patch is assessed on."""
+        its state entry gone: what a replacement of that patch is assessed on."""
         state = self.state
         rest = State(
             state.fs, {k: v for k, v in state.patches.items() if k != patch_id}, state.vllm_version
@@ -143,23 +143,23 @@ class TreeFiles:
         data = self.data(relpath)
         return None if data is None else sha256_bytes(data)
 
-    def chain(self, relpath: str) -> list[tuple[str, FileRecord]]:
-        """(patch id, record) of each applied patch touching ``relpath``, in series order."""
+    def chain(self, relpath: str) -> list[tuple[str, PatchedFile]]:
+        """(patch id, its PatchedFile) of each applied patch touching ``relpath``, in order."""
         if self.state is None:
             return []
         ids = list(self.order) + sorted(set(self.state.patches) - set(self.order))
         return [
-            (patch_id, record)
+            (patch_id, applied)
             for patch_id in ids
             if patch_id in self.state.patches
-            for record in self.state.patches[patch_id].files
-            if record.path == relpath
+            for applied in self.state.patches[patch_id].files
+            if applied.path == relpath
         ]
 
     def base_sha256(self, relpath: str) -> str | None:
         """The file before any patch: what the wheel's RECORD describes.
 
-        A chain of stale records (vLLM reinstalled since) says nothing about it.
+        A chain of stale entries (vLLM reinstalled since) says nothing about it.
         """
         chain = self.chain(relpath)
         if chain and chain_finding(self, relpath)[0] != STALE:
@@ -173,23 +173,23 @@ def assess_with(
 ) -> Assessment:
     version = tree.parsed_version
     expected = patch.expected_for(version)
-    record = state.patches.get(patch.id)
+    applied = state.patches.get(patch.id)
     newer = bool(newer_than_catalogue(catalogue, version))
     result = (
-        _from_record(patch, record, files, catalogue)
+        _from_entry(patch, applied, files, catalogue)
         or _from_decisions(patch, expected, files)
         or _from_variants(patch, expected, tree, files, newer)
     )
-    if record is not None and result.record is None:
-        result.record, result.stale_record = record, True
-    if result.state == CONFLICT and result.record is None and catalogue.predates(version):
+    if applied is not None and result.entry is None:
+        result.entry, result.stale_entry = applied, True
+    if result.state == CONFLICT and result.entry is None and catalogue.predates(version):
         result = Assessment(
             patch,
             NOT_APPLICABLE,
             reason=f"vLLM {tree.version} predates the releases this catalogue covers "
             f"({catalogue.tested_span}): the code this patch fixes is not in it",
         )
-    if result.state == CONFLICT and result.record is None and not catalogue.is_tested(version):
+    if result.state == CONFLICT and result.entry is None and not catalogue.is_tested(version):
         result = _changed_upstream(result, tree, files, catalogue) or result
     if not catalogue.is_tested(version):
         newest = newer_than_catalogue(catalogue, version)
@@ -218,26 +218,26 @@ def newer_than_catalogue(catalogue: Catalogue, version: Version | None) -> str:
     return newest if version is not None and version > Version(newest) else ""
 
 
-def _from_record(
-    patch: Patch, record: PatchRecord | None, files: TreeFiles, catalogue: Catalogue
+def _from_entry(
+    patch: Patch, applied: AppliedPatch | None, files: TreeFiles, catalogue: Catalogue
 ) -> Assessment | None:
-    """Trust our own record when the files still carry the hashes the stack of records wrote.
+    """Trust our state entry when the files still carry the hashes the stack of entries wrote.
 
     For each file, the applied patches touching it form a chain in series
     order (each one's ``pre`` is the one below's ``post``); the file must
-    hold the top one's ``post``. A record whose every file is back at its
+    hold the top one's ``post``. An entry whose every file is back at its
     ``pre``, or is now another release's own file, is stale (vLLM was
     reinstalled): content decides, and the next apply or revert drops it.
     """
-    if record is None:
+    if applied is None:
         return None
-    paths = tuple(f.path for f in record.files)
-    findings = [chain_finding(files, f.path) for f in record.files]
+    paths = tuple(f.path for f in applied.files)
+    findings = [chain_finding(files, f.path) for f in applied.files]
     kinds = {kind for kind, _ in findings}
     if kinds == {FileFinding.APPLIED}:
-        variant = patch.variant(record.variant)
-        result = Assessment(patch, APPLIED, variant=variant, files=paths, record=record)
-        if variant is None or variant.sha256 != record.patch_sha256:
+        variant = patch.variant(applied.variant)
+        result = Assessment(patch, APPLIED, variant=variant, files=paths, entry=applied)
+        if variant is None or variant.sha256 != applied.patch_sha256:
             result.outdated = (
                 f"{patch.id}: the patch file changed since it was applied (applied from an "
                 f"older catalogue); `patchkit apply --only {patch.id}` replaces it with the "
@@ -255,21 +255,21 @@ def _from_record(
         patch,
         CONFLICT,
         files=paths,
-        reason=_record_conflict(patch, record, findings, files, catalogue),
-        record=record,
+        reason=_entry_conflict(patch, applied, findings, files, catalogue),
+        entry=applied,
     )
 
 
-def _record_conflict(
+def _entry_conflict(
     patch: Patch,
-    record: PatchRecord,
+    applied: AppliedPatch,
     findings: list[tuple[str, str]],
     files: TreeFiles,
     catalogue: Catalogue,
 ) -> str:
     """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
     by_kind: dict[str, tuple[str, str]] = {}
-    for entry, (kind, top) in zip(record.files, findings, strict=True):
+    for entry, (kind, top) in zip(applied.files, findings, strict=True):
         by_kind.setdefault(kind, (entry.path, top))
     tree = files.tree
     if FOREIGN in by_kind:
@@ -283,7 +283,7 @@ def _record_conflict(
     unknown = [top for _, top in by_kind.values() if top not in files.order]
     if unknown:
         return (
-            f"{record.files[0].path} carries {unknown[0]!r}, a patch this patchkit does not "
+            f"{applied.files[0].path} carries {unknown[0]!r}, a patch this patchkit does not "
             "know, on top: revert that with the patchkit that applied it first"
         )
     if EDITED in by_kind:
@@ -292,7 +292,7 @@ def _record_conflict(
     path, top = by_kind[STALE]
     rest = ", ".join(
         entry.path
-        for entry, (kind, _) in zip(record.files, findings, strict=True)
+        for entry, (kind, _) in zip(applied.files, findings, strict=True)
         if kind == FileFinding.APPLIED
     )
     recorded = files.state.vllm_version if files.state else None
@@ -336,7 +336,7 @@ def source_checkout(root: Path) -> bool:
 
 
 def chain_finding(files: TreeFiles, relpath: str) -> tuple[FileFinding, str]:
-    """(applied | stale | edited | foreign, the top patch) for one file's chain of records.
+    """(applied | stale | edited | foreign, the top patch) for one file's chain of state entries.
 
     ``stale``: the file on disk is back to before the whole stack, or it is
     now the installed release's own file (its RECORD hash) while the stack was
@@ -647,8 +647,8 @@ def remedy(issue: KnownIssue, result: Assessment, tree: VllmTree, apply_command:
 
 
 def _applied(patch_id: str, files: TreeFiles) -> bool:
-    """Whether our record of ``patch_id`` still holds on the files (its fix is in place)."""
-    record = files.state.patches.get(patch_id) if files.state else None
-    return record is not None and all(
-        chain_finding(files, f.path)[0] == FileFinding.APPLIED for f in record.files
+    """Whether our state entry of ``patch_id`` still holds on the files (its fix is in place)."""
+    applied = files.state.patches.get(patch_id) if files.state else None
+    return applied is not None and all(
+        chain_finding(files, f.path)[0] == FileFinding.APPLIED for f in applied.files
     )

@@ -2,7 +2,7 @@
 
 :func:`plan` assesses the selected patches (:mod:`patchkit.patching.assess`)
 on the tree as the run would leave it, and returns one :class:`Plan`: per
-patch its state before, the action, the file writes; the records to drop;
+patch its state before, the action, the file writes; the state entries to drop;
 the warnings. Nothing is written here; :mod:`patchkit.patching.operations`
 executes the plan. A plan that cannot be carried out safely (a conflict, a
 patch under another, an edit without ``--force``) raises PatchkitError, so
@@ -30,7 +30,7 @@ from patchkit.patching.assess import (
     newer_than_catalogue,
     remedy,
 )
-from patchkit.patching.state import STATE_DIR, FileRecord, State, record_sha256
+from patchkit.patching.state import STATE_DIR, PatchedFile, State, file_sha256
 from patchkit.patching.transaction import FileChange
 from patchkit.vllmtree.tree import VllmTree
 from patchkit.vocabulary import Action, FileFinding, PatchState
@@ -73,7 +73,7 @@ class Step:
 class Plan:
     command: str
     steps: list[Step] = field(default_factory=list)
-    drop: list[str] = field(default_factory=list)  # records that describe nothing any more
+    drop: list[str] = field(default_factory=list)  # state entries that describe nothing any more
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -166,7 +166,7 @@ def _plan_forward(
     if moved and result.command == APPLY:
         _refuse_moved(moved, result, tree)
     if result.command == APPLY:
-        result.drop = stale_records(state, catalogue, tree, selected)
+        result.drop = stale_entries(state, catalogue, tree, selected)
 
 
 def _refuse_moved(moved: list[Assessment], result: Plan, tree: VllmTree) -> None:
@@ -309,11 +309,11 @@ def _plan_revert(
 ) -> None:
     """Revert: from the top of the series down, each patch on the files as the ones above
     it leave them."""
-    unknown = [i for i, stale in unknown_records(state, catalogue, tree).items() if not stale]
+    unknown = [i for i, stale in unknown_entries(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
         raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
     selected = [p.id for p in select(catalogue, options.only, opt_in=True)]
-    result.drop = stale_records(state, catalogue, tree, selected)
+    result.drop = stale_entries(state, catalogue, tree, selected)
     for patch_id in result.drop:
         state.patches.pop(patch_id, None)
     files = TreeFiles(tree, state, catalogue.ids)
@@ -347,7 +347,7 @@ def _plan_revert(
 def _take_findings(result: Plan, assessment: Assessment) -> None:
     for line in assessment.warnings:
         result.warn(line)
-    if assessment.stale_record:
+    if assessment.stale_entry:
         result.notes.append(
             f"{assessment.patch.id}: state.json's record of it no longer matches the files "
             "(vLLM was reinstalled); the next apply or revert drops it"
@@ -384,42 +384,42 @@ def later_on_same_files(
 ) -> tuple[str, str] | None:
     """(patch id, file) of an applied patch later in the series that touches one of ``paths``.
 
-    A stale record (vLLM reinstalled under it) does not count: nothing of it is there.
+    A stale state entry (vLLM reinstalled under it) does not count: nothing of it is there.
     A recorded patch this catalogue lacks counts as later than every one it has
     (the chain order puts it there): nothing goes back under it.
     """
     later = files.order[files.order.index(patch.id) + 1 :] if patch.id in files.order else ()
     unknown = sorted(set(files.state.patches) - set(files.order)) if files.state else []
     for other in [*later, *unknown]:
-        record = files.state.patches.get(other)
-        for path in (f.path for f in record.files) if record else ():
+        applied = files.state.patches.get(other)
+        for path in (f.path for f in applied.files) if applied else ():
             if path in paths and chain_finding(files, path)[0] != FileFinding.STALE:
                 return other, path
     return None
 
 
-# ----- records that describe nothing, and records of patches this catalogue lacks -----
+# ----- state entries that describe nothing, and entries of patches this catalogue lacks -----
 
 
-def record_is_stale(state: State, patch_id: str, files: TreeFiles) -> bool:
+def entry_is_stale(state: State, patch_id: str, files: TreeFiles) -> bool:
     return all(
         chain_finding(files, f.path)[0] == FileFinding.STALE for f in state.patches[patch_id].files
     )
 
 
-def unknown_records(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[str, bool]:
+def unknown_entries(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[str, bool]:
     """Recorded patches this catalogue lacks: id -> whether all its files are stale on disk."""
     files = TreeFiles(tree, state, catalogue.ids)
     return {
-        patch_id: record_is_stale(state, patch_id, files)
+        patch_id: entry_is_stale(state, patch_id, files)
         for patch_id in state.patches
         if patch_id not in catalogue.ids
     }
 
 
 def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[str]:
-    records = unknown_records(state, catalogue, tree)
-    return [unknown_line(state, patch_id) for patch_id, stale in records.items() if not stale]
+    entries = unknown_entries(state, catalogue, tree)
+    return [unknown_line(state, patch_id) for patch_id, stale in entries.items() if not stale]
 
 
 def unknown_line(state: State, patch_id: str) -> str:
@@ -432,14 +432,14 @@ def unknown_line(state: State, patch_id: str) -> str:
     )
 
 
-def stale_records(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[str]) -> list[str]:
-    """Records among ``ids`` (and of unknown patches) that describe nothing on disk any more.
+def stale_entries(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[str]) -> list[str]:
+    """State entries among ``ids`` (and of unknown patches) that describe nothing on disk any more.
 
     Judged on the files as they are on disk (a fresh view, without planned writes).
     """
     files = TreeFiles(tree, state, catalogue.ids)
-    stale = [i for i in ids if i in state.patches and record_is_stale(state, i, files)]
-    unknown = unknown_records(state, catalogue, tree)
+    stale = [i for i in ids if i in state.patches and entry_is_stale(state, i, files)]
+    unknown = unknown_entries(state, catalogue, tree)
     return stale + [i for i, is_stale in unknown.items() if is_stale]
 
 
@@ -456,13 +456,13 @@ def revert_changes(
     an edited one only with ``--force`` and only to the original of the
     release installed now; one of another release never.
     """
-    record = assessment.record
-    if record is None or assessment.stale_record:
+    applied = assessment.entry
+    if applied is None or assessment.stale_entry:
         if assessment.state == PatchState.APPLIED:  # applied by hand, or without .patchkit/
             return _reverse_apply(assessment, files)
         return None
     changes = []
-    for entry in record.files:
+    for entry in applied.files:
         kind, _ = chain_finding(files, entry.path)
         if kind == FileFinding.STALE:
             continue
@@ -492,24 +492,24 @@ def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: boo
         )
 
 
-def _restore(record: FileRecord, files: TreeFiles, assessment: Assessment) -> FileChange:
+def _restore(applied: PatchedFile, files: TreeFiles, assessment: Assessment) -> FileChange:
     """The write that puts one file back to before the patch (from its backup, or rebuilt)."""
-    current = files.data(record.path)
+    current = files.data(applied.path)
     patch_id = assessment.patch.id
-    if record.pre_sha256 is None:
-        return FileChange(record.path, current, None, (patch_id,))  # the patch created it
-    original = files.tree.fs.read(f"{STATE_DIR}/{record.backup}", str(files.state.path))
-    if original is not None and record_sha256(original) == record.pre_sha256:
-        return FileChange(record.path, current, original, (patch_id,))
-    rebuilt = _reverse_one(assessment, record.path, files)
-    if rebuilt is None or record_sha256(rebuilt) != record.pre_sha256:
+    if applied.pre_sha256 is None:
+        return FileChange(applied.path, current, None, (patch_id,))  # the patch created it
+    original = files.tree.fs.read(f"{STATE_DIR}/{applied.backup}", str(files.state.path))
+    if original is not None and file_sha256(original) == applied.pre_sha256:
+        return FileChange(applied.path, current, original, (patch_id,))
+    rebuilt = _reverse_one(assessment, applied.path, files)
+    if rebuilt is None or file_sha256(rebuilt) != applied.pre_sha256:
         raise PatchkitError(
-            f"{patch_id}: the backup of {record.path} is missing or damaged and "
+            f"{patch_id}: the backup of {applied.path} is missing or damaged and "
             "reverse-applying the diff does not give the original back; reinstall vLLM "
             f"(pip install --force-reinstall --no-deps vllm=={files.state.vllm_version}); "
             "nothing was changed"
         )
-    return FileChange(record.path, current, rebuilt, (patch_id,))
+    return FileChange(applied.path, current, rebuilt, (patch_id,))
 
 
 def _reverse_apply(assessment: Assessment, files: TreeFiles) -> list[FileChange]:

@@ -5,7 +5,7 @@ written until the whole plan exists: a conflict, or any warning under
 ``--strict``, stops the run with the tree untouched. While a run holds the
 tree's lock, Ctrl-C and SIGTERM are held (:mod:`patchkit.fs.signals`):
 they take effect when the run has finished the step it was in, never between
-a write and its record. What comes after the commit (stale bytecode, backups,
+a write and its state entry. What comes after the commit (stale bytecode, backups,
 tidying ``.patchkit/``, caches) can only warn: once the tree has changed, no
 later failure may make the run look as if it had changed nothing.
 """
@@ -25,12 +25,12 @@ from patchkit.patching import bytecode
 from patchkit.patching.decide import APPLY, REVERT, STATUS, Plan, RunOptions, Step, plan, select
 from patchkit.patching.state import (
     STATE_DIR,
-    FileRecord,
-    PatchRecord,
+    AppliedPatch,
+    PatchedFile,
     State,
     backup_path,
+    file_sha256,
     load_state,
-    record_sha256,
     sweep,
     tidy,
 )
@@ -202,7 +202,7 @@ def _reason(exc: Exception, where: str = "the tree") -> str:
 
 
 def _execute(report: RunReport, state: State) -> None:
-    """Commit the plan's writes and records in one transaction, then remove stale bytecode."""
+    """Commit the plan's writes and state entries in one transaction, then remove stale bytecode."""
     planned = report.plan
     for patch_id in planned.drop:
         state.patches.pop(patch_id, None)
@@ -230,7 +230,7 @@ def _execute(report: RunReport, state: State) -> None:
 
 
 def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str, bytes]:
-    """Add a record per applied patch to ``state``; return the backups to write.
+    """Add an entry per applied patch to ``state``; return the backups to write.
 
     A backup that already holds the bytes (a patch replaced in place keeps its
     original) is not written again: a failed commit removes what it wrote.
@@ -238,16 +238,16 @@ def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     backups = {}
     for step in steps:
-        patch_id, records = step.assessment.patch.id, []
+        patch_id, entries = step.assessment.patch.id, []
         for change in step.changes:
             backup = backup_path(patch_id, change.path) if change.before is not None else None
             kept = step.undo and backup and state.fs.read(f"{STATE_DIR}/{backup}", "state")
             if backup is not None and kept != change.before:
                 backups[backup] = change.before
-            before, after = record_sha256(change.before), record_sha256(change.after)
-            records.append(FileRecord(change.path, before, after, backup))
+            before, after = file_sha256(change.before), file_sha256(change.after)
+            entries.append(PatchedFile(change.path, before, after, backup))
         variant = step.assessment.variant
-        state.patches[patch_id] = PatchRecord(patch_id, variant.sha256, variant.name, now, records)
+        state.patches[patch_id] = AppliedPatch(patch_id, variant.sha256, variant.name, now, entries)
     if steps:
         state.vllm_version = tree.version
     return backups

@@ -4,7 +4,7 @@ The maintainer's loop, as in quilt: ``patchkit apply`` on a release tree,
 edit the patched files there, ``patchkit refresh ID``. The variant's diff is
 rewritten from each file's original (the backup patchkit keeps) to the file
 as it is now, with the variant's lines of context; a file the patch creates
-is copied back to ``patches/<id>/files/``. The tree's record of the patch is
+is copied back to ``patches/<id>/files/``. The tree's state entry of the patch is
 updated with it, so ``status`` still says ``applied`` and ``revert`` still
 gives the original back.
 
@@ -12,7 +12,7 @@ A refresh is a transaction like ``apply``: first everything is computed (a
 pristine tree for ``--add`` is downloaded then, with Ctrl-C working), and
 everything refresh must refuse is refused (a file back to its original
 everywhere, a link, bytes a diff cannot give back); only then are the diff,
-the created files and the tree's record written, all or none, with signals
+the created files and the tree's state written, all or none, with signals
 held (:mod:`patchkit.catalogue.journal`). A signal that arrives while they
 are written is acted on before the commit point (everything is put back) or
 reported as arriving after it (everything was written); never "nothing
@@ -44,12 +44,12 @@ from patchkit.patching.decide import later_on_same_files
 from patchkit.patching.state import (
     STATE_DIR,
     TXN_DIR,
-    FileRecord,
-    PatchRecord,
+    AppliedPatch,
+    PatchedFile,
     State,
     backup_path,
+    file_sha256,
     load_state,
-    record_sha256,
     sweep,
 )
 from patchkit.patching.transaction import TreeLock, commit_or_undo, recover
@@ -74,7 +74,7 @@ class _Plan:
 
     report: RefreshReport
     files: list[journal.CatalogueFile]  # into the catalogue
-    state: State  # the tree's record as it will be
+    state: State  # the tree's state as it will be
     backups: dict[str, bytes]  # originals of files newly in the patch (--add)
 
 
@@ -144,8 +144,8 @@ def _pristine_tree(
     """The pristine tree --add needs, fetched now: before any lock, with signals acted on."""
     if pristine is not None or not add:
         return pristine
-    record = load_state(tree.fs, catalogue.file_kinds).patches.get(patch.id)
-    recorded = {f.path for f in record.files} if record else set()
+    applied = load_state(tree.fs, catalogue.file_kinds).patches.get(patch.id)
+    recorded = {f.path for f in applied.files} if applied else set()
     if all(relpath in recorded for relpath in add):
         return None
     from patchkit.releases.fetch import fetch
@@ -164,21 +164,23 @@ def _plan(
     pristine: Path | None,
 ) -> _Plan:
     """Read and check everything; refuse before anything is written."""
-    record = state.patches.get(patch.id)
-    if record is None and not add:
+    applied = state.patches.get(patch.id)
+    if applied is None and not add:
         raise PatchkitError(
             f"{patch.id} is not applied on {tree.root}: `patchkit apply --only {patch.id} "
             f"--target {tree.root}`, edit the files, then refresh (or, to make a variant "
             "from edits of a pristine tree, name the edited files with --add)"
         )
-    variant = patch.variant(variant_name or (record.variant if record else ""))
+    variant = patch.variant(variant_name or (applied.variant if applied else ""))
     if variant is None:
         known = ", ".join(v.name for v in patch.variants)
         raise PatchkitError(f"{patch.id} has no variant {variant_name!r} (it has: {known})")
-    recorded = {f.path for f in record.files} if record else set()
-    if record is None:  # patch-package's way: the patch is made from the edits
-        record = state.patches[patch.id] = PatchRecord(patch.id, "0" * 64, variant.name, _now(), [])
-    originals = _originals(tree, state, record.files, add, pristine)
+    recorded = {f.path for f in applied.files} if applied else set()
+    if applied is None:  # patch-package's way: the patch is made from the edits
+        applied = state.patches[patch.id] = AppliedPatch(
+            patch.id, "0" * 64, variant.name, _now(), []
+        )
+    originals = _originals(tree, state, applied.files, add, pristine)
     above = later_on_same_files(patch, tuple(originals), TreeFiles(tree, state, catalogue.ids))
     if above is not None:
         raise PatchkitError(
@@ -187,21 +189,21 @@ def _plan(
         )
     current = {relpath: tree.fs.read(relpath, "refresh") for relpath in originals}
     report, diff, created = _sources(variant, originals, current, patch.id)
-    records = _records(patch.id, originals, current)
-    if not records:
+    entries = _patched_files(patch.id, originals, current)
+    if not entries:
         raise PatchkitError(
             f"every file of {patch.id} is back to its original: nothing left to refresh into "
             f"a diff; edit the files, or revert the patch (nothing was written)"
         )
     all_created = _all_created(root, patch, variant, created)
     _check_exact(variant, diff, all_created, originals, current)
-    record.files, record.variant = records, variant.name
-    record.patch_sha256 = variant_sha256(diff, all_created)
+    applied.files, applied.variant = entries, variant.name
+    applied.patch_sha256 = variant_sha256(diff, all_created)
     state.vllm_version = state.vllm_version or tree.version
     report.added = [p for p in add if p not in recorded]
     backups = {
         backup_path(patch.id, entry.path): originals[entry.path]
-        for entry in records
+        for entry in entries
         if entry.backup is not None and entry.path not in recorded
     }
     files = _catalogue_files(root, catalogue, patch, variant, diff, created)
@@ -211,13 +213,13 @@ def _plan(
 def _originals(
     tree: VllmTree,
     state: State,
-    records: list[FileRecord],
+    entries: list[PatchedFile],
     add: tuple[str, ...],
     pristine: Path | None,
 ) -> dict[str, bytes | None]:
     """Each file of the patch -> its bytes before the patch (None: the patch creates it)."""
     found = {}
-    for entry in records:
+    for entry in entries:
         if entry.pre_sha256 is None:
             found[entry.path] = None
             continue
@@ -243,7 +245,7 @@ def _originals(
 
 def _pristine_file(tree: VllmTree, relpath: str, pristine: Path | None) -> bytes | None:
     """A file's original for --add, from a pristine tree of the same release."""
-    if pristine is None:  # _pristine_tree saw the file recorded; the record changed since
+    if pristine is None:  # _pristine_tree saw the file recorded; its state entry changed since
         raise PatchkitError(f"{tree.root}'s record changed while refresh ran; run it again")
     with Root.open(pristine) as fs:
         data = fs.read(relpath, "--pristine")
@@ -285,18 +287,18 @@ def _sources(
     return report, b"".join(parts), created
 
 
-def _records(
+def _patched_files(
     patch_id: str, originals: dict[str, bytes | None], current: dict[str, bytes | None]
-) -> list[FileRecord]:
-    """The patch's record: the files as they are now (one back to its original drops out)."""
-    records = []
+) -> list[PatchedFile]:
+    """The patch's state entry: the files as they are now (one back to its original drops out)."""
+    entries = []
     for relpath, original in originals.items():
         now = current[relpath]
         if original is not None and now == original:
             continue  # no longer part of the patch
         backup = None if original is None else backup_path(patch_id, relpath)
-        records.append(FileRecord(relpath, record_sha256(original), record_sha256(now), backup))
-    return records
+        entries.append(PatchedFile(relpath, file_sha256(original), file_sha256(now), backup))
+    return entries
 
 
 def _all_created(

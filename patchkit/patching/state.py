@@ -42,13 +42,13 @@ _PATCH_ID = re.compile(r"[a-z0-9][a-z0-9-]*")
 MAX_JSON_BYTES = 16 << 20  # far above any real state or journal; refuses absurd input early
 
 
-def record_sha256(data: bytes | None) -> str | None:
-    """The sha256 a record or a journal keeps of a file's bytes; None for no file."""
+def file_sha256(data: bytes | None) -> str | None:
+    """The sha256 a state entry or a journal keeps of a file's bytes; None for no file."""
     return None if data is None else sha256_bytes(data)
 
 
 @dataclass
-class FileRecord:
+class PatchedFile:
     path: str
     pre_sha256: str | None  # None: the patch created the file
     post_sha256: str | None  # None: the patch deleted the file
@@ -56,18 +56,18 @@ class FileRecord:
 
 
 @dataclass
-class PatchRecord:
+class AppliedPatch:
     id: str
     patch_sha256: str
     variant: str
     applied_at: str
-    files: list[FileRecord] = field(default_factory=list)
+    files: list[PatchedFile] = field(default_factory=list)
 
 
 @dataclass
 class State:
     fs: Root  # the tree root; every path here is relative to it
-    patches: dict[str, PatchRecord] = field(default_factory=dict)
+    patches: dict[str, AppliedPatch] = field(default_factory=dict)
     vllm_version: str | None = None
 
     @property
@@ -83,7 +83,7 @@ class State:
         data = {
             "format": FORMAT,
             "vllm_version": self.vllm_version,
-            "patches": [asdict(record) for record in self.patches.values()],
+            "patches": [asdict(applied) for applied in self.patches.values()],
         }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
@@ -136,8 +136,8 @@ def load_state(fs: Root, file_kinds=None) -> State:
             return state
         state.vllm_version, patches = _parse(data)
         if file_kinds is not None:
-            for record in patches:
-                _check_against_diffs(record, file_kinds(record.id))
+            for applied in patches:
+                _check_against_diffs(applied, file_kinds(applied.id))
     except ValueError as exc:
         raise invalid_state(state, str(exc)) from None
     state.patches = {p.id: p for p in patches}
@@ -152,26 +152,26 @@ def invalid_state(state: State, detail: str) -> PatchkitError:
     )
 
 
-def _check_against_diffs(record: PatchRecord, kinds: dict[str, set[str]] | None) -> None:
+def _check_against_diffs(applied: AppliedPatch, kinds: dict[str, set[str]] | None) -> None:
     """Each file entry must be one that a diff of its patch creates, changes or deletes."""
     if kinds is None:
         return  # an unknown patch: kept, never acted on (operations reports it)
-    for entry in record.files:
+    for entry in applied.files:
         allowed = kinds.get(entry.path, set())
-        _require(allowed, f"{record.id}: no diff of {record.id} touches {entry.path}")
+        _require(allowed, f"{applied.id}: no diff of {applied.id} touches {entry.path}")
         _require(
             entry.pre_sha256 is not None or "creates" in allowed,
-            f"{record.id}: {entry.path}: pre_sha256 is null, but no diff of {record.id} "
+            f"{applied.id}: {entry.path}: pre_sha256 is null, but no diff of {applied.id} "
             "creates that file",
         )
         _require(
             entry.post_sha256 is not None or "deletes" in allowed,
-            f"{record.id}: {entry.path}: post_sha256 is null, but no diff of {record.id} "
+            f"{applied.id}: {entry.path}: post_sha256 is null, but no diff of {applied.id} "
             "deletes that file",
         )
 
 
-def _parse(data: object) -> tuple[str | None, list[PatchRecord]]:
+def _parse(data: object) -> tuple[str | None, list[AppliedPatch]]:
     """Check every field of a decoded state file; ValueError names the first bad one."""
     _require(isinstance(data, dict), "top level is not an object")
     _require(set(data) == {"format", "vllm_version", "patches"}, "unexpected keys")
@@ -181,13 +181,13 @@ def _parse(data: object) -> tuple[str | None, list[PatchRecord]]:
         "vllm_version is not a short string",
     )
     _require(isinstance(data["patches"], list), "patches is not a list")
-    records = [_parse_patch(raw) for raw in data["patches"]]
-    ids = [r.id for r in records]
+    entries = [_parse_patch(raw) for raw in data["patches"]]
+    ids = [r.id for r in entries]
     _require(len(ids) == len(set(ids)), "a patch is recorded twice")
-    return data["vllm_version"], records
+    return data["vllm_version"], entries
 
 
-def _parse_patch(raw: object) -> PatchRecord:
+def _parse_patch(raw: object) -> AppliedPatch:
     keys = {"id", "patch_sha256", "variant", "applied_at", "files"}
     _require(isinstance(raw, dict) and set(raw) == keys, "a patch entry has the wrong keys")
     _require(
@@ -202,10 +202,10 @@ def _parse_patch(raw: object) -> PatchRecord:
     files = [_parse_file(patch_id, f) for f in raw["files"]]
     paths = [f.path for f in files]
     _require(len(paths) == len(set(paths)), f"{patch_id}: a file is recorded twice")
-    return PatchRecord(patch_id, raw["patch_sha256"], raw["variant"], raw["applied_at"], files)
+    return AppliedPatch(patch_id, raw["patch_sha256"], raw["variant"], raw["applied_at"], files)
 
 
-def _parse_file(patch_id: str, raw: object) -> FileRecord:
+def _parse_file(patch_id: str, raw: object) -> PatchedFile:
     keys = {"path", "pre_sha256", "post_sha256", "backup"}
     _require(isinstance(raw, dict) and set(raw) == keys, f"{patch_id}: a file entry is malformed")
     try:
@@ -218,7 +218,7 @@ def _parse_file(patch_id: str, raw: object) -> FileRecord:
     _require(pre is not None or post is not None, f"{patch_id}: {path}: pre and post both null")
     expected_backup = None if pre is None else backup_path(patch_id, path)
     _require(backup == expected_backup, f"{patch_id}: {path}: backup {backup!r} is not its own")
-    return FileRecord(path, pre, post, backup)
+    return PatchedFile(path, pre, post, backup)
 
 
 def _require(condition: object, message: str) -> None:
@@ -244,8 +244,8 @@ def sweep(state: State) -> None:
     describes.
     """
     fs = state.fs
-    records = [r for p in state.patches.values() for r in p.files]
-    wanted = {f"{STATE_DIR}/{r.backup}" for r in records if r.backup}
+    entries = [r for p in state.patches.values() for r in p.files]
+    wanted = {f"{STATE_DIR}/{r.backup}" for r in entries if r.backup}
     _sweep_dir(fs, STATE_DIR, wanted)
 
 

@@ -13,7 +13,7 @@ A run that changes files goes through :func:`commit`:
 If a step fails inside the process, the files already written are restored
 from memory before the error is reported. Ctrl-C and SIGTERM are held while
 the run holds the lock (:mod:`patchkit.fs.signals`), so they never fall between
-a write and the record of it. If the process dies (kill -9, power loss), the
+a write and the state entry of it. If the process dies (kill -9, power loss), the
 journal stays behind and the next ``apply``, ``revert`` or ``refresh`` calls
 :func:`recover` first: before the commit point it restores the originals,
 after it only removes the journal. A journal entry is acted on only when a
@@ -41,9 +41,9 @@ from patchkit.patching.state import (
     TXN_DIR,
     State,
     check_no_links,
+    file_sha256,
     is_sha256,
     load_json,
-    record_sha256,
 )
 from patchkit.signals import held
 
@@ -240,7 +240,7 @@ def commit_or_undo(
 
 def _restore_state(fs: Root, old: bytes | None, new: bytes) -> None:
     """The state file as it was, when the failure came after its rename (the directory's
-    fsync): the tree is back, so its record must be too, or status would describe a
+    fsync): the tree is back, so its state must be too, or status would describe a
     patch that is not there. Best effort: an error here must not hide the first one."""
     try:
         if fs.read(STATE_FILE, "rollback") != new or old == new:
@@ -256,7 +256,7 @@ def _restore_state(fs: Root, old: bytes | None, new: bytes) -> None:
 def _expect(fs: Root, change: FileChange) -> None:
     """The file must still be what the run assessed; someone else may have written it since."""
     current = fs.read(change.path, "apply")
-    if record_sha256(current) != record_sha256(change.before):
+    if file_sha256(current) != file_sha256(change.before):
         raise PatchkitError(
             f"{fs.full(change.path)} changed while patchkit was running; nothing was changed "
             "(run the command again)"
@@ -276,8 +276,8 @@ def _journal(changes: list[FileChange], new_state: bytes) -> bytes:
         "files": [
             {
                 "path": c.path,
-                "before": record_sha256(c.before),
-                "after": record_sha256(c.after),
+                "before": file_sha256(c.before),
+                "after": file_sha256(c.after),
                 "patches": list(c.patches),
             }
             for c in changes
@@ -378,12 +378,12 @@ def recover(fs: Root, file_kinds) -> list[str]:
     state_sha, entries = _read_journal(fs, file_kinds)
     for entry in entries:
         fs.unlink_tmp(entry.path, "rollback")
-    if record_sha256(fs.read(STATE_FILE, "state")) == state_sha:
+    if file_sha256(fs.read(STATE_FILE, "state")) == state_sha:
         fs.remove_tree(TXN_DIR, "journal")
         return ["an interrupted run had already committed; removed its journal"]
     restored = []
     for entry in entries:
-        current = record_sha256(fs.read(entry.path, "rollback"))
+        current = file_sha256(fs.read(entry.path, "rollback"))
         if current == entry.before:
             continue
         if current != entry.after:
