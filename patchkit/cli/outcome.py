@@ -40,8 +40,8 @@ class Outcome:
     """What the running command has done that stands, whatever happens to its report.
 
     The one place that knows whether the disk changed: a command calls
-    :meth:`done` as soon as its engine has committed (and only then), with
-    the lines that say what it did. :func:`user_errors` reads it to choose
+    :meth:`done` as soon as its writes have committed (patchkit.patching.operations,
+    and only then), with the lines that say what it did. :func:`user_errors` reads it to choose
     the exit status and what to say when the command cannot finish its
     report.
     """
@@ -123,7 +123,7 @@ def silence_stdout() -> None:
 
 
 # What an interrupted command leaves behind, by command. Writes happen with
-# Ctrl-C and SIGTERM held (patchkit.fs.signals), so a write step is never split.
+# Ctrl-C and SIGTERM held (patchkit.signals), so a write step is never split.
 INTERRUPTED = {
     "apply": "interrupted; patchkit finished the step it was in, so each patch is fully "
     "applied or not at all (`patchkit status` shows which; `patchkit revert` undoes them)",

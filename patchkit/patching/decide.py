@@ -324,7 +324,7 @@ def _plan_revert(
         if patch.id not in selected:
             _left_alone(assessment)  # as the reverts above it leave the files
             continue
-        changes = revert_changes(assessment, files, options.force)
+        changes = revert_changes(assessment, files, force=options.force)
         if changes is None and patch.opt_in and assessment.state == PatchState.NEEDED:
             _say_opt_in(assessment)  # revert --only nan-probe said "needed" here
         if changes is None:
@@ -447,7 +447,7 @@ def stale_entries(state: State, catalogue: Catalogue, tree: VllmTree, ids: list[
 
 
 def revert_changes(
-    assessment: Assessment, files: TreeFiles, force: bool
+    assessment: Assessment, files: TreeFiles, *, force: bool
 ) -> list[FileChange] | None:
     """The writes that undo one patch; None when it is not applied.
 
@@ -471,12 +471,12 @@ def revert_changes(
                 f"{assessment.patch.id}: conflict: {assessment.reason}; nothing was changed"
             )
         if kind == FileFinding.EDITED:
-            _check_force(assessment, files, entry.path, force)
+            _check_force(assessment, files, entry.path, force=force)
         changes.append(_restore(entry, files, assessment))
     return changes
 
 
-def _check_force(assessment: Assessment, files: TreeFiles, path: str, force: bool) -> None:
+def _check_force(assessment: Assessment, files: TreeFiles, path: str, *, force: bool) -> None:
     """An edited file is restored only with --force, and only to its own release's original."""
     patch_id = assessment.patch.id
     if not force:

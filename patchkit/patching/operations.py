@@ -3,7 +3,7 @@
 :mod:`patchkit.patching.decide` plans; this module executes. Nothing is
 written until the whole plan exists: a conflict, or any warning under
 ``--strict``, stops the run with the tree untouched. While a run holds the
-tree's lock, Ctrl-C and SIGTERM are held (:mod:`patchkit.fs.signals`):
+tree's lock, Ctrl-C and SIGTERM are held (:mod:`patchkit.signals`):
 they take effect when the run has finished the step it was in, never between
 a write and its state entry. What comes after the commit (stale bytecode, backups,
 tidying ``.patchkit/``, caches) can only warn: once the tree has changed, no

@@ -12,7 +12,7 @@ A run that changes files goes through :func:`commit`:
 
 If a step fails inside the process, the files already written are restored
 from memory before the error is reported. Ctrl-C and SIGTERM are held while
-the run holds the lock (:mod:`patchkit.fs.signals`), so they never fall between
+the run holds the lock (:mod:`patchkit.signals`), so they never fall between
 a write and the state entry of it. If the process dies (kill -9, power loss), the
 journal stays behind and the next ``apply``, ``revert`` or ``refresh`` calls
 :func:`recover` first: before the commit point it restores the originals,
