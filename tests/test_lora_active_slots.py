@@ -5,11 +5,10 @@ runs the GEMMs of those slots only (ActiveSlots, built in update_metadata from
 vLLM's own active_lora_ids). These tests check what it computes and when it is
 taken, against a float64 reference token by token from the adapters' own
 weights and against the GEMM route over every slot; its speed is for the GPU
-host (prefill-lora/ in docs/evidence/research-prototypes.tar.xz). ACTIVE_MIN_TOKENS and
-ACTIVE_MIN_WORK are
-lowered here so that small batches take it (but for the test of the work rule),
-and SPLIT_K_MAX_TOKENS below it, as it is in the module (256 against 512), so
-that one-slice calls reach the GEMM route too.
+host (prefill-lora/ in docs/evidence/research-prototypes.tar.xz). ACTIVE_MIN_TOKENS
+and ACTIVE_MIN_WORK are lowered here so that small batches take it (but for the
+test of the work rule), and SPLIT_K_MAX_TOKENS below it, as it is in the module
+(256 against 512), so that one-slice calls reach the GEMM route too.
 """
 
 from __future__ import annotations
