@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patchkit.verify import kernelcheck  # noqa: E402
+from patchkit.verify import toolkit  # noqa: E402
 
 HIDDEN = 5120
 LAYERS = ((5120,), (17408, 17408), (12288, 1024, 1024))  # output slice widths
@@ -75,13 +75,13 @@ def case(torch, triton, widths, rank, adapters, tokens) -> dict:
         "torch": ("torch", None),
     }
     for name, (backend, forced) in variants.items():
-        call = kernelcheck.lora_linear_call(wrapper, backend, a, b)
+        call = toolkit.lora_linear_call(wrapper, backend, a, b)
 
         def run(call=call):
             call(y, x, 1.0, widths)
 
         if forced:
-            with kernelcheck.forced_expand_config(forced):
+            with toolkit.forced_expand_config(forced):
                 row[name] = graph_us(torch, triton, run)
         else:
             row[name] = graph_us(torch, triton, run)
@@ -134,7 +134,7 @@ def main() -> int:
     import triton
     import vllm
 
-    if kernelcheck.installed_backend() != "torch":
+    if toolkit.installed_backend() != "torch":
         raise SystemExit(
             "apply matmul-add-lora-linear first (and leave PATCHKIT_LORA_BACKEND unset)"
         )

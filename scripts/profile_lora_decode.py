@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patchkit.verify import kernelcheck  # noqa: E402
+from patchkit.verify import toolkit  # noqa: E402
 
 # (module, input width, output slice widths, count per layer kind)
 DENSE27B = {
@@ -136,9 +136,9 @@ def case(torch, triton, hidden, widths, slots, rank, tokens) -> dict:
             h = a[s][slot, 0].double() @ x[t].double()
             reference[t, offset : offset + w] += b[s][slot, 0].double() @ h
         offset += w
-    torch_call = kernelcheck.lora_linear_call(wrapper, "torch", a, b)
+    torch_call = toolkit.lora_linear_call(wrapper, "torch", a, b)
     calls = {
-        "triton-default": kernelcheck.lora_linear_call(wrapper, "triton", a, b),
+        "triton-default": toolkit.lora_linear_call(wrapper, "triton", a, b),
         "torch": route(torch_call, gemv=True),
         "torch-gemm": route(torch_call, gemv=False),
     }
@@ -153,12 +153,12 @@ def case(torch, triton, hidden, widths, slots, rank, tokens) -> dict:
         def run(call=call, y=y):
             call(y, x, 1.0, widths)
 
-        with kernelcheck.forced_expand_config(forced) if forced else nullcontext():
+        with toolkit.forced_expand_config(forced) if forced else nullcontext():
             run()
             torch.cuda.synchronize()
             got = y0.clone()
             call(got, x, 1.0, widths)
-            row["error"][name] = kernelcheck.relative_error(got, reference)[0]
+            row["error"][name] = toolkit.relative_error(got, reference)[0]
             row["us"][name] = 1e3 * triton.testing.do_bench_cudagraph(
                 run, rep=40, return_mode="median"
             )
@@ -265,7 +265,7 @@ def main() -> int:
     import triton
     import vllm
 
-    if kernelcheck.installed_backend() != "torch":
+    if toolkit.installed_backend() != "torch":
         raise SystemExit("apply matmul-add-lora-linear first (PATCHKIT_LORA_BACKEND unset)")
     rows, steps = [], []
     for model_name in args.models:

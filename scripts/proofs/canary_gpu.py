@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from patchkit.verify.e2e import RANK, TARGET_MODULES, VOCAB, qwen35_config  # noqa: E402
+from patchkit.verify.toolkit import RANK, TARGET_MODULES, VOCAB, qwen35_config  # noqa: E402
 
 BASE_NAME = "tiny-qwen35"
 API_KEY = "canary-gpu-throwaway-key"  # a key only this run knows: the Bearer path, for real

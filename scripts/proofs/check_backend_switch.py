@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from patchkit.verify import e2e  # noqa: E402
+from patchkit.verify import toolkit  # noqa: E402
 
 CHILD = r"""
 import importlib.util, json, os, sys
@@ -49,7 +49,7 @@ print("RESULT", json.dumps({
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, adapter_dir = e2e.build_model(out_dir / "model-and-adapter", 4321)
+    model_dir, adapter_dir = toolkit.build_model(out_dir / "model-and-adapter", 4321)
     cache = Path.home() / ".cache/vllm/torch_compile_cache"
     results = []
     for n, backend in enumerate(("torch", "triton", "torch"), start=1):

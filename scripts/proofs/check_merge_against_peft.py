@@ -174,7 +174,7 @@ def check(name: str, moe: bool, lora: dict, work: Path) -> bool:
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from patchkit.verify import mergeplan, mergewrite
+    from patchkit.verify.toolkit import plan_merge, write_merged
 
     model = build(moe)
     model_dir = work / f"model-{name}"
@@ -189,8 +189,8 @@ def check(name: str, moe: bool, lora: dict, work: Path) -> bool:
     peft_model.save_pretrained(adapter_dir)
     ref = peft_model.to(torch.float32).merge_and_unload().state_dict()
 
-    plan = mergeplan.plan_merge(model_dir, adapter_dir)
-    mergewrite.write_merged(plan, work / f"merged-{name}")
+    plan = plan_merge(model_dir, adapter_dir)
+    write_merged(plan, work / f"merged-{name}")
     out = {}
     for f in (work / f"merged-{name}").glob("*.safetensors"):
         out.update(load_file(f))

@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from patchkit.verify.e2e import RANK, TARGET_MODULES, qwen35_config  # noqa: E402
+from patchkit.verify.toolkit import RANK, TARGET_MODULES, qwen35_config  # noqa: E402
 
 POISON_LAYER = 1
 POISON_MODULE = "mlp.down_proj"

@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from patchkit.verify.e2e import (  # noqa: E402
+from patchkit.verify.toolkit import (  # noqa: E402
     DENSE27B_WIDTHS,
     MOE35B_WIDTHS,
     MOE_TARGET_MODULES,

@@ -1,0 +1,56 @@
+"""What the benchmarks and GPU proofs under scripts/ may take from patchkit.verify.
+
+scripts/ backs the ledger's numbers with code that must keep running as verify
+changes inside; it imports from verify only this module
+(tests/test_scripts_surface.py keeps it so). A name here is a promise to those
+scripts: the model shapes and builders of `verify --e2e`, the one add_lora_linear
+call of the kernel checks, and the merge of an adapter into base weights.
+"""
+
+from __future__ import annotations
+
+from patchkit.verify.e2e import (
+    DENSE27B_WIDTHS,
+    MOE35B_WIDTHS,
+    MOE_TARGET_MODULES,
+    RANK,
+    TARGET_MODULES,
+    VOCAB,
+    build_model,
+    build_moe,
+    expert_factors,
+    qwen35_config,
+    qwen35_moe_config,
+    save_expert_adapter,
+    scale_lora_b,
+)
+from patchkit.verify.kernelcheck import (
+    forced_expand_config,
+    installed_backend,
+    lora_linear_call,
+    relative_error,
+)
+from patchkit.verify.mergeplan import plan_merge
+from patchkit.verify.mergewrite import write_merged
+
+__all__ = [
+    "DENSE27B_WIDTHS",
+    "MOE35B_WIDTHS",
+    "MOE_TARGET_MODULES",
+    "RANK",
+    "TARGET_MODULES",
+    "VOCAB",
+    "build_model",
+    "build_moe",
+    "expert_factors",
+    "forced_expand_config",
+    "installed_backend",
+    "lora_linear_call",
+    "plan_merge",
+    "qwen35_config",
+    "qwen35_moe_config",
+    "relative_error",
+    "save_expert_adapter",
+    "scale_lora_b",
+    "write_merged",
+]
