@@ -860,6 +860,7 @@ HOSTILE_SOURCES = {
 }
 
 
+@pytest.mark.slow
 def test_a_hostile_model_source_in_the_target_is_one_line_never_exit_3(tmp_path, dense):
     """The model files are read from the --target tree (registry.py, release.py): a packed
     mapping keyed by a list, an expression too deep for the parser or for the walks, a

@@ -108,6 +108,7 @@ def test_a_partial_gdn_adapter_passes_on_pristine_0340(tmp_path, moe, module):
     assert "vLLM 0.34.0" in result.stdout
 
 
+@pytest.mark.slow
 def test_one_expert_parameter_is_a_finding_until_patchkit_apply_on_0340(tmp_path, moe):
     adapter = ah.write_adapter(
         tmp_path / "a", ah.experts(0, ("down_proj",)), target_parameters=["experts.down_proj"]

@@ -287,6 +287,7 @@ def test_a_fix_in_conflict_is_not_offered(slim_tree_0260: Path):
     assert verdict["fix"].startswith("apply refuses partial-gdn-adapter while it is in conflict")
 
 
+@pytest.mark.slow
 def test_0_29_names_what_it_still_gets_wrong(tmp_path: Path):
     from tests.conftest import copy_tree
 

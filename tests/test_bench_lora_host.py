@@ -20,6 +20,7 @@ from tests.conftest import REPO
 pytest.importorskip("torch", reason="the torch LoRA path needs torch (the test extra)")
 
 
+@pytest.mark.slow
 def test_each_row_keeps_every_run_and_their_median(tmp_path):
     out = tmp_path / "host.json"
     bench = [sys.executable, "scripts/bench_lora_host.py", "--calls", "3", "--repeats", "4"]
@@ -39,6 +40,7 @@ def test_each_row_keeps_every_run_and_their_median(tmp_path):
         assert row["aten_ops"] > 0, row
 
 
+@pytest.mark.slow
 def test_the_plan_key_is_timed_alone_and_issues_no_aten_op(tmp_path):
     """--plan-key times what each call compares with its layer's plan, and that key is
     host work only: a key that ran an aten op would be device work on every call."""
@@ -76,6 +78,7 @@ for route, (tokens, used) in bench.ROUTES.items():
 """
 
 
+@pytest.mark.slow
 def test_each_route_makes_its_layer_plan_once():
     """What the bench times is a call with the layer's plan made: a plan made again on
     every call (a key that never matches) would be host work the rows hide. Through the

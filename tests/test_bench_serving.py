@@ -173,6 +173,7 @@ def test_a_build_links_the_model_of_an_earlier_build_of_the_same_model(tmp_path)
     assert not (tmp_path / "other").exists() and not (tmp_path / "deeper").exists()
 
 
+@pytest.mark.slow
 def test_adapters_are_saved_in_the_models_dtype_not_peft_float32(tmp_path):
     """vLLM casts every adapter tensor to its bf16 LoRA dtype on the CPU as it loads;
     float32 files doubled the bytes and kept the host's CPUs busy for minutes."""
