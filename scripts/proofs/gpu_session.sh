@@ -33,6 +33,8 @@
 # count each other's allocations: docs/evidence.md).
 # GS_PLAN=probe GS_V2=1: the same under Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 for
 # every engine; the proof runs GS_V2_PROOFS, default torch-cudagraph, with --runner v2).
+# GS_BENCH_WORKLOADS="W ..." (probe and v2 plans): the benchmark's workloads, fewer for
+# more rounds of each in a short sitting (e.g. decode_b1_lora decode_b64_lora prefill_lora).
 # GS_FIRST="COMMAND" (any plan): run first in the proofs step, alone on the GPU, its
 # output in first.log, inside GS_BENCH_END (e.g. another proof of the same sitting).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
@@ -277,7 +279,7 @@ bench() {
   do_ env PYTHONPATH="/opt/pristine:/opt/site/deps:$REPO/.devtools:$REPO:/tmp/pk" \
     CUDA_VISIBLE_DEVICES=0 timeout $((left + 60)) \
     python3 scripts/bench_serving.py run "$G/bench" --site /opt/pristine "${compare[@]}" \
-    --rounds 40 --deadline "$left" "${after[@]}" \
+    --rounds 40 --deadline "$left" "${after[@]}" ${GS_BENCH_WORKLOADS:+--workloads $GS_BENCH_WORKLOADS} \
     --json "$G/bench/serving.json" --markdown "$G/bench/serving.md" >"$G/bench.log" 2>&1
   say "bench: exit $?"
 }
