@@ -10,6 +10,28 @@ class PatchkitError(Exception):
     """A failure the user can act on; printed as one line, exit status 1."""
 
 
+class Refused(PatchkitError):
+    """A refusal made below the command line, as data: its :class:`patchkit.codes.Reason`.
+
+    The words are the command line's (:mod:`patchkit.cli.words`), made when it prints
+    the error; ``str()`` gives the code and facts, for a log or a debugger.
+    """
+
+    def __init__(self, reason):
+        self.reason = reason
+        super().__init__(str(reason))
+
+
+class FileProblem(PatchkitError):
+    """What is wrong with one file: ``path`` and ``detail`` apart, so a report that names
+    the file already (a finding's file column) says the detail alone."""
+
+    def __init__(self, path, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: {detail}")
+
+
 class UsageProblem(PatchkitError):
     """A bad option value found where it is used: one line, exit status 2 like click's."""
 

@@ -1,0 +1,163 @@
+"""What patchkit says, as data: one enumeration of codes, and a reason is a code plus facts.
+
+Below the command line nothing makes a sentence. A state's reason, a warning, a
+notice, a refusal is a :class:`Reason`: a :class:`Code` from the one enumeration
+here and the facts the words are made from (a path, a patch, a version, the
+command to run). The words are made where output is made
+(:mod:`patchkit.cli.words`), so rewording one sentence never changes another
+command's output, and ``--json`` carries each message's code beside its words
+(docs/json.md). A code is a stable kebab-case word: adding one is additive, renaming
+or removing one bumps the JSON ``format``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Code(str, Enum):
+    """Every message's code (Python 3.10 has no StrEnum): compares and prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    # ----- a patch's state, why (status, apply, revert) -----
+    DECIDED = "decided"  # the catalogue's decision for this release, its own text
+    PREDATES_CATALOGUE = "predates-catalogue"
+    APPLIED_FROM_OLDER_CATALOGUE = "applied-from-older-catalogue"
+    APPLIED_WITHOUT_RECORD = "applied-without-record"
+    APPLIED_IN_COMMIT = "applied-in-commit"  # fork mode: the commit that applied it
+    REPLACED = "replaced"  # apply --only ID put the current version in place of an older
+    OPT_IN = "opt-in"
+    UNDER_LATER_PATCH = "under-later-patch"
+    FOREIGN_BACKUP = "foreign-backup"
+    UNKNOWN_PATCH_ON_TOP = "unknown-patch-on-top"
+    EDITED = "edited"
+    OTHER_RELEASE_INSTALLED = "other-release-installed"
+    PARTLY_REINSTALLED = "partly-reinstalled"
+    DIFFERS_FROM_RECORD = "differs-from-record"
+    CHANGED_UPSTREAM = "changed-upstream"
+    VARIANT_NOT_MADE = "variant-not-made"
+    FILE_MISSING = "file-missing"
+    HUNK_MISMATCH = "hunk-mismatch"
+    NO_VARIANT_MATCHES = "no-variant-matches"
+    # why --force may not restore an edited file
+    BACKUP_NOT_THIS_RELEASE = "backup-not-this-release"
+    APPLIED_TO_OTHER_VERSION = "applied-to-other-version"
+
+    # ----- warnings and notes of a run -----
+    UNTESTED_RELEASE = "untested-release"
+    NEWER_THAN_CATALOGUE = "newer-than-catalogue"
+    OUTDATED = "outdated"  # the warning that an applied patch is from an older catalogue
+    OTHER_VARIANT = "other-variant"
+    DECISION_EVIDENCE_MISSING = "decision-evidence-missing"
+    ONLY_NOT_APPLIED = "only-not-applied"
+    NOT_APPLIED = "not-applied"
+    UNKNOWN_RECORD = "unknown-record"
+    INTERRUPTED_RUN = "interrupted-run"
+    INTERRUPTED_RUN_DRY = "interrupted-run-dry"
+    CATALOGUE_INTERRUPTED = "catalogue-interrupted"
+    CACHES_LEFT_ALONE = "caches-left-alone"
+    AFTER_COMMIT = "after-commit"
+    BYTECODE_LEFT = "bytecode-left"
+    STALE_RECORD = "stale-record"
+    DROPPED_STALE_RECORD = "dropped-stale-record"
+    ROLLED_BACK = "rolled-back"
+    NOT_WRITABLE = "not-writable"
+    COMMITTED = "committed"
+    COMMITTED_REVERT = "committed-revert"
+
+    # ----- known issues (notices) and what to do about them -----
+    KNOWN_ISSUE = "known-issue"
+    KNOWN_ISSUE_UNDECIDED = "known-issue-undecided"
+    FIXED_BY_OTHER_PATCH = "fixed-by-other-patch"
+    APPLY_FIXES = "apply-fixes"
+    STILL_FITS = "still-fits"
+    NO_FIX_HERE = "no-fix-here"
+    CONFLICT_STAYS = "conflict-stays"
+
+    # ----- refusals: nothing was changed -----
+    REFUSED_CONFLICT = "refused-conflict"
+    REFUSED_CHANGED_UPSTREAM = "refused-changed-upstream"
+    REFUSED_REPLACE_UNDER_LATER = "refused-replace-under-later"
+    REFUSED_REPLACE_DOES_NOT_APPLY = "refused-replace-does-not-apply"
+    REFUSED_UNDER_LATER = "refused-under-later"
+    REFUSED_UNKNOWN_RECORD = "refused-unknown-record"
+    REFUSED_REVERT_UNDER = "refused-revert-under"
+    REFUSED_REVERT_CONFLICT = "refused-revert-conflict"
+    REFUSED_EDITED = "refused-edited"
+    REFUSED_FORCE = "refused-force"
+    REFUSED_BACKUP_DAMAGED = "refused-backup-damaged"
+    REFUSED_STRICT = "refused-strict"
+    REFUSED_HALF_WRITTEN_CATALOGUE = "refused-half-written-catalogue"
+    REFUSED_READ_ONLY = "refused-read-only"
+    REFUSED_AFTER_RECOVERY = "refused-after-recovery"
+    CHANGED_WHILE_RUNNING = "changed-while-running"
+    LOCK_NOT_CREATED = "lock-not-created"
+    REFRESH_NOT_WRITTEN = "refresh-not-written"
+    # fork mode
+    CHECKOUT_DIRTY = "checkout-dirty"
+    NO_GIT_IDENTITY = "no-git-identity"
+    BRANCH_ELSEWHERE = "branch-elsewhere"
+    GIT_FAILED = "git-failed"
+
+    # ----- any command's error that is not typed yet, by how it ends -----
+    ERROR = "error"  # exit 1: the user's to act on
+    USAGE = "usage"  # exit 2
+    INTERNAL_ERROR = "internal-error"  # exit 3: a bug in patchkit
+    INTERRUPTED = "interrupted"  # exit 130, 143, 129
+
+    # ----- messages of the other commands, by kind -----
+    NOTE = "note"
+    CACHE_NOT_CLEARED = "cache-not-cleared"  # status of a cache a run left alone, and why
+    WARNING = "warning"
+    SKIPPED = "skipped"
+    RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
+    BUG_VERDICT = "bug-verdict"  # doctor: why a bug is exposed, protected, ...
+    TUNED_CONFIG = "tuned-config"  # doctor: a tuned LoRA config that overrides a patch
+    VLLM_NOT_FOUND = "vllm-not-found"  # doctor without a tree
+    RUNNER = "runner"  # status, doctor: which model runner serves, what switches it
+    RUNNER_NOT_HOOKED = "runner-not-hooked"
+    # adapter check: one code per kind of finding
+    ADAPTER_FILE = "adapter-file"
+    ADAPTER_CONFIG = "adapter-config"
+    ADAPTER_SCALING = "adapter-scaling"
+    ADAPTER_NONFINITE = "adapter-nonfinite"
+    ADAPTER_NAME = "adapter-name"
+    ADAPTER_RANK = "adapter-rank"
+    ADAPTER_RANK_LIMIT = "adapter-rank-limit"
+    ADAPTER_SHAPE = "adapter-shape"
+    ADAPTER_LAYOUT = "adapter-layout"
+    ADAPTER_TARGET = "adapter-target"
+    ADAPTER_RELEASE = "adapter-release"
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A code and the facts its words are made from, immutable (a reason is a value).
+
+    Facts are JSON's kinds of value (text, numbers, booleans, None, lists of text) or
+    another Reason (a refusal carries the conflict it refuses).
+    """
+
+    code: Code
+    facts: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, code: Code, **facts: Any) -> Reason:
+        return cls(
+            code, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in facts.items())
+        )
+
+    def __getitem__(self, key: str) -> Any:
+        return dict(self.facts)[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.facts).get(key, default)
+
+    def __str__(self) -> str:
+        """The code and its facts (a log or a debugger's view; people read the words)."""
+        facts = ", ".join(f"{k}={v!r}" for k, v in self.facts)
+        return f"{self.code}({facts})"
