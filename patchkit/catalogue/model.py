@@ -17,6 +17,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import FilePatch, created_file_patch, parse_diff
 from patchkit.errors import PatchkitError
 
@@ -298,15 +299,11 @@ class Catalogue:
     interrupted_refresh: Path | None = None
 
     @property
-    def interrupted_note(self) -> str | None:
+    def interrupted_note(self) -> Reason | None:
         """What to say about :attr:`interrupted_refresh`, or None when there is none."""
         if self.interrupted_refresh is None:
             return None
-        return (
-            f"a patchkit refresh was interrupted while writing the catalogue "
-            f"({self.interrupted_refresh}), which may hold some of its files and not others; "
-            "`patchkit refresh --recover` finishes or undoes it"
-        )
+        return Reason.of(Code.CATALOGUE_INTERRUPTED, journal=str(self.interrupted_refresh))
 
     @property
     def ids(self) -> tuple[str, ...]:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from patchkit.catalogue.model import Patch
-from patchkit.errors import PatchkitError, UsageProblem
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused, UsageProblem
 from patchkit.fs.safepath import Root, UnsafePath, kind_of
 from patchkit.patching.state import STATE_DIR
 from patchkit.signals import Terminated, held
@@ -73,10 +74,7 @@ class Checkout:
         changed = [d.a_path for d in self.repo.index.diff(None)] + [
             d.a_path for d in self.repo.index.diff("HEAD")
         ]
-        raise PatchkitError(
-            f"{self.tree.root}: the checkout has uncommitted changes ({', '.join(changed[:3])}"
-            f"{', ...' if len(changed) > 3 else ''}); commit or stash them, or pass --allow-dirty"
-        )
+        raise Refused(Reason.of(Code.CHECKOUT_DIRTY, checkout=str(self.tree.root), changed=changed))
 
     def check_identity(self) -> None:
         """Commits need a name and an email; say how to set them before anything changes."""
@@ -84,11 +82,7 @@ class Checkout:
             try:
                 self.repo.git.var(who)
             except Exception as exc:  # GitCommandError: git cannot tell who commits
-                raise PatchkitError(
-                    f"fork mode commits each patch, but git has no identity here "
-                    f"({_git_message(exc)}); set one: git config user.name 'Your Name' && "
-                    "git config user.email you@example.com (or --global); nothing was changed"
-                ) from None
+                raise Refused(Reason.of(Code.NO_GIT_IDENTITY, git=_git_message(exc))) from None
 
     def check_branch_name(self, name: str) -> None:
         try:
@@ -121,11 +115,7 @@ class Checkout:
         elif existing.commit.hexsha != head:
             if self.current_branch() == name:
                 return
-            raise PatchkitError(
-                f"branch {name} exists and points at another commit than HEAD; switch to it "
-                f"first (git switch {name}) and run the command there, or pass another "
-                "--branch; nothing was changed"
-            )
+            raise Refused(Reason.of(Code.BRANCH_ELSEWHERE, branch=name))
         self.repo.git.symbolic_ref("HEAD", f"refs/heads/{name}")
 
     def current_branch(self) -> str | None:
@@ -280,18 +270,19 @@ def apply(tree, catalogue, options, branch: str | None, allow_dirty: bool):
     with guard:
         report = operations.apply(tree, catalogue, options, prepare=guard.prepare)
         with held():  # a signal never leaves git committing on its own after a restore
-            _commit_steps(checkout, report, Action.APPLIED, f" on {name}")
+            _commit_steps(checkout, report, Action.APPLIED, name)
     return report
 
 
-def _commit_steps(checkout: Checkout, report, action: Action, where: str = "") -> None:
-    """One commit per patch the run applied or reverted, in the order it did them."""
+def _commit_steps(checkout: Checkout, report, action: Action, branch: str | None = None) -> None:
+    """One commit per patch the run applied or reverted, in the order it did them; each
+    one's note names the commit (and ``branch``, the branch apply committed on)."""
     verb = "apply" if action == Action.APPLIED else "revert"
+    code = Code.COMMITTED if verb == "apply" else Code.COMMITTED_REVERT
     for step in report.plan.acting(action):
         patch = step.assessment.patch
         sha = checkout.commit(patch, list(step.assessment.files), verb)
-        what = patch.id if verb == "apply" else f"the revert of {patch.id}"
-        report.notes.append(f"committed {what} as {sha[:12]}{where}")
+        report.notes.append(Reason.of(code, patch=patch.id, commit=sha[:12], branch=branch))
 
 
 def revert(tree, catalogue, options, allow_dirty: bool):
@@ -340,10 +331,8 @@ class _Guard:
             self.snapshot.restore()
         if isinstance(exc, (KeyboardInterrupt, Terminated, PatchkitError)):
             return False
-        raise PatchkitError(
-            f"fork mode {self.command}: git failed ({_git_message(exc)}); the branch, index "
-            "and work tree are as before, nothing changed (fix what git reports, e.g. a "
-            "pre-commit hook, and run the command again)"
+        raise Refused(
+            Reason.of(Code.GIT_FAILED, command=self.command, git=_git_message(exc))
         ) from None
 
 
@@ -353,10 +342,15 @@ def default_branch(tree: VllmTree) -> str:
     return f"patchkit/vllm-{version if version is not None else 'unknown'}"
 
 
-def annotate_status(tree, report) -> None:
-    """Add the commit that applied each patch, read from the git history."""
+def annotate_status(tree, report):
+    """The status report with the commit that applied each patch, read from the git history
+    (a new report: the plan's steps are values)."""
     commits = Checkout(tree).patch_commits()
+    steps = []
     for step in report.steps:
         action, sha = commits.get(step.assessment.patch.id, (None, None))
         if action == "apply" and step.assessment.state == PatchState.APPLIED:
-            step.assessment.reason = f"applied in commit {sha[:12]} (git history)"
+            why = Reason.of(Code.APPLIED_IN_COMMIT, commit=sha[:12])
+            step = replace(step, assessment=replace(step.assessment, reason=why))
+        steps.append(step)
+    return replace(report, plan=replace(report.plan, steps=tuple(steps)))

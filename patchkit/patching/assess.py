@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging.version import Version
 
 from patchkit.catalogue.model import Catalogue, Decision, Patch, Variant
+from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import Placement, apply_file_patch
 from patchkit.errors import HunkMismatch
 from patchkit.fs.safepath import checked_relpath
@@ -48,46 +49,51 @@ class KnownIssue:
 
     ``remedy`` is what the user can do, by the state of that patch on this tree and by
     whether a plain `patchkit apply` would run here (:func:`patchkit.patching.decide.plan`
-    fills it in once every patch is assessed). ``undecided`` is the release when the
-    catalogue has not tested it: the bug was seen up to ``seen_up_to`` and is unknown there.
+    gives each notice its remedy once every patch is assessed). ``undecided`` is the release
+    when the catalogue has not tested it: the bug was seen up to ``seen_up_to`` and is
+    unknown there.
     """
 
     message: str
     fixed_by: str = ""
-    remedy: str = ""
+    remedy: Reason | None = None
     undecided: str = ""
     seen_up_to: str = ""
 
     @property
-    def line(self) -> str:
-        """The notice as status, apply and doctor print it."""
-        text = self.message
+    def reason(self) -> Reason:
+        """The notice as a message: the catalogue's text, and what holds it (status, apply
+        and doctor print it)."""
+        facts = {"text": self.message, "fixed_by": self.fixed_by or None, "remedy": self.remedy}
         if self.undecided:
-            text = (
-                f"unknown on vLLM {self.undecided}, which this catalogue has not decided (seen "
-                f"up to {self.seen_up_to}, and the code it was seen in is still there): {text}"
+            return Reason.of(
+                Code.KNOWN_ISSUE_UNDECIDED,
+                version=self.undecided,
+                seen_up_to=self.seen_up_to,
+                **facts,
             )
-        return f"{text}; {self.remedy}" if self.remedy else text
+        return Reason.of(Code.KNOWN_ISSUE, **facts)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Assessment:
-    """One patch's state on one tree, and what applying it would write."""
+    """One patch's state on one tree, and what applying it would write; a value (a plan
+    that says more makes a new one)."""
 
     patch: Patch
     state: PatchState
-    reason: str = ""
+    reason: Reason | None = None
     variant: Variant | None = None
     files: tuple[str, ...] = ()
-    placements: list[Placement] = field(default_factory=list)
-    changes: list[FileChange] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    placements: tuple[Placement, ...] = ()
+    changes: tuple[FileChange, ...] = ()
+    warnings: tuple[Reason, ...] = ()
     # Known upstream bugs a user of this release should know about; shown under
     # this patch by status and apply (not revert), never a failure (not --strict).
-    notices: list[KnownIssue] = field(default_factory=list)
+    notices: tuple[KnownIssue, ...] = ()
     entry: AppliedPatch | None = None
     stale_entry: bool = False  # ``entry`` no longer describes the files (vLLM reinstalled)
-    outdated: str = ""  # applied from an older catalogue: the warning that says so
+    outdated: bool = False  # applied from an older catalogue (its warning says so)
 
 
 class TreeFiles:
@@ -181,28 +187,26 @@ def assess_with(
         or _from_variants(patch, expected, tree, files, newer)
     )
     if applied is not None and result.entry is None:
-        result.entry, result.stale_entry = applied, True
+        result = replace(result, entry=applied, stale_entry=True)
     if result.state == CONFLICT and result.entry is None and catalogue.predates(version):
-        result = Assessment(
-            patch,
-            NOT_APPLICABLE,
-            reason=f"vLLM {tree.version} predates the releases this catalogue covers "
-            f"({catalogue.tested_span}): the code this patch fixes is not in it",
+        predates = Reason.of(
+            Code.PREDATES_CATALOGUE, version=tree.version, tested=catalogue.tested_span
         )
+        result = Assessment(patch, NOT_APPLICABLE, reason=predates)
     if result.state == CONFLICT and result.entry is None and not catalogue.is_tested(version):
         result = _changed_upstream(result, tree, files, catalogue) or result
     if not catalogue.is_tested(version):
         newest = newer_than_catalogue(catalogue, version)
-        beyond = (
-            f": it is newer than every release this catalogue was tested on (newest {newest}); "
-            "decided by content; a newer patchkit may cover it, or add the release "
-            "(CONTRIBUTING.md, 'A new vLLM release')"
+        untested = (
+            Reason.of(Code.NEWER_THAN_CATALOGUE, version=tree.version, newest=newest)
             if newest
-            else f" ({catalogue.tested_span}); decided by content"
+            else Reason.of(
+                Code.UNTESTED_RELEASE, version=tree.version, tested=catalogue.tested_span
+            )
         )
-        result.warnings.insert(0, f"vLLM {tree.version} is not a tested release{beyond}")
-    result.notices.extend(_notices(result, tree, files, catalogue))
-    return result
+        result = replace(result, warnings=(untested, *result.warnings))
+    notices = (*result.notices, *_notices(result, tree, files, catalogue))
+    return replace(result, notices=notices)
 
 
 def assess_replacement(patch: Patch, tree: VllmTree, files: TreeFiles) -> Assessment:
@@ -238,15 +242,11 @@ def _from_entry(
         variant = patch.variant(applied.variant)
         result = Assessment(patch, APPLIED, variant=variant, files=paths, entry=applied)
         if variant is None or variant.sha256 != applied.patch_sha256:
-            result.outdated = (
-                f"{patch.id}: the patch file changed since it was applied (applied from an "
-                f"older catalogue); `patchkit apply --only {patch.id}` replaces it with the "
-                f"current one (`patchkit revert --only {patch.id}` takes it off)"
-            )
-            result.warnings.append(result.outdated)
-            result.reason = (
-                f"applied from an older catalogue: `patchkit apply --only {patch.id}` "
-                "brings the current one"
+            result = replace(
+                result,
+                outdated=True,
+                warnings=(Reason.of(Code.OUTDATED, patch=patch.id),),
+                reason=Reason.of(Code.APPLIED_FROM_OLDER_CATALOGUE, patch=patch.id),
             )
         return result
     if kinds == {STALE}:
@@ -266,7 +266,7 @@ def _entry_conflict(
     findings: list[tuple[str, str]],
     files: TreeFiles,
     catalogue: Catalogue,
-) -> str:
+) -> Reason:
     """Why a recorded patch is neither applied nor stale, and the command that gets out of it."""
     by_kind: dict[str, tuple[str, str]] = {}
     for entry, (kind, top) in zip(applied.files, findings, strict=True):
@@ -274,56 +274,36 @@ def _entry_conflict(
     tree = files.tree
     if FOREIGN in by_kind:
         path, top = by_kind[FOREIGN]
-        return (
-            f"{path} is neither what {top} wrote nor vLLM {tree.version}'s own file (RECORD), "
-            f"and its backup is another release's file; reinstall vLLM (pip install "
-            f"--force-reinstall --no-deps vllm=={tree.version}), then `patchkit revert` drops "
-            "the old record"
-        )
+        return Reason.of(Code.FOREIGN_BACKUP, path=path, top=top, version=tree.version)
     unknown = [top for _, top in by_kind.values() if top not in files.order]
     if unknown:
-        return (
-            f"{applied.files[0].path} carries {unknown[0]!r}, a patch this patchkit does not "
-            "know, on top: revert that with the patchkit that applied it first"
-        )
+        return Reason.of(Code.UNKNOWN_PATCH_ON_TOP, path=applied.files[0].path, top=unknown[0])
     if EDITED in by_kind:
         path, top = by_kind[EDITED]
         return _edited(path, top, files, catalogue)
     path, top = by_kind[STALE]
-    rest = ", ".join(
+    rest = [
         entry.path
         for entry, (kind, _) in zip(applied.files, findings, strict=True)
         if kind == FileFinding.APPLIED
-    )
+    ]
     recorded = files.state.vllm_version if files.state else None
+    facts = {"path": path, "patch": patch.id, "top": top, "rest": rest, "version": tree.version}
     if recorded not in (None, tree.version):
-        what = (
-            f"vLLM was reinstalled ({tree.version} now, {recorded} when {patch.id} was "
-            f"applied) and {path} is that release's file"
-        )
-    else:
-        what = (
-            f"{path} is back to its original (or is gone) while the rest of {patch.id} is "
-            "applied (vLLM partly reinstalled, or a file patchkit created was deleted)"
-        )
-    return f"{what}; `patchkit revert --only {top}` removes the rest ({rest})"
+        return Reason.of(Code.OTHER_RELEASE_INSTALLED, recorded=recorded, **facts)
+    return Reason.of(Code.PARTLY_REINSTALLED, **facts)
 
 
-def _edited(path: str, top: str, files: TreeFiles, catalogue: Catalogue) -> str:
-    """A file changed since patchkit applied ``top``: both ways out, each with what it costs."""
-    target = f"--target {shlex.quote(str(files.tree.root))}"
-    keep = (
-        f"; to keep the edit in the patch, `patchkit refresh {top} {target}` rewrites its "
-        "diff from the tree (CONTRIBUTING.md, 'Changing a patch')"
-        if source_checkout(catalogue.root)
-        else ""
-    )
-    refusal = force_refusal(files, path)
-    if refusal:
-        return f"{path} was edited after patchkit applied {top}; {refusal}{keep}"
-    return (
-        f"{path} was edited after patchkit applied {top}; `patchkit revert --only {top} "
-        f"--force {target}` restores the original and discards the edit{keep}"
+def _edited(path: str, top: str, files: TreeFiles, catalogue: Catalogue) -> Reason:
+    """A file changed since patchkit applied ``top``: both ways out, each with what it costs
+    (``refresh``: where the catalogue is a source checkout, keeping the edit in the patch)."""
+    return Reason.of(
+        Code.EDITED,
+        path=path,
+        top=top,
+        target=shlex.quote(str(files.tree.root)),
+        refusal=force_refusal(files, path),
+        refresh=source_checkout(catalogue.root),
     )
 
 
@@ -362,8 +342,8 @@ def chain_finding(files: TreeFiles, relpath: str) -> tuple[FileFinding, str]:
     return EDITED, top_id
 
 
-def force_refusal(files: TreeFiles, relpath: str) -> str:
-    """Why ``--force`` may not restore the original of an edited file; '' when it may.
+def force_refusal(files: TreeFiles, relpath: str) -> Reason | None:
+    """Why ``--force`` may not restore the original of an edited file; None when it may.
 
     The backup (or, for a created file, its absence) belongs to the release
     the patch was applied to. It may go over the file only if that is the
@@ -375,14 +355,12 @@ def force_refusal(files: TreeFiles, relpath: str) -> str:
     bottom = files.chain(relpath)[0][1].pre_sha256
     recorded = tree.record.get(relpath)
     if recorded is not None:
-        return "" if recorded == bottom else "its backup is not this release's file"
+        return None if recorded == bottom else Reason.of(Code.BACKUP_NOT_THIS_RELEASE)
     if state is not None and state.vllm_version not in (None, tree.version):
-        return (
-            f"the patch was applied to vLLM {state.vllm_version} and this tree reports "
-            f"{tree.version}, so its backup may be another release's file; reinstall vLLM "
-            "and delete .patchkit/"
+        return Reason.of(
+            Code.APPLIED_TO_OTHER_VERSION, applied_to=state.vllm_version, version=tree.version
         )
-    return ""
+    return None
 
 
 def _from_decisions(
@@ -393,7 +371,8 @@ def _from_decisions(
         if all(e.holds(files.text(e.file)) for e in decision.evidence):
             evidence_files = tuple(dict.fromkeys(e.file for e in decision.evidence))
             state = PatchState(decision.state)
-            return Assessment(patch, state, reason=decision.reason, files=evidence_files)
+            reason = Reason.of(Code.DECIDED, state=decision.state, text=decision.reason)
+            return Assessment(patch, state, reason=reason, files=evidence_files)
     return None
 
 
@@ -415,30 +394,43 @@ def _from_variants(
         attempt = _try_variant(variant, files, reverse=False)
         if attempt is not None:
             result = _needed(patch, variant, attempt, tree, files)
-            if isinstance(expected, Variant) and variant is not expected:
-                result.warnings.append(
-                    f"{patch.id}: content matches variant {variant.name}, not "
-                    f"{expected.name} listed for vLLM {tree.version}"
-                )
-            if isinstance(expected, Decision):
-                result.warnings.append(
-                    f"{patch.id}: the catalogue lists vLLM {tree.version} as {expected.state}, "
-                    "but its evidence is not in this tree"
-                )
-            return result
+            return replace(result, warnings=_other_choice(patch, expected, variant, tree.version))
     for variant in ordered:
         if _try_variant(variant, files, reverse=True) is not None:
             return Assessment(
                 patch,
                 APPLIED,
-                reason=(
-                    "the patched text is present but patchkit has no record of applying it "
-                    "(applied by hand, or .patchkit/ was removed); revert reverse-applies the diff"
-                ),
+                reason=Reason.of(Code.APPLIED_WITHOUT_RECORD),
                 variant=variant,
                 files=variant.paths,
             )
     return _conflict(patch, expected, files)
+
+
+def _other_choice(
+    patch: Patch, expected: Variant | Decision | None, variant: Variant, version: str
+) -> tuple[Reason, ...]:
+    """Warnings when the variant that fits is not what the catalogue lists for the release."""
+    if isinstance(expected, Variant) and variant is not expected:
+        return (
+            Reason.of(
+                Code.OTHER_VARIANT,
+                patch=patch.id,
+                variant=variant.name,
+                listed=expected.name,
+                version=version,
+            ),
+        )
+    if isinstance(expected, Decision):
+        return (
+            Reason.of(
+                Code.DECISION_EVIDENCE_MISSING,
+                patch=patch.id,
+                version=version,
+                state=expected.state,
+            ),
+        )
+    return ()
 
 
 def _try_variant(
@@ -474,15 +466,11 @@ def _needed(
             return Assessment(
                 patch,
                 CONFLICT,
-                reason=(
-                    f"{path} differs from the sha256 in vLLM {tree.version}'s RECORD "
-                    "(edited, or not the wheel's file); reinstall vLLM "
-                    f"(pip install --force-reinstall --no-deps vllm=={tree.version}) to patch it"
-                ),
+                reason=Reason.of(Code.DIFFERS_FROM_RECORD, path=path, version=tree.version),
                 variant=variant,
                 files=variant.paths,
             )
-    changes = [
+    changes = tuple(
         FileChange(
             path,
             files.data(path),
@@ -490,9 +478,14 @@ def _needed(
             (patch.id,),
         )
         for path, text in new_texts.items()
-    ]
+    )
     return Assessment(
-        patch, NEEDED, variant=variant, files=variant.paths, placements=placements, changes=changes
+        patch,
+        NEEDED,
+        variant=variant,
+        files=variant.paths,
+        placements=tuple(placements),
+        changes=changes,
     )
 
 
@@ -526,21 +519,15 @@ def _changed_upstream(
             rewritten.append(path)
     if not gone and not rewritten:
         return None
-    moved = [f"no longer ships {gone[0]} (moved or removed)"] if gone else []
-    if rewritten:
-        moved.append(
-            f"changed the code {patch.id} changes in {rewritten[0]} (the file is the wheel's "
-            "own, as its RECORD says)"
-        )
-    what = f"vLLM {tree.version} " + " and ".join(moved)
-    return Assessment(
-        patch,
-        CHANGED_UPSTREAM,
-        reason=f"{what}; whether the bug is fixed there is not known to this catalogue, "
-        f"tested up to {catalogue.newest_tested}",
-        variant=variant,
-        files=variant.paths,
+    moved = Reason.of(
+        Code.CHANGED_UPSTREAM,
+        patch=patch.id,
+        version=tree.version,
+        gone=gone[0] if gone else None,
+        changed=rewritten[0] if rewritten else None,
+        newest=catalogue.newest_tested,
     )
+    return Assessment(patch, CHANGED_UPSTREAM, reason=moved, variant=variant, files=variant.paths)
 
 
 def _fits(variant: Variant, path: str, files: TreeFiles) -> bool:
@@ -556,32 +543,35 @@ def _fits(variant: Variant, path: str, files: TreeFiles) -> bool:
 def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
     variant = expected if isinstance(expected, Variant) else patch.variants[0]
     if not variant.made:
-        return Assessment(
-            patch,
-            CONFLICT,
-            reason=f"variant {variant.name} is not made yet ({variant.diff_path.name} does not "
-            f"exist): make it on vLLM {variant.made_on} with `patchkit refresh {patch.id} "
-            f"--variant {variant.name} --add PATH ...` (CONTRIBUTING.md)",
-            variant=variant,
+        not_made = Reason.of(
+            Code.VARIANT_NOT_MADE,
+            patch=patch.id,
+            variant=variant.name,
+            diff=variant.diff_path.name,
+            made_on=variant.made_on,
         )
-    detail = "no variant matches"
-    what = "the file is neither the pristine text this patch expects nor its patched text"
+        return Assessment(patch, CONFLICT, reason=not_made, variant=variant)
+    why = _why_no_fit(variant, files)
+    return Assessment(patch, CONFLICT, reason=why, variant=variant, files=variant.paths)
+
+
+def _why_no_fit(variant: Variant, files: TreeFiles) -> Reason:
+    """The first file of the variant that is missing, or the first hunk that does not fit."""
     try:
         for file_patch in variant.files:
             if files.text(file_patch.path) is None and not file_patch.creates:
-                detail = f"{file_patch.path} is missing"
-                what = "the release's files are incomplete (deleted, or a partial install)"
-                break
+                return Reason.of(Code.FILE_MISSING, variant=variant.name, path=file_patch.path)
             apply_file_patch(files.text(file_patch.path), file_patch)
     except HunkMismatch as exc:
-        detail = str(exc)
-    return Assessment(
-        patch,
-        CONFLICT,
-        reason=f"variant {variant.name}: {detail}; {what}",
-        variant=variant,
-        files=variant.paths,
-    )
+        return Reason.of(
+            Code.HUNK_MISMATCH,
+            variant=variant.name,
+            path=exc.path,
+            hunk=exc.hunk_index,
+            header=exc.header,
+            detail=exc.detail,
+        )
+    return Reason.of(Code.NO_VARIANT_MATCHES, variant=variant.name)
 
 
 def _notices(
@@ -616,34 +606,29 @@ def _notices(
     return found
 
 
-def remedy(issue: KnownIssue, result: Assessment, tree: VllmTree, apply_command: str) -> str:
+def remedy(
+    issue: KnownIssue, result: Assessment, tree: VllmTree, apply_command: str
+) -> Reason | None:
     """What the user can do about a known issue, by the state of the patch that fixes it
     on this tree (a catalogue's notice states the facts only). ``apply_command`` is the
     apply that would run on this tree for that patch (`patchkit apply`, or `patchkit apply
     --only ID` where a plain apply refuses)."""
     fixed_by = issue.fixed_by
     if not fixed_by:
-        return ""
+        return None
     if fixed_by != result.patch.id:
-        return f"patchkit's {fixed_by} fixes it"
+        return Reason.of(Code.FIXED_BY_OTHER_PATCH, patch=fixed_by)
     if result.state == NEEDED:
-        if issue.undecided:
-            return f"{fixed_by} still fits this code: `{apply_command}` applies it"
-        return f"`{apply_command}` fixes it"
+        code = Code.STILL_FITS if issue.undecided else Code.APPLY_FIXES
+        return Reason.of(code, patch=fixed_by, command=apply_command)
     if result.state == CHANGED_UPSTREAM:
-        return f"{fixed_by} does not fit vLLM {tree.version}'s code, so patchkit has no fix here"
+        return Reason.of(Code.NO_FIX_HERE, patch=fixed_by, version=tree.version)
     if result.state == CONFLICT:
-        until = (
-            f"its files are vLLM {tree.version}'s own again (pip install --force-reinstall "
-            f"--no-deps vllm=={tree.version}, then `patchkit apply`)"
-            if tree.source == "metadata"
-            else f"{fixed_by} has a variant for this tree's code (CONTRIBUTING.md)"
+        reinstall = tree.source == "metadata"  # its files can be the wheel's own again
+        return Reason.of(
+            Code.CONFLICT_STAYS, patch=fixed_by, version=tree.version, reinstall=reinstall
         )
-        return (
-            f"{fixed_by} is in conflict here, so patchkit cannot apply it (its line says what "
-            f"differs): until {until}, the issue stays"
-        )
-    return ""
+    return None
 
 
 def _applied(patch_id: str, files: TreeFiles) -> bool:

@@ -18,8 +18,9 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from patchkit.catalogue.model import Catalogue, Patch
+from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import apply_file_patch
-from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.errors import HunkMismatch, Refused
 from patchkit.patching.assess import (
     Assessment,
     TreeFiles,
@@ -49,15 +50,14 @@ class RunOptions:
     clear_caches: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
     """One patch in a plan: its assessment before the run and what the run does to it."""
 
     assessment: Assessment
     action: Action = Action.NONE
-    changes: list[FileChange] = field(default_factory=list)
-    undo: list[FileChange] = field(default_factory=list)  # an older version taken off first
-    note: str = ""  # why a patch asked for with --only is left as it is
+    changes: tuple[FileChange, ...] = ()
+    undo: tuple[FileChange, ...] = ()  # an older version taken off first
 
     @property
     def state_after(self) -> PatchState:
@@ -69,13 +69,15 @@ class Step:
         return self.assessment.state
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """What a run will do, whole: made once by :func:`plan`, never changed after."""
+
     command: str
-    steps: list[Step] = field(default_factory=list)
-    drop: list[str] = field(default_factory=list)  # state entries that describe nothing any more
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    steps: tuple[Step, ...] = ()
+    drop: tuple[str, ...] = ()  # state entries that describe nothing any more
+    warnings: tuple[Reason, ...] = ()
+    notes: tuple[Reason, ...] = ()
 
     def writes(self) -> list[FileChange]:
         """One write per file, merged in the order the changes were planned (revert: from
@@ -83,15 +85,31 @@ class Plan:
         return merged([c for s in self.in_run_order() for c in (*s.undo, *s.changes)])
 
     def in_run_order(self) -> list[Step]:
-        return list(reversed(self.steps)) if self.command == REVERT else self.steps
+        return list(reversed(self.steps)) if self.command == REVERT else list(self.steps)
 
     def acting(self, action: Action) -> list[Step]:
         """The steps that do ``action``, in the order the run does them."""
         return [s for s in self.in_run_order() if s.action == action]
 
-    def warn(self, line: str) -> None:
-        if line not in self.warnings:  # e.g. "untested release", once, not per patch
-            self.warnings.append(line)
+
+@dataclass
+class _Draft:
+    """A plan while :func:`plan` makes it (steps in series order, each warning once)."""
+
+    command: str
+    steps: list[Step] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)
+    warnings: list[Reason] = field(default_factory=list)
+    notes: list[Reason] = field(default_factory=list)
+
+    def warn(self, reason: Reason) -> None:
+        if reason not in self.warnings:  # e.g. "untested release", once, not per patch
+            self.warnings.append(reason)
+
+
+def once(reasons) -> tuple[Reason, ...]:
+    """``reasons`` in order, each once (the same warning from several patches)."""
+    return tuple(dict.fromkeys(reasons))
 
 
 def select(catalogue: Catalogue, only: tuple[str, ...], opt_in: bool = False) -> list[Patch]:
@@ -107,22 +125,28 @@ def select(catalogue: Catalogue, only: tuple[str, ...], opt_in: bool = False) ->
 def plan(
     command: str, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
 ) -> Plan:
-    """The plan for ``status``, ``apply`` or ``revert`` on this tree and state."""
-    result = Plan(command)
+    """The plan for ``status``, ``apply`` or ``revert`` on this tree and state (``state``
+    is read, never changed: the run's executor changes it when it commits)."""
+    draft = _Draft(command)
     if command == REVERT:
-        _plan_revert(result, tree, catalogue, state, options)
+        _plan_revert(draft, tree, catalogue, state, options)
     else:
-        _plan_forward(result, tree, catalogue, state, options)
-    for line in unknown_warnings(state, catalogue, tree):
-        result.warn(line)
-    _say_remedies(result, tree)
-    if command == APPLY and options.strict and result.warnings:
-        _fail_strict(result.warnings)
-    return result
+        _plan_forward(draft, tree, catalogue, state, options)
+    for reason in unknown_warnings(state, catalogue, tree):
+        draft.warn(reason)
+    if command == APPLY and options.strict and draft.warnings:
+        _fail_strict(draft.warnings)
+    return Plan(
+        command,
+        tuple(_with_remedies(draft.steps, tree)),
+        tuple(draft.drop),
+        tuple(draft.warnings),
+        tuple(draft.notes),
+    )
 
 
 def _plan_forward(
-    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+    result: _Draft, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
 ) -> None:
     """Status and apply: each patch on the result of those before it in the series.
 
@@ -132,36 +156,39 @@ def _plan_forward(
     files = TreeFiles(tree, state, catalogue.ids)
     selected = [p.id for p in select(catalogue, options.only)]  # in series order
     moved: list[Assessment] = []  # changed-upstream patches the run would have to take
+    acting = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
     for patch in catalogue.patches:
         assessment = assess_with(patch, tree, state, catalogue, files)
-        step = Step(assessment)
-        result.steps.append(step)
         if result.command == APPLY and patch.id not in selected:
-            _left_alone(assessment)
+            result.steps.append(Step(_left_alone(assessment)))
             continue
         if result.command == APPLY and assessment.outdated and patch.id in options.only:
-            _replace(step, tree, files, options)
+            step = _replace(assessment, tree, files, acting)
+            assessment = step.assessment
+        else:
+            step = Step(assessment)
         _take_findings(result, assessment)
         if result.command == STATUS:
-            _status_step(step, files)
+            result.steps.append(_status_step(assessment, files))
             continue
+        result.steps.append(step)
         if assessment.state == PatchState.CONFLICT:
-            raise PatchkitError(
-                f"{patch.id}: conflict: {assessment.reason}; nothing was changed "
-                f"{_after_conflict(tree, catalogue)}"
-            )
+            raise Refused(_conflict_refusal(assessment, tree, catalogue))
         if assessment.state == PatchState.CHANGED_UPSTREAM:
             moved.append(assessment)
             continue
         if assessment.state == PatchState.NEEDED:
             _refuse_under_later(patch, assessment, files)
             stack(files, assessment)
-            step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
-            step.changes = assessment.changes
+            result.steps[-1] = Step(assessment, acting, assessment.changes)
         elif patch.id in options.only and assessment.state != PatchState.APPLIED:
             result.warn(
-                f"{patch.id} was asked for with --only but is not applied: "
-                f"{assessment.state} ({assessment.reason})"
+                Reason.of(
+                    Code.ONLY_NOT_APPLIED,
+                    patch=patch.id,
+                    state=str(assessment.state),
+                    reason=assessment.reason,
+                )
             )
     if moved and result.command == APPLY:
         _refuse_moved(moved, result, tree)
@@ -169,69 +196,68 @@ def _plan_forward(
         result.drop = stale_entries(state, catalogue, tree, selected)
 
 
-def _refuse_moved(moved: list[Assessment], result: Plan, tree: VllmTree) -> None:
+def _conflict_refusal(assessment: Assessment, tree: VllmTree, catalogue: Catalogue) -> Reason:
+    """apply refuses a conflict; on a release newer than the catalogue the words say that
+    it is, and the three ways on (``newest``)."""
+    return Reason.of(
+        Code.REFUSED_CONFLICT,
+        patch=assessment.patch.id,
+        conflict=assessment.reason,
+        version=tree.version,
+        newest=newer_than_catalogue(catalogue, tree.parsed_version) or None,
+        target=shlex.quote(str(tree.root)),
+    )
+
+
+def _refuse_moved(moved: list[Assessment], result: _Draft, tree: VllmTree) -> None:
     """All or nothing: a run that would take a patch whose code vLLM changed applies
     nothing, and names the `apply --only` that applies the patches that still fit."""
     first = moved[0]
-    others = f" (and {', '.join(a.patch.id for a in moved[1:])})" if moved[1:] else ""
-    fit = [s.assessment.patch.id for s in result.steps if s.action != Action.NONE]
-    target = f"--target {shlex.quote(str(tree.root))}"
-    rest = (
-        f"`patchkit apply {' '.join(f'--only {i}' for i in fit)} {target}` applies the "
-        "patches that fit"
-        if fit
-        else f"no other patch it would take is needed here; `patchkit doctor {target}` says "
-        "which known bugs stay unknown on this release until a patchkit that has decided it"
-    )
-    raise PatchkitError(
-        f"{first.patch.id}: {PatchState.CHANGED_UPSTREAM}{others}: {first.reason}; nothing "
-        f"was changed; {rest}"
+    raise Refused(
+        Reason.of(
+            Code.REFUSED_CHANGED_UPSTREAM,
+            patch=first.patch.id,
+            others=[a.patch.id for a in moved[1:]],
+            moved=first.reason,
+            fit=[s.assessment.patch.id for s in result.steps if s.action != Action.NONE],
+            target=shlex.quote(str(tree.root)),
+        )
     )
 
 
-def _replace(step: Step, tree: VllmTree, files: TreeFiles, options: RunOptions) -> None:
+def _replace(assessment: Assessment, tree: VllmTree, files: TreeFiles, acting: Action) -> Step:
     """`apply --only ID` on a patch applied from an older catalogue: the applied version
     off and the current one on, in the run's one commit (an upgrade, as dpkg does it;
     a revert then an apply would leave the tree without it if the second failed)."""
-    assessment = step.assessment
     patch = assessment.patch
     above = later_on_same_files(patch, assessment.files, files)
     if above is not None:
-        raise PatchkitError(
-            f"{patch.id}: applied from an older catalogue, and {above[0]}, later in the "
-            f"series, is applied on {above[1]}: revert it first (patchkit revert --only "
-            f"{above[0]}); nothing was changed"
+        raise Refused(
+            Reason.of(
+                Code.REFUSED_REPLACE_UNDER_LATER, patch=patch.id, above=above[0], path=above[1]
+            )
         )
     undo = revert_changes(assessment, files, force=False)
     current = assess_replacement(patch, tree, files.without(patch.id, undo))
     if current.state != PatchState.NEEDED:
-        raise PatchkitError(
-            f"{patch.id}: applied from an older catalogue, and the current one does not "
-            f"apply to the original files ({current.state}: {current.reason}); nothing was "
-            "changed"
+        raise Refused(
+            Reason.of(
+                Code.REFUSED_REPLACE_DOES_NOT_APPLY,
+                patch=patch.id,
+                state=str(current.state),
+                reason=current.reason,
+            )
         )
-    assessment.warnings.remove(assessment.outdated)
-    assessment.variant, assessment.placements = current.variant, current.placements
-    assessment.reason = "replaced the version applied from an older catalogue"
-    step.undo, step.changes = undo, current.changes
-    step.action = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
+    replaced = replace(
+        assessment,
+        warnings=tuple(w for w in assessment.warnings if w.code != Code.OUTDATED),
+        variant=current.variant,
+        placements=current.placements,
+        reason=Reason.of(Code.REPLACED),
+    )
     for change in [*undo, *current.changes]:
         files.overlay(change.path, change.after)
-
-
-def _after_conflict(tree: VllmTree, catalogue: Catalogue) -> str:
-    """What to do next when apply refuses a conflict; on a release newer than the
-    catalogue, that it is, and the three ways on."""
-    newest = newer_than_catalogue(catalogue, tree.parsed_version)
-    if not newest:
-        return "(apply the others with --only)"
-    target = f"--target {shlex.quote(str(tree.root))}"
-    return (
-        f"(vLLM {tree.version} is newer than every release this catalogue was tested on, "
-        f"the newest {newest}: a newer patchkit may cover it; `patchkit status {target}` "
-        f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your "
-        "own risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
-    )
+    return Step(replaced, acting, current.changes, tuple(undo))
 
 
 # The states in which a plain `patchkit apply` refuses to run (apply --only the others).
@@ -247,117 +273,108 @@ def apply_command(states: dict[str, PatchState], opt_in: set[str], patch_id: str
     return "patchkit apply"
 
 
-def _say_remedies(result: Plan, tree: VllmTree) -> None:
-    """Each known issue's remedy, now that every patch's state is known (a command that
-    would run on this tree)."""
-    states = {s.assessment.patch.id: s.assessment.state for s in result.steps}
-    opt_in = {s.assessment.patch.id for s in result.steps if s.assessment.patch.opt_in}
-    for step in result.steps:
+def _with_remedies(steps: list[Step], tree: VllmTree) -> list[Step]:
+    """Each known issue with its remedy, now that every patch's state is known (a command
+    that would run on this tree)."""
+    states = {s.assessment.patch.id: s.assessment.state for s in steps}
+    opt_in = {s.assessment.patch.id for s in steps if s.assessment.patch.opt_in}
+    done = []
+    for step in steps:
         a = step.assessment
-        a.notices = [
+        notices = tuple(
             replace(n, remedy=remedy(n, a, tree, apply_command(states, opt_in, n.fixed_by)))
             for n in a.notices
-        ]
+        )
+        done.append(replace(step, assessment=replace(a, notices=notices)))
+    return done
 
 
-def _status_step(step: Step, files: TreeFiles) -> None:
+def _status_step(assessment: Assessment, files: TreeFiles) -> Step:
     """In status, a needed patch under an applied later one is said to be, not stacked."""
-    assessment = step.assessment
     if assessment.state != PatchState.NEEDED:
-        return
+        return Step(assessment)
     if assessment.patch.opt_in:  # plain apply never applies it: not "needed"
-        _say_opt_in(assessment)
-        return
+        return Step(_opt_in(assessment))
     above = later_on_same_files(assessment.patch, assessment.variant.paths, files)
     if above is None:
         stack(files, assessment)  # what apply would see for the next patch
-    else:
-        assessment.reason = (
-            f"{above[0]}, later in the series, is applied on {above[1]}: revert it "
-            "first (patches stack in series order)"
-        )
+        return Step(assessment)
+    under = Reason.of(Code.UNDER_LATER_PATCH, above=above[0], path=above[1])
+    return Step(replace(assessment, reason=under))
 
 
-def _left_alone(assessment: Assessment) -> None:
+def _left_alone(assessment: Assessment) -> Assessment:
     """A patch this run did not select: reported as status would name it, never acted on,
     and its findings are not the run's (`--strict` judges what the run does)."""
     if assessment.patch.opt_in and assessment.state == PatchState.NEEDED:
-        _say_opt_in(assessment)
+        return _opt_in(assessment)
+    return assessment
 
 
-def _say_opt_in(assessment: Assessment) -> None:
+def _opt_in(assessment: Assessment) -> Assessment:
     """A needed opt-in patch is `opt-in`, in status and in revert alike (one name)."""
-    assessment.state = PatchState.OPT_IN
-    assessment.reason = (
-        f"not applied; a diagnostic: after `patchkit apply`, `patchkit apply --only "
-        f"{assessment.patch.id}` adds it (alone, it applies only itself)"
-    )
+    why = Reason.of(Code.OPT_IN, patch=assessment.patch.id)
+    return replace(assessment, state=PatchState.OPT_IN, reason=why)
 
 
 def _refuse_under_later(patch: Patch, assessment: Assessment, files: TreeFiles) -> None:
     above = later_on_same_files(patch, assessment.variant.paths, files)
     if above is not None:
-        raise PatchkitError(
-            f"{patch.id}: {above[0]}, later in the series, is applied and also changes "
-            f"{above[1]}; patches stack in series order, so revert it first "
-            f"(patchkit revert --only {above[0]}), then apply both; nothing was changed"
+        raise Refused(
+            Reason.of(Code.REFUSED_UNDER_LATER, patch=patch.id, above=above[0], path=above[1])
         )
 
 
 def _plan_revert(
-    result: Plan, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
+    result: _Draft, tree: VllmTree, catalogue: Catalogue, state: State, options: RunOptions
 ) -> None:
     """Revert: from the top of the series down, each patch on the files as the ones above
-    it leave them."""
+    it leave them (a copy of ``state`` follows them: the caller's is never changed)."""
     unknown = [i for i, stale in unknown_entries(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
-        raise PatchkitError(f"{unknown_line(state, unknown[0])}; nothing was changed")
+        raise Refused(
+            Reason.of(Code.REFUSED_UNKNOWN_RECORD, record=unknown_line(state, unknown[0]))
+        )
     selected = [p.id for p in select(catalogue, options.only, opt_in=True)]
     result.drop = stale_entries(state, catalogue, tree, selected)
-    for patch_id in result.drop:
-        state.patches.pop(patch_id, None)
+    kept = {k: v for k, v in state.patches.items() if k not in result.drop}
+    state = State(state.fs, kept, state.vllm_version)
     files = TreeFiles(tree, state, catalogue.ids)
     for patch in reversed(catalogue.patches):
         assessment = assess_with(patch, tree, state, catalogue, files)
-        step = Step(assessment)
-        result.steps.insert(0, step)  # reported in series order, every patch
         if patch.id not in selected:
-            _left_alone(assessment)  # as the reverts above it leave the files
+            result.steps.insert(0, Step(_left_alone(assessment)))  # as the reverts above leave
             continue
         changes = revert_changes(assessment, files, force=options.force)
         if changes is None and patch.opt_in and assessment.state == PatchState.NEEDED:
-            _say_opt_in(assessment)  # revert --only nan-probe said "needed" here
+            assessment = _opt_in(assessment)  # revert --only nan-probe said "needed" here
         if changes is None:
+            result.steps.insert(0, Step(assessment))  # reported in series order, every patch
             if patch.id in options.only:
-                result.warn(f"{patch.id} is not applied ({assessment.state})")
+                result.warn(
+                    Reason.of(Code.NOT_APPLIED, patch=patch.id, state=str(assessment.state))
+                )
             continue
         above = later_on_same_files(patch, tuple(c.path for c in changes), files)
         if above is not None:
-            raise PatchkitError(
-                f"{patch.id}: {above[0]} is applied on top of it in {above[1]}; revert "
-                f"{above[0]} first (patchkit revert --only {above[0]} --only {patch.id}); "
-                "nothing was changed"
+            raise Refused(
+                Reason.of(Code.REFUSED_REVERT_UNDER, patch=patch.id, above=above[0], path=above[1])
             )
         for change in changes:
             files.overlay(change.path, change.after)
-        state.patches.pop(patch.id, None)
-        step.action, step.changes = Action.REVERTED, changes
+        state.patches.pop(patch.id, None)  # the copy: the patches above see it gone
+        result.steps.insert(0, Step(assessment, Action.REVERTED, tuple(changes)))
 
 
-def _take_findings(result: Plan, assessment: Assessment) -> None:
-    for line in assessment.warnings:
-        result.warn(line)
+def _take_findings(result: _Draft, assessment: Assessment) -> None:
+    for reason in assessment.warnings:
+        result.warn(reason)
     if assessment.stale_entry:
-        result.notes.append(
-            f"{assessment.patch.id}: state.json's record of it no longer matches the files "
-            "(vLLM was reinstalled); the next apply or revert drops it"
-        )
+        result.notes.append(Reason.of(Code.STALE_RECORD, patch=assessment.patch.id))
 
 
-def _fail_strict(warnings: list[str]) -> None:
-    n = len(warnings) - 1
-    more = f" (and {n} more warning{'s' if n != 1 else ''})" if n > 0 else ""
-    raise PatchkitError(f"--strict: {warnings[0]}{more}; nothing was changed")
+def _fail_strict(warnings: list[Reason]) -> None:
+    raise Refused(Reason.of(Code.REFUSED_STRICT, first=warnings[0], more=len(warnings) - 1))
 
 
 # ----- stacking -----
@@ -417,18 +434,18 @@ def unknown_entries(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[
     }
 
 
-def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[str]:
+def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[Reason]:
     entries = unknown_entries(state, catalogue, tree)
     return [unknown_line(state, patch_id) for patch_id, stale in entries.items() if not stale]
 
 
-def unknown_line(state: State, patch_id: str) -> str:
-    paths = ", ".join(f.path for f in state.patches[patch_id].files)
-    return (
-        f"{state.path} records patch {patch_id!r}, which this patchkit does not know; its "
-        f"files ({paths}) still hold what it wrote and were left alone: revert it with the "
-        "patchkit that applied it, or reinstall vLLM (pip install --force-reinstall "
-        f"--no-deps vllm) and delete {state.directory}"
+def unknown_line(state: State, patch_id: str) -> Reason:
+    return Reason.of(
+        Code.UNKNOWN_RECORD,
+        state=str(state.path),
+        patch=patch_id,
+        paths=[f.path for f in state.patches[patch_id].files],
+        directory=str(state.directory),
     )
 
 
@@ -467,8 +484,12 @@ def revert_changes(
         if kind == FileFinding.STALE:
             continue
         if kind == FileFinding.FOREIGN:
-            raise PatchkitError(
-                f"{assessment.patch.id}: conflict: {assessment.reason}; nothing was changed"
+            raise Refused(
+                Reason.of(
+                    Code.REFUSED_REVERT_CONFLICT,
+                    patch=assessment.patch.id,
+                    conflict=assessment.reason,
+                )
             )
         if kind == FileFinding.EDITED:
             _check_force(assessment, files, entry.path, force=force)
@@ -480,15 +501,16 @@ def _check_force(assessment: Assessment, files: TreeFiles, path: str, *, force: 
     """An edited file is restored only with --force, and only to its own release's original."""
     patch_id = assessment.patch.id
     if not force:
-        raise PatchkitError(
-            f"{patch_id}: {assessment.reason.split(';')[0]}; revert refuses to overwrite those "
-            "edits (--force restores the original anyway and discards them); nothing was changed"
-        )
+        raise Refused(Reason.of(Code.REFUSED_EDITED, patch=patch_id, conflict=assessment.reason))
     refusal = force_refusal(files, path)
     if refusal:
-        raise PatchkitError(
-            f"{patch_id}: {files.tree.fs.full(path)} was edited and {refusal}; --force never "
-            "restores a file of another release; nothing was changed"
+        raise Refused(
+            Reason.of(
+                Code.REFUSED_FORCE,
+                patch=patch_id,
+                path=str(files.tree.fs.full(path)),
+                refusal=refusal,
+            )
         )
 
 
@@ -503,11 +525,13 @@ def _restore(applied: PatchedFile, files: TreeFiles, assessment: Assessment) -> 
         return FileChange(applied.path, current, original, (patch_id,))
     rebuilt = _reverse_one(assessment, applied.path, files)
     if rebuilt is None or file_sha256(rebuilt) != applied.pre_sha256:
-        raise PatchkitError(
-            f"{patch_id}: the backup of {applied.path} is missing or damaged and "
-            "reverse-applying the diff does not give the original back; reinstall vLLM "
-            f"(pip install --force-reinstall --no-deps vllm=={files.state.vllm_version}); "
-            "nothing was changed"
+        raise Refused(
+            Reason.of(
+                Code.REFUSED_BACKUP_DAMAGED,
+                patch=patch_id,
+                path=applied.path,
+                version=files.state.vllm_version,
+            )
         )
     return FileChange(applied.path, current, rebuilt, (patch_id,))
 

@@ -20,9 +20,21 @@ from datetime import datetime, timezone
 from patchkit import signals
 from patchkit.caches import compiled
 from patchkit.catalogue.model import Catalogue
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused, os_error_line
 from patchkit.patching import bytecode
-from patchkit.patching.decide import APPLY, REVERT, STATUS, Plan, RunOptions, Step, plan, select
+from patchkit.patching.assess import KnownIssue
+from patchkit.patching.decide import (
+    APPLY,
+    REVERT,
+    STATUS,
+    Plan,
+    RunOptions,
+    Step,
+    once,
+    plan,
+    select,
+)
 from patchkit.patching.state import (
     STATE_DIR,
     AppliedPatch,
@@ -34,7 +46,14 @@ from patchkit.patching.state import (
     sweep,
     tidy,
 )
-from patchkit.patching.transaction import LockUnavailable, TreeLock, commit, interrupted, recover
+from patchkit.patching.transaction import (
+    LockUnavailable,
+    TreeLock,
+    after_recovery,
+    commit,
+    interrupted,
+    recover,
+)
 from patchkit.vllmtree import model_runner
 from patchkit.vllmtree.model_runner import RunnerChoice
 from patchkit.vllmtree.tree import VllmTree
@@ -45,7 +64,8 @@ __all__ = ["RunOptions", "RunReport", "apply", "revert", "select", "status"]
 
 @dataclass
 class RunReport:
-    """What a run found and did: the plan's steps plus what happened after the commit."""
+    """What a run found and did: the plan (a value, as planned) plus what happened around
+    it: what the run had to say before and after its commit (``later``, ``notes``)."""
 
     command: str
     tree: VllmTree
@@ -53,7 +73,8 @@ class RunReport:
     options: RunOptions = field(default_factory=RunOptions)
     bytecode_removed: list[str] = field(default_factory=list)
     caches_removed: list[compiled.CacheResult] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Reason] = field(default_factory=list)
+    later: list[Reason] = field(default_factory=list)  # warnings the plan could not know
     wrote: bool = False  # the run committed its writes to the tree
     recovered: bool = False  # it rolled an interrupted run back first
     runner: RunnerChoice | None = None  # the GPU model runner vLLM picks on the tree
@@ -69,20 +90,24 @@ class RunReport:
         return self.wrote or self.recovered or bool(self.bytecode_removed) or cleared
 
     @property
-    def steps(self) -> list[Step]:
+    def steps(self) -> tuple[Step, ...]:
         return self.plan.steps
 
     @property
-    def warnings(self) -> list[str]:
-        return self.plan.warnings
+    def warnings(self) -> tuple[Reason, ...]:
+        """The plan's warnings, then the run's own, each once."""
+        return once([*self.plan.warnings, *self.later])
 
-    def notices(self, step: Step) -> list[str]:
+    def warn(self, reason: Reason) -> None:
+        self.later.append(reason)
+
+    def notices(self, step: Step) -> list[KnownIssue]:
         """The known issues to show under one patch: none on revert, none that a patch
         applied by the end of this run fixes."""
         if self.command == REVERT:
             return []
         fixed = {s.assessment.patch.id for s in self.steps if s.state_after == "applied"}
-        return [n.line for n in step.assessment.notices if n.fixed_by not in fixed]
+        return [n for n in step.assessment.notices if n.fixed_by not in fixed]
 
 
 def state_of(tree: VllmTree, catalogue: Catalogue) -> State:
@@ -108,12 +133,9 @@ def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
     state = state_of(tree, catalogue)
     report = RunReport(STATUS, tree, plan(STATUS, tree, catalogue, state, DEFAULTS))
     if catalogue.interrupted_note:
-        report.plan.warn(catalogue.interrupted_note)
+        report.warn(catalogue.interrupted_note)
     if interrupted(tree.fs):
-        report.plan.warn(
-            "an earlier patchkit run was interrupted while writing; the next "
-            "`patchkit apply` or `patchkit revert` rolls it back"
-        )
+        report.warn(Reason.of(Code.INTERRUPTED_RUN))
     return report
 
 
@@ -134,14 +156,6 @@ def revert(
     return _run(REVERT, tree, catalogue, options, prepare)
 
 
-def _after_recovery(exc: OSError | PatchkitError, notes: list[str]) -> str:
-    """The error of a run that first rolled an interrupted run back: that roll-back
-    changed the tree and stands, so the line says so instead of "nothing was changed"."""
-    what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, "accessing")
-    what = what.replace("nothing was changed", "nothing else was changed")
-    return f"{what} (before that: {'; '.join(notes)}; that stands)"
-
-
 def _run(
     command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions, prepare
 ) -> RunReport:
@@ -150,16 +164,19 @@ def _run(
         state = state_of(tree, catalogue)
         report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
         if catalogue.interrupted_note:
-            report.plan.warn(catalogue.interrupted_note)
+            report.warn(catalogue.interrupted_note)
         if interrupted(tree.fs):
-            report.plan.warn("an interrupted run will be rolled back first by a real apply")
+            report.warn(Reason.of(Code.INTERRUPTED_RUN_DRY))
         return report
     if catalogue.interrupted_note:  # its diffs may be half one refresh's, half before it
-        raise PatchkitError(
-            f"{catalogue.interrupted_note}; {command} writes nothing into a tree from a "
-            "half-written catalogue: nothing was changed"
+        raise Refused(
+            Reason.of(
+                Code.REFUSED_HALF_WRITTEN_CATALOGUE,
+                journal=catalogue.interrupted_note,
+                command=command,
+            )
         )
-    notes: list[str] = []
+    notes: list[str] = []  # what rolling an interrupted run back did
     report = None
     try:
         with _locked(tree, catalogue, notes) as state:
@@ -174,10 +191,11 @@ def _run(
     except (OSError, PatchkitError) as exc:  # after the commit: tidying .patchkit/, unlocking
         if report is None or not report.wrote:
             if notes:  # the roll-back of an interrupted run stands: the error must say so
-                raise PatchkitError(_after_recovery(exc, notes)) from None
+                raise after_recovery(exc, notes, "accessing") from None
             raise
-        report.plan.warn(_after_commit(exc, "tidying up"))
-    report.notes[:0] = notes + report.plan.notes
+        report.warn(_after_commit(exc, "tidying up"))
+    rolled_back = [Reason.of(Code.ROLLED_BACK, what=line) for line in notes]
+    report.notes[:0] = [*rolled_back, *report.plan.notes]
     if options.clear_caches:
         _clear_caches(report)
     return report
@@ -188,11 +206,13 @@ def _clear_caches(report: RunReport) -> None:
     try:
         report.caches_removed = compiled.clear_caches(report.tree.root)
     except (OSError, PatchkitError) as exc:  # e.g. the working directory was deleted
-        report.plan.warn(f"the caches were left alone: {_reason(exc, 'the caches')}")
+        report.warn(Reason.of(Code.CACHES_LEFT_ALONE, why=_reason(exc, "the caches")))
 
 
-def _after_commit(exc: Exception, doing: str) -> str:
-    return f"the tree was changed as reported, but {doing} failed: {_reason(exc)}"
+def _after_commit(exc: Exception, doing: str, patch: str | None = None) -> Reason:
+    """A failure after the tree changed: ``doing`` is "tidying up" or "removing the backups"
+    (of ``patch``)."""
+    return Reason.of(Code.AFTER_COMMIT, doing=doing, patch=patch, why=_reason(exc))
 
 
 def _reason(exc: Exception, where: str = "the tree") -> str:
@@ -204,29 +224,27 @@ def _reason(exc: Exception, where: str = "the tree") -> str:
 def _execute(report: RunReport, state: State) -> None:
     """Commit the plan's writes and state entries in one transaction, then remove stale bytecode."""
     planned = report.plan
-    for patch_id in planned.drop:
-        state.patches.pop(patch_id, None)
     applied = planned.acting(Action.APPLIED)
     reverted = planned.acting(Action.REVERTED)
+    for patch_id in [*planned.drop, *(s.assessment.patch.id for s in reverted)]:
+        state.patches.pop(patch_id, None)
     if not (applied or reverted or planned.drop):
         return
     backups = _record_applied(report.tree, state, applied)
     writes = planned.writes()
     commit(state, writes, backups)
     report.wrote = True
-    for patch_id in [s.assessment.patch.id for s in reverted] + planned.drop:
+    for patch_id in [*(s.assessment.patch.id for s in reverted), *planned.drop]:
         if patch_id not in state.patches:
             try:
                 state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
             except (OSError, PatchkitError) as exc:
-                planned.warn(_after_commit(exc, f"removing the backups of {patch_id}"))
-    planned.notes.extend(
-        f"dropped the stale record of {i} (vLLM was reinstalled since)" for i in planned.drop
-    )
+                report.warn(_after_commit(exc, "removing the backups", patch_id))
+    report.notes.extend(Reason.of(Code.DROPPED_STALE_RECORD, patch=i) for i in planned.drop)
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
     report.bytecode_removed = removed
     for line in problems:
-        planned.warn(line)
+        report.warn(Reason.of(Code.BYTECODE_LEFT, what=line))
 
 
 def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str, bytes]:
@@ -261,6 +279,6 @@ def _read_only(
     report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
     acting = [s for s in report.steps if s.action != Action.NONE]
     if interrupted(tree.fs) or acting or report.plan.drop:
-        raise PatchkitError(f"{exc}; nothing was changed") from None
-    report.notes.append("the tree is not writable, and nothing needed writing")
+        raise Refused(Reason.of(Code.REFUSED_READ_ONLY, cause=str(exc))) from None
+    report.notes.append(Reason.of(Code.NOT_WRITABLE))
     return report

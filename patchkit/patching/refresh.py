@@ -34,9 +34,10 @@ from patchkit import signals
 from patchkit.catalogue import journal
 from patchkit.catalogue.load import installed_catalogue
 from patchkit.catalogue.model import Catalogue, Patch, Variant, variant_files, variant_sha256
+from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import apply_file_patch
 from patchkit.diffs.unified import unified_diff
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.errors import PatchkitError, Refused, os_error_line
 from patchkit.fs.safepath import Root
 from patchkit.identity import sha256_bytes
 from patchkit.patching.assess import TreeFiles
@@ -52,7 +53,7 @@ from patchkit.patching.state import (
     load_state,
     sweep,
 )
-from patchkit.patching.transaction import TreeLock, commit_or_undo, recover
+from patchkit.patching.transaction import TreeLock, after_recovery, commit_or_undo, recover
 from patchkit.vllmtree.tree import VllmTree
 
 
@@ -129,11 +130,7 @@ def refresh(
             if not recovered or isinstance(exc, InterruptedAfterRefresh):
                 raise
             # the roll-back of an interrupted run stands: the error says so
-            what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, "reading")
-            what = what.replace("nothing was changed", "nothing else was changed")
-            raise PatchkitError(
-                f"{what} (before that: {'; '.join(recovered)}; that stands)"
-            ) from None
+            raise after_recovery(exc, recovered, "reading") from None
     plan.report.recovered = recovered
     return plan.report
 
@@ -402,10 +399,8 @@ def _write(tree: VllmTree, root: Root, plan: _Plan) -> None:
         except BaseException as exc:
             write.undo()
             if isinstance(exc, OSError):
-                raise PatchkitError(
-                    f"{os_error_line(exc, 'writing')}; nothing was changed (refresh put the "
-                    "catalogue and the tree's record back as they were)"
-                ) from None
+                why = os_error_line(exc, "writing")
+                raise Refused(Reason.of(Code.REFRESH_NOT_WRITTEN, cause=why)) from None
             raise
         late = _finish(tree, write)
     if late is not None:

@@ -31,7 +31,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
@@ -110,7 +111,7 @@ class TreeLock:
             line = os_error_line(exc, "creating the lock")
             if exc.errno in _UNWRITABLE:
                 raise LockUnavailable(line) from None
-            raise PatchkitError(f"{line}; nothing was changed") from None
+            raise Refused(Reason.of(Code.LOCK_NOT_CREATED, cause=line)) from None
 
     def __enter__(self) -> TreeLock:
         """Create and lock; signals are held while anything is made, not while waiting."""
@@ -257,10 +258,7 @@ def _expect(fs: Root, change: FileChange) -> None:
     """The file must still be what the run assessed; someone else may have written it since."""
     current = fs.read(change.path, "apply")
     if file_sha256(current) != file_sha256(change.before):
-        raise PatchkitError(
-            f"{fs.full(change.path)} changed while patchkit was running; nothing was changed "
-            "(run the command again)"
-        )
+        raise Refused(Reason.of(Code.CHANGED_WHILE_RUNNING, path=str(fs.full(change.path))))
 
 
 def _store(fs: Root, relpath: str, data: bytes, stored: list[str]) -> None:
@@ -406,3 +404,15 @@ def recover(fs: Root, file_kinds) -> list[str]:
     return [f"rolled back an interrupted run: restored {p}" for p in restored] or [
         "an interrupted run had changed nothing; removed its journal"
     ]
+
+
+def after_recovery(exc: OSError | PatchkitError, done: list[str], doing: str) -> Refused:
+    """The error of a run that first rolled an interrupted run back (``done``, what that
+    did): the roll-back changed the tree and stands, so the words say so ("nothing else
+    was changed"). ``doing`` names what an OSError interrupted ("accessing", "reading")."""
+    if isinstance(exc, Refused):
+        cause = exc.reason
+    else:
+        what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, doing)
+        cause = Reason.of(Code.ERROR, text=what)
+    return Refused(Reason.of(Code.REFUSED_AFTER_RECOVERY, cause=cause, done=done))
