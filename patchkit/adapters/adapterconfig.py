@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.adapters.directory import Directory, without_path
+from patchkit.adapters.directory import Directory, about
 from patchkit.adapters.names import ADAPTER_CONFIG
 from patchkit.adapters.patterns import Matcher, compile_peft_key
 from patchkit.adapters.safetensorsfile import shown
@@ -139,7 +139,7 @@ def read(folder: Directory) -> AdapterConfig:
     try:
         values = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
     except PatchkitError as exc:
-        config.problems.append(Problem("", without_path(str(exc), config.path)))
+        config.problems.append(Problem("", about(exc, config.path)))
         return config
     _judge(values, config)
     return config

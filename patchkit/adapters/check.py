@@ -31,7 +31,7 @@ from pathlib import Path
 
 from patchkit.adapters import adapterconfig, nonfinite, targetcheck
 from patchkit.adapters.adapterconfig import AdapterConfig
-from patchkit.adapters.directory import Directory, without_path
+from patchkit.adapters.directory import Directory, about
 from patchkit.adapters.modelshapes import EXPERT_PARAMS, ModelShapes, architecture, model_shapes
 from patchkit.adapters.names import (
     ADAPTER_CONFIG,
@@ -190,7 +190,7 @@ def _open_weights(folder: Directory, report: Report) -> SafetensorsFile | None:
     try:
         return SafetensorsFile(path, opener=lambda: folder.open(ADAPTER_SAFETENSORS))
     except PatchkitError as exc:
-        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", without_path(str(exc), path))
+        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", about(exc, path))
         return None
 
 
@@ -213,7 +213,7 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
             try:
                 bad = nonfinite.scan(st, info)
             except PatchkitError as exc:  # cut short since its header was read
-                report.add(Kind.FILE, file, key, without_path(str(exc), st.path))
+                report.add(Kind.FILE, file, key, about(exc, st.path))
                 return
             report.bytes_scanned += info.nbytes
             if bad is not None:

@@ -21,7 +21,7 @@ import stat
 from pathlib import Path
 
 from patchkit.adapters.safetensorsfile import shown
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.errors import FileProblem, PatchkitError, os_error_line
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
 
@@ -77,11 +77,11 @@ class Directory:
         try:
             mode = os.stat(target, dir_fd=where, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
-                raise PatchkitError(f"{self.path / name}: {kind_of(mode)}, not a regular file")
+                raise FileProblem(self.path / name, f"{kind_of(mode)}, not a regular file")
             fd = os.open(target, flags, dir_fd=where)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # swapped for a link since _resolve looked
-                raise PatchkitError(f"{self.path / name}: became a link while read") from None
+                raise FileProblem(self.path / name, "became a link while read") from None
             raise PatchkitError(os_error_line(exc, "opening", path=self.path / name)) from None
         finally:
             if where != self.fd:
@@ -89,7 +89,7 @@ class Directory:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise PatchkitError(f"{self.path / name}: {kind_of(mode)}, not a regular file")
+            raise FileProblem(self.path / name, f"{kind_of(mode)}, not a regular file")
         return os.fdopen(fd, "rb")
 
     def _resolve(self, name: str) -> tuple[int, str]:
@@ -110,20 +110,21 @@ class Directory:
             if blobs is not None:
                 return blobs, blob.group(1)
         if "/" in link or link in (".", ".."):
-            raise PatchkitError(
-                f"{self.path / name}: a link to {shown(link)}, out of the directory; refused "
-                "(copy the file in, or point patchkit at the directory that holds it)"
+            raise FileProblem(
+                self.path / name,
+                f"a link to {shown(link)}, out of the directory; refused "
+                "(copy the file in, or point patchkit at the directory that holds it)",
             )
         try:
             info = os.stat(link, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:  # a dangling link is the file's problem, not a crash
-            raise PatchkitError(
-                f"{self.path / name}: a link to {shown(link)}, which is not there"
+            raise FileProblem(
+                self.path / name, f"a link to {shown(link)}, which is not there"
             ) from None
         except OSError as exc:
             raise PatchkitError(os_error_line(exc, "reading", path=self.path / link)) from None
         if stat.S_ISLNK(info.st_mode):
-            raise PatchkitError(f"{self.path / name}: a link to a link ({shown(link)}); refused")
+            raise FileProblem(self.path / name, f"a link to a link ({shown(link)}); refused")
         return self.fd, link
 
     def _snapshot_blobs(self) -> int | None:
@@ -159,9 +160,8 @@ class Directory:
                 raw = f.read(limit + 1)
                 size = len(raw)  # it may have grown since the fstat
         if size > limit:
-            raise PatchkitError(
-                f"{self.path / name}: {size} bytes, larger than the {limit} bytes allowed; "
-                f"not {what}"
+            raise FileProblem(
+                self.path / name, f"{size} bytes, larger than the {limit} bytes allowed; not {what}"
             )
         return raw
 
@@ -171,13 +171,15 @@ class Directory:
         try:
             data = decode_user_json(raw, CONFIG_BYTES)
         except ValueError as exc:
-            raise PatchkitError(f"{self.path / name}: not JSON patchkit reads: {exc}") from None
+            raise FileProblem(self.path / name, f"not JSON patchkit reads: {exc}") from None
         if not isinstance(data, dict):
-            raise PatchkitError(f"{self.path / name}: not a JSON object ({what} expected)")
+            raise FileProblem(self.path / name, f"not a JSON object ({what} expected)")
         return data
 
 
-def without_path(message: str, path: Path) -> str:
-    """A PatchkitError's text without the path it starts with (a finding names the file)."""
-    prefix = f"{path}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
+def about(exc: PatchkitError, path: Path) -> str:
+    """What a failure says about the file at ``path``: its detail alone when it is a
+    :class:`FileProblem` of that file (a finding names the file already), else all of it."""
+    if isinstance(exc, FileProblem) and str(exc.path) == str(path):
+        return exc.detail
+    return str(exc)

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.errors import FileProblem, PatchkitError, os_error_line
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
 
@@ -150,14 +150,13 @@ class SafetensorsFile:
                 self.size, self._identity = info.st_size, (info.st_dev, info.st_ino)
                 head = f.read(8)
                 if len(head) < 8:
-                    raise PatchkitError(
-                        f"{self.path}: not a safetensors file (shorter than 8 bytes)"
-                    )
+                    raise FileProblem(self.path, "not a safetensors file (shorter than 8 bytes)")
                 (length,) = struct.unpack("<Q", head)
                 if length > MANIFEST_BYTES or 8 + length > self.size:
-                    raise PatchkitError(
-                        f"{self.path}: not a safetensors file patchkit reads (header length "
-                        f"{length} in a file of {self.size} bytes; at most {MANIFEST_BYTES})"
+                    raise FileProblem(
+                        self.path,
+                        f"not a safetensors file patchkit reads (header length "
+                        f"{length} in a file of {self.size} bytes; at most {MANIFEST_BYTES})",
                     )
                 raw = f.read(length)
         except OSError as exc:
@@ -165,22 +164,23 @@ class SafetensorsFile:
         try:
             header = decode_user_json(raw, MANIFEST_BYTES)
         except ValueError as exc:
-            raise PatchkitError(f"{self.path}: safetensors header unusable: {exc}") from None
+            raise FileProblem(self.path, f"safetensors header unusable: {exc}") from None
         if not isinstance(header, dict):
-            raise PatchkitError(f"{self.path}: safetensors header is not a JSON object")
+            raise FileProblem(self.path, "safetensors header is not a JSON object")
         self.header_bytes = head + raw
         self.data_start = 8 + length
         self.metadata = header.pop("__metadata__", None) or {}
         if not isinstance(self.metadata, dict):
-            raise PatchkitError(f"{self.path}: safetensors __metadata__ is not a JSON object")
+            raise FileProblem(self.path, "safetensors __metadata__ is not a JSON object")
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             info = self._tensor_info(name, entry)
             size = _DTYPE_SIZES.get(info.dtype)
             if size is not None and info.numel * size != info.nbytes:
-                raise PatchkitError(
-                    f"{self.path}: {shown(name)} is {info.dtype} {dims(info.shape)} but "
-                    f"holds {info.nbytes} bytes"
+                raise FileProblem(
+                    self.path,
+                    f"{shown(name)} is {info.dtype} {dims(info.shape)} but "
+                    f"holds {info.nbytes} bytes",
                 )
             self.tensors[name] = info
         self._refuse_overlaps()
@@ -193,9 +193,10 @@ class SafetensorsFile:
         ranges = sorted((t.begin, t.end, n) for n, t in self.tensors.items() if t.end > t.begin)
         for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:], strict=False):
             if begin < end:
-                raise PatchkitError(
-                    f"{self.path}: {shown(second)} overlaps {shown(first)} (bytes from "
-                    f"{begin - self.data_start}); safetensors tensors never share bytes"
+                raise FileProblem(
+                    self.path,
+                    f"{shown(second)} overlaps {shown(first)} (bytes from "
+                    f"{begin - self.data_start}); safetensors tensors never share bytes",
                 )
 
     def _tensor_info(self, name: str, entry: object) -> TensorInfo:
@@ -209,16 +210,18 @@ class SafetensorsFile:
             and _counts(offsets)
             and len(offsets) == 2
         ):
-            raise PatchkitError(
-                f"{self.path}: header entry {shown(name)} is not "
-                "{dtype: name, shape: [counts], data_offsets: [begin, end]}"
+            raise FileProblem(
+                self.path,
+                f"header entry {shown(name)} is not "
+                "{dtype: name, shape: [counts], data_offsets: [begin, end]}",
             )
         begin, end = offsets
         info = TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
         if begin > end or info.end > self.size:
-            raise PatchkitError(
-                f"{self.path}: {shown(name)} lies outside the file (bytes {begin}..{end} of "
-                f"{self.size - self.data_start})"
+            raise FileProblem(
+                self.path,
+                f"{shown(name)} lies outside the file (bytes {begin}..{end} of "
+                f"{self.size - self.data_start})",
             )
         return info
 
@@ -229,7 +232,7 @@ class SafetensorsFile:
             info = os.fstat(handle.fileno())
             if (info.st_dev, info.st_ino) != self._identity:
                 handle.close()
-                raise PatchkitError(f"{self.path}: replaced since its header was read")
+                raise FileProblem(self.path, "replaced since its header was read")
             self._handle = handle
         return self._handle
 
@@ -257,7 +260,7 @@ class SafetensorsFile:
         while got < len(buf):
             n = f.readinto(buf[got:])
             if not n:
-                raise PatchkitError(f"{self.path}: truncated at byte {begin + got}")
+                raise FileProblem(self.path, f"truncated at byte {begin + got}")
             got += n
 
     def read_rows(self, name: str, row0: int, nrows: int):
@@ -300,7 +303,7 @@ def _open_regular(path: Path):
         if stat.S_ISREG(mode):
             return os.fdopen(fd, "rb")
         os.close(fd)
-    raise PatchkitError(f"{path}: {kind_of(mode)}, not a regular file")
+    raise FileProblem(path, f"{kind_of(mode)}, not a regular file")
 
 
 def _counts(value: object) -> bool:
