@@ -54,5 +54,5 @@ class Verdict(Word):
 
     EXPOSED = "exposed"
     PROTECTED = "protected"
-    NOT_AFFECTED = "not affected"
+    NOT_AFFECTED = "not-affected"
     UNKNOWN = "unknown"

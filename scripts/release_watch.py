@@ -28,6 +28,7 @@ wheel, or a fetched tree is not pristine; 2 for a bad option; 3 for a bug
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -42,6 +43,7 @@ from packaging.version import Version  # noqa: E402
 from patchkit import signals  # noqa: E402
 from patchkit.catalogue.load import load_catalogue  # noqa: E402
 from patchkit.cli import exits, render  # noqa: E402
+from patchkit.cli.commands import patching  # noqa: E402
 from patchkit.errors import PatchkitError, os_error_line  # noqa: E402
 from patchkit.patching import operations  # noqa: E402
 from patchkit.releases.fetch import fetch  # noqa: E402
@@ -95,7 +97,7 @@ def assess(version: Version, catalogue, progress: bool) -> dict:
             f"release's own files; `patchkit revert --target {path}` undoes them"
         )
     report = operations.status(locate(str(path)), catalogue)
-    status = render.run_json(report)
+    status = render.document("status", patching.run_json(report))
     return {
         "version": str(version),
         "tree": str(path),
@@ -132,14 +134,15 @@ def print_block(block: dict) -> None:
     width = max((len(p["id"]) for p in patches), default=0)
     column = max([15, *(len(p["state"]) for p in patches)])
     for p in patches:
-        detail = p["reason"] or (f"variant {p['variant']}" if p["variant"] else "")
+        reason = p["reason"]["message"] if p["reason"] else ""
+        detail = reason or (f"variant {p['variant']}" if p["variant"] else "")
         for line in render.wrap(f"  {p['id']:<{width}}  {p['state']:<{column}}  ", detail):
             render.out(render.printable(line))
         for notice in p["notices"]:
-            for line in render.wrap("      known issue: ", notice, render.INDENT):
+            for line in render.wrap("      known issue: ", notice["message"], render.INDENT):
                 render.out(render.printable(line))
     for warning in status["warnings"]:
-        for line in render.wrap("  warning: ", warning, 4):
+        for line in render.wrap("  warning: ", warning["message"], 4):
             render.out(render.printable(line))
     render.out(f"  {block['version']}: {states_line(block['states'])}")
 
@@ -154,7 +157,7 @@ def watch(pre: bool, as_json: bool) -> None:
     blocks = [assess(version, catalogue, progress) for version in newer]
     line = summary(blocks, newest_tested, newest_on_index)
     if as_json:
-        render.emit_json(
+        emit(
             {
                 "ok": True,
                 "index": where(settings),
@@ -174,12 +177,18 @@ def watch(pre: bool, as_json: bool) -> None:
             render.out(render.printable(text))
 
 
+def emit(data: dict) -> None:
+    """This script's JSON (its own shape, for a cron job; each release's ``status`` is
+    `patchkit status --json`'s body, docs/json.md)."""
+    render.out_lines(json.dumps(data, indent=2))
+
+
 def fail(message: str, code: int, as_json: bool) -> None:
     message = render.printable(" ".join(message.split()))
     with signals.swallowed():
         if as_json:
             try:
-                render.emit_json({"ok": False, "error": message, "exit_code": code})
+                emit({"ok": False, "error": message, "exit_code": code})
             except render.ReportLost:
                 pass
         render.warn(f"{NAME}: error: {message}")

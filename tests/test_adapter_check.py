@@ -772,7 +772,7 @@ def test_no_control_character_from_the_files_reaches_the_terminal(tmp_path, dens
     data = json.loads(
         run_cli("adapter", "check", str(adapter), "--model", str(dense), "--json").stdout
     )
-    assert "Evil\r\x1b[2K" in data["skipped"][0]  # JSON escapes; the value is kept
+    assert "Evil\r\x1b[2K" in data["skipped"][0]["message"]  # JSON escapes; the value is kept
 
 
 # ----- hostile values: one finding or line each, never exit 3 -----

@@ -226,7 +226,7 @@ def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, t
     assert run_cli(*command[1:], env=env).exit_code == 0
     assert snapshot(tree_0260) == before  # nothing reverted, nothing re-applied
     assert list((tmp_path / "triton").iterdir()) == []
-    assert stale_verdict(doctor_json(tree_0260, env))["status"] == "not affected"
+    assert stale_verdict(doctor_json(tree_0260, env))["status"] == "not-affected"
 
 
 @pytest.mark.slow
@@ -257,7 +257,7 @@ PARTIAL = "partial-gdn-adapter"
 def notices(root: Path) -> list[str]:
     result = run_cli("status", "--target", str(root), "--json")
     patches = json.loads(result.stdout)["patches"]
-    return next(p for p in patches if p["id"] == PARTIAL)["notices"]
+    return [n["message"] for n in next(p for p in patches if p["id"] == PARTIAL)["notices"]]
 
 
 def test_a_needed_fix_is_offered_and_0_29_is_not_said_to_fix_it(slim_tree_0260: Path):
@@ -347,7 +347,7 @@ def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     plain = {k: env[k] for k in caches_env(tmp_path)}
     report = doctor_json(tree, plain)
     assert report["old_caches"] == []
-    assert stale_verdict(report)["status"] == "not affected"
+    assert stale_verdict(report)["status"] == "not-affected"
 
     old_triton_entry(tmp_path / "triton")  # not the scan's
     hour_ago = time.time() - 3600
@@ -432,7 +432,7 @@ def edited_after_apply(root: Path, env: dict) -> str:
         handle.write(f"{EDIT}\n")
     result = run_cli("status", "--target", str(root), "--json", env=env)
     patches = json.loads(result.stdout)["patches"]
-    return next(p for p in patches if p["id"] == "expand-block-n")["reason"]
+    return next(p for p in patches if p["id"] == "expand-block-n")["reason"]["message"]
 
 
 def run_suggested(reason: str, name: str, env: dict):

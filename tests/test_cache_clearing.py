@@ -39,7 +39,10 @@ def test_an_empty_cache_variable_never_deletes_the_working_directory(tmp_path, v
     assert (tree / UTILS).is_file() and (tree / ".patchkit" / "state.json").is_file()
     caches = json.loads(result.stdout)["caches_removed"]
     if variable == "VLLM_CACHE_ROOT":  # '' is relative: refused, with the reason
-        assert caches[0]["removed"] is False and "not an absolute path" in caches[0]["reason"]
+        assert (
+            caches[0]["removed"] is False
+            and "not an absolute path" in caches[0]["reason"]["message"]
+        )
 
 
 @pytest.mark.slow
@@ -111,7 +114,7 @@ def test_clear_caches_never_crosses_a_bind_mount(tmp_path, slim_tree_0260, bind_
     home = tmp_path / "home"
     home.mkdir()
     triton = clear(slim_tree_0260, home, TRITON_CACHE_DIR=str(cache))["Triton"]
-    assert triton["removed"] is False and "mount point" in triton["reason"], triton
+    assert triton["removed"] is False and "mount point" in triton["reason"]["message"], triton
     assert (victim / "thesis.tex").read_text() == "years of work\n"
     assert (cache / ("B" * 52)).is_dir()  # refused as a whole: nothing was removed
 
@@ -135,7 +138,9 @@ def test_cache_links_above_the_last_component_are_not_followed(tmp_path, slim_tr
         VLLM_CACHE_ROOT=str(tmp_path / "vllm-link"),
     )
     for name in ("Triton", "vLLM"):
-        assert found[name]["removed"] is False and "symbolic link" in found[name]["reason"]
+        assert (
+            found[name]["removed"] is False and "symbolic link" in found[name]["reason"]["message"]
+        )
     assert kernel.read_bytes() == b"k" and (vllm_real / "graph").read_bytes() == b"g"
 
 
@@ -169,8 +174,8 @@ def test_an_over_long_cache_name_names_the_variable(tmp_path, slim_tree_0260):
     home.mkdir()
     found = clear(slim_tree_0260, home, TRITON_CACHE_DIR=str(tmp_path / ("x" * 300)))
     assert found["Triton"]["removed"] is False
-    assert "TRITON_CACHE_DIR" in found["Triton"]["reason"]
-    assert "--target" not in found["Triton"]["reason"]
+    assert "TRITON_CACHE_DIR" in found["Triton"]["reason"]["message"]
+    assert "--target" not in found["Triton"]["reason"]["message"]
     assert (
         json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)["patches"][
             0

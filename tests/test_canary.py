@@ -537,7 +537,8 @@ def test_unreachable_server_json():
     result = canary_cli(f"http://127.0.0.1:{closed_port()}", "--json")
     data = json.loads(result.stdout)
     assert result.exit_code == 1
-    assert data["ok"] is False and data["exit_code"] == 1 and "cannot reach" in data["error"]
+    assert data["ok"] is False and data["exit_code"] == 1
+    assert "cannot reach" in data["error"]["message"]
 
 
 @pytest.mark.slow

@@ -76,16 +76,16 @@ def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopp
     report = doctor(tree_0260)
     assert {p["id"]: p["state"] for p in report["patches"]}["matmul-add-lora-linear"] == "applied"
     assert verdict(report, NAN_BUG)["status"] == "protected"
-    assert "torch matmuls" in verdict(report, NAN_BUG)["reason"]
+    assert "torch matmuls" in verdict(report, NAN_BUG)["reason"]["message"]
     # With the Triton backend chosen, expand-block-n is what protects it.
     triton = verdict(doctor(tree_0260, PATCHKIT_LORA_BACKEND="triton"), NAN_BUG)
-    assert triton["status"] == "protected" and "block_n 32" in triton["reason"]
+    assert triton["status"] == "protected" and "block_n 32" in triton["reason"]["message"]
     # Batch invariance keeps vLLM's Triton kernels too (any value but empty or 0).
     for value in ("1", "true"):
         invariant = verdict(doctor(tree_0260, VLLM_BATCH_INVARIANT=value), NAN_BUG)
-        assert invariant["status"] == "protected" and "block_n 32" in invariant["reason"]
+        assert invariant["status"] == "protected" and "block_n 32" in invariant["reason"]["message"]
     torch_path = verdict(doctor(tree_0260, VLLM_BATCH_INVARIANT="0"), NAN_BUG)
-    assert "torch matmuls" in torch_path["reason"]
+    assert "torch matmuls" in torch_path["reason"]["message"]
 
 
 @pytest.mark.slow
@@ -96,7 +96,7 @@ def test_a_setting_that_turns_the_only_fix_off_is_named(tree_0260: Path, hopper:
     for env, value in (("VLLM_BATCH_INVARIANT", "1"), ("PATCHKIT_LORA_BACKEND", "triton")):
         off = verdict(doctor(tree_0260, **{env: value}), NAN_BUG)
         assert off["status"] == "exposed", off
-        assert f"matmul-add-lora-linear is off ({env}={value})" in off["reason"]
+        assert f"matmul-add-lora-linear is off ({env}={value})" in off["reason"]["message"]
 
 
 @pytest.mark.slow
@@ -119,12 +119,12 @@ def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hop
 @pytest.mark.slow
 def test_other_gpus_and_new_ptxas_are_not_affected(tree_0260: Path, hopper: Path):
     executable(hopper / "bin" / "nvidia-smi", "NVIDIA A100-SXM4-80GB, 8.0")
-    assert verdict(doctor(tree_0260), NAN_BUG)["status"] == "not affected"
+    assert verdict(doctor(tree_0260), NAN_BUG)["status"] == "not-affected"
     executable(hopper / "bin" / "nvidia-smi", "NVIDIA H200, 9.0")
     executable(hopper / "ptxas", "Cuda compilation tools, release 13.3, V13.3.51")
     report = doctor(tree_0260)
     assert report["triton"]["ptxas_version"] == "13.3.51"
-    assert verdict(report, NAN_BUG)["status"] == "not affected"
+    assert verdict(report, NAN_BUG)["status"] == "not-affected"
 
 
 @pytest.mark.slow
@@ -162,13 +162,15 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     old = copy_tree("0.17.0", tmp_path / "v17")
     report = doctor(old)
     assert verdict(report, "vLLM #35286")["status"] == "exposed"
-    assert verdict(report, PARTIAL_BUG)["status"] == "not affected"
+    assert verdict(report, PARTIAL_BUG)["status"] == "not-affected"
     new = copy_tree("0.29.0", tmp_path / "v29")
     partial = verdict(doctor(new), PARTIAL_BUG)
     assert partial["status"] == "exposed" and partial["fix"] == f"patchkit apply --target {new}"
     assert run_cli("apply", "--target", str(new), "--only", "partial-gdn-adapter").exit_code == 0
     partial = verdict(doctor(new), PARTIAL_BUG)
-    assert partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]
+    assert (
+        partial["status"] == "protected" and "partial-gdn-adapter" in partial["reason"]["message"]
+    )
 
 
 @pytest.mark.slow
@@ -186,7 +188,7 @@ def test_the_one_expert_parameter_adapter_bug_is_named_until_the_patch_is_applie
     assert f"[exposed] {MOE_BUG}: adapter on only the experts' down_proj" in text
     assert run_cli("apply", "--target", str(root), "--only", "partial-moe-adapter").exit_code == 0
     moe = verdict(doctor(root), MOE_BUG)
-    assert moe["status"] == "protected" and "(partial-moe-adapter)" in moe["reason"]
+    assert moe["status"] == "protected" and "(partial-moe-adapter)" in moe["reason"]["message"]
 
 
 def test_doctor_without_vllm_still_reports_and_imports_nothing(tmp_path: Path):
@@ -227,12 +229,12 @@ def scan_case(verdict: str, called: bool = True, tuned: str = ""):
             "protected",
             "no overwrite",
         ),
-        ([scan_case("clean")], "13.3.33", {}, "not affected", "from 13.3 on"),
+        ([scan_case("clean")], "13.3.33", {}, "not-affected", "from 13.3 on"),
         (
             [scan_case("clean"), scan_case("hazard", called=False)],
             "12.8.93",
             {},
-            "not affected",
+            "not-affected",
             "not run here",
         ),
         (

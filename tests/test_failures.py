@@ -145,11 +145,12 @@ def test_a_run_that_fails_after_rolling_back_says_the_roll_back_stands(
     """A roll-back changes the tree: a later refusal must not say nothing was changed."""
     env = {"PATCHKIT_PATCHES_DIR": str(two_file_catalogue)}
     run_subprocess("apply", "--target", str(slim_tree_0260), env=env, code=CRASH_ON_SECOND_WRITE)
-    refuse = (
+    refuse = (  # the commit finds a file changed since it was assessed: a refusal
         "import patchkit.patching.operations as o\n"
-        "from patchkit.errors import PatchkitError\n"
+        "from patchkit.codes import Code, Reason\n"
+        "from patchkit.errors import Refused\n"
         "def _refuse(*a, **k):\n"
-        "    raise PatchkitError('x: refused; nothing was changed')\n"
+        "    raise Refused(Reason.of(Code.CHANGED_WHILE_RUNNING, path='x'))\n"
         "o._execute = _refuse\n"
     )
     result = run_subprocess("apply", "--target", str(slim_tree_0260), env=env, code=refuse)
@@ -284,7 +285,7 @@ def test_unknown_version_with_matching_content_works_and_warns(slim_tree_0260: P
     report = json.loads(result.stdout)
     assert report["vllm"]["version"] == "0.30.1rc1.dev630+g18f8f9602"
     assert report["patches"][0]["action"] == "applied"
-    assert any("not a tested release" in w for w in report["warnings"])
+    assert any("not a tested release" in w["message"] for w in report["warnings"])
 
 
 def test_unknown_version_with_other_content_is_a_conflict(slim_tree_0260: Path):
@@ -296,7 +297,7 @@ def test_unknown_version_with_other_content_is_a_conflict(slim_tree_0260: Path):
     before = snapshot(slim_tree_0260)
     status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "conflict"
-    assert "hunk #1" in status["patches"][0]["reason"]
+    assert "hunk #1" in status["patches"][0]["reason"]["message"]
     result = run_cli("apply", "--target", str(slim_tree_0260))
     assert result.exit_code == 1 and "conflict" in result.stderr
     assert snapshot(slim_tree_0260) == before
@@ -324,7 +325,7 @@ def test_revert_without_backup_reverse_applies(slim_tree_0260: Path):
     shutil.rmtree(slim_tree_0260 / ".patchkit")  # state and backups lost
     status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert status["patches"][0]["state"] == "applied"
-    assert "no record" in status["patches"][0]["reason"]
+    assert "no record" in status["patches"][0]["reason"]["message"]
     assert run_cli("revert", "--target", str(slim_tree_0260)).exit_code == 0
     assert snapshot(slim_tree_0260) == pristine
 
@@ -393,8 +394,8 @@ def test_a_partial_reinstall_is_a_conflict_and_revert_removes_the_rest(slim_tree
     (slim_tree_0260 / punica).write_bytes((release_tree("0.26.0") / punica).read_bytes())
     status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
-    assert matmul["state"] == "conflict" and "partly reinstalled" in matmul["reason"]
-    assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]
+    assert matmul["state"] == "conflict" and "partly reinstalled" in matmul["reason"]["message"]
+    assert "patchkit revert --only matmul-add-lora-linear" in matmul["reason"]["message"]
     assert run_cli("revert", "--target", str(slim_tree_0260)).exit_code == 0
     assert snapshot(slim_tree_0260) == pristine
 

@@ -44,7 +44,9 @@ def test_fetch_json_and_the_staging_of_a_dead_fetch_is_removed(tmp_path):
     (lookalike / "mine.txt").write_text("mine\n")
     result = run_cli("fetch", "0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
+    assert json.loads(result.stdout) == {
+        "format": 1, "command": "fetch", "ok": True, "path": str(tree)
+    }  # fmt: skip
     assert result.stderr == ""  # quiet in --json and without a terminal
     assert not stale.exists() and alive.is_dir()
     assert (lookalike / "mine.txt").read_text() == "mine\n"
@@ -157,7 +159,9 @@ def test_a_version_tagged_like_docker_is_the_same_release_and_the_same_tree(tmp_
     tree = copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")
     result = run_cli("fetch", "v0.26.0", "--json", env={"PATCHKIT_CACHE_DIR": str(cache)})
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"ok": True, "path": str(tree)}
+    assert json.loads(result.stdout) == {
+        "format": 1, "command": "fetch", "ok": True, "path": str(tree)
+    }  # fmt: skip
     assert sorted(p.name for p in (cache / "trees").iterdir()) == ["vllm-0.26.0"]
 
 

@@ -128,4 +128,6 @@ def test_bytecode_that_cannot_be_removed_is_a_warning_after_the_commit(slim_tree
     data = json.loads(result.stdout)
     assert data["ok"] is True
     assert {p["action"] for p in data["patches"]} >= {"applied"}
-    assert any("utils.cpython-312.pyc could not be removed" in w for w in data["warnings"])
+    assert any(
+        "utils.cpython-312.pyc could not be removed" in w["message"] for w in data["warnings"]
+    )

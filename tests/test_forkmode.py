@@ -62,7 +62,7 @@ def test_status_apply_status_revert_on_a_fork(checkout: Path):
     from_git = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
     block_n_commit = git(checkout, "rev-parse", "HEAD~3")
     assert from_git["patches"][0]["state"] == "applied"
-    assert from_git["patches"][0]["reason"] == (
+    assert from_git["patches"][0]["reason"]["message"] == (
         f"applied in commit {block_n_commit[:12]} (git history)"
     )
 

@@ -117,7 +117,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert all(c["register_a"] > 0 and len(c["hazards"]) >= 6 for c in hazards)
     assert all(h["instruction"] and h["address"].startswith("0x") for h in hazards[0]["hazards"])
     verdict = nan_verdict(before)
-    assert verdict["status"] == "exposed" and "kernel scan" in verdict["reason"]
+    assert verdict["status"] == "exposed" and "kernel scan" in verdict["reason"]["message"]
     assert verdict["fix"] == f"patchkit apply --target {tree}"
 
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
@@ -125,7 +125,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert {c["config"]["BLOCK_N"] for c in single_slice_fp32_expand(after)} == {32}
     assert [c["label"] for c in after["kernels"]["cases"] if c["verdict"] == "hazard"] == []
     assert nan_verdict(after)["status"] == "protected"
-    assert "no overwrite" in nan_verdict(after)["reason"]
+    assert "no overwrite" in nan_verdict(after)["reason"]["message"]
 
 
 @pytest.mark.network
@@ -135,7 +135,7 @@ def test_0330_ships_one_stage_and_is_clean():
     assert {c["config"]["num_stages"] for c in expand} == {1}
     assert {c["verdict"] for c in expand} == {"clean"}
     assert not [c for c in report["kernels"]["cases"] if c["verdict"] == "hazard"]
-    assert nan_verdict(report)["status"] == "not affected"
+    assert nan_verdict(report)["status"] == "not-affected"
     reduce = cases(report, "_lora_shrink_reduce_kernel")
     assert reduce and not any(c["called"] for c in reduce)  # batch-invariant mode only
     assert "VLLM_BATCH_INVARIANT" in reduce[0]["why_not_called"]
@@ -154,7 +154,7 @@ def test_the_torch_path_replaces_the_dense_kernels_only(tmp_path):
     assert "torch matmuls" in dense[0]["why_not_called"]
     assert any(c["called"] for c in report["kernels"]["cases"] if c["family"] == "moe")
     verdict = nan_verdict(report)
-    assert verdict["status"] == "protected" and "torch matmuls" in verdict["reason"]
+    assert verdict["status"] == "protected" and "torch matmuls" in verdict["reason"]["message"]
     gemv = [c for c in report["kernels"]["cases"] if c["family"] == "gemv"]
     assert {c["kernel"] for c in gemv} == GEMV  # the torch path's own kernels: no wgmma
     assert {c["verdict"] for c in gemv} == {"no-register-operand"}
@@ -204,14 +204,14 @@ import json, sys
 from pathlib import Path
 from patchkit.doctor import configs
 from patchkit.doctor import kernelscan
-from patchkit.cli import render
+from patchkit.cli.commands.doctor import scan_json
 from patchkit.vllmtree.tree import locate
 tree, wanted = locate(sys.argv[1]), sys.argv[2].split("|")
 models = configs.DEFAULT_MODELS
 if len(sys.argv) > 3:
     models = [configs.model_from_dir(Path(sys.argv[3]), [Path(a) for a in sys.argv[4:]])]
 report = kernelscan.scan(tree, models=models, select=lambda c: any(w in c.label() for w in wanted))
-print(json.dumps(render.scan_json(report)))
+print(json.dumps(scan_json(report)))
 """
 
 
@@ -338,9 +338,9 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
     report = doctor_kernels(tree)
     assert report["triton_next_to_vllm"]["version"] == "3.6.0"
     verdict = nan_verdict(report)
-    assert "compiled with Triton 3.7.1" in verdict["reason"]
-    assert "vLLM here runs Triton 3.6.0" in verdict["reason"]
-    assert "-m patchkit doctor --kernels" in verdict["reason"]
+    assert "compiled with Triton 3.7.1" in verdict["reason"]["message"]
+    assert "vLLM here runs Triton 3.6.0" in verdict["reason"]["message"]
+    assert "-m patchkit doctor --kernels" in verdict["reason"]["message"]
     fix = f"patchkit apply --target {tree}"
     assert verdict["status"] == "exposed" and verdict["fix"] == fix  # by the rules
     text = doctor(tree).stdout
@@ -348,7 +348,10 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
 
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.7.1\n")
     same = nan_verdict(doctor_kernels(tree))
-    assert "vLLM here runs" not in same["reason"] and "kernel scan:" in same["reason"]
+    assert (
+        "vLLM here runs" not in same["reason"]["message"]
+        and "kernel scan:" in same["reason"]["message"]
+    )
 
 
 @pytest.mark.network

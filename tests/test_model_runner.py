@@ -154,7 +154,7 @@ def test_status_names_a_probe_that_does_not_hook_the_runner_that_serves():
     data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: "1"}).stdout)
     runner = data["runner"]
     assert runner["environment"]["runner"] == "v2"
-    assert runner["warning"].startswith(
+    assert runner["warning"]["message"].startswith(
         "nan-probe is opt-in here but its hooks are in V1, and Model Runner V2 serves here"
     )
     text = " ".join(run_cli("status", "--target", tree, env={ENV: "1"}).stdout.split())

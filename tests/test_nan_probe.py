@@ -109,7 +109,7 @@ def test_revert_only_names_it_opt_in_as_status_does_when_it_is_not_applied(tmp_p
     report = json.loads(result.stdout)
     [entry] = [p for p in report["patches"] if p["id"] == "nan-probe"]
     assert (entry["state"], entry["state_before"]) == ("opt-in", "opt-in")
-    assert report["warnings"] == ["nan-probe is not applied (opt-in)"]
+    assert [w["message"] for w in report["warnings"]] == ["nan-probe is not applied (opt-in)"]
     text = run_cli("revert", "--target", str(root), "--only", "nan-probe")
     assert text.stdout.splitlines()[-1] == (
         "revert: nothing to do; now 4 needed, 1 not-applicable, 1 opt-in"
@@ -932,10 +932,12 @@ def test_a_tree_with_the_older_probe_is_told_so_and_apply_only_brings_the_curren
     report = json.loads(status.stdout)
     [entry] = [p for p in report["patches"] if p["id"] == "nan-probe"]
     assert entry["state"] == "applied"
-    assert entry["reason"] == (
+    assert entry["reason"]["message"] == (
         "applied from an older catalogue: `patchkit apply --only nan-probe` brings the current one"
     )
-    assert any("patchkit apply --only nan-probe` replaces it" in w for w in report["warnings"])
+    assert any(
+        "patchkit apply --only nan-probe` replaces it" in w["message"] for w in report["warnings"]
+    )
     text = run_cli("status", "--target", str(root))
     assert "applied from an older catalogue" in report_row(text.stdout, "nan-probe")
     assert "warning: nan-probe: the patch file changed since it was applied" in text.stderr

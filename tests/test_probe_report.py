@@ -182,8 +182,13 @@ def test_json_errors_carry_the_exit_code(tmp_path):
     result = run_cli("probe", "report", str(not_json), "--json")
     assert result.exit_code == 1
     assert json.loads(result.stdout) == {
+        "format": 1,
+        "command": "probe report",
         "ok": False,
-        "error": f"{not_json}:1: not JSON (JSONDecodeError): not a nan-probe log",
+        "error": {
+            "code": "error",
+            "message": f"{not_json}:1: not JSON (JSONDecodeError): not a nan-probe log",
+        },
         "exit_code": 1,
     }
 
@@ -435,7 +440,9 @@ def test_a_cut_last_line_is_skipped_with_one_warning_and_the_records_before_it_c
         assert warning.startswith(f"warning: {log}:210: the last line is cut short"), warning
         assert "the 209 lines before it are reported" in warning
     found = json.loads(result.stdout)
-    assert found["records"] == 208 and found["warnings"] == [warning.removeprefix("warning: ")]
+    assert found["records"] == 208 and [w["message"] for w in found["warnings"]] == [
+        warning.removeprefix("warning: ")
+    ]
     assert (only(found)["layer"], only(found)["module"]) == (1, "mlp.down_proj")
 
 

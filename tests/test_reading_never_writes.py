@@ -77,7 +77,9 @@ def test_list_show_status_and_doctor_read_and_say_so_and_write_nothing(tmp_path,
         one_warning(result, catalogue)
     status = run_cli("status", "--target", str(tree), "--json", env=env(catalogue))
     assert status.exit_code == 0, status.output
-    [warning] = [w for w in json.loads(status.stdout)["warnings"] if "refresh" in w]
+    [warning] = [
+        w["message"] for w in json.loads(status.stdout)["warnings"] if "refresh" in w["message"]
+    ]
     assert "`patchkit refresh --recover` finishes or undoes it" in warning
     assert snapshot(catalogue) == before and snapshot(tree) == tree_before
 
@@ -108,8 +110,8 @@ def test_refresh_recover_finishes_or_undoes_it_and_says_which(tmp_path, committe
     assert (catalogue / DIFF).read_bytes() == (NEW if committed else old)
     assert not (catalogue / STAGING).exists()
     again = run_cli("refresh", "--recover", "--json", env=env(catalogue))
-    assert json.loads(again.stdout) == {"ok": True, "command": "refresh --recover",
-                                        "recovered": []}  # fmt: skip
+    assert json.loads(again.stdout) == {"format": 1, "command": "refresh", "ok": True,
+                                        "recover": True, "recovered": []}  # fmt: skip
     assert run_cli("list", env=env(catalogue)).stderr == ""
 
 
@@ -125,7 +127,7 @@ def test_a_refresh_recovers_first_and_its_report_says_so(tmp_path):
     catalogue, tree = interrupted(tmp_path / "json", committed=False)
     result = run_cli(*args[:2], "--target", str(tree), "--json", env=env(catalogue))
     assert json.loads(result.stdout)["recovered"] == [
-        f"rolled back an interrupted refresh of {DIFF}"
+        {"code": "recovered", "message": f"rolled back an interrupted refresh of {DIFF}"}
     ]
 
 

@@ -15,8 +15,8 @@ import click
 import pytest
 
 from patchkit.catalogue.load import load_catalogue
+from patchkit.cli.commands.catalogue import coverage
 from patchkit.cli.main import main
-from patchkit.cli.render import coverage
 from tests.conftest import REPO, copy_tree, run_cli
 
 THIS = Path(__file__).resolve()
@@ -168,7 +168,7 @@ SPAN = r"(\d+\.\d+\.\d+)\s*(?:–|-|to)\s*(\d+\.\d+\.\d+)"
 def runs_in_docs_notation(patch) -> list[str]:
     """A patch's runs of tested releases as the pages write them: "0.17.0–0.32.0" where it
     applies, "`upstream` 0.33.0–0.34.0" (one release alone: "`upstream` 0.34.0")."""
-    from patchkit.cli.render import coverage_runs
+    from patchkit.cli.commands.catalogue import coverage_runs
 
     written = []
     for run in coverage_runs(patch, load_catalogue()):

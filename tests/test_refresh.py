@@ -137,7 +137,7 @@ def test_a_new_patch_is_made_from_edits_of_a_pristine_tree(tmp_path):
     tree = copy_tree("0.26.0", tmp_path / "site")
     status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
     assert status["patches"][0]["state"] == "conflict"
-    assert "not made yet" in status["patches"][0]["reason"]
+    assert "not made yet" in status["patches"][0]["reason"]["message"]
     (tree / UTILS).write_text((tree / UTILS).read_text() + "# a new patch\n")
     made = run_cli("refresh", "two-files", "--variant", "only", "--add", UTILS, "--target",
                    str(tree), "--pristine", str(release_tree("0.26.0")), env=env)  # fmt: skip

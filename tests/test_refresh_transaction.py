@@ -240,7 +240,7 @@ def test_a_declared_variant_is_not_made_yet_with_or_without_creates(tmp_path, cr
     assert run_cli("list", env=env).exit_code == 0
     result = run_cli("status", "--target", str(tree), "--json", env=env)
     assert "cannot read" not in result.output
-    reason = json.loads(result.stdout)["patches"][0]["reason"]
+    reason = json.loads(result.stdout)["patches"][0]["reason"]["message"]
     assert "not made yet" in reason and "patchkit refresh" in reason
 
 

@@ -44,7 +44,7 @@ def test_after_a_reinstall_as_another_release_no_backup_goes_over_its_files(tmp_
     assert forced.exit_code == 0, forced.output
     assert (tree / UTILS).read_bytes() == pristine_0210.read_bytes()
     matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
-    assert matmul["state"] == "conflict" and "patchkit revert --only" in matmul["reason"]
+    assert matmul["state"] == "conflict" and "patchkit revert --only" in matmul["reason"]["message"]
     assert run_cli("revert", "--target", str(tree)).exit_code == 0
     assert not (tree / CREATED).exists() and not (tree / ".patchkit").exists()
     fresh = copy_tree("0.21.0", tmp_path / "fresh")
@@ -73,7 +73,8 @@ def test_a_deleted_created_file_is_no_dead_end(slim_tree_0260):
     status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     matmul = next(p for p in status["patches"] if p["id"] == "matmul-add-lora-linear")
     assert (
-        matmul["state"] == "conflict" and "revert --only matmul-add-lora-linear" in matmul["reason"]
+        matmul["state"] == "conflict"
+        and "revert --only matmul-add-lora-linear" in matmul["reason"]["message"]
     )
     result = run_cli("revert", "--target", str(slim_tree_0260))
     assert result.exit_code == 0, result.output
@@ -86,6 +87,8 @@ def test_the_upper_patch_of_a_stack_alone_is_applied_not_edited(tmp_path):
     env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
     assert run_cli("apply", "--target", str(tree), "--only", "upper", env=env).exit_code == 0
     status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
-    states = {p["id"]: (p["state"], p["reason"]) for p in status["patches"]}
+    states = {
+        p["id"]: (p["state"], p["reason"] and p["reason"]["message"]) for p in status["patches"]
+    }
     assert states["upper"][0] == "applied", states
     assert "revert it first" in states["lower"][1]

@@ -187,10 +187,11 @@ def assert_notices(notices: list[str], numbers: list[str]) -> None:
         assert number in notice, (number, notice)
 
 
-def assert_listed(shown: list[str], listed: list[Notice]) -> None:
+def assert_listed(shown: list[dict], listed: list[Notice]) -> None:
     """Status shows the catalogue's notices, in order, each with what to do after it."""
     assert len(shown) == len(listed), shown
-    for line, notice in zip(shown, listed, strict=True):
+    for shown_notice, notice in zip(shown, listed, strict=True):
+        line = shown_notice["message"]
         assert line.startswith(notice.message), (line, notice.message)
 
 

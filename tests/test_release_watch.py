@@ -158,7 +158,9 @@ def test_lists_only_the_untested_release_with_status_s_states(
     assert moe == ["changed-upstream" if moved else "needed"]
     assert sum(release["states"].values()) == len(states)
     assert release["states"] == {s: states.count(s) for s in release["states"]}
-    assert any("0.35.0" in w for w in release["status"]["warnings"])  # not a tested release
+    assert any(
+        "0.35.0" in w["message"] for w in release["status"]["warnings"]
+    )  # not a tested release
     downloaded = {r["path"].rsplit("/", 1)[-1] for r in index.seen if "/files/" in r["path"]}
     assert downloaded == {wheel_name("0.35.0")}
     # nothing written outside the cache: the cache holds the one tree, the rest is empty
@@ -175,7 +177,7 @@ def test_lists_only_the_untested_release_with_status_s_states(
         [row] = [line for line in lines if line.startswith(f"  {patch['id']} ")]
         assert row.split()[1] == patch["state"]
         if patch["reason"]:
-            assert " ".join(patch["reason"].split()[:3]) in " ".join(row.split()[2:])
+            assert " ".join(patch["reason"]["message"].split()[:3]) in " ".join(row.split()[2:])
     counts = ", ".join(f"{n} {s}" for s, n in release["states"].items())
     assert f"  0.35.0: {counts}" in lines
     summary = "release_watch: 1 release newer than 0.34.0, the newest tested: 0.35.0: " + counts

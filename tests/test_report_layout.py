@@ -27,7 +27,7 @@ from tests.helpers import report_row
 IDS = [p.id for p in CATALOGUE.patches]
 ROW_KEYS = {"id", "state", "state_before", "action", "reason", "variant", "files", "warnings",
             "notices", "hunks"}  # fmt: skip
-TOP_KEYS = {"ok", "command", "vllm", "patches", "warnings", "notices", "notes", "summary",
+TOP_KEYS = {"format", "ok", "command", "vllm", "patches", "warnings", "notices", "notes", "summary",
             "dry_run", "bytecode_removed", "caches_removed", "runner"}  # fmt: skip
 SPLIT = "split-in-proj-qkvz"  # not-applicable on 0.26.0, with a 125-character reason
 
@@ -132,7 +132,7 @@ def test_a_patch_left_out_by_only_is_not_judged_by_strict(slim_tree_0260):
     data = json.loads(state_file.read_text())
     data["patches"][0]["patch_sha256"] = "0" * 64  # expand-block-n: "changed since applied"
     state_file.write_text(json.dumps(data))
-    assert any("changed since" in w for w in report("status", *target)["warnings"])
+    assert any("changed since" in w["message"] for w in report("status", *target)["warnings"])
     only = run_cli("apply", "--only", "partial-gdn-adapter", "--strict", *target)
     assert only.exit_code == 0, only.output
     strict = run_cli("apply", "--strict", *target)
@@ -167,7 +167,7 @@ def test_status_and_list_wrap_at_the_terminal_width_at_most_100(slim_tree_0260, 
 
 def test_a_wrapped_reason_keeps_its_words_and_its_column(slim_tree_0260):
     result = run_cli("status", "--target", str(slim_tree_0260), env={"COLUMNS": "100"})
-    reason = report("status", "--target", str(slim_tree_0260))["patches"][2]["reason"]
+    reason = report("status", "--target", str(slim_tree_0260))["patches"][2]["reason"]["message"]
     assert len(reason) > 100
     lines = result.stdout.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith(f"  {SPLIT} "))
@@ -332,7 +332,10 @@ def test_show_of_an_unknown_id_is_a_usage_error_naming_the_known_ones():
     result = run_subprocess("show", "nope", "--json")
     assert result.returncode == 2, result.stderr
     error = json.loads(result.stdout)
-    assert error["ok"] is False and "unknown patch 'nope'; known: expand-block-n" in error["error"]
+    assert (
+        error["ok"] is False
+        and "unknown patch 'nope'; known: expand-block-n" in error["error"]["message"]
+    )
     assert "Traceback" not in result.stderr
 
 

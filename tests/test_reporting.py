@@ -286,17 +286,24 @@ def test_a_dry_run_shows_the_state_the_tree_is_in(tree_0260):
 def test_counts_are_in_their_number():
     """ "all 1 models answer sanely", "(and 1 more warnings)"."""
     from patchkit.canary.check import ModelCheck, Report
-    from patchkit.errors import PatchkitError
+    from patchkit.cli.words import say
+    from patchkit.codes import Code, Reason
+    from patchkit.errors import Refused
     from patchkit.patching.decide import _fail_strict
 
     assert Report("http://h", models=[ModelCheck("m")]).summary() == "the 1 model answers sanely"
     assert Report("http://h", models=[ModelCheck("m"), ModelCheck("n")]).summary() == (
         "all 2 models answer sanely"
     )
-    with pytest.raises(PatchkitError, match=r"^--strict: a \(and 1 more warning\); "):
-        _fail_strict(["a", "b"])
-    with pytest.raises(PatchkitError, match=r"^--strict: a; nothing was changed$"):
-        _fail_strict(["a"])
+    a, b = (Reason.of(Code.NOT_APPLIED, patch=p, state="needed") for p in "ab")
+    with pytest.raises(Refused) as two:
+        _fail_strict([a, b])
+    assert say(two.value.reason).startswith(
+        "--strict: a is not applied (needed) (and 1 more warning); "
+    )
+    with pytest.raises(Refused) as one:
+        _fail_strict([a])
+    assert say(one.value.reason) == "--strict: a is not applied (needed); nothing was changed"
 
 
 def test_render_counts_in_their_number():

@@ -7,7 +7,7 @@ then varied one property at a time.
 
 from __future__ import annotations
 
-from patchkit.cli import render
+from patchkit.cli.commands.doctor import hazard_json
 from patchkit.doctor import sass
 
 # block_n 128, 2 stages, fp32 input: the pipelined loop of the unpatched default.
@@ -41,7 +41,7 @@ def test_the_pipelined_loop_overwrites_the_in_flight_fragment_across_the_back_ed
     assert findings.hgmma == 2 and findings.register_a == 2
     # the next iteration's loads and converts into R88-R91 while HGMMA 0x46f0 is in flight
     assert hazard_addresses(PIPELINED) == ["0x44e0", "0x44f0", "0x4630", "0x4650"]
-    first = render.hazard_json(findings.hazards[0])
+    first = hazard_json(findings.hazards[0])
     assert first == {
         "address": "0x44e0",
         "instruction": "LDS.64 R90, [R140+UR33+0x4400]",

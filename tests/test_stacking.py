@@ -109,7 +109,9 @@ def test_an_edit_on_top_of_the_stack_is_a_conflict_of_the_top_patch(pair):
     path = tree / STACKED_FILE
     path.write_text(path.read_text() + "# a local edit\n")
     status = json.loads(run_cli("status", "--target", str(tree), "--json", env=env).stdout)
-    reasons = {p["id"]: (p["state"], p["reason"] or "") for p in status["patches"]}
+    reasons = {
+        p["id"]: (p["state"], (p["reason"] or {}).get("message", "")) for p in status["patches"]
+    }
     assert reasons["lower"][0] == "conflict" and reasons["upper"][0] == "conflict"
     assert "edited after patchkit applied upper" in reasons["lower"][1]
     edited = snapshot(tree)

@@ -245,4 +245,7 @@ def test_revert_only_never_restores_under_a_patch_this_patchkit_lacks(slim_tree_
     assert snapshot(slim_tree_0260) == before
     status = json.loads(run_cli("status", "--target", str(slim_tree_0260), "--json").stdout)
     assert "revert --only" not in json.dumps(status)  # no advice to force a revert here
-    assert any("'future-fix', which this patchkit does not know" in w for w in status["warnings"])
+    assert any(
+        "'future-fix', which this patchkit does not know" in w["message"]
+        for w in status["warnings"]
+    )

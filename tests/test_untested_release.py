@@ -38,7 +38,9 @@ def status(root: Path) -> dict:
 
 
 def states(report: dict) -> dict[str, tuple[str, str]]:
-    return {p["id"]: (p["state"], p["reason"] or "") for p in report["patches"]}
+    return {
+        p["id"]: (p["state"], (p["reason"] or {}).get("message", "")) for p in report["patches"]
+    }
 
 
 def rewritten_0340(tmp_path: Path) -> Path:
@@ -96,9 +98,9 @@ def test_plain_apply_applies_nothing_and_names_the_apply_only_that_runs(tmp_path
 
 def test_known_issues_are_unknown_there_and_their_command_runs(tmp_path):
     root = next_release(release_tree("0.33.0"), tmp_path / "site", NEXT, rewrite={COLUMN: EXPAND})
-    [notice] = [p for p in status(root)["patches"] if p["id"] == "partial-moe-adapter"][0][
-        "notices"
-    ]
+    [shown] = [p for p in status(root)["patches"] if p["id"] == "partial-moe-adapter"][0]["notices"]
+    assert shown["code"] == "known-issue-undecided" and shown["remedy"]["code"] == "still-fits"
+    notice = shown["message"]
     assert notice.startswith(f"unknown on vLLM {NEXT}, which this catalogue has not decided")
     [moe_notice] = CATALOGUE.get("partial-moe-adapter").notices
     seen = max((r for r in RELEASES if moe_notice.versions.contains(r)), key=Version)
@@ -113,15 +115,17 @@ def test_doctor_never_asserts_a_bug_on_an_undecided_release(tmp_path):
     result = run_cli("doctor", "--target", str(root), "--json")
     verdicts = {v["bug"].split(":")[0]: v for v in json.loads(result.stdout)["verdicts"]}
     gdn = verdicts["vLLM #47639 / #57851"]
-    assert gdn["status"] == "unknown" and f"unknown on vLLM {NEXT}" in gdn["reason"]
-    assert "partial-gdn-adapter does not fit its code (changed-upstream)" in gdn["reason"]
+    assert gdn["status"] == "unknown" and f"unknown on vLLM {NEXT}" in gdn["reason"]["message"]
+    assert (
+        "partial-gdn-adapter does not fit its code (changed-upstream)" in gdn["reason"]["message"]
+    )
     moe = verdicts["vLLM #48460"]
     assert moe["status"] == "unknown"
     target = shlex.quote(str(root))
     assert moe["fix"] == f"patchkit apply --only partial-moe-adapter --target {target}"
     assert run_cli(*shlex.split(moe["fix"])[1:]).exit_code == 0
     # the NaN's fix is in the code (its evidence), whatever the release: not affected
-    assert verdicts["vLLM #48590"]["status"] == "not affected"
+    assert verdicts["vLLM #48590"]["status"] == "not-affected"
 
 
 def test_an_edited_file_on_an_untested_release_is_still_a_conflict(tmp_path):

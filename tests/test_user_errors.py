@@ -30,7 +30,7 @@ def test_a_version_that_is_not_a_version_is_a_usage_error(slim_tree_0260):
     ):
         result = run_cli("status", "--target", str(slim_tree_0260), "--json", *args, env=env)
         assert result.exit_code == 2, result.output
-        assert "'abc' is not a PEP 440 version" in json.loads(result.stdout)["error"]
+        assert "'abc' is not a PEP 440 version" in json.loads(result.stdout)["error"]["message"]
 
 
 def test_a_5000_digit_version_is_a_usage_error(slim_tree_0260):
@@ -72,7 +72,7 @@ def test_a_usage_error_is_one_line_naming_the_option_and_the_value(args, needles
     for needle in needles:
         assert needle in line, line
     if "--json" in args:
-        assert json.loads(result.stdout)["error"] in line
+        assert json.loads(result.stdout)["error"]["message"] in line
 
 
 def test_a_mistyped_patch_id_names_the_closest_one():

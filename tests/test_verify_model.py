@@ -117,8 +117,10 @@ def test_usage_errors_are_one_line_exit_2_and_change_nothing(user, tmp_path):
         assert "Traceback" not in result.output
         as_json = run_cli("verify", *args, "--json")
         assert json.loads(as_json.stdout) == {
+            "format": 1,
+            "command": "verify",
             "ok": False,
-            "error": lines[0].removeprefix("patchkit: error: "),
+            "error": {"code": "usage", "message": lines[0].removeprefix("patchkit: error: ")},
             "exit_code": 2,
         }
     assert listing(tmp_path) == before

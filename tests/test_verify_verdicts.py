@@ -537,7 +537,7 @@ def test_a_run_removes_only_its_own_files_from_a_workdir_it_created(user, tmp_pa
 
 def test_the_report_keeps_a_long_check_name_apart_from_its_result():
     """The base-rows row is 66 characters: it ran into its result ("...without LoRAok")."""
-    from patchkit.cli.render import check_table
+    from patchkit.cli.commands.verify import check_table
     from patchkit.verify.checks import Check
 
     name = "cudagraph: base requests of the LoRA engine equal an engine without LoRA"

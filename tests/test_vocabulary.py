@@ -81,7 +81,9 @@ def test_a_notice_shows_once_under_its_patch_and_not_on_revert(slim_tree_0260):
 def test_a_release_older_than_the_catalogue_is_said_to_be(tmp_path):
     result = run_cli("status", "--target", str(release_tree("0.10.0")), "--json")
     assert result.exit_code == 0, result.output
-    states = {p["id"]: (p["state"], p["reason"]) for p in json.loads(result.stdout)["patches"]}
+    states = {
+        p["id"]: (p["state"], p["reason"]["message"]) for p in json.loads(result.stdout)["patches"]
+    }
     assert {s for s, _ in states.values()} == {"not-applicable"}
     assert "predates the releases this catalogue covers" in states["expand-block-n"][1]
     assert "conflict" not in result.stdout

@@ -18,7 +18,7 @@ import click
 
 from patchkit import signals
 from patchkit.cli import exits, render
-from patchkit.cli.outcome import fail, standard_streams
+from patchkit.cli.outcome import command_name, fail, standard_streams
 
 
 class PatchkitGroup(click.Group):
@@ -40,9 +40,10 @@ class PatchkitGroup(click.Group):
             exc.show()  # `patchkit` alone (or `patchkit probe`): the help, as asked for
             sys.exit(exits.USAGE)
         except click.UsageError as exc:
-            fail(exc.format_message(), exits.USAGE, "--json" in args)
+            named = command_name(exc.ctx) if exc.ctx is not None else "patchkit"
+            fail(exc.format_message(), exits.USAGE, "--json" in args, command=named)
         except click.ClickException as exc:
-            fail(exc.format_message(), exc.exit_code, "--json" in args)
+            fail(exc.format_message(), exc.exit_code, "--json" in args, command="patchkit")
         except (click.Abort, KeyboardInterrupt):
             render.warn("patchkit: error: interrupted; nothing was done")
             sys.exit(exits.INTERRUPTED)

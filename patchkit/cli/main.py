@@ -11,7 +11,17 @@ from __future__ import annotations
 import click
 
 from patchkit.cli import exits
-from patchkit.cli.commands import adapter, canary, doctor, fetch, patching, probe, refresh, verify
+from patchkit.cli.commands import (
+    adapter,
+    canary,
+    catalogue,
+    doctor,
+    fetch,
+    patching,
+    probe,
+    refresh,
+    verify,
+)
 from patchkit.cli.group import PatchkitGroup
 
 # pyproject's name: the index's `patchkit` is another project (tests/test_advice.py checks)
@@ -29,8 +39,8 @@ def main() -> None:
 
 
 for command in (
-    patching.list_patches,
-    patching.show_patch,
+    catalogue.list_patches,
+    catalogue.show_patch,
     patching.status,
     patching.apply,
     patching.revert,

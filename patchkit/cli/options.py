@@ -45,10 +45,11 @@ def noted_catalogue():
     finishes or undoes it; status, apply and revert say it in their own reports)."""
     from patchkit.catalogue.load import load_catalogue
     from patchkit.cli import render
+    from patchkit.cli.words import say
 
     catalogue = load_catalogue()
     if catalogue.interrupted_note:
-        render.warn(f"warning: {catalogue.interrupted_note}")
+        render.warn(f"warning: {say(catalogue.interrupted_note)}")
     return catalogue
 
 

@@ -1,8 +1,10 @@
 """How a command ends: its exit status and its last words, whatever went wrong.
 
-Every failure prints one line on stderr, and with ``--json`` also
-``{"ok": false, "error": ...}`` on stdout; the statuses are
-:mod:`patchkit.cli.exits`'s.
+Every failure prints one line on stderr, and with ``--json`` also the
+command's error document on stdout (``{"format": 1, "command": ..., "ok": false,
+"error": {"code": ..., "message": ...}}``); the statuses are :mod:`patchkit.cli.exits`'s.
+A refusal made below the command line (:class:`patchkit.errors.Refused`) is a reason:
+its words are made here (:mod:`patchkit.cli.words`), its code and facts go into the JSON.
 
 A report never contradicts the disk (the line dpkg and git hold: never say
 nothing was done when something was, never do something silently):
@@ -33,7 +35,9 @@ import click
 
 from patchkit import signals
 from patchkit.cli import exits, render
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.cli.words import say
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused, os_error_line
 
 
 class Outcome:
@@ -66,22 +70,42 @@ def outcome() -> Outcome:
     return click.get_current_context().meta[OUTCOME]
 
 
-def fail(message: str, code: int, as_json: bool, done: Outcome | None = None) -> None:
-    """One line on stderr (and the JSON error object on stdout), then exit ``code``.
+# The code of an error that is a line, not a reason, by its exit status
+ERROR_CODES = {
+    exits.FAILURE: Code.ERROR,
+    exits.USAGE: Code.USAGE,
+    exits.BUG: Code.INTERNAL_ERROR,
+}
 
-    A path read from disk may hold a newline or another control character
-    (a forged state entry); it is written escaped, so the error stays one line.
-    After the command changed something (``done``), a failure is a warning
-    followed by what it did, and exit 1 becomes 0: 1 says nothing changed.
+
+def fail(
+    error: str | Reason,
+    code: int,
+    as_json: bool,
+    done: Outcome | None = None,
+    command: str | None = None,
+) -> None:
+    """One line on stderr (and the JSON error document on stdout), then exit ``code``.
+
+    ``error`` is a line or a reason (a refusal's: its words are made here). A path
+    read from disk may hold a newline or another control character (a forged state
+    entry); it is written escaped, so the error stays one line. After the command
+    changed something (``done``), a failure is a warning followed by what it did, and
+    exit 1 becomes 0: 1 says nothing changed. ``command``: the command's name where no
+    command ran yet (a usage error).
     """
-    message = render.printable(message)
+    if not isinstance(error, Reason):
+        error = Reason.of(ERROR_CODES.get(code, Code.INTERRUPTED), text=error)
+    message = render.printable(say(error))
     changed = done is not None and done.changed
     if changed and code == exits.FAILURE:
         code = exits.OK
     with signals.swallowed():  # the error is the last word: no second signal cuts it
         if as_json and not changed:
+            document = {"ok": False, "error": render.message(error) | {"message": message}}
             try:
-                render.emit_json({"ok": False, "error": message, "exit_code": code})
+                name = command or _command(done)
+                render.emit_json(name, document | {"exit_code": code})
             except render.ReportLost:
                 silence_stdout()
         render.warn(f"patchkit: {'warning' if code == exits.OK else 'error'}: {message}")
@@ -90,6 +114,14 @@ def fail(message: str, code: int, as_json: bool, done: Outcome | None = None) ->
             for line in done.lines:
                 render.warn(f"patchkit:   {render.printable(line)}")
     sys.exit(code)
+
+
+def _command(done: Outcome | None) -> str:
+    """The failing command's name as typed, for its error document."""
+    if done is not None:
+        return done.command
+    ctx = click.get_current_context(silent=True)
+    return command_name(ctx) if ctx is not None else "patchkit"
 
 
 def report_lost(done: Outcome, cause: OSError, as_json: bool) -> None:
@@ -170,6 +202,8 @@ def user_errors(func):
             report_lost(done, exc.cause, as_json)
         except BrokenPipeError as exc:  # stdout written past render.out
             report_lost(done, exc, as_json)
+        except Refused as exc:
+            fail(exc.reason, exits.FAILURE, as_json, done)
         except PatchkitError as exc:
             fail(str(exc), getattr(exc, "exit_code", exits.FAILURE), as_json, done)
         except OSError as exc:

@@ -6,9 +6,11 @@ import sys
 
 import click
 
-from patchkit.cli import exits, render
+from patchkit.cli import exits
 from patchkit.cli.options import check_target, json_option
 from patchkit.cli.outcome import user_errors
+from patchkit.cli.render import counted, emit_json, field_values, out, text_message
+from patchkit.codes import Code
 
 
 @click.group("adapter", cls=click.Group)
@@ -55,7 +57,60 @@ def adapter_check(
     tree = locate(target) if target is not None else None
     report = check(adapter_dir, model, tree, max_rank)
     if as_json:
-        render.emit_json(render.adapter_check_json(report))
+        emit_json("adapter check", adapter_check_json(report))
     else:
-        render.render_adapter_check(report)
+        render_adapter_check(report)
     sys.exit(exits.OK if report.ok else exits.FAILURE)
+
+
+# ----- the report -----
+
+
+def render_adapter_check(report) -> None:
+    """One line per finding (kind, file, tensor, what), the notes, the checks skipped, one
+    summary line.
+
+    Every line holds what the user's files say (tensor names, config values, a
+    model's architecture, paths): :func:`out` escapes each on its way out, as it does
+    every command's lines.
+    """
+    for line in adapter_check_lines(report):
+        out(line)
+
+
+def adapter_check_lines(report) -> list[str]:
+    """The text report, unescaped (:func:`render_adapter_check` escapes every line)."""
+    lines = []
+    for f in report.findings:
+        where = f"{f.file}: {f.tensor}" if f.tensor else f.file
+        lines.append(f"{f.kind}: {where}: {f.message}")
+    lines += [f"note: {note}" for note in report.notes]
+    lines += [f"skipped: {skipped}" for skipped in report.skipped]
+    release = f", vLLM {report.vllm_version}" if report.vllm_version else ""
+    scanned = f"{counted(report.tensors, 'tensor')}, {report.bytes_scanned / 1e6:.1f} MB scanned"
+    verdict = "clean" if report.ok else counted(len(report.findings), "finding")
+    lines.append(f"adapter check {report.adapter}{release}: {verdict} ({scanned})")
+    return lines
+
+
+def adapter_check_json(report) -> dict:
+    return {
+        "ok": report.ok,
+        "exit_code": exits.OK if report.ok else exits.FAILURE,
+        "adapter": report.adapter,
+        "model": report.model,
+        "target": report.target,
+        "vllm_version": report.vllm_version,
+        "tensors": report.tensors,
+        "bytes_scanned": report.bytes_scanned,
+        "findings": [_finding_json(f) for f in report.findings],
+        "skipped": [text_message(Code.SKIPPED, s) for s in report.skipped],
+        "notes": [text_message(Code.NOTE, n) for n in report.notes],
+    }
+
+
+def _finding_json(finding) -> dict:
+    """A finding as a message: the code of its kind (``adapter-nonfinite``), its words as
+    the text line ends, and where (file, tensor)."""
+    code = Code(f"adapter-{finding.kind}")
+    return text_message(code, finding.message) | field_values(finding) | {"kind": str(finding.kind)}

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from patchkit.cli import render
 from patchkit.cli.options import json_option
 from patchkit.cli.outcome import outcome, user_errors
+from patchkit.cli.render import emit_json, out
 
 
 @click.command("fetch")
@@ -39,4 +39,4 @@ def fetch_command(version: str, dest: str | None, trust_ranges: bool, as_json: b
     progress = not as_json and sys.stderr.isatty()
     path = fetch(version, dest, progress=progress, trust_ranges=trust_ranges)
     outcome().done([f"fetch: vLLM {version} is at {path}"])
-    render.emit_json({"ok": True, "path": str(path)}) if as_json else render.out(str(path))
+    emit_json("fetch", {"ok": True, "path": str(path)}) if as_json else out(str(path))

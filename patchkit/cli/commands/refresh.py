@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from patchkit.catalogue.load import load_catalogue, recover_interrupted_refresh
-from patchkit.cli import render
 from patchkit.cli.options import check_only, json_option, target_options
 from patchkit.cli.outcome import outcome, user_errors
+from patchkit.cli.render import emit_json, out, text_message
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import locate
 
@@ -78,9 +79,9 @@ def refresh_command(
         if recovered:
             outcome().done([f"refresh: {line}" for line in recovered])
         if as_json:
-            render.emit_json(render.recover_json(recovered))
+            emit_json("refresh", recover_json(recovered))
         else:
-            render.render_recover(recovered)
+            render_recover(recovered)
         return
     catalogue = load_catalogue()  # reads only: a usage error comes before any write
     check_only((patch_id,), catalogue)
@@ -96,8 +97,70 @@ def refresh_command(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
     result.recovered[:0] = recovered
-    outcome().done([render.refresh_summary(result)])
+    outcome().done([refresh_summary(result)])
     if as_json:
-        render.emit_json(render.refresh_json(result))
+        emit_json("refresh", refresh_json(result))
     else:
-        render.render_refresh(result)
+        render_refresh(result)
+
+
+# ----- the report -----
+
+
+def render_refresh(report) -> None:
+    for line in report.recovered:  # what it finished or undid before it refreshed
+        out(f"note: {line}")
+    out(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
+    for relpath in report.changed:
+        out(f"  diff of {relpath}")
+    for path in report.created:
+        out(f"  created file copied to {path}")
+    for relpath in report.unchanged:
+        out(f"  {relpath} is back to its original: left out of the patch")
+    out(f"refresh: {_refresh_counts(report)}; review with git diff, then run the tests")
+
+
+def refresh_summary(report) -> str:
+    """One line: what a refresh wrote into the catalogue."""
+    return (
+        f"refresh: wrote {report.diff} (patch {report.patch_id}, variant {report.variant}): "
+        f"{_refresh_counts(report)}"
+    )
+
+
+def _refresh_counts(report) -> str:
+    return (
+        f"{len(report.changed)} diffed, {len(report.created)} created, "
+        f"{len(report.unchanged)} left out"
+    )
+
+
+def refresh_json(report) -> dict:
+    return {
+        "ok": True,
+        "recover": False,
+        "patch": report.patch_id,
+        "variant": report.variant,
+        "diff": str(report.diff),
+        "changed": report.changed,
+        "unchanged": report.unchanged,
+        "created": [str(p) for p in report.created],
+        "added": report.added,
+        "recovered": [text_message(Code.RECOVERED, line) for line in report.recovered],
+    }
+
+
+def render_recover(recovered: list[str]) -> None:
+    """`refresh --recover`: what it finished or undid, or that there was nothing."""
+    for line in recovered:
+        out(f"refresh: {line}")
+    if not recovered:
+        out("refresh: no interrupted refresh in the catalogue: nothing to do")
+
+
+def recover_json(recovered: list[str]) -> dict:
+    return {
+        "ok": True,
+        "recover": True,
+        "recovered": [text_message(Code.RECOVERED, line) for line in recovered],
+    }

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import click
 
-from patchkit.cli import exits, render
+from patchkit.cli import exits
 from patchkit.cli.options import json_option, noted_catalogue
 from patchkit.cli.outcome import user_errors
+from patchkit.cli.render import counted, emit_json, out, warn
 from patchkit.verify import checks
 
 
@@ -92,8 +94,8 @@ def verify_command(
     )
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    result = runner.run(noted_catalogue(), request, render.warn)
-    render.emit_json(render.verify_json(result)) if as_json else render.render_verify(result)
+    result = runner.run(noted_catalogue(), request, warn)
+    emit_json("verify", verify_json(result)) if as_json else render_verify(result)
     sys.exit(VERDICT_EXITS[result.verdict])
 
 
@@ -168,3 +170,116 @@ def new_or_empty(option: str, path) -> None:
             f"{option} {path}: not empty; give a new or empty directory (verify writes its "
             "models, references and logs there by fixed names)"
         )
+
+
+# ----- the report -----
+
+
+def render_verify(report) -> None:
+    env = report.environment
+    out(
+        f"GPU {env['gpu']} (sm {env['compute_capability']}), torch {env['torch']}, "
+        f"Triton {env['triton']}, vLLM {env['vllm']} at {env['vllm_path']}"
+    )
+    out(f"LoRA ops in punica_gpu.py: {env['lora_backend']}; seed {env['seed']}")
+    for p in report.patches:
+        out(f"  {p['id']:<24}{p['state']}")
+    out("")
+    out(f"{'kernel check':<84}{'result':<8}{'rel.err':>9}  note")
+    for k in report.kernel:
+        verdict = ("ok" if k.ok else "FAIL") if k.counts else ("(ok)" if k.ok else "(fail)")
+        note = f"{k.nonfinite} NaN/Inf; {k.detail}" if k.nonfinite else k.detail
+        out(f"{k.name:<84}{verdict:<8}{k.rel_error:>9.2e}  {note}")
+    model_checks = report.model.checks if report.model is not None else []
+    for title, found in (("end-to-end check", report.e2e), ("model check", model_checks)):
+        if found:
+            out("")
+            for line in check_table(title, found):
+                out(line)
+    out("")
+    out("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
+    if any(not c.ok and not c.decided for c in report.e2e + model_checks):
+        out("undecided: the reference could not tell (its own noise); not a failure of vLLM.")
+    if report.model is not None:
+        out("")
+        for line in adapter_verdict_lines(report.model.adapters):
+            out(line)
+    out(f"verify {_verdict_line(report)} in {report.seconds:.0f} s")
+
+
+def _check_result(check) -> str:
+    return "ok" if check.ok else ("FAIL" if check.decided else "undecided")
+
+
+def check_table(title: str, found) -> list[str]:
+    """The rows of checks under a header, the result column past the longest name."""
+    width = max(60, *(len(c.name) + 2 for c in found))
+    return [f"{title:<{width}}{'result':<8}detail"] + [
+        f"{c.name:<{width}}{_check_result(c):<8}{c.detail}" for c in found
+    ]
+
+
+def adapter_verdict_lines(adapters) -> list[str]:
+    """Per adapter: the verdict, the reference and why, what the run could tell apart."""
+    lines = []
+    for a in adapters:
+        lines.append(f"adapter {a.adapter}: {a.verdict} against the {a.reference} reference")
+        if a.reference_why:
+            lines.append(f"  reference: {a.reference} ({a.reference_why})")
+        lines.append(f"  why: {a.why}")
+        if a.decides_instead:
+            lines.append(f"  what decides instead: {a.decides_instead}")
+        if a.controls:
+            lines.append(f"  would have caught: {', '.join(a.caught) or 'none of its controls'}")
+        for control in a.controls:
+            if not control.rejected:
+                lines.append(f"  could not tell apart: {control.what} ({control.detail})")
+    return lines
+
+
+def _verdict_line(report) -> str:
+    """'PASSED', 'FAILED (3 checks)' or 'INCONCLUSIVE (adapter a0)'."""
+    verdict = report.verdict
+    model_checks = report.model.checks if report.model is not None else []
+    if verdict == "FAILED":
+        failed = sum(1 for k in report.kernel if k.counts and not k.ok) + sum(
+            1 for c in report.e2e + model_checks if c.failed
+        )
+        return f"FAILED ({counted(failed, 'check')})"
+    if verdict == "INCONCLUSIVE":
+        names = (
+            [a.adapter for a in report.model.adapters if a.verdict == verdict]
+            if (report.model is not None)
+            else []
+        )
+        return (
+            f"INCONCLUSIVE ({counted(len(names), 'adapter')}: {', '.join(names)})"
+            if names
+            else verdict
+        )
+    return verdict
+
+
+def verify_json(report) -> dict:
+    """verify's JSON: the verdict, the environment, the patches, every check as its fields,
+    and per adapter its verdict, reference and controls."""
+    model = report.model
+    return {
+        "ok": report.ok,
+        "verdict": report.verdict,
+        "environment": report.environment,
+        "patches": report.patches,
+        "kernel_checks": [dataclasses.asdict(k) for k in report.kernel],
+        "e2e_checks": [dataclasses.asdict(c) for c in report.e2e],
+        "model_checks": [dataclasses.asdict(c) for c in model.checks] if model else [],
+        "adapters": [_adapter_json(a) for a in model.adapters] if model else [],
+        "seconds": round(report.seconds, 1),
+    }
+
+
+def _adapter_json(verdict) -> dict:
+    return {
+        **dataclasses.asdict(verdict),
+        "would_have_caught": verdict.caught,
+        "could_not_tell_apart": verdict.missed,
+    }

@@ -1,0 +1,116 @@
+"""The model runner, in status's and doctor's words: which runner serves Qwen3.5/3.6 with
+LoRA on the tree, what switches it, and a patch whose hooks that runner lacks."""
+
+from __future__ import annotations
+
+from patchkit.cli.render import text_message
+from patchkit.codes import Code
+from patchkit.patching.assess import Assessment
+from patchkit.vllmtree import model_runner
+
+SERVES = "Qwen3.5/3.6 + LoRA"
+HOOKS = {frozenset({"v1"}): "V1", frozenset({"v2"}): "Model Runner V2"}
+
+
+def _runner_name(runner: str | None) -> str:
+    return model_runner.NAMES.get(runner or "", runner or "unknown")
+
+
+def lines(choice, assessments: list[Assessment]) -> list[str]:
+    """``runner: ...``: which runner serves here and what switches it; then, where a patch
+    that hooks runners is applied or opt-in and the runner that serves is not hooked, one line."""
+    said = [f"runner: {_runner_headline(choice)}"]
+    probe = _probe_gap(choice, assessments)
+    if probe:
+        said.append(f"runner: {probe}")
+    return said
+
+
+def _runner_headline(choice) -> str:
+    if not choice.known:
+        return f"unknown for {SERVES} here: {choice.reason}"
+    name = _runner_name(choice.runner)
+    if choice.only:
+        text = f"{name} serves {SERVES} here, the only runner this vLLM has (nothing switches it)"
+    elif choice.flip_to:
+        text = (
+            f"{name} serves {SERVES} here by default ({choice.flip} gives "
+            f"{_runner_name(choice.flip_to)})"
+        )
+    elif choice.flip_refused:
+        text = (
+            f"{name} serves {SERVES} here by default ({choice.flip} makes vLLM refuse it: "
+            f"{choice.flip_refused})"
+        )
+    else:
+        text = f"{name} serves {SERVES} here by default (no setting switches it)"
+    if choice.env_value is not None and choice.effective != choice.runner and not choice.only:
+        said = f"{model_runner.ENV}={choice.env_value[:40]}"
+        if choice.effective == "refused":
+            text += f"; this environment's {said} makes vLLM refuse it: {choice.effective_reason}"
+        else:
+            text += f"; this environment's {said} gives {_runner_name(choice.effective)}"
+    return text
+
+
+def _serving(choice) -> str | None:
+    """The runner that serves with this environment: the default, or what its value gives."""
+    return choice.effective if choice.effective in ("v1", "v2") else None
+
+
+def _probe_gap(choice, assessments: list[Assessment]) -> str:
+    serving = _serving(choice)
+    for a in assessments:
+        hooked = model_runner.hooked(a.files)
+        state = str(a.state)
+        if not hooked or state not in ("applied", "opt-in") or serving is None:
+            continue
+        if serving in hooked:
+            continue
+        other = "v1" if serving == "v2" else "v2"
+        what = "is applied" if state == "applied" else "is opt-in here"
+        switch = ""
+        if choice.flip and choice.flip_to == other:
+            switch = f"set {choice.flip} or "
+        elif choice.env_value is not None and choice.runner == other:
+            switch = f"unset {model_runner.ENV} or "
+        return (
+            f"{a.patch.id} {what} but its hooks are in {HOOKS.get(hooked, 'V1 and V2')}, and "
+            f"{_runner_name(serving)} serves here: {switch}use a release whose {a.patch.id} "
+            f"variant hooks {_runner_name(serving)}"
+        )
+    return ""
+
+
+def as_json(choice, assessments: list[Assessment]) -> dict:
+    probe = _probe_gap(choice, assessments)
+    hooks = {
+        a.patch.id: sorted(model_runner.hooked(a.files))
+        for a in assessments
+        if model_runner.hooked(a.files) and str(a.state) in ("applied", "opt-in")
+    }
+    return {
+        "model": SERVES,
+        "default": choice.runner,
+        "name": _runner_name(choice.runner) if choice.known else None,
+        "only": choice.only,
+        "reason": text_message(Code.RUNNER, choice.reason),
+        "flip": (
+            {
+                "env": model_runner.ENV,
+                "value": choice.flip.split("=", 1)[1],
+                "gives": choice.flip_to,
+                "refused": choice.flip_refused or None,
+            }
+            if choice.flip
+            else None
+        ),
+        "environment": {
+            "value": choice.env_value,
+            "runner": choice.effective,
+            "reason": text_message(Code.RUNNER, choice.effective_reason),
+        },
+        "hooks": hooks,
+        "warning": text_message(Code.RUNNER_NOT_HOOKED, probe),
+        "line": f"runner: {_runner_headline(choice)}",
+    }
