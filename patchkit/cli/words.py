@@ -351,9 +351,16 @@ def _after_commit(r: Reason, _: str) -> str:
     return f"the tree was changed as reported, but {doing} failed: {r['why']}"
 
 
-@words(Code.BYTECODE_LEFT, Code.ROLLED_BACK)
+@words(Code.BYTECODE_LEFT)
 def _what(r: Reason, _: str) -> str:
     return r["what"]
+
+
+@words(Code.ROLLED_BACK, Code.ROLLED_BACK_NOTHING)
+def _rolled_back(r: Reason, _: str) -> str:
+    if r.code == Code.ROLLED_BACK_NOTHING:
+        return "an interrupted run had changed nothing; removed its journal"
+    return f"rolled back an interrupted run: restored {r['path']}"
 
 
 @words(Code.STALE_RECORD)
@@ -560,7 +567,8 @@ def _refresh_not_written(r: Reason, nothing: str) -> str:
 
 @words(Code.REFUSED_AFTER_RECOVERY)
 def _after_recovery(r: Reason, _: str) -> str:
-    return f"{say(r['cause'], NOTHING_ELSE)} (before that: {'; '.join(r['done'])}; that stands)"
+    done = "; ".join(say(d) for d in r["done"])
+    return f"{say(r['cause'], NOTHING_ELSE)} (before that: {done}; that stands)"
 
 
 @words(Code.CHANGED_WHILE_RUNNING)
@@ -603,3 +611,167 @@ def _git_failed(r: Reason, _: str) -> str:
         "are as before, nothing changed (fix what git reports, e.g. a pre-commit hook, and "
         "run the command again)"
     )
+
+
+# ----- the journal, the state file -----
+
+
+@words(Code.WRITE_UNDONE)
+def _write_undone(r: Reason, _: str) -> str:
+    return (
+        f"{r['cause']}; the {r['written']} file(s) already written were restored, nothing changed"
+    )
+
+
+@words(Code.RESTORE_FAILED)
+def _restore_failed(r: Reason, _: str) -> str:
+    return (
+        f"restoring the tree after a failed write failed too ({r['cause']}); the next "
+        "`patchkit apply` or `patchkit revert` rolls the run back from its journal"
+    )
+
+
+@words(Code.INVALID_JOURNAL)
+def _invalid_journal(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']}: invalid journal ({r['why']}); it was not acted on. Reinstall vLLM (pip "
+        f"install --force-reinstall --no-deps vllm), then delete {r['journal']}"
+    )
+
+
+@words(Code.INVALID_STATE)
+def _invalid_state(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']}: invalid state file ({r['why']}); it was not acted on. If vLLM's files "
+        f"are pristine, delete {r['directory']} and run `patchkit status` (patches are then "
+        "recognised by content)"
+    )
+
+
+@words(Code.CHANGED_SINCE_INTERRUPTED)
+def _changed_since_interrupted(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']}: changed after an interrupted patchkit run, so it cannot be rolled back "
+        f"safely; reinstall vLLM, then delete {r['journal']}"
+    )
+
+
+@words(Code.JOURNAL_COPY_DAMAGED)
+def _journal_copy(r: Reason, _: str) -> str:
+    return (
+        f"{r['journal']}: the journal's copy of {r['path']} is missing or damaged; reinstall "
+        f"vLLM, then delete {r['journal']}"
+    )
+
+
+# ----- refresh -----
+
+
+@words(Code.REFRESH_INSTALLED_CATALOGUE)
+def _installed_catalogue(r: Reason, _: str) -> str:
+    return (
+        f"{r['catalogue']} is the catalogue installed with patchkit; refresh writes only into a "
+        "catalogue in a source checkout (clone patchkit and run it from there, or set "
+        "PATCHKIT_PATCHES_DIR to one)"
+    )
+
+
+@words(Code.REFRESH_CATALOGUE_RECOVERED)
+def _catalogue_recovered(r: Reason, _: str) -> str:
+    return (
+        f"{say(r['recovered'])} as this refresh started: run the command again, so that it "
+        "reads the catalogue as it is now (nothing else was changed)"
+    )
+
+
+@words(Code.REFRESH_NOT_APPLIED)
+def _refresh_not_applied(r: Reason, _: str) -> str:
+    p, tree = r["patch"], r["tree"]
+    return (
+        f"{p} is not applied on {tree}: `patchkit apply --only {p} --target {tree}`, edit the "
+        "files, then refresh (or, to make a variant from edits of a pristine tree, name the "
+        "edited files with --add)"
+    )
+
+
+@words(Code.REFRESH_NO_VARIANT)
+def _no_variant(r: Reason, _: str) -> str:
+    return f"{r['patch']} has no variant {r['variant']!r} (it has: {', '.join(r['known'])})"
+
+
+@words(Code.REFRESH_UNDER_LATER)
+def _refresh_under_later(r: Reason, _: str) -> str:
+    return (
+        f"{r['above']}, later in the series, is applied on {r['path']} too and would end up in "
+        f"{r['patch']}'s diff; revert it first (patchkit revert --only {r['above']})"
+    )
+
+
+@words(Code.REFRESH_NOTHING_LEFT)
+def _nothing_left(r: Reason, _: str) -> str:
+    return (
+        f"every file of {r['patch']} is back to its original: nothing left to refresh into a "
+        "diff; edit the files, or revert the patch (nothing was written)"
+    )
+
+
+@words(Code.REFRESH_BACKUP_DAMAGED)
+def _refresh_backup(r: Reason, _: str) -> str:
+    return (
+        f"the backup of {r['path']} is missing or damaged; refresh needs it as the original "
+        "(reinstall vLLM, apply, edit again)"
+    )
+
+
+@words(Code.REFRESH_SHARED_FILE)
+def _shared_file(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']} is patched by {', '.join(r['others'])} too; a file shared with other "
+        "patches joins this one while they are applied, with their result as its original: "
+        "apply this patch's variant first (even a partial one), then refresh"
+    )
+
+
+@words(Code.REFRESH_RECORD_CHANGED)
+def _record_changed(r: Reason, _: str) -> str:
+    return f"{r['tree']}'s record changed while refresh ran; run it again"
+
+
+@words(Code.REFRESH_NOT_PRISTINE)
+def _not_pristine(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']} is not vLLM {r['version']}'s file (RECORD); pass --pristine a pristine "
+        "tree of the same release"
+    )
+
+
+@words(Code.REFRESH_CREATED_GONE)
+def _created_gone(r: Reason, _: str) -> str:
+    return f"{r['path']}, a file {r['patch']} creates, is not in the tree"
+
+
+@words(Code.REFRESH_NEW_FILE)
+def _new_file(r: Reason, _: str) -> str:
+    return f"{r['path']} is a new file: list it in the variant's creates in {r['toml']} first"
+
+
+@words(Code.REFRESH_CREATED_NOWHERE)
+def _created_nowhere(r: Reason, _: str) -> str:
+    return (
+        f"{r['toml']}: variant {r['variant']} creates {r['path']}, but it is neither in the "
+        f"tree's record of {r['patch']} nor in {r['files']}; make it in the tree and name it "
+        f"with --add {r['path']}"
+    )
+
+
+@words(Code.REFRESH_INEXACT)
+def _inexact(r: Reason, _: str) -> str:
+    return (
+        f"{r['path']}: a diff cannot give this file's bytes back exactly ({r['why']}); nothing "
+        "was written. Give the file one kind of line ending"
+    )
+
+
+@words(Code.REFRESH_OUTSIDE_CATALOGUE)
+def _outside(r: Reason, _: str) -> str:
+    return f"{r['origin']}: {r['path']} is not inside the catalogue {r['root']}"

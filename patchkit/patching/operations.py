@@ -116,7 +116,7 @@ def state_of(tree: VllmTree, catalogue: Catalogue) -> State:
 
 
 @contextmanager
-def _locked(tree: VllmTree, catalogue: Catalogue, notes: list[str]):
+def _locked(tree: VllmTree, catalogue: Catalogue, notes: list[Reason]):
     """Lock the tree, hold signals, roll back an interrupted run, yield the state; tidy."""
     with TreeLock(tree.fs) as lock, signals.held():
         try:
@@ -176,7 +176,7 @@ def _run(
                 command=command,
             )
         )
-    notes: list[str] = []  # what rolling an interrupted run back did
+    notes: list[Reason] = []  # what rolling an interrupted run back did
     report = None
     try:
         with _locked(tree, catalogue, notes) as state:
@@ -194,8 +194,7 @@ def _run(
                 raise after_recovery(exc, notes, "accessing") from None
             raise
         report.warn(_after_commit(exc, "tidying up"))
-    rolled_back = [Reason.of(Code.ROLLED_BACK, what=line) for line in notes]
-    report.notes[:0] = [*rolled_back, *report.plan.notes]
+    report.notes[:0] = [*notes, *report.plan.notes]
     if options.clear_caches:
         _clear_caches(report)
     return report

@@ -66,7 +66,7 @@ class RefreshReport:
     unchanged: list[str] = field(default_factory=list)  # back to their original: left out
     created: list[Path] = field(default_factory=list)  # sources copied back to files/
     added: list[str] = field(default_factory=list)  # --add: files newly in the patch
-    recovered: list[str] = field(default_factory=list)  # what it finished or undid first
+    recovered: list[Reason] = field(default_factory=list)  # what it finished or undid first
 
 
 @dataclass
@@ -100,26 +100,22 @@ def refresh(
     pristine: Path | None = None,
 ) -> RefreshReport:
     if installed_catalogue(catalogue.root):
-        raise PatchkitError(
-            f"{catalogue.root} is the catalogue installed with patchkit; refresh writes only "
-            "into a catalogue in a source checkout (clone patchkit and run it from there, or "
-            "set PATCHKIT_PATCHES_DIR to one)"
-        )
+        raise Refused(Reason.of(Code.REFRESH_INSTALLED_CATALOGUE, catalogue=str(catalogue.root)))
     patch = catalogue.get(patch_id)
     pristine = _pristine_tree(tree, catalogue, patch, add, pristine)  # may download: no lock
-    recovered: list[str] = []
+    recovered: list[Reason] = []
     with Root.open(catalogue.root) as root, journal.CatalogueLock(root), TreeLock(tree.fs):
         with signals.held():
             # the CLI finished or undid an interrupted refresh before it loaded the
             # catalogue (recover_interrupted_refresh); one that died since makes this run
             # stop (its catalogue is stale), an interrupted run on the tree is rolled back
             # and the report says so
-            recovered += journal.recover_locked(root, catalogue.ids)
+            recovered += [
+                Reason.of(Code.RECOVERED, text=line)
+                for line in journal.recover_locked(root, catalogue.ids)
+            ]
             if recovered:
-                raise PatchkitError(
-                    f"{recovered[0]} as this refresh started: run the command again, so that "
-                    "it reads the catalogue as it is now (nothing else was changed)"
-                )
+                raise Refused(Reason.of(Code.REFRESH_CATALOGUE_RECOVERED, recovered=recovered[0]))
             recovered += recover(tree.fs, catalogue.file_kinds)
             state = load_state(tree.fs, catalogue.file_kinds)
             sweep(state)
@@ -163,15 +159,13 @@ def _plan(
     """Read and check everything; refuse before anything is written."""
     applied = state.patches.get(patch.id)
     if applied is None and not add:
-        raise PatchkitError(
-            f"{patch.id} is not applied on {tree.root}: `patchkit apply --only {patch.id} "
-            f"--target {tree.root}`, edit the files, then refresh (or, to make a variant "
-            "from edits of a pristine tree, name the edited files with --add)"
-        )
+        raise Refused(Reason.of(Code.REFRESH_NOT_APPLIED, patch=patch.id, tree=str(tree.root)))
     variant = patch.variant(variant_name or (applied.variant if applied else ""))
     if variant is None:
-        known = ", ".join(v.name for v in patch.variants)
-        raise PatchkitError(f"{patch.id} has no variant {variant_name!r} (it has: {known})")
+        known = [v.name for v in patch.variants]
+        raise Refused(
+            Reason.of(Code.REFRESH_NO_VARIANT, patch=patch.id, variant=variant_name, known=known)
+        )
     recorded = {f.path for f in applied.files} if applied else set()
     if applied is None:  # patch-package's way: the patch is made from the edits
         applied = state.patches[patch.id] = AppliedPatch(
@@ -180,18 +174,14 @@ def _plan(
     originals = _originals(tree, state, applied.files, add, pristine)
     above = later_on_same_files(patch, tuple(originals), TreeFiles(tree, state, catalogue.ids))
     if above is not None:
-        raise PatchkitError(
-            f"{above[0]}, later in the series, is applied on {above[1]} too and would end up "
-            f"in {patch.id}'s diff; revert it first (patchkit revert --only {above[0]})"
+        raise Refused(
+            Reason.of(Code.REFRESH_UNDER_LATER, patch=patch.id, above=above[0], path=above[1])
         )
     current = {relpath: tree.fs.read(relpath, "refresh") for relpath in originals}
     report, diff, created = _sources(variant, originals, current, patch.id)
     entries = _patched_files(patch.id, originals, current)
     if not entries:
-        raise PatchkitError(
-            f"every file of {patch.id} is back to its original: nothing left to refresh into "
-            f"a diff; edit the files, or revert the patch (nothing was written)"
-        )
+        raise Refused(Reason.of(Code.REFRESH_NOTHING_LEFT, patch=patch.id))
     all_created = _all_created(root, patch, variant, created)
     _check_exact(variant, diff, all_created, originals, current)
     applied.files, applied.variant = entries, variant.name
@@ -222,19 +212,12 @@ def _originals(
             continue
         data = tree.fs.read(f"{STATE_DIR}/{entry.backup}", str(state.path))
         if data is None or sha256_bytes(data) != entry.pre_sha256:
-            raise PatchkitError(
-                f"the backup of {entry.path} is missing or damaged; refresh needs it as the "
-                "original (reinstall vLLM, apply, edit again)"
-            )
+            raise Refused(Reason.of(Code.REFRESH_BACKUP_DAMAGED, path=entry.path))
         found[entry.path] = data
     for relpath in add:
         others = sorted(p.id for p in state.patches.values() for f in p.files if f.path == relpath)
         if relpath not in found and others:
-            raise PatchkitError(
-                f"{relpath} is patched by {', '.join(others)} too; a file shared with other "
-                "patches joins this one while they are applied, with their result as its "
-                "original: apply this patch's variant first (even a partial one), then refresh"
-            )
+            raise Refused(Reason.of(Code.REFRESH_SHARED_FILE, path=relpath, others=others))
         if relpath not in found:
             found[relpath] = _pristine_file(tree, relpath, pristine)
     return found
@@ -243,14 +226,13 @@ def _originals(
 def _pristine_file(tree: VllmTree, relpath: str, pristine: Path | None) -> bytes | None:
     """A file's original for --add, from a pristine tree of the same release."""
     if pristine is None:  # _pristine_tree saw the file recorded; its state entry changed since
-        raise PatchkitError(f"{tree.root}'s record changed while refresh ran; run it again")
+        raise Refused(Reason.of(Code.REFRESH_RECORD_CHANGED, tree=str(tree.root)))
     with Root.open(pristine) as fs:
         data = fs.read(relpath, "--pristine")
     row = tree.record.row(relpath)
     if data is not None and row is not None and not row.matches(data):
-        raise PatchkitError(
-            f"{pristine}/{relpath} is not vLLM {tree.version}'s file (RECORD); pass "
-            "--pristine a pristine tree of the same release"
+        raise Refused(
+            Reason.of(Code.REFRESH_NOT_PRISTINE, path=f"{pristine}/{relpath}", version=tree.version)
         )
     return data  # None: vLLM has no such file, the patch creates it
 
@@ -268,12 +250,10 @@ def _sources(
         now = current[relpath]
         if original is None:
             if now is None:
-                raise PatchkitError(f"{relpath}, a file {patch_id} creates, is not in the tree")
+                raise Refused(Reason.of(Code.REFRESH_CREATED_GONE, path=relpath, patch=patch_id))
             if relpath not in variant.created:
-                raise PatchkitError(
-                    f"{relpath} is a new file: list it in the variant's creates in "
-                    f"{variant.diff_path.parent / 'patch.toml'} first"
-                )
+                toml = str(variant.diff_path.parent / "patch.toml")
+                raise Refused(Reason.of(Code.REFRESH_NEW_FILE, path=relpath, toml=toml))
             created[relpath] = now
             report.created.append(variant.files_dir / relpath)
         elif now == original:
@@ -308,10 +288,15 @@ def _all_created(
         if data is None:
             data = root.read(f"{patch.id}/files/{relpath}", "refresh")
         if data is None:
-            raise PatchkitError(
-                f"{variant.diff_path.parent / 'patch.toml'}: variant {variant.name} creates "
-                f"{relpath}, but it is neither in the tree's record of {patch.id} nor in "
-                f"{variant.files_dir}; make it in the tree and name it with --add {relpath}"
+            raise Refused(
+                Reason.of(
+                    Code.REFRESH_CREATED_NOWHERE,
+                    toml=str(variant.diff_path.parent / "patch.toml"),
+                    variant=variant.name,
+                    path=relpath,
+                    patch=patch.id,
+                    files=str(variant.files_dir),
+                )
             )
         found[relpath] = data
     return found
@@ -334,11 +319,8 @@ def _check_exact(
         text = None if original is None else original.decode("utf-8", errors="surrogateescape")
         result, _ = apply_file_patch(text, file_patch)
         if _bytes(result) != current[file_patch.path]:
-            raise PatchkitError(
-                f"{file_patch.path}: a diff cannot give this file's bytes back exactly "
-                f"({_why_inexact(originals.get(file_patch.path), current[file_patch.path])}); "
-                "nothing was written. Give the file one kind of line ending"
-            )
+            why = _why_inexact(originals.get(file_patch.path), current[file_patch.path])
+            raise Refused(Reason.of(Code.REFRESH_INEXACT, path=file_patch.path, why=why))
 
 
 def _why_inexact(original: bytes | None, now: bytes | None) -> str:
@@ -378,7 +360,9 @@ def _relative(root: Path, path: Path, origin: str) -> str:
     try:
         return path.relative_to(root).as_posix()
     except ValueError:
-        raise PatchkitError(f"{origin}: {path} is not inside the catalogue {root}") from None
+        raise Refused(
+            Reason.of(Code.REFRESH_OUTSIDE_CATALOGUE, origin=origin, path=str(path), root=str(root))
+        ) from None
 
 
 def _write(tree: VllmTree, root: Root, plan: _Plan) -> None:

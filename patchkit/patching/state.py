@@ -27,7 +27,8 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from patchkit.errors import PatchkitError
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused
 from patchkit.fs.files import decode_json
 from patchkit.fs.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
@@ -144,11 +145,14 @@ def load_state(fs: Root, file_kinds=None) -> State:
     return state
 
 
-def invalid_state(state: State, detail: str) -> PatchkitError:
-    return PatchkitError(
-        f"{state.path}: invalid state file ({detail}); it was not acted on. If vLLM's files "
-        f"are pristine, delete {state.directory} and run `patchkit status` (patches are then "
-        "recognised by content)"
+def invalid_state(state: State, detail: str) -> Refused:
+    return Refused(
+        Reason.of(
+            Code.INVALID_STATE,
+            path=str(state.path),
+            why=detail,
+            directory=str(state.directory),
+        )
     )
 
 

@@ -195,10 +195,8 @@ def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -
     try:
         commit_or_undo(state, changes, backups, written)
     except OSError as exc:
-        raise PatchkitError(
-            f"{os_error_line(exc, 'writing')}; the {len(written)} file(s) already "
-            "written were restored, nothing changed"
-        ) from None
+        why = os_error_line(exc, "writing")
+        raise Refused(Reason.of(Code.WRITE_UNDONE, cause=why, written=len(written))) from None
     state.fs.remove_tree(TXN_DIR, "journal")
 
 
@@ -291,10 +289,7 @@ def _undo(fs: Root, written: list[FileChange], stored: list[str]) -> None:
             fs.unlink_tmp(change.path, "rollback")
             _write(fs, change.path, change.before)
     except BaseException as exc:
-        raise PatchkitError(
-            f"restoring the tree after a failed write failed too ({exc}); the next "
-            "`patchkit apply` or `patchkit revert` rolls the run back from its journal"
-        ) from None
+        raise Refused(Reason.of(Code.RESTORE_FAILED, cause=str(exc))) from None
     for relpath in stored:
         fs.unlink(relpath, "rollback")
         fs.unlink_tmp(relpath, "rollback")
@@ -339,9 +334,8 @@ def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
         if not is_sha256(data["state_sha256"]):
             raise ValueError("state_sha256 is not a sha256")
     except (ValueError, TypeError, UnsafePath) as exc:
-        raise PatchkitError(
-            f"{path}: invalid journal ({exc}); it was not acted on. Reinstall vLLM "
-            f"(pip install --force-reinstall --no-deps vllm), then delete {path.parent}"
+        raise Refused(
+            Reason.of(Code.INVALID_JOURNAL, path=str(path), why=str(exc), journal=str(path.parent))
         ) from None
     return data["state_sha256"], entries
 
@@ -367,7 +361,7 @@ def _journal_entry(raw: object, origin: str, file_kinds) -> _JournalEntry:
     return _JournalEntry(path, raw["before"], raw["after"])
 
 
-def recover(fs: Root, file_kinds) -> list[str]:
+def recover(fs: Root, file_kinds) -> list[Reason]:
     """Finish or undo a run that died mid-write; returns what was done."""
     if not interrupted(fs):
         if fs.lstat(TXN_DIR, "journal") is not None:  # died before its journal: untouched
@@ -385,28 +379,32 @@ def recover(fs: Root, file_kinds) -> list[str]:
         if current == entry.before:
             continue
         if current != entry.after:
-            raise PatchkitError(
-                f"{fs.full(entry.path)}: changed after an interrupted patchkit run, so it "
-                f"cannot be rolled back safely; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
+            raise Refused(
+                Reason.of(
+                    Code.CHANGED_SINCE_INTERRUPTED,
+                    path=str(fs.full(entry.path)),
+                    journal=str(fs.full(TXN_DIR)),
+                )
             )
         if entry.before is None:
             fs.unlink(entry.path, "rollback")
         else:
             original = fs.read(f"{TXN_DIR}/orig/{entry.path}", "journal")
             if original is None or sha256_bytes(original) != entry.before:
-                raise PatchkitError(
-                    f"{fs.full(TXN_DIR)}: the journal's copy of {entry.path} is missing or "
-                    f"damaged; reinstall vLLM, then delete {fs.full(TXN_DIR)}"
+                raise Refused(
+                    Reason.of(
+                        Code.JOURNAL_COPY_DAMAGED, path=entry.path, journal=str(fs.full(TXN_DIR))
+                    )
                 )
             fs.write(entry.path, original, "rollback")
         restored.append(entry.path)
     fs.remove_tree(TXN_DIR, "journal")
-    return [f"rolled back an interrupted run: restored {p}" for p in restored] or [
-        "an interrupted run had changed nothing; removed its journal"
+    return [Reason.of(Code.ROLLED_BACK, path=p) for p in restored] or [
+        Reason.of(Code.ROLLED_BACK_NOTHING)
     ]
 
 
-def after_recovery(exc: OSError | PatchkitError, done: list[str], doing: str) -> Refused:
+def after_recovery(exc: OSError | PatchkitError, done: list[Reason], doing: str) -> Refused:
     """The error of a run that first rolled an interrupted run back (``done``, what that
     did): the roll-back changed the tree and stands, so the words say so ("nothing else
     was changed"). ``doing`` names what an OSError interrupted ("accessing", "reading")."""

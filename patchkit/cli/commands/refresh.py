@@ -7,8 +7,9 @@ import click
 from patchkit.catalogue.load import load_catalogue, recover_interrupted_refresh
 from patchkit.cli.options import check_only, json_option, target_options
 from patchkit.cli.outcome import outcome, user_errors
-from patchkit.cli.render import emit_json, out, text_message
-from patchkit.codes import Code
+from patchkit.cli.render import emit_json, messages, out, text_message
+from patchkit.cli.words import say
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import locate
 
@@ -96,7 +97,7 @@ def refresh_command(
     result = refresh(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
-    result.recovered[:0] = recovered
+    result.recovered[:0] = [Reason.of(Code.RECOVERED, text=line) for line in recovered]
     outcome().done([refresh_summary(result)])
     if as_json:
         emit_json("refresh", refresh_json(result))
@@ -108,8 +109,8 @@ def refresh_command(
 
 
 def render_refresh(report) -> None:
-    for line in report.recovered:  # what it finished or undid before it refreshed
-        out(f"note: {line}")
+    for reason in report.recovered:  # what it finished or undid before it refreshed
+        out(f"note: {say(reason)}")
     out(f"refreshed {report.patch_id} (variant {report.variant}): {report.diff}")
     for relpath in report.changed:
         out(f"  diff of {relpath}")
@@ -146,7 +147,7 @@ def refresh_json(report) -> dict:
         "unchanged": report.unchanged,
         "created": [str(p) for p in report.created],
         "added": report.added,
-        "recovered": [text_message(Code.RECOVERED, line) for line in report.recovered],
+        "recovered": messages(report.recovered),
     }
 
 
