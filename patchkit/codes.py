@@ -66,6 +66,7 @@ class Code(str, Enum):
     DROPPED_STALE_RECORD = "dropped-stale-record"
     ROLLED_BACK = "rolled-back"  # a file an interrupted run had changed, restored
     ROLLED_BACK_NOTHING = "rolled-back-nothing"
+    ROLLED_BACK_COMMITTED = "rolled-back-committed"  # the interrupted run had committed
     NOT_WRITABLE = "not-writable"
     COMMITTED = "committed"
     COMMITTED_REVERT = "committed-revert"

@@ -109,7 +109,7 @@ def test_tuned_expand_configs_that_undo_the_patch_are_named(tree_0260: Path, hop
     (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")  # not an expand file: ignored
     assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
     report = doctor(tree_0260, VLLM_TUNED_CONFIG_FOLDER=str(folder), PATCHKIT_LORA_BACKEND="triton")
-    problems = {Path(c["file"]).name: c["problem"] for c in report["tuned_configs"]}
+    problems = {Path(c["file"]).name: c["problem"]["message"] for c in report["tuned_configs"]}
     assert "replace the patched block_n 32" in problems["NVIDIA_H200_EXPAND_TRUE.json"]
     assert "KeyError" in problems["NVIDIA_H200_EXPAND_FALSE.json"]
     assert len(problems) == 2

@@ -356,10 +356,12 @@ def _what(r: Reason, _: str) -> str:
     return r["what"]
 
 
-@words(Code.ROLLED_BACK, Code.ROLLED_BACK_NOTHING)
+@words(Code.ROLLED_BACK, Code.ROLLED_BACK_NOTHING, Code.ROLLED_BACK_COMMITTED)
 def _rolled_back(r: Reason, _: str) -> str:
     if r.code == Code.ROLLED_BACK_NOTHING:
         return "an interrupted run had changed nothing; removed its journal"
+    if r.code == Code.ROLLED_BACK_COMMITTED:
+        return "an interrupted run had already committed; removed its journal"
     return f"rolled back an interrupted run: restored {r['path']}"
 
 

@@ -372,7 +372,7 @@ def recover(fs: Root, file_kinds) -> list[Reason]:
         fs.unlink_tmp(entry.path, "rollback")
     if file_sha256(fs.read(STATE_FILE, "state")) == state_sha:
         fs.remove_tree(TXN_DIR, "journal")
-        return ["an interrupted run had already committed; removed its journal"]
+        return [Reason.of(Code.ROLLED_BACK_COMMITTED)]
     restored = []
     for entry in entries:
         current = file_sha256(fs.read(entry.path, "rollback"))
