@@ -27,7 +27,7 @@ class Code(str, Enum):
     DECIDED = "decided"  # the catalogue's decision for this release, its own text
     PREDATES_CATALOGUE = "predates-catalogue"
     APPLIED_FROM_OLDER_CATALOGUE = "applied-from-older-catalogue"
-    APPLIED_WITHOUT_RECORD = "applied-without-record"
+    APPLIED_WITHOUT_ENTRY = "applied-without-entry"
     APPLIED_IN_COMMIT = "applied-in-commit"  # fork mode: the commit that applied it
     REPLACED = "replaced"  # apply --only ID put the current version in place of an older
     OPT_IN = "opt-in"
@@ -55,15 +55,15 @@ class Code(str, Enum):
     DECISION_EVIDENCE_MISSING = "decision-evidence-missing"
     ONLY_NOT_APPLIED = "only-not-applied"
     NOT_APPLIED = "not-applied"
-    UNKNOWN_RECORD = "unknown-record"
+    UNKNOWN_ENTRY = "unknown-entry"
     INTERRUPTED_RUN = "interrupted-run"
     INTERRUPTED_RUN_DRY = "interrupted-run-dry"
     CATALOGUE_INTERRUPTED = "catalogue-interrupted"
     CACHES_LEFT_ALONE = "caches-left-alone"
     AFTER_COMMIT = "after-commit"
     BYTECODE_LEFT = "bytecode-left"
-    STALE_RECORD = "stale-record"
-    DROPPED_STALE_RECORD = "dropped-stale-record"
+    STALE_ENTRY = "stale-entry"
+    DROPPED_STALE_ENTRY = "dropped-stale-entry"
     ROLLED_BACK = "rolled-back"  # a file an interrupted run had changed, restored
     ROLLED_BACK_NOTHING = "rolled-back-nothing"
     ROLLED_BACK_COMMITTED = "rolled-back-committed"  # the interrupted run had committed
@@ -86,7 +86,7 @@ class Code(str, Enum):
     REFUSED_REPLACE_UNDER_LATER = "refused-replace-under-later"
     REFUSED_REPLACE_DOES_NOT_APPLY = "refused-replace-does-not-apply"
     REFUSED_UNDER_LATER = "refused-under-later"
-    REFUSED_UNKNOWN_RECORD = "refused-unknown-record"
+    REFUSED_UNKNOWN_ENTRY = "refused-unknown-entry"
     REFUSED_REVERT_UNDER = "refused-revert-under"
     REFUSED_REVERT_CONFLICT = "refused-revert-conflict"
     REFUSED_EDITED = "refused-edited"
@@ -114,7 +114,7 @@ class Code(str, Enum):
     REFRESH_NOTHING_LEFT = "refresh-nothing-left"
     REFRESH_BACKUP_DAMAGED = "refresh-backup-damaged"
     REFRESH_SHARED_FILE = "refresh-shared-file"
-    REFRESH_RECORD_CHANGED = "refresh-record-changed"
+    REFRESH_ENTRY_CHANGED = "refresh-entry-changed"
     REFRESH_NOT_PRISTINE = "refresh-not-pristine"
     REFRESH_CREATED_GONE = "refresh-created-gone"
     REFRESH_NEW_FILE = "refresh-new-file"

@@ -102,7 +102,7 @@ def _older(r: Reason, _: str) -> str:
     )
 
 
-@words(Code.APPLIED_WITHOUT_RECORD)
+@words(Code.APPLIED_WITHOUT_ENTRY)
 def _no_record(r: Reason, _: str) -> str:
     return (
         "the patched text is present but patchkit has no record of applying it (applied by "
@@ -308,7 +308,7 @@ def _not_applied(r: Reason, _: str) -> str:
     return f"{r['patch']} is not applied ({r['state']})"
 
 
-@words(Code.UNKNOWN_RECORD)
+@words(Code.UNKNOWN_ENTRY)
 def _unknown_record(r: Reason, _: str) -> str:
     return (
         f"{r['state']} records patch {r['patch']!r}, which this patchkit does not know; its "
@@ -365,7 +365,7 @@ def _rolled_back(r: Reason, _: str) -> str:
     return f"rolled back an interrupted run: restored {r['path']}"
 
 
-@words(Code.STALE_RECORD)
+@words(Code.STALE_ENTRY)
 def _stale(r: Reason, _: str) -> str:
     return (
         f"{r['patch']}: state.json's record of it no longer matches the files (vLLM was "
@@ -373,7 +373,7 @@ def _stale(r: Reason, _: str) -> str:
     )
 
 
-@words(Code.DROPPED_STALE_RECORD)
+@words(Code.DROPPED_STALE_ENTRY)
 def _dropped(r: Reason, _: str) -> str:
     return f"dropped the stale record of {r['patch']} (vLLM was reinstalled since)"
 
@@ -495,9 +495,9 @@ def _refused_under(r: Reason, nothing: str) -> str:
     )
 
 
-@words(Code.REFUSED_UNKNOWN_RECORD)
+@words(Code.REFUSED_UNKNOWN_ENTRY)
 def _refused_unknown(r: Reason, nothing: str) -> str:
-    return f"{say(r['record'])}; {nothing}"
+    return f"{say(r['entry'])}; {nothing}"
 
 
 @words(Code.REFUSED_REVERT_UNDER)
@@ -734,7 +734,7 @@ def _shared_file(r: Reason, _: str) -> str:
     )
 
 
-@words(Code.REFRESH_RECORD_CHANGED)
+@words(Code.REFRESH_ENTRY_CHANGED)
 def _record_changed(r: Reason, _: str) -> str:
     return f"{r['tree']}'s record changed while refresh ran; run it again"
 

@@ -400,7 +400,7 @@ def _from_variants(
             return Assessment(
                 patch,
                 APPLIED,
-                reason=Reason.of(Code.APPLIED_WITHOUT_RECORD),
+                reason=Reason.of(Code.APPLIED_WITHOUT_ENTRY),
                 variant=variant,
                 files=variant.paths,
             )

@@ -332,9 +332,7 @@ def _plan_revert(
     it leave them (a copy of ``state`` follows them: the caller's is never changed)."""
     unknown = [i for i, stale in unknown_entries(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
-        raise Refused(
-            Reason.of(Code.REFUSED_UNKNOWN_RECORD, record=unknown_line(state, unknown[0]))
-        )
+        raise Refused(Reason.of(Code.REFUSED_UNKNOWN_ENTRY, entry=unknown_line(state, unknown[0])))
     selected = [p.id for p in select(catalogue, options.only, opt_in=True)]
     result.drop = stale_entries(state, catalogue, tree, selected)
     kept = {k: v for k, v in state.patches.items() if k not in result.drop}
@@ -370,7 +368,7 @@ def _take_findings(result: _Draft, assessment: Assessment) -> None:
     for reason in assessment.warnings:
         result.warn(reason)
     if assessment.stale_entry:
-        result.notes.append(Reason.of(Code.STALE_RECORD, patch=assessment.patch.id))
+        result.notes.append(Reason.of(Code.STALE_ENTRY, patch=assessment.patch.id))
 
 
 def _fail_strict(warnings: list[Reason]) -> None:
@@ -441,7 +439,7 @@ def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list
 
 def unknown_line(state: State, patch_id: str) -> Reason:
     return Reason.of(
-        Code.UNKNOWN_RECORD,
+        Code.UNKNOWN_ENTRY,
         state=str(state.path),
         patch=patch_id,
         paths=[f.path for f in state.patches[patch_id].files],

@@ -239,7 +239,7 @@ def _execute(report: RunReport, state: State) -> None:
                 state.fs.remove_tree(f"{STATE_DIR}/backups/{patch_id}", "state")
             except (OSError, PatchkitError) as exc:
                 report.warn(_after_commit(exc, "removing the backups", patch_id))
-    report.notes.extend(Reason.of(Code.DROPPED_STALE_RECORD, patch=i) for i in planned.drop)
+    report.notes.extend(Reason.of(Code.DROPPED_STALE_ENTRY, patch=i) for i in planned.drop)
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
     report.bytecode_removed = removed
     for line in problems:

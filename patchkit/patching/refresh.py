@@ -226,7 +226,7 @@ def _originals(
 def _pristine_file(tree: VllmTree, relpath: str, pristine: Path | None) -> bytes | None:
     """A file's original for --add, from a pristine tree of the same release."""
     if pristine is None:  # _pristine_tree saw the file recorded; its state entry changed since
-        raise Refused(Reason.of(Code.REFRESH_RECORD_CHANGED, tree=str(tree.root)))
+        raise Refused(Reason.of(Code.REFRESH_ENTRY_CHANGED, tree=str(tree.root)))
     with Root.open(pristine) as fs:
         data = fs.read(relpath, "--pristine")
     row = tree.record.row(relpath)
