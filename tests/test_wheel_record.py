@@ -94,7 +94,8 @@ def test_a_record_in_another_algorithm_decides_as_sha256_does(tmp_path, slim_tre
 
     def status(root: Path) -> list:
         done = run_cli("status", "--target", str(root), "--json")
-        return [(p["id"], p["state"], p["reason"]) for p in json.loads(done.stdout)["patches"]]
+        patches = json.loads(done.stdout)["patches"]
+        return [(p["id"], p["state"], p["reason"] and p["reason"]["message"]) for p in patches]
 
     found = status(other)
     assert found == status(slim_tree_0260)
