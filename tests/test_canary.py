@@ -251,12 +251,19 @@ class FakeVLLM:
             answer = completion(body, SANE_IDS, -0.5)
             answer["choices"][0]["logprobs"]["token_logprobs"][:3] = BAD_LOGPROBS[behaviour]
             return 200, answer, JSON
-        answer = completion(body, SANE_IDS, -0.5)
+        answer = completion(body, SANE_IDS, self.sane_logprob(model))
         if behaviour == "nulllogprobs":
             answer["choices"][0]["logprobs"] = None
         if behaviour == "nullentries":  # vLLM writes None where a step has no logprobs
             answer["choices"][0]["logprobs"]["token_logprobs"][3:] = [None] * 29
         return 200, answer, JSON
+
+    def sane_logprob(self, model: str) -> float:
+        """Each model its own log-probability (an adapter changes its base's answer), but
+        `inert` answers exactly as the first model (the base) does."""
+        if self.models[model] == "inert":
+            return -0.5
+        return -0.5 - 0.25 * list(self.models).index(model)
 
 
 JSON = "application/json"
@@ -659,7 +666,8 @@ def test_unknown_model_is_named_and_fails():
     assert result.exit_code == 1
     assert "'nope-lora' not-served: not in GET /v1/models" in result.stderr
     assert "served: Qwen/Qwen3.5-tiny, sql-lora, chat-lora" in result.stdout
-    assert [r["body"]["model"] for r in server.completions()] == ["sql-lora"]
+    # the adapter's parent is asked once more, only to compare the adapter's answer with it
+    assert [r["body"]["model"] for r in server.completions()] == ["sql-lora", BASE]
 
 
 def test_prompt_shortened_to_fit_max_model_len():
@@ -714,7 +722,7 @@ def test_json_shape_of_a_failed_run():
     assert report["error"] == "adapter 'bad-lora' answers NaN"
     assert set(report["models"][1]) == {
         "kind", "model", "parent", "verdict", "evidence", "http_status", "prompt_tokens",
-        "completion_tokens", "text", "token_ids", "corrupted_delta", "seconds",
+        "completion_tokens", "text", "token_ids", "logprobs", "corrupted_delta", "seconds",
     }  # fmt: skip
     assert report["models"][1]["parent"] == BASE and report["models"][0]["parent"] is None
     assert any("patchkit doctor" in s for s in report["next_steps"])
@@ -823,3 +831,20 @@ def test_the_text_report_escapes_control_characters_the_server_sends():
     assert "\x1b" not in result.stdout
     assert "OK: all models answer sanely" not in result.stdout.splitlines()
     assert "m\\x1b[2J\\nOK: all models answer sanely" in result.stdout
+
+
+def test_an_adapter_answering_exactly_as_its_base_is_no_effect():
+    with FakeVLLM({BASE: "ok", "sql-lora": "ok", "inert-lora": "inert"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 1
+    assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "inert-lora": "no-effect"}
+    assert "'inert-lora' answers as the base model (no effect)" in report["error"]
+    assert any("patchkit adapter check" in step for step in report["next_steps"])
+
+
+def test_an_adapter_named_alone_is_compared_with_its_parent_asked_once_more():
+    with FakeVLLM({BASE: "ok", "inert-lora": "inert"}) as server:
+        code, report = canary_json(server.url, "--model", "inert-lora")
+    assert code == 1
+    assert verdicts(report) == {"inert-lora": "no-effect"}
+    assert [r["body"]["model"] for r in server.completions()] == ["inert-lora", BASE]

@@ -72,7 +72,8 @@ def healthy(path: str, request: dict | None) -> bytes:
         return as_json({"version": "0.26.0"})
     if path == "/metrics":
         return http(200, METRICS.format(value="0.0").encode(), "Content-Type: text/plain")
-    return as_json(completion(request, [785, 1790, 6556, 11] * 8, -0.5))
+    logprob = -0.5 if request["model"] == BASE else -0.75  # an adapter changes the answer
+    return as_json(completion(request, [785, 1790, 6556, 11] * 8, logprob))
 
 
 class RawServer:

@@ -85,7 +85,7 @@ except ImportError as exc:  # the optional dependencies are not installed
     raise PatchkitError(MISSING_DEPS) from exc
 
 # after the dependency check:
-from patchkit.canary import fields, transport  # noqa: E402
+from patchkit.canary import effect, fields, transport  # noqa: E402
 from patchkit.canary.decoding import ACCEPTED, CappedBody, DecodeError, TooLarge  # noqa: E402
 from patchkit.canary.fields import WrongShape  # noqa: E402
 from patchkit.canary.transport import Deadline  # noqa: E402
@@ -163,6 +163,7 @@ class ModelCheck:
     completion_tokens: int | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    logprobs: list[float | None] | None = None
     corrupted_delta: float | None = None
     seconds: float = 0.0
 
@@ -187,6 +188,7 @@ class Report:
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     models: list[ModelCheck] = field(default_factory=list)
     recheck: ModelCheck | None = None  # the base model again, after a bad adapter
+    parents: list[ModelCheck] = field(default_factory=list)  # asked only to compare adapters
     counter: dict = field(default_factory=dict)  # name, present, before, after
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
@@ -209,12 +211,15 @@ class Report:
             sane = f"all {n} models answer sanely" if n != 1 else "the 1 model answers sanely"
             return sane + more
         bad = [v for v in self.models if v.verdict == "bad"]
-        others = [v for v in self.models if v.verdict not in ("ok", "bad")]
+        inert = [v for v in self.models if v.verdict == effect.NO_EFFECT]
+        others = [v for v in self.models if v.verdict not in ("ok", "bad", effect.NO_EFFECT)]
         parts = []
         if bad:
             names = ", ".join(f"{v.kind} '{fields.one_line(v.model, 60)}'" for v in bad[:3])
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             parts.append(f"{names}{more} answer{'s' if len(bad) == 1 else ''} NaN")
+        if inert:
+            parts.append(effect.summary(inert))
         if self.recheck and self.recheck.verdict != "ok":
             name = fields.one_line(self.recheck.model, 60)
             parts.append(f"the base model '{name}' went bad after it")
@@ -706,6 +711,7 @@ def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool)
     elif verdict.token_ids is None and BANG_RUN in verdict.text:
         verdict.mark("bad", f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}")
     if with_logprobs:
+        verdict.logprobs = completion.logprobs
         judge_logprobs(verdict, completion.logprobs)
 
 
@@ -842,6 +848,8 @@ def run(
             report.notes.append(reading.why)
         for card in targets:
             report.models.append(check_one(server, report, card, by_id, prompt_tokens))
+        report.parents = ask_parents(server, report, by_id, prompt_tokens)
+        effect.judge_effects(report.models, report.parents)
         report.models += missing
         if not report.models:
             report.notes.append("the server lists no models")
@@ -868,6 +876,20 @@ def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: i
     if report.counter["present"]:
         judge_counter(server, report, verdict)
     return verdict
+
+
+def ask_parents(server: Server, report: Report, by_id: dict, tokens: int) -> list[ModelCheck]:
+    """The parents of checked adapters that were not checked themselves (--model named only
+    the adapter): asked once, the same prompt, so the adapter's answer has its comparison."""
+    checked = {v.model for v in report.models}
+    wanted = [v.parent for v in report.models if v.parent and v.verdict == "ok"]
+    asked = []
+    for name in dict.fromkeys(wanted):
+        if name in checked or name not in by_id or server.remaining() <= 0:
+            continue
+        fitted, _ = fitting_prompt(by_id[name], by_id, tokens)
+        asked.append(check_model(server, by_id[name], prompt_text(fitted)))
+    return asked
 
 
 def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
@@ -928,6 +950,7 @@ def next_steps(report: Report) -> list[str]:
             "the base model itself answers NaN, so LoRA is not the only cause: run "
             "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
         ]
+    steps += effect.next_steps([v for v in report.models if v.verdict == effect.NO_EFFECT])
     if report.recheck and report.recheck.verdict != "ok":
         steps.append("the base model went bad after the adapter: the server's state is polluted")
     if bad:
