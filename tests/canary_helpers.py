@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from patchkit.canary import check
+from patchkit.canary import prompt
 
 BASE = "Qwen/Qwen3.5-tiny"
 
@@ -23,7 +23,7 @@ def completion(body: dict, ids: list[int], logprob: float, text: str | None = No
             "tokens": tokens,
             "top_logprobs": [{t: logprob} for t in tokens],
         }
-    prompt_tokens = check._estimate(body["prompt"])
+    prompt_tokens = prompt.estimate(body["prompt"])
     return {
         "id": "cmpl-0123456789abcdef",
         "object": "text_completion",

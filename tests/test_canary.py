@@ -38,7 +38,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from patchkit.canary import check
+from patchkit.canary import check, metrics, prompt
+from patchkit.canary.report import ModelCheck, Report
 from tests.canary_helpers import BASE, completion
 from tests.conftest import run_cli, run_subprocess
 
@@ -316,9 +317,9 @@ def test_healthy_base_and_two_adapters_pass_with_sound_requests():
     for request in sent:
         body = request["body"]
         assert body["temperature"] == 0 and body["logprobs"] == 1
-        assert body["max_tokens"] == check.NEW_TOKENS
+        assert body["max_tokens"] == prompt.NEW_TOKENS
         assert body["return_tokens_as_token_ids"] is True and body["return_token_ids"] is True
-        assert 1800 <= check._estimate(body["prompt"]) <= 2000
+        assert 1800 <= prompt.estimate(body["prompt"]) <= 2000
     salts = {r["body"]["cache_salt"] for r in sent}
     assert len(salts) == 3  # each long prefill really runs: no prefix-cache hit
 
@@ -494,7 +495,7 @@ def test_a_nan_counter_is_unreadable_not_a_value():
         code, report = canary_json(server.url)
     assert result.exit_code == 0 and code == 0
     assert "nan -> nan" not in result.stdout
-    assert not any(line.startswith(f"{check.COUNTER}:") for line in result.stdout.splitlines())
+    assert not any(line.startswith(f"{metrics.COUNTER}:") for line in result.stdout.splitlines())
     assert "vllm:corrupted_requests_total on /metrics is nan, not a count: unreadable" in (
         result.stdout
     )
@@ -563,7 +564,7 @@ def test_server_that_accepts_but_never_answers_respects_timeout():
 @pytest.mark.slow
 def test_address_that_drops_connection_attempts_fails_at_the_connect_timeout(monkeypatch):
     """A full accept queue drops SYNs, as a firewall or a dead pod IP does."""
-    monkeypatch.setattr(check, "CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setattr("patchkit.canary.server.CONNECT_TIMEOUT", 1.0)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
@@ -628,7 +629,7 @@ def test_default_budget_is_sixty_seconds(monkeypatch):
 
     def fake_run(url, api_key, models, prompt_tokens, timeout, record):
         seen["timeout"] = timeout
-        return check.Report(url=url, models=[check.ModelCheck(model="m")])
+        return Report(url=url, models=[ModelCheck(model="m")])
 
     monkeypatch.setattr(check, "run", fake_run)
     assert canary_cli("http://127.0.0.1:1").exit_code == 0
@@ -675,7 +676,7 @@ def test_prompt_shortened_to_fit_max_model_len():
         code, report = canary_json(server.url)
     assert code == 0
     for request in server.completions():
-        assert check._estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
+        assert prompt.estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
     assert "fit max_model_len 1024" in report["models"][1]["evidence"][0]
 
 
@@ -813,13 +814,13 @@ def test_record_never_writes_through_a_link_and_a_dir_it_cannot_write_is_one_lin
 
 
 def test_prompt_is_deterministic_varied_and_sized():
-    text = check.prompt_text(2000)
-    assert text == check.prompt_text(2000)
-    assert 1900 <= check._estimate(text) <= 2000
+    text = prompt.prompt_text(2000)
+    assert text == prompt.prompt_text(2000)
+    assert 1900 <= prompt.estimate(text) <= 2000
     sentences = [s for s in text.replace("\n", " ").split(". ") if s]
     assert len(set(sentences)) > 0.9 * len(sentences)
-    assert check._estimate(check.prompt_text(200)) <= 200
-    assert check.prompt_text(16).startswith("Here is a long story")
+    assert prompt.estimate(prompt.prompt_text(200)) <= 200
+    assert prompt.prompt_text(16).startswith("Here is a long story")
 
 
 def test_the_text_report_escapes_control_characters_the_server_sends():

@@ -285,7 +285,7 @@ def test_a_dry_run_shows_the_state_the_tree_is_in(tree_0260):
 
 def test_counts_are_in_their_number():
     """ "all 1 models answer sanely", "(and 1 more warnings)"."""
-    from patchkit.canary.check import ModelCheck, Report
+    from patchkit.canary.report import ModelCheck, Report
     from patchkit.cli.words import say
     from patchkit.codes import Code, Reason
     from patchkit.errors import Refused

@@ -210,91 +210,11 @@ def wrap_blocks(first: str, text: str) -> list[str]:
 
 
 def emit_canary(report, as_json: bool, api_key: str | None) -> None:
-    """Print the canary's report as JSON or text, with the API key scrubbed from both."""
-    from patchkit.canary import check, fields
+    """Print the canary's report (made by patchkit.canary.output) as JSON or text."""
+    from patchkit.canary import output
 
     if as_json:
-        out_lines(check.scrub(json.dumps(canary_json(report), indent=2), api_key))
+        out_lines(output.document(report, api_key, exits.OK if report.ok else exits.FAILURE))
         return
-    for line in canary_lines(report):
-        # model ids and answers come from the server: escaped, and no line past LINE
-        out(fields.one_line(check.scrub(line, api_key), fields.LINE))
-
-
-MODEL_NAME = 80  # characters of a model's name in the canary's per-model lines
-
-
-def canary_lines(report) -> list[str]:
-    """The text report: a line per model, the counter, the verdict and the next steps
-    (as they are: :func:`emit_canary` scrubs and escapes them on the way out)."""
-    from patchkit.canary import check, fields
-
-    version = f"vLLM {report.version}" if report.version else "server"
-    lines = [
-        f"{version} at {report.url}: {counted(len(report.models), 'model')}, "
-        f"prompt ~{report.prompt_tokens}"
-        f" tokens, {check.NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
-    ]
-    name = {id(v): fields.one_line(v.model, MODEL_NAME) for v in report.models}
-    width = max(map(len, name.values()), default=0)
-    for v in report.models:
-        lines.append(
-            f"  {_canary_label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  {_canary_detail(v)}"
-        )
-    if report.recheck:
-        r = report.recheck
-        again = f"again after the bad adapter: {_canary_detail(r)}"
-        recheck_name = fields.one_line(r.model, MODEL_NAME)
-        lines.append(f"  {_canary_label(r):<11} {recheck_name:<{width}}  {again}")
-    counter = report.counter
-    if counter.get("present"):
-        lines.append(f"{check.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
-    lines += [f"note: {note}" for note in report.notes]
-    if report.ok:
-        return lines + [f"OK: {report.summary()}"]
-    lines.append(f"FAILED: {report.summary()}")
-    steps = enumerate(report.next_steps(), start=1)
-    return lines + [f"  {number}. {step}" for number, step in steps]
-
-
-def _canary_label(v) -> str:
-    return {"ok": "ok", "bad": "BAD (NaN)"}.get(v.verdict, v.verdict.upper())
-
-
-def _canary_detail(v) -> str:
-    facts = []
-    if v.prompt_tokens is not None:
-        facts.append(f"{v.prompt_tokens} prompt tokens")
-    if v.completion_tokens is not None:
-        facts.append(f"{v.completion_tokens} new")
-    if v.verdict == "bad" and v.text is not None:
-        facts.append(f"text {v.text[:24]!r}")
-    facts.append(f"{v.seconds:.1f} s")
-    return "; ".join(v.evidence + [", ".join(facts)])
-
-
-def canary_json(report) -> dict:
-    from patchkit.canary import check
-
-    data = {
-        "ok": report.ok,
-        "exit_code": exits.OK if report.ok else exits.FAILURE,
-        "url": report.url,
-        "vllm_version": report.version,
-        "prompt_tokens": report.prompt_tokens,
-        "new_tokens": check.NEW_TOKENS,
-        "models": [_canary_verdict_json(v) for v in report.models],
-        "recheck": _canary_verdict_json(report.recheck) if report.recheck else None,
-        "corrupted_requests": report.counter,
-        "notes": report.notes,
-        "skipped": len(report.skipped),  # the first few are named in notes
-        "next_steps": report.next_steps(),
-        "seconds": round(report.seconds, 2),
-    }
-    if not report.ok:
-        data["error"] = report.summary()
-    return data
-
-
-def _canary_verdict_json(v) -> dict:
-    return {"kind": v.kind, **dataclasses.asdict(v)}
+    for line in output.text(report, api_key):
+        out(line)

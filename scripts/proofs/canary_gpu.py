@@ -106,7 +106,7 @@ def train_tokenizer(model_dir: Path) -> dict:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from patchkit.canary.check import prompt_text
+    from patchkit.canary.prompt import prompt_text
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -148,7 +148,7 @@ def check_tokenizer(model_dir: Path) -> dict:
     """Load it the way vLLM does (transformers' AutoTokenizer) and count a canary prompt."""
     from transformers import AutoTokenizer
 
-    from patchkit.canary.check import prompt_text
+    from patchkit.canary.prompt import prompt_text
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.convert_ids_to_tokens(0) != "!" or len(tokenizer) != VOCAB:

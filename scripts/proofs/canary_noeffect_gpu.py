@@ -358,7 +358,7 @@ def request_body(model: str, prompt: str, **extra) -> dict:
 
 def record_repeats(recorder: Recorder, repeats: int) -> int:
     """Each prompt asked `repeats` times of every model, one request at a time."""
-    from patchkit.canary.check import prompt_text
+    from patchkit.canary.prompt import prompt_text
 
     sent = 0
     for tokens in PROMPT_TOKENS:
@@ -373,7 +373,7 @@ def record_repeats(recorder: Recorder, repeats: int) -> int:
 
 def record_concurrent(recorder: Recorder, rounds: int) -> int:
     """The canary's prompt asked of every model twice at once: answers computed in batches."""
-    from patchkit.canary.check import prompt_text
+    from patchkit.canary.prompt import prompt_text
 
     prompt = prompt_text(PROMPT_TOKENS[0])
     sent = 0
@@ -396,7 +396,7 @@ def record_concurrent(recorder: Recorder, rounds: int) -> int:
 
 def record_prompt_logprobs(recorder: Recorder) -> int:
     """Teacher-forced log-probabilities of a short prompt, twice per model."""
-    from patchkit.canary.check import prompt_text
+    from patchkit.canary.prompt import prompt_text
 
     prompt = prompt_text(PROMPT_LOGPROBS_TOKENS)
     sent = 0

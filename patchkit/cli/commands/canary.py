@@ -96,11 +96,11 @@ def canary_command(url, api_key, models, prompt_tokens, timeout, record, as_json
     """
     from pathlib import Path
 
-    from patchkit.canary import check  # httpx, prometheus_client: only here
+    from patchkit.canary import check, server  # httpx, prometheus_client: only here
 
     result = check.run(
         url, api_key, models, prompt_tokens, timeout, Path(record) if record else None
     )
     render.emit_canary(result, as_json, api_key)
     if not result.ok:
-        fail(check.scrub(result.summary(), api_key), exits.FAILURE, False)
+        fail(server.scrub(result.summary(), api_key), exits.FAILURE, False)

@@ -1,0 +1,143 @@
+"""What the canary concludes: a verdict per model, the run's report, and what to do next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from patchkit.canary import effect, fields
+from patchkit.canary.metrics import COUNTER, COUNTER_ABSENT
+from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS
+
+
+@dataclass
+class ModelCheck:
+    """What one model answered and what the canary makes of it.
+
+    verdict: ok, bad (evidence of NaN: the failure this tool exists for),
+    error (the request failed some other way), not-served (a --model the
+    server does not list), not-checked (the time budget ran out first).
+    """
+
+    model: str
+    parent: str | None = None
+    verdict: str = "ok"
+    evidence: list[str] = field(default_factory=list)
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float | None] | None = None
+    corrupted_delta: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        return "adapter" if self.parent else "base"
+
+    def mark(self, verdict: str, evidence: str) -> None:
+        """Add evidence; `bad` outranks `error`, which outranks `ok`."""
+        order = ("ok", "error", "bad")
+        if verdict in order and order.index(verdict) > order.index(self.verdict):
+            self.verdict = verdict
+        elif verdict not in order:
+            self.verdict = verdict
+        self.evidence.append(evidence)
+
+
+@dataclass
+class Report:
+    url: str
+    version: str | None = None
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    models: list[ModelCheck] = field(default_factory=list)
+    recheck: ModelCheck | None = None  # the base model again, after a bad adapter
+    parents: list[ModelCheck] = field(default_factory=list)  # asked only to compare adapters
+    counter: dict = field(default_factory=dict)  # name, present, before, after
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        checked = self.models + ([self.recheck] if self.recheck else [])
+        return bool(self.models) and all(v.verdict == "ok" for v in checked)
+
+    def summary(self) -> str:
+        """One line of at most fields.LINE characters: what is wrong (or that all is well).
+
+        Model names and evidence come from the server: each is escaped and cut,
+        and so is the whole line.
+        """
+        if self.ok:
+            more = f" ({len(self.skipped)} more not checked)" if self.skipped else ""
+            n = len(self.models)
+            sane = f"all {n} models answer sanely" if n != 1 else "the 1 model answers sanely"
+            return sane + more
+        bad = [v for v in self.models if v.verdict == "bad"]
+        inert = [v for v in self.models if v.verdict == effect.NO_EFFECT]
+        others = [v for v in self.models if v.verdict not in ("ok", "bad", effect.NO_EFFECT)]
+        parts = []
+        if bad:
+            names = ", ".join(f"{v.kind} '{fields.one_line(v.model, 60)}'" for v in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            parts.append(f"{names}{more} answer{'s' if len(bad) == 1 else ''} NaN")
+        if inert:
+            parts.append(effect.summary(inert))
+        if self.recheck and self.recheck.verdict != "ok":
+            name = fields.one_line(self.recheck.model, 60)
+            parts.append(f"the base model '{name}' went bad after it")
+        for v in others[:3]:
+            evidence = v.evidence[0] if v.evidence else ""
+            parts.append(f"'{fields.one_line(v.model, 60)}' {v.verdict}: {evidence}")
+        if len(others) > 3:
+            parts.append(f"{len(others) - 3} more not ok")
+        return fields.one_line("; ".join(parts), fields.LINE)
+
+    def next_steps(self) -> list[str]:
+        return next_steps(self)
+
+
+def next_steps(report: Report) -> list[str]:
+    """What the on-call engineer does next, given what went wrong."""
+    if report.ok:
+        return []
+    bad = [v for v in report.models if v.verdict == "bad"]
+    bad_base = [v for v in bad if v.kind == "base"]
+    bad_adapters = [v.model for v in bad if v.kind == "adapter"]
+    steps = []
+    if bad_adapters and not bad_base:
+        names = ", ".join(bad_adapters)
+        steps += [
+            f"the NaN comes through the LoRA path of {names} (the base model is sane): run "
+            "`patchkit doctor` in the serving image (the Python that runs vLLM); it says "
+            "whether vLLM #48590 (Hopper LoRA kernel) is exposed",
+            "if exposed: `patchkit apply --clear-caches`, then restart the server",
+            f"if protected: the weights of {names} themselves hold inf/NaN (patchkit's torch "
+            "LoRA path keeps such an adapter's NaN in its own requests); replace the adapter, "
+            "and stop routing to it meanwhile (POST /v1/unload_lora_adapter when the server "
+            "allows runtime LoRA updates)",
+        ]
+    if bad_base:
+        steps += [
+            "the base model itself answers NaN, so LoRA is not the only cause: run "
+            "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
+        ]
+    steps += effect.next_steps([v for v in report.models if v.verdict == effect.NO_EFFECT])
+    if report.recheck and report.recheck.verdict != "ok":
+        steps.append("the base model went bad after the adapter: the server's state is polluted")
+    if bad:
+        steps.append(
+            "restart the server: once a NaN has appeared, later requests can stay bad until a "
+            "restart"
+        )
+    if any(v.verdict in ("error", "not-checked") for v in report.models):
+        steps.append("look at the server's log for the failed requests; check --timeout")
+    if any(v.verdict == "not-served" for v in report.models):
+        steps.append("check the --model names against GET /v1/models (listed in the evidence)")
+    if COUNTER_ABSENT in report.notes:
+        steps.append(
+            "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
+            f"counted in {COUNTER}"
+        )
+    return steps
