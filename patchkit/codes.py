@@ -157,6 +157,51 @@ class Code(str, Enum):
     ADAPTER_TARGET = "adapter-target"
     ADAPTER_RELEASE = "adapter-release"
 
+    # ----- canary: what one model's answer showed -----
+    CANARY_NAN_ERROR = "canary-nan-error"  # an HTTP error whose message reports NaN
+    CANARY_HTTP_ERROR = "canary-http-error"  # an HTTP error without NaN
+    CANARY_RETRY_FAILED = "canary-retry-failed"  # the request without logprobs failed too
+    CANARY_UNANSWERED = "canary-unanswered"  # no answer: refused, timed out, budget spent
+    CANARY_ANSWER_SHAPE = "canary-answer-shape"  # a field of the wrong type
+    CANARY_ZERO_RUN = "canary-zero-run"  # token id 0 again and again ('!!!!')
+    CANARY_BANG_TEXT = "canary-bang-text"  # a run of '!' in a text without token ids
+    CANARY_LOGPROBS_ABSENT = "canary-logprobs-absent"
+    CANARY_LOGPROBS_NAN = "canary-logprobs-nan"
+    CANARY_LOGPROBS_INFINITE = "canary-logprobs-infinite"
+    CANARY_LOGPROBS_POSITIVE = "canary-logprobs-positive"
+    CANARY_LOGPROBS_NULL = "canary-logprobs-null"
+    CANARY_LOGPROB_IMPOSSIBLE = "canary-logprob-impossible"  # a greedy token far too unlikely
+    CANARY_COUNTER_ROSE = "canary-counter-rose"
+    CANARY_NO_EFFECT = "canary-no-effect"  # an adapter answering as its parent does
+    CANARY_NOT_SERVED = "canary-not-served"
+    CANARY_NOT_CHECKED = "canary-not-checked"
+    CANARY_PROMPT_SHORTENED = "canary-prompt-shortened"
+    # ----- canary: notes of a run -----
+    CANARY_COUNTER_ABSENT = "canary-counter-absent"
+    CANARY_COUNTER_UNREADABLE = "canary-counter-unreadable"
+    CANARY_METRICS_NOT_READ = "canary-metrics-not-read"
+    CANARY_MODELS_SKIPPED = "canary-models-skipped"
+    CANARY_NO_MODELS = "canary-no-models"
+    # ----- canary: the verdict and what to do next -----
+    CANARY_FAILED = "canary-failed"
+    CANARY_STEP_DOCTOR = "canary-step-doctor"
+    CANARY_STEP_APPLY = "canary-step-apply"
+    CANARY_STEP_REPLACE_ADAPTER = "canary-step-replace-adapter"
+    CANARY_STEP_BASE_NAN = "canary-step-base-nan"
+    CANARY_STEP_POLLUTED = "canary-step-polluted"
+    CANARY_STEP_RESTART = "canary-step-restart"
+    CANARY_STEP_SERVER_LOG = "canary-step-server-log"
+    CANARY_STEP_MODEL_NAMES = "canary-step-model-names"
+    CANARY_STEP_COUNTER = "canary-step-counter"
+    CANARY_STEP_NO_EFFECT = "canary-step-no-effect"  # the likely causes of an inert adapter
+    CANARY_STEP_ADAPTER_CHECK = "canary-step-adapter-check"  # the admission check to run
+
+    # ----- adapter check: findings and notes added with the no-op adapter's checks -----
+    ADAPTER_SERVED_AS_BASE = "adapter-served-as-base"  # no module reaches a wrapped one
+    ADAPTER_MODULES_IGNORED = "adapter-modules-ignored"  # some modules never reach one
+    ADAPTER_ZERO_FACTORS = "adapter-zero-factors"  # every lora_B (or lora_A) all zero
+    ADAPTER_ZERO_MODULES = "adapter-zero-modules"  # some modules' factors all zero
+
 
 @dataclass(frozen=True)
 class Reason:

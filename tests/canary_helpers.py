@@ -54,3 +54,8 @@ def completion(body: dict, ids: list[int], logprob: float, text: str | None = No
         "ec_transfer_params": None,
         "metrics": None,
     }
+
+
+def words(messages: list[dict]) -> list[str]:
+    """The words of the canary's JSON messages (``{"code", "message", ...}``)."""
+    return [m["message"] for m in messages]

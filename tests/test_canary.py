@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from patchkit.canary import check, metrics, prompt
 from patchkit.canary.report import ModelCheck, Report
-from tests.canary_helpers import BASE, completion
+from tests.canary_helpers import BASE, completion, words
 from tests.conftest import run_cli, run_subprocess
 
 KEY = "sk-canary-secret-4711"
@@ -61,7 +61,10 @@ class FakeVLLM:
     leaky (a 500 whose message quotes the Authorization header), bang-no-ids
     (a run of '!' from a server that ignores the token-id options), floor
     (log-probability -9999.0, vLLM's floor for -inf), polluted (sane until an
-    adapter was bad, then '!!!').
+    adapter was bad, then '!!!'). A sane answer's log-probabilities differ per
+    model (an adapter changes its base's answer), except inert (exactly the
+    first model's answer: an adapter that changes nothing) and
+    inert-other-token (the same log-probabilities, one token id other).
     """
 
     def __init__(self, models: dict[str, str], metrics: str = "counter", api_key=None, **kw):
@@ -69,6 +72,7 @@ class FakeVLLM:
         self.metrics = metrics  # counter, untyped (no _total), absent, two-engines
         self.api_key = api_key
         self.max_model_len = kw.get("max_model_len", 8192)
+        self.roots = kw.get("roots", {})  # id -> the card's root, else /models/<id>
         self.requests: list[dict] = []
         self.corrupted = 0
         self.polluted = False
@@ -156,7 +160,7 @@ class FakeVLLM:
                 "object": "model",
                 "created": now,
                 "owned_by": "vllm",
-                "root": f"/models/{name}",
+                "root": self.roots.get(name, f"/models/{name}"),
                 "parent": parent,
                 "max_model_len": max_len,
                 "permission": [
@@ -252,7 +256,8 @@ class FakeVLLM:
             answer = completion(body, SANE_IDS, -0.5)
             answer["choices"][0]["logprobs"]["token_logprobs"][:3] = BAD_LOGPROBS[behaviour]
             return 200, answer, JSON
-        answer = completion(body, SANE_IDS, self.sane_logprob(model))
+        ids = SANE_IDS[:5] + [7] + SANE_IDS[6:] if behaviour == "inert-other-token" else SANE_IDS
+        answer = completion(body, ids, self.sane_logprob(model))
         if behaviour == "nulllogprobs":
             answer["choices"][0]["logprobs"] = None
         if behaviour == "nullentries":  # vLLM writes None where a step has no logprobs
@@ -262,7 +267,7 @@ class FakeVLLM:
     def sane_logprob(self, model: str) -> float:
         """Each model its own log-probability (an adapter changes its base's answer), but
         `inert` answers exactly as the first model (the base) does."""
-        if self.models[model] == "inert":
+        if self.models[model].startswith("inert"):
             return -0.5
         return -0.5 - 0.25 * list(self.models).index(model)
 
@@ -307,7 +312,7 @@ def test_healthy_base_and_two_adapters_pass_with_sound_requests():
     with FakeVLLM(HEALTHY) as server:
         code, report = canary_json(server.url)
     assert code == 0, report
-    assert report["ok"] is True and "error" not in report
+    assert report["ok"] is True and report["error"] is None
     assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "chat-lora": "ok"}
     assert [m["kind"] for m in report["models"]] == ["base", "adapter", "adapter"]
     assert report["vllm_version"] == "0.26.0"
@@ -355,7 +360,7 @@ def test_adapter_answering_bangs_with_token_id_zero_is_named():
     assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "bad-lora": "bad"}
     bad = report["models"][2]
     assert bad["token_ids"] == [0] * 32 and bad["text"].startswith("!!!!")
-    assert any("32 tokens of id 0 in a row" in e for e in bad["evidence"])
+    assert any("32 tokens of id 0 in a row" in e for e in words(bad["evidence"]))
     assert report["recheck"]["model"] == BASE and report["recheck"]["verdict"] == "ok"
     assert "FAILED: adapter 'bad-lora' answers NaN" in result.stdout
     assert "sql-lora" not in result.stdout.split("FAILED:")[1]
@@ -372,7 +377,7 @@ def test_nan_json_error_is_bad_and_the_text_is_fetched(behaviour, status):
     assert code == 1
     bad = report["models"][1]
     assert bad["verdict"] == "bad" and bad["http_status"] == status
-    assert any("not JSON compliant" in e and "NaN" in e for e in bad["evidence"])
+    assert any("not JSON compliant" in e and "NaN" in e for e in words(bad["evidence"]))
     retry = server.completions()[-2]  # the second look, before the base recheck
     assert retry["body"]["model"] == "bad-lora" and "logprobs" not in retry["body"]
     assert bad["token_ids"] == [0] * 32
@@ -384,7 +389,7 @@ def test_plain_500_of_vllm_017_is_judged_by_the_text(behaviour, verdict):
         code, report = canary_json(server.url)
     assert code == 1
     assert verdicts(report)["lora"] == verdict
-    assert "HTTP 500: 'Internal Server Error'" in report["models"][1]["evidence"][0]
+    assert "HTTP 500: 'Internal Server Error'" in report["models"][1]["evidence"][0]["message"]
 
 
 def test_nan_log_probabilities_are_bad():
@@ -392,7 +397,7 @@ def test_nan_log_probabilities_are_bad():
         code, report = canary_json(server.url)
     assert code == 1
     assert verdicts(report) == {BASE: "ok", "lora": "bad"}
-    assert "32 of 32 log-probabilities are NaN" in report["models"][1]["evidence"]
+    assert "32 of 32 log-probabilities are NaN" in words(report["models"][1]["evidence"])
 
 
 @pytest.mark.parametrize(
@@ -410,7 +415,7 @@ def test_infinite_or_positive_log_probabilities_are_bad(behaviour, evidence):
     with FakeVLLM({BASE: "ok", "lora": behaviour}) as server:
         code, report = canary_json(server.url)
     assert code == 1 and verdicts(report) == {BASE: "ok", "lora": "bad"}
-    assert evidence in " ".join(report["models"][1]["evidence"])
+    assert evidence in " ".join(words(report["models"][1]["evidence"]))
 
 
 @pytest.mark.parametrize(
@@ -424,7 +429,7 @@ def test_missing_log_probabilities_are_bad(behaviour, evidence):
     with FakeVLLM({BASE: behaviour}) as server:
         code, report = canary_json(server.url)
     assert code == 1 and verdicts(report) == {BASE: "bad"}
-    assert evidence in report["models"][0]["evidence"][0]
+    assert evidence in report["models"][0]["evidence"][0]["message"]
     assert report["recheck"] is None  # no adapter was bad: nothing to recheck
 
 
@@ -433,14 +438,14 @@ def test_bang_text_without_token_ids_is_bad():
         code, report = canary_json(server.url)
     assert code == 1 and verdicts(report)["lora"] == "bad"
     assert report["models"][1]["token_ids"] is None
-    assert "the text is a run of '!'" in report["models"][1]["evidence"][0]
+    assert "the text is a run of '!'" in report["models"][1]["evidence"][0]["message"]
 
 
 def test_impossible_greedy_log_probability_is_bad():
     with FakeVLLM({BASE: "floor"}) as server:
         code, report = canary_json(server.url)
     assert code == 1 and verdicts(report) == {BASE: "bad"}
-    assert "log-probability -9999.0" in report["models"][0]["evidence"][0]
+    assert "log-probability -9999.0" in report["models"][0]["evidence"][0]["message"]
 
 
 def test_base_going_bad_after_a_bad_adapter_says_polluted():
@@ -508,7 +513,9 @@ def test_a_counter_turning_nan_while_a_model_ran_is_an_error_for_that_model():
         code, report = canary_json(server.url)
     assert code == 1
     assert verdicts(report) == {BASE: "error", "lora": "error"}
-    assert "unreadable, so a rise in it cannot be seen" in report["models"][0]["evidence"][0]
+    evidence = report["models"][0]["evidence"][0]
+    assert evidence["code"] == "canary-counter-unreadable"
+    assert "unreadable, so a rise in it cannot be seen" in evidence["message"]
     assert report["corrupted_requests"]["after"] == 0  # the last readable value
 
 
@@ -519,7 +526,7 @@ def test_absent_counter_is_said_and_does_not_fail():
     assert result.exit_code == 0 and code == 0
     assert "VLLM_COMPUTE_NANS_IN_LOGITS=1" in result.stdout
     assert report["corrupted_requests"]["present"] is False
-    assert any("VLLM_COMPUTE_NANS_IN_LOGITS=1" in n for n in report["notes"])
+    assert any("VLLM_COMPUTE_NANS_IN_LOGITS=1" in n for n in words(report["notes"]))
 
 
 # ----- reaching the server -----
@@ -621,7 +628,7 @@ def test_hanging_model_ends_the_run_at_the_deadline():
         elapsed = time.monotonic() - started
     assert code == 1 and elapsed < 5
     assert verdicts(report) == {BASE: "ok", "slow": "error", "after": "not-checked"}
-    assert "got no answer" in report["models"][1]["evidence"][0]
+    assert "got no answer" in report["models"][1]["evidence"][0]["message"]
 
 
 def test_default_budget_is_sixty_seconds(monkeypatch):
@@ -677,7 +684,7 @@ def test_prompt_shortened_to_fit_max_model_len():
     assert code == 0
     for request in server.completions():
         assert prompt.estimate(request["body"]["prompt"]) * 1.5 + 32 <= 1024
-    assert "fit max_model_len 1024" in report["models"][1]["evidence"][0]
+    assert "fit max_model_len 1024" in report["models"][1]["evidence"][0]["message"]
 
 
 # ----- the API key -----
@@ -714,19 +721,30 @@ def test_json_shape_of_a_failed_run():
     with FakeVLLM({BASE: "ok", "bad-lora": "nan400"}) as server:
         code, report = canary_json(server.url)
     assert code == 1
+    assert list(report)[:2] == ["format", "command"]
+    assert report["format"] == 1 and report["command"] == "canary"
     assert set(report) == {
-        "ok", "exit_code", "error", "url", "vllm_version", "prompt_tokens", "new_tokens",
-        "models", "recheck", "corrupted_requests", "notes", "skipped", "next_steps", "seconds",
+        "format", "command", "ok", "exit_code", "error", "url", "vllm_version", "prompt_tokens",
+        "new_tokens", "models", "recheck", "parents", "corrupted_requests", "notes", "skipped",
+        "next_steps", "seconds",
     }  # fmt: skip
     assert report["skipped"] == 0
     assert report["ok"] is False and report["exit_code"] == 1
-    assert report["error"] == "adapter 'bad-lora' answers NaN"
+    assert report["error"] == {
+        "code": "canary-failed",
+        "message": "adapter 'bad-lora' answers NaN",
+        "models": {"bad": ["bad-lora"]},
+    }
     assert set(report["models"][1]) == {
-        "kind", "model", "parent", "verdict", "evidence", "http_status", "prompt_tokens",
-        "completion_tokens", "text", "token_ids", "logprobs", "corrupted_delta", "seconds",
+        "kind", "model", "parent", "root", "verdict", "evidence", "http_status", "prompt_tokens",
+        "completion_tokens", "text", "token_ids", "logprobs", "effect", "corrupted_delta",
+        "seconds",
     }  # fmt: skip
     assert report["models"][1]["parent"] == BASE and report["models"][0]["parent"] is None
-    assert any("patchkit doctor" in s for s in report["next_steps"])
+    codes = [e["code"] for e in report["models"][1]["evidence"]]
+    assert codes[0] == "canary-nan-error" and report["models"][1]["evidence"][0]["http_status"]
+    steps = report["next_steps"]
+    assert {"code", "message"} <= set(steps[0]) and steps[0]["command"] == "patchkit doctor"
 
 
 @pytest.mark.parametrize(
@@ -839,8 +857,32 @@ def test_an_adapter_answering_exactly_as_its_base_is_no_effect():
         code, report = canary_json(server.url)
     assert code == 1
     assert verdicts(report) == {BASE: "ok", "sql-lora": "ok", "inert-lora": "no-effect"}
-    assert "'inert-lora' answers as the base model (no effect)" in report["error"]
-    assert any("patchkit adapter check" in step for step in report["next_steps"])
+    assert report["error"]["code"] == "canary-failed"
+    assert report["error"]["models"] == {"no-effect": ["inert-lora"]}
+    assert "'inert-lora' answers as the base model (no effect)" in report["error"]["message"]
+    inert, healthy = report["models"][2], report["models"][1]
+    assert inert["evidence"][0]["code"] == "canary-no-effect"
+    assert inert["effect"]["first_different_token"] is None
+    assert inert["effect"]["max_logprob_difference"] == 0.0
+    assert healthy["effect"]["same"] is False and healthy["effect"]["parent"] == BASE
+    assert report["models"][0]["effect"] is None  # a base model has nothing to differ from
+    steps = {step["code"]: step for step in report["next_steps"]}
+    assert "targets this vLLM release does not wrap" in steps["canary-step-no-effect"]["message"]
+    assert steps["canary-step-adapter-check"]["command"] == (
+        f"patchkit adapter check /models/inert-lora --model /models/{BASE} --target SITE_PACKAGES"
+    )
+
+
+def test_the_text_report_names_no_effect_and_the_admission_check():
+    with FakeVLLM({BASE: "ok", "inert-lora": "inert"}) as server:
+        result = canary_cli(server.url)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[2].startswith("  NO-EFFECT   inert-lora")
+    assert "the same 32 greedy tokens as its base model" in lines[2]
+    assert "FAILED: adapter 'inert-lora' answers as the base model (no effect)" in lines
+    assert any("`patchkit adapter check /models/inert-lora --model" in line for line in lines)
+    assert "adapter 'inert-lora' answers as the base model (no effect)" in result.stderr
 
 
 def test_an_adapter_named_alone_is_compared_with_its_parent_asked_once_more():
@@ -849,3 +891,22 @@ def test_an_adapter_named_alone_is_compared_with_its_parent_asked_once_more():
     assert code == 1
     assert verdicts(report) == {"inert-lora": "no-effect"}
     assert [r["body"]["model"] for r in server.completions()] == ["inert-lora", BASE]
+    assert [p["model"] for p in report["parents"]] == [BASE]
+
+
+def test_an_adapter_whose_tokens_part_from_its_parents_is_not_no_effect():
+    """The same log-probabilities, one token id other: the adapter changed the answer."""
+    with FakeVLLM({BASE: "ok", "lora": "inert-other-token"}) as server:
+        code, report = canary_json(server.url)
+    assert code == 0 and verdicts(report) == {BASE: "ok", "lora": "ok"}
+    assert report["models"][1]["effect"]["first_different_token"] == 5
+
+
+def test_an_adapter_path_from_the_server_is_quoted_in_the_command_and_escaped():
+    root = "/adapters/x; rm -rf ~\n$(id)"
+    with FakeVLLM({BASE: "ok", "inert-lora": "inert"}, roots={"inert-lora": root}) as server:
+        code, report = canary_json(server.url)
+        result = canary_cli(server.url)
+    step = next(s for s in report["next_steps"] if s["code"] == "canary-step-adapter-check")
+    assert step["command"].startswith("patchkit adapter check '/adapters/x; rm -rf ~\n$(id)' ")
+    assert "rm -rf ~\\n$(id)'" in result.stdout  # the newline escaped, one line

@@ -23,7 +23,7 @@ import pytest
 
 from patchkit.canary import check
 from patchkit.errors import PatchkitError
-from tests.canary_helpers import BASE, completion
+from tests.canary_helpers import BASE, completion, words
 from tests.conftest import run_cli, run_subprocess
 
 LINE_LIMIT = 300
@@ -218,7 +218,7 @@ def test_an_endless_chunked_body_ends_at_the_deadline():
         report, elapsed = run_with_clock(server.url, 10, clock)
     assert elapsed <= 10 + 1
     assert [m.verdict for m in report.models] == ["error", "not-checked"]
-    assert "got no answer within" in report.models[0].evidence[0]
+    assert "got no answer within" in report.models[0].evidence[0].message
 
 
 def test_second_looks_and_many_models_share_one_deadline():
@@ -400,7 +400,7 @@ def test_at_most_64_models_are_checked_and_the_rest_named_in_one_line():
     assert result.exit_code == 0, result.stderr
     assert len(report["models"]) == 64 and report["skipped"] == 100_001 - 64
     assert server.paths.count("/v1/completions") == 64
-    note = next(n for n in report["notes"] if "more models not checked" in n)
+    note = next(n for n in words(report["notes"]) if "more models not checked" in n)
     assert note.startswith("99937 more models not checked (at most 64 a run")
     assert note.endswith("lora-000063, lora-000064, lora-000065 and 99934 more")
     assert len(note) <= LINE_LIMIT
@@ -421,9 +421,9 @@ def test_every_error_line_is_one_short_line_whatever_the_server_writes():
     assert text.exit_code == result.exit_code == 1
     assert len(text.stderr.splitlines()) == 1 and len(text.stderr.rstrip("\n")) <= LINE_LIMIT
     assert "\x1b" not in text.stderr
-    assert len(report["error"]) <= LINE_LIMIT - len("patchkit: error: ")
+    assert len(report["error"]["message"]) <= LINE_LIMIT - len("patchkit: error: ")
     for model in report["models"]:
-        for evidence in model["evidence"]:
+        for evidence in words(model["evidence"]):
             assert len(evidence) <= LINE_LIMIT and "\n" not in evidence
     long_lines = [line for line in text.stdout.splitlines() if len(line) > LINE_LIMIT]
     assert not long_lines, [len(line) for line in long_lines]  # the per-model lines too

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.canary_helpers import words
 from tests.conftest import run_cli
 
 RECORDED = Path(__file__).parent / "data" / "canary-h200-0.26.0"
@@ -117,7 +118,7 @@ def test_the_recorded_poisoned_adapter_is_named_and_only_it():
     assert verdicts == {"tiny-qwen35": "ok", "poisoned": "bad", "healthy-a": "ok",
                         "healthy-b": "ok"}  # fmt: skip
     poisoned = next(m for m in report["models"] if m["model"] == "poisoned")
-    evidence = " ".join(poisoned["evidence"])
+    evidence = " ".join(words(poisoned["evidence"]))
     assert "Out of range float values are not JSON compliant" in evidence  # vLLM's real 400
     assert "tokens of id 0 in a row" in evidence  # the second look, without logprobs: !!!!
     assert "vllm:corrupted_requests_total rose by 2" in evidence  # the real counter

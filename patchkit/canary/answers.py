@@ -24,6 +24,7 @@ from patchkit.canary import fields
 from patchkit.canary.fields import WrongShape
 from patchkit.canary.report import ModelCheck
 from patchkit.canary.server import Exchange
+from patchkit.codes import Code
 from patchkit.symptoms import ZERO_RUN_PROSE, longest_zero_run
 
 # Greedy decoding after a NaN emits token id 0 (`!` in Qwen tokenizers) at every
@@ -80,7 +81,12 @@ def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool)
     try:
         completion = read_completion(answer.json())
     except WrongShape as exc:
-        verdict.mark("error", f"HTTP {answer.status} but {fields.one_line(str(exc))}")
+        verdict.mark(
+            "error",
+            Code.CANARY_ANSWER_SHAPE,
+            f"HTTP {answer.status} but {fields.one_line(str(exc))}",
+            http_status=answer.status,
+        )
         return
     verdict.text = completion.text
     verdict.token_ids = completion.token_ids
@@ -90,9 +96,18 @@ def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool)
         verdict.completion_tokens = completion.completion_tokens
     run = longest_zero_run(verdict.token_ids or [])
     if run >= ZERO_RUN_PROSE:
-        verdict.mark("bad", f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)")
+        verdict.mark(
+            "bad",
+            Code.CANARY_ZERO_RUN,
+            f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)",
+            run=run,
+        )
     elif verdict.token_ids is None and BANG_RUN in verdict.text:
-        verdict.mark("bad", f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}")
+        verdict.mark(
+            "bad",
+            Code.CANARY_BANG_TEXT,
+            f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}",
+        )
     if with_logprobs:
         verdict.logprobs = completion.logprobs
         judge_logprobs(verdict, completion.logprobs)
@@ -102,7 +117,11 @@ def judge_logprobs(verdict: ModelCheck, values: list[float | None] | None) -> No
     """Bad: none, null entries, NaN, infinite, positive (a log-probability is at most 0)
     or far below what a greedy token can have."""
     if not values:
-        verdict.mark("bad", "no log-probabilities in the answer (logprobs were asked for)")
+        verdict.mark(
+            "bad",
+            Code.CANARY_LOGPROBS_ABSENT,
+            "no log-probabilities in the answer (logprobs were asked for)",
+        )
         return
     numbers = [v for v in values if v is not None]
     missing = len(values) - len(numbers)
@@ -111,24 +130,39 @@ def judge_logprobs(verdict: ModelCheck, values: list[float | None] | None) -> No
     positive = [v for v in numbers if math.isfinite(v) and v > 0]
     floor = [v for v in numbers if math.isfinite(v) and v < MIN_GREEDY_LOGPROB]
     if nan:
-        verdict.mark("bad", f"{nan} of {len(values)} log-probabilities are NaN")
+        verdict.mark(
+            "bad",
+            Code.CANARY_LOGPROBS_NAN,
+            f"{nan} of {len(values)} log-probabilities are NaN",
+            count=nan,
+        )
     if infinite:
         verdict.mark(
             "bad",
+            Code.CANARY_LOGPROBS_INFINITE,
             f"{infinite} of {len(values)} log-probabilities are infinite (vLLM writes -inf "
             "as -9999.0, and none is ever +inf)",
+            count=infinite,
         )
     if positive:
         verdict.mark(
             "bad",
+            Code.CANARY_LOGPROBS_POSITIVE,
             f"{len(positive)} of {len(values)} log-probabilities are positive (largest "
             f"{max(positive):.6g}; a log-probability is never above 0)",
+            count=len(positive),
         )
     if missing:
-        verdict.mark("bad", f"{missing} of {len(values)} log-probabilities missing (null)")
+        verdict.mark(
+            "bad",
+            Code.CANARY_LOGPROBS_NULL,
+            f"{missing} of {len(values)} log-probabilities missing (null)",
+            count=missing,
+        )
     if floor:
         verdict.mark(
             "bad",
+            Code.CANARY_LOGPROB_IMPOSSIBLE,
             f"greedy token with log-probability {min(floor)} (a sane argmax is above "
             f"{MIN_GREEDY_LOGPROB:.0f}; vLLM writes -inf as -9999.0)",
         )

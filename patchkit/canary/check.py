@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 
 # The packages by name: `patchkit` on the public index is another project.
@@ -54,6 +55,7 @@ except ImportError as exc:  # the optional dependencies are not installed
 # after the dependency check:
 from patchkit.canary import answers, effect, fields  # noqa: E402
 from patchkit.canary.fields import WrongShape  # noqa: E402
+from patchkit.canary.messages import Message, say  # noqa: E402
 from patchkit.canary.metrics import COUNTER, read_counter  # noqa: E402
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS, NEW_TOKENS, prompt_text  # noqa: E402
 from patchkit.canary.report import ModelCheck, Report  # noqa: E402
@@ -119,6 +121,7 @@ def model_cards(data: list) -> list[dict]:
         fields.obj(card, where)
         fields.text(card.get("id"), f"{where}.id")
         fields.text(card.get("parent"), f"{where}.parent", optional=True)
+        fields.text(card.get("root"), f"{where}.root", optional=True)
         fields.count(card.get("max_model_len"), f"{where}.max_model_len", optional=True)
         by_id.setdefault(card["id"], card)
     return list(by_id.values())
@@ -156,7 +159,7 @@ def request_body(model: str, prompt: str, logprobs: bool) -> dict:
 
 def check_model(server: Server, card: dict, prompt: str) -> ModelCheck:
     """One completion with log-probabilities; after a failure, one without to see the text."""
-    verdict = ModelCheck(model=card["id"], parent=card.get("parent"))
+    verdict = ModelCheck(model=card["id"], parent=card.get("parent"), root=card.get("root"))
     started = server.now()
     try:
         answer = server.post("/v1/completions", request_body(card["id"], prompt, True))
@@ -166,13 +169,23 @@ def check_model(server: Server, card: dict, prompt: str) -> ModelCheck:
         else:
             message = error_message(answer, server.key)
             if answers.NAN_MESSAGE.search(message):
-                verdict.mark("bad", f"HTTP {answer.status}: '{message}' (NaN log-probabilities)")
+                verdict.mark(
+                    "bad",
+                    Code.CANARY_NAN_ERROR,
+                    f"HTTP {answer.status}: '{message}' (NaN log-probabilities)",
+                    http_status=answer.status,
+                )
             else:
-                verdict.mark("error", f"HTTP {answer.status}: '{message}'")
+                verdict.mark(
+                    "error",
+                    Code.CANARY_HTTP_ERROR,
+                    f"HTTP {answer.status}: '{message}'",
+                    http_status=answer.status,
+                )
             if answer.status != 404:
                 look_at_text(server, verdict, card["id"], prompt)
     except Unanswered as exc:
-        verdict.mark("error", str(exc))
+        verdict.mark("error", Code.CANARY_UNANSWERED, str(exc))
     verdict.seconds = round(server.now() - started, 2)
     return verdict
 
@@ -184,10 +197,14 @@ def look_at_text(server: Server, verdict: ModelCheck, model: str, prompt: str) -
         answers.judge_completion(verdict, answer, with_logprobs=False)
     else:
         message = error_message(answer, server.key)
-        verdict.evidence.append(f"without logprobs too: HTTP {answer.status}: '{message}'")
+        verdict.add(
+            Code.CANARY_RETRY_FAILED,
+            f"without logprobs too: HTTP {answer.status}: '{message}'",
+            http_status=answer.status,
+        )
 
 
-def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, str | None]:
+def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, Message | None]:
     """Shorten the prompt to fit the model's max_model_len (an adapter uses its parent's).
 
     The estimate of prompt_text can be off by half for an unusual tokenizer,
@@ -200,7 +217,12 @@ def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int
     if not isinstance(limit, int) or (wanted + NEW_TOKENS) * 1.5 <= limit:
         return wanted, None
     fitted = max(16, int((limit - NEW_TOKENS) / 1.5))
-    return fitted, f"prompt shortened to about {fitted} tokens to fit max_model_len {limit}"
+    return fitted, say(
+        Code.CANARY_PROMPT_SHORTENED,
+        f"prompt shortened to about {fitted} tokens to fit max_model_len {limit}",
+        prompt_tokens=fitted,
+        max_model_len=limit,
+    )
 
 
 def some_names(names: list[str], shown: int = 3) -> str:
@@ -219,7 +241,7 @@ def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list
         ModelCheck(
             model=name,
             verdict="not-served",
-            evidence=[f"not in GET /v1/models (served: {served})"],
+            evidence=[say(Code.CANARY_NOT_SERVED, f"not in GET /v1/models (served: {served})")],
         )
         for name in dict.fromkeys(wanted)
         if name not in by_id
@@ -258,8 +280,12 @@ def run(
             report.skipped = [c["id"] for c in targets[MAX_MODELS:]]
             targets = targets[:MAX_MODELS]
             report.notes.append(
-                f"{len(report.skipped)} more models not checked (at most {MAX_MODELS} a run; "
-                f"name them with --model): {some_names(report.skipped)}"
+                say(
+                    Code.CANARY_MODELS_SKIPPED,
+                    f"{len(report.skipped)} more models not checked (at most {MAX_MODELS} a "
+                    f"run; name them with --model): {some_names(report.skipped)}",
+                    count=len(report.skipped),
+                )
             )
         reading = read_counter(server)
         report.counter = {"name": COUNTER, "present": reading.value is not None}
@@ -272,7 +298,7 @@ def run(
         effect.judge_effects(report.models, report.parents)
         report.models += missing
         if not report.models:
-            report.notes.append("the server lists no models")
+            report.notes.append(say(Code.CANARY_NO_MODELS, "the server lists no models"))
         recheck_base(server, report, by_id, prompt_tokens)
     finally:
         server.close()
@@ -287,7 +313,11 @@ def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: i
             model=card["id"],
             parent=card.get("parent"),
             verdict="not-checked",
-            evidence=["the time budget (--timeout) ran out before this model"],
+            evidence=[
+                say(
+                    Code.CANARY_NOT_CHECKED, "the time budget (--timeout) ran out before this model"
+                )
+            ],
         )
     fitted, note = fitting_prompt(card, by_id, tokens)
     verdict = check_model(server, card, prompt_text(fitted))
@@ -319,7 +349,7 @@ def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
     reading = read_counter(server)
     if reading.value is None:
         if reading.unreadable:
-            verdict.mark("error", reading.why)
+            verdict.mark("error", reading.why.code, reading.why.message, **reading.why.facts)
         else:
             verdict.evidence.append(reading.why)
         return
@@ -328,8 +358,10 @@ def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
     if reading.value > before:
         verdict.mark(
             "bad",
+            Code.CANARY_COUNTER_ROSE,
             f"{COUNTER} rose by {reading.value - before:g} while its requests ran "
             "(other traffic on the server counts too)",
+            rise=reading.value - before,
         )
 
 

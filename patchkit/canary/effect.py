@@ -1,80 +1,135 @@
 """Does an adapter change anything? Its greedy answer against its parent's, same prompt.
 
 An adapter whose targets vLLM does not wrap, whose tensor names miss the
-model's prefix (vLLM #34186) or whose lora_B is all zero is loaded, listed by
-`/v1/models` and served as its base model, with no warning. The canary already
-asks the base model and each adapter the same prompt, greedy, with
-log-probabilities; an adapter whose tokens are the parent's and whose
-log-probabilities differ by no more than the server's own repeat noise
-changes nothing: `no-effect`.
+model's prefix (vLLM #34186: "silently produce base-model output") or whose
+lora_B is all zero is loaded, listed by `/v1/models` and served as its base
+model, with no warning. The canary asks the base model and each adapter the
+same prompt, greedy, with log-probabilities (an adapter named alone with
+--model: its parent is asked once more); an adapter whose tokens are its
+parent's and whose log-probabilities differ from the parent's by no more
+than the server's own repeat noise changes nothing: `no-effect`, a finding.
+
+REPEAT_NOISE is what a real server does with the same prompt asked again:
+measured from the answers recorded on vLLM 0.26.0's OpenAI server
+(scripts/proofs/canary_noeffect_gpu.py, tests/data/; the largest difference
+between two answers of one model to one prompt), never a number chosen on a
+stand-in. A healthy adapter, even a weak one, moves some greedy token's
+log-probability by far more; tests/test_canary_noeffect.py checks both sides
+on the recorded answers.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 
-# PROVISIONAL (until the recorded answers of a real server are in tests/data):
-# the largest |difference| of a greedy token's log-probability between two
-# answers to the same prompt that still counts as the same answer.
+from patchkit.canary import fields
+from patchkit.canary.messages import Message, say
+from patchkit.codes import Code
+
+# PROVISIONAL until the recorded answers of a real server are in tests/data: the
+# largest |difference| between the log-probabilities of two answers to the same prompt
+# that still counts as the same answer.
 REPEAT_NOISE = 1e-3
 NO_EFFECT = "no-effect"
 
 
 def judge_effects(models: list, parents: list = ()) -> None:
-    """Mark each `ok` adapter whose answer equals its `ok` parent's as `no-effect`; a parent
-    is a checked model or one asked only for this comparison (``parents``)."""
+    """Compare each `ok` adapter with its `ok` parent (a checked model, or one asked only
+    for this comparison: ``parents``): the comparison goes into ``effect``, and an answer
+    equal within REPEAT_NOISE makes the adapter `no-effect`."""
     by_name = {v.model: v for v in [*parents, *models]}
     for verdict in models:
         parent = by_name.get(verdict.parent) if verdict.parent else None
         if parent is None or verdict.verdict != "ok" or parent.verdict != "ok":
             continue
-        delta = difference(verdict, parent)
-        if delta is not None and delta <= REPEAT_NOISE:
+        verdict.effect = compare(verdict, parent)
+        if verdict.effect is not None and verdict.effect["same"]:
+            verdict.effect["adapter_check"] = admission_command(verdict, parent)
             verdict.mark(
                 NO_EFFECT,
+                Code.CANARY_NO_EFFECT,
                 f"the same {len(verdict.token_ids)} greedy tokens as its base model "
-                f"'{parent.model}', log-probabilities within {delta:.2g} (the server's "
-                f"repeat noise: {REPEAT_NOISE:g}): the adapter changes nothing",
+                f"'{fields.one_line(parent.model, 60)}', log-probabilities at most "
+                f"{verdict.effect['max_logprob_difference']:.2g} apart (the server's repeat "
+                f"noise: {REPEAT_NOISE:g}): the adapter changes nothing",
+                parent=parent.model,
             )
 
 
-def difference(adapter, parent) -> float | None:
-    """The largest |logprob difference| when both answered the same prompt with the same
-    tokens; None when they cannot be compared or the tokens differ."""
+def compare(adapter, parent) -> dict | None:
+    """How the adapter's answer stands against its parent's on the same prompt: the first
+    token where they part (None: none), the largest log-probability difference before it,
+    and whether that makes them the same answer. None when they cannot be compared (another
+    prompt length, no token ids or log-probabilities, a value that is no finite number)."""
     if adapter.prompt_tokens != parent.prompt_tokens:
         return None
-    if not adapter.token_ids or adapter.token_ids != parent.token_ids:
+    mine, theirs = adapter.token_ids, parent.token_ids
+    values, others = adapter.logprobs, parent.logprobs
+    if not mine or not theirs or not values or not others:
         return None
-    mine, theirs = adapter.logprobs, parent.logprobs
-    if not mine or not theirs or len(mine) != len(theirs):
+    if len(values) != len(mine) or len(others) != len(theirs):
         return None
-    pairs = list(zip(mine, theirs, strict=True))
-    if not all(isinstance(x, float) and math.isfinite(x) for pair in pairs for x in pair):
+    if not all(isinstance(x, float) and math.isfinite(x) for x in [*values, *others]):
         return None
-    return max(abs(a - b) for a, b in pairs)
+    parted = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
+    if parted is None and len(mine) != len(theirs):
+        parted = min(len(mine), len(theirs))
+    shared = len(mine) if parted is None else parted
+    delta = max(
+        (abs(a - b) for a, b in zip(values[:shared], others[:shared], strict=True)), default=0.0
+    )
+    return {
+        "parent": parent.model,
+        "first_different_token": parted,
+        "max_logprob_difference": delta,
+        "repeat_noise": REPEAT_NOISE,
+        "same": parted is None and delta <= REPEAT_NOISE,
+    }
 
 
 def summary(inert: list) -> str:
     """The part of the canary's one-line verdict about adapters that change nothing."""
-    from patchkit.canary import fields
-
     names = ", ".join(f"'{fields.one_line(v.model, 60)}'" for v in inert[:3])
     more = f" and {len(inert) - 3} more" if len(inert) > 3 else ""
     verb = "answers" if len(inert) == 1 else "answer"
     return f"adapter {names}{more} {verb} as the base model (no effect)"
 
 
-def next_steps(inert: list) -> list[str]:
-    """What to do about adapters that change nothing: the likely causes, the admission check."""
+def next_steps(inert: list) -> list[Message]:
+    """What to do about adapters that change nothing: the likely causes, then the admission
+    check to run on each one's files (the directory /v1/models gives as its root)."""
     if not inert:
         return []
     names = ", ".join(v.model for v in inert)
-    return [
-        f"{names} loaded but change nothing; likely causes: targets this vLLM release does "
-        "not wrap, tensor names whose prefix vLLM does not match (vLLM #34186: "
-        "base_model.model.model.layers... for a model served as "
-        "...model.language_model.layers...), or an all-zero lora_B (saved before training)",
-        "run `patchkit adapter check ADAPTER_DIR --model BASE_MODEL_DIR --target "
-        "SITE_PACKAGES` on its files (the directory /v1/models gives as its root) in the "
-        "serving image; stop routing to it meanwhile",
+    steps = [
+        say(
+            Code.CANARY_STEP_NO_EFFECT,
+            f"{names} {'is' if len(inert) == 1 else 'are'} served but change"
+            f"{'s' if len(inert) == 1 else ''} nothing; likely causes: targets this vLLM "
+            "release does not wrap, a name prefix it does not match (vLLM #34186: trained on "
+            "the text-only model, served on the multimodal one), an all-zero lora_B; stop "
+            "routing to it meanwhile",
+            adapters=[v.model for v in inert],
+        )
     ]
+    for v in inert:
+        command = v.effect["adapter_check"]
+        steps.append(
+            say(
+                Code.CANARY_STEP_ADAPTER_CHECK,
+                f"in the serving image: `{command}` (SITE_PACKAGES: the directory that holds "
+                "vllm/); it names the modules the release would not wrap and all-zero factors",
+                adapter=v.model,
+                command=command,
+            )
+        )
+    return steps
+
+
+def admission_command(adapter, parent) -> str:
+    """`patchkit adapter check` on the adapter's files, as the server names them (quoted for
+    a shell: the paths come from the server), with the base model's where known."""
+    files = shlex.quote(adapter.root) if adapter.root else "ADAPTER_DIR"
+    model = shlex.quote(parent.root) if parent.root else "BASE_MODEL_DIR"
+    return f"patchkit adapter check {files} --model {model} --target SITE_PACKAGES"

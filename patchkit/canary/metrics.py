@@ -16,21 +16,20 @@ from typing import NamedTuple
 from prometheus_client.parser import text_string_to_metric_families
 
 from patchkit.canary import fields
+from patchkit.canary.messages import Message, say
 from patchkit.canary.server import Server, Unanswered
+from patchkit.codes import Code
 
 MAX_COUNTER_LINES = 1024  # of /metrics lines about the counter: one per model and engine
-
 COUNTER = "vllm:corrupted_requests_total"
-
 COUNTER_SAMPLES = (COUNTER, "vllm:corrupted_requests")  # without _total from other exporters
-
 COUNTER_LINES = tuple(  # the /metrics lines that can be about the counter
     f"{lead}vllm:corrupted_requests" for lead in ("", "# TYPE ", "# HELP ")
 )
-
-COUNTER_ABSENT = (
+COUNTER_ABSENT = say(
+    Code.CANARY_COUNTER_ABSENT,
     f"{COUNTER} is not on /metrics: start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 "
-    "so requests with NaN logits are counted"
+    "so requests with NaN logits are counted",
 )
 
 
@@ -39,7 +38,7 @@ class Reading(NamedTuple):
     the counter is there but is no count, which could hide a rise)."""
 
     value: float | None
-    why: str = ""
+    why: Message | None = None
     unreadable: bool = False
 
 
@@ -54,18 +53,20 @@ def read_counter(server: Server) -> Reading:
     try:
         answer = server.get("/metrics")
     except Unanswered as exc:
-        return Reading(None, f"/metrics not read: {exc}")
+        return Reading(None, say(Code.CANARY_METRICS_NOT_READ, f"/metrics not read: {exc}"))
     if answer.status != 200:
-        return Reading(None, f"/metrics answered HTTP {answer.status}")
+        why = say(Code.CANARY_METRICS_NOT_READ, f"/metrics answered HTTP {answer.status}")
+        return Reading(None, why)
     lines = [line for line in answer.body.splitlines() if line.startswith(COUNTER_LINES)]
     if len(lines) > MAX_COUNTER_LINES:
         why = f"{COUNTER} has more than {MAX_COUNTER_LINES} lines on /metrics: unreadable"
-        return Reading(None, why, unreadable=True)
+        return Reading(None, say(Code.CANARY_COUNTER_UNREADABLE, why), unreadable=True)
     try:
         families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
     except Exception as exc:  # the parser raises ValueError and others on bad text
         why = f"{COUNTER} on /metrics is not Prometheus text ({type(exc).__name__}: {exc})"
-        return Reading(None, fields.one_line(why), unreadable=True)
+        why = say(Code.CANARY_COUNTER_UNREADABLE, fields.one_line(why))
+        return Reading(None, why, unreadable=True)
     samples = [s for f in families for s in f.samples if s.name in COUNTER_SAMPLES]
     if not samples:
         return Reading(None, COUNTER_ABSENT)
@@ -75,5 +76,5 @@ def read_counter(server: Server) -> Reading:
             f"{COUNTER} on /metrics is {odd[0]}, not a count: unreadable, so a rise in it "
             "cannot be seen"
         )
-        return Reading(None, why, unreadable=True)
+        return Reading(None, say(Code.CANARY_COUNTER_UNREADABLE, why), unreadable=True)
     return Reading(sum(s.value for s in samples))

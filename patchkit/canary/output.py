@@ -8,7 +8,6 @@ to fields.LINE, and the API key is scrubbed from every line and document.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from patchkit.canary import fields
@@ -18,6 +17,7 @@ from patchkit.canary.report import ModelCheck, Report
 from patchkit.canary.server import scrub
 
 MODEL_NAME = 80  # characters of a model's name in the per-model lines
+FORMAT = 1  # the JSON contract's format (a renamed or removed key bumps it)
 
 
 def text(report: Report, api_key: str | None) -> list[str]:
@@ -52,12 +52,12 @@ def lines(report: Report) -> list[str]:
     counter = report.counter
     if counter.get("present"):
         lines.append(f"{COUNTER}: {counter['before']:g} -> {counter['after']:g}")
-    lines += [f"note: {note}" for note in report.notes]
+    lines += [f"note: {note.message}" for note in report.notes]
     if report.ok:
         return lines + [f"OK: {report.summary()}"]
     lines.append(f"FAILED: {report.summary()}")
     steps = enumerate(report.next_steps(), start=1)
-    return lines + [f"  {number}. {step}" for number, step in steps]
+    return lines + [f"  {number}. {step.message}" for number, step in steps]
 
 
 def label(v: ModelCheck) -> str:
@@ -73,29 +73,48 @@ def detail(v: ModelCheck) -> str:
     if v.verdict == "bad" and v.text is not None:
         facts.append(f"text {v.text[:24]!r}")
     facts.append(f"{v.seconds:.1f} s")
-    return "; ".join(v.evidence + [", ".join(facts)])
+    return "; ".join([e.message for e in v.evidence] + [", ".join(facts)])
 
 
 def as_json(report: Report, exit_code: int) -> dict:
-    data = {
+    """The JSON contract's document (format 1): every message an object with its code."""
+    error = report.error()
+    return {
+        "format": FORMAT,
+        "command": "canary",
         "ok": report.ok,
         "exit_code": exit_code,
+        "error": error.json() if error else None,
         "url": report.url,
         "vllm_version": report.version,
         "prompt_tokens": report.prompt_tokens,
         "new_tokens": NEW_TOKENS,
         "models": [verdict_json(v) for v in report.models],
         "recheck": verdict_json(report.recheck) if report.recheck else None,
+        "parents": [verdict_json(v) for v in report.parents],
         "corrupted_requests": report.counter,
-        "notes": report.notes,
+        "notes": [note.json() for note in report.notes],
         "skipped": len(report.skipped),  # the first few are named in notes
-        "next_steps": report.next_steps(),
+        "next_steps": [step.json() for step in report.next_steps()],
         "seconds": round(report.seconds, 2),
     }
-    if not report.ok:
-        data["error"] = report.summary()
-    return data
 
 
 def verdict_json(v: ModelCheck) -> dict:
-    return {"kind": v.kind, **dataclasses.asdict(v)}
+    return {
+        "kind": v.kind,
+        "model": v.model,
+        "parent": v.parent,
+        "root": v.root,
+        "verdict": v.verdict,
+        "evidence": [e.json() for e in v.evidence],
+        "http_status": v.http_status,
+        "prompt_tokens": v.prompt_tokens,
+        "completion_tokens": v.completion_tokens,
+        "text": v.text,
+        "token_ids": v.token_ids,
+        "logprobs": v.logprobs,
+        "effect": v.effect,
+        "corrupted_delta": v.corrupted_delta,
+        "seconds": v.seconds,
+    }

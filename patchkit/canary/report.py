@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from patchkit.canary import effect, fields
-from patchkit.canary.metrics import COUNTER, COUNTER_ABSENT
+from patchkit.canary.messages import Message, say
+from patchkit.canary.metrics import COUNTER
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS
+from patchkit.codes import Code
 
 
 @dataclass
@@ -14,14 +16,16 @@ class ModelCheck:
     """What one model answered and what the canary makes of it.
 
     verdict: ok, bad (evidence of NaN: the failure this tool exists for),
+    no-effect (an adapter that answers as its parent: patchkit.canary.effect),
     error (the request failed some other way), not-served (a --model the
     server does not list), not-checked (the time budget ran out first).
     """
 
     model: str
     parent: str | None = None
+    root: str | None = None  # where /v1/models says the model was loaded from
     verdict: str = "ok"
-    evidence: list[str] = field(default_factory=list)
+    evidence: list[Message] = field(default_factory=list)
     http_status: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -30,19 +34,24 @@ class ModelCheck:
     logprobs: list[float | None] | None = None
     corrupted_delta: float | None = None
     seconds: float = 0.0
+    effect: dict | None = None  # an adapter against its parent (patchkit.canary.effect)
 
     @property
     def kind(self) -> str:
         return "adapter" if self.parent else "base"
 
-    def mark(self, verdict: str, evidence: str) -> None:
+    def mark(self, verdict: str, code: Code, message: str, **facts) -> None:
         """Add evidence; `bad` outranks `error`, which outranks `ok`."""
         order = ("ok", "error", "bad")
         if verdict in order and order.index(verdict) > order.index(self.verdict):
             self.verdict = verdict
         elif verdict not in order:
             self.verdict = verdict
-        self.evidence.append(evidence)
+        self.evidence.append(say(code, message, **facts))
+
+    def add(self, code: Code, message: str, **facts) -> None:
+        """Evidence that does not change the verdict (a note on this model)."""
+        self.evidence.append(say(code, message, **facts))
 
 
 @dataclass
@@ -54,7 +63,7 @@ class Report:
     recheck: ModelCheck | None = None  # the base model again, after a bad adapter
     parents: list[ModelCheck] = field(default_factory=list)  # asked only to compare adapters
     counter: dict = field(default_factory=dict)  # name, present, before, after
-    notes: list[str] = field(default_factory=list)
+    notes: list[Message] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
     seconds: float = 0.0
 
@@ -88,17 +97,27 @@ class Report:
             name = fields.one_line(self.recheck.model, 60)
             parts.append(f"the base model '{name}' went bad after it")
         for v in others[:3]:
-            evidence = v.evidence[0] if v.evidence else ""
+            evidence = v.evidence[0].message if v.evidence else ""
             parts.append(f"'{fields.one_line(v.model, 60)}' {v.verdict}: {evidence}")
         if len(others) > 3:
             parts.append(f"{len(others) - 3} more not ok")
         return fields.one_line("; ".join(parts), fields.LINE)
 
-    def next_steps(self) -> list[str]:
+    def next_steps(self) -> list[Message]:
         return next_steps(self)
 
+    def error(self) -> Message | None:
+        """The failure as the JSON's ``error``: the summary line, and the models by verdict."""
+        if self.ok:
+            return None
+        failed = [v for v in self.models if v.verdict != "ok"]
+        by_verdict: dict[str, list[str]] = {}
+        for v in failed + ([self.recheck] if self.recheck and self.recheck.verdict != "ok" else []):
+            by_verdict.setdefault(v.verdict, []).append(v.model)
+        return say(Code.CANARY_FAILED, self.summary(), models=by_verdict)
 
-def next_steps(report: Report) -> list[str]:
+
+def next_steps(report: Report) -> list[Message]:
     """What the on-call engineer does next, given what went wrong."""
     if report.ok:
         return []
@@ -109,35 +128,72 @@ def next_steps(report: Report) -> list[str]:
     if bad_adapters and not bad_base:
         names = ", ".join(bad_adapters)
         steps += [
-            f"the NaN comes through the LoRA path of {names} (the base model is sane): run "
-            "`patchkit doctor` in the serving image (the Python that runs vLLM); it says "
-            "whether vLLM #48590 (Hopper LoRA kernel) is exposed",
-            "if exposed: `patchkit apply --clear-caches`, then restart the server",
-            f"if protected: the weights of {names} themselves hold inf/NaN (patchkit's torch "
-            "LoRA path keeps such an adapter's NaN in its own requests); replace the adapter, "
-            "and stop routing to it meanwhile (POST /v1/unload_lora_adapter when the server "
-            "allows runtime LoRA updates)",
+            say(
+                Code.CANARY_STEP_DOCTOR,
+                f"the NaN comes through the LoRA path of {names} (the base model is sane): run "
+                "`patchkit doctor` in the serving image (the Python that runs vLLM); it says "
+                "whether vLLM #48590 (Hopper LoRA kernel) is exposed",
+                command="patchkit doctor",
+                adapters=bad_adapters,
+            ),
+            say(
+                Code.CANARY_STEP_APPLY,
+                "if exposed: `patchkit apply --clear-caches`, then restart the server",
+                command="patchkit apply --clear-caches",
+            ),
+            say(
+                Code.CANARY_STEP_REPLACE_ADAPTER,
+                f"if protected: the weights of {names} themselves hold inf/NaN (patchkit's "
+                "torch LoRA path keeps such an adapter's NaN in its own requests); replace the "
+                "adapter, and stop routing to it meanwhile (POST /v1/unload_lora_adapter when "
+                "the server allows runtime LoRA updates)",
+                adapters=bad_adapters,
+            ),
         ]
     if bad_base:
-        steps += [
-            "the base model itself answers NaN, so LoRA is not the only cause: run "
-            "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
-        ]
+        steps.append(
+            say(
+                Code.CANARY_STEP_BASE_NAN,
+                "the base model itself answers NaN, so LoRA is not the only cause: run "
+                "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
+            )
+        )
     steps += effect.next_steps([v for v in report.models if v.verdict == effect.NO_EFFECT])
     if report.recheck and report.recheck.verdict != "ok":
-        steps.append("the base model went bad after the adapter: the server's state is polluted")
+        steps.append(
+            say(
+                Code.CANARY_STEP_POLLUTED,
+                "the base model went bad after the adapter: the server's state is polluted",
+            )
+        )
     if bad:
         steps.append(
-            "restart the server: once a NaN has appeared, later requests can stay bad until a "
-            "restart"
+            say(
+                Code.CANARY_STEP_RESTART,
+                "restart the server: once a NaN has appeared, later requests can stay bad "
+                "until a restart",
+            )
         )
     if any(v.verdict in ("error", "not-checked") for v in report.models):
-        steps.append("look at the server's log for the failed requests; check --timeout")
-    if any(v.verdict == "not-served" for v in report.models):
-        steps.append("check the --model names against GET /v1/models (listed in the evidence)")
-    if COUNTER_ABSENT in report.notes:
         steps.append(
-            "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
-            f"counted in {COUNTER}"
+            say(
+                Code.CANARY_STEP_SERVER_LOG,
+                "look at the server's log for the failed requests; check --timeout",
+            )
+        )
+    if any(v.verdict == "not-served" for v in report.models):
+        steps.append(
+            say(
+                Code.CANARY_STEP_MODEL_NAMES,
+                "check the --model names against GET /v1/models (listed in the evidence)",
+            )
+        )
+    if any(note.code == Code.CANARY_COUNTER_ABSENT for note in report.notes):
+        steps.append(
+            say(
+                Code.CANARY_STEP_COUNTER,
+                "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
+                f"counted in {COUNTER}",
+            )
         )
     return steps
