@@ -156,6 +156,7 @@ class Code(str, Enum):
     ADAPTER_LAYOUT = "adapter-layout"
     ADAPTER_TARGET = "adapter-target"
     ADAPTER_RELEASE = "adapter-release"
+    ADAPTER_EFFECT = "adapter-effect"
 
     # ----- canary: what one model's answer showed -----
     CANARY_NAN_ERROR = "canary-nan-error"  # an HTTP error whose message reports NaN

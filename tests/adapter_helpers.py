@@ -4,7 +4,8 @@ Names and layouts are PEFT's: ``base_model.model.model.language_model.layers.N.<
 .lora_A.weight`` for linear modules; for target_parameters on the routed experts (PEFT 0.21)
 ``...mlp.experts.base_layer.lora_A.weight`` (gate_up_proj) and ``...mlp.experts.lora_A.weight``
 (down_proj) with two parameters, ``...mlp.experts.lora_A.weight`` alone with one, lora_A
-(r*E, in) and lora_B (out, r*E). Every factor is bf16 zeros unless poisoned.
+(r*E, in) and lora_B (out, r*E). Every value of a factor is one small number (1/128 in bf16)
+unless poisoned or asked to be zero (an all-zero factor is a finding of its own).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ QKV, Z = 2 * NK * DK + NV * DV, NV * DV
 E, I_MOE, I_SHARED, I_DENSE = 4, 6, 6, 24
 P = "base_model.model.model.language_model.layers."
 SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+# one small finite value per type, every element of a factor (not zero: see the docstring)
+FILL = {
+    "BF16": b"\x00\x3c",
+    "F16": struct.pack("<e", 0.0078125),
+    "F32": struct.pack("<f", 0.0078125),
+    "F64": struct.pack("<d", 0.0078125),
+    "F8_E4M3": b"\x08",
+    "F8_E5M2": b"\x04",
+}
 
 
 def config(moe: bool) -> dict:
@@ -56,13 +66,14 @@ def write_model(path: Path, moe: bool) -> Path:
     return path
 
 
-def tensor(shape, dtype="BF16", poison: dict | None = None) -> tuple:
-    """(dtype, shape, raw bytes): zeros, with {flat index: raw element bytes} poked in."""
+def tensor(shape, dtype="BF16", poison: dict | None = None, zero: bool = False) -> tuple:
+    """(dtype, shape, raw bytes): FILL (or zeros), with {flat index: raw element bytes}
+    poked in."""
     n = 1
     for d in shape:
         n *= d
     size = SIZES[dtype]
-    data = bytearray(n * size)
+    data = bytearray(n * size) if zero or dtype not in FILL else bytearray(FILL[dtype] * n)
     for index, raw in (poison or {}).items():
         data[index * size : index * size + size] = raw
     return dtype, list(shape), bytes(data)
@@ -89,26 +100,26 @@ def write_safetensors(path: Path, tensors: dict) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
-def linear(module: str, out: int, inp: int, r: int = 4, **poison) -> dict:
+def linear(module: str, out: int, inp: int, r: int = 4, zero_b=False, **poison) -> dict:
     """A PEFT linear module's two factors, A (r, in) and B (out, r)."""
     return {
         f"{P}{module}.lora_A.weight": tensor((r, inp), poison=poison.get("a")),
-        f"{P}{module}.lora_B.weight": tensor((out, r), poison=poison.get("b")),
+        f"{P}{module}.lora_B.weight": tensor((out, r), poison=poison.get("b"), zero=zero_b),
     }
 
 
-def dense_tensors(r: int = 4) -> dict:
+def dense_tensors(r: int = 4, zero_b: bool = False) -> dict:
     """Attention in layer 1, GDN in layers 0 and 2, the dense MLP everywhere."""
     t = {}
     for layer in range(LAYERS):
         if TYPES[layer] == "full_attention":
-            t |= linear(f"{layer}.self_attn.q_proj", 2 * HEADS * HEAD_DIM, H, r)
-            t |= linear(f"{layer}.self_attn.o_proj", H, HEADS * HEAD_DIM, r)
+            t |= linear(f"{layer}.self_attn.q_proj", 2 * HEADS * HEAD_DIM, H, r, zero_b)
+            t |= linear(f"{layer}.self_attn.o_proj", H, HEADS * HEAD_DIM, r, zero_b)
         else:
-            t |= linear(f"{layer}.linear_attn.in_proj_qkv", QKV, H, r)
-            t |= linear(f"{layer}.linear_attn.in_proj_z", Z, H, r)
-            t |= linear(f"{layer}.linear_attn.out_proj", H, Z, r)
-        t |= linear(f"{layer}.mlp.down_proj", H, I_DENSE, r)
+            t |= linear(f"{layer}.linear_attn.in_proj_qkv", QKV, H, r, zero_b)
+            t |= linear(f"{layer}.linear_attn.in_proj_z", Z, H, r, zero_b)
+            t |= linear(f"{layer}.linear_attn.out_proj", H, Z, r, zero_b)
+        t |= linear(f"{layer}.mlp.down_proj", H, I_DENSE, r, zero_b)
     return t
 
 

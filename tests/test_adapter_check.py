@@ -417,13 +417,13 @@ def test_file_cut_short_after_its_header_was_read(tmp_path, monkeypatch):
     """A file truncated between the header and the scan: a finding, not a traceback."""
     adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors())
     path = adapter / "adapter_model.safetensors"
-    real = nonfinite.scan
+    real = nonfinite.scan_values
 
     def truncate_then_scan(st, info, *args):
         os.truncate(path, st.data_start + 8)
         return real(st, info, *args)
 
-    monkeypatch.setattr(nonfinite, "scan", truncate_then_scan)
+    monkeypatch.setattr(nonfinite, "scan_values", truncate_then_scan)
     report = check(adapter)
     assert kinds(report) == ["file"] and "truncated" in report.findings[0].message
 

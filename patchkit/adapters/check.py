@@ -44,6 +44,7 @@ from patchkit.adapters.names import (
 )
 from patchkit.adapters.report import Kind, Report
 from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims, shown
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 
 SCALE_RANGE = (1 / 64, 16.0)
@@ -69,6 +70,7 @@ class _Adapter:
     config: AdapterConfig  # adapterconfig.read's: every value that passed the rule
     modules: dict[str, Factors] = field(default_factory=dict)
     refused_keys: set[str] = field(default_factory=set)  # pattern keys already said
+    zero: set[str] = field(default_factory=set)  # tensors whose every value is 0
 
     def key_refused(self, exc: adapterconfig.PatternRefused, report: Report) -> None:
         """A pattern key whose matching ran past its work bound: one finding, however many
@@ -104,6 +106,7 @@ def check(
             with st:
                 _read_tensors(st, adapter, report)
                 _check_pairs(adapter, report, max_rank)
+                _check_effect(adapter, report)
     shapes, arch = None, ""
     if model_dir is None:
         report.skipped.append(SKIPPED_MODEL)
@@ -211,11 +214,13 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
             )
         else:
             try:
-                bad = nonfinite.scan(st, info)
+                bad, zero = nonfinite.scan_values(st, info)
             except PatchkitError as exc:  # cut short since its header was read
                 report.add(Kind.FILE, file, key, about(exc, st.path))
                 return
             report.bytes_scanned += info.nbytes
+            if zero:
+                adapter.zero.add(key)
             if bad is not None:
                 report.add(Kind.NONFINITE, file, key, _bad_values(bad, info))
         _file_factor(key, info, adapter, report)
@@ -304,6 +309,32 @@ def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> Non
         if _is_experts(module):
             continue  # rank = rows / experts: judged with the model
         _judge_rank(report, adapter, f, f.a.shape[0], max_rank)
+
+
+def _check_effect(adapter: _Adapter, report: Report) -> None:
+    """Modules whose lora_A or lora_B is all zero add nothing (B @ A = 0): every module so is
+    an adapter that changes nothing (PEFT initialises lora_B to zero, so one saved before
+    its first training step is one), a finding; some modules so, a note."""
+    pairs = [f for f in adapter.modules.values() if f.a is not None and f.b is not None]
+    inert = [f for f in pairs if f.a.name in adapter.zero or f.b.name in adapter.zero]
+    if not inert:
+        return
+    which = "lora_B" if all(f.b.name in adapter.zero for f in inert) else "lora_A or lora_B"
+    if len(inert) == len(pairs):
+        report.add(
+            Kind.EFFECT,
+            ADAPTER_SAFETENSORS,
+            inert[0].b.name if which == "lora_B" else inert[0].a.name,
+            f"{which} is all zero in every one of its {len(pairs)} modules: the adapter "
+            "changes nothing, a server serves it as the base model (PEFT initialises lora_B "
+            "to zero: saved before its first training step?)",
+            Code.ADAPTER_ZERO_FACTORS,
+        )
+        return
+    report.notes.append(
+        f"{len(inert)} of {len(pairs)} modules have an all-zero {which} and change nothing "
+        f"(e.g. {inert[0].module})"
+    )
 
 
 def _judge_rank(

@@ -92,23 +92,42 @@ class Nonfinite:
 
 def scan(st: SafetensorsFile, info: TensorInfo, chunk_bytes: int = CHUNK_BYTES) -> Nonfinite | None:
     """The bad values of a tensor of a type in FLOATS, or None when every value is fine."""
+    return scan_values(st, info, chunk_bytes)[0]
+
+
+def scan_values(
+    st: SafetensorsFile, info: TensorInfo, chunk_bytes: int = CHUNK_BYTES
+) -> tuple[Nonfinite | None, bool]:
+    """:func:`scan`'s answer, and whether every value is zero (+0 or -0): a LoRA factor
+    that is all zero makes its module's B @ A zero, the adapter a no-op there. Read in the
+    same pass; a chunk is tested for zeros only while every one before it was zero."""
     size = _LAYOUTS[info.dtype].size
     per_chunk = max(chunk_bytes // size, 1)
     buf = bytearray(min(per_chunk, info.numel) * size)
     view = memoryview(buf)
     nan = inf = beyond = 0
     first, first_value = -1, ""
+    zero = True
     for start in range(0, info.numel, per_chunk):
         n = min(per_chunk, info.numel - start)
         st.read_into(info.begin + start * size, view[: n * size])
-        found = _chunk(bytes(view[: n * size]) if n < per_chunk else buf, info.dtype)
+        data = bytes(view[: n * size]) if n < per_chunk else buf
+        zero = zero and _all_zero(data, size)
+        found = _chunk(data, info.dtype)
         if found is None:
             continue
         c_nan, c_inf, c_beyond, c_first, c_value = found
         nan, inf, beyond = nan + c_nan, inf + c_inf, beyond + c_beyond
         if first < 0:
             first, first_value = start + c_first, c_value
-    return Nonfinite(nan, inf, first, first_value, beyond) if first >= 0 else None
+    bad = Nonfinite(nan, inf, first, first_value, beyond) if first >= 0 else None
+    return bad, zero
+
+
+def _all_zero(data, size: int) -> bool:
+    """Every element +0 or -0: each byte is 0, but the top byte, which may be the sign alone
+    (0x80); counted by the C loops of bytes.count."""
+    return data.count(0) + data[size - 1 :: size].count(0x80) == len(data)
 
 
 def _numpy():

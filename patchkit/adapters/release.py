@@ -62,6 +62,8 @@ class _Class:
     bases: list[str]
     is_3d: bool  # is_3d_moe_weight = True in its body
     packed: ast.expr | None  # its packed_modules_mapping's value, unevaluated
+    attrs: dict[str, ast.expr] = field(default_factory=dict)  # class-level NAME = value
+    methods: dict[str, ast.FunctionDef] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +78,10 @@ class LoraSupport:
     classes: dict[tuple[str, str], _Class] = field(default_factory=dict, repr=False)
     names: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict, repr=False)
     modules: dict[str, str] = field(default_factory=dict, repr=False)  # dotted -> relpath
+    # every `self.ATTR = CALLEE(...)` in a class body: (class, attr, callee), for the
+    # layers that share a wrapped name but are no LoRA layer (patchkit.adapters.reach)
+    built: list[tuple[str, str, str]] = field(default_factory=list, repr=False)
+    factories: set[str] = field(default_factory=set, repr=False)  # functions returning a Linear
 
     def expected(self) -> set[str]:
         """worker_manager's expected_lora_modules."""
@@ -201,6 +207,7 @@ def _read(module: ast.Module, relpath: str, support: LoraSupport, merged: dict) 
             for r in ast.walk(node)
         )
     }
+    support.factories |= factories
     for node in ast.walk(module):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -210,17 +217,67 @@ def _read(module: ast.Module, relpath: str, support: LoraSupport, merged: dict) 
             bases = [
                 b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases
             ]
-            flag, packed = False, None
+            attrs, methods = {}, {}
             for s in node.body:
+                if isinstance(s, ast.FunctionDef):
+                    methods[s.name] = s
                 if not isinstance(s, (ast.Assign, ast.AnnAssign)) or s.value is None:
                     continue
                 targets = s.targets if isinstance(s, ast.Assign) else [s.target]
-                names = {getattr(t, "id", None) for t in targets}
-                if "is_3d_moe_weight" in names:
-                    flag = isinstance(s.value, ast.Constant) and s.value.value is True
-                if "packed_modules_mapping" in names:
-                    packed = s.value
-            support.classes[(relpath, node.name)] = _Class(relpath, bases, flag, packed)
+                attrs.update((t.id, s.value) for t in targets if isinstance(t, ast.Name))
+            flag = attrs.get("is_3d_moe_weight")
+            flag = isinstance(flag, ast.Constant) and flag.value is True
+            packed = attrs.get("packed_modules_mapping")
+            support.classes[(relpath, node.name)] = _Class(
+                relpath, bases, flag, packed, attrs, methods
+            )
+            support.built += _built(node)
+
+
+def _built(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
+    """(class, attr, callee) of every `self.ATTR = CALLEE(...)` in the class."""
+    found = []
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            for target in node.targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    found.append((cls.name, target.attr, _callee(node.value)))
+    return found
+
+
+def class_attribute(support: LoraSupport, name: str, kind: str = "attrs"):
+    """(file, value) of the served class's attribute (``kind`` "methods": a method) as
+    Python finds it: the class, then its bases, left first; None where none defines it."""
+    if support.served is None:
+        return None
+    key = _lookup(support, support.served.file, support.served.cls, set())
+    return _attribute(support, key, name, kind, set()) if key else None
+
+
+def _attribute(support: LoraSupport, key: tuple, name: str, kind: str, seen: set):
+    if key in seen:
+        return None
+    seen.add(key)
+    _step(seen, key[0], f"the bases of {key[1]}")
+    cls = support.classes[key]
+    found = getattr(cls, kind).get(name)
+    if found is not None:
+        return cls.file, found
+    for base in cls.bases:
+        parent = _lookup(support, cls.file, base, set())
+        value = _attribute(support, parent, name, kind, seen) if parent else None
+        if value is not None:
+            return value
+    return None
+
+
+def lookup_class(support: LoraSupport, relpath: str, name: str) -> tuple | None:
+    """The (file, class) a name means in a file (defined there or imported from a file read)."""
+    return _lookup(support, relpath, name, set())
 
 
 def _assignment(target, value, factories: set[str], support: LoraSupport, merged: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from patchkit.codes import Code
 from patchkit.vocabulary import Word
 
 
@@ -21,6 +22,7 @@ class Kind(Word):
     LAYOUT = "layout"  # transposed factors, an old PEFT expert layout
     TARGET = "target"  # a module or parameter the model does not have
     RELEASE = "release"  # what the --target vLLM release refuses or ignores
+    EFFECT = "effect"  # factors that change nothing: every value of lora_A or lora_B is zero
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class AdapterFinding:
     file: str
     tensor: str  # the tensor name, the config key, or "" for the file as a whole
     message: str
+    code: Code | None = None  # a finer code than the kind's, where the finding has one
 
 
 @dataclass
@@ -46,10 +49,12 @@ class Report:
     findings: list[AdapterFinding] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # checks not run, each with its reason
     notes: list[str] = field(default_factory=list)
+    # with --target: per adapter module, whether the release wraps it (patchkit.adapters.reach)
+    targets: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
-    def add(self, kind: Kind, file: str, tensor: str, message: str) -> None:
-        self.findings.append(AdapterFinding(kind, file, tensor, message))
+    def add(self, kind: Kind, file: str, tensor: str, message: str, code: Code | None = None):
+        self.findings.append(AdapterFinding(kind, file, tensor, message, code))

@@ -28,12 +28,14 @@ import shlex
 
 from packaging.version import Version
 
+from patchkit.adapters import reach
 from patchkit.adapters.adapterconfig import PatternRefused
 from patchkit.adapters.names import ADAPTER_CONFIG, ADAPTER_SAFETENSORS, NO_INDEX, layer_and_name
 from patchkit.adapters.registry import parse
-from patchkit.adapters.release import lora_support
+from patchkit.adapters.release import LoraSupport, lora_support
 from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.patching import operations
 from patchkit.patching.decide import apply_command
@@ -54,7 +56,10 @@ def check_release(adapter, shapes, arch: str, tree: VllmTree, report: Report) ->
     fix = _fixes(assessments, tree)
     _single_parameter_experts(adapter, tree, assessments.get(MOE_PATCH), fix, report)
     _partial_gdn(adapter, tree, assessments.get(GDN_PATCH), fix, report)
-    _unwrapped(adapter, arch, tree, report)
+    support = _support(arch, tree, report)
+    if support is not None:
+        _unwrapped(adapter, arch, support, tree, report)
+        _reach(adapter, arch, support, tree, report)
     _patterns_unread(adapter, tree, report)
 
 
@@ -140,7 +145,8 @@ def _partial_gdn(adapter, tree: VllmTree, assessment, fix, report: Report) -> No
         )
 
 
-def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
+def _support(arch: str, tree: VllmTree, report: Report) -> LoraSupport | None:
+    """The release's LoRA names for the architecture, or None with the check said skipped."""
     try:
         support = lora_support(tree, arch) if arch else None
         name = arch if len(arch) <= 60 else arch[:57] + "..."  # config.json's, any length
@@ -152,7 +158,10 @@ def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
             f"modules vLLM {tree.version}'s LoRA code wraps ({why}; patchkit reads "
             "the Qwen3.5/3.6 and Qwen3-Next model files)"
         )
-        return
+    return support
+
+
+def _unwrapped(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Report) -> None:
     for module, f in sorted(adapter.modules.items()):
         if "base_layer" in module:  # vLLM's check skips these names
             continue
@@ -172,6 +181,62 @@ def _unwrapped(adapter, arch: str, tree: VllmTree, report: Report) -> None:
                 f"vLLM {tree.version} refuses the adapter: its LoRA code wraps no module "
                 f"named like {module} for {arch}{hint}",
             )
+
+
+def _reach(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Report) -> None:
+    """Per module whether the release wraps it (report.targets); findings for what it
+    refuses that :func:`_unwrapped` does not say, for modules it would ignore, and for an
+    adapter it would serve as the base model."""
+    try:
+        lay = reach.layout(tree, support, arch)
+    except PatchkitError as exc:
+        report.skipped.append(f"which modules vLLM {tree.version} reaches ({exc})")
+        return
+    rows = [reach.reach(module, lay, support) for module in sorted(adapter.modules)]
+    report.targets = [
+        {"module": r.module, "vllm_module": r.vllm_module, "outcome": r.outcome, "why": r.why}
+        for r in rows
+    ]
+    factor = {m: _first_factor(f) for m, f in adapter.modules.items()}
+    for r in rows:
+        if r.outcome == "refused" and not support.refuses(r.module.removesuffix(".base_layer")):
+            report.add(
+                Kind.RELEASE,
+                ADAPTER_SAFETENSORS,
+                factor[r.module],
+                f"vLLM {tree.version} refuses the adapter: {r.module}: {r.why}",
+            )
+    tower = [r for r in rows if r.outcome == "ignored" and r.why.startswith("the vision tower")]
+    ignored = [r for r in rows if r.outcome == "ignored" and r not in tower]
+    wrapped = [r for r in rows if r.outcome == "wrapped"]
+    if tower:
+        report.notes.append(
+            f"{len(tower)} module(s) in the vision tower (e.g. {tower[0].module}): {tower[0].why}; "
+            "text prompts never reach them"
+        )
+    if not ignored:
+        return
+    example = f"e.g. {ignored[0].module} -> {ignored[0].vllm_module}: {ignored[0].why}"
+    if not wrapped and len(ignored) == len(rows) - len(tower):
+        report.add(
+            Kind.RELEASE,
+            ADAPTER_SAFETENSORS,
+            factor[ignored[0].module],
+            f"vLLM {tree.version} would serve this adapter as the base model: none of its "
+            f"{len(rows)} modules reaches a module its LoRA code wraps ({example}); "
+            "it loads without a warning",
+            Code.ADAPTER_SERVED_AS_BASE,
+        )
+        return
+    report.add(
+        Kind.RELEASE,
+        ADAPTER_SAFETENSORS,
+        factor[ignored[0].module],
+        f"vLLM {tree.version} ignores {len(ignored)} of the adapter's {len(rows)} modules: "
+        f"their weights reach no module its LoRA code wraps, so they serve as the base model "
+        f"({example})",
+        Code.ADAPTER_MODULES_IGNORED,
+    )
 
 
 def _patterns_unread(adapter, tree: VllmTree, report: Report) -> None:

@@ -86,11 +86,23 @@ def adapter_check_lines(report) -> list[str]:
         lines.append(f"{f.kind}: {where}: {f.message}")
     lines += [f"note: {note}" for note in report.notes]
     lines += [f"skipped: {skipped}" for skipped in report.skipped]
+    lines += target_lines(report)
     release = f", vLLM {report.vllm_version}" if report.vllm_version else ""
     scanned = f"{counted(report.tensors, 'tensor')}, {report.bytes_scanned / 1e6:.1f} MB scanned"
     verdict = "clean" if report.ok else counted(len(report.findings), "finding")
     lines.append(f"adapter check {report.adapter}{release}: {verdict} ({scanned})")
     return lines
+
+
+def target_lines(report) -> list[str]:
+    """One line per target name (layers collapsed): whether the --target release wraps it."""
+    from patchkit.adapters.reach import grouped
+
+    return [
+        f"on vLLM {report.vllm_version}: {name}{f' ({where})' if where else ''}: {outcome}"
+        + (f" ({why})" if why and outcome == "wrapped" else f": {why}" if why else "")
+        for name, where, outcome, why in grouped(report.targets)
+    ]
 
 
 def adapter_check_json(report) -> dict:
@@ -106,11 +118,13 @@ def adapter_check_json(report) -> dict:
         "findings": [_finding_json(f) for f in report.findings],
         "skipped": [text_message(Code.SKIPPED, s) for s in report.skipped],
         "notes": [text_message(Code.NOTE, n) for n in report.notes],
+        "targets": report.targets,
     }
 
 
 def _finding_json(finding) -> dict:
     """A finding as a message: the code of its kind (``adapter-nonfinite``), its words as
     the text line ends, and where (file, tensor)."""
-    code = Code(f"adapter-{finding.kind}")
-    return text_message(code, finding.message) | field_values(finding) | {"kind": str(finding.kind)}
+    code = finding.code or Code(f"adapter-{finding.kind}")  # a finer code where it has one
+    where = {k: v for k, v in field_values(finding).items() if k != "code"}
+    return text_message(code, finding.message) | where | {"kind": str(finding.kind)}
