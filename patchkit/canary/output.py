@@ -40,10 +40,16 @@ def lines(report: Report) -> list[str]:
         f"prompt ~{report.prompt_tokens}"
         f" tokens, {NEW_TOKENS} new, greedy ({report.seconds:.1f} s)"
     ]
-    name = {id(v): fields.one_line(v.model, MODEL_NAME) for v in report.models}
+    listed = report.models + report.parents
+    name = {id(v): fields.one_line(v.model, MODEL_NAME) for v in listed}
     width = max(map(len, name.values()), default=0)
     for v in report.models:
         lines.append(f"  {label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  {detail(v)}")
+    for v in report.parents:  # asked only to compare an adapter named alone with it
+        lines.append(
+            f"  {label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  asked to compare its "
+            f"adapters with: {detail(v)}"
+        )
     if report.recheck:
         r = report.recheck
         again = f"again after the bad adapter: {detail(r)}"
