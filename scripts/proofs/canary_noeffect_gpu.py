@@ -201,7 +201,9 @@ def safetensors_header(adapter: Path) -> dict:
 
 
 def keep_adapter_files(built: dict, out: Path) -> None:
-    """Each adapter's config and header under OUT/adapters, for the CPU tests of adapter check."""
+    """Each adapter's config and header under OUT/adapters, and the model's config.json as
+    OUT/model-config.json, for the CPU tests of adapter check."""
+    shutil.copy(built["model"] / "config.json", out / "model-config.json")
     for name, path in built["adapters"].items():
         dest = out / "adapters" / name
         dest.mkdir(parents=True, exist_ok=True)
