@@ -32,7 +32,6 @@ import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from patchkit.canary import check, metrics, prompt
 from patchkit.canary.report import ModelCheck, Report
-from tests.canary_helpers import BASE, completion, words
+from tests.canary_helpers import BASE, StandIn, completion, words
 from tests.conftest import run_cli, run_subprocess
 
 KEY = "sk-canary-secret-4711"
@@ -48,7 +47,7 @@ NAN_MESSAGE = "Out of range float values are not JSON compliant: nan"
 SANE_IDS = [785, 1790, 6556, 11, 279, 1156, 572, 2087, 916, 279] * 4
 
 
-class FakeVLLM:
+class FakeVLLM(StandIn):
     """A server that answers like vLLM; each model behaves as told.
 
     Behaviours: ok, bang (200, token id 0 / '!' and finite log-probs),
@@ -78,59 +77,20 @@ class FakeVLLM:
         self.polluted = False
         self.release = threading.Event()
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.httpd.daemon_threads = True
-        # shutdown() waits for serve_forever's next poll: 0.5 s a test by default
-        serve = lambda: self.httpd.serve_forever(poll_interval=0.01)  # noqa: E731
-        self.thread = threading.Thread(target=serve, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        super().__init__()
 
     def completions(self) -> list[dict]:
         return [r for r in self.requests if r["path"] == "/v1/completions"]
 
-    def handler(self):
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers, then body: no 40 ms delayed-ACK wait each
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self.answer(None)
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                self.answer(json.loads(self.rfile.read(length)))
-
-            def answer(self, body):
-                record = {"path": self.path, "headers": dict(self.headers), "body": body}
-                record["start"] = time.monotonic()
-                fake.requests.append(record)
-                status, payload, kind = fake.route(self.path, body, dict(self.headers))
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                record["end"] = time.monotonic()
-
-        return Handler
-
-    def __enter__(self):
-        self.thread.start()
-        return self
+    def serve(self, method, path, body, headers, write) -> None:
+        record = {"path": path, "headers": headers, "body": body, "start": time.monotonic()}
+        self.requests.append(record)
+        write(*self.route(path, body, headers))
+        record["end"] = time.monotonic()
 
     def __exit__(self, *exc):
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.close()
 
     # ----- routes -----
 

@@ -17,17 +17,16 @@ from __future__ import annotations
 import itertools
 import json
 import lzma
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from patchkit.adapters.check import check
 from patchkit.canary import effect
-from patchkit.canary.report import Verdict
+from patchkit.canary.report import ModelCheck
 from patchkit.vllmtree.tree import locate
 from tests import adapter_helpers as ah
+from tests.canary_helpers import ReplayServer
 from tests.conftest import release_tree, run_cli
 
 FIXTURE = Path(__file__).parent / "data" / "canary-noeffect-0.26.0.json.xz"
@@ -43,12 +42,12 @@ KEY = "canary-gpu-throwaway-key"
 INERT = ("prefix-mismatch", "zero-b")
 
 
-def verdict_of(exchange: dict) -> Verdict:
+def verdict_of(exchange: dict) -> ModelCheck:
     """An answer as the canary reads it (tokens, log-probabilities, prompt length)."""
     from patchkit.canary.answers import read_completion
 
     done = read_completion(json.loads(exchange["body"]))
-    return Verdict(
+    return ModelCheck(
         model=exchange["request"]["model"],
         token_ids=done.token_ids,
         logprobs=done.logprobs,
@@ -56,9 +55,9 @@ def verdict_of(exchange: dict) -> Verdict:
     )
 
 
-def answers(*groups: str) -> dict[tuple[str, str], list[Verdict]]:
+def answers(*groups: str) -> dict[tuple[str, str], list[ModelCheck]]:
     """{(model, prompt): the recorded answers}, the 200s of the groups named."""
-    found: dict[tuple[str, str], list[Verdict]] = {}
+    found: dict[tuple[str, str], list[ModelCheck]] = {}
     for group in groups:
         for exchange in RECORDED["exchanges"][group]:
             if exchange["status"] == 200 and exchange["path"] == "/v1/completions":
@@ -67,7 +66,7 @@ def answers(*groups: str) -> dict[tuple[str, str], list[Verdict]]:
     return found
 
 
-def pairs(a: list[Verdict], b: list[Verdict], same_list: bool):
+def pairs(a: list[ModelCheck], b: list[ModelCheck], same_list: bool):
     return itertools.combinations(a, 2) if same_list else itertools.product(a, b)
 
 
@@ -115,20 +114,14 @@ def test_the_no_op_adapters_answer_as_their_base_within_the_noise(model):
 # ----- the canary on the recorded answers -----
 
 
-class Replay:
+class Replay(ReplayServer):
     """Answers each request with a recorded answer: the canary's own run, or for each model
     the answer at ``pick[model]`` among those recorded for the prompt asked."""
 
     def __init__(self, group: str, pick: dict[str, int] | None = None):
         self.exchanges = RECORDED["exchanges"][group] + RECORDED["exchanges"]["canary"]
         self.pick = pick or {}
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, args=(0.01,), daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        super().__init__()
 
     def answer(self, method: str, path: str, request) -> tuple[int, bytes]:
         def fits(e: dict) -> bool:
@@ -145,39 +138,6 @@ class Replay:
         model = (request or {}).get("model")
         chosen = found[self.pick.get(model, 0) % len(found)]
         return chosen["status"], chosen["body"].encode()
-
-    def handler(self):
-        replay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self.respond(replay.answer("GET", self.path, None))
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                self.respond(replay.answer("POST", self.path, json.loads(self.rfile.read(length))))
-
-            def respond(self, answer):
-                status, data = answer
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        return Handler
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def canary(url: str, *args: str) -> tuple[int, dict]:

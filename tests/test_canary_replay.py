@@ -11,14 +11,12 @@ canary judges are the real server's, not hand-made ones.
 from __future__ import annotations
 
 import json
-import threading
 from collections import defaultdict, deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.canary_helpers import words
+from tests.canary_helpers import ReplayServer, words
 from tests.conftest import run_cli
 
 RECORDED = Path(__file__).parent / "data" / "canary-h200-0.26.0"
@@ -32,7 +30,7 @@ def key(method: str, path: str, request) -> tuple:
     return method, path, request.get("model"), request.get("logprobs") is not None
 
 
-class Replay:
+class Replay(ReplayServer):
     """A server that answers each request with the next recorded answer of the same kind."""
 
     def __init__(self, phase: str):
@@ -41,14 +39,7 @@ class Replay:
             exchange = json.loads(path.read_text())
             request = exchange["request"]
             self.answers[key(exchange["method"], exchange["path"], request)].append(exchange)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.httpd.daemon_threads = True
-        serve = lambda: self.httpd.serve_forever(poll_interval=0.01)  # noqa: E731
-        threading.Thread(target=serve, daemon=True).start()  # shutdown() waits for a poll
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        super().__init__()
 
     def answer(self, method: str, path: str, request) -> tuple[int, bytes]:
         queue = self.answers.get(key(method, path, request))
@@ -58,45 +49,10 @@ class Replay:
         body = exchange["body"]
         return exchange["status"], (body if isinstance(body, str) else json.dumps(body)).encode()
 
-    def handler(self):
-        replay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers, then body: no 40 ms delayed-ACK wait each
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self.respond(replay.answer("GET", self.path, None))
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                request = json.loads(self.rfile.read(length))
-                self.respond(replay.answer("POST", self.path, request))
-
-            def respond(self, answer: tuple[int, bytes]) -> None:
-                status, data = answer
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        return Handler
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
 
 def canary(phase: str) -> tuple[int, dict]:
-    server = Replay(phase)
-    try:
+    with Replay(phase) as server:
         result = run_cli("canary", "--url", server.url, "--api-key", KEY, "--json")
-    finally:
-        server.close()
     return result.exit_code, json.loads(result.stdout)
 
 

@@ -235,19 +235,24 @@ def server_env(phase_dir: Path, triton: bool) -> dict:
     return env
 
 
+def serve_command(model: Path, modules: list[str], port: int, loras: int, seqs: int) -> list:
+    """The `vllm serve` command line of the stand-in with ``modules`` (NAME=PATH) at start."""
+    return [
+        sys.executable, "-c", LAUNCH,
+        "--model", str(model), "--served-model-name", BASE_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+        "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", str(loras),
+        "--lora-modules", *modules,
+        "--enforce-eager", "--language-model-only", "--dtype", "bfloat16",
+        "--max-model-len", "4096", "--max-num-seqs", str(seqs), "--gpu-memory-utilization", "0.3",
+        "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton", "--seed", "0",
+    ]  # fmt: skip
+
+
 def start_server(built: dict, adapters: list[str], port: int, phase_dir: Path, triton: bool):
     """`vllm serve` in its own session (so stopping it stops its engine core too)."""
     modules = [f"{name}={built['adapters'][name]}" for name in adapters]
-    command = [
-        sys.executable, "-c", LAUNCH,
-        "--model", str(built["model"]), "--served-model-name", BASE_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "3",
-        "--lora-modules", *modules,
-        "--enforce-eager", "--language-model-only", "--dtype", "bfloat16",
-        "--max-model-len", "4096", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
-        "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton", "--seed", "0",
-    ]  # fmt: skip
+    command = serve_command(built["model"], modules, port, loras=3, seqs=4)
     (phase_dir / "server-command.json").write_text(json.dumps(command, indent=1))
     log = (phase_dir / "server.log").open("w")
     return subprocess.Popen(
@@ -371,6 +376,27 @@ def run_canary(port: int, phase_dir: Path) -> tuple[int, dict, float]:
     return result.returncode, report, time.monotonic() - started
 
 
+def ask(client, method: str, path: str, body: dict | None, headers: dict | None = None) -> dict:
+    """One request and its answer as `patchkit canary --record` writes them; a request that
+    gets no answer is recorded with status 0 and the error, not raised."""
+    import httpx
+
+    started = time.monotonic()
+    try:
+        answer = client.request(method, path, json=body, headers=headers)
+        status, text = answer.status_code, answer.text
+    except httpx.HTTPError as exc:
+        status, text = 0, f"{type(exc).__name__}: {exc}"
+    return {
+        "method": method,
+        "path": path,
+        "request": body,
+        "status": status,
+        "body": text,
+        "seconds": time.monotonic() - started,
+    }
+
+
 def record_extra(port: int, phase_dir: Path) -> None:
     """Real answers the canary does not provoke: no key (401), an unknown model (404), /health."""
     import httpx
@@ -389,20 +415,7 @@ def record_extra(port: int, phase_dir: Path) -> None:
     ]
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
         for number, (method, path, body, headers) in enumerate(plan, start=1):
-            started = time.monotonic()
-            try:
-                answer = client.request(method, path, json=body, headers=headers)
-                status, text = answer.status_code, answer.text
-            except httpx.HTTPError as exc:
-                status, text = 0, f"{type(exc).__name__}: {exc}"
-            exchange = {
-                "method": method,
-                "path": path,
-                "request": body,
-                "status": status,
-                "body": text,
-                "seconds": time.monotonic() - started,
-            }
+            exchange = ask(client, method, path, body, headers)
             name = f"{number:03d}-{method}-{path.strip('/').replace('/', '_')}.json"
             (out / name).write_text(json.dumps(exchange, indent=1) + "\n")
 

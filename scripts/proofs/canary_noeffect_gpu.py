@@ -216,19 +216,10 @@ def keep_adapter_files(built: dict, out: Path) -> None:
 
 
 def server_command(built: dict, port: int) -> list[str]:
+    """canary_gpu's command line, with the start adapters, 4 LoRA slots, 16 sequences (the
+    batches of the concurrent rounds)."""
     modules = [f"{name}={built['adapters'][name]}" for name in STARTUP_ADAPTERS]
-    from patchkit.verify.e2e import RANK
-
-    return [
-        sys.executable, "-c", served.LAUNCH,
-        "--model", str(built["model"]), "--served-model-name", BASE_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "4",
-        "--lora-modules", *modules,
-        "--enforce-eager", "--language-model-only", "--dtype", "bfloat16",
-        "--max-model-len", "4096", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.3",
-        "--attention-backend", "TRITON_ATTN", "--gdn-prefill-backend", "triton", "--seed", "0",
-    ]  # fmt: skip
+    return served.serve_command(built["model"], modules, port, loras=4, seqs=16)
 
 
 def start_server(built: dict, port: int, out: Path):
@@ -263,20 +254,7 @@ class Recorder:
         self.lock = threading.Lock()
 
     def send(self, group: str, method: str, path: str, body: dict | None, tag: str = "") -> dict:
-        started = time.monotonic()
-        try:
-            answer = self.client.request(method, path, json=body)
-            status, text = answer.status_code, answer.text
-        except Exception as exc:  # recorded, not raised: a failed request is data too
-            status, text = 0, f"{type(exc).__name__}: {exc}"
-        exchange = {
-            "method": method,
-            "path": path,
-            "request": body,
-            "status": status,
-            "body": text,
-            "seconds": round(time.monotonic() - started, 4),
-        }
+        exchange = served.ask(self.client, method, path, body)
         if tag:
             exchange["tag"] = tag
         with self.lock:
