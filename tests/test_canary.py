@@ -870,3 +870,22 @@ def test_an_adapter_path_from_the_server_is_quoted_in_the_command_and_escaped():
     step = next(s for s in report["next_steps"] if s["code"] == "canary-step-adapter-check")
     assert step["command"].startswith("patchkit adapter check '/adapters/x; rm -rf ~\n$(id)' ")
     assert "rm -rf ~\\n$(id)'" in result.stdout  # the newline escaped, one line
+
+
+SCHEMA = Path(__file__).parents[1] / "docs" / "json" / "canary.schema.json"
+
+
+@pytest.mark.parametrize(
+    "models, args",
+    [
+        (HEALTHY, ()),
+        ({BASE: "ok", "bad-lora": "nan400", "inert-lora": "inert"}, ()),
+        ({BASE: "ok", "inert-lora": "inert"}, ("--model", "inert-lora", "--model", "nope")),
+        ({BASE: "ok", "lora": "plain500-sane", "x": "nulllogprobs"}, ()),
+    ],
+)
+def test_the_json_document_follows_its_schema(models, args):
+    jsonschema = pytest.importorskip("jsonschema", reason="the JSON contract's test dependency")
+    with FakeVLLM(models, metrics="absent") as server:
+        _, report = canary_json(server.url, *args)
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))

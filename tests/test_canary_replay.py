@@ -88,3 +88,10 @@ def test_the_recordings_are_the_real_servers(phase):
     models = json.loads(next(e for e in exchanges if e["path"] == "/v1/models")["body"])
     assert {m["id"] for m in models["data"] if m["parent"]} >= {"healthy-a", "healthy-b"}
     assert all(KEY not in json.dumps(e) for e in exchanges)  # the recorder kept no headers
+
+
+@pytest.mark.parametrize("phase", ["healthy", "poisoned"])
+def test_the_json_of_the_recorded_runs_follows_its_schema(phase):
+    jsonschema = pytest.importorskip("jsonschema", reason="the JSON contract's test dependency")
+    schema = Path(__file__).parents[1] / "docs" / "json" / "canary.schema.json"
+    jsonschema.validate(canary(phase)[1], json.loads(schema.read_text()))
