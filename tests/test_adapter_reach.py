@@ -219,3 +219,15 @@ def test_negative_zero_is_zero_and_one_tiny_value_is_not(tmp_path, dense):
     t[key] = ah.tensor((ah.H, 4), poison={63: b"\x01\x00"}, zero=True)  # the last, subnormal
     report = check(ah.write_adapter(tmp_path / "b", t), dense)
     assert report.ok and "10 of 11 modules have an all-zero lora_B" in report.notes[0]
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.34.0"])
+def test_a_moe_adapters_fused_experts_and_shared_expert_are_wrapped(tmp_path, version):
+    moe = ah.write_model(tmp_path / "moe", moe=True)
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapter = ah.write_adapter(tmp_path / "a", ah.moe_tensors(), target_parameters=params)
+    report = check(adapter, moe, tree(version))
+    assert report.ok, report.findings
+    assert {row["outcome"] for row in report.targets} == {"wrapped"}
+    experts = [r for r in report.targets if r["module"].endswith("0.mlp.experts.base_layer")]
+    assert experts[0]["vllm_module"] == "language_model.model.layers.0.mlp.experts.base_layer"

@@ -156,8 +156,9 @@ def reach(module: str, lay: Layout, support: LoraSupport) -> Reach:
     """Where one adapter module ends on the release (``module``: the name PEFT wrote, less
     ``base_model.model.``)."""
     name = module
-    while name.endswith(".base_layer"):  # PEFT's nesting of fused experts: looked up so
-        name = name.removesuffix(".base_layer")
+    while name.endswith(".base_layer"):  # PEFT's nesting of fused experts: vLLM looks up
+        name = name.removesuffix(".base_layer")  # the experts' name with it (gate_up_proj)
+    nested = module[len(name) :]
     if any(f".{p}" in f"base_model.model.{module}" or module.startswith(p) for p in lay.skip):
         return Reach(module, None, "ignored", "skipped by the model's lora_skip_prefixes")
     mapped = module_name(lay.mapper, name)
@@ -170,7 +171,7 @@ def reach(module: str, lay: Layout, support: LoraSupport) -> Reach:
     if in_lm and non_lora and lay.refuses_non_lora:
         return Reach(module, mapped, "refused", f"{non_lora} is no LoRA layer")
     if in_lm:
-        return Reach(module, mapped, "wrapped", _packed_in(mapped, support))
+        return Reach(module, mapped + nested, "wrapped", _packed_in(mapped, support))
     if any(mapped.startswith(p) for p in lay.tower):
         option = (
             "only with --enable-tower-connector-lora"
