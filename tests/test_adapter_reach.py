@@ -231,3 +231,16 @@ def test_a_moe_adapters_fused_experts_and_shared_expert_are_wrapped(tmp_path, ve
     assert {row["outcome"] for row in report.targets} == {"wrapped"}
     experts = [r for r in report.targets if r["module"].endswith("0.mlp.experts.base_layer")]
     assert experts[0]["vllm_module"] == "language_model.model.layers.0.mlp.experts.base_layer"
+
+
+def test_without_target_another_layout_than_the_models_is_a_note(tmp_path, dense):
+    adapter = ah.write_adapter(tmp_path / "a", text_only(ah.dense_tensors()))
+    report = check(adapter, dense)
+    assert report.ok
+    assert report.notes == [
+        "the adapter's layers are under model.layers.N, the model's checkpoint "
+        "(Qwen3_5ForConditionalGeneration) has them under model.language_model.layers.N: a "
+        "release that does not map one to the other serves those modules as the base model "
+        "(vLLM #34186); --target says what a release does"
+    ]
+    assert check(ah.write_adapter(tmp_path / "b", ah.dense_tensors()), dense).notes == []

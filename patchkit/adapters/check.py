@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchkit.adapters import adapterconfig, nonfinite, targetcheck
+from patchkit.adapters import adapterconfig, nonfinite, reach, targetcheck
 from patchkit.adapters.adapterconfig import AdapterConfig
 from patchkit.adapters.directory import Directory, about
 from patchkit.adapters.modelshapes import EXPERT_PARAMS, ModelShapes, architecture, model_shapes
@@ -116,6 +116,7 @@ def check(
             _check_model(adapter, shapes, report)
     if target is None:
         report.skipped.append(SKIPPED_TARGET)
+        _other_layout(adapter, arch, report)
     else:
         targetcheck.check_release(adapter, shapes, arch, target, report)
     return report
@@ -436,6 +437,22 @@ def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None
             "shapes not checked"
         )
     _check_targets(adapter, shapes, report)
+
+
+def _other_layout(adapter: _Adapter, arch: str, report: Report) -> None:
+    """Without --target, whether the release maps the adapter's names is unknown; that they
+    are laid out unlike the model's checkpoint (the text-only model's ``model.layers.N``
+    for a multimodal ``model.language_model.layers.N``: vLLM #34186) is said as a note."""
+    want = reach.HF_LANGUAGE_MODEL.get(arch)
+    found = {m.split("layers.", 1)[0] for m in adapter.modules if ".layers." in f".{m}"}
+    other = sorted(p for p in found if want is not None and p != want)
+    if other:
+        report.notes.append(
+            f"the adapter's layers are under {other[0]}layers.N, the model's checkpoint "
+            f"({arch}) has them under {want}layers.N: a release that does not map one to "
+            "the other serves those modules as the base model (vLLM #34186); --target says "
+            "what a release does"
+        )
 
 
 def _check_embedding(f: Factors, name: str, shapes: ModelShapes, report: Report) -> None:
