@@ -207,7 +207,7 @@ def model(tmp_path):
     config = RECORDED.get("model_config")
     if config is None:
         pytest.importorskip("transformers", reason="the stand-in's config.json comes from it")
-        from patchkit.verify.e2e import qwen35_config
+        from patchkit.verify.toolkit import qwen35_config
 
         config = json.loads(qwen35_config().to_json_string())
         config["architectures"] = ["Qwen3_5ForConditionalGeneration"]  # save_pretrained's

@@ -97,7 +97,7 @@ def build(work: Path, seed: int) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from patchkit.verify.e2e import RANK, TARGET_MODULES, qwen35_config
+    from patchkit.verify.toolkit import RANK, TARGET_MODULES, qwen35_config
 
     torch.manual_seed(seed)
     model_dir = work / "model"
@@ -148,7 +148,7 @@ def rename_prefix(tensors: dict) -> dict:
 
 def text_only_config(config: dict) -> dict:
     """target_modules as a text-only training run writes them: the module suffixes."""
-    from patchkit.verify.e2e import TARGET_MODULES
+    from patchkit.verify.toolkit import TARGET_MODULES
 
     suffixes = TARGET_MODULES.split("(")[1].rstrip(")").split("|")
     return {**config, "target_modules": sorted(suffixes)}
