@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from patchkit.canary import check, metrics, prompt
 from patchkit.canary.report import ModelCheck, Report
+from patchkit.codes import Code
 from tests.canary_helpers import BASE, StandIn, completion, words
 from tests.conftest import run_cli, run_subprocess
 
@@ -889,3 +890,14 @@ def test_the_json_document_follows_its_schema(models, args):
     with FakeVLLM(models, metrics="absent") as server:
         _, report = canary_json(server.url, *args)
     jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+
+
+def test_evidence_of_nan_outranks_no_effect_and_error_outranks_it():
+    check = ModelCheck("lora", parent=BASE)
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
+    check.mark("error", Code.CANARY_UNANSWERED, "no answer")
+    assert check.verdict == "error"
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
+    assert check.verdict == "error"
+    check.mark("bad", Code.CANARY_COUNTER_ROSE, "the counter rose")
+    assert check.verdict == "bad" and len(check.evidence) == 4

@@ -10,6 +10,9 @@ from patchkit.canary.metrics import COUNTER
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS
 from patchkit.codes import Code
 
+# which verdict a new piece of evidence may replace (another word always replaces)
+RANK = {"ok": 0, effect.NO_EFFECT: 1, "error": 2, "bad": 3}
+
 
 @dataclass
 class ModelCheck:
@@ -41,11 +44,8 @@ class ModelCheck:
         return "adapter" if self.parent else "base"
 
     def mark(self, verdict: str, code: Code, message: str, **facts) -> None:
-        """Add evidence; `bad` outranks `error`, which outranks `ok`."""
-        order = ("ok", "error", "bad")
-        if verdict in order and order.index(verdict) > order.index(self.verdict):
-            self.verdict = verdict
-        elif verdict not in order:
+        """Add evidence; `bad` outranks `error`, which outranks `no-effect` and `ok`."""
+        if verdict not in RANK or RANK[verdict] > RANK.get(self.verdict, -1):
             self.verdict = verdict
         self.evidence.append(say(code, message, **facts))
 
