@@ -873,25 +873,6 @@ def test_an_adapter_path_from_the_server_is_quoted_in_the_command_and_escaped():
     assert "rm -rf ~\\n$(id)'" in result.stdout  # the newline escaped, one line
 
 
-SCHEMA = Path(__file__).parents[1] / "docs" / "json" / "canary.schema.json"
-
-
-@pytest.mark.parametrize(
-    "models, args",
-    [
-        (HEALTHY, ()),
-        ({BASE: "ok", "bad-lora": "nan400", "inert-lora": "inert"}, ()),
-        ({BASE: "ok", "inert-lora": "inert"}, ("--model", "inert-lora", "--model", "nope")),
-        ({BASE: "ok", "lora": "plain500-sane", "x": "nulllogprobs"}, ()),
-    ],
-)
-def test_the_json_document_follows_its_schema(models, args):
-    jsonschema = pytest.importorskip("jsonschema", reason="the JSON contract's test dependency")
-    with FakeVLLM(models, metrics="absent") as server:
-        _, report = canary_json(server.url, *args)
-    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
-
-
 def test_evidence_of_nan_outranks_no_effect_and_error_outranks_it():
     check = ModelCheck("lora", parent=BASE)
     check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")

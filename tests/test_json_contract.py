@@ -20,12 +20,10 @@ from patchkit.cli.main import main
 from patchkit.cli.words import TEXT, WORDS
 from patchkit.codes import Code
 from tests import adapter_helpers as ah
-from tests.conftest import REPO, copy_tree, run_cli
+from tests.conftest import REPO, copy_tree, release_tree, run_cli
 from tests.helpers import record, write_log
 
 SCHEMAS = REPO / "docs" / "json"
-# canary's JSON is being moved to the contract on its own branch; its schema comes with it
-PENDING = {"canary"}
 
 
 def schema_name(command: str) -> str:
@@ -99,7 +97,7 @@ def test_every_code_has_its_words():
 
 
 def test_every_command_has_a_schema_and_every_schema_is_valid():
-    names = {schema_name(c) for c in commands()} - PENDING
+    names = {schema_name(c) for c in commands()}
     have = {p.name.removesuffix(".schema.json") for p in SCHEMAS.glob("*.schema.json")}
     assert names <= have, sorted(names - have)
     for path in SCHEMAS.glob("*.schema.json"):
@@ -194,6 +192,41 @@ def test_adapter_check(tmp_path):
     report = checked("adapter check", result, 1)
     assert report["findings"][0]["code"] == "adapter-nonfinite"
     assert report["findings"][0]["tensor"] == key
+
+
+def test_adapter_check_with_a_release_its_targets_and_finer_codes(tmp_path):
+    model = ah.write_model(tmp_path / "dense", moe=False)
+    tensors = ah.dense_tensors(zero_b=True)
+    text_only = {k.replace(ah.P, "base_model.model.model.layers."): v for k, v in tensors.items()}
+    adapter = ah.write_adapter(tmp_path / "a", text_only)
+    target = str(release_tree("0.26.0"))
+    result = run_cli(
+        "adapter", "check", str(adapter), "--model", str(model), "--target", target, "--json"
+    )
+    report = checked("adapter check", result, 1)
+    codes = [f["code"] for f in report["findings"]]
+    assert codes == ["adapter-zero-factors", "adapter-served-as-base"]
+    assert {t["outcome"] for t in report["targets"]} == {"ignored"}
+
+
+@pytest.mark.parametrize(
+    "models, args, exit_code",
+    [
+        ({"base": "ok", "sql-lora": "ok"}, (), 0),
+        ({"base": "ok", "bad-lora": "nan400", "inert-lora": "inert"}, (), 1),
+        ({"base": "ok", "inert-lora": "inert"}, ("--model", "inert-lora", "--model", "x"), 1),
+    ],
+)
+def test_canary(models, args, exit_code):
+    from tests.test_canary import FakeVLLM
+
+    with FakeVLLM(models) as server:
+        result = run_cli("canary", "--url", server.url, *args, "--json")
+    checked("canary", result, exit_code)
+
+
+def test_canary_that_cannot_reach_its_server_is_an_error_document():
+    checked("canary", run_cli("canary", "--url", "http://127.0.0.1:9", "--json"), 1)
 
 
 def test_verify_without_a_gpu_is_an_error_document():

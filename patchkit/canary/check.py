@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 
 # The packages by name: `patchkit` on the public index is another project.
@@ -55,7 +55,7 @@ except ImportError as exc:  # the optional dependencies are not installed
 # after the dependency check:
 from patchkit.canary import answers, effect, fields  # noqa: E402
 from patchkit.canary.fields import WrongShape  # noqa: E402
-from patchkit.canary.messages import Message, say  # noqa: E402
+from patchkit.canary.messages import say  # noqa: E402
 from patchkit.canary.metrics import COUNTER, read_counter  # noqa: E402
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS, NEW_TOKENS, prompt_text  # noqa: E402
 from patchkit.canary.report import ModelCheck, Report  # noqa: E402
@@ -204,7 +204,7 @@ def look_at_text(server: Server, verdict: ModelCheck, model: str, prompt: str) -
         )
 
 
-def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, Message | None]:
+def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, Reason | None]:
     """Shorten the prompt to fit the model's max_model_len (an adapter uses its parent's).
 
     The estimate of prompt_text can be off by half for an unusual tokenizer,
@@ -349,7 +349,7 @@ def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
     reading = read_counter(server)
     if reading.value is None:
         if reading.unreadable:
-            verdict.mark("error", reading.why.code, reading.why.message, **reading.why.facts)
+            verdict.mark_reason("error", reading.why)
         else:
             verdict.evidence.append(reading.why)
         return

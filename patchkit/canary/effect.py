@@ -24,8 +24,8 @@ import math
 import shlex
 
 from patchkit.canary import fields
-from patchkit.canary.messages import Message, say
-from patchkit.codes import Code
+from patchkit.canary.messages import say
+from patchkit.codes import Code, Reason
 
 # PROVISIONAL until the recorded answers of a real server are in tests/data: the
 # largest |difference| between the log-probabilities of two answers to the same prompt
@@ -96,7 +96,7 @@ def summary(inert: list) -> str:
     return f"adapter {names}{more} {verb} as the base model (no effect)"
 
 
-def next_steps(inert: list) -> list[Message]:
+def next_steps(inert: list) -> list[Reason]:
     """What to do about adapters that change nothing: the likely causes, then the admission
     check to run on each one's files (the directory /v1/models gives as its root)."""
     if not inert:

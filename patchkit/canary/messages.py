@@ -1,29 +1,20 @@
-"""One message of the canary: its code, its words, and the facts the words were made from.
+"""The canary's messages: reasons (patchkit.codes.Reason) that carry their words.
 
-Text output prints the words; ``--json`` writes the object (the JSON
-contract's message: ``{"code", "message", ...facts}``), so a script reads
-the code and the facts, never the words.
+The canary's codes are among the command line's TEXT codes (patchkit/cli/words.py):
+a message's words are made here, where the facts are at hand, as the ``text``
+fact; text output prints them, ``--json`` writes the message object (its code,
+the words as ``message``, the other facts beside them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 
 
-@dataclass(frozen=True)
-class Message:
-    code: Code
-    message: str
-    facts: dict = field(default_factory=dict, compare=False)
-
-    def __str__(self) -> str:
-        return self.message
-
-    def json(self) -> dict:
-        return {"code": self.code.value, "message": self.message, **self.facts}
+def say(code: Code, text: str, **facts) -> Reason:
+    """A message: its code, its words and the facts they were made from."""
+    return Reason.of(code, text=text, **facts)
 
 
-def say(code: Code, message: str, **facts) -> Message:
-    return Message(code, message, facts)
+def words(reason: Reason) -> str:
+    return reason["text"]

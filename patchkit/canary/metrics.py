@@ -16,9 +16,9 @@ from typing import NamedTuple
 from prometheus_client.parser import text_string_to_metric_families
 
 from patchkit.canary import fields
-from patchkit.canary.messages import Message, say
+from patchkit.canary.messages import say
 from patchkit.canary.server import Server, Unanswered
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 
 MAX_COUNTER_LINES = 1024  # of /metrics lines about the counter: one per model and engine
 COUNTER = "vllm:corrupted_requests_total"
@@ -38,7 +38,7 @@ class Reading(NamedTuple):
     the counter is there but is no count, which could hide a rise)."""
 
     value: float | None
-    why: Message | None = None
+    why: Reason | None = None
     unreadable: bool = False
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from patchkit.canary import effect, fields
-from patchkit.canary.messages import Message, say
+from patchkit.canary.messages import say, words
 from patchkit.canary.metrics import COUNTER
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 
 # which verdict a new piece of evidence may replace (another word always replaces)
 RANK = {"ok": 0, effect.NO_EFFECT: 1, "error": 2, "bad": 3}
@@ -28,7 +28,7 @@ class ModelCheck:
     parent: str | None = None
     root: str | None = None  # where /v1/models says the model was loaded from
     verdict: str = "ok"
-    evidence: list[Message] = field(default_factory=list)
+    evidence: list[Reason] = field(default_factory=list)
     http_status: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -45,9 +45,13 @@ class ModelCheck:
 
     def mark(self, verdict: str, code: Code, message: str, **facts) -> None:
         """Add evidence; `bad` outranks `error`, which outranks `no-effect` and `ok`."""
+        self.mark_reason(verdict, say(code, message, **facts))
+
+    def mark_reason(self, verdict: str, reason: Reason) -> None:
+        """:meth:`mark` with the message already made (the counter's: patchkit.canary.metrics)."""
         if verdict not in RANK or RANK[verdict] > RANK.get(self.verdict, -1):
             self.verdict = verdict
-        self.evidence.append(say(code, message, **facts))
+        self.evidence.append(reason)
 
     def add(self, code: Code, message: str, **facts) -> None:
         """Evidence that does not change the verdict (a note on this model)."""
@@ -63,7 +67,7 @@ class Report:
     recheck: ModelCheck | None = None  # the base model again, after a bad adapter
     parents: list[ModelCheck] = field(default_factory=list)  # asked only to compare adapters
     counter: dict = field(default_factory=dict)  # name, present, before, after
-    notes: list[Message] = field(default_factory=list)
+    notes: list[Reason] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # listed, past MAX_MODELS: not checked
     seconds: float = 0.0
 
@@ -97,16 +101,16 @@ class Report:
             name = fields.one_line(self.recheck.model, 60)
             parts.append(f"the base model '{name}' went bad after it")
         for v in others[:3]:
-            evidence = v.evidence[0].message if v.evidence else ""
+            evidence = words(v.evidence[0]) if v.evidence else ""
             parts.append(f"'{fields.one_line(v.model, 60)}' {v.verdict}: {evidence}")
         if len(others) > 3:
             parts.append(f"{len(others) - 3} more not ok")
         return fields.one_line("; ".join(parts), fields.LINE)
 
-    def next_steps(self) -> list[Message]:
+    def next_steps(self) -> list[Reason]:
         return next_steps(self)
 
-    def error(self) -> Message | None:
+    def error(self) -> Reason | None:
         """The failure as the JSON's ``error``: the summary line, and the models by verdict."""
         if self.ok:
             return None
@@ -117,7 +121,7 @@ class Report:
         return say(Code.CANARY_FAILED, self.summary(), models=by_verdict)
 
 
-def next_steps(report: Report) -> list[Message]:
+def next_steps(report: Report) -> list[Reason]:
     """What the on-call engineer does next, given what went wrong."""
     if report.ok:
         return []

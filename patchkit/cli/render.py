@@ -29,7 +29,6 @@ import textwrap
 
 import click
 
-from patchkit.cli import exits
 from patchkit.cli.words import TEXT, say
 from patchkit.codes import Code, Reason
 from patchkit.terminal import printable
@@ -204,17 +203,3 @@ def wrap_blocks(first: str, text: str) -> list[str]:
         else:
             lines += wrap(" " * INDENT, part, INDENT)
     return lines
-
-
-# ----- canary -----
-
-
-def emit_canary(report, as_json: bool, api_key: str | None) -> None:
-    """Print the canary's report (made by patchkit.canary.output) as JSON or text."""
-    from patchkit.canary import output
-
-    if as_json:
-        out_lines(output.document(report, api_key, exits.OK if report.ok else exits.FAILURE))
-        return
-    for line in output.text(report, api_key):
-        out(line)

@@ -38,7 +38,7 @@ TEXT = (
     Code.RUNNER,
     Code.RUNNER_NOT_HOOKED,
     Code.DECIDED,  # the catalogue's own text for its decision
-    *(code for code in Code if code.value.startswith("adapter-")),
+    *(code for code in Code if code.value.startswith(("adapter-", "canary-"))),
 )
 
 

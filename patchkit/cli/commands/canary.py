@@ -6,6 +6,8 @@ other command needs them.
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from patchkit.cli import exits, render
@@ -101,6 +103,109 @@ def canary_command(url, api_key, models, prompt_tokens, timeout, record, as_json
     result = check.run(
         url, api_key, models, prompt_tokens, timeout, Path(record) if record else None
     )
-    render.emit_canary(result, as_json, api_key)
+    emit(result, as_json, api_key)
     if not result.ok:
         fail(server.scrub(result.summary(), api_key), exits.FAILURE, False)
+
+
+# ----- the report -----
+
+MODEL_NAME = 80  # characters of a model's name in the per-model lines
+
+
+def emit(report, as_json: bool, api_key: str | None) -> None:
+    """The report as text or JSON. Model names, evidence and answers come from the
+    server: every text line is escaped and cut to fields.LINE, and the API key is
+    scrubbed from every line and from the document."""
+    from patchkit.canary import fields, server
+
+    if as_json:
+        data = render.document("canary", canary_json(report))
+        render.out_lines(server.scrub(json.dumps(data, indent=2), api_key))
+        return
+    for line in canary_lines(report):
+        render.out(fields.one_line(server.scrub(line, api_key), fields.LINE))
+
+
+def canary_lines(report) -> list[str]:
+    """The text report: a line per model, the counter, the verdict and the next steps
+    (as they are: :func:`emit` scrubs and escapes them)."""
+    from patchkit.canary import fields, metrics, prompt
+    from patchkit.canary.messages import words
+
+    version = f"vLLM {report.version}" if report.version else "server"
+    lines = [
+        f"{version} at {report.url}: {render.counted(len(report.models), 'model')}, "
+        f"prompt ~{report.prompt_tokens} tokens, {prompt.NEW_TOKENS} new, greedy "
+        f"({report.seconds:.1f} s)"
+    ]
+    listed = report.models + report.parents
+    name = {id(v): fields.one_line(v.model, MODEL_NAME) for v in listed}
+    width = max(map(len, name.values()), default=0)
+    for v in report.models:
+        lines.append(f"  {_label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  {_detail(v)}")
+    for v in report.parents:  # asked only to compare an adapter named alone with it
+        lines.append(
+            f"  {_label(v):<11} {name[id(v)]:<{width}}  {v.kind:<7}  asked to compare its "
+            f"adapters with: {_detail(v)}"
+        )
+    if report.recheck:
+        r = report.recheck
+        again = f"again after the bad adapter: {_detail(r)}"
+        recheck_name = fields.one_line(r.model, MODEL_NAME)
+        lines.append(f"  {_label(r):<11} {recheck_name:<{width}}  {again}")
+    counter = report.counter
+    if counter.get("present"):
+        lines.append(f"{metrics.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
+    lines += [f"note: {words(note)}" for note in report.notes]
+    if report.ok:
+        return lines + [f"OK: {report.summary()}"]
+    lines.append(f"FAILED: {report.summary()}")
+    steps = enumerate(report.next_steps(), start=1)
+    return lines + [f"  {number}. {words(step)}" for number, step in steps]
+
+
+def _label(v) -> str:
+    return {"ok": "ok", "bad": "BAD (NaN)"}.get(v.verdict, v.verdict.upper())
+
+
+def _detail(v) -> str:
+    from patchkit.canary.messages import words
+
+    facts = []
+    if v.prompt_tokens is not None:
+        facts.append(f"{v.prompt_tokens} prompt tokens")
+    if v.completion_tokens is not None:
+        facts.append(f"{v.completion_tokens} new")
+    if v.verdict == "bad" and v.text is not None:
+        facts.append(f"text {v.text[:24]!r}")
+    facts.append(f"{v.seconds:.1f} s")
+    return "; ".join([words(e) for e in v.evidence] + [", ".join(facts)])
+
+
+def canary_json(report) -> dict:
+    """The document's keys after format and command: every message through
+    render.message (its code, its words, its facts)."""
+    from patchkit.canary import prompt
+
+    return {
+        "ok": report.ok,
+        "exit_code": exits.OK if report.ok else exits.FAILURE,
+        "error": render.message(report.error()),
+        "url": report.url,
+        "vllm_version": report.version,
+        "prompt_tokens": report.prompt_tokens,
+        "new_tokens": prompt.NEW_TOKENS,
+        "models": [_model_json(v) for v in report.models],
+        "recheck": _model_json(report.recheck) if report.recheck else None,
+        "parents": [_model_json(v) for v in report.parents],
+        "corrupted_requests": report.counter,
+        "notes": render.messages(report.notes),
+        "skipped": len(report.skipped),  # the first few are named in notes
+        "next_steps": render.messages(report.next_steps()),
+        "seconds": round(report.seconds, 2),
+    }
+
+
+def _model_json(v) -> dict:
+    return {"kind": v.kind} | render.field_values(v) | {"evidence": render.messages(v.evidence)}
