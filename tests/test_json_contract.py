@@ -20,6 +20,7 @@ from patchkit.cli.main import main
 from patchkit.cli.words import TEXT, WORDS
 from patchkit.codes import Code
 from tests import adapter_helpers as ah
+from tests.canary_helpers import FakeVLLM
 from tests.conftest import REPO, copy_tree, release_tree, run_cli
 from tests.helpers import record, write_log
 
@@ -218,8 +219,6 @@ def test_adapter_check_with_a_release_its_targets_and_finer_codes(tmp_path):
     ],
 )
 def test_canary(models, args, exit_code):
-    from tests.test_canary import FakeVLLM
-
     with FakeVLLM(models) as server:
         result = run_cli("canary", "--url", server.url, *args, "--json")
     checked("canary", result, exit_code)
