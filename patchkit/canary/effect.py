@@ -109,7 +109,7 @@ def next_steps(inert: list) -> list[Reason]:
             f"{'s' if len(inert) == 1 else ''} nothing; likely causes: targets this vLLM "
             "release does not wrap, a name prefix it does not match (vLLM #34186: trained on "
             "the text-only model, served on the multimodal one), an all-zero lora_B; stop "
-            "routing to it meanwhile",
+            f"routing to {'it' if len(inert) == 1 else 'them'} meanwhile",
             adapters=[v.model for v in inert],
         )
     ]
