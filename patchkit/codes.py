@@ -127,6 +127,46 @@ class Code(str, Enum):
     BRANCH_ELSEWHERE = "branch-elsewhere"
     GIT_FAILED = "git-failed"
 
+    # ----- doctor: the GPUs it sees, a tuned config's problem -----
+    NO_NVIDIA_SMI = "no-nvidia-smi"
+    NVIDIA_SMI_FAILED = "nvidia-smi-failed"
+    NO_GPU_LISTED = "no-gpu-listed"
+    TUNED_UNREADABLE = "tuned-unreadable"
+    TUNED_NOT_NESTED = "tuned-not-nested"
+    TUNED_NO_SINGLE_SLICE = "tuned-no-single-slice"
+    TUNED_REPLACES_BLOCK_N = "tuned-replaces-block-n"
+    # doctor: why a bug is exposed, protected, not affected or unknown here
+    VERDICT_NO_TREE = "verdict-no-tree"
+    VERDICT_NO_VERSION = "verdict-no-version"
+    VERDICT_OUT_OF_RANGE = "verdict-out-of-range"
+    VERDICT_NO_GPU = "verdict-no-gpu"  # no GPU of the compute capability the bug needs
+    VERDICT_PTXAS_FIXED = "verdict-ptxas-fixed"
+    VERDICT_UNDECIDED = "verdict-undecided"
+    VERDICT_UPSTREAM = "verdict-upstream"
+    VERDICT_PROTECTED = "verdict-protected"  # the applied patches' own lines
+    VERDICT_OVERRIDDEN = "verdict-overridden"
+    VERDICT_IN_CONFLICT = "verdict-in-conflict"
+    VERDICT_NOT_APPLIED = "verdict-not-applied"
+    VERDICT_STALE = "verdict-stale"
+    VERDICT_FRESH = "verdict-fresh"
+    SCAN_HAZARD = "scan-hazard"
+    SCAN_NONE_RUN = "scan-none-run"
+    SCAN_CLEAN = "scan-clean"
+    # what a verdict adds after its reason
+    PATCH_MOVED = "patch-moved"  # a patch of the bug no longer fits its code
+    PATCH_FITS = "patch-fits"
+    PATCH_SWITCHED_OFF = "patch-switched-off"
+    SCAN_OTHER_TRITON = "scan-other-triton"
+    SCAN_IDLE_HAZARD = "scan-idle-hazard"
+    SCAN_ERRORS = "scan-errors"
+    # doctor: a verdict's fix
+    FIX_COMMAND = "fix-command"
+    FIX_AFTER_CONFLICT = "fix-after-conflict"
+    FIX_OVERRIDE_FILES = "fix-override-files"
+    FIX_RETUNE = "fix-retune"
+    FIX_SWITCHES = "fix-switches"
+    FIX_STALE = "fix-stale"
+
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
     USAGE = "usage"  # exit 2
@@ -139,8 +179,6 @@ class Code(str, Enum):
     WARNING = "warning"
     SKIPPED = "skipped"
     RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
-    BUG_VERDICT = "bug-verdict"  # doctor: why a bug is exposed, protected, ...
-    TUNED_CONFIG = "tuned-config"  # doctor: a tuned LoRA config that overrides a patch
     VLLM_NOT_FOUND = "vllm-not-found"  # doctor without a tree
     RUNNER = "runner"  # status, doctor: which model runner serves, what switches it
     RUNNER_NOT_HOOKED = "runner-not-hooked"

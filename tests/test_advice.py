@@ -219,9 +219,9 @@ def test_the_stale_cache_fix_keeps_target_and_needs_no_revert(tree_0260: Path, t
     old_triton_entry(tmp_path / "triton")
     verdict = stale_verdict(doctor_json(tree_0260, env))
     assert verdict["status"] == "exposed"
-    assert verdict["fix"] == f"patchkit apply --clear-caches --target {tree_0260}"
+    assert verdict["fix"]["message"] == f"patchkit apply --clear-caches --target {tree_0260}"
     before = snapshot(tree_0260)
-    command = shlex.split(verdict["fix"])
+    command = shlex.split(verdict["fix"]["message"])
     assert command[0] == "patchkit"
     assert run_cli(*command[1:], env=env).exit_code == 0
     assert snapshot(tree_0260) == before  # nothing reverted, nothing re-applied
@@ -242,8 +242,8 @@ def test_stale_bytecode_is_deleted_not_reverted(tree_0260: Path, tmp_path: Path)
     )
     old_triton_entry(tmp_path / "triton")
     verdict = stale_verdict(doctor_json(tree_0260, env))
-    assert "revert" not in verdict["fix"]
-    assert verdict["fix"] == (
+    assert "revert" not in verdict["fix"]["message"]
+    assert verdict["fix"]["message"] == (
         "delete the stale .pyc files listed (Python rebuilds them from the source), then "
         f"patchkit apply --clear-caches --target {tree_0260}"
     )
@@ -284,7 +284,9 @@ def test_a_fix_in_conflict_is_not_offered(slim_tree_0260: Path):
     report = json.loads(run_cli("doctor", "--target", str(slim_tree_0260), "--json").stdout)
     verdict = next(v for v in report["verdicts"] if v["bug"].startswith("vLLM #47639"))
     assert verdict["status"] == "exposed"
-    assert verdict["fix"].startswith("apply refuses partial-gdn-adapter while it is in conflict")
+    assert verdict["fix"]["message"].startswith(
+        "apply refuses partial-gdn-adapter while it is in conflict"
+    )
 
 
 @pytest.mark.slow
@@ -354,7 +356,9 @@ def test_the_kernel_scans_own_triton_entries_are_not_stale(tmp_path: Path):
     os.utime(written[0], (hour_ago, hour_ago))  # the scan's, changed since
     report = doctor_json(tree, plain)
     assert [c["entries"] for c in report["old_caches"]] == [2]
-    assert stale_verdict(report)["fix"] == f"patchkit apply --clear-caches --target {tree}"
+    assert (
+        stale_verdict(report)["fix"]["message"] == f"patchkit apply --clear-caches --target {tree}"
+    )
 
 
 # ----- a release newer than the catalogue -----

@@ -69,7 +69,10 @@ def test_unpatched_hopper_is_exposed_and_apply_protects_it(tree_0260: Path, hopp
     assert report["triton"]["ptxas_version"] == "12.8.93"
     assert report["vllm"]["version"] == "0.26.0"
     nan = verdict(report, NAN_BUG)
-    assert nan["status"] == "exposed" and nan["fix"] == f"patchkit apply --target {tree_0260}"
+    assert (
+        nan["status"] == "exposed"
+        and nan["fix"]["message"] == f"patchkit apply --target {tree_0260}"
+    )
     assert verdict(report, PARTIAL_BUG)["status"] == "exposed"  # 0.21-0.28
 
     assert run_cli("apply", "--target", str(tree_0260)).exit_code == 0
@@ -145,7 +148,7 @@ def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper
     assert [Path(s.split(" ")[0]).name for s in report["stale_bytecode"]] == [pyc.name]
     assert report["old_caches"][0]["entries"] == 1
     stale = verdict(report, STALE)
-    assert stale["status"] == "exposed" and "--clear-caches" in stale["fix"]
+    assert stale["status"] == "exposed" and "--clear-caches" in stale["fix"]["message"]
 
     py_compile.compile(
         str(module), cfile=str(pyc), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
@@ -165,7 +168,10 @@ def test_split_verdicts_follow_the_release(hopper: Path, tmp_path: Path):
     assert verdict(report, PARTIAL_BUG)["status"] == "not-affected"
     new = copy_tree("0.29.0", tmp_path / "v29")
     partial = verdict(doctor(new), PARTIAL_BUG)
-    assert partial["status"] == "exposed" and partial["fix"] == f"patchkit apply --target {new}"
+    assert (
+        partial["status"] == "exposed"
+        and partial["fix"]["message"] == f"patchkit apply --target {new}"
+    )
     assert run_cli("apply", "--target", str(new), "--only", "partial-gdn-adapter").exit_code == 0
     partial = verdict(doctor(new), PARTIAL_BUG)
     assert (
@@ -182,7 +188,9 @@ def test_the_one_expert_parameter_adapter_bug_is_named_until_the_patch_is_applie
 
     root = copy_tree(version, tmp_path / "site")
     moe = verdict(doctor(root), MOE_BUG)
-    assert moe["status"] == "exposed" and moe["fix"].startswith("patchkit apply --target ")
+    assert moe["status"] == "exposed" and moe["fix"]["message"].startswith(
+        "patchkit apply --target "
+    )
     assert "down_proj or only their gate_up_proj" in moe["bug"]
     text = run_cli("doctor", "--target", str(root)).stdout
     assert f"[exposed] {MOE_BUG}: adapter on only the experts' down_proj" in text
@@ -257,6 +265,7 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     from packaging.version import Version
 
     from patchkit.catalogue.load import load_catalogue
+    from patchkit.cli.words import said, say
     from patchkit.doctor.doctor import DetectedGpu, DoctorReport, bug_groups, bug_verdict
     from patchkit.doctor.kernelscan import ScanReport
     from patchkit.doctor.toolchain import Toolchain
@@ -270,5 +279,6 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     typed = {k: PatchState(v) for k, v in states.items()}
     verdict = bug_verdict(report, Version("0.26.0"), typed, nan_patches)
     assert isinstance(verdict.status, Verdict)
-    assert verdict.status == status and "kernel scan" in verdict.reason
-    assert words in verdict.reason + verdict.fix
+    reason, fix = say(verdict.reason), said(verdict.fix)
+    assert verdict.status == status and "kernel scan" in reason
+    assert words in reason + fix

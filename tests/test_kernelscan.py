@@ -118,7 +118,7 @@ def test_unpatched_default_has_the_hazard_and_expand_block_n_removes_it(tmp_path
     assert all(h["instruction"] and h["address"].startswith("0x") for h in hazards[0]["hazards"])
     verdict = nan_verdict(before)
     assert verdict["status"] == "exposed" and "kernel scan" in verdict["reason"]["message"]
-    assert verdict["fix"] == f"patchkit apply --target {tree}"
+    assert verdict["fix"]["message"] == f"patchkit apply --target {tree}"
 
     assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
     after = doctor_kernels(tree)
@@ -196,7 +196,10 @@ def test_a_tuned_config_that_brings_block_n_128_back_is_named(tmp_path):
     raised = [c for c in report["kernels"]["cases"] if "KeyError" in c["error"]]
     assert raised and "vLLM's own code raises" in raised[0]["error"]
     verdict = nan_verdict(report)
-    assert verdict["status"] == "exposed" and "NVIDIA_H200_EXPAND_TRUE.json" in verdict["fix"]
+    assert (
+        verdict["status"] == "exposed"
+        and "NVIDIA_H200_EXPAND_TRUE.json" in verdict["fix"]["message"]
+    )
 
 
 SCAN = """
@@ -342,7 +345,7 @@ def test_vllms_own_triton_is_named_and_a_different_one_voids_the_evidence(tmp_pa
     assert "vLLM here runs Triton 3.6.0" in verdict["reason"]["message"]
     assert "-m patchkit doctor --kernels" in verdict["reason"]["message"]
     fix = f"patchkit apply --target {tree}"
-    assert verdict["status"] == "exposed" and verdict["fix"] == fix  # by the rules
+    assert verdict["status"] == "exposed" and verdict["fix"]["message"] == fix  # by the rules
     text = doctor(tree).stdout
     assert f"Triton next to vLLM: 3.6.0 ({tree / 'triton'}" in text
 

@@ -122,8 +122,8 @@ def test_doctor_never_asserts_a_bug_on_an_undecided_release(tmp_path):
     moe = verdicts["vLLM #48460"]
     assert moe["status"] == "unknown"
     target = shlex.quote(str(root))
-    assert moe["fix"] == f"patchkit apply --only partial-moe-adapter --target {target}"
-    assert run_cli(*shlex.split(moe["fix"])[1:]).exit_code == 0
+    assert moe["fix"]["message"] == f"patchkit apply --only partial-moe-adapter --target {target}"
+    assert run_cli(*shlex.split(moe["fix"]["message"])[1:]).exit_code == 0
     # the NaN's fix is in the code (its evidence), whatever the release: not affected
     assert verdicts["vLLM #48590"]["status"] == "not-affected"
 

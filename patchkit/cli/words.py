@@ -32,8 +32,6 @@ TEXT = (
     Code.WARNING,
     Code.SKIPPED,
     Code.RECOVERED,
-    Code.BUG_VERDICT,
-    Code.TUNED_CONFIG,
     Code.VLLM_NOT_FOUND,
     Code.RUNNER,
     Code.RUNNER_NOT_HOOKED,
@@ -777,3 +775,7 @@ def _inexact(r: Reason, _: str) -> str:
 @words(Code.REFRESH_OUTSIDE_CATALOGUE)
 def _outside(r: Reason, _: str) -> str:
     return f"{r['origin']}: {r['path']} is not inside the catalogue {r['root']}"
+
+
+# the words of doctor's codes register themselves here too (imported last: they use say)
+from patchkit.cli import doctor_words  # noqa: E402, F401

@@ -29,7 +29,8 @@ from packaging.version import InvalidVersion, Version
 
 from patchkit.caches.compiled import TRITON_CACHE, cache_dirs, cache_entries
 from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant
-from patchkit.doctor import configs, kernelscan, sass
+from patchkit.codes import Code, Reason
+from patchkit.doctor import configs, kernelscan
 from patchkit.doctor.kernelscan import Case, ScanReport
 from patchkit.doctor.standins import GPUS, gpu_named
 from patchkit.doctor.toolchain import (
@@ -65,7 +66,7 @@ class OverrideFinding:
     """A tuned-config file that changes what a patch protects."""
 
     file: str
-    problem: str
+    problem: Reason
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,20 @@ class OldCache:
     entries: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class BugVerdict:
+    """A bug's verdict here: why, as a reason, and the fix (a reason too), or None."""
+
     bug: str
     status: Verdict
-    reason: str
-    fix: str = ""
+    reason: Reason
+    fix: Reason | None = None
 
 
 @dataclass
 class DoctorReport:
     gpus: list[DetectedGpu] = field(default_factory=list)
-    gpu_note: str = ""
+    gpu_note: Reason | None = None
     toolchain: Toolchain = field(default_factory=Toolchain)
     fixed_from: str | None = None  # the ptxas release that fixes the race
     tree_triton: TreeTriton | None = None  # the Triton installed next to the tree
@@ -116,11 +119,11 @@ class DoctorReport:
 # ----- facts -----
 
 
-def gpus() -> tuple[list[DetectedGpu], str]:
-    """Name and compute capability of each GPU nvidia-smi shows."""
+def gpus() -> tuple[list[DetectedGpu], Reason | None]:
+    """Name and compute capability of each GPU nvidia-smi shows, or why none is known."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return [], "no nvidia-smi on PATH: GPU not visible here"
+        return [], Reason.of(Code.NO_NVIDIA_SMI)
     try:
         out = subprocess.run(
             [smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
@@ -130,12 +133,12 @@ def gpus() -> tuple[list[DetectedGpu], str]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return [], f"nvidia-smi failed: {exc}"
+        return [], Reason.of(Code.NVIDIA_SMI_FAILED, detail=str(exc))
     found = []
     for line in out.strip().splitlines():
         name, _, capability = line.rpartition(",")
         found.append(DetectedGpu(name.strip(), capability.strip()))
-    return found, "" if found else "nvidia-smi lists no GPU"
+    return found, None if found else Reason.of(Code.NO_GPU_LISTED)
 
 
 def tuned_configs(folder: str | None) -> list[OverrideFinding]:
@@ -147,10 +150,12 @@ def tuned_configs(folder: str | None) -> list[OverrideFinding]:
         try:
             data = read_json_file(path)
         except (OSError, ValueError) as exc:
-            found.append(OverrideFinding(str(path), f"unreadable: {exc}"))
+            found.append(
+                OverrideFinding(str(path), Reason.of(Code.TUNED_UNREADABLE, detail=str(exc)))
+            )
             continue
         if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-            found.append(OverrideFinding(str(path), "not a {max_loras: {num_slices: ...}}"))
+            found.append(OverrideFinding(str(path), Reason.of(Code.TUNED_NOT_NESTED)))
             continue
         for max_loras, by_slices in data.items():
             found += _risky_leaves(path, max_loras, by_slices)
@@ -159,10 +164,7 @@ def tuned_configs(folder: str | None) -> list[OverrideFinding]:
 
 def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[OverrideFinding]:
     if "1" not in by_slices:
-        problem = (
-            f"max_loras {max_loras} has no num_slices '1' entry: "
-            "single-slice expand raises KeyError"
-        )
+        problem = Reason.of(Code.TUNED_NO_SINGLE_SLICE, max_loras=max_loras)
         return [OverrideFinding(str(path), problem)]
     risky = [
         c
@@ -171,10 +173,7 @@ def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[OverrideF
     ]
     if not risky:
         return []
-    problem = (
-        f"max_loras {max_loras}: {len(risky)} num_slices=1 configs with block_n > 32 and "
-        "num_stages >= 2 replace the patched block_n 32"
-    )
+    problem = Reason.of(Code.TUNED_REPLACES_BLOCK_N, max_loras=max_loras, configs=len(risky))
     return [OverrideFinding(str(path), problem)]
 
 
@@ -334,7 +333,8 @@ def verdicts(
     ]
     found.append(_stale_verdict(report))
     if report.tree is None:  # no vLLM tree: nothing to judge a bug of vLLM by
-        return [BugVerdict(v.bug, Verdict.UNKNOWN, "no vLLM found to judge by") for v in found]
+        no_tree = Reason.of(Code.VERDICT_NO_TREE)
+        return [BugVerdict(v.bug, Verdict.UNKNOWN, no_tree) for v in found]
     return found
 
 
@@ -363,13 +363,16 @@ def bug_verdict(
     """
     d = patches[0].diagnosis
     if version is None:
-        return BugVerdict(d.label, Verdict.UNKNOWN, "no vLLM version to judge by")
+        return BugVerdict(d.label, Verdict.UNKNOWN, Reason.of(Code.VERDICT_NO_VERSION))
     if undecided and not _decided_by_content(states, patches):
         return _machine_verdict(report, d) or _undecided_verdict(
             report, d, version, states, patches, undecided
         )
     if not d.affected.contains(version, prereleases=True):
-        return BugVerdict(d.label, Verdict.NOT_AFFECTED, f"vLLM {version} is not in {d.affected}")
+        reason = Reason.of(
+            Code.VERDICT_OUT_OF_RANGE, version=str(version), affected=str(d.affected)
+        )
+        return BugVerdict(d.label, Verdict.NOT_AFFECTED, reason)
     unaffected = _machine_unaffected(report, d)
     if unaffected:
         return BugVerdict(d.label, Verdict.NOT_AFFECTED, unaffected)
@@ -379,9 +382,15 @@ def bug_verdict(
         if not mismatch:
             return _scan_verdict(d, report, states, patches)
         judged = _rule_verdict(d, report, states, patches)
-        judged.reason += f"; {mismatch}"
-        return judged
+        return dataclasses.replace(judged, reason=_also(judged.reason, mismatch))
     return _rule_verdict(d, report, states, patches)
+
+
+def _also(reason: Reason, *more: Reason) -> Reason:
+    """``reason`` with ``more`` added to what it says after itself (its ``also``)."""
+    return Reason.of(
+        reason.code, **{**dict(reason.facts), "also": [*reason.get("also", ()), *more]}
+    )
 
 
 CONTENT_DECIDED = (PatchState.UPSTREAM, PatchState.NOT_APPLICABLE, PatchState.APPLIED)
@@ -408,19 +417,16 @@ def _undecided_verdict(
 ) -> BugVerdict:
     """Unknown on a release the catalogue has not decided: what is known, and the command
     that applies a patch still fitting its code (apply --only where plain apply refuses)."""
-    reason = (
-        f"unknown on vLLM {version}: this catalogue has not decided that release (tested up "
-        f"to {newest}), and no patch for it is upstream, not applicable or applied here"
-    )
     fitting = [p for p in patches if states.get(p.id) == PatchState.NEEDED]
     if not fitting:
         moved = [p.id for p in patches if states.get(p.id) == PatchState.CHANGED_UPSTREAM]
-        if moved:
-            reason += f"; {moved[0]} does not fit its code ({PatchState.CHANGED_UPSTREAM})"
+        also = [Reason.of(Code.PATCH_MOVED, patch=moved[0])] if moved else []
+        reason = Reason.of(Code.VERDICT_UNDECIDED, version=str(version), newest=newest, also=also)
         return BugVerdict(d.label, Verdict.UNKNOWN, reason)
-    reason += f"; {fitting[0].id} still fits its code"
+    also = [Reason.of(Code.PATCH_FITS, patch=fitting[0].id)]
+    reason = Reason.of(Code.VERDICT_UNDECIDED, version=str(version), newest=newest, also=also)
     fix = apply_command(states, _opt_in(report), fitting[0].id) + _target(report)
-    return BugVerdict(d.label, Verdict.UNKNOWN, reason, fix)
+    return BugVerdict(d.label, Verdict.UNKNOWN, reason, Reason.of(Code.FIX_COMMAND, command=fix))
 
 
 def _opt_in(report: DoctorReport) -> set[str]:
@@ -433,7 +439,7 @@ def _rule_verdict(
     """The bug judged by patch states and settings (no kernel evidence)."""
     upstream = [p.id for p in patches if states.get(p.id) == PatchState.UPSTREAM]
     if upstream:
-        reason = f"fixed in this vLLM ({upstream[0]}: {PatchState.UPSTREAM})"
+        reason = Reason.of(Code.VERDICT_UPSTREAM, patch=upstream[0])
         return BugVerdict(d.label, Verdict.NOT_AFFECTED, reason)
     off, overridden, active = [], [], []
     for patch in (p for p in patches if states.get(p.id) == PatchState.APPLIED):
@@ -445,63 +451,75 @@ def _rule_verdict(
         else:
             active.append(patch.diagnosis.protects)
     if active:
-        return BugVerdict(d.label, Verdict.PROTECTED, "; ".join(active))
+        return BugVerdict(
+            d.label, Verdict.PROTECTED, Reason.of(Code.VERDICT_PROTECTED, lines=active)
+        )
     if overridden:
         return BugVerdict(d.label, Verdict.EXPOSED, overridden[0][0], overridden[0][1])
     conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
-    why = f"{', '.join(conflicts)} in conflict" if conflicts else "no patch for it is applied"
-    fix = _fix(d, report, states, patches)
-    return BugVerdict(d.label, Verdict.EXPOSED, "; ".join([why, *off]), fix)
+    why = (
+        Reason.of(Code.VERDICT_IN_CONFLICT, patches=conflicts, also=off)
+        if conflicts
+        else Reason.of(Code.VERDICT_NOT_APPLIED, also=off)
+    )
+    return BugVerdict(d.label, Verdict.EXPOSED, why, _fix(d, report, states, patches))
 
 
 def _fix(
     d: Diagnosis, report: DoctorReport, states: dict[str, PatchState], patches: list[Patch]
-) -> str:
+) -> Reason:
     """The bug's fix (`patchkit apply --target T`), unless its patches here are in conflict,
     which apply refuses: then how to see why."""
     conflicts = [p.id for p in patches if states.get(p.id) == PatchState.CONFLICT]
     needed = [p.id for p in patches if states.get(p.id) == PatchState.NEEDED]
     if conflicts and not needed:
-        return (
-            f"apply refuses {', '.join(conflicts)} while it is in conflict: `patchkit "
-            f"status{_target(report)}` names the line that differs; once that file is what "
-            f"the patch expects, {_with_target(d.fix, report)}"
+        return Reason.of(
+            Code.FIX_AFTER_CONFLICT,
+            patches=conflicts,
+            status=f"patchkit status{_target(report)}",
+            command=_with_target(d.fix, report),
         )
     if needed and d.fix == "patchkit apply":  # the apply that runs on this tree
-        return apply_command(states, _opt_in(report), needed[0]) + _target(report)
-    return _with_target(d.fix, report)
+        command = apply_command(states, _opt_in(report), needed[0]) + _target(report)
+        return Reason.of(Code.FIX_COMMAND, command=command)
+    return Reason.of(Code.FIX_COMMAND, command=_with_target(d.fix, report))
 
 
-def triton_mismatch(report: DoctorReport) -> str:
-    """Why the scan's evidence is not about the Triton vLLM runs here; '' when it is."""
+def triton_mismatch(report: DoctorReport) -> Reason | None:
+    """Why the scan's evidence is not about the Triton vLLM runs here; None when it is."""
     ours, theirs = report.toolchain, report.tree_triton
     if theirs is None or theirs.version is None or same_triton(ours, theirs):
-        return ""
-    where = f" ({theirs.location})" if theirs.location else ""
-    python = theirs.python or "the Python of vLLM's environment"
+        return None
     target = f" --target {report.tree.root}" if report.tree else ""
-    return (
-        f"the kernel scan compiled with Triton {ours.triton} ({ours.location}), but vLLM here "
-        f"runs Triton {theirs.version}{where}, so the scan is not evidence for it; scan with that "
-        f"one: {python} -m patchkit doctor --kernels{target} (patchkit installed there)"
+    return Reason.of(
+        Code.SCAN_OTHER_TRITON,
+        triton=ours.triton,
+        location=ours.location,
+        vllm_triton=theirs.version,
+        vllm_triton_location=theirs.location,
+        python=theirs.python,
+        command=f"-m patchkit doctor --kernels{target}",
     )
 
 
-def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> str:
-    """Why this machine cannot hit the bug (its GPUs, its ptxas); '' if it can."""
+def _machine_unaffected(report: DoctorReport, d: Diagnosis) -> Reason | None:
+    """Why this machine cannot hit the bug (its GPUs, its ptxas); None if it can."""
     cc = d.needs_compute_capability
     if cc and report.gpus and not any(g.compute_capability == cc for g in report.gpus):
-        return f"no GPU of compute capability {cc} here"
+        return Reason.of(Code.VERDICT_NO_GPU, compute_capability=cc)
     ptxas = report.vllm_ptxas()
     if d.fixed_by_ptxas and _at_least(ptxas, d.fixed_by_ptxas):
-        return f"Triton's ptxas {ptxas} is {d.fixed_by_ptxas} or newer"
-    return ""
+        return Reason.of(Code.VERDICT_PTXAS_FIXED, ptxas=ptxas, fixed_by=d.fixed_by_ptxas)
+    return None
 
 
-def _disabled(patch: Patch) -> str:
-    """Why an applied patch's protection is switched off by its runtime settings; '' if not."""
+def _disabled(patch: Patch) -> Reason | None:
+    """Why an applied patch's protection is switched off by its runtime settings; None if not."""
     offs = _switched_off(patch)
-    return f"{patch.id} is off ({', '.join(f'{s.env}={v}' for s, v in offs)})" if offs else ""
+    if not offs:
+        return None
+    settings = [f"{s.env}={v}" for s, v in offs]
+    return Reason.of(Code.PATCH_SWITCHED_OFF, patch=patch.id, settings=settings)
 
 
 def _switched_off(patch: Patch) -> list:
@@ -510,7 +528,7 @@ def _switched_off(patch: Patch) -> list:
     return [(s, value) for s, value in found if value]
 
 
-def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
+def _overridden(report: DoctorReport, patch: Patch) -> tuple[Reason, Reason] | None:
     """(reason, fix) when a setting replaces the patched code path, per the patch's check."""
     override = patch.overridden_by
     if override is None or override.check not in OVERRIDE_CHECKS:
@@ -519,8 +537,10 @@ def _overridden(report: DoctorReport, patch: Patch) -> tuple[str, str] | None:
     if not found:
         return None
     return (
-        f"{override.env} replaces what {patch.id} patched: {found[0].problem}",
-        f"fix or remove the {override.env} files listed above",
+        Reason.of(
+            Code.VERDICT_OVERRIDDEN, env=override.env, patch=patch.id, problem=found[0].problem
+        ),
+        Reason.of(Code.FIX_OVERRIDE_FILES, env=override.env),
     )
 
 
@@ -539,59 +559,76 @@ def _scan_verdict(
     """The bug judged by the compiled kernels: a hazard this install runs, or none."""
     scan = report.kernels
     tools = scan.toolchain
-    ptxas = f"Triton {tools.triton}, ptxas {tools.ptxas_version or 'unknown'} ({tools.ptxas})"
-    if report.tree_triton is not None and report.tree_triton.version is None:
-        ptxas += "; no Triton installed next to vLLM to compare with"
+    compiler = {
+        "triton": tools.triton,
+        "ptxas_version": tools.ptxas_version,
+        "ptxas": tools.ptxas,
+        "no_vllm_triton": report.tree_triton is not None and report.tree_triton.version is None,
+    }
     runs = [c for c in scan.cases if c.called]
     hazards = [c for c in runs if c.verdict == "hazard"]
     if hazards:
         tuned = [c for c in hazards if c.sources]
         first = (tuned or hazards)[0]
         where = first.hazards[0]
-        reason = (
-            f"kernel scan: {len(hazards)} config(s) this install runs overwrite the A registers "
-            f"of an in-flight wgmma, e.g. {first.label()}: {where.instruction} at "
-            f"{sass.address(where.address)} (HGMMA at {sass.address(where.wgmma_address)}); "
-            f"{ptxas}"
+        reason = Reason.of(
+            Code.SCAN_HAZARD,
+            configs=len(hazards),
+            label=first.label(),
+            instruction=where.instruction,
+            address=where.address,
+            wgmma_address=where.wgmma_address,
+            **compiler,
         )
         fix = _scan_fix(first, d, report, patches)
         return BugVerdict(d.label, Verdict.EXPOSED, reason, fix)
     idle = [c for c in scan.cases if not c.called and c.verdict == "hazard"]
-    also = (
-        f"; hazard only in configs not run here, e.g. {idle[0].label()} ({idle[0].why_not_called})"
-        if idle
-        else ""
-    )
-    errors = [c for c in runs if c.verdict == "error"]
-    unknown = f"; {len(errors)} config(s) could not be scanned (see the scan)" if errors else ""
+    also = [
+        Reason.of(Code.SCAN_IDLE_HAZARD, label=c.label(), why=c.why_not_called) for c in idle[:1]
+    ]
     if not runs:
-        reason = next((c.why_not_called for c in scan.cases), "no Triton LoRA kernel runs")
-        return BugVerdict(d.label, Verdict.PROTECTED, f"kernel scan: {reason}{also}")
-    evidence = f"kernel scan: no overwrite in the {len(runs)} config(s) this install runs, {ptxas}"
+        why = next((c.why_not_called for c in scan.cases), None)
+        return BugVerdict(
+            d.label, Verdict.PROTECTED, Reason.of(Code.SCAN_NONE_RUN, why=why, also=also)
+        )
+    errors = [c for c in runs if c.verdict == "error"]
+    if errors:
+        also.append(Reason.of(Code.SCAN_ERRORS, configs=len(errors)))
     approximate = [c for c in runs if c.approximate]
-    if approximate:
-        evidence += f"; {len(approximate)} of them approximate ({approximate[0].approximate})"
-    if d.fixed_by_ptxas and _at_least(tools.ptxas_version, d.fixed_by_ptxas):
-        evidence += f" (a ptxas from {d.fixed_by_ptxas} on keeps wgmma registers)"
-    protects = _replacing_reason(states, patches)
-    if protects:
-        evidence += f"; the dense LoRA kernels do not run: {protects}"
+    evidence = Reason.of(
+        Code.SCAN_CLEAN,
+        configs=len(runs),
+        **compiler,
+        approximate=len(approximate),
+        approximate_why=approximate[0].approximate if approximate else None,
+        ptxas_keeps_from=(
+            d.fixed_by_ptxas
+            if d.fixed_by_ptxas and _at_least(tools.ptxas_version, d.fixed_by_ptxas)
+            else None
+        ),
+        replaced_by=_replacing_reason(states, patches) or None,
+        also=also,
+    )
     patched = any(states.get(p.id) == PatchState.APPLIED for p in patches)
     status = Verdict.PROTECTED if patched else Verdict.NOT_AFFECTED
-    return BugVerdict(d.label, Verdict.UNKNOWN if errors else status, evidence + also + unknown)
+    return BugVerdict(d.label, Verdict.UNKNOWN if errors else status, evidence)
 
 
-def _scan_fix(case: Case, d: Diagnosis, report: DoctorReport, patches: list[Patch]) -> str:
+def _scan_fix(case: Case, d: Diagnosis, report: DoctorReport, patches: list[Patch]) -> Reason:
     states = report.states()
     if case.sources:
-        return f"remove or retune {Path(case.sources[0]).name} (block_n 32 or num_stages 1)"
+        return Reason.of(Code.FIX_RETUNE, file=Path(case.sources[0]).name)
     if any(states.get(p.id) == PatchState.NEEDED for p in patches):
         return _fix(d, report, states, patches)
-    switches = [f"{s.env} unset ({p.id})" for p in patches for s, _ in _switched_off(p)]
-    ptxas = (
-        f"TRITON_PTXAS_PATH pointing at a ptxas >= {d.fixed_by_ptxas}" if d.fixed_by_ptxas else ""
+    switches = [(s.env, p.id) for p in patches for s, _ in _switched_off(p)]
+    if not switches and not d.fixed_by_ptxas:
+        return _fix(d, report, states, patches)
+    return Reason.of(
+        Code.FIX_SWITCHES,
+        unset=[env for env, _ in switches],
+        patches=[patch for _, patch in switches],
+        ptxas_from=d.fixed_by_ptxas,
     )
-    return ", or ".join(filter(None, [*switches, ptxas])) or _fix(d, report, states, patches)
 
 
 def _replacing_reason(states: dict[str, PatchState], patches: list[Patch]) -> str:
@@ -612,28 +649,21 @@ def replaced_here(states: dict[str, PatchState], catalogue: Catalogue) -> str:
 def _stale_verdict(report: DoctorReport) -> BugVerdict:
     bug = "stale bytecode or compile caches running unpatched code"
     if report.stale_bytecode or report.old_caches:
-        return BugVerdict(
-            bug,
-            Verdict.EXPOSED,
-            f"{len(report.stale_bytecode)} stale .pyc, "
-            f"{len(report.old_caches)} cache{'s' if len(report.old_caches) != 1 else ''} older "
-            "than the patch",
-            _stale_fix(report),
+        reason = Reason.of(
+            Code.VERDICT_STALE, pyc=len(report.stale_bytecode), caches=len(report.old_caches)
         )
-    reason = "bytecode matches its source; no older caches"
-    return BugVerdict(bug, Verdict.NOT_AFFECTED, reason)
+        return BugVerdict(bug, Verdict.EXPOSED, reason, _stale_fix(report))
+    return BugVerdict(bug, Verdict.NOT_AFFECTED, Reason.of(Code.VERDICT_FRESH))
 
 
-def _stale_fix(report: DoctorReport) -> str:
+def _stale_fix(report: DoctorReport) -> Reason:
     """The least that fixes it. `apply --clear-caches` clears the caches on a patched tree
     without touching it (no revert); it rewrites no file, so it removes no bytecode: the
     stale .pyc files are deleted by hand (Python rebuilds them from the source)."""
-    steps = []
-    if report.stale_bytecode:
-        steps.append("delete the stale .pyc files listed (Python rebuilds them from the source)")
+    command = None
     if report.old_caches:
-        steps.append(f"{_apply_command(report)} --clear-caches{_target(report)}")
-    return ", then ".join(steps)
+        command = f"{_apply_command(report)} --clear-caches{_target(report)}"
+    return Reason.of(Code.FIX_STALE, pyc=bool(report.stale_bytecode), command=command)
 
 
 def _apply_command(report: DoctorReport) -> str:

@@ -11,7 +11,16 @@ import click
 from patchkit.cli import runner
 from patchkit.cli.options import json_option, noted_catalogue, target_options
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, field_values, out, text_message, wrap
+from patchkit.cli.render import (
+    counted,
+    emit_json,
+    field_values,
+    message,
+    out,
+    text_message,
+    wrap,
+)
+from patchkit.cli.words import say
 from patchkit.codes import Code
 from patchkit.doctor import sass
 from patchkit.errors import PatchkitError
@@ -92,7 +101,7 @@ def render_doctor(report, verbose: bool = False) -> None:
     for g in report.gpus:
         out(f"GPU: {g.name} (compute capability {g.compute_capability})")
     if not report.gpus:
-        out(f"GPU: {report.gpu_note}")
+        out(f"GPU: {say(report.gpu_note)}")
     t = report.toolchain
     where = f" ({t.ptxas_source}: {t.ptxas})" if t.ptxas else ""
     fixed = f"; fixed from {report.fixed_from}" if report.fixed_from else ""
@@ -110,7 +119,7 @@ def render_doctor(report, verbose: bool = False) -> None:
                 for line in wrap("", text, 4):
                     out(line)
     for c in report.tuned_configs:
-        out(f"tuned config {c.file}: {c.problem}")
+        out(f"tuned config {c.file}: {say(c.problem)}")
     for pyc in report.stale_bytecode:
         out(f"stale bytecode: {pyc}")
     for c in report.old_caches:
@@ -120,9 +129,10 @@ def render_doctor(report, verbose: bool = False) -> None:
     out("")
     for v in report.verdicts:
         out(f"[{v.status}] {v.bug}")
+        fix = say(v.fix) if v.fix else ""
         out(
-            f"    {v.reason}"
-            + (f"; fix: {v.fix}" if v.fix and v.status in ("exposed", "unknown") else "")
+            f"    {say(v.reason)}"
+            + (f"; fix: {fix}" if fix and v.status in ("exposed", "unknown") else "")
         )
 
 
@@ -223,7 +233,7 @@ def doctor_json(report) -> dict:
     return {
         "ok": True,
         "gpus": [field_values(g) for g in report.gpus],
-        "gpu_note": text_message(Code.NOTE, report.gpu_note),
+        "gpu_note": message(report.gpu_note),
         "triton": triton,
         "triton_next_to_vllm": field_values(theirs) if theirs else None,
         "vllm": (
@@ -233,8 +243,7 @@ def doctor_json(report) -> dict:
         ),
         "patches": [_doctor_patch_json(a) for a in report.patches],
         "tuned_configs": [
-            {"file": f.file, "problem": text_message(Code.TUNED_CONFIG, f.problem)}
-            for f in report.tuned_configs
+            {"file": f.file, "problem": message(f.problem)} for f in report.tuned_configs
         ],
         "stale_bytecode": report.stale_bytecode,
         "old_caches": [field_values(c) for c in report.old_caches],
@@ -245,9 +254,13 @@ def doctor_json(report) -> dict:
 
 
 def _verdict_json(verdict) -> dict:
-    """A bug's verdict: its status word, and why as a message (the fix: a command)."""
-    reason = text_message(Code.BUG_VERDICT, verdict.reason)
-    return field_values(verdict) | {"status": str(verdict.status), "reason": reason}
+    """A bug's verdict: its status word, why and its fix as messages (no fix: null)."""
+    return {
+        "bug": verdict.bug,
+        "status": str(verdict.status),
+        "reason": message(verdict.reason),
+        "fix": message(verdict.fix),
+    }
 
 
 def _doctor_patch_json(a: Assessment) -> dict:
