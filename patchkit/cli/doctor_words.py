@@ -1,5 +1,6 @@
 """The words of doctor's codes: what it sees of the GPUs, a tuned config's problem, each
-bug's verdict and its fix (:mod:`patchkit.cli.words` holds the patches' words).
+bug's verdict and its fix (:mod:`patchkit.cli.words` holds the patches' words and takes
+these into its own).
 
 A verdict's reason may carry ``also``: reasons it says after its own words, each after
 "; " (a patch still fitting its code, a setting that switches a patch off, a scan made
@@ -8,10 +9,31 @@ with another Triton than vLLM's).
 
 from __future__ import annotations
 
-from patchkit.cli.words import say, words
+from collections.abc import Callable
+
 from patchkit.codes import Code, Reason
 from patchkit.doctor import sass
 from patchkit.vocabulary import PatchState
+
+# doctor's codes and their words; patchkit.cli.words takes them into its own (a reason
+# doctor nests is one of doctor's, so its words are found here, and nothing imports back)
+WORDS: dict[Code, Callable[[Reason, str], str]] = {}
+
+
+def words(*codes: Code):
+    """Register the function that makes the words of ``codes``."""
+
+    def register(make: Callable) -> Callable:
+        for code in codes:
+            WORDS[code] = make
+        return make
+
+    return register
+
+
+def say(reason: Reason) -> str:
+    """The words of one of doctor's reasons."""
+    return WORDS[reason.code](reason, "")
 
 
 def _also(r: Reason) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from patchkit.cli import doctor_words
 from patchkit.codes import Code, Reason
 
 NOTHING = "nothing was changed"
@@ -777,5 +778,4 @@ def _outside(r: Reason, _: str) -> str:
     return f"{r['origin']}: {r['path']} is not inside the catalogue {r['root']}"
 
 
-# the words of doctor's codes register themselves here too (imported last: they use say)
-from patchkit.cli import doctor_words  # noqa: E402, F401
+WORDS.update(doctor_words.WORDS)  # doctor's codes, worded in their own module
