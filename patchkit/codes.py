@@ -180,8 +180,14 @@ class Code(str, Enum):
     SKIPPED = "skipped"
     RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
     VLLM_NOT_FOUND = "vllm-not-found"  # doctor without a tree
-    RUNNER = "runner"  # status, doctor: which model runner serves, what switches it
     RUNNER_NOT_HOOKED = "runner-not-hooked"
+    # the model runner: why it is the one, or why it is unknown (patchkit.cli.runner_words)
+    RUNNER_BY_CONFIG = "runner-by-config"  # use_v2_model_runner decides, at file:line
+    RUNNER_NO_CONFIG_SWITCH = "runner-no-config-switch"  # the variable alone (0.17-0.21)
+    RUNNER_ONLY_ONE = "runner-only-one"  # the other runner's file is gone
+    RUNNER_REFUSED = "runner-refused"  # vLLM raises: its message, or where
+    RUNNER_BAD_VALUE = "runner-bad-value"  # the variable's value fails vLLM's int()
+    RUNNER_UNKNOWN = "runner-unknown"  # code of a shape the check does not know: kind
     # adapter check: one code per kind of finding
     ADAPTER_FILE = "adapter-file"
     ADAPTER_CONFIG = "adapter-config"

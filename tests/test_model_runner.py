@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from patchkit.cli.words import say
+from patchkit.codes import Code
 from patchkit.fs.safepath import Root
 from patchkit.vllmtree import model_runner
 from tests.conftest import RELEASES, release_tree, run_cli, run_subprocess
@@ -65,9 +67,15 @@ def test_the_runner_each_release_picks(release: str):
         return
     assert not choice.only and choice.flip == f"{ENV}={value}"
     if gives == "refused":
-        assert choice.flip_to is None and REFUSES in choice.flip_refused
+        assert choice.flip_to is None and choice.flip_refused.code == Code.RUNNER_REFUSED
+        assert REFUSES in choice.flip_refused["raised"]
     else:
-        assert choice.flip_to == gives and not choice.flip_refused
+        assert choice.flip_to == gives and choice.flip_refused is None
+    # 0.17-0.21: the variable alone, its default "0"; later: the config's property, unset
+    by_config = tuple(map(int, release.split("."))) >= (0, 22)
+    assert (choice.reason.code, choice.reason["value"]) == (
+        (Code.RUNNER_BY_CONFIG, None) if by_config else (Code.RUNNER_NO_CONFIG_SWITCH, 0)
+    )
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -86,7 +94,9 @@ def test_the_environment_value_changes_it(release: str):
 def test_a_value_vllm_cannot_read_is_refused_not_guessed():
     choice = decide(release_tree("0.30.0"), "yes")
     assert choice.runner == "v2" and choice.effective == "refused"
-    assert "int()" in choice.effective_reason
+    why = choice.effective_reason
+    assert why.code == Code.RUNNER_BAD_VALUE and why["value"] == "yes"
+    assert "int()" in say(why)
 
 
 def _copy_runner_files(release: str, dest: Path) -> Path:
@@ -115,7 +125,13 @@ def test_a_future_shape_is_unknown_with_the_line(tmp_path: Path):
     config.write_text(text.replace(old, new + old))
     choice = decide(root)
     assert choice.runner == "unknown" and not choice.known
-    assert "prefers_v1_runner" in choice.reason and model_runner.CONFIG in choice.reason
+    why = choice.reason
+    assert why.code == Code.RUNNER_UNKNOWN and why["kind"] == "attribute"
+    assert why["name"] == "model_config.prefers_v1_runner" and why["file"] == model_runner.CONFIG
+    assert say(why) == (
+        f"{model_runner.CONFIG}:{why['line']}: reads model_config.prefers_v1_runner, "
+        "which this check does not know"
+    )
     result = run_cli("status", "--target", str(root), "--vllm-version", "0.30.0")
     assert "runner: unknown for Qwen3.5/3.6 + LoRA here: " in " ".join(result.stdout.split())
 
@@ -129,7 +145,14 @@ def test_a_changed_env_default_is_unknown(tmp_path: Path):
     assert text.count(old) == 1
     envs.write_text(text.replace(old, 'os.getenv("VLLM_USE_V2_MODEL_RUNNER", "auto")'))
     choice = decide(root)
-    assert choice.runner == "unknown" and "'auto'" in choice.reason
+    why = choice.reason
+    assert choice.runner == "unknown" and why.code == Code.RUNNER_UNKNOWN
+    assert (why["kind"], why["file"], why["value"]) == (
+        "default-not-understood",
+        model_runner.ENVS,
+        "'auto'",
+    )
+    assert "'auto'" in say(why)
 
 
 def test_status_text_and_json_show_the_runner():
@@ -177,3 +200,15 @@ def test_status_still_imports_neither_vllm_nor_torch():
     assert result.returncode == 0, result.stderr
     assert "runner: Model Runner V2" in result.stdout
     assert "IMPORTED: []" in result.stderr
+
+
+def test_every_unknown_kind_the_check_raises_has_its_words():
+    """runner-unknown's words are chosen by its ``kind``: a kind model_runner raises that
+    runner_words lacks would fail only when a future tree meets it."""
+    import re
+
+    from patchkit.cli import runner_words
+
+    source = Path(model_runner.__file__).read_text()
+    raised = set(re.findall(r'_unknown\(\s*"([a-z-]+)"', source))
+    assert raised and raised <= runner_words.KINDS, sorted(raised - runner_words.KINDS)

@@ -3,7 +3,8 @@ LoRA on the tree, what switches it, and a patch whose hooks that runner lacks.""
 
 from __future__ import annotations
 
-from patchkit.cli.render import text_message
+from patchkit.cli.render import message, text_message
+from patchkit.cli.words import say
 from patchkit.codes import Code
 from patchkit.patching.assess import Assessment
 from patchkit.vllmtree import model_runner
@@ -28,7 +29,7 @@ def lines(choice, assessments: list[Assessment]) -> list[str]:
 
 def _runner_headline(choice) -> str:
     if not choice.known:
-        return f"unknown for {SERVES} here: {choice.reason}"
+        return f"unknown for {SERVES} here: {say(choice.reason)}"
     name = _runner_name(choice.runner)
     if choice.only:
         text = f"{name} serves {SERVES} here, the only runner this vLLM has (nothing switches it)"
@@ -40,14 +41,15 @@ def _runner_headline(choice) -> str:
     elif choice.flip_refused:
         text = (
             f"{name} serves {SERVES} here by default ({choice.flip} makes vLLM refuse it: "
-            f"{choice.flip_refused})"
+            f"{say(choice.flip_refused)})"
         )
     else:
         text = f"{name} serves {SERVES} here by default (no setting switches it)"
     if choice.env_value is not None and choice.effective != choice.runner and not choice.only:
         said = f"{model_runner.ENV}={choice.env_value[:40]}"
         if choice.effective == "refused":
-            text += f"; this environment's {said} makes vLLM refuse it: {choice.effective_reason}"
+            why = say(choice.effective_reason)
+            text += f"; this environment's {said} makes vLLM refuse it: {why}"
         else:
             text += f"; this environment's {said} gives {_runner_name(choice.effective)}"
     return text
@@ -94,13 +96,13 @@ def as_json(choice, assessments: list[Assessment]) -> dict:
         "default": choice.runner,
         "name": _runner_name(choice.runner) if choice.known else None,
         "only": choice.only,
-        "reason": text_message(Code.RUNNER, choice.reason),
+        "reason": message(choice.reason),
         "flip": (
             {
                 "env": model_runner.ENV,
                 "value": choice.flip.split("=", 1)[1],
                 "gives": choice.flip_to,
-                "refused": choice.flip_refused or None,
+                "refused": message(choice.flip_refused),
             }
             if choice.flip
             else None
@@ -108,7 +110,7 @@ def as_json(choice, assessments: list[Assessment]) -> dict:
         "environment": {
             "value": choice.env_value,
             "runner": choice.effective,
-            "reason": text_message(Code.RUNNER, choice.effective_reason),
+            "reason": message(choice.effective_reason),
         },
         "hooks": hooks,
         "warning": text_message(Code.RUNNER_NOT_HOOKED, probe),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from patchkit.cli import doctor_words
+from patchkit.cli import doctor_words, runner_words
 from patchkit.codes import Code, Reason
 
 NOTHING = "nothing was changed"
@@ -34,7 +34,6 @@ TEXT = (
     Code.SKIPPED,
     Code.RECOVERED,
     Code.VLLM_NOT_FOUND,
-    Code.RUNNER,
     Code.RUNNER_NOT_HOOKED,
     Code.DECIDED,  # the catalogue's own text for its decision
     *(code for code in Code if code.value.startswith(("adapter-", "canary-"))),
@@ -779,3 +778,4 @@ def _outside(r: Reason, _: str) -> str:
 
 
 WORDS.update(doctor_words.WORDS)  # doctor's codes, worded in their own module
+WORDS.update(runner_words.WORDS)  # the model runner's, likewise

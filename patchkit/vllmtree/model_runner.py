@@ -8,6 +8,10 @@ interpreter knows one configuration, vLLM's defaults plus ``--enable-lora``
 for a Qwen3.5/3.6 hybrid (Gated DeltaNet + attention) on CUDA; a statement,
 call or attribute it does not know makes the answer ``unknown`` with the line
 it stopped at, never a guess.
+
+Every why is a :class:`~patchkit.codes.Reason` (``runner-*`` codes and their facts:
+the file, the line, what was met there); the words are made in
+:mod:`patchkit.cli.runner_words`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from patchkit.codes import Code, Reason
 from patchkit.fs.safepath import Root
 
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -30,11 +35,24 @@ ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGen
 
 
 class Unknown(Exception):
-    """The code is not a shape this module understands; the message says where."""
+    """The code is not a shape this module understands; ``reason`` says where and what."""
+
+    def __init__(self, reason: Reason):
+        super().__init__(str(reason))
+        self.reason = reason
+
+
+def _unknown(kind: str, line: int | None = None, file: str | None = CONFIG, **facts) -> Unknown:
+    """``runner-unknown``: what the check met (``kind``) at ``file``:``line``, and its facts."""
+    return Unknown(Reason.of(Code.RUNNER_UNKNOWN, kind=kind, file=file, line=line, **facts))
 
 
 class _Refused(Exception):
-    """vLLM raises here: it refuses the configuration."""
+    """vLLM raises here: it refuses the configuration; ``reason`` is its message."""
+
+    def __init__(self, reason: Reason):
+        super().__init__(str(reason))
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -42,14 +60,14 @@ class RunnerChoice:
     """What the tree's code decides; ``runner`` is ``v1``, ``v2`` or ``unknown``."""
 
     runner: str
-    reason: str  # why (or why unknown)
+    reason: Reason  # why (or why unknown)
     only: bool = False  # the other runner is gone from the tree
     flip: str | None = None  # "VLLM_USE_V2_MODEL_RUNNER=0", None where nothing flips it
     flip_to: str | None = None  # the runner the flip gives
-    flip_refused: str = ""  # the flip makes vLLM refuse to start: its message
+    flip_refused: Reason | None = None  # the flip makes vLLM refuse to start: its message
     env_value: str | None = None  # the environment's value, as given
     effective: str | None = None  # the runner with that value (v1, v2, refused, unknown)
-    effective_reason: str = ""
+    effective_reason: Reason | None = None
 
     @property
     def known(self) -> bool:
@@ -68,35 +86,35 @@ def decide(fs: Root, env_value: str | None) -> RunnerChoice:
     try:
         return _decide(fs, env_value)
     except Unknown as exc:
-        return RunnerChoice("unknown", str(exc), env_value=env_value)
+        return RunnerChoice("unknown", exc.reason, env_value=env_value)
 
 
 def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
     has_v1 = fs.lstat(V1_FILE, "runner") is not None
     has_v2 = fs.lstat(V2_FILE, "runner") is not None
     if not has_v1 and not has_v2:
-        raise Unknown(f"neither {V1_FILE} nor {V2_FILE} is in the tree")
+        raise _unknown("no-runner-files", file=None, v1=V1_FILE, v2=V2_FILE)
     envs_tree = _parse(fs, ENVS)
     default = _env_default(envs_tree)  # None: unset means "let the config decide"
     if not has_v1 or not has_v2:
         if default is not _ABSENT:
-            raise Unknown(f"only one runner file is in the tree, but {ENVS} still reads {ENV}")
+            raise _unknown("one-runner-env-read", file=ENVS, env=ENV)
         runner = V2 if has_v2 else V1
         missing = V1_FILE if has_v2 else V2_FILE
         return RunnerChoice(
             runner,
-            f"{missing} is gone and {ENVS} no longer reads {ENV}",
+            Reason.of(Code.RUNNER_ONLY_ONE, missing=missing, file=ENVS, env=ENV),
             only=True,
             env_value=env_value,
             effective=runner,
         )
     if default is _ABSENT:
-        raise Unknown(f"{ENVS} does not read {ENV}, yet both runner files are in the tree")
+        raise _unknown("env-not-read", file=ENVS, env=ENV)
     config = _Config(_parse(fs, CONFIG))
     outcomes = {value: config.runner(value) for value in (None, False, True)}
     runner, why = outcomes[None] if default is None else outcomes[default]
     if runner not in (V1, V2):
-        raise Unknown(f"with {ENV} unset vLLM refuses the configuration: {why}")
+        raise _unknown("refused-unset", env=ENV, refusal=why)
     flip_value = runner == V1  # V1 by default: =1 asks for V2, and the other way round
     flip_runner, flip_why = outcomes[flip_value]
     choice = RunnerChoice(
@@ -104,7 +122,7 @@ def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
         why,
         flip=f"{ENV}={int(flip_value)}",
         flip_to=flip_runner if flip_runner in (V1, V2) else None,
-        flip_refused=flip_why if flip_runner == "refused" else "",
+        flip_refused=flip_why if flip_runner == "refused" else None,
         env_value=env_value,
     )
     if flip_runner == runner:
@@ -121,7 +139,7 @@ def _with_env(choice, outcomes, default, env_value) -> RunnerChoice:
         return _replace(
             choice,
             effective="refused",
-            effective_reason=f"vLLM reads {ENV} with int(), which fails on {env_value[:40]!r}",
+            effective_reason=Reason.of(Code.RUNNER_BAD_VALUE, env=ENV, value=env_value[:40]),
         )
     runner, why = outcomes[value]
     return _replace(choice, effective=runner, effective_reason=why)
@@ -136,16 +154,16 @@ def _replace(choice: RunnerChoice, **changes) -> RunnerChoice:
 def _parse(fs: Root, relpath: str) -> ast.Module:
     found = fs.lstat(relpath, "runner")
     if found is None:
-        raise Unknown(f"{relpath} is not in the tree")
+        raise _unknown("file-missing", file=relpath)
     if found.st_size > MAX_SOURCE_BYTES:
-        raise Unknown(f"{relpath} is larger than {MAX_SOURCE_BYTES} bytes")
+        raise _unknown("file-too-large", file=relpath, limit=MAX_SOURCE_BYTES)
     data = fs.read(relpath, "runner")
     if data is None or len(data) > MAX_SOURCE_BYTES:
-        raise Unknown(f"{relpath} could not be read whole")
+        raise _unknown("file-unreadable", file=relpath)
     try:
         return ast.parse(data.decode("utf-8"), filename=relpath)
     except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
-        raise Unknown(f"{relpath} does not parse ({type(exc).__name__})") from None
+        raise _unknown("file-unparsable", file=relpath, error=type(exc).__name__) from None
 
 
 _ABSENT = object()
@@ -163,13 +181,15 @@ def _env_default(tree: ast.Module):
             and node.args[0].value == ENV
         ):
             if len(node.args) != 2 or not isinstance(node.args[1], ast.Constant):
-                raise Unknown(f"{ENVS}:{node.lineno}: os.getenv({ENV!r}) has no constant default")
+                raise _unknown("default-not-constant", node.lineno, file=ENVS, env=ENV)
             default = node.args[1].value
             if default is None:
                 return None
             if isinstance(default, str) and default.strip().lstrip("-").isdigit():
                 return bool(int(default))
-            raise Unknown(f"{ENVS}:{node.lineno}: {ENV}'s default {default!r} is not understood")
+            raise _unknown(
+                "default-not-understood", node.lineno, file=ENVS, env=ENV, value=repr(default)
+            )
     return _ABSENT
 
 
@@ -186,9 +206,7 @@ class _Obj:
 
     def get(self, attr: str, line: int):
         if attr not in self.attrs:
-            raise Unknown(
-                f"{CONFIG}:{line}: reads {self.name}.{attr}, which this check does not know"
-            )
+            raise _unknown("attribute", line, name=f"{self.name}.{attr}")
         return self.attrs[attr]
 
 
@@ -270,36 +288,40 @@ class _Config:
         self.env: bool | None = None
         self.steps = 0
 
-    def runner(self, env: bool | None) -> tuple[str, str]:
+    def runner(self, env: bool | None) -> tuple[str, Reason]:
         """``(runner, why)`` with the variable at ``env``: v1, v2, or refused."""
         self.env, self.steps = env, 0
-        said = " unset" if env is None else f"={int(env)}"
+        value = None if env is None else int(env)
         if "use_v2_model_runner" not in self.methods:
             # 0.17-0.21: the worker takes the variable as it is.
             if env and "_validate_v2_model_runner" in self.methods:
                 refused = self._refusal("_validate_v2_model_runner")
                 if refused:
                     return "refused", refused
-            return (V2 if env else V1), f"{ENV}{said}, and the config has no use_v2_model_runner"
+            return (V2 if env else V1), Reason.of(
+                Code.RUNNER_NO_CONFIG_SWITCH, env=ENV, value=value
+            )
         try:
             chose = self.call_method("use_v2_model_runner", [])
         except _Refused as exc:
-            return "refused", str(exc)
+            return "refused", exc.reason
         if not isinstance(chose, bool):
-            raise Unknown(f"{CONFIG}: use_v2_model_runner gave {chose!r}, not a bool")
+            raise _unknown("not-a-bool", value=repr(chose))
         if chose and "_validate_v2_model_runner" in self.methods:
             refused = self._refusal("_validate_v2_model_runner")
             if refused:
                 return "refused", refused
         where = self.methods["use_v2_model_runner"].lineno
-        return (V2 if chose else V1), f"{ENV}{said}: use_v2_model_runner ({CONFIG}:{where})"
+        return (V2 if chose else V1), Reason.of(
+            Code.RUNNER_BY_CONFIG, env=ENV, value=value, file=CONFIG, line=where
+        )
 
-    def _refusal(self, name: str) -> str:
+    def _refusal(self, name: str) -> Reason | None:
         try:
             self.call_method(name, [])
         except _Refused as exc:
-            return str(exc)
-        return ""
+            return exc.reason
+        return None
 
     # -- calls ---------------------------------------------------------------------------
     def call_method(self, name: str, args: list):
@@ -307,7 +329,7 @@ class _Config:
 
     def _run(self, function: ast.FunctionDef, args: list, scope: dict):
         if args or len(function.args.args) != len(scope):
-            raise Unknown(f"{CONFIG}:{function.lineno}: {function.name} takes arguments")
+            raise _unknown("takes-arguments", function.lineno, name=function.name)
         local = dict(scope)
         try:
             self.block(function.body, local)
@@ -323,7 +345,7 @@ class _Config:
     def statement(self, stmt: ast.stmt, local: dict) -> None:
         self.steps += 1
         if self.steps > MAX_STEPS:
-            raise Unknown(f"{CONFIG}: more than {MAX_STEPS} steps")
+            raise _unknown("too-many-steps", limit=MAX_STEPS)
         if isinstance(stmt, ast.Return):
             raise _Return(None if stmt.value is None else self.expr(stmt.value, local))
         if isinstance(stmt, ast.If):
@@ -332,7 +354,7 @@ class _Config:
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             if not all(isinstance(t, ast.Name) for t in targets) or stmt.value is None:
-                raise Unknown(f"{CONFIG}:{stmt.lineno}: an assignment this check does not know")
+                raise _unknown("assignment", stmt.lineno)
             value = self.expr(stmt.value, local)
             for target in targets:
                 local[target.id] = value
@@ -342,14 +364,11 @@ class _Config:
                     _PLATFORM if alias.name == "current_platform" else ("imported", alias.name)
                 )
         elif isinstance(stmt, ast.Raise):
-            raise _Refused(self._message(stmt, local))
+            raise _Refused(self._refused(stmt, local))
         elif isinstance(stmt, ast.Expr):
             self.expression_statement(stmt, local)
         elif not isinstance(stmt, ast.Pass):
-            raise Unknown(
-                f"{CONFIG}:{stmt.lineno}: a {type(stmt).__name__} statement this check "
-                "does not know"
-            )
+            raise _unknown("statement", stmt.lineno, node=type(stmt).__name__)
 
     def expression_statement(self, stmt: ast.Expr, local: dict) -> None:
         value = stmt.value
@@ -367,25 +386,26 @@ class _Config:
                     return
         self.expr(value, local)
 
-    def _message(self, stmt: ast.Raise, local: dict) -> str:
-        exc = stmt.exc
+    def _refused(self, stmt: ast.Raise, local: dict) -> Reason:
+        """``runner-refused``: vLLM's own message (``raised``) where this check can make
+        it, else null, and where vLLM raises."""
+        exc, text = stmt.exc, None
         if isinstance(exc, ast.Call) and exc.args:
             try:
                 text = self.expr(exc.args[0], local)
             except Unknown:
                 text = None
-            if isinstance(text, str):
-                return text
-        return f"vLLM raises at {CONFIG}:{stmt.lineno}"
+        raised = text if isinstance(text, str) else None
+        return Reason.of(Code.RUNNER_REFUSED, raised=raised, file=CONFIG, line=stmt.lineno)
 
     # -- expressions ---------------------------------------------------------------------
     def truth(self, value, node: ast.AST) -> bool:
         if value is None and isinstance(node, ast.Attribute) and node.attr in ("is_moe",):
-            raise Unknown(f"{CONFIG}:{node.lineno}: depends on whether the model is MoE")
+            raise _unknown("depends-on-moe", node.lineno)
         if isinstance(value, _Obj):
             return True
         if isinstance(value, tuple) and value[:1] == ("unknown",):
-            raise Unknown(f"{CONFIG}:{node.lineno}: {value[1]}")
+            raise _unknown("unknown-value", node.lineno, detail=value[1])
         return bool(value)
 
     def expr(self, node: ast.expr, local: dict):
@@ -420,10 +440,10 @@ class _Config:
             try:
                 return left + right if isinstance(node.op, ast.Add) else left - right
             except TypeError:
-                raise Unknown(f"{CONFIG}:{line}: an operation this check does not know") from None
+                raise _unknown("operation", line) from None
         if isinstance(node, ast.Call):
             return self.call(node, local)
-        raise Unknown(f"{CONFIG}:{line}: a {type(node).__name__} this check does not know")
+        raise _unknown("expression", line, node=type(node).__name__)
 
     def name(self, node: ast.Name, local: dict):
         if node.id in local:
@@ -436,28 +456,23 @@ class _Config:
             return ("module", "envs")
         if node.id == "CompilationMode":
             return ("enum", "CompilationMode")
-        raise Unknown(f"{CONFIG}:{node.lineno}: reads {node.id}, which this check does not know")
+        raise _unknown("name", node.lineno, name=node.id)
 
     def attribute(self, node: ast.Attribute, local: dict):
         owner = self.expr(node.value, local)
         if owner == "self":
             if node.attr not in _SETTINGS:
-                raise Unknown(
-                    f"{CONFIG}:{node.lineno}: reads self.{node.attr}, which this check "
-                    "does not know"
-                )
+                raise _unknown("attribute", node.lineno, name=f"self.{node.attr}")
             return _SETTINGS[node.attr]
         if owner == ("module", "envs"):
             if node.attr != ENV:
-                raise Unknown(f"{CONFIG}:{node.lineno}: reads envs.{node.attr}")
+                raise _unknown("other-env", node.lineno, name=f"envs.{node.attr}")
             return self.env
         if owner == ("enum", "CompilationMode"):
             return node.attr
         if isinstance(owner, _Obj):
             return owner.get(node.attr, node.lineno)
-        raise Unknown(
-            f"{CONFIG}:{node.lineno}: reads .{node.attr} of something this check does not know"
-        )
+        raise _unknown("attribute-of-unknown", node.lineno, name=node.attr)
 
     def compare(self, node: ast.Compare, local: dict):
         left = self.expr(node.left, local)
@@ -472,7 +487,7 @@ class _Config:
                 "is_quantized",
             )
         ):
-            raise Unknown(f"{CONFIG}:{node.lineno}: depends on model_config.{node.left.attr}")
+            raise _unknown("depends-on-model", node.lineno, name=f"model_config.{node.left.attr}")
         if isinstance(op, ast.Is):
             return left is right
         if isinstance(op, ast.IsNot):
@@ -483,9 +498,7 @@ class _Config:
             return left != right
         if isinstance(op, (ast.In, ast.NotIn)):
             if not isinstance(right, (frozenset, list, tuple, str)):
-                raise Unknown(
-                    f"{CONFIG}:{node.lineno}: `in` over something this check does not know"
-                )
+                raise _unknown("in-over-unknown", node.lineno)
             return (left in right) == isinstance(op, ast.In)
         if isinstance(op, (ast.Gt, ast.GtE, ast.Lt, ast.LtE)) and all(
             isinstance(v, int) for v in (left, right)
@@ -493,7 +506,7 @@ class _Config:
             return {ast.Gt: left > right, ast.GtE: left >= right, ast.Lt: left < right}.get(
                 type(op), left <= right
             )
-        raise Unknown(f"{CONFIG}:{node.lineno}: a comparison this check does not know")
+        raise _unknown("comparison", node.lineno)
 
     def call(self, node: ast.Call, local: dict):
         func = node.func
@@ -517,7 +530,7 @@ class _Config:
                 if owner == "self" and isinstance(attr, str):
                     if attr in _SETTINGS:
                         return _SETTINGS[attr]
-                    raise Unknown(f"{CONFIG}:{node.lineno}: getattr(self, {attr!r}) is not known")
+                    raise _unknown("getattr", node.lineno, name=attr)
                 if isinstance(owner, _Obj) and isinstance(attr, str):
                     return owner.get(attr, node.lineno)
             if func.id == "frozenset" and len(node.args) == 1:
@@ -531,7 +544,7 @@ class _Config:
                 return self.truth(self.expr(inner, local), inner)
             if func.id in self.functions and not node.args:
                 return self._run(self.functions[func.id], [], {})
-        raise Unknown(f"{CONFIG}:{node.lineno}: a call this check does not know")
+        raise _unknown("call", node.lineno)
 
     def _entry_points(self, node: ast.expr, local: dict) -> bool:
         return (
@@ -542,10 +555,10 @@ class _Config:
 
     def any(self, node: ast.expr, local: dict) -> bool:
         if not (isinstance(node, ast.GeneratorExp) and len(node.generators) == 1):
-            raise Unknown(f"{CONFIG}:{node.lineno}: any() over something this check does not know")
+            raise _unknown("any-over-unknown", node.lineno)
         gen = node.generators[0]
         if not isinstance(gen.target, ast.Name) or gen.ifs or gen.is_async:
-            raise Unknown(f"{CONFIG}:{node.lineno}: any() over something this check does not know")
+            raise _unknown("any-over-unknown", node.lineno)
         for item in self.expr(gen.iter, local):
             inner = dict(local, **{gen.target.id: item})
             if self.truth(self.expr(node.elt, inner), node.elt):
