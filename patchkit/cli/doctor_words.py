@@ -9,26 +9,17 @@ with another Triton than vLLM's).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 from patchkit.doctor import sass
 from patchkit.vocabulary import PatchState
 
 # doctor's codes and their words; patchkit.cli.words takes them into its own (a reason
 # doctor nests is one of doctor's, so its words are found here, and nothing imports back)
-WORDS: dict[Code, Callable[[Reason, str], str]] = {}
+WORDS: dict[Code, Words] = {}
 
 
-def words(*codes: Code):
-    """Register the function that makes the words of ``codes``."""
-
-    def register(make: Callable) -> Callable:
-        for code in codes:
-            WORDS[code] = make
-        return make
-
-    return register
+words = registrar(WORDS)
 
 
 def say(reason: Reason) -> str:

@@ -9,22 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
 # the runner's codes and their words; patchkit.cli.words takes them into its own (a
 # reason nested in one of these is one of these, so nothing imports back)
-WORDS: dict[Code, Callable[[Reason, str], str]] = {}
+WORDS: dict[Code, Words] = {}
 
 
-def words(*codes: Code):
-    """Register the function that makes the words of ``codes``."""
-
-    def register(make: Callable) -> Callable:
-        for code in codes:
-            WORDS[code] = make
-        return make
-
-    return register
+words = registrar(WORDS)
 
 
 def say(reason: Reason) -> str:

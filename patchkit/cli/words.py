@@ -10,15 +10,13 @@ that every code has words.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from patchkit.cli import doctor_words, runner_words
+from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
 NOTHING = "nothing was changed"
 NOTHING_ELSE = "nothing else was changed"
 
-Words = Callable[[Reason, str], str]
 WORDS: dict[Code, Words] = {}
 
 # codes whose one fact ``text`` is their words: messages of the commands whose reasons
@@ -52,15 +50,7 @@ def said(reason: Reason | None, nothing: str = NOTHING) -> str:
     return "" if reason is None else say(reason, nothing)
 
 
-def words(*codes: Code):
-    """Register the function that makes the words of ``codes``."""
-
-    def register(make: Callable) -> Callable:
-        for code in codes:
-            WORDS[code] = make
-        return make
-
-    return register
+words = registrar(WORDS)
 
 
 def headline(reason: Reason) -> str:
