@@ -246,6 +246,22 @@ class Code(str, Enum):
     ADAPTER_MODULES_IGNORED = "adapter-modules-ignored"  # some modules never reach one
     ADAPTER_ZERO_FACTORS = "adapter-zero-factors"  # every lora_B (or lora_A) all zero
     ADAPTER_ZERO_MODULES = "adapter-zero-modules"  # some modules' factors all zero
+    # ----- adapter check: what is wrong, finer than the kind (words: cli/adapter_words.py) -----
+    ADAPTER_PICKLE = "adapter-pickle"  # a .bin/.pt weights file, refused unread
+    ADAPTER_NO_WEIGHTS = "adapter-no-weights"
+    ADAPTER_NOT_FLOAT = "adapter-not-float"  # an integer or boolean tensor
+    ADAPTER_NOT_SCANNED = "adapter-not-scanned"  # a float type patchkit does not scan
+    ADAPTER_EMPTY = "adapter-empty"  # a tensor of no values
+    ADAPTER_NONFINITE_VALUES = "adapter-nonfinite-values"  # NaN, Inf or past bf16's largest
+    ADAPTER_NOT_FACTOR = "adapter-not-factor"  # a tensor vLLM reads as no LoRA factor
+    ADAPTER_UNPAIRED = "adapter-unpaired"  # lora_A without lora_B or the other way round
+    ADAPTER_NOT_MATRICES = "adapter-not-matrices"
+    ADAPTER_TRANSPOSED = "adapter-transposed"  # lora_A and lora_B each other's shape
+    ADAPTER_RANKS_DIFFER = "adapter-ranks-differ"  # lora_A's rank is not lora_B's
+    ADAPTER_RANK_NOT_CONFIG = "adapter-rank-not-config"  # not r, nor rank_pattern's
+    ADAPTER_CONFIG_ABOVE_MAX_RANK = "adapter-config-above-max-rank"  # r or rank_pattern's
+    ADAPTER_ABOVE_MAX_RANK = "adapter-above-max-rank"  # a tensor's rank
+    ADAPTER_SCALE_OUT_OF_RANGE = "adapter-scale-out-of-range"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from patchkit.adapters import nonfinite
 from patchkit.adapters.check import check
 from patchkit.adapters.report import Kind
 from patchkit.adapters.safetensorsfile import SafetensorsFile
+from patchkit.cli.adapter_words import finding_words
 from patchkit.vllmtree.tree import locate
 from tests import adapter_helpers as ah
 from tests.conftest import applied, copy_tree, release_tree, run_cli
@@ -196,7 +197,7 @@ def test_targets_the_model_lacks(tmp_path, dense):
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
     report = check(adapter, dense)
     assert kinds(report).count("target") == 5  # q_proj, layer 7, 2 experts, fc_nowhere
-    messages = " | ".join(f.message for f in report.findings)
+    messages = " | ".join(finding_words(f.message) for f in report.findings)
     assert "no self_attn.q_proj in layer 0 (linear_attention" in messages
     assert "layer 7: the model has 3 layers" in messages
     assert "'fc_nowhere'" in messages
@@ -249,7 +250,7 @@ def test_expert_layouts(tmp_path, moe):
     legacy = ah.write_adapter(tmp_path / "legacy", ah.experts(0, legacy=True))
     report = check(legacy, moe)
     assert kinds(report) == ["layout", "layout"]
-    assert "PEFT <= 0.19" in report.findings[0].message
+    assert "PEFT <= 0.19" in finding_words(report.findings[0].message)
     single = ah.write_adapter(
         tmp_path / "single", ah.experts(2, ("down_proj",)), target_parameters=["experts.down_proj"]
     )
@@ -261,7 +262,9 @@ def test_expert_layouts(tmp_path, moe):
     per_expert = ah.write_adapter(
         tmp_path / "pe", ah.linear("0.mlp.experts.5.down_proj", ah.H, ah.I_MOE)
     )
-    assert "expert 5: the model has 4 experts" in check(per_expert, moe).findings[0].message
+    assert "expert 5: the model has 4 experts" in finding_words(
+        check(per_expert, moe).findings[0].message
+    )
 
 
 def test_release_refusals_on_0260(tmp_path, moe):
@@ -274,7 +277,7 @@ def test_release_refusals_on_0260(tmp_path, moe):
     report = check(adapter, moe, tree)
     release = [f for f in report.findings if f.kind == Kind.RELEASE]
     assert len(release) == 3
-    text = " | ".join(f.message for f in release)
+    text = " | ".join(finding_words(f.message) for f in release)
     assert "layer 0: an adapter on one expert parameter" in text
     assert "layer 2: in_proj_z without in_proj_qkv" in text
     assert "wraps no module named like model.language_model.layers.1.mlp.experts.0" in text
@@ -315,8 +318,18 @@ def test_json(tmp_path, dense):
     result = run_cli("adapter", "check", str(adapter), "--model", str(dense), "--json")
     data = json.loads(result.stdout)
     assert result.exit_code == 1 and data["exit_code"] == 1 and not data["ok"]
-    assert data["findings"][0]["kind"] == "nonfinite"
-    assert data["findings"][0]["tensor"].endswith("0.mlp.down_proj.lora_A.weight")
+    found = data["findings"][0]
+    assert found["kind"] == "nonfinite"
+    assert found["tensor"].endswith("0.mlp.down_proj.lora_A.weight")
+    # a typed finding: a code finer than its kind and the facts its words are made from
+    assert found["code"] == "adapter-nonfinite-values"
+    assert (found["nan"], found["inf"], found["first"], found["shape"]) == (
+        1,
+        0,
+        0,
+        [4, ah.I_DENSE],
+    )
+    assert found["message"].startswith("1 non-finite of ")
 
 
 def test_usage_errors_exit_2(tmp_path):
@@ -425,7 +438,7 @@ def test_file_cut_short_after_its_header_was_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nonfinite, "scan_values", truncate_then_scan)
     report = check(adapter)
-    assert kinds(report) == ["file"] and "truncated" in report.findings[0].message
+    assert kinds(report) == ["file"] and "truncated" in finding_words(report.findings[0].message)
 
 
 def test_links_out_of_the_directory_refused(tmp_path):
@@ -435,7 +448,9 @@ def test_links_out_of_the_directory_refused(tmp_path):
     (adapter / "adapter_config.json").write_text((outside / "adapter_config.json").read_text())
     (adapter / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
     report = check(adapter)
-    assert kinds(report) == ["file"] and "out of the directory" in report.findings[0].message
+    assert kinds(report) == ["file"] and "out of the directory" in finding_words(
+        report.findings[0].message
+    )
     os.rename(outside / "adapter_model.safetensors", adapter / "v2.safetensors")
     (adapter / "adapter_model.safetensors").unlink()
     (adapter / "adapter_model.safetensors").symlink_to("v2.safetensors")
@@ -461,7 +476,9 @@ def test_fifo_refused_without_hanging(tmp_path):
     (adapter / "adapter_model.safetensors").unlink()
     os.mkfifo(adapter / "adapter_model.safetensors")
     report = check(adapter)
-    assert kinds(report) == ["file"] and "not a regular file" in report.findings[0].message
+    assert kinds(report) == ["file"] and "not a regular file" in finding_words(
+        report.findings[0].message
+    )
 
 
 def test_imports_neither_torch_nor_vllm_nor_numpy(tmp_path, moe):
@@ -698,7 +715,7 @@ def test_a_modules_rank_is_the_one_its_rank_pattern_key_gives(tmp_path, dense):
     good = ah.write_adapter(tmp_path / "good", t, rank_pattern={r"self_attn\.q_proj": 8})
     assert check(good, dense).ok
     bad = ah.write_adapter(tmp_path / "bad", t, rank_pattern={"o_proj": 8})
-    found = {f.tensor: f.message for f in check(bad, dense).findings}
+    found = {f.tensor: finding_words(f.message) for f in check(bad, dense).findings}
     o = f"{ah.P}1.self_attn.o_proj.lora_A.weight"
     assert found == {
         q: "rank 8, but adapter_config.json gives r=4 and no rank_pattern key matches it",
@@ -712,7 +729,7 @@ def test_a_rank_pattern_rank_above_max_lora_rank_is_named(tmp_path):
     assert [(f.kind, f.tensor) for f in report.findings] == [
         (Kind.RANK_LIMIT, "rank_pattern['zz_proj']")
     ]
-    assert "vLLM refuses the adapter" in report.findings[0].message
+    assert "vLLM refuses the adapter" in finding_words(report.findings[0].message)
 
 
 def test_a_pattern_key_that_matches_past_its_work_bound_is_one_finding(tmp_path, monkeypatch):
@@ -723,7 +740,7 @@ def test_a_pattern_key_that_matches_past_its_work_bound_is_one_finding(tmp_path,
     report = check(adapter)
     assert [(f.kind, f.tensor) for f in report.findings] == [(Kind.CONFIG, "rank_pattern")]
     assert "is refused: matching it against the model's module names takes more" in (
-        report.findings[0].message
+        finding_words(report.findings[0].message)
     )
 
 
@@ -742,9 +759,9 @@ def test_patterns_a_release_never_reads_are_a_release_finding(tmp_path, moe, ver
         assert release == []
         return
     assert [(f.file, f.tensor) for f in release] == [("adapter_config.json", "rank_pattern")]
-    assert f"vLLM {version} does not read rank_pattern" in release[0].message
+    assert f"vLLM {version} does not read rank_pattern" in finding_words(release[0].message)
     assert "1 module(s) (e.g. model.language_model.layers.0.linear_attn.in_proj_z)" in (
-        release[0].message
+        finding_words(release[0].message)
     )
 
 
@@ -929,7 +946,9 @@ def test_a_device_or_fifo_is_refused_without_being_opened(tmp_path, dense, monke
     result = run_cli("adapter", "check", str(adapter), "--model", str(dense))
     monkeypatch.undo()
     assert sorted(f.file for f in report.findings) == sorted(names)
-    assert all("not a regular file" in f.message for f in report.findings), report.findings
+    assert all("not a regular file" in finding_words(f.message) for f in report.findings), (
+        report.findings
+    )
     assert result.exit_code == 1 and "config.json: a " in result.stderr
     assert "not a regular file" in result.stderr
     assert not [path for path in opened if Path(str(path)).name in (*names, "config.json")]

@@ -13,6 +13,7 @@ from patchkit.adapters import reach
 from patchkit.adapters.check import check
 from patchkit.adapters.release import lora_support
 from patchkit.adapters.report import Kind
+from patchkit.cli.adapter_words import finding_words
 from patchkit.vllmtree.tree import locate
 from tests import adapter_helpers as ah
 from tests.conftest import release_tree, run_cli
@@ -60,7 +61,7 @@ def test_text_only_names_on_the_multimodal_model_are_served_as_the_base_model(
     assert codes(report) == ["adapter-served-as-base"]
     finding = report.findings[0]
     assert finding.kind == Kind.RELEASE
-    assert finding.message.startswith(
+    assert finding_words(finding.message).startswith(
         f"vLLM {version} would serve this adapter as the base model: none of its 11 modules "
         "reaches a module its LoRA code wraps (e.g. model.layers.0.linear_attn.in_proj_qkv -> "
         "model.layers.0.linear_attn.in_proj_qkv: no module of Qwen3_5ForConditionalGeneration "
@@ -81,7 +82,7 @@ def test_some_modules_under_another_prefix_are_named_as_ignored(tmp_path, dense)
     )
     report = check(adapter, dense, tree("0.26.0"))
     assert codes(report) == ["adapter-modules-ignored"]
-    assert report.findings[0].message.startswith(
+    assert finding_words(report.findings[0].message).startswith(
         "vLLM 0.26.0 ignores 3 of the adapter's 11 modules: their weights reach no module its "
         "LoRA code wraps, so they serve as the base model (e.g. model.layers.0.mlp.down_proj"
     )

@@ -191,8 +191,13 @@ def test_adapter_check(tmp_path):
     adapter = ah.write_adapter(tmp_path / "a", tensors)
     result = run_cli("adapter", "check", str(adapter), "--model", str(model), "--json")
     report = checked("adapter check", result, 1)
-    assert report["findings"][0]["code"] == "adapter-nonfinite"
-    assert report["findings"][0]["tensor"] == key
+    found = report["findings"][0]
+    assert (found["code"], found["kind"], found["tensor"]) == (
+        "adapter-nonfinite-values",
+        "nonfinite",
+        key,
+    )
+    assert (found["nan"], found["first"], found["first_value"]) == (1, 9, "nan")
 
 
 def test_adapter_check_with_a_release_its_targets_and_finer_codes(tmp_path):

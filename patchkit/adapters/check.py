@@ -44,7 +44,7 @@ from patchkit.adapters.names import (
 )
 from patchkit.adapters.report import Kind, Report
 from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims, shown
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 
 SCALE_RANGE = (1 / 64, 16.0)
@@ -136,11 +136,9 @@ def _read_config(folder: Directory, report: Report, max_rank: int | None) -> _Ad
     if max_rank is not None:
         _rank_limit(config, max_rank, report)
     if config.r is not None and config.alpha is not None:
-        _check_scale(report, config.r, config.alpha, config.use_rslora, "lora_alpha / r")
+        _check_scale(report, config.r, config.alpha, config.use_rslora, None)
         for name, a in config.alpha_pattern.items():
-            _check_scale(
-                report, config.r, a, config.use_rslora, f"alpha_pattern[{shown(name)}] / r"
-            )
+            _check_scale(report, config.r, a, config.use_rslora, name)
     return adapter
 
 
@@ -150,27 +148,26 @@ def _rank_limit(config: AdapterConfig, max_rank: int, report: Report) -> None:
     ranks += [(f"rank_pattern[{shown(k)}]", v) for k, v in config.rank_pattern.items()]
     for key, rank in ranks:
         if rank > max_rank:
-            report.add(
-                Kind.RANK_LIMIT,
-                ADAPTER_CONFIG,
-                key,
-                f"{'r' if key == 'r' else 'rank'} {rank} is above --max-lora-rank {max_rank}; "
-                "vLLM refuses the adapter ('LoRA rank ... is greater than max_lora_rank')",
+            said = Reason.of(
+                Code.ADAPTER_CONFIG_ABOVE_MAX_RANK, key=key, rank=rank, max_rank=max_rank
             )
+            report.add(Kind.RANK_LIMIT, ADAPTER_CONFIG, key, said)
 
 
-def _check_scale(report: Report, r: int, alpha: float, rslora: bool, what: str) -> None:
+def _check_scale(report: Report, r: int, alpha: float, rslora: bool, pattern: str | None) -> None:
+    """lora_alpha's scale (``pattern``: the alpha_pattern key whose alpha it is, or None)."""
     scale = alpha / math.sqrt(r) if rslora else alpha / r
     low, high = SCALE_RANGE
     if not low <= scale <= high:
-        formula = f"{alpha:g} / sqrt({r})" if rslora else f"{alpha:g} / {r}"
-        report.add(
-            Kind.SCALING,
-            ADAPTER_CONFIG,
-            "lora_alpha",
-            f"scale {what}{' (rsLoRA)' if rslora else ''} = {formula} = {scale:.4g}, outside "
-            f"[1/64, 16] (docs/adapter-check.md: the scale range)",
+        said = Reason.of(
+            Code.ADAPTER_SCALE_OUT_OF_RANGE,
+            pattern=pattern,
+            alpha=alpha,
+            r=r,
+            rslora=rslora,
+            scale=scale,
         )
+        report.add(Kind.SCALING, ADAPTER_CONFIG, "lora_alpha", said)
 
 
 # ----- the weights file -----
@@ -180,15 +177,9 @@ def _open_weights(folder: Directory, report: Report) -> SafetensorsFile | None:
     if not folder.has(ADAPTER_SAFETENSORS):
         pickled = [name for name in PICKLES if folder.has(name)]
         if pickled:
-            report.add(
-                Kind.FILE,
-                pickled[0],
-                "",
-                "refused: a pickle, which loading runs as code and patchkit does not read; "
-                "convert it to adapter_model.safetensors (PEFT's save_pretrained writes one)",
-            )
+            report.add(Kind.FILE, pickled[0], "", Reason.of(Code.ADAPTER_PICKLE))
         else:
-            report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", "missing: the adapter has no weights")
+            report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", Reason.of(Code.ADAPTER_NO_WEIGHTS))
         return None
     path = folder.path / ADAPTER_SAFETENSORS
     try:
@@ -206,13 +197,8 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
         if info.dtype not in nonfinite.FLOATS:
             report.add(Kind.NAME, file, key, _not_scanned(info.dtype))
         elif not info.numel:  # floating point, but (0, 2**63) holds nothing to scan
-            report.add(
-                Kind.SHAPE,
-                file,
-                key,
-                f"{info.dtype} {dims(info.shape)} holds no values; a LoRA factor is "
-                "(r, in) or (out, r) with r and both sizes above 0",
-            )
+            said = Reason.of(Code.ADAPTER_EMPTY, dtype=info.dtype, shape=list(info.shape))
+            report.add(Kind.SHAPE, file, key, said)
         else:
             try:
                 bad, zero = nonfinite.scan_values(st, info)
@@ -227,27 +213,26 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
         _file_factor(key, info, adapter, report)
 
 
-def _not_scanned(dtype: str) -> str:
+def _not_scanned(dtype: str) -> Reason:
     """Why a tensor of this dtype is refused: no float, or one patchkit cannot scan."""
     if dtype in ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"):
-        return f"is {dtype}; LoRA factors are floating point"
-    return (
-        f"is {shown(dtype)}, a type patchkit does not scan for NaN/Inf (it scans "
-        f"{', '.join(nonfinite.FLOATS)}); refused unread"
-    )
+        return Reason.of(Code.ADAPTER_NOT_FLOAT, dtype=dtype)
+    return Reason.of(Code.ADAPTER_NOT_SCANNED, dtype=dtype, scanned=list(nonfinite.FLOATS))
 
 
-def _bad_values(bad: nonfinite.Nonfinite, info: TensorInfo) -> str:
-    counts = f"{bad.nan} NaN, {bad.inf} Inf"
-    if bad.beyond:
-        counts += (
-            f", {bad.beyond} past bfloat16's largest ({nonfinite.BF16_LARGEST:.3g}), Inf once "
-            "vLLM casts them to a bf16 model's LoRA dtype"
-        )
-    what = "non-finite once served" if bad.beyond else "non-finite"
-    return (
-        f"{bad.count} {what} of {info.numel} ({counts}); first at flat index {bad.first} "
-        f"({bad.first_value}), {info.dtype} {dims(info.shape)}"
+def _bad_values(bad: nonfinite.Nonfinite, info: TensorInfo) -> Reason:
+    return Reason.of(
+        Code.ADAPTER_NONFINITE_VALUES,
+        count=bad.count,
+        values=info.numel,
+        nan=bad.nan,
+        inf=bad.inf,
+        beyond=bad.beyond,
+        largest=nonfinite.BF16_LARGEST,
+        first=bad.first,
+        first_value=bad.first_value,
+        dtype=info.dtype,
+        shape=list(info.shape),
     )
 
 
@@ -262,13 +247,7 @@ def _file_factor(key: str, info: TensorInfo, adapter: _Adapter, report: Report) 
         match = re.fullmatch(r"(.+)\.lora_embedding_([AB])", name)
         embedding = True
     if match is None:
-        report.add(
-            Kind.NAME,
-            ADAPTER_SAFETENSORS,
-            key,
-            "is no LoRA factor vLLM reads ('... is unsupported LoRA weight'; DoRA magnitudes, "
-            "biases and modules_to_save copies are refused)",
-        )
+        report.add(Kind.NAME, ADAPTER_SAFETENSORS, key, Reason.of(Code.ADAPTER_NOT_FACTOR))
         return
     factors = adapter.modules.setdefault(match[1], Factors(match[1], embedding))
     if match[2] == "A":
@@ -283,29 +262,18 @@ def _check_pairs(adapter: _Adapter, report: Report, max_rank: int | None) -> Non
     for module, f in adapter.modules.items():
         if f.a is None or f.b is None:
             have, lack = ("A", "B") if f.b is None else ("B", "A")
-            report.add(Kind.NAME, file, (f.a or f.b).name, f"lora_{have} without lora_{lack}")
+            said = Reason.of(Code.ADAPTER_UNPAIRED, have=have, lack=lack)
+            report.add(Kind.NAME, file, (f.a or f.b).name, said)
             continue
         if len(f.a.shape) != 2 or len(f.b.shape) != 2:
-            report.add(
-                Kind.SHAPE,
-                file,
-                f.a.name,
-                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)} are not both matrices",
-            )
+            said = Reason.of(Code.ADAPTER_NOT_MATRICES, a=list(f.a.shape), b=list(f.b.shape))
+            report.add(Kind.SHAPE, file, f.a.name, said)
             continue
         if f.a.shape[0] != f.b.shape[1]:
             transposed = f.a.shape[1] == f.b.shape[0]
-            report.add(
-                Kind.LAYOUT if transposed else Kind.RANK,
-                file,
-                f.a.name,
-                f"lora_A {dims(f.a.shape)} and lora_B {dims(f.b.shape)}: "
-                + (
-                    "transposed (PEFT saves lora_A (r, in), lora_B (out, r))"
-                    if transposed
-                    else f"rank {f.a.shape[0]} in lora_A but {f.b.shape[1]} in lora_B"
-                ),
-            )
+            code = Code.ADAPTER_TRANSPOSED if transposed else Code.ADAPTER_RANKS_DIFFER
+            said = Reason.of(code, a=list(f.a.shape), b=list(f.b.shape))
+            report.add(Kind.LAYOUT if transposed else Kind.RANK, file, f.a.name, said)
             continue
         if _is_experts(module):
             continue  # rank = rows / experts: judged with the model
@@ -322,15 +290,9 @@ def _check_effect(adapter: _Adapter, report: Report) -> None:
         return
     which = "lora_B" if all(f.b.name in adapter.zero for f in inert) else "lora_A or lora_B"
     if len(inert) == len(pairs):
-        report.add(
-            Kind.EFFECT,
-            ADAPTER_SAFETENSORS,
-            inert[0].b.name if which == "lora_B" else inert[0].a.name,
-            f"{which} is all zero in every one of its {len(pairs)} modules: the adapter "
-            "changes nothing, a server serves it as the base model (PEFT initialises lora_B "
-            "to zero: saved before its first training step?)",
-            Code.ADAPTER_ZERO_FACTORS,
-        )
+        said = Reason.of(Code.ADAPTER_ZERO_FACTORS, factors=which, modules=len(pairs))
+        tensor = inert[0].b.name if which == "lora_B" else inert[0].a.name
+        report.add(Kind.EFFECT, ADAPTER_SAFETENSORS, tensor, said)
         return
     report.notes.append(
         f"{len(inert)} of {len(pairs)} modules have an all-zero {which} and change nothing "
@@ -345,30 +307,26 @@ def _judge_rank(
     own by default; an expert parameter's for fused experts): rank_pattern's first matching
     key, else r."""
     config = adapter.config
-    want, why = config.r, f"r={config.r}"
+    want, key = config.r, None
     try:
         found = config.matching("rank_pattern", name or f.module)
     except adapterconfig.PatternRefused as exc:  # its matching ran past the work bound
         adapter.key_refused(exc, report)
         found, want = None, None
     if found is not None:
-        want, why = found[1], f"{found[1]} (rank_pattern[{shown(found[0])}])"
+        want, key = found[1], found[0]
     if want is not None and rank != want:
-        unmatched = found is None and config.rank_pattern
-        report.add(
-            Kind.RANK,
-            ADAPTER_SAFETENSORS,
-            f.a.name,
-            f"rank {rank}, but {ADAPTER_CONFIG} gives {why}"
-            + (" and no rank_pattern key matches it" if unmatched else ""),
+        said = Reason.of(
+            Code.ADAPTER_RANK_NOT_CONFIG,
+            rank=rank,
+            want=want,
+            pattern=key,
+            unmatched=bool(found is None and config.rank_pattern),
         )
+        report.add(Kind.RANK, ADAPTER_SAFETENSORS, f.a.name, said)
     if max_rank is not None and rank > max_rank and rank not in adapter.config.ranks:
-        report.add(
-            Kind.RANK_LIMIT,
-            ADAPTER_SAFETENSORS,
-            f.a.name,
-            f"rank {rank} is above --max-lora-rank {max_rank}",
-        )
+        said = Reason.of(Code.ADAPTER_ABOVE_MAX_RANK, rank=rank, max_rank=max_rank)
+        report.add(Kind.RANK_LIMIT, ADAPTER_SAFETENSORS, f.a.name, said)
 
 
 def _is_experts(module: str) -> bool:

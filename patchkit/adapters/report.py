@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 from patchkit.vocabulary import Word
 
 
@@ -32,8 +32,10 @@ class AdapterFinding:
     kind: Kind
     file: str
     tensor: str  # the tensor name, the config key, or "" for the file as a whole
-    message: str
-    code: Code | None = None  # a finer code than the kind's, where the finding has one
+    # what is wrong: a reason (its code finer than the kind's; words in
+    # patchkit.cli.adapter_words), or still words where a check has not typed it yet
+    message: Reason | str
+    code: Code | None = None  # a finer code than the kind's for a message still in words
 
 
 @dataclass
@@ -56,5 +58,7 @@ class Report:
     def ok(self) -> bool:
         return not self.findings
 
-    def add(self, kind: Kind, file: str, tensor: str, message: str, code: Code | None = None):
+    def add(
+        self, kind: Kind, file: str, tensor: str, message: Reason | str, code: Code | None = None
+    ):
         self.findings.append(AdapterFinding(kind, file, tensor, message, code))

@@ -10,7 +10,7 @@ that every code has words.
 
 from __future__ import annotations
 
-from patchkit.cli import doctor_words, runner_words
+from patchkit.cli import adapter_words, doctor_words, runner_words
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
@@ -34,7 +34,11 @@ TEXT = (
     Code.VLLM_NOT_FOUND,
     Code.RUNNER_NOT_HOOKED,
     Code.DECIDED,  # the catalogue's own text for its decision
-    *(code for code in Code if code.value.startswith(("adapter-", "canary-"))),
+    *(
+        code
+        for code in Code
+        if code.value.startswith(("adapter-", "canary-")) and code not in adapter_words.WORDS
+    ),
 )
 
 
@@ -769,3 +773,4 @@ def _outside(r: Reason, _: str) -> str:
 
 WORDS.update(doctor_words.WORDS)  # doctor's codes, worded in their own module
 WORDS.update(runner_words.WORDS)  # the model runner's, likewise
+WORDS.update(adapter_words.WORDS)  # adapter check's typed findings, likewise

@@ -4,6 +4,7 @@ its controls rejected, and what `adapter check` found first."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from patchkit.verify import baserows, checks
@@ -249,11 +250,14 @@ def effect_check(
     return Check(title, share >= EFFECT_SHARE, detail, adapter)
 
 
-def admission_checks(adapters: dict[str, Path], model_dir: Path, tree) -> list[Check]:
+def admission_checks(
+    adapters: dict[str, Path], model_dir: Path, tree, finding_words: Callable = str
+) -> list[Check]:
     """`patchkit adapter check` of each adapter against the model and the vLLM tree that
     will serve it, as rows: a finding fails the adapter (NaN in a factor, a shape the
     model does not have, what this release refuses), and the run still serves it, so a
-    poisoned adapter is also seen failing in serving."""
+    poisoned adapter is also seen failing in serving. ``finding_words`` words a finding's
+    message (the CLI's: the words are made there, and verify is below it)."""
     from patchkit.adapters.check import check
 
     out = []
@@ -265,5 +269,7 @@ def admission_checks(adapters: dict[str, Path], model_dir: Path, tree) -> list[C
         for finding in report.findings:
             where = " ".join(part for part in (finding.file, finding.tensor) if part)
             title = f"adapter check {name}: {finding.kind}"
-            out.append(Check(title, False, f"{where}: {finding.message}", adapter=name))
+            out.append(
+                Check(title, False, f"{where}: {finding_words(finding.message)}", adapter=name)
+            )
     return out

@@ -17,6 +17,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,6 +133,8 @@ class Request:
     max_model_len: int | None = None
     workdir: Path | None = None
     reference: str | None = None  # --reference: merged, peft, or None (verify picks)
+    # the CLI's words of an adapter check finding's message (verify is below the CLI)
+    finding_words: Callable = str
 
 
 def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> VerifyReport:
@@ -165,7 +168,9 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
     check_tensor_parallel(request.tensor_parallel_size, torch.cuda.device_count())
     tree = importable_tree()
     if setup is not None:  # before any GPU work: what the adapters' files already say
-        setup["admission"] = modelchecks.admission_checks(setup["adapters"], request.model, tree)
+        setup["admission"] = modelchecks.admission_checks(
+            setup["adapters"], request.model, tree, request.finding_words
+        )
     patches = [
         {
             "id": s.assessment.patch.id,

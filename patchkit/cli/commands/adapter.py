@@ -7,9 +7,10 @@ import sys
 import click
 
 from patchkit.cli import exits
+from patchkit.cli.adapter_words import finding_words
 from patchkit.cli.options import check_target, json_option
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, field_values, out, text_message
+from patchkit.cli.render import counted, emit_json, field_values, message, out, text_message
 from patchkit.codes import Code
 
 
@@ -83,7 +84,7 @@ def adapter_check_lines(report) -> list[str]:
     lines = []
     for f in report.findings:
         where = f"{f.file}: {f.tensor}" if f.tensor else f.file
-        lines.append(f"{f.kind}: {where}: {f.message}")
+        lines.append(f"{f.kind}: {where}: {finding_words(f.message)}")
     lines += [f"note: {note}" for note in report.notes]
     lines += [f"skipped: {skipped}" for skipped in report.skipped]
     lines += target_lines(report)
@@ -123,8 +124,13 @@ def adapter_check_json(report) -> dict:
 
 
 def _finding_json(finding) -> dict:
-    """A finding as a message: the code of its kind (``adapter-nonfinite``), its words as
-    the text line ends, and where (file, tensor)."""
-    code = finding.code or Code(f"adapter-{finding.kind}")  # a finer code where it has one
-    where = {k: v for k, v in field_values(finding).items() if k != "code"}
-    return text_message(code, finding.message) | where | {"kind": str(finding.kind)}
+    """A finding as a message: its reason's code (``adapter-nonfinite-values``), its words
+    as the text line ends and its facts, then where (file, tensor) and its kind; a finding
+    still in words has its kind's code (``adapter-target``) or a finer one."""
+    where = {k: v for k, v in field_values(finding).items() if k not in ("code", "message")}
+    if isinstance(finding.message, str):
+        code = finding.code or Code(f"adapter-{finding.kind}")
+        said = text_message(code, finding.message)
+    else:
+        said = message(finding.message)
+    return said | where | {"kind": str(finding.kind)}

@@ -9,6 +9,7 @@ import sys
 import click
 
 from patchkit.cli import exits
+from patchkit.cli.adapter_words import finding_words
 from patchkit.cli.options import json_option, noted_catalogue
 from patchkit.cli.outcome import user_errors
 from patchkit.cli.render import counted, emit_json, out, warn
@@ -149,6 +150,7 @@ def verify_request(e2e, model, loras, tp, max_model_len, workdir, seed, keep, re
         max_model_len=max_model_len,
         workdir=workdir,
         reference=reference,
+        finding_words=finding_words,
     )
 
 
