@@ -263,6 +263,9 @@ class Code(str, Enum):
     ADAPTER_ABOVE_MAX_RANK = "adapter-above-max-rank"  # a tensor's rank
     ADAPTER_SCALE_OUT_OF_RANGE = "adapter-scale-out-of-range"
 
+    # ----- probe report: a warning of its log (words: cli/probe_words.py) -----
+    PROBE_LAST_LINE_CUT = "probe-last-line-cut"  # skipped; the lines before it reported
+
 
 @dataclass(frozen=True)
 class Reason:

@@ -180,7 +180,7 @@ def test_refresh_and_its_recovery(tmp_path, slim_tree_0260):
 def test_probe_report(tmp_path):
     log = write_log(tmp_path, record(1, 3, "self_attn.qkv", "lora", ["a"]), '{"step": 2, "cut')
     report = checked("probe report", run_cli("probe", "report", str(log), "--json"))
-    assert report["affected_requests"] and report["warnings"][0]["code"] == "warning"
+    assert report["affected_requests"] and report["warnings"][0]["code"] == "probe-last-line-cut"
 
 
 def test_adapter_check(tmp_path):

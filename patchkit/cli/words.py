@@ -10,7 +10,7 @@ that every code has words.
 
 from __future__ import annotations
 
-from patchkit.cli import adapter_words, doctor_words, runner_words
+from patchkit.cli import adapter_words, doctor_words, probe_words, runner_words
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
@@ -774,3 +774,4 @@ def _outside(r: Reason, _: str) -> str:
 WORDS.update(doctor_words.WORDS)  # doctor's codes, worded in their own module
 WORDS.update(runner_words.WORDS)  # the model runner's, likewise
 WORDS.update(adapter_words.WORDS)  # adapter check's typed findings, likewise
+WORDS.update(probe_words.WORDS)  # probe report's warning

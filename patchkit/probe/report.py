@@ -42,6 +42,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, UsageProblem
 
 STEP_KEYS = {"step": int, "layer": int, "module": str, "kind": str, "bad_requests": list}
@@ -117,7 +118,7 @@ class ProbeReport:
     headers: int
     findings: list[RequestFinding]
     padding_only: int  # records whose bad rows were all padding (no request)
-    warnings: list[str] = field(default_factory=list)  # a cut last line, skipped
+    warnings: list[Reason] = field(default_factory=list)  # a cut last line, skipped
     quarantines: list[Quarantine] = field(default_factory=list)
     quarantines_not_listed: int = 0  # beyond MAX_QUARANTINES distinct ones
 
@@ -233,7 +234,7 @@ class Tally:
             self.not_listed += 1
 
 
-def read_log(path: Path, tally: Tally) -> list[str]:
+def read_log(path: Path, tally: Tally) -> list[Reason]:
     """Stream the log's lines into ``tally``; return the warnings (a cut last line).
 
     Opened without blocking and checked to be a regular file before a byte is
@@ -258,11 +259,10 @@ def read_log(path: Path, tally: Tally) -> list[str]:
             except CutLine as exc:
                 if not (last and seen):
                     raise PatchkitError(str(exc)) from None
-                return [
-                    f"{path}:{number}: the last line is cut short ({exc.why}): skipped, "
-                    f"the {seen} lines before it are reported (the probe stopped mid-write: "
-                    "a full disk, or a killed server)"
-                ]
+                cut = Reason.of(
+                    Code.PROBE_LAST_LINE_CUT, path=str(path), line=number, why=exc.why, seen=seen
+                )
+                return [cut]
             if entry is not None:
                 seen += 1
                 tally.add(*entry)

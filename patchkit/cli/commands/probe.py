@@ -6,8 +6,8 @@ import click
 
 from patchkit.cli.options import json_option
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, field_values, out, text_message, warn
-from patchkit.codes import Code
+from patchkit.cli.render import counted, emit_json, field_values, messages, out, warn
+from patchkit.cli.words import say
 
 
 @click.group("probe", cls=click.Group)
@@ -84,11 +84,11 @@ def probe_json(report) -> dict:
         "affected_requests": [field_values(f) for f in report.findings],
         "quarantines": [field_values(q) | {"command": q.command()} for q in report.quarantines],
         "quarantines_not_listed": report.quarantines_not_listed,
-        "warnings": [text_message(Code.WARNING, w) for w in report.warnings],
+        "warnings": messages(report.warnings),
     }
 
 
 def render_probe_warnings(report) -> None:
     """A cut last line the report skipped: on stderr, in text and --json alike."""
     for warning in report.warnings:
-        warn(f"warning: {warning}")
+        warn(f"warning: {say(warning)}")
