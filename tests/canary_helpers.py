@@ -180,8 +180,11 @@ class FakeVLLM(StandIn):
     def serve(self, method, path, body, headers, write) -> None:
         record = {"path": path, "headers": headers, "body": body, "start": time.monotonic()}
         self.requests.append(record)
-        write(*self.route(path, body, headers))
+        answer = self.route(path, body, headers)
+        # "end" is set before the answer goes out: the client can read the record as
+        # soon as it has the answer, and its next request can only start after that
         record["end"] = time.monotonic()
+        write(*answer)
 
     def __exit__(self, *exc):
         self.release.set()
