@@ -74,9 +74,11 @@ def image_name(tag: str) -> str:
 
 
 def cached(buildah: Buildah, release: str) -> Base | None:
-    label = buildah.label(image_name(f"v{release}"), LABEL)
-    base = Base(**json.loads(label)) if label else None
-    return base if base and base.key == KEY and base.vllm == release else None
+    """The release's base if this recipe made it."""
+    label = json.loads(buildah.label(image_name(f"v{release}"), LABEL) or "{}")
+    if label.get("key") != KEY or label.get("vllm") != release:
+        return None
+    return Base(**label)
 
 
 def ensure(buildah: Buildah, release: str, work: Path) -> tuple[Base, bool]:
@@ -175,17 +177,3 @@ def test_extra_torch() -> str:
         r for r in importlib.metadata.requires("patchkit-vllm") or [] if r.startswith("torch==")
     ]
     return pins[0].split(";")[0].removeprefix("torch==").strip()
-
-
-def drifted(buildah: Buildah, base: Base, relpath: str, old: str, new: str) -> str:
-    """The base with one line of one vLLM file changed (someone's edit), as a new tag."""
-    name = image_name(f"v{base.vllm}-drifted")
-    container = buildah("from", "--pull-never", "-q", base.image)
-    path = Path(buildah("mount", container)) / SITE / relpath
-    text = path.read_text()
-    if old not in text:
-        raise RuntimeError(f"{relpath}: no {old!r} to drift")
-    path.write_text(text.replace(old, new, 1))
-    buildah("umount", container)
-    buildah("commit", "-q", "--rm", container, name)
-    return name

@@ -71,10 +71,11 @@ def differences(base: Path, image: Path) -> Changes:
 
 def digest(root: Path, under: str) -> dict[str, tuple]:
     """Each path below ``root/under``: its entry, with the sha256 of every Python file and
-    every file outside vLLM's package (records, backups) in place of its times."""
+    of every file outside vLLM's package (records, backups, state) in place of its time."""
     out: dict[str, tuple] = {}
     for relpath, entry in walk(root, under).items():
-        if entry.kind == "f" and (relpath.endswith(".py") or "/vllm/" not in f"/{relpath}"):
+        outside = not relpath.startswith(f"{SITE}/vllm/")  # vLLM's own shared objects: stat only
+        if entry.kind == "f" and (relpath.endswith(".py") or outside):
             data = hashlib.sha256((root / relpath).read_bytes()).hexdigest()
             out[relpath] = (entry.kind, entry.mode, entry.size, data)
         else:
