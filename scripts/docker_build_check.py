@@ -41,6 +41,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,7 +150,9 @@ class Check:
         other = parts.pop("other", trees.Part())
         detail = "; ".join(f"{n} {p.files} files {p.size / 1e6:.3f} MB" for n, p in parts.items())
         if other.files:
-            detail = f"{other.files} paths nothing should leave: {', '.join(other.paths[:10])}"
+            under = Counter("/".join(p.split("/")[:3]) for p in other.paths)
+            places = ", ".join(f"/{place} ({n})" for place, n in under.most_common(10))
+            detail = f"{other.files} paths nothing should leave, under {places}"
         self.report.check(f"{release} the image adds only patchkit's own", not other.files, detail)
         dists = sorted(p.split("/")[-1] for p in changes.added if p.endswith(".dist-info"))
         self.report.note(f"installed: {', '.join(dists)}")
