@@ -252,8 +252,7 @@ def run(releases: list[str], cache: Path) -> int:
     """Every check; how many failed."""
     report = Report()
     check = Check(cache, report)
-    keep = {bases.image_name(f"v{r}") for r in releases} | {bases.debian_image()}
-    check.buildah.forget_builds(keep)
+    check.buildah.forget_builds(keep=bases.made(check.buildah))
     store = cache / "storage"
     print(f"{NAME}: buildah {check.buildah.version()}, chroot isolation, overlay store {store}")
     made = [check.base(release) for release in releases]

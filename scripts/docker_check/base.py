@@ -81,6 +81,18 @@ def cached(buildah: Buildah, release: str) -> Base | None:
     return Base(**label)
 
 
+def made(buildah: Buildah) -> set[str]:
+    """The names of this recipe's images in the store: each release's base (whichever
+    releases a run asks for) and the Debian image they sit on."""
+    names = {debian_image()}
+    for image in buildah.images():
+        for name in image.get("names") or []:
+            release = name.removeprefix(image_name("v"))
+            if release != name and cached(buildah, release):
+                names.add(name)
+    return names
+
+
 def ensure(buildah: Buildah, release: str, work: Path) -> tuple[Base, bool]:
     """This release's base, and whether it came from the cache."""
     base = cached(buildah, release)
