@@ -116,7 +116,7 @@ class Check:
         with self.buildah.mounted(base.image) as before, self.buildah.mounted(image) as after:
             self.status(release, after, want.states)
             changes = trees.differences(before, after)
-            self.changed_files(release, changes, want.files)
+            self.changed_files(release, before, after, want.files)
             self.clean(release, changes, after, want.files)
         below = len(self.buildah.layers(base.image))
         for step, size in self.buildah.layers(image)[below:]:
@@ -134,10 +134,9 @@ class Check:
             detail += f"; expected {states} and {where}, read vllm {status['vllm']}"
         self.report.check(f"{release} /etc/patchkit/status.json", ok, detail)
 
-    def changed_files(self, release: str, changes: trees.Changes, files: set[str]) -> None:
-        changed, bytecode = trees.vllm_changes(changes)
+    def changed_files(self, release: str, base: Path, image: Path, files: set[str]) -> None:
+        changed, bytecode, removed = trees.vllm_changes(base, image)
         stale = {p for p in bytecode if trees.stale_bytecode(p, files)}
-        removed = {p for p in bytecode if f"{bases.SITE}/{p}" in changes.removed}
         ok = changed == files and stale == removed == bytecode
         listed = ", ".join(sorted(changed))
         detail = f"{len(changed)}, the patch set's: {listed}; {len(removed)} stale .pyc removed"

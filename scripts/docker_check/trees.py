@@ -152,16 +152,19 @@ def stale_bytecode(relpath: str, patched: set[str]) -> bool:
     return f"{os.path.dirname(folder)}/{module}.py" in patched
 
 
-def vllm_changes(changes: Changes) -> tuple[set[str], set[str]]:
-    """(vLLM's files that were added or changed, bytecode files among all vLLM's changes),
-    relative to the dist-packages directory."""
-    prefix = f"{SITE}/vllm/"
-    every = {*changes.added, *changes.changed, *changes.removed}
-    inside = {p.removeprefix(f"{SITE}/") for p in every if p.startswith(prefix)}
-    entries = {**changes.added, **changes.changed, **changes.removed}
-    files = {p for p in inside if entries[f"{SITE}/{p}"].kind != "d"}
-    bytecode = {p for p in files if "/__pycache__/" in p}
-    return files - bytecode, bytecode
+def vllm_changes(base: Path, image: Path) -> tuple[set[str], set[str], set[str]]:
+    """vLLM's files (relative to the dist-packages directory) that the image has added or
+    changed, its Python files compared byte for byte; its bytecode files that changed; and
+    those of them it removed."""
+    before, after = digest(base, f"{SITE}/vllm"), digest(image, f"{SITE}/vllm")
+    differ = {
+        p.removeprefix(f"{SITE}/")
+        for p in before.keys() | after.keys()
+        if before.get(p) != after.get(p) and (before.get(p) or after.get(p))[0] != "d"
+    }
+    removed = {p.removeprefix(f"{SITE}/") for p in before.keys() - after.keys()}
+    bytecode = {p for p in differ if "/__pycache__/" in p}
+    return differ - bytecode, bytecode, removed & bytecode
 
 
 def not_image_like(root: Path, release: str) -> list[str]:
