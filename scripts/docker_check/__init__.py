@@ -1,0 +1,1 @@
+"""The real Docker build check's parts (scripts/docker_build_check.py runs them)."""
