@@ -27,10 +27,13 @@ from patchkit.canary import fields
 from patchkit.canary.messages import say
 from patchkit.codes import Code, Reason
 
-# PROVISIONAL until the recorded answers of a real server are in tests/data: the
-# largest |difference| between the log-probabilities of two answers to the same prompt
-# that still counts as the same answer.
-REPEAT_NOISE = 1e-3
+# Measured on vLLM 0.26.0's OpenAI server (tests/data/canary-noeffect-0.26.0.json.xz,
+# docs/evidence.md): asked one after another, as the canary asks, a model's repeats are
+# bit-identical (0.0); batched with other requests its log-probabilities move by up to
+# 0.0159 before any token parts, and a batched answer against an unbatched one by up to
+# 0.0309. The bound is that largest, 0.031, with room (1.6x): a busy server's batching
+# must not turn a no-op adapter's answer into an effect.
+REPEAT_NOISE = 0.05
 NO_EFFECT = "no-effect"
 
 
