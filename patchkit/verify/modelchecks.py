@@ -14,14 +14,19 @@ from patchkit.verify.references import Reference, merged_reference, rounding_flo
 from patchkit.verify.rule import (
     EFFECT_FLOOR,
     EFFECT_SHARE,
+    FAIL_EXCESS,
     MERGED_BOUNDS,
+    PASS_EXCESS,
     RESOLUTION_LIMIT,
     ROUNDING_FACTOR,
     ROUNDING_LIMIT,
+    Measured,
     bounds_for,
     ceiling_for,
     decisive,
+    extent,
     floor_text,
+    measure,
 )
 
 
@@ -153,50 +158,103 @@ def adapter_checks(
     if not reference.runs:
         why = f"the reference did not run: {reference.missing}"
         return [Check(f"{name}: {adapter} {against}", False, why, adapter, decided=False)]
-    ceiling = ceiling_for(reference.kind)
-    bounds = bounds_for(floors, ceiling, reference.max_floor)
-    sure = decisive(floors, ceiling)
+    judge = Judge(name, reference, floors)
+    found = [control_check(name, control, runs, judge) for control in controls or []]
+    weakest = judge.weakest_rejected(found)
     out = []
     for prompt in runs[label]:
         title = f"{name}: {adapter} {prompt[1:]} tokens {against}"
-        found = checks.bound_check(
-            title,
-            checks.logprobs(runs, label, prompt),
-            reference.runs[prompt]["prompt_logprobs"],
-            bounds,
+        measured = judge.measure(checks.logprobs(runs, label, prompt), prompt)
+        out.append(judge.row(title, adapter, measured, weakest.get(prompt)))
+    out.append(effect_check(name, adapter, runs, reference.runs, judge.mean_bound, reference.base))
+    return out + [check for check, _ in found]
+
+
+class Judge:
+    """The rule (patchkit.verify.rule) applied to one adapter's answers in one engine:
+    its bounds, and whether a miss is decided, from its reference and floors."""
+
+    def __init__(self, engine: str, reference: Reference, floors: dict | None):
+        ceiling = ceiling_for(reference.kind)
+        self.reference = reference
+        self.floors = floors
+        self.bounds = bounds_for(floors, ceiling, reference.max_floor)
+        self.sure = decisive(floors, ceiling)
+        self.noise = reference.noise.get(engine, {})
+
+    @property
+    def mean_bound(self) -> float:
+        """The mean distance LoRA may be off (the effect check's resolution): the merged
+        reference's bound; for PEFT, PASS_EXCESS x vLLM's own mean base error."""
+        if self.reference.kind != "peft" or not self.floors:
+            return self.bounds[0]
+        return round(PASS_EXCESS * extent(self.floors)[0], 4)
+
+    def measure(self, values: list[float], prompt: str) -> Measured:
+        kind, noise = self.reference.kind, self.noise.get(prompt, 0.0)
+        wanted = self.reference.runs[prompt]["prompt_logprobs"]
+        return measure(values, wanted, kind, self.bounds, noise, self.sure)
+
+    def row(self, title: str, adapter: str, measured: Measured, weakest: float | None) -> Check:
+        """One prompt's row: inside the bound, or FAILED where the rule decides (past the
+        noise, or as far as a control the run rejects), else undecided and why."""
+        if measured.within:
+            return Check(title, True, measured.text, adapter)
+        as_far = weakest is not None and measured.scale >= weakest
+        if measured.beyond or as_far:
+            why = (
+                "" if measured.beyond else f": as far as a control this run rejects ({weakest:.4g})"
+            )
+            return Check(title, False, measured.text + why, adapter)
+        return Check(title, False, measured.text + self._undecided(), adapter, decided=False)
+
+    def _undecided(self) -> str:
+        if self.reference.kind == "peft":
+            return (
+                f": outside the bound, short of {FAIL_EXCESS}x and of every control "
+                "this run rejects"
+            )
+        return (
+            ": outside the bound, short of every control this run rejects, and this "
+            f"reference's own bf16 rounding ({floor_text(self.floors)}) is too coarse to "
+            "call it vLLM's"
         )
-        if not found.ok and not sure:
-            found.detail += f": within this reference's own noise ({floor_text(floors)})"
-        out.append(Check(found.name, found.ok, found.detail, adapter, decided=found.ok or sure))
-    out.append(effect_check(name, adapter, runs, reference.runs, bounds[0], reference.base))
-    for control in controls or []:
-        out.append(control_check(name, control, runs, reference.runs, bounds))
-    return out
+
+    @staticmethod
+    def weakest_rejected(found: list) -> dict[str, float]:
+        """Per prompt, the least distance of a control this run rejected there."""
+        out: dict[str, float] = {}
+        for _, measured in found:
+            for prompt, m in measured.items():
+                if m.rejects:
+                    out[prompt] = min(out.get(prompt, m.scale), m.scale)
+        return out
 
 
-def control_check(name: str, control, runs: dict, reference: dict, bounds) -> Check:
-    """A control (patchkit.verify.adaptercontrols) served like the adapter: the bound must
-    reject it on some prompt, or the run could not tell it from the adapter."""
+def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, dict]:
+    """A control (patchkit.verify.adaptercontrols) served like the adapter: the rule must
+    reject it on some prompt (FAILED it, against PEFT; put it outside the bound, against
+    the merged reference), or the run could not tell it from the adapter. Returns the
+    row and what was measured per prompt (for the adapter's rows: as far as a control)."""
     title = f"{name}: {control.adapter} control {control.what} rejected"
     error = checks.served_error(runs, control.label)
     if error:
-        return Check(title, False, f"not served: {error}", control.adapter, decided=False)
-    worst = None
-    for prompt in runs[control.label]:
-        if prompt not in reference:
-            continue
-        found = checks.bound_check(
-            title,
-            checks.logprobs(runs, control.label, prompt),
-            reference[prompt]["prompt_logprobs"],
-            bounds,
-        )
-        if not found.ok:
-            detail = f"{prompt[1:]} tokens: {found.detail}"
-            return Check(title, True, detail, control.adapter)
-        worst = found.detail
-    why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
-    return Check(title, False, why, control.adapter, decided=False)
+        return Check(title, False, f"not served: {error}", control.adapter, decided=False), {}
+    measured = {
+        prompt: judge.measure(checks.logprobs(runs, control.label, prompt), prompt)
+        for prompt in runs[control.label]
+        if prompt in judge.reference.runs
+    }
+    rejected = [(p, m) for p, m in measured.items() if m.rejects]
+    if rejected:
+        prompt, m = rejected[0]
+        return Check(title, True, f"{prompt[1:]} tokens: {m.text}", control.adapter), measured
+    worst = list(measured.values())[-1].text if measured else "no prompt served"
+    if judge.reference.kind == "peft":
+        why = f"short of {FAIL_EXCESS}x on every prompt ({worst}): this run cannot tell it apart"
+    else:
+        why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
+    return Check(title, False, why, control.adapter, decided=False), measured
 
 
 def effect_check(

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.errors import PatchkitError
 from patchkit.verify import checks, serving
 from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
-from patchkit.verify.rule import MERGED_BOUNDS, PEFT_MOE_MAX_FLOOR
+from patchkit.verify.rule import MERGED_BOUNDS, PEFT_MOE_MAX_FLOOR, median_distance
 
 
 def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, say) -> dict:
@@ -78,14 +78,11 @@ class Reference:
     against float32). ``base`` is the reference's answers without the
     adapter (None: vLLM's own base answers), for the adapter's effect.
 
-    Both take the same bound, ROUNDING_FACTOR (1.5) x the floor (bounds_for).
-    For PEFT that factor rests on the tiny Qwen3.5-MoE measured on the H200
-    with a real PEFT 0.21 target_parameters adapter: vLLM LoRA vs PEFT LoRA
-    0.077 mean against vLLM base vs PEFT base 0.088 (LoRA adds 0.88 x the
-    engine's own error, not more), effect 0.383. 1.5 x 0.088 = 0.132 leaves
-    1.7 x headroom over what LoRA measured and is 34 % of the effect: the
-    adapter at half strength sits about 0.19 from the reference, outside it.
-    The controls check that on every run instead of trusting it.
+    The merged reference's bound is ROUNDING_FACTOR (1.5) x its floor (bounds_for).
+    The PEFT reference is judged by the excess (rule.Excess): the median per-token
+    distance in units of ``noise``, the median |vLLM base - PEFT base| of the same
+    engine and prompt; its floors still bound the worst token. The controls check on
+    every run that the rule tells a wrong LoRA path apart instead of trusting it.
     """
 
     kind: str  # "merged" or "peft"
@@ -95,6 +92,9 @@ class Reference:
     missing: str = ""  # why it did not run, when runs is None
     base: dict | None = None
     max_floor: float = MERGED_BOUNDS[1]  # the least max bound (PEFT_MOE_MAX_FLOOR on MoE)
+    # PEFT: per LoRA engine and prompt, the median |vLLM base - PEFT base| (rule.Excess's
+    # noise: the PEFT reference is judged by the excess over it); {} for the merged one
+    noise: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def merged_reference(run: Served, adapter: str, why: str) -> Reference:
@@ -114,13 +114,24 @@ def peft_reference(run: Served, adapter: str, why: str) -> Reference:
     if "error" in peft or not isinstance(mine, dict) or "error" in mine or not base:
         missing = peft.get("error") or (mine or {}).get("error") or "it served nothing"
         return Reference("peft", None, {}, why, missing=f"the PEFT reference: {missing}")
-    floors = {}
+    floors, noise = {}, {}
     for lora in run.lora():
         vllm_base = lora.runs.get("base") or {}
         floors[lora.engine.name] = _floors(vllm_base, base)
+        noise[lora.engine.name] = _noise(vllm_base, base)
     routed = any(lora.result.get("routed_experts", 0) for lora in run.lora())
     max_floor = PEFT_MOE_MAX_FLOOR if routed else MERGED_BOUNDS[1]
-    return Reference("peft", mine, floors, why, base=base, max_floor=max_floor)
+    return Reference("peft", mine, floors, why, base=base, max_floor=max_floor, noise=noise)
+
+
+def _noise(ours: dict, theirs: dict) -> dict[str, float]:
+    """Per prompt of ``theirs``, the median |ours - theirs| (vLLM's own base error against
+    the PEFT reference's base); a prompt missing from ``ours`` is left out."""
+    return {
+        prompt: median_distance(ours[prompt]["prompt_logprobs"], request["prompt_logprobs"])
+        for prompt, request in theirs.items()
+        if isinstance(request, dict) and isinstance(ours.get(prompt), dict)
+    }
 
 
 def _floors(ours: dict, theirs: dict) -> dict[str, tuple[float, float]]:

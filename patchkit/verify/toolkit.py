@@ -4,7 +4,8 @@ scripts/ backs the ledger's numbers with code that must keep running as verify
 changes inside; it imports from verify only this module
 (tests/test_scripts_surface.py keeps it so). A name here is a promise to those
 scripts: the model shapes and builders of `verify --e2e`, the one add_lora_linear
-call of the kernel checks, and the merge of an adapter into base weights.
+call of the kernel checks, the merge of an adapter into base weights, and the
+rule's excess over vLLM's own error (scripts/verify_rule_excess.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ from patchkit.verify.kernelcheck import (
 )
 from patchkit.verify.mergeplan import plan_merge
 from patchkit.verify.mergewrite import write_merged
+from patchkit.verify.rule import FAIL_EXCESS, PASS_EXCESS, excess, median_distance
 
 __all__ = [
+    "FAIL_EXCESS",
+    "PASS_EXCESS",
+    "excess",
+    "median_distance",
     "DENSE27B_WIDTHS",
     "MOE35B_WIDTHS",
     "MOE_TARGET_MODULES",

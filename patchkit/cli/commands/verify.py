@@ -201,7 +201,10 @@ def render_verify(report) -> None:
     out("")
     out("(ok)/(fail): a config or backend this install does not run; reported, not counted.")
     if any(not c.ok and not c.decided for c in report.e2e + model_checks):
-        out("undecided: the reference could not tell (its own noise); not a failure of vLLM.")
+        out(
+            "undecided: outside its bound, short of what the rule calls a failure of vLLM "
+            "(each row says why); neither passed nor failed."
+        )
     if report.model is not None:
         out("")
         for line in adapter_verdict_lines(report.model.adapters):

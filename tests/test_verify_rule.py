@@ -1,0 +1,203 @@
+"""verify's rule against transformers + PEFT, on the answers real vLLM engines served.
+
+Two recordings of vLLM 0.26.0 with the default set on the test H200, each with the
+transformers + PEFT reference in float32 (tests/data, docs/evidence.md):
+
+- the 35B-A3B-wide cut (8 layers, 256 routed experts top 8), a healthy rank-16 adapter
+  ``a0``, its half-strength and experts-ignored controls served beside it;
+- the tiny Qwen3.5-MoE of `verify --e2e`, two healthy partial adapters (``down``,
+  ``gate_up``).
+
+On the wide cut vLLM's bf16 base is 0.27-0.31 mean from float32, which under the old
+rule made every wrong answer INCONCLUSIVE ("within this reference's own noise"). Here:
+the healthy adapters' excess (rule.Excess) stands where rule.py says it does, PASSED
+with every control FAILED by the same rule, and vLLM's own answers of a wrong LoRA
+path (the experts' LoRA dropped, the adapter at half strength: what the controls'
+engines served) judged as if they were the adapter's read FAILED, not INCONCLUSIVE.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+
+from patchkit.verify import engines, references, rule, usermodel
+from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
+from patchkit.verify.e2e import moe_references
+
+DATA = Path(__file__).parent / "data"
+WIDE = DATA / "h200-2026-12-01i-wide35b-served.json.xz"
+TINY = DATA / "h200-2026-12-01i-e2e-moe-served.json.xz"
+MODES = ("eager", "cudagraph")
+
+
+def load(path: Path) -> dict:
+    with lzma.open(path, "rt") as handle:
+        return json.load(handle)
+
+
+WIDE_SERVED = load(WIDE)
+TINY_SERVED = load(TINY)
+
+
+def excesses(served: dict, prefix: str, peft: str, label: str, adapter: str) -> list:
+    """rule.excess of ``label``'s answers against PEFT's answers of ``adapter``, per
+    engine and prompt, the noise vLLM base against PEFT base on that prompt."""
+    theirs = served[peft]["runs"]
+    out = []
+    for mode in MODES:
+        runs = served[f"{prefix}{mode}"]["runs"]
+        for prompt, wanted in theirs[f"lora:{adapter}"].items():
+            noise = rule.median_distance(
+                runs["base"][prompt]["prompt_logprobs"], theirs["base"][prompt]["prompt_logprobs"]
+            )
+            values = runs[label][prompt]["prompt_logprobs"]
+            out.append(rule.excess(values, wanted["prompt_logprobs"], noise))
+    return out
+
+
+def healthy() -> dict[str, list[float]]:
+    """Every healthy adapter's excess in the recordings, by run."""
+    return {
+        "wide a0": [e.ratio for e in excesses(WIDE_SERVED, "", "peft", "lora:a0", "a0")],
+        **{
+            f"tiny {name}": [
+                e.ratio for e in excesses(TINY_SERVED, "moe-", "moe-peft", f"lora:{name}", name)
+            ]
+            for name in ("down", "gate_up")
+        },
+    }
+
+
+# ----- what rule.py says of the recorded healthy adapters -----
+
+
+def test_the_healthy_excess_recorded_is_what_the_rule_says():
+    found = healthy()
+    assert sum(len(v) for v in found.values()) == 14  # "14 healthy samples"
+    wide = found["wide a0"]
+    tiny = found["tiny down"] + found["tiny gate_up"]
+    assert 1.20 <= min(wide) and max(wide) <= 1.29  # "1.21-1.28 (35B-A3B-wide, 6)"
+    assert 0.89 <= min(tiny) and max(tiny) <= 1.29  # "0.90-1.28 (tiny Qwen3.5-MoE, 8)"
+
+
+def test_a_healthy_adapter_sits_at_most_71_percent_of_its_bound_and_far_from_failure():
+    """The margin: the largest healthy excess recorded against PASS_EXCESS, and none of the
+    healthy samples near FAIL_EXCESS (the false-FAILED count is 0 of 14)."""
+    every = [r for ratios in healthy().values() for r in ratios]
+    assert max(every) / rule.PASS_EXCESS <= 0.715
+    assert not [r for r in every if r >= rule.FAIL_EXCESS]
+    assert max(every) * 1.7 <= rule.FAIL_EXCESS
+
+
+def test_every_wrong_lora_path_the_wide_cut_served_is_past_the_failure_line():
+    """What vLLM served for the adapter at half strength, with its experts ignored, and
+    not at all (the base): FAILED by the excess alone, on every prompt of every engine."""
+    for label in ("control:a0+half", "control:a0+no-experts", "base"):
+        found = excesses(WIDE_SERVED, "", "peft", label, "a0")
+        assert min(e.ratio for e in found) >= rule.FAIL_EXCESS, label
+
+
+# ----- the verdicts, as `verify --model` reaches them -----
+
+CONTROLS = [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c")),
+            Control("a0", IGNORED, None)]  # fmt: skip
+
+
+def judge_wide(served: dict, controls: list | None = None) -> rule.ModelResult:
+    """As run_model judges: the merged reference first, then PEFT where it cannot decide."""
+    served = copy.deepcopy(served)
+    controls = {"a0": CONTROLS if controls is None else controls}
+    peft = served.pop(engines.PEFT_ENTRY)
+    chosen, need = usermodel.choose_references(served, ["a0"], controls, None)
+    served[engines.PEFT_ENTRY] = peft
+    run = engines.Served.from_json(served, ["a0"])
+    for name in need:
+        chosen[name] = references.peft_or_merged(run, name, chosen[name])
+    return usermodel.judge(served, ["a0"], controls, chosen)
+
+
+def served_as(label: str) -> dict:
+    """The wide run with the adapter's answers replaced, in both engines, by what vLLM
+    served for ``label`` (a wrong LoRA path, as a real engine computed it)."""
+    served = copy.deepcopy(WIDE_SERVED)
+    for mode in MODES:
+        runs = served[mode]["runs"]
+        runs["lora:a0"] = copy.deepcopy(runs[label])
+    return served
+
+
+def test_the_healthy_wide_adapter_passes_with_every_control_failed_by_the_rule():
+    result = judge_wide(WIDE_SERVED)
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
+    assert "the merged reference could not decide" in verdict.reference_why
+    assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
+    rows = {c.name: c for c in result.checks}
+    assert "1.24x vLLM's own base error" in rows["eager: a0 4096 tokens vs peft"].detail
+
+
+@pytest.mark.parametrize("label", ["control:a0+no-experts", "control:a0+half"])
+@pytest.mark.parametrize("with_controls", [True, False])
+def test_a_wrong_lora_path_on_the_wide_moe_is_failed_not_inconclusive(label, with_controls):
+    """A bug in vLLM's LoRA code (the experts' LoRA skipped) read INCONCLUSIVE, "not a
+    failure of vLLM". On vLLM's own answers of such a path: FAILED. Without controls the
+    merged reference cannot decide and PEFT's excess alone fails it; with them, the
+    merged reference already does (as far as a control the run rejects), and PEFT would."""
+    result = judge_wide(served_as(label), None if with_controls else [])
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), verdict.why
+    failed = [c.detail for c in result.checks if c.failed and " tokens vs " in c.name]
+    if with_controls:
+        assert verdict.reference == "merged"
+        assert all("as far as a control this run rejects" in d for d in failed)
+    else:
+        assert verdict.reference == "peft" and "failed from 2.2x" in verdict.why
+    peft = {"a0": CONTROLS if with_controls else []}
+    run = engines.Served.from_json(served_as(label), ["a0"])
+    chosen = {"a0": references.peft_reference(run, "a0", "--reference peft")}
+    [against_peft] = usermodel.judge(served_as(label), ["a0"], peft, chosen).adapters
+    assert against_peft.verdict == "FAILED", against_peft.why
+
+
+def test_an_answer_in_the_band_is_inconclusive_and_says_what_would_decide():
+    """Half way between the healthy answers and the half-strength ones: past the bound,
+    short of the failure line and of the weakest control; undecided, never 'not a
+    failure of vLLM'."""
+    served = copy.deepcopy(WIDE_SERVED)
+    for mode in MODES:
+        runs = served[mode]["runs"]
+        for prompt, request in runs["lora:a0"].items():
+            half = runs["control:a0+half"][prompt]["prompt_logprobs"]
+            request["prompt_logprobs"] = [
+                0.55 * a + 0.45 * b for a, b in zip(request["prompt_logprobs"], half, strict=True)
+            ]
+    result = judge_wide(served)
+    [verdict] = result.adapters
+    rows = [c for c in result.checks if c.name.endswith("vs peft") and not c.ok]
+    assert verdict.verdict == "INCONCLUSIVE", verdict.why
+    assert rows and all(not c.decided for c in rows)
+    assert all("short of 2.2x and of every control this run rejects" in c.detail for c in rows)
+    assert "another --seed" in verdict.decides_instead
+    ratios = [float(c.detail.split("x vLLM")[0].rsplit(", ", 1)[1]) for c in rows]
+    assert all(rule.PASS_EXCESS < r < rule.FAIL_EXCESS for r in ratios)
+
+
+def test_the_e2e_moe_partial_adapters_pass_against_peft():
+    checks = modelchecks_of_tiny()
+    assert not [c.name for c in checks if c.name.endswith("vs peft") and not c.ok]
+
+
+def modelchecks_of_tiny() -> list:
+    from patchkit.verify.e2e import partial_moe_checks
+
+    chosen = moe_references(TINY_SERVED)
+    out = []
+    for lora in engines.Served.from_json(TINY_SERVED, [], "moe-").lora():
+        for name in ("down", "gate_up"):
+            out += partial_moe_checks(lora, name, chosen[name])
+    return out
