@@ -22,6 +22,7 @@ import pytest
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import (
     e2e,
+    enginefaults,
     engines,
     mergeplan,
     modelchecks,
@@ -335,6 +336,7 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
         seen["jobs"] = [(j.name, j.mode, bool(j.loras)) for j in jobs]
         seen["controls"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("control"))
         seen["loras"] = list(jobs[0].loras)
+        seen["faults"] = [job.faults for job in jobs]
         seen["workdir"] = workdir
         return fake_served(["one", "two"])
 
@@ -349,9 +351,18 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
         ("one", "PASSED"),
         ("two", "PASSED"),
     ]
-    assert result.adapters[0].caught == ["50 % strength", "adapter ignored"]
-    assert seen["controls"] == ["control-one+half", "control-two+half"]
-    assert seen["loras"] == ["one", "two", "one+half", "two+half"]
+    assert result.adapters[0].caught == [
+        "50 % strength",
+        "adapter ignored",
+        "LoRA scale doubled in vLLM",
+        "one layer's LoRA skipped in vLLM",
+        "another adapter's weights in its slot",
+    ]
+    assert seen["controls"] == ["control-one+half", "control-two+half"]  # only these have files
+    engine = {n: [f"{n}+engine-{f}" for f in enginefaults.DENSE_FAULTS] for n in ("one", "two")}
+    assert seen["loras"] == ["one", "two", "one+half", *engine["one"], "two+half", *engine["two"]]
+    faults = {f"{n}+engine-{f}": f for n in ("one", "two") for f in enginefaults.DENSE_FAULTS}
+    assert seen["faults"] == [faults, faults] + [{}] * 6  # the LoRA engines' workers only
     assert seen["merged"] == ["merged-one", "merged-two"]
     assert seen["rounding"] == ["rounding-one", "rounding-two"]
     assert seen["jobs"] == [

@@ -9,17 +9,23 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from patchkit.verify import adaptercontrols, serving
+from patchkit.verify import adaptercontrols, enginefaults, serving
 
 
 def request(values) -> dict:
     return {"prompt_logprobs": list(values), "tokens": [5, 6, 7], "token_logprobs": [-1.0] * 3}
 
 
+# How far each engine-side fault moves a fake adapter's answers, in units of its effect:
+# doubled, one of few layers skipped, experts' down_proj dropped, another adapter's weights.
+ENGINE_FAULT_EFFECT = {"scale-2": 2.0, "layer-skipped": 0.5, "experts-down-dropped": 0.5,
+                       "b-permuted": -1.0}  # fmt: skip
+
+
 def fake_served(adapters, prefix="", effect=0.3):
     """What vLLM would serve when everything is right: LoRA equals its merged reference;
     adapter number N moves every log-probability by N x ``effect``; its control at half
-    strength moves it by half that."""
+    strength moves it by half that, its engine-side controls as ENGINE_FAULT_EFFECT says."""
     prompts = {"p600": 600, "p3000": 3000}
     base = {p: [-8.0 + 0.01 * (i % 7) for i in range(n - 1)] for p, n in prompts.items()}
 
@@ -31,6 +37,11 @@ def fake_served(adapters, prefix="", effect=0.3):
         runs[f"lora:{name}"] = {p: request(moved(p, -effect * number)) for p in prompts}
         half = {p: request(moved(p, -effect * number / 2)) for p in prompts}
         runs[f"control:{name}{adaptercontrols.SEP}{adaptercontrols.HALF}"] = half
+        for fault, factor in ENGINE_FAULT_EFFECT.items():  # as the faults move LoRA
+            kind = enginefaults.PREFIX + fault
+            runs[f"control:{name}{adaptercontrols.SEP}{kind}"] = {
+                p: request(moved(p, -effect * number * factor)) for p in prompts
+            }
     runs["lora_after_long"] = {"p600": request(moved("p600", -effect))}
     runs["base_after_lora"] = copy.deepcopy(runs["base"])
     served = {}

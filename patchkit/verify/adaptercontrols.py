@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.adapters import safetensorsfile
-from patchkit.verify import adapterfiles
+from patchkit.verify import adapterfiles, enginefaults
 
 HALF, NO_EXPERTS, IGNORED = "half", "no-experts", "ignored"
 WHAT = {HALF: "50 % strength", NO_EXPERTS: "experts ignored", IGNORED: "adapter ignored"}
@@ -67,7 +67,17 @@ class Control:
 
     @property
     def what(self) -> str:
-        return WHAT[self.kind]
+        return WHAT.get(self.kind) or enginefaults.WHAT[self.fault]
+
+    @property
+    def fault(self) -> str | None:
+        """The engine-side fault (patchkit.verify.enginefaults) this control is served
+        with, or None for a control of the adapter's files."""
+        return self.kind.removeprefix(enginefaults.PREFIX) if self.is_engine else None
+
+    @property
+    def is_engine(self) -> bool:
+        return self.kind.startswith(enginefaults.PREFIX)
 
     @property
     def label(self) -> str:
@@ -102,6 +112,16 @@ def build(adapter: str, adapter_dir: Path, workdir: Path) -> list[Control]:
         tensors.close()
     out.append(Control(adapter, IGNORED, None))
     return out
+
+
+def engine_controls(adapter: str, adapter_dir: Path, routed_experts: int) -> list[Control]:
+    """The engine-side controls of one adapter: its own files, served under LoRA ids of
+    their own that the engine changes as a bug in its LoRA code would
+    (patchkit.verify.enginefaults; the expert fault only on a model with routed experts)."""
+    return [
+        Control(adapter, enginefaults.PREFIX + fault, adapter_dir)
+        for fault in enginefaults.faults_for(routed_experts)
+    ]
 
 
 def _half(adapter, tensors, keys, config_bytes: bytes, workdir: Path) -> Control:

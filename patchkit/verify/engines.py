@@ -127,6 +127,11 @@ def served_controls(controls: dict[str, list] | None) -> dict[str, str]:
     }
 
 
+def served_faults(controls: dict[str, list] | None) -> dict[str, str]:
+    """{LoRA name: fault} of the engine-side controls (patchkit.verify.enginefaults)."""
+    return {c.name: c.fault for group in (controls or {}).values() for c in group if c.is_engine}
+
+
 def jobs(
     model_dir: Path,
     adapters: dict[str, Path],
@@ -158,6 +163,7 @@ def jobs(
             prompts=prompts,
             requests=lora_requests(list(adapters), prompts, list(extra)),
             loras={**{n: str(p) for n, p in adapters.items()}, **extra},
+            faults=served_faults(controls),
             max_lora_rank=rank,
             **common,
         )

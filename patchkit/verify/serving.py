@@ -49,6 +49,9 @@ class Job:
     prompts: dict[str, list[int]]
     requests: list[tuple[str, str, str | None]]
     loras: dict[str, str] = field(default_factory=dict)
+    # {LoRA name: fault}: loras the engine serves changed as a bug in its LoRA code would
+    # (patchkit.verify.enginefaults), installed in its workers right after it starts
+    faults: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
@@ -102,6 +105,7 @@ def serve(job: Job, out_file: Path) -> None:
     started = time.monotonic()
     llm = _engine(job)
     engine_seconds = time.monotonic() - started
+    installed = _install_faults(llm, job)
     runs = _run_requests(llm, job)
     result = {
         "name": job.name,
@@ -112,7 +116,29 @@ def serve(job: Job, out_file: Path) -> None:
     }
     if job.loras:  # what decides whether base rows must come out bit-identical (baserows)
         result |= {"lora_backend": lora_backend(), "routed_experts": routed_experts(job.model)}
+    if job.faults:  # what each worker found, and every fault it applied (id, slot, fault, n)
+        from patchkit.verify import enginefaults
+
+        applied = llm.collective_rpc("patchkit_fault_applications")
+        result["faults"] = {"asked": job.faults, "installed": installed, "applied": applied}
+        result["faults"]["extension"] = enginefaults.EXTENSION
     out_file.write_text(json.dumps(result))
+
+
+def lora_ids(job: Job) -> dict[str, int]:
+    """Each LoRA name's int id in the engine: 1, 2, ... in the job's order."""
+    return {name: number for number, name in enumerate(job.loras, start=1)}
+
+
+def _install_faults(llm, job: Job) -> list:
+    """The engine-side faults installed in every worker ({id: fault}); what each found."""
+    if not job.faults:
+        return []
+    from patchkit.verify import enginefaults
+
+    ids = lora_ids(job)
+    faults = {ids[name]: fault for name, fault in job.faults.items()}
+    return llm.collective_rpc(enginefaults.INSTALL, args=(faults,))
 
 
 def lora_backend() -> str:
@@ -128,9 +154,13 @@ def lora_backend() -> str:
 def routed_experts(model: str) -> int:
     """The model's routed experts per MoE layer (0 for a dense model), from config.json."""
     config = json.loads((Path(model) / "config.json").read_text())
-    text = {**config, **(config.get("text_config") or {})}
+    return experts_in({**config, **(config.get("text_config") or {})})
+
+
+def experts_in(text_config: dict) -> int:
+    """The routed experts per MoE layer a text config names (0: a dense model)."""
     keys = ("num_experts", "num_local_experts", "n_routed_experts")
-    return next((int(text[k]) for k in keys if text.get(k)), 0)
+    return next((int(text_config[k]) for k in keys if text_config.get(k)), 0)
 
 
 def _engine(job: Job):
@@ -148,6 +178,10 @@ def _engine(job: Job):
     if importlib.util.find_spec("deep_gemm") is None:
         # 0.22 warms DeepGEMM up at start and stops if it is missing (seen on the test H200).
         os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
+    if job.faults:
+        from patchkit.verify import enginefaults
+
+        extra["worker_extension_cls"] = enginefaults.EXTENSION
     if job.loras:
         extra |= {
             "enable_lora": True,
@@ -178,7 +212,7 @@ def _run_requests(llm, job: Job) -> dict:
     from vllm.lora.request import LoRARequest
 
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=0, logprobs=0)
-    ids = {name: number for number, name in enumerate(job.loras, start=1)}
+    ids = lora_ids(job)
     runs: dict = {}
     for label, prompt, adapter in job.requests:
         group = runs.setdefault(label, {})

@@ -262,8 +262,11 @@ def run_model(
         )
     work, made = _workdir(keep, workdir)
     try:
+        routed = serving.experts_in(setup["config"])  # read_config's, checked
         controls = {
-            name: adaptercontrols.build(name, path, work) for name, path in adapters.items()
+            name: adaptercontrols.build(name, path, work)
+            + adaptercontrols.engine_controls(name, path, routed)
+            for name, path in adapters.items()
         }
         say(f"controls: {describe_controls(controls)}")
         references = write_references(plans, work, say, setup["seed"]) if plans else {}
