@@ -10,6 +10,7 @@ only, as its bug would, and is applied again whenever vLLM fills the slot again.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,35 @@ def test_the_serving_child_installs_each_fault_under_its_loras_id():
     assert calls == [(ef.INSTALL, ({3: ef.SCALE_2},))]
     assert serving._install_faults(Engine(), serving.Job("b", "/m", "eager", {}, [])) == []
     assert len(calls) == 1
+
+
+def test_the_injected_engine_bug_changes_one_line_of_a_private_copy(tmp_path):
+    """scripts/proofs/inject_engine_bug.py on a hard-linked copy of the real 0.26.0 file:
+    one line changed, the original untouched, undone byte for byte; refused (exit 1,
+    nothing written) where the line is not there."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "scripts" / "proofs" / "inject_engine_bug.py"
+    original = release_tree("0.26.0") / "vllm" / "lora" / "layers" / "column_parallel_linear.py"
+    copy = tmp_path / "vllm" / "lora" / "layers" / "column_parallel_linear.py"
+    copy.parent.mkdir(parents=True)
+    before = original.read_bytes()
+    copy.write_bytes(before)
+    linked = tmp_path / "linked.py"
+    os.link(copy, linked)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), str(tmp_path), *args],
+                              capture_output=True, text=True)  # fmt: skip
+
+    assert run().returncode == 0
+    lines = zip(before.decode().splitlines(), copy.read_text().splitlines(), strict=True)
+    changed = [(a, b) for a, b in lines if a != b]
+    assert changed == [("        for i in range(self.n_slices):",
+                        "        for i in range(self.n_slices - 1):")]  # fmt: skip
+    assert linked.read_bytes() == before  # the link's other name kept the original
+    refused = run()  # already in: the good line is not there
+    assert refused.returncode == 1 and "nothing written" in refused.stderr
+    assert run("--undo").returncode == 0 and copy.read_bytes() == before

@@ -37,6 +37,9 @@
 # more rounds of each in a short sitting (e.g. decode_b1_lora decode_b64_lora prefill_lora).
 # GS_FIRST="COMMAND" (any plan): run first in the proofs step, alone on the GPU, its
 # output in first.log, inside GS_BENCH_END (e.g. another proof of the same sitting).
+# GS_PLAN=rule (one GPU; calls b1, b3, b2, collect): verify's rule on the 35B-A3B-wide
+# MoE, the healthy adapter with its engine-side controls and vLLM with an injected bug
+# (rule_runs below).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -230,6 +233,22 @@ one() {
 }
 
 lane() { for run in "$@"; do one "$run"; done; }
+
+# GS_PLAN=rule: verify's rule on the 35B-A3B-wide MoE (scripts/proofs/verify_moe_proof.sh):
+# the healthy adapter with its engine-side controls, and the same on a hard-linked copy
+# of the site with scripts/proofs/inject_engine_bug.py's bug (/opt/bugged), side by side
+# on GPU 0; GS_RULE_RUNS picks the runs, GS_SEED the prompts' seed
+rule_runs() {
+  do_ rm -rf /opt/bugged
+  do_ mkdir -p /opt/bugged
+  do_ cp -al /opt/site/vllm /opt/site/vllm-*.dist-info /opt/bugged/
+  do_ python3 scripts/proofs/inject_engine_bug.py /opt/bugged >"$G/inject.txt" 2>&1
+  say "rule: ${GS_RULE_RUNS:-healthy engine-bug}, seed $SEED"
+  do_ env CUDA_VISIBLE_DEVICES=0 VMP_RUNS="${GS_RULE_RUNS:-healthy engine-bug}" \
+    VMP_BUGGED_SITE=/opt/bugged VMP_SEED="$SEED" timeout "$RUN_LIMIT" \
+    bash scripts/proofs/verify_moe_proof.sh "$G/rule" "${GS_RULE_LIMIT:-900}" >"$G/rule.txt" 2>&1
+  say "rule: exit $?"
+}
 
 # GS_HOST_ROUNDS (1) rounds, each module once a round, in reverse order every other
 # round (ABBA): the host's speed drifts between runs by up to a quarter
@@ -579,6 +598,11 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
       p2=$!
       bench &
       p3=$!
+    elif [ "${GS_PLAN:-}" = rule ]; then
+      rule_runs &
+      p1=$!
+      p2=$!
+      p3=
     elif [ "${GS_PLAN:-}" = tail ]; then
       one model-tp2 &
       p1=$!

@@ -9,7 +9,13 @@
 #             adapter ignored")
 #   poisoned  `--lora poisoned=...` (an inf in one lora_B) with --reference peft
 #             (no merge needed; expected: FAILED, exit 1)
+#   engine-bug (VMP_RUNS names it; VMP_BUGGED_SITE: a hard-linked copy of the serving
+#             site with scripts/proofs/inject_engine_bug.py's bug in it, first on
+#             PYTHONPATH) `--lora a0=...` as healthy (expected: FAILED, exit 1: the
+#             bug is of no kind the controls make)
 #   bash scripts/proofs/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
+# VMP_RUNS (default "healthy poisoned") picks the runs, side by side; VMP_SEED (11) the
+# seed of every run (the healthy adapter over seeds 1-5: one sitting each).
 # OUT/<run>.txt is each verify's report with its exit status last, <run>.err its
 # stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
 # merged copies and each run's own compile cache, VLLM_CACHE_ROOT=OUT/cache-<run>, are
@@ -29,19 +35,27 @@ one() {
   shift
   (
     begin=$(date +%s)
-    VLLM_CACHE_ROOT="$out/cache-$name" timeout "$limit" python3 -m patchkit verify --seed 11 --keep "$out/$name" \
+    site=
+    [ "$name" = engine-bug ] && site="${VMP_BUGGED_SITE:?engine-bug needs VMP_BUGGED_SITE}:"
+    PYTHONPATH="$site${PYTHONPATH:-}" VLLM_CACHE_ROOT="$out/cache-$name" timeout "$limit" \
+      python3 -m patchkit verify --seed "${VMP_SEED:-11}" --keep "$out/$name" \
       --model "$u/model" --max-model-len "$len" "$@" >"$out/$name.txt" 2>"$out/$name.err"
     echo "exit $? after $(($(date +%s) - begin)) s" >>"$out/$name.txt"
     rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-* "$out/cache-$name"
   ) &
 }
-one healthy --lora "a0=$u/a0"
-sleep 20  # staggered: the two runs do not read free GPU memory at the same moment
-one poisoned --lora "poisoned=$u/poisoned" --reference peft
+runs=${VMP_RUNS:-healthy poisoned}
+for run in $runs; do
+  case $run in
+  healthy | engine-bug) one "$run" --lora "a0=$u/a0" ;;
+  poisoned) one poisoned --lora "poisoned=$u/poisoned" --reference peft ;;
+  esac
+  sleep 20 # staggered: the runs do not read free GPU memory at the same moment
+done
 wait
 nvidia-smi --query-gpu=name,memory.used --format=csv >"$out/nvidia-smi.txt" 2>&1
 echo "all in $(($(date +%s) - start)) s" | tee -a "$out/build.txt"
-for run in healthy poisoned; do
+for run in $runs; do
   echo "== $run"
   grep -E "^adapter |^  (reference|why|would have caught|could not tell apart)|^verify |^exit " \
     "$out/$run.txt"
