@@ -41,6 +41,9 @@ def test_the_names_the_worker_side_reads_are_vllms(version):
     manager = source(version, "lora/model_manager.py")
     assert re.search(r"def activate_adapter\(\s*self,\s*lora_id: int", manager)
     assert "self.lora_index_to_id[index] = lora_model.id" in manager
+    # an id already in a slot returns at once, nothing written: wrap_activate's premise
+    assert re.search(r"def activate_adapter\(.*?\n\s+if lora_id in self._active_adapters:\n"
+                     r"\s+return False", manager, re.S)  # fmt: skip
     assert "self.modules: dict[str, BaseLayerWithLoRA]" in manager
     assert "self.lora_b_stacked = tuple(" in source(version, "lora/layers/base_linear.py")
     moe = source(version, "lora/layers/fused_moe.py")
@@ -154,6 +157,8 @@ class Manager:
         self.lora_index_to_id = [None] * SLOTS
 
     def activate_adapter(self, lora_id: int) -> bool:
+        if lora_id in self.lora_index_to_id:  # as vLLM: already in a slot, nothing written
+            return False
         index = self.lora_index_to_id.index(None)
         self.lora_index_to_id[index] = lora_id
         for module in self.modules.values():
@@ -170,6 +175,7 @@ def test_the_fault_follows_its_id_into_whatever_slot_it_gets_and_nothing_else():
     ef.wrap_activate(manager, {2: ef.SCALE_2}, record)
     manager.activate_adapter(1)  # the healthy adapter: slot 0, untouched
     manager.activate_adapter(2)  # its engine-side control: slot 1, doubled
+    manager.activate_adapter(2)  # the next step asks again: already there, not again
     b = ef.b_tensors(manager.modules["model.layers.0.linear_attn.in_proj_qkvz"])[0]
     assert torch.all(b[0] == 1.0) and torch.all(b[1] == 4.0)
     manager.deactivate_adapter(1)

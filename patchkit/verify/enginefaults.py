@@ -126,14 +126,17 @@ def _permute_rows(slot, number: int) -> None:
 
 def wrap_activate(manager, faults: dict[int, str], record: list) -> None:
     """Wrap ``manager.activate_adapter`` (vLLM's LoRAModelManager, this instance) so that
-    the slot of a faulted id is changed after vLLM fills it; each application is
-    appended to ``record`` as (id, slot, fault, tensors changed)."""
+    the slot of a faulted id is changed after vLLM fills it, and only then; each
+    application is appended to ``record`` as (id, slot, fault, tensors changed)."""
     activate = manager.activate_adapter
 
     def activate_adapter(lora_id, *args, **kwargs):
+        # vLLM calls this for every active adapter at every step and returns at once when
+        # the id already holds a slot: only a slot just written takes the fault, once
+        written = lora_id not in manager.lora_index_to_id
         result = activate(lora_id, *args, **kwargs)
         fault = faults.get(lora_id)
-        if fault is not None and lora_id in manager.lora_index_to_id:
+        if fault is not None and written and lora_id in manager.lora_index_to_id:
             index = manager.lora_index_to_id.index(lora_id)
             record.append((lora_id, index, fault, apply_fault(manager.modules, index, fault)))
         return result
