@@ -39,6 +39,9 @@ class Check:
     detail: str
     adapter: str | None = None
     decided: bool = True
+    # a control's row: how far the rule found it (the excess against PEFT, the mean
+    # against the merged reference) on the prompt farthest from the adapter's reference
+    value: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -66,6 +69,7 @@ class ControlResult:
     what: str  # "50 % strength", "experts ignored", "adapter ignored"
     rejected: bool | None
     detail: str
+    value: float | None = None  # how far it was, in every engine (the least of theirs)
 
 
 @dataclass
@@ -79,6 +83,14 @@ class AdapterVerdict:
     why: str  # the reason for the verdict, one sentence
     decides_instead: str = ""  # for INCONCLUSIVE: what would decide
     controls: list[ControlResult] = field(default_factory=list)
+    unit: str = ""  # the unit of the controls' values ("x vLLM's own base error", ...)
+
+    @property
+    def nearest(self) -> ControlResult | None:
+        """The caught control nearest the adapter's reference: the smallest wrong path this
+        run told apart, its resolution."""
+        caught = [c for c in self.controls if c.rejected and c.value is not None]
+        return min(caught, key=lambda c: c.value) if caught else None
 
     @property
     def caught(self) -> list[str]:

@@ -248,7 +248,9 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
     rejected = [(p, m) for p, m in measured.items() if m.rejects]
     if rejected:
         prompt, m = rejected[0]
-        return Check(title, True, f"{prompt[1:]} tokens: {m.text}", control.adapter), measured
+        value = max(m.scale for m in measured.values())
+        row = Check(title, True, f"{prompt[1:]} tokens: {m.text}", control.adapter, value=value)
+        return row, measured
     worst = list(measured.values())[-1].text if measured else "no prompt served"
     if judge.reference.kind == "peft":
         why = f"short of {FAIL_EXCESS}x on every prompt ({worst}): this run cannot tell it apart"

@@ -275,7 +275,9 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     results = control_results(mine, controls)
     failed = [c for c in mine if c.failed]
     crashed = [c for c in found if c.adapter is None and c.failed and c.name.endswith("vLLM ran")]
-    verdict = AdapterVerdict(adapter, PASSED, reference.kind, reference.why, "", "", results)
+    verdict = AdapterVerdict(
+        adapter, PASSED, reference.kind, reference.why, "", "", results, unit_of(reference.kind)
+    )
     if failed or crashed:
         first = (crashed or failed)[0]
         verdict.verdict, verdict.why = FAILED, f"{first.name}: {first.detail}"
@@ -308,5 +310,12 @@ def control_results(mine: list[Check], controls) -> list[ControlResult]:
             out.append(ControlResult(control.what, None, rows[0].detail))
             continue
         misses = [c for c in rows if not c.ok]
-        out.append(ControlResult(control.what, not misses, (misses or rows)[0].detail))
+        values = [c.value for c in rows if c.value is not None]
+        value = min(values) if values and not misses else None
+        out.append(ControlResult(control.what, not misses, (misses or rows)[0].detail, value))
     return out
+
+
+def unit_of(kind: str) -> str:
+    """How a control's value reads: the excess against PEFT, the mean against the merge."""
+    return "x vLLM's own base error" if kind == "peft" else " mean |d logprob|"

@@ -236,6 +236,9 @@ def adapter_verdict_lines(adapters) -> list[str]:
             lines.append(f"  what decides instead: {a.decides_instead}")
         if a.controls:
             lines.append(f"  would have caught: {', '.join(a.caught) or 'none of its controls'}")
+        if a.nearest is not None:
+            near = a.nearest
+            lines.append(f"  the nearest it caught: {near.what} ({near.value:.2f}{a.unit})")
         for control in a.controls:
             if not control.rejected:
                 lines.append(f"  could not tell apart: {control.what} ({control.detail})")
@@ -287,4 +290,5 @@ def _adapter_json(verdict) -> dict:
         **dataclasses.asdict(verdict),
         "would_have_caught": verdict.caught,
         "could_not_tell_apart": verdict.missed,
+        "nearest_caught": dataclasses.asdict(verdict.nearest) if verdict.nearest else None,
     }
