@@ -262,6 +262,63 @@ class Code(str, Enum):
     ADAPTER_CONFIG_ABOVE_MAX_RANK = "adapter-config-above-max-rank"  # r or rank_pattern's
     ADAPTER_ABOVE_MAX_RANK = "adapter-above-max-rank"  # a tensor's rank
     ADAPTER_SCALE_OUT_OF_RANGE = "adapter-scale-out-of-range"
+    ADAPTER_UNREADABLE = "adapter-unreadable"  # the weights file: the reader's error
+    # against the model's config.json
+    ADAPTER_NO_SUCH_LAYER = "adapter-no-such-layer"  # layer (None: no index), layers
+    ADAPTER_NO_SUCH_EXPERT = "adapter-no-such-expert"  # expert (None: no index), experts
+    ADAPTER_NO_SUCH_MODULE = "adapter-no-such-module"  # in that layer of the model
+    ADAPTER_EMBEDDING_MISFIT = "adapter-embedding-misfit"  # embed_tokens or lm_head
+    ADAPTER_SWAPPED_IN_OUT = "adapter-swapped-in-out"  # a linear module's in and out swapped
+    ADAPTER_MISFIT = "adapter-misfit"  # a linear module's factors fit no way round
+    ADAPTER_NO_EXPERTS = "adapter-no-experts"  # expert factors on a dense model
+    ADAPTER_NESTED_TOO_DEEP = "adapter-nested-too-deep"  # experts under more than 2 params
+    ADAPTER_EXPERT_ROWS = "adapter-expert-rows"  # lora_A's rows not a multiple of E
+    ADAPTER_EXPERTS_LEGACY = "adapter-experts-legacy"  # PEFT <= 0.19's expert layout
+    ADAPTER_EXPERTS_MISFIT = "adapter-experts-misfit"  # fit no expert parameter
+    ADAPTER_NO_TARGET_MODULE = "adapter-no-target-module"  # target_modules names none
+    ADAPTER_NO_TARGET_PARAMETER = "adapter-no-target-parameter"  # target_parameters likewise
+    # against the --target release (adapters.targetcheck)
+    ADAPTER_ONE_EXPERT_PARAMETER = "adapter-one-expert-parameter"  # partial-moe-adapter's bug
+    ADAPTER_PARTIAL_GDN = "adapter-partial-gdn"  # partial-gdn-adapter's bug
+    ADAPTER_NOT_WRAPPED = "adapter-not-wrapped"  # no module of the release named like it
+    ADAPTER_REACH_REFUSED = "adapter-reach-refused"  # the loader refuses it: why
+    ADAPTER_PATTERNS_UNREAD = "adapter-patterns-unread"  # rank/alpha_pattern before 0.32.0
+    # adapter check's notes
+    ADAPTER_EMBEDDING_COPY = "adapter-embedding-copy"  # a full embedding, skipped
+    ADAPTER_OUTSIDE_LAYERS = "adapter-outside-layers"  # shapes not checked
+    ADAPTER_OTHER_LAYOUT = "adapter-other-layout"  # layers under another prefix (no --target)
+    ADAPTER_EXPERT_BY_SHAPE = "adapter-expert-by-shape"  # one expert parameter, by its shapes
+    ADAPTER_VISION_TOWER = "adapter-vision-tower"  # modules text prompts never reach
+    ADAPTER_RELEASE_UNDECIDED = "adapter-release-undecided"  # a release finding, not decided
+    # adapter check's checks skipped, and why
+    ADAPTER_SKIPPED_NO_MODEL = "adapter-skipped-no-model"
+    ADAPTER_SKIPPED_NO_TARGET = "adapter-skipped-no-target"
+    ADAPTER_SKIPPED_UNKNOWN_MODEL = "adapter-skipped-unknown-model"  # no widths: architecture
+    ADAPTER_SKIPPED_LORA_MODULES = "adapter-skipped-lora-modules"  # release's names unread
+    ADAPTER_SKIPPED_REACH = "adapter-skipped-reach"  # which modules it reaches: error
+    ADAPTER_SKIPPED_PATTERNS = "adapter-skipped-patterns"  # whether it reads the patterns
+    # ----- adapter_config.json: what the rule refuses (words: cli/adapter_config_words.py) -----
+    ADAPTER_CONFIG_MISSING = "adapter-config-missing"  # no adapter_config.json
+    ADAPTER_CONFIG_UNREADABLE = "adapter-config-unreadable"  # not a JSON object, a FIFO: error
+    ADAPTER_CONFIG_KEY_MISSING = "adapter-config-key-missing"  # r, lora_alpha, target_modules
+    ADAPTER_CONFIG_NOT_LORA = "adapter-config-not-lora"  # peft_type: value
+    ADAPTER_CONFIG_BAD_R = "adapter-config-bad-r"
+    ADAPTER_CONFIG_BAD_ALPHA = "adapter-config-bad-alpha"
+    ADAPTER_CONFIG_BAD_RSLORA = "adapter-config-bad-rslora"
+    ADAPTER_CONFIG_BAD_TARGET_MODULES = "adapter-config-bad-target-modules"
+    ADAPTER_CONFIG_BAD_TARGET_PARAMETERS = "adapter-config-bad-target-parameters"
+    ADAPTER_CONFIG_PATTERN_NOT_OBJECT = "adapter-config-pattern-not-object"
+    ADAPTER_CONFIG_BAD_PATTERN_RANK = "adapter-config-bad-pattern-rank"
+    ADAPTER_CONFIG_BAD_PATTERN_ALPHA = "adapter-config-bad-pattern-alpha"
+    ADAPTER_CONFIG_KEY_REFUSED = "adapter-config-key-refused"  # a pattern key: pattern, why
+    ADAPTER_CONFIG_DORA = "adapter-config-dora"
+    ADAPTER_CONFIG_BIAS = "adapter-config-bias"
+    ADAPTER_CONFIG_MODULES_TO_SAVE = "adapter-config-modules-to-save"
+    ADAPTER_CONFIG_TRAINABLE_TOKENS = "adapter-config-trainable-tokens"
+    ADAPTER_CONFIG_FEATURE = "adapter-config-feature"  # lora_bias, aLoRA, ...: feature, value
+    ADAPTER_CONFIG_INIT = "adapter-config-init"  # PiSSA-style init_lora_weights
+    # verify's and doctor's one line: path, key, problem (a reason), more (problems after it)
+    ADAPTER_CONFIG_REFUSED = "adapter-config-refused"
 
     # ----- probe report: a warning of its log (words: cli/probe_words.py) -----
     PROBE_LAST_LINE_CUT = "probe-last-line-cut"  # skipped; the lines before it reported

@@ -97,6 +97,13 @@ def test_every_code_has_its_words():
     assert not missing, missing
 
 
+def test_every_feature_adapter_config_refuses_has_its_words():
+    from patchkit.adapters.adapterconfig import DROPPED_FEATURES
+    from patchkit.cli.adapter_config_words import FEATURES
+
+    assert set(FEATURES) == set(DROPPED_FEATURES)
+
+
 def test_every_command_has_a_schema_and_every_schema_is_valid():
     names = {schema_name(c) for c in commands()}
     have = {p.name.removesuffix(".schema.json") for p in SCHEMAS.glob("*.schema.json")}
@@ -253,3 +260,40 @@ def test_docs_json_page_lists_every_schema():
     page = (REPO / "docs" / "json.md").read_text()
     for path in Path(SCHEMAS).glob("*.schema.json"):
         assert f"json/{path.name}" in page, path.name
+
+
+def test_an_adapter_check_document_says_a_code_for_every_finding_note_and_check_skipped(
+    tmp_path,
+):
+    """Config problems, shapes against the model, notes and the checks skipped: each its
+    own code and the facts its words are made from, none the kind's or `note`'s."""
+    model = ah.write_model(tmp_path / "dense", moe=False)
+    tensors = ah.dense_tensors()
+    tensors[f"{ah.P}9.self_attn.o_proj.lora_A.weight"] = ah.tensor((4, ah.H))
+    tensors[f"{ah.P}9.self_attn.o_proj.lora_B.weight"] = ah.tensor((ah.H, 4))
+    adapter = ah.write_adapter(tmp_path / "a", tensors, r="4", use_dora=True)
+    result = run_cli("adapter", "check", str(adapter), "--model", str(model), "--json")
+    report = checked("adapter check", result, 1)
+    found = {f["code"]: f for f in report["findings"]}
+    assert found["adapter-config-bad-r"]["value"] == "'4'"
+    assert found["adapter-config-dora"]["tensor"] == "use_dora"
+    layer = found["adapter-no-such-layer"]
+    assert (layer["layer"], layer["layers"]) == (9, ah.LAYERS)
+    assert [s["code"] for s in report["skipped"]] == ["adapter-skipped-no-target"]
+    kinds = {f"adapter-{f['kind']}" for f in report["findings"]}
+    assert not kinds & set(found), "a finding says its kind's code"
+
+
+def test_a_config_verify_and_doctor_refuse_is_one_message_with_adapter_checks_problem(
+    tmp_path,
+):
+    adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors(), r=0)
+    target = str(release_tree("0.26.0"))  # read only: the adapter is refused before a scan
+    result = run_cli("doctor", "--kernels", "--adapter", str(adapter), "--target", target, "--json")
+    error = checked("doctor", result, 1)["error"]
+    assert (error["code"], error["key"], error["problem"]["code"]) == (
+        "adapter-config-refused",
+        "r",
+        "adapter-config-bad-r",
+    )
+    assert error["message"] == f"{adapter / 'adapter_config.json'}: r {error['problem']['message']}"
