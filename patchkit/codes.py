@@ -322,6 +322,12 @@ class Code(str, Enum):
 
     # ----- probe report: a warning of its log (words: cli/probe_words.py) -----
     PROBE_LAST_LINE_CUT = "probe-last-line-cut"  # skipped; the lines before it reported
+    # probe report: where a request went bad, and where to look
+    PROBE_INPUT_BAD = "probe-input-bad"  # bad already at the layer's input: upstream
+    PROBE_PROJECTION_BAD = "probe-projection-bad"  # a LoRA projection first: module, adapter
+    PROBE_OUTPUT_BAD = "probe-output-bad"  # the layer's own compute, or LoRA it does not watch
+    PROBE_QUARANTINED = "probe-quarantined"  # its adapter quarantined at load: the tensor
+    PROBE_QUARANTINE = "probe-quarantine"  # one quarantine the log recorded, served or not
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,26 @@ def test_refresh_and_its_recovery(tmp_path, slim_tree_0260):
 def test_probe_report(tmp_path):
     log = write_log(tmp_path, record(1, 3, "self_attn.qkv", "lora", ["a"]), '{"step": 2, "cut')
     report = checked("probe report", run_cli("probe", "report", str(log), "--json"))
-    assert report["affected_requests"] and report["warnings"][0]["code"] == "probe-last-line-cut"
+    assert report["warnings"][0]["code"] == "probe-last-line-cut"
+    finding = report["affected_requests"][0]
+    reason = finding["reason"]
+    assert (reason["code"], reason["module"]) == ("probe-projection-bad", "self_attn.qkv")
+    assert reason["message"] == f"{finding['verdict']}; look at {finding['look_at']}"
+
+
+def test_probe_report_of_a_quarantined_adapter(tmp_path):
+    quarantine = {
+        "event": "quarantine", "rank": 0, "adapter": "poisoned", "adapter_id": 3,
+        "adapter_path": "/work/poisoned", "layer": 1, "module": "mlp.down_proj",
+        "tensor": "lora_B", "nan": 0, "inf": 1,
+    }  # fmt: skip
+    bad = record(1, 0, "self_attn.qkv", "lora", ["a"], adapters={"a": "poisoned"})
+    log = write_log(tmp_path, quarantine, bad)
+    report = checked("probe report", run_cli("probe", "report", str(log), "--json"))
+    [listed] = report["quarantines"]
+    assert listed["code"] == "probe-quarantine"
+    reason = report["affected_requests"][0]["reason"]
+    assert (reason["code"], reason["quarantine"]["tensor"]) == ("probe-quarantined", "lora_B")
 
 
 def test_adapter_check(tmp_path):
