@@ -176,6 +176,16 @@ class Code(str, Enum):
     # ----- messages of the other commands, by kind -----
     NOTE = "note"
     CACHE_NOT_CLEARED = "cache-not-cleared"  # status of a cache a run left alone, and why
+    # why a cache was left alone, or had nothing to clear (words: cli/cache_words.py)
+    CACHE_NOT_ABSOLUTE = "cache-not-absolute"  # the environment's path: source
+    CACHE_ABSENT = "cache-absent"  # nothing to clear
+    CACHE_UNSAFE = "cache-unsafe"  # a link or a non-directory on its way: error
+    CACHE_HOLDS_KEPT = "cache-holds-kept"  # /, the home, the working directory, the tree
+    CACHE_IN_TREE = "cache-in-tree"  # inside the vLLM tree
+    CACHE_FOREIGN_ENTRY = "cache-foreign-entry"  # an entry not of the cache's layout
+    CACHE_MOUNT_INSIDE = "cache-mount-inside"  # a mount point below it
+    CACHE_PARTLY_CLEARED = "cache-partly-cleared"  # stopped midway: error
+    CACHE_OS_ERROR = "cache-os-error"  # opening or clearing it failed: error
     WARNING = "warning"
     SKIPPED = "skipped"
     RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
