@@ -98,6 +98,9 @@ class Code(str, Enum):
     REFUSED_AFTER_RECOVERY = "refused-after-recovery"
     CHANGED_WHILE_RUNNING = "changed-while-running"
     LOCK_NOT_CREATED = "lock-not-created"
+    LOCK_BUSY = "lock-busy"  # another run holds the tree's lock: path, waited (seconds)
+    CATALOGUE_BUSY = "catalogue-busy"  # another refresh holds the catalogue's: path, waited
+    LOCK_TIMEOUT_INVALID = "lock-timeout-invalid"  # PATCHKIT_LOCK_TIMEOUT: value, default
     REFRESH_NOT_WRITTEN = "refresh-not-written"
     WRITE_UNDONE = "write-undone"
     RESTORE_FAILED = "restore-failed"

@@ -316,3 +316,14 @@ def test_a_config_verify_and_doctor_refuse_is_one_message_with_adapter_checks_pr
         "adapter-config-bad-r",
     )
     assert error["message"] == f"{adapter / 'adapter_config.json'}: r {error['problem']['message']}"
+
+
+def test_a_lock_timeout_that_is_no_number_is_a_message_with_its_value(slim_tree_0260):
+    env = {"PATCHKIT_LOCK_TIMEOUT": "abc"}
+    result = run_cli("apply", "--target", str(slim_tree_0260), "--json", env=env)
+    error = checked("apply", result, 1)["error"]
+    assert (error["code"], error["value"], error["variable"]) == (
+        "lock-timeout-invalid",
+        "abc",
+        "PATCHKIT_LOCK_TIMEOUT",
+    )

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.files import decode_json
@@ -91,12 +92,8 @@ class CatalogueLock:
         self.timeout = locks.lock_timeout()
 
     def __enter__(self) -> Root:
-        locks.wait_for(
-            lambda: locks.try_flock(self.fs.fd),
-            self.timeout,
-            f"another patchkit refresh is writing {self.fs.path} (waited {self.timeout:.0f} s); "
-            "let it finish, then run the command again",
-        )
+        busy = Reason.of(Code.CATALOGUE_BUSY, path=str(self.fs.path), waited=self.timeout)
+        locks.wait_for(lambda: locks.try_flock(self.fs.fd), self.timeout, busy)
         return self.fs
 
     def __exit__(self, *exc_info) -> None:

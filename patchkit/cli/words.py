@@ -10,7 +10,14 @@ that every code has words.
 
 from __future__ import annotations
 
-from patchkit.cli import adapter_words, cache_words, doctor_words, probe_words, runner_words
+from patchkit.cli import (
+    adapter_words,
+    cache_words,
+    doctor_words,
+    lock_words,
+    probe_words,
+    runner_words,
+)
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
@@ -779,3 +786,4 @@ WORDS.update(runner_words.WORDS)  # the model runner's, likewise
 WORDS.update(adapter_words.WORDS)  # adapter check's typed findings, likewise
 WORDS.update(probe_words.WORDS)  # probe report's
 WORDS.update(cache_words.WORDS)  # why a compile cache was left alone
+WORDS.update(lock_words.WORDS)  # a busy lock, a bad PATCHKIT_LOCK_TIMEOUT
