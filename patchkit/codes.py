@@ -108,6 +108,20 @@ class Code(str, Enum):
     INVALID_STATE = "invalid-state"
     CHANGED_SINCE_INTERRUPTED = "changed-since-interrupted"
     JOURNAL_COPY_DAMAGED = "journal-copy-damaged"
+    # the catalogue's journal (refresh; words: cli/lock_words.py)
+    JOURNAL_TREE_NOT_REAL = "journal-tree-not-real"  # --target not the tree's real path
+    CATALOGUE_FILE_TOO_LARGE = "catalogue-file-too-large"  # path, most (bytes)
+    CATALOGUE_UNDO_FAILED = "catalogue-undo-failed"  # putting it back failed: error, journal
+    CATALOGUE_RECOVERY_FAILED = "catalogue-recovery-failed"  # an OSError: error, journal
+    JOURNAL_NOT_ACTED_ON = "journal-not-acted-on"  # problem (a reason), what to do by hand
+    JOURNAL_TREE_UNREADABLE = "journal-tree-unreadable"  # tree, error
+    JOURNAL_UNSAFE = "journal-unsafe"  # a path of it refused: error
+    JOURNAL_FILE_CHANGED = "journal-file-changed"  # path, changed since
+    JOURNAL_COPY_MISSING = "journal-copy-missing"  # path: its staged copy missing or damaged
+    JOURNAL_INVALID = "journal-invalid"  # why
+    # what recovering an interrupted refresh did
+    CATALOGUE_STAGING_REMOVED = "catalogue-staging-removed"  # died before its journal
+    CATALOGUE_RECOVERED = "catalogue-recovered"  # finished (or rolled back): paths
     # refresh
     REFRESH_INSTALLED_CATALOGUE = "refresh-installed-catalogue"
     REFRESH_CATALOGUE_RECOVERED = "refresh-catalogue-recovered"

@@ -182,6 +182,9 @@ def test_refresh_and_its_recovery(tmp_path, slim_tree_0260):
     assert recovered == {
         "format": 1, "command": "refresh", "ok": True, "recover": True, "recovered": []
     }  # fmt: skip
+    (root / ".patchkit-refresh").mkdir()  # a refresh killed before it wrote its journal
+    recovered = checked("refresh", run_cli("refresh", "--recover", "--json", env=env))
+    assert [r["code"] for r in recovered["recovered"]] == ["catalogue-staging-removed"]
 
 
 def test_probe_report(tmp_path):
