@@ -98,6 +98,9 @@ class Code(str, Enum):
     REFUSED_AFTER_RECOVERY = "refused-after-recovery"
     CHANGED_WHILE_RUNNING = "changed-while-running"
     LOCK_NOT_CREATED = "lock-not-created"
+    LOCK_BUSY = "lock-busy"  # another run holds the tree's lock: path, waited (seconds)
+    CATALOGUE_BUSY = "catalogue-busy"  # another refresh holds the catalogue's: path, waited
+    LOCK_TIMEOUT_INVALID = "lock-timeout-invalid"  # PATCHKIT_LOCK_TIMEOUT: value, default
     REFRESH_NOT_WRITTEN = "refresh-not-written"
     WRITE_UNDONE = "write-undone"
     RESTORE_FAILED = "restore-failed"
@@ -105,6 +108,20 @@ class Code(str, Enum):
     INVALID_STATE = "invalid-state"
     CHANGED_SINCE_INTERRUPTED = "changed-since-interrupted"
     JOURNAL_COPY_DAMAGED = "journal-copy-damaged"
+    # the catalogue's journal (refresh; words: cli/lock_words.py)
+    JOURNAL_TREE_NOT_REAL = "journal-tree-not-real"  # --target not the tree's real path
+    CATALOGUE_FILE_TOO_LARGE = "catalogue-file-too-large"  # path, most (bytes)
+    CATALOGUE_UNDO_FAILED = "catalogue-undo-failed"  # putting it back failed: error, journal
+    CATALOGUE_RECOVERY_FAILED = "catalogue-recovery-failed"  # an OSError: error, journal
+    JOURNAL_NOT_ACTED_ON = "journal-not-acted-on"  # problem (a reason), what to do by hand
+    JOURNAL_TREE_UNREADABLE = "journal-tree-unreadable"  # tree, error
+    JOURNAL_UNSAFE = "journal-unsafe"  # a path of it refused: error
+    JOURNAL_FILE_CHANGED = "journal-file-changed"  # path, changed since
+    JOURNAL_COPY_MISSING = "journal-copy-missing"  # path: its staged copy missing or damaged
+    JOURNAL_INVALID = "journal-invalid"  # why
+    # what recovering an interrupted refresh did
+    CATALOGUE_STAGING_REMOVED = "catalogue-staging-removed"  # died before its journal
+    CATALOGUE_RECOVERED = "catalogue-recovered"  # finished (or rolled back): paths
     # refresh
     REFRESH_INSTALLED_CATALOGUE = "refresh-installed-catalogue"
     REFRESH_CATALOGUE_RECOVERED = "refresh-catalogue-recovered"
@@ -176,6 +193,16 @@ class Code(str, Enum):
     # ----- messages of the other commands, by kind -----
     NOTE = "note"
     CACHE_NOT_CLEARED = "cache-not-cleared"  # status of a cache a run left alone, and why
+    # why a cache was left alone, or had nothing to clear (words: cli/cache_words.py)
+    CACHE_NOT_ABSOLUTE = "cache-not-absolute"  # the environment's path: source
+    CACHE_ABSENT = "cache-absent"  # nothing to clear
+    CACHE_UNSAFE = "cache-unsafe"  # a link or a non-directory on its way: error
+    CACHE_HOLDS_KEPT = "cache-holds-kept"  # /, the home, the working directory, the tree
+    CACHE_IN_TREE = "cache-in-tree"  # inside the vLLM tree
+    CACHE_FOREIGN_ENTRY = "cache-foreign-entry"  # an entry not of the cache's layout
+    CACHE_MOUNT_INSIDE = "cache-mount-inside"  # a mount point below it
+    CACHE_PARTLY_CLEARED = "cache-partly-cleared"  # stopped midway: error
+    CACHE_OS_ERROR = "cache-os-error"  # opening or clearing it failed: error
     WARNING = "warning"
     SKIPPED = "skipped"
     RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
@@ -262,9 +289,72 @@ class Code(str, Enum):
     ADAPTER_CONFIG_ABOVE_MAX_RANK = "adapter-config-above-max-rank"  # r or rank_pattern's
     ADAPTER_ABOVE_MAX_RANK = "adapter-above-max-rank"  # a tensor's rank
     ADAPTER_SCALE_OUT_OF_RANGE = "adapter-scale-out-of-range"
+    ADAPTER_UNREADABLE = "adapter-unreadable"  # the weights file: the reader's error
+    # against the model's config.json
+    ADAPTER_NO_SUCH_LAYER = "adapter-no-such-layer"  # layer (None: no index), layers
+    ADAPTER_NO_SUCH_EXPERT = "adapter-no-such-expert"  # expert (None: no index), experts
+    ADAPTER_NO_SUCH_MODULE = "adapter-no-such-module"  # in that layer of the model
+    ADAPTER_EMBEDDING_MISFIT = "adapter-embedding-misfit"  # embed_tokens or lm_head
+    ADAPTER_SWAPPED_IN_OUT = "adapter-swapped-in-out"  # a linear module's in and out swapped
+    ADAPTER_MISFIT = "adapter-misfit"  # a linear module's factors fit no way round
+    ADAPTER_NO_EXPERTS = "adapter-no-experts"  # expert factors on a dense model
+    ADAPTER_NESTED_TOO_DEEP = "adapter-nested-too-deep"  # experts under more than 2 params
+    ADAPTER_EXPERT_ROWS = "adapter-expert-rows"  # lora_A's rows not a multiple of E
+    ADAPTER_EXPERTS_LEGACY = "adapter-experts-legacy"  # PEFT <= 0.19's expert layout
+    ADAPTER_EXPERTS_MISFIT = "adapter-experts-misfit"  # fit no expert parameter
+    ADAPTER_NO_TARGET_MODULE = "adapter-no-target-module"  # target_modules names none
+    ADAPTER_NO_TARGET_PARAMETER = "adapter-no-target-parameter"  # target_parameters likewise
+    # against the --target release (adapters.targetcheck)
+    ADAPTER_ONE_EXPERT_PARAMETER = "adapter-one-expert-parameter"  # partial-moe-adapter's bug
+    ADAPTER_PARTIAL_GDN = "adapter-partial-gdn"  # partial-gdn-adapter's bug
+    ADAPTER_NOT_WRAPPED = "adapter-not-wrapped"  # no module of the release named like it
+    ADAPTER_REACH_REFUSED = "adapter-reach-refused"  # the loader refuses it: why
+    ADAPTER_PATTERNS_UNREAD = "adapter-patterns-unread"  # rank/alpha_pattern before 0.32.0
+    # adapter check's notes
+    ADAPTER_EMBEDDING_COPY = "adapter-embedding-copy"  # a full embedding, skipped
+    ADAPTER_OUTSIDE_LAYERS = "adapter-outside-layers"  # shapes not checked
+    ADAPTER_OTHER_LAYOUT = "adapter-other-layout"  # layers under another prefix (no --target)
+    ADAPTER_EXPERT_BY_SHAPE = "adapter-expert-by-shape"  # one expert parameter, by its shapes
+    ADAPTER_VISION_TOWER = "adapter-vision-tower"  # modules text prompts never reach
+    ADAPTER_RELEASE_UNDECIDED = "adapter-release-undecided"  # a release finding, not decided
+    # adapter check's checks skipped, and why
+    ADAPTER_SKIPPED_NO_MODEL = "adapter-skipped-no-model"
+    ADAPTER_SKIPPED_NO_TARGET = "adapter-skipped-no-target"
+    ADAPTER_SKIPPED_UNKNOWN_MODEL = "adapter-skipped-unknown-model"  # no widths: architecture
+    ADAPTER_SKIPPED_LORA_MODULES = "adapter-skipped-lora-modules"  # release's names unread
+    ADAPTER_SKIPPED_REACH = "adapter-skipped-reach"  # which modules it reaches: error
+    ADAPTER_SKIPPED_PATTERNS = "adapter-skipped-patterns"  # whether it reads the patterns
+    # ----- adapter_config.json: what the rule refuses (words: cli/adapter_config_words.py) -----
+    ADAPTER_CONFIG_MISSING = "adapter-config-missing"  # no adapter_config.json
+    ADAPTER_CONFIG_UNREADABLE = "adapter-config-unreadable"  # not a JSON object, a FIFO: error
+    ADAPTER_CONFIG_KEY_MISSING = "adapter-config-key-missing"  # r, lora_alpha, target_modules
+    ADAPTER_CONFIG_NOT_LORA = "adapter-config-not-lora"  # peft_type: value
+    ADAPTER_CONFIG_BAD_R = "adapter-config-bad-r"
+    ADAPTER_CONFIG_BAD_ALPHA = "adapter-config-bad-alpha"
+    ADAPTER_CONFIG_BAD_RSLORA = "adapter-config-bad-rslora"
+    ADAPTER_CONFIG_BAD_TARGET_MODULES = "adapter-config-bad-target-modules"
+    ADAPTER_CONFIG_BAD_TARGET_PARAMETERS = "adapter-config-bad-target-parameters"
+    ADAPTER_CONFIG_PATTERN_NOT_OBJECT = "adapter-config-pattern-not-object"
+    ADAPTER_CONFIG_BAD_PATTERN_RANK = "adapter-config-bad-pattern-rank"
+    ADAPTER_CONFIG_BAD_PATTERN_ALPHA = "adapter-config-bad-pattern-alpha"
+    ADAPTER_CONFIG_KEY_REFUSED = "adapter-config-key-refused"  # a pattern key: pattern, why
+    ADAPTER_CONFIG_DORA = "adapter-config-dora"
+    ADAPTER_CONFIG_BIAS = "adapter-config-bias"
+    ADAPTER_CONFIG_MODULES_TO_SAVE = "adapter-config-modules-to-save"
+    ADAPTER_CONFIG_TRAINABLE_TOKENS = "adapter-config-trainable-tokens"
+    ADAPTER_CONFIG_FEATURE = "adapter-config-feature"  # lora_bias, aLoRA, ...: feature, value
+    ADAPTER_CONFIG_INIT = "adapter-config-init"  # PiSSA-style init_lora_weights
+    # verify's and doctor's one line: path, key, problem (a reason), more (problems after it)
+    ADAPTER_CONFIG_REFUSED = "adapter-config-refused"
 
     # ----- probe report: a warning of its log (words: cli/probe_words.py) -----
     PROBE_LAST_LINE_CUT = "probe-last-line-cut"  # skipped; the lines before it reported
+    # probe report: where a request went bad, and where to look
+    PROBE_INPUT_BAD = "probe-input-bad"  # bad already at the layer's input: upstream
+    PROBE_PROJECTION_BAD = "probe-projection-bad"  # a LoRA projection first: module, adapter
+    PROBE_OUTPUT_BAD = "probe-output-bad"  # the layer's own compute, or LoRA it does not watch
+    PROBE_QUARANTINED = "probe-quarantined"  # its adapter quarantined at load: the tensor
+    PROBE_QUARANTINE = "probe-quarantine"  # one quarantine the log recorded, served or not
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 from pathlib import Path
@@ -291,7 +292,7 @@ def test_release_after_patchkit_apply(tmp_path, moe, slim_tree_0260):
     report = check(adapter, moe, locate(str(slim_tree_0260)))
     assert report.ok, report.findings
     # the slim tree lacks the GDN layer's file: the names are not judged from fewer files
-    assert "qwen_gdn_linear_attn.py is missing" in report.skipped[0]
+    assert "qwen_gdn_linear_attn.py is missing" in finding_words(report.skipped[0])
 
 
 def test_release_0200_gdn_separate_and_per_expert_3d(tmp_path, moe):
@@ -671,7 +672,8 @@ def test_adapter_check_and_verify_read_adapter_config_by_one_rule(tmp_path, name
     and never looked at by adapter check; adapter check never compiled a pattern key. Now
     both read the file once, by one rule: what adapter check names as a config finding is
     what verify refuses, in the same words."""
-    from patchkit.errors import PatchkitError
+    from patchkit.cli.words import say
+    from patchkit.errors import Refused
     from patchkit.verify.adapterfiles import read_adapter_config
 
     values, key = SHARED[name]
@@ -689,21 +691,25 @@ def test_adapter_check_and_verify_read_adapter_config_by_one_rule(tmp_path, name
         return
     config = [f for f in report.findings if f.kind == Kind.CONFIG]
     assert [f.tensor for f in config] == [key], report.findings
-    with pytest.raises(PatchkitError) as refused:
+    with pytest.raises(Refused) as refused:
         read_adapter_config(adapter)
-    assert str(refused.value) == f"{adapter / 'adapter_config.json'}: {key} {config[0].message}"
+    words = finding_words(config[0].message)
+    assert say(refused.value.reason) == f"{adapter / 'adapter_config.json'}: {key} {words}"
+    assert refused.value.reason["problem"] == config[0].message  # one reason, both commands
 
 
 def test_verify_names_how_many_more_problems_adapter_check_lists(tmp_path):
-    from patchkit.errors import PatchkitError
+    from patchkit.cli.words import say
+    from patchkit.errors import Refused
     from patchkit.verify.adapterfiles import read_adapter_config
 
     adapter = ah.write_adapter(
         tmp_path / "a", ah.dense_tensors(), lora_bias=True, use_qalora=True, r="4"
     )
     assert len([f for f in check(adapter).findings if f.kind == Kind.CONFIG]) == 3
-    with pytest.raises(PatchkitError, match=r"^.*: r is '4'; .* \(2 more problems: `patchkit"):
+    with pytest.raises(Refused) as refused:
         read_adapter_config(adapter)
+    assert re.match(r"^.*: r is '4'; .* \(2 more problems: `patchkit", say(refused.value.reason))
 
 
 def test_a_modules_rank_is_the_one_its_rank_pattern_key_gives(tmp_path, dense):

@@ -14,6 +14,7 @@ from patchkit.adapters.check import check
 from patchkit.adapters.registry import served_class
 from patchkit.adapters.release import lora_support
 from patchkit.adapters.report import Kind
+from patchkit.cli.adapter_words import finding_words
 from patchkit.vllmtree.tree import locate
 from tests import adapter_helpers as ah
 from tests.conftest import applied, copy_tree, release_tree, run_cli
@@ -35,7 +36,7 @@ def moe(tmp_path):
 
 
 def release_findings(report) -> list[str]:
-    return [f.message for f in report.findings if f.kind == Kind.RELEASE]
+    return [finding_words(f.message) for f in report.findings if f.kind == Kind.RELEASE]
 
 
 @pytest.mark.parametrize("version", sorted(SERVED))
@@ -122,7 +123,7 @@ def test_one_expert_parameter_is_a_finding_until_patchkit_apply_on_0340(tmp_path
 
 
 def _skipped_line(report) -> str:
-    lines = [s for s in report.skipped if "LoRA code wraps" in s]
+    lines = [finding_words(s) for s in report.skipped if "LoRA code wraps" in finding_words(s)]
     assert len(lines) == 1 and "\n" not in lines[0] and "Traceback" not in lines[0]
     return lines[0]
 

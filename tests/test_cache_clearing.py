@@ -43,6 +43,7 @@ def test_an_empty_cache_variable_never_deletes_the_working_directory(tmp_path, v
             caches[0]["removed"] is False
             and "not an absolute path" in caches[0]["reason"]["message"]
         )
+        assert caches[0]["reason"]["source"] == "VLLM_CACHE_ROOT=''"  # its code's fact
 
 
 @pytest.mark.slow
@@ -115,6 +116,10 @@ def test_clear_caches_never_crosses_a_bind_mount(tmp_path, slim_tree_0260, bind_
     home.mkdir()
     triton = clear(slim_tree_0260, home, TRITON_CACHE_DIR=str(cache))["Triton"]
     assert triton["removed"] is False and "mount point" in triton["reason"]["message"], triton
+    assert (triton["reason"]["code"], triton["reason"]["mount"]) == (
+        "cache-mount-inside",
+        str(hashed),
+    )
     assert (victim / "thesis.tex").read_text() == "years of work\n"
     assert (cache / ("B" * 52)).is_dir()  # refused as a whole: nothing was removed
 

@@ -131,3 +131,5 @@ def test_bytecode_that_cannot_be_removed_is_a_warning_after_the_commit(slim_tree
     assert any(
         "utils.cpython-312.pyc could not be removed" in w["message"] for w in data["warnings"]
     )
+    [left] = [w for w in data["warnings"] if w["code"] == "bytecode-left"]
+    assert left["path"].endswith("utils.cpython-312.pyc") and left["why"]

@@ -97,6 +97,13 @@ def test_every_code_has_its_words():
     assert not missing, missing
 
 
+def test_every_feature_adapter_config_refuses_has_its_words():
+    from patchkit.adapters.adapterconfig import DROPPED_FEATURES
+    from patchkit.cli.adapter_config_words import FEATURES
+
+    assert set(FEATURES) == set(DROPPED_FEATURES)
+
+
 def test_every_command_has_a_schema_and_every_schema_is_valid():
     names = {schema_name(c) for c in commands()}
     have = {p.name.removesuffix(".schema.json") for p in SCHEMAS.glob("*.schema.json")}
@@ -175,12 +182,34 @@ def test_refresh_and_its_recovery(tmp_path, slim_tree_0260):
     assert recovered == {
         "format": 1, "command": "refresh", "ok": True, "recover": True, "recovered": []
     }  # fmt: skip
+    (root / ".patchkit-refresh").mkdir()  # a refresh killed before it wrote its journal
+    recovered = checked("refresh", run_cli("refresh", "--recover", "--json", env=env))
+    assert [r["code"] for r in recovered["recovered"]] == ["catalogue-staging-removed"]
 
 
 def test_probe_report(tmp_path):
     log = write_log(tmp_path, record(1, 3, "self_attn.qkv", "lora", ["a"]), '{"step": 2, "cut')
     report = checked("probe report", run_cli("probe", "report", str(log), "--json"))
-    assert report["affected_requests"] and report["warnings"][0]["code"] == "probe-last-line-cut"
+    assert report["warnings"][0]["code"] == "probe-last-line-cut"
+    finding = report["affected_requests"][0]
+    reason = finding["reason"]
+    assert (reason["code"], reason["module"]) == ("probe-projection-bad", "self_attn.qkv")
+    assert reason["message"] == f"{finding['verdict']}; look at {finding['look_at']}"
+
+
+def test_probe_report_of_a_quarantined_adapter(tmp_path):
+    quarantine = {
+        "event": "quarantine", "rank": 0, "adapter": "poisoned", "adapter_id": 3,
+        "adapter_path": "/work/poisoned", "layer": 1, "module": "mlp.down_proj",
+        "tensor": "lora_B", "nan": 0, "inf": 1,
+    }  # fmt: skip
+    bad = record(1, 0, "self_attn.qkv", "lora", ["a"], adapters={"a": "poisoned"})
+    log = write_log(tmp_path, quarantine, bad)
+    report = checked("probe report", run_cli("probe", "report", str(log), "--json"))
+    [listed] = report["quarantines"]
+    assert listed["code"] == "probe-quarantine"
+    reason = report["affected_requests"][0]["reason"]
+    assert (reason["code"], reason["quarantine"]["tensor"]) == ("probe-quarantined", "lora_B")
 
 
 def test_adapter_check(tmp_path):
@@ -253,3 +282,51 @@ def test_docs_json_page_lists_every_schema():
     page = (REPO / "docs" / "json.md").read_text()
     for path in Path(SCHEMAS).glob("*.schema.json"):
         assert f"json/{path.name}" in page, path.name
+
+
+def test_an_adapter_check_document_says_a_code_for_every_finding_note_and_check_skipped(
+    tmp_path,
+):
+    """Config problems, shapes against the model, notes and the checks skipped: each its
+    own code and the facts its words are made from, none the kind's or `note`'s."""
+    model = ah.write_model(tmp_path / "dense", moe=False)
+    tensors = ah.dense_tensors()
+    tensors[f"{ah.P}9.self_attn.o_proj.lora_A.weight"] = ah.tensor((4, ah.H))
+    tensors[f"{ah.P}9.self_attn.o_proj.lora_B.weight"] = ah.tensor((ah.H, 4))
+    adapter = ah.write_adapter(tmp_path / "a", tensors, r="4", use_dora=True)
+    result = run_cli("adapter", "check", str(adapter), "--model", str(model), "--json")
+    report = checked("adapter check", result, 1)
+    found = {f["code"]: f for f in report["findings"]}
+    assert found["adapter-config-bad-r"]["value"] == "'4'"
+    assert found["adapter-config-dora"]["tensor"] == "use_dora"
+    layer = found["adapter-no-such-layer"]
+    assert (layer["layer"], layer["layers"]) == (9, ah.LAYERS)
+    assert [s["code"] for s in report["skipped"]] == ["adapter-skipped-no-target"]
+    kinds = {f"adapter-{f['kind']}" for f in report["findings"]}
+    assert not kinds & set(found), "a finding says its kind's code"
+
+
+def test_a_config_verify_and_doctor_refuse_is_one_message_with_adapter_checks_problem(
+    tmp_path,
+):
+    adapter = ah.write_adapter(tmp_path / "a", ah.dense_tensors(), r=0)
+    target = str(release_tree("0.26.0"))  # read only: the adapter is refused before a scan
+    result = run_cli("doctor", "--kernels", "--adapter", str(adapter), "--target", target, "--json")
+    error = checked("doctor", result, 1)["error"]
+    assert (error["code"], error["key"], error["problem"]["code"]) == (
+        "adapter-config-refused",
+        "r",
+        "adapter-config-bad-r",
+    )
+    assert error["message"] == f"{adapter / 'adapter_config.json'}: r {error['problem']['message']}"
+
+
+def test_a_lock_timeout_that_is_no_number_is_a_message_with_its_value(slim_tree_0260):
+    env = {"PATCHKIT_LOCK_TIMEOUT": "abc"}
+    result = run_cli("apply", "--target", str(slim_tree_0260), "--json", env=env)
+    error = checked("apply", result, 1)["error"]
+    assert (error["code"], error["value"], error["variable"]) == (
+        "lock-timeout-invalid",
+        "abc",
+        "PATCHKIT_LOCK_TIMEOUT",
+    )

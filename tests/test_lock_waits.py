@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.errors import PatchkitError
+from patchkit.errors import Refused
 from patchkit.fs import locks
 from tests.conftest import CATALOGUE, REPO, run_cli, run_subprocess, slim_tree, snapshot
 
@@ -33,9 +33,13 @@ def test_a_number_of_seconds_is_taken(monkeypatch, raw, seconds):
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "nan", "1e", "60s"])
 def test_anything_else_is_one_line(monkeypatch, raw):
+    from patchkit.cli.words import say
+
     monkeypatch.setenv(locks.LOCK_TIMEOUT_ENV, raw)
-    with pytest.raises(PatchkitError, match=f"PATCHKIT_LOCK_TIMEOUT={raw!r} is not a number"):
+    with pytest.raises(Refused) as refused:
         locks.lock_timeout()
+    assert refused.value.reason["value"] == raw
+    assert say(refused.value.reason).startswith(f"PATCHKIT_LOCK_TIMEOUT={raw!r} is not a number")
 
 
 def test_the_setting_is_read_in_one_place_and_flock_taken_in_one():

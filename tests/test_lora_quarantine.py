@@ -484,8 +484,11 @@ def test_the_report_names_the_quarantined_tensor_not_layer_0(tmp_path):
     )
     assert "here layer 0, linear_attn.in_proj_qkvz" in finding["verdict"]
     assert "`patchkit adapter check /work/poisoned`" in finding["look_at"]
+    assert finding["reason"]["code"] == "probe-quarantined"
+    assert finding["reason"]["quarantine"]["command"] == finding["command"]
     [listed] = found["quarantines"]
     assert (listed["adapter"], listed["layer"], listed["tensor"]) == ("poisoned", 1, "lora_B")
+    assert (listed["code"], listed["inf"]) == ("probe-quarantine", 1)
     text = run_cli("probe", "report", str(tmp_path / "probe.jsonl")).stdout
     assert "quarantined at load: adapter 'poisoned' (id 3): layer 1 mlp.down_proj lora_B" in text
     assert "first bad at" not in text

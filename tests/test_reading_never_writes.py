@@ -127,7 +127,12 @@ def test_a_refresh_recovers_first_and_its_report_says_so(tmp_path):
     catalogue, tree = interrupted(tmp_path / "json", committed=False)
     result = run_cli(*args[:2], "--target", str(tree), "--json", env=env(catalogue))
     assert json.loads(result.stdout)["recovered"] == [
-        {"code": "recovered", "message": f"rolled back an interrupted refresh of {DIFF}"}
+        {
+            "code": "catalogue-recovered",
+            "message": f"rolled back an interrupted refresh of {DIFF}",
+            "finished": False,
+            "paths": [DIFF],
+        }
     ]
 
 

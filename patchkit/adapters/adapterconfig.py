@@ -40,31 +40,39 @@ from patchkit.adapters.directory import Directory, about
 from patchkit.adapters.names import ADAPTER_CONFIG
 from patchkit.adapters.patterns import Matcher, compile_peft_key
 from patchkit.adapters.safetensorsfile import shown
-from patchkit.errors import PatchkitError
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused
 
 REQUIRED = ("r", "lora_alpha", "target_modules")
 # init_lora_weights that only set the factors' first values (vLLM's _init_is_supported)
 PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
-_DROPPED = "vLLM refuses it from 0.32.0; earlier releases drop the key unread"
+# keys of features vLLM refuses from 0.32.0 (earlier releases drop them unread); their
+# words, what each feature does, are patchkit.cli.adapter_config_words'
+DROPPED_FEATURES = (
+    "lora_bias",
+    "layer_replication",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+)
 
 
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with adapter_config.json: the key it names ("" for the file as a
-    whole, ``rank_pattern['q_proj']`` for one entry) and what is wrong with it."""
+    whole, ``rank_pattern['q_proj']`` for one entry) and what is wrong with it, a reason
+    (its words are the command line's: patchkit.cli.adapter_config_words)."""
 
     key: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.key} {self.message}" if self.key else self.message
+    message: Reason
 
 
-class PatternRefused(PatchkitError):
-    """A pattern key whose matching ran past patterns.MAX_WORK; carries its Problem."""
+class PatternRefused(Refused):
+    """A pattern key whose matching ran past patterns.MAX_WORK; carries its Problem (a
+    refusal: the command line words it, as it does :func:`read_strict`'s)."""
 
     def __init__(self, path: Path, problem: Problem):
-        super().__init__(f"{path}: {problem}")
+        super().__init__(refusal(path, problem))
         self.problem = problem
 
 
@@ -103,7 +111,8 @@ class AdapterConfig:
             try:
                 found = self.matchers[key].match(name)
             except ValueError as exc:
-                raise PatternRefused(self.path, Problem(which, _key_refused(key, exc))) from None
+                problem = Problem(which, _key_refused(key, exc))
+                raise PatternRefused(self.path, problem) from None
             if found:
                 return key, value
         return None
@@ -132,14 +141,13 @@ def read(folder: Directory) -> AdapterConfig:
     """
     config = AdapterConfig(folder.path / ADAPTER_CONFIG)
     if not folder.has(ADAPTER_CONFIG):
-        config.problems.append(
-            Problem("", "missing; vLLM reads r, lora_alpha and target_modules from it")
-        )
+        config.problems.append(Problem("", Reason.of(Code.ADAPTER_CONFIG_MISSING)))
         return config
     try:
         values = folder.read_json(ADAPTER_CONFIG, "a PEFT adapter config")
     except PatchkitError as exc:
-        config.problems.append(Problem("", about(exc, config.path)))
+        unread = Reason.of(Code.ADAPTER_CONFIG_UNREADABLE, error=about(exc, config.path))
+        config.problems.append(Problem("", unread))
         return config
     _judge(values, config)
     return config
@@ -151,13 +159,7 @@ def read_strict(adapter_dir: Path) -> AdapterConfig:
     with Directory(adapter_dir) as folder:
         config = read(folder)
     if config.problems:
-        more = len(config.problems) - 1
-        tail = (
-            f" ({more} more problem{'s' if more > 1 else ''}: `patchkit adapter check` names each)"
-            if more
-            else ""
-        )
-        raise PatchkitError(f"{config.path}: {config.problems[0]}{tail}")
+        raise Refused(refusal(config.path, config.problems[0], len(config.problems) - 1))
     return config
 
 
@@ -168,60 +170,66 @@ def read_ranks(adapter_dir: Path) -> set[int]:
         config = read(folder)
     for problem in config.problems:
         if problem.key in ("", "r") or problem.key.startswith("rank_pattern"):
-            raise PatchkitError(f"{config.path}: {problem}")
+            raise Refused(refusal(config.path, problem))
     return config.ranks
+
+
+def refusal(path: Path, problem: Problem, more: int = 0) -> Reason:
+    """The one line that refuses an adapter on ``problem`` of its config at ``path`` (and
+    ``more`` problems after it, which `adapter check` names)."""
+    return Reason.of(
+        Code.ADAPTER_CONFIG_REFUSED,
+        path=str(path),
+        key=problem.key,
+        problem=problem.message,
+        more=more,
+    )
 
 
 def _judge(values: dict, config: AdapterConfig) -> None:
     say = config.problems.append
     for key in REQUIRED:
         if key not in values:
-            say(Problem(key, "missing; vLLM refuses the adapter without it (PEFTHelper.from_dict)"))
+            say(Problem(key, Reason.of(Code.ADAPTER_CONFIG_KEY_MISSING)))
     peft_type = values.get("peft_type", "LORA")
     if not (isinstance(peft_type, str) and peft_type.upper() == "LORA"):
-        say(Problem("peft_type", f"is {shown(peft_type)}, not LORA"))
+        say(_bad("peft_type", Code.ADAPTER_CONFIG_NOT_LORA, peft_type))
     if "r" in values:
         r = values["r"]
         if _is_number(r) and r > 0 and r == int(r):
             config.r = int(r)
         else:
-            say(
-                Problem(
-                    "r",
-                    f"is {shown(r)}; it must be a whole number above 0 (vLLM refuses r <= 0 "
-                    "and scales each module by lora_alpha / r; a factor's rank is whole)",
-                )
-            )
+            say(_bad("r", Code.ADAPTER_CONFIG_BAD_R, r))
     if "lora_alpha" in values:
         alpha = values["lora_alpha"]
         if _is_number(alpha):
             config.alpha = alpha
         else:
-            say(Problem("lora_alpha", f"is {shown(alpha)}; it must be a number (the scale's)"))
+            say(_bad("lora_alpha", Code.ADAPTER_CONFIG_BAD_ALPHA, alpha))
     rslora = values.get("use_rslora")
     if rslora is None or isinstance(rslora, bool):
         config.use_rslora = bool(rslora)
     else:
-        say(
-            Problem(
-                "use_rslora",
-                f"is {shown(rslora)}, not true or false (vLLM tests its truth: any string "
-                "turns rsLoRA on)",
-            )
-        )
+        say(_bad("use_rslora", Code.ADAPTER_CONFIG_BAD_RSLORA, rslora))
     targets = values.get("target_modules")
     if targets is None or isinstance(targets, str) or _strings(targets):
         config.target_modules = targets
     else:
-        say(Problem("target_modules", f"is {shown(targets)}; a list of names or a str expected"))
+        say(_bad("target_modules", Code.ADAPTER_CONFIG_BAD_TARGET_MODULES, targets))
     params = values.get("target_parameters") or []
     params = [params] if isinstance(params, str) else params
     if _strings(params):
         config.target_parameters = list(params)
     else:
-        say(Problem("target_parameters", f"is {shown(params)}; a list of parameter names expected"))
+        say(_bad("target_parameters", Code.ADAPTER_CONFIG_BAD_TARGET_PARAMETERS, params))
     _patterns(values, config)
     _features(values, config)
+
+
+def _bad(key: str, code: Code, value: object) -> Problem:
+    """A key whose value the rule refuses: ``value`` as the words show it (cut when long:
+    a config value may be any JSON, a list of a million names)."""
+    return Problem(key, Reason.of(code, value=shown(value)))
 
 
 def _patterns(values: dict, config: AdapterConfig) -> None:
@@ -229,21 +237,15 @@ def _patterns(values: dict, config: AdapterConfig) -> None:
     for which in ("rank_pattern", "alpha_pattern"):
         pattern = values.get(which) or {}
         if not isinstance(pattern, dict):
-            say(Problem(which, "is not a JSON object (module pattern to value)"))
+            say(Problem(which, Reason.of(Code.ADAPTER_CONFIG_PATTERN_NOT_OBJECT)))
             continue
         kept = config.rank_pattern if which == "rank_pattern" else config.alpha_pattern
         for key, value in pattern.items():
             if which == "rank_pattern" and not (type(value) is int and value > 0):
-                say(
-                    Problem(
-                        f"{which}[{shown(key)}]",
-                        f"is {shown(value)}; a rank is an integer above 0 (vLLM refuses any "
-                        "other from 0.32.0)",
-                    )
-                )
+                say(_bad(f"{which}[{shown(key)}]", Code.ADAPTER_CONFIG_BAD_PATTERN_RANK, value))
                 continue
             if which == "alpha_pattern" and not _is_number(value):
-                say(Problem(f"{which}[{shown(key)}]", f"is {shown(value)}; a number expected"))
+                say(_bad(f"{which}[{shown(key)}]", Code.ADAPTER_CONFIG_BAD_PATTERN_ALPHA, value))
                 continue
             if key not in config.matchers:
                 try:
@@ -254,11 +256,10 @@ def _patterns(values: dict, config: AdapterConfig) -> None:
             kept[key] = value
 
 
-def _key_refused(key: str, exc: ValueError) -> str:
-    return (
-        f"key {shown(key)} is refused: {exc} (vLLM matches each key against every module's "
-        "name with Python's regex when it loads the adapter, 0.32.0 on)"
-    )
+def _key_refused(key: str, exc: ValueError) -> Reason:
+    """A pattern key patchkit will not match: ``why`` is patterns.compile_peft_key's or the
+    matcher's refusal (no regular expression, past the work bound)."""
+    return Reason.of(Code.ADAPTER_CONFIG_KEY_REFUSED, pattern=shown(key), why=str(exc))
 
 
 def _features(values: dict, config: AdapterConfig) -> None:
@@ -267,58 +268,21 @@ def _features(values: dict, config: AdapterConfig) -> None:
     say = config.problems.append
     get = values.get
     if get("use_dora"):
-        say(
-            Problem(
-                "use_dora",
-                f"is {shown(get('use_dora'))}: DoRA rescales each column by a magnitude "
-                "vector; vLLM refuses it",
-            )
-        )
+        say(_bad("use_dora", Code.ADAPTER_CONFIG_DORA, get("use_dora")))
     if get("bias", "none") != "none":
-        say(
-            Problem(
-                "bias",
-                f"is {shown(get('bias'))}: the adapter trains the base model's biases; vLLM "
-                "refuses it",
-            )
-        )
+        say(_bad("bias", Code.ADAPTER_CONFIG_BIAS, get("bias")))
     if get("modules_to_save"):
-        say(
-            Problem(
-                "modules_to_save",
-                f"is {shown(get('modules_to_save'))}: whole modules replaced by saved copies; "
-                "vLLM refuses it (0.34.0 takes only a classification model's classifier and "
-                "score)",
-            )
-        )
+        say(_bad("modules_to_save", Code.ADAPTER_CONFIG_MODULES_TO_SAVE, get("modules_to_save")))
     if get("trainable_token_indices"):
-        say(
-            Problem(
-                "trainable_token_indices",
-                f"is {shown(get('trainable_token_indices'))}: embedding rows replaced "
-                "(PEFT's trainable tokens); vLLM never reads the key and refuses their tensors",
-            )
-        )
-    flags = {
-        "lora_bias": "lora_B carries a bias",
-        "layer_replication": "layers duplicated by the adapter",
-        "alora_invocation_tokens": "aLoRA acts only after its invocation tokens",
-        "use_qalora": "QALoRA",
-        "use_bdlora": "block-diagonal LoRA",
-    }
-    for key, what in flags.items():
+        tokens = get("trainable_token_indices")
+        say(_bad("trainable_token_indices", Code.ADAPTER_CONFIG_TRAINABLE_TOKENS, tokens))
+    for key in DROPPED_FEATURES:
         if get(key):
-            say(Problem(key, f"is {shown(get(key))}: {what}; {_DROPPED}"))
+            said = Reason.of(Code.ADAPTER_CONFIG_FEATURE, feature=key, value=shown(get(key)))
+            say(Problem(key, said))
     init = get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() not in PLAIN_INITS:
-        say(
-            Problem(
-                "init_lora_weights",
-                f"is {shown(init)}: PiSSA/OLoRA/CorDA/LoftQ change the base weights at init; "
-                f"{_DROPPED}; convert the adapter with PEFT's "
-                "path_initial_model_for_weight_conversion",
-            )
-        )
+        say(_bad("init_lora_weights", Code.ADAPTER_CONFIG_INIT, init))
 
 
 def _is_number(value: object) -> bool:

@@ -43,16 +43,11 @@ from patchkit.adapters.names import (
     layer_and_name,
 )
 from patchkit.adapters.report import Kind, Report
-from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, dims, shown
+from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, shown
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 
 SCALE_RANGE = (1 / 64, 16.0)
-SKIPPED_MODEL = "shapes and targets against the model (no --model)"
-SKIPPED_TARGET = (
-    "what a vLLM release refuses or ignores (single-parameter expert adapters, partial GDN "
-    "adapters, modules its LoRA code does not wrap) (no --target)"
-)
 
 
 @dataclass
@@ -109,13 +104,13 @@ def check(
                 _check_effect(adapter, report)
     shapes, arch = None, ""
     if model_dir is None:
-        report.skipped.append(SKIPPED_MODEL)
+        report.skipped.append(Reason.of(Code.ADAPTER_SKIPPED_NO_MODEL))
     else:
         shapes, arch = _model(Path(model_dir), report)
         if shapes is not None:
             _check_model(adapter, shapes, report)
     if target is None:
-        report.skipped.append(SKIPPED_TARGET)
+        report.skipped.append(Reason.of(Code.ADAPTER_SKIPPED_NO_TARGET))
         _other_layout(adapter, arch, report)
     else:
         targetcheck.check_release(adapter, shapes, arch, target, report)
@@ -185,7 +180,7 @@ def _open_weights(folder: Directory, report: Report) -> SafetensorsFile | None:
     try:
         return SafetensorsFile(path, opener=lambda: folder.open(ADAPTER_SAFETENSORS))
     except PatchkitError as exc:
-        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", about(exc, path))
+        report.add(Kind.FILE, ADAPTER_SAFETENSORS, "", _unreadable(exc, path))
         return None
 
 
@@ -203,7 +198,7 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
             try:
                 bad, zero = nonfinite.scan_values(st, info)
             except PatchkitError as exc:  # cut short since its header was read
-                report.add(Kind.FILE, file, key, about(exc, st.path))
+                report.add(Kind.FILE, file, key, _unreadable(exc, st.path))
                 return
             report.bytes_scanned += info.nbytes
             if zero:
@@ -211,6 +206,12 @@ def _read_tensors(st: SafetensorsFile, adapter: _Adapter, report: Report) -> Non
             if bad is not None:
                 report.add(Kind.NONFINITE, file, key, _bad_values(bad, info))
         _file_factor(key, info, adapter, report)
+
+
+def _unreadable(exc: PatchkitError, path: Path) -> Reason:
+    """The weights file cannot be read: the reader's error, said about the file the finding
+    names (:func:`patchkit.adapters.directory.about`)."""
+    return Reason.of(Code.ADAPTER_UNREADABLE, error=about(exc, path))
 
 
 def _not_scanned(dtype: str) -> Reason:
@@ -239,7 +240,7 @@ def _bad_values(bad: nonfinite.Nonfinite, info: TensorInfo) -> Reason:
 def _file_factor(key: str, info: TensorInfo, adapter: _Adapter, report: Report) -> None:
     name = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
     if name.endswith((".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")):
-        report.notes.append(f"{key}: a full embedding copy; vLLM skips it, so does this check")
+        report.notes.append(Reason.of(Code.ADAPTER_EMBEDDING_COPY, tensor=key))
         return
     match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
     embedding = False
@@ -294,10 +295,14 @@ def _check_effect(adapter: _Adapter, report: Report) -> None:
         tensor = inert[0].b.name if which == "lora_B" else inert[0].a.name
         report.add(Kind.EFFECT, ADAPTER_SAFETENSORS, tensor, said)
         return
-    report.notes.append(
-        f"{len(inert)} of {len(pairs)} modules have an all-zero {which} and change nothing "
-        f"(e.g. {inert[0].module})"
+    said = Reason.of(
+        Code.ADAPTER_ZERO_MODULES,
+        zero=len(inert),
+        modules=len(pairs),
+        factors=which,
+        example=inert[0].module,
     )
+    report.notes.append(said)
 
 
 def _judge_rank(
@@ -348,10 +353,8 @@ def _model(model_dir: Path, report: Report) -> tuple[ModelShapes | None, str]:
         raise PatchkitError(f"--model: {exc}") from None
     arch = architecture(config)
     if shapes is None:
-        report.skipped.append(
-            f"shapes against the model ({_named(arch) if arch else 'no architecture'} "
-            "in config.json; patchkit knows Qwen3.5/3.6 and Qwen3-Next widths)"
-        )
+        named = _named(arch) if arch else None
+        report.skipped.append(Reason.of(Code.ADAPTER_SKIPPED_UNKNOWN_MODEL, architecture=named))
     return shapes, arch
 
 
@@ -375,14 +378,12 @@ def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None
         if layer is None:
             _check_embedding(f, name, shapes, report)
         elif layer == NO_INDEX or layer >= shapes.layers:
-            said = "a layer index no module of the model has" if layer == NO_INDEX else layer
-            report.add(
-                Kind.TARGET,
-                ADAPTER_SAFETENSORS,
-                f.a.name,
-                f"layer {said}: the model has {shapes.layers} layers (0-{shapes.layers - 1}); "
-                "vLLM finds no module of that name and skips it",
+            said = Reason.of(
+                Code.ADAPTER_NO_SUCH_LAYER,
+                layer=None if layer == NO_INDEX else layer,
+                layers=shapes.layers,
             )
+            report.add(Kind.TARGET, ADAPTER_SAFETENSORS, f.a.name, said)
         elif re.fullmatch(r"mlp\.experts(\.base_layer)*", name):
             experts.setdefault(layer, {})[name] = f
         else:
@@ -390,10 +391,8 @@ def _check_model(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None
     for layer, found in experts.items():
         _check_experts(adapter, layer, found, shapes, report)
     if other:
-        report.notes.append(
-            f"{len(other)} modules outside the language model's layers (e.g. {other[0]}): "
-            "shapes not checked"
-        )
+        said = Reason.of(Code.ADAPTER_OUTSIDE_LAYERS, modules=len(other), example=other[0])
+        report.notes.append(said)
     _check_targets(adapter, shapes, report)
 
 
@@ -405,30 +404,29 @@ def _other_layout(adapter: _Adapter, arch: str, report: Report) -> None:
     found = {m.split("layers.", 1)[0] for m in adapter.modules if ".layers." in f".{m}"}
     other = sorted(p for p in found if want is not None and p != want)
     if other:
-        report.notes.append(
-            f"the adapter's layers are under {other[0]}layers.N, the model's checkpoint "
-            f"({arch}) has them under {want}layers.N: a release that does not map one to "
-            "the other serves those modules as the base model (vLLM #34186); --target says "
-            "what a release does"
-        )
+        said = Reason.of(Code.ADAPTER_OTHER_LAYOUT, prefix=other[0], architecture=arch, want=want)
+        report.notes.append(said)
 
 
 def _check_embedding(f: Factors, name: str, shapes: ModelShapes, report: Report) -> None:
-    want = (shapes.vocab, shapes.hidden)  # embed_tokens: A (r, vocab), B (hidden, r)
+    """embed_tokens' lora_embedding_A (r, vocab) and _B (hidden, r); lm_head's lora_A
+    (r, hidden) and lora_B (vocab, r)."""
     a, b = f.a.shape, f.b.shape
     if f.embedding:
         ok = a[1] == shapes.vocab and b[0] == shapes.hidden
-        need = f"lora_embedding_A (r, {shapes.vocab}), lora_embedding_B ({shapes.hidden}, r)"
     else:
-        ok = a[1] == want[1] and b[0] == want[0]
-        need = f"lora_A (r, {shapes.hidden}), lora_B ({shapes.vocab}, r)"
+        ok = a[1] == shapes.hidden and b[0] == shapes.vocab
     if not ok:
-        report.add(
-            Kind.SHAPE,
-            ADAPTER_SAFETENSORS,
-            f.a.name,
-            f"{name}: A {dims(a)} and B {dims(b)} do not fit the model (needs {need})",
+        said = Reason.of(
+            Code.ADAPTER_EMBEDDING_MISFIT,
+            module=name,
+            a=list(a),
+            b=list(b),
+            embedding=f.embedding,
+            vocab=shapes.vocab,
+            hidden=shapes.hidden,
         )
+        report.add(Kind.SHAPE, ADAPTER_SAFETENSORS, f.a.name, said)
 
 
 def _check_linear(f: Factors, layer: int, name: str, shapes: ModelShapes, report: Report) -> None:
@@ -436,26 +434,26 @@ def _check_linear(f: Factors, layer: int, name: str, shapes: ModelShapes, report
     if per_expert and shapes.moe:
         expert = index(per_expert[1])
         if expert == NO_INDEX or expert >= shapes.experts:
-            said = "an index no expert of the model has" if expert == NO_INDEX else expert
-            report.add(
-                Kind.TARGET,
-                ADAPTER_SAFETENSORS,
-                f.a.name,
-                f"expert {said}: the model has {shapes.experts} experts",
+            said = Reason.of(
+                Code.ADAPTER_NO_SUCH_EXPERT,
+                expert=None if expert == NO_INDEX else expert,
+                experts=shapes.experts,
             )
+            report.add(Kind.TARGET, ADAPTER_SAFETENSORS, f.a.name, said)
             return
         want = shapes.expert_proj[per_expert[2]]
     else:
         modules = shapes.layer_modules(layer)
         if name not in modules:
-            kind = _named(shapes.layer_types[layer])
-            report.add(
-                Kind.TARGET,
-                ADAPTER_SAFETENSORS,
-                f.a.name,
-                f"the model has no {name} in layer {layer} ({kind}, "
-                f"{'MoE' if shapes.moe else 'dense'} {shapes.architecture})",
+            said = Reason.of(
+                Code.ADAPTER_NO_SUCH_MODULE,
+                module=name,
+                layer=layer,
+                layer_type=_named(shapes.layer_types[layer]),
+                moe=shapes.moe,
+                architecture=shapes.architecture,
             )
+            report.add(Kind.TARGET, ADAPTER_SAFETENSORS, f.a.name, said)
             return
         want = modules[name]
     _fit(f, want, f"layers.{layer}.{name}", report)
@@ -467,14 +465,9 @@ def _fit(f: Factors, want: tuple[int, int], where: str, report: Report) -> None:
     if a[1] == inp and b[0] == out:
         return
     transposed = a[1] == out and b[0] == inp
-    report.add(
-        Kind.LAYOUT if transposed else Kind.SHAPE,
-        ADAPTER_SAFETENSORS,
-        f.a.name,
-        f"lora_A {dims(a)} and lora_B {dims(b)} "
-        + ("are swapped in/out" if transposed else "do not fit")
-        + f" {where} ({out}, {inp}): needs lora_A (r, {inp}), lora_B ({out}, r)",
-    )
+    code = Code.ADAPTER_SWAPPED_IN_OUT if transposed else Code.ADAPTER_MISFIT
+    said = Reason.of(code, a=list(a), b=list(b), module=where, out=out, inp=inp)
+    report.add(Kind.LAYOUT if transposed else Kind.SHAPE, ADAPTER_SAFETENSORS, f.a.name, said)
 
 
 def expert_params(adapter_params: list[str], found: dict) -> dict[str, str]:
@@ -497,22 +490,18 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
     file = ADAPTER_SAFETENSORS
     if not shapes.moe:
         for f in found.values():
-            report.add(Kind.TARGET, file, f.a.name, "the model has no routed experts (dense)")
+            report.add(Kind.TARGET, file, f.a.name, Reason.of(Code.ADAPTER_NO_EXPERTS))
         return
     params = expert_params(adapter.config.target_parameters, found)
     for name, f in found.items():
         if name not in params:
-            report.add(Kind.LAYOUT, file, f.a.name, "nested deeper than PEFT's two parameters")
+            report.add(Kind.LAYOUT, file, f.a.name, Reason.of(Code.ADAPTER_NESTED_TOO_DEEP))
             continue
         a, b = f.a.shape, f.b.shape
         n = shapes.experts
         if a[0] % n:
-            report.add(
-                Kind.SHAPE,
-                file,
-                f.a.name,
-                f"lora_A {dims(a)}: rows are not a multiple of the {n} experts (r * E)",
-            )
+            said = Reason.of(Code.ADAPTER_EXPERT_ROWS, a=list(a), experts=n)
+            report.add(Kind.SHAPE, file, f.a.name, said)
             continue
         fits, legacy = [], []
         for param in [params[name]] if params[name] else EXPERT_PARAMS:
@@ -524,28 +513,22 @@ def _check_experts(adapter, layer: int, found: dict, shapes: ModelShapes, report
         where = f"layers.{layer}.mlp.experts"
         if fits:
             if not params[name]:
-                report.notes.append(f"{where}: one expert parameter, by its shapes {fits[0]}")
+                said = Reason.of(Code.ADAPTER_EXPERT_BY_SHAPE, module=where, parameter=fits[0])
+                report.notes.append(said)
             root = re.sub(r"(\.base_layer)+$", "", f.module)
             _judge_rank(report, adapter, f, a[0] // n, None, f"{root}.{fits[0]}")
             continue
-        wants = "; ".join(
-            f"{p} {dims(shapes.expert_params[p])}: lora_A (r*{n}, {shapes.expert_params[p][2]}), "
-            f"lora_B ({shapes.expert_params[p][1]}, r*{n})"
-            for p in ([params[name]] if params[name] else EXPERT_PARAMS)
+        wanted = [params[name]] if params[name] else list(EXPERT_PARAMS)
+        said = Reason.of(
+            Code.ADAPTER_EXPERTS_LEGACY if legacy else Code.ADAPTER_EXPERTS_MISFIT,
+            a=list(a),
+            b=list(b),
+            module=where,
+            experts=n,
+            parameters=wanted,
+            shapes=[list(shapes.expert_params[p]) for p in wanted],
         )
-        report.add(
-            Kind.LAYOUT if legacy else Kind.SHAPE,
-            file,
-            f.a.name,
-            f"lora_A {dims(a)} and lora_B {dims(b)} "
-            + (
-                "are PEFT <= 0.19's layout (lora_A (r*E, out)); vLLM and PEFT >= 0.20 read "
-                "(r*E, in): re-save with PEFT >= 0.20"
-                if legacy
-                else "fit no expert parameter"
-            )
-            + f" ({where} {wants})",
-        )
+        report.add(Kind.LAYOUT if legacy else Kind.SHAPE, file, f.a.name, said)
 
 
 def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> None:
@@ -556,20 +539,13 @@ def _check_targets(adapter: _Adapter, shapes: ModelShapes, report: Report) -> No
         for name in targets:
             last = name.rsplit(".", 1)[-1]
             if last not in shapes.module_names() and last not in held:
-                report.add(
-                    Kind.TARGET,
-                    ADAPTER_CONFIG,
-                    "target_modules",
-                    f"names {shown(name)}: {shapes.architecture} has no such module and the "
-                    "adapter holds no tensor for it",
-                )
+                arch = shapes.architecture
+                said = Reason.of(Code.ADAPTER_NO_TARGET_MODULE, name=shown(name), architecture=arch)
+                report.add(Kind.TARGET, ADAPTER_CONFIG, "target_modules", said)
     for name in adapter.config.target_parameters:
         param = name.rsplit(".", 1)[-1]
         if not any(_names_param(name, p) for p in EXPERT_PARAMS) or not shapes.moe:
-            report.add(
-                Kind.TARGET,
-                ADAPTER_CONFIG,
-                "target_parameters",
-                f"names {shown(name)}: the model has no parameter {shown(param, 40)} on routed "
-                "experts",
+            said = Reason.of(
+                Code.ADAPTER_NO_TARGET_PARAMETER, name=shown(name), parameter=shown(param, 40)
             )
+            report.add(Kind.TARGET, ADAPTER_CONFIG, "target_parameters", said)

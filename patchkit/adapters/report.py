@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.codes import Code, Reason
+from patchkit.codes import Reason
 from patchkit.vocabulary import Word
 
 
@@ -32,10 +32,12 @@ class AdapterFinding:
     kind: Kind
     file: str
     tensor: str  # the tensor name, the config key, or "" for the file as a whole
-    # what is wrong: a reason (its code finer than the kind's; words in
-    # patchkit.cli.adapter_words), or still words where a check has not typed it yet
-    message: Reason | str
-    code: Code | None = None  # a finer code than the kind's for a message still in words
+    # what is wrong: a reason, its code finer than the kind's (words: patchkit.cli.adapter_words)
+    message: Reason
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.message, Reason):  # words are made by the command line only
+            raise TypeError(f"a finding's message is a Reason, not {type(self.message).__name__}")
 
 
 @dataclass
@@ -49,8 +51,8 @@ class Report:
     tensors: int = 0
     bytes_scanned: int = 0
     findings: list[AdapterFinding] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # checks not run, each with its reason
-    notes: list[str] = field(default_factory=list)
+    skipped: list[Reason] = field(default_factory=list)  # checks not run, each with its reason
+    notes: list[Reason] = field(default_factory=list)
     # with --target: per adapter module, whether the release wraps it (patchkit.adapters.reach)
     targets: list[dict] = field(default_factory=list)
 
@@ -58,7 +60,5 @@ class Report:
     def ok(self) -> bool:
         return not self.findings
 
-    def add(
-        self, kind: Kind, file: str, tensor: str, message: Reason | str, code: Code | None = None
-    ):
-        self.findings.append(AdapterFinding(kind, file, tensor, message, code))
+    def add(self, kind: Kind, file: str, tensor: str, message: Reason) -> None:
+        self.findings.append(AdapterFinding(kind, file, tensor, message))

@@ -35,7 +35,7 @@ from patchkit.adapters.registry import parse
 from patchkit.adapters.release import LoraSupport, lora_support
 from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
-from patchkit.codes import Code
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.patching import operations
 from patchkit.patching.decide import apply_command
@@ -72,15 +72,18 @@ def _fixes(assessments: dict, tree: VllmTree) -> dict[str, str]:
     return {i: apply_command(states, opt_in, i) + target for i in assessments}
 
 
-def _say(report: Report, notice, tensor: str, message: str, tree: VllmTree) -> None:
+def _say(report: Report, notice, tensor: str, message: Reason, tree: VllmTree) -> None:
     """A finding where the catalogue decided this release; a note where it has not (the
     bug was seen up to an older release: unknown here, never asserted)."""
     if notice.undecided:
-        report.notes.append(
-            f"{tensor}: unknown on vLLM {tree.version}, which this catalogue has not decided "
-            f"(seen up to {notice.seen_up_to}, and the code it was seen in is still there): "
-            f"{message}"
+        said = Reason.of(
+            Code.ADAPTER_RELEASE_UNDECIDED,
+            tensor=tensor,
+            version=tree.version,
+            seen_up_to=notice.seen_up_to,
+            finding=message,
         )
+        report.notes.append(said)
     else:
         report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, tensor, message)
 
@@ -104,22 +107,24 @@ def _single_parameter_experts(adapter, tree: VllmTree, assessment, fix, report: 
         return  # the patch is applied, or the release does not have the assert
     for layer, names in sorted(_by_layer(adapter).items()):
         if "mlp.experts" in names and "mlp.experts.base_layer" not in names:
-            _say(
-                report,
-                notices[0],
-                _first_factor(names["mlp.experts"]),
-                f"layer {layer}: an adapter on one expert parameter; vLLM {tree.version} stops "
-                f"at `assert gate_up_proj_lora is not None` (_stack_moe_lora_weights) unless "
-                f"{MOE_PATCH} is applied{_how(assessment, fix)}",
-                tree,
+            said = Reason.of(
+                Code.ADAPTER_ONE_EXPERT_PARAMETER,
+                layer=layer,
+                version=tree.version,
+                **_how(assessment, fix),
             )
+            _say(report, notices[0], _first_factor(names["mlp.experts"]), said, tree)
 
 
-def _how(assessment, fix: dict[str, str]) -> str:
-    """`` (`COMMAND`)`` that applies the patch here, or why patchkit cannot."""
-    if assessment.state == PatchState.NEEDED:
-        return f" (`{fix[assessment.patch.id]}`)"
-    return f" (it is {assessment.state} here: `patchkit status` says why)"
+def _how(assessment, fix: dict[str, str]) -> dict:
+    """The facts of how the patch gets applied here: ``patch``, its ``state`` and the
+    ``command`` that applies it (None where patchkit cannot: `patchkit status` says why)."""
+    needed = assessment.state == PatchState.NEEDED
+    return {
+        "patch": assessment.patch.id,
+        "state": str(assessment.state),
+        "command": fix[assessment.patch.id] if needed else None,
+    }
 
 
 def _partial_gdn(adapter, tree: VllmTree, assessment, fix, report: Report) -> None:
@@ -134,30 +139,32 @@ def _partial_gdn(adapter, tree: VllmTree, assessment, fix, report: Report) -> No
         if qkv and version is not None and version >= GDN_QKV_ONLY_LOADS:
             continue
         have, lack = ("in_proj_qkv", "in_proj_z") if qkv else ("in_proj_z", "in_proj_qkv")
-        _say(
-            report,
-            notices[0],
-            _first_factor(names[f"linear_attn.{have}"]),
-            f"layer {layer}: {have} without {lack}; vLLM {tree.version} packs them as "
-            f"in_proj_qkvz and expand_packed_lora fails on the missing one unless {GDN_PATCH} "
-            f"is applied{_how(assessment, fix)}",
-            tree,
+        said = Reason.of(
+            Code.ADAPTER_PARTIAL_GDN,
+            layer=layer,
+            have=have,
+            lack=lack,
+            version=tree.version,
+            **_how(assessment, fix),
         )
+        _say(report, notices[0], _first_factor(names[f"linear_attn.{have}"]), said, tree)
 
 
 def _support(arch: str, tree: VllmTree, report: Report) -> LoraSupport | None:
     """The release's LoRA names for the architecture, or None with the check said skipped."""
+    name = arch if len(arch) <= 60 else arch[:57] + "..."  # config.json's, any length
     try:
-        support = lora_support(tree, arch) if arch else None
-        name = arch if len(arch) <= 60 else arch[:57] + "..."  # config.json's, any length
-        why = f"architecture {name}" if arch else "no --model to name the architecture"
+        support, error = (lora_support(tree, arch) if arch else None), None
     except PatchkitError as exc:
-        support, why = None, str(exc)
+        support, error = None, str(exc)
     if support is None:
-        report.skipped.append(
-            f"modules vLLM {tree.version}'s LoRA code wraps ({why}; patchkit reads "
-            "the Qwen3.5/3.6 and Qwen3-Next model files)"
+        said = Reason.of(
+            Code.ADAPTER_SKIPPED_LORA_MODULES,
+            version=tree.version,
+            architecture=name or None,
+            error=error,
         )
+        report.skipped.append(said)
     return support
 
 
@@ -167,20 +174,14 @@ def _unwrapped(adapter, arch: str, support: LoraSupport, tree: VllmTree, report:
             continue
         if support.refuses(module):
             per_expert = ".experts." in module and module.split(".experts.")[1][:1].isdigit()
-            hint = (
-                " (a per-expert adapter on a 3D-expert model: re-save it with PEFT "
-                "target_parameters, or serve with --enable-mixed-moe-lora-format where the "
-                "release has it)"
-                if per_expert and support.is_3d
-                else ""
+            said = Reason.of(
+                Code.ADAPTER_NOT_WRAPPED,
+                version=tree.version,
+                module=module,
+                architecture=arch,
+                per_expert_on_3d=per_expert and support.is_3d,
             )
-            report.add(
-                Kind.RELEASE,
-                ADAPTER_SAFETENSORS,
-                _first_factor(f),
-                f"vLLM {tree.version} refuses the adapter: its LoRA code wraps no module "
-                f"named like {module} for {arch}{hint}",
-            )
+            report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, _first_factor(f), said)
 
 
 def _reach(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Report) -> None:
@@ -190,7 +191,8 @@ def _reach(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Rep
     try:
         lay = reach.layout(tree, support, arch)
     except PatchkitError as exc:
-        report.skipped.append(f"which modules vLLM {tree.version} reaches ({exc})")
+        said = Reason.of(Code.ADAPTER_SKIPPED_REACH, version=tree.version, error=str(exc))
+        report.skipped.append(said)
         return
     rows = [reach.reach(module, lay, support) for module in sorted(adapter.modules)]
     report.targets = [
@@ -200,43 +202,32 @@ def _reach(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Rep
     factor = {m: _first_factor(f) for m, f in adapter.modules.items()}
     for r in rows:
         if r.outcome == "refused" and not support.refuses(r.module.removesuffix(".base_layer")):
-            report.add(
-                Kind.RELEASE,
-                ADAPTER_SAFETENSORS,
-                factor[r.module],
-                f"vLLM {tree.version} refuses the adapter: {r.module}: {r.why}",
+            said = Reason.of(
+                Code.ADAPTER_REACH_REFUSED, version=tree.version, module=r.module, why=r.why
             )
+            report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, factor[r.module], said)
     tower = [r for r in rows if r.outcome == "ignored" and r.why.startswith("the vision tower")]
     ignored = [r for r in rows if r.outcome == "ignored" and r not in tower]
     wrapped = [r for r in rows if r.outcome == "wrapped"]
     if tower:
-        report.notes.append(
-            f"{len(tower)} module(s) in the vision tower (e.g. {tower[0].module}): {tower[0].why}; "
-            "text prompts never reach them"
+        said = Reason.of(
+            Code.ADAPTER_VISION_TOWER, modules=len(tower), example=tower[0].module, why=tower[0].why
         )
+        report.notes.append(said)
     if not ignored:
         return
-    example = f"e.g. {ignored[0].module} -> {ignored[0].vllm_module}: {ignored[0].why}"
-    if not wrapped and len(ignored) == len(rows) - len(tower):
-        report.add(
-            Kind.RELEASE,
-            ADAPTER_SAFETENSORS,
-            factor[ignored[0].module],
-            f"vLLM {tree.version} would serve this adapter as the base model: none of its "
-            f"{len(rows)} modules reaches a module its LoRA code wraps ({example}); "
-            "it loads without a warning",
-            Code.ADAPTER_SERVED_AS_BASE,
-        )
-        return
-    report.add(
-        Kind.RELEASE,
-        ADAPTER_SAFETENSORS,
-        factor[ignored[0].module],
-        f"vLLM {tree.version} ignores {len(ignored)} of the adapter's {len(rows)} modules: "
-        f"their weights reach no module its LoRA code wraps, so they serve as the base model "
-        f"({example})",
-        Code.ADAPTER_MODULES_IGNORED,
+    first = ignored[0]
+    served_as_base = not wrapped and len(ignored) == len(rows) - len(tower)
+    said = Reason.of(
+        Code.ADAPTER_SERVED_AS_BASE if served_as_base else Code.ADAPTER_MODULES_IGNORED,
+        version=tree.version,
+        ignored=len(ignored),
+        modules=len(rows),
+        example=first.module,
+        vllm_module=first.vllm_module,
+        why=first.why,
     )
+    report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, factor[first.module], said)
 
 
 def _patterns_unread(adapter, tree: VllmTree, report: Report) -> None:
@@ -250,7 +241,10 @@ def _patterns_unread(adapter, tree: VllmTree, report: Report) -> None:
     try:
         fields = _peft_helper_fields(tree)
     except PatchkitError as exc:
-        report.skipped.append(f"whether vLLM {tree.version} reads {' and '.join(used)} ({exc})")
+        said = Reason.of(
+            Code.ADAPTER_SKIPPED_PATTERNS, version=tree.version, patterns=used, error=str(exc)
+        )
+        report.skipped.append(said)
         return
     unread = [k for k in used if k not in fields]
     if not unread:
@@ -266,14 +260,14 @@ def _patterns_unread(adapter, tree: VllmTree, report: Report) -> None:
         if not math.isclose(config.scale(rank, alpha), served, rel_tol=1e-9):
             changed.append(module)
     if changed:
-        report.add(
-            Kind.RELEASE,
-            ADAPTER_CONFIG,
-            unread[0],
-            f"vLLM {tree.version} does not read {' or '.join(unread)} (its PEFTHelper has no "
-            f"such field; 0.32.0 on reads them): it serves {len(changed)} module(s) (e.g. "
-            f"{changed[0]}) at the scale of r and lora_alpha, not the one PEFT trained",
+        said = Reason.of(
+            Code.ADAPTER_PATTERNS_UNREAD,
+            version=tree.version,
+            patterns=unread,
+            modules=len(changed),
+            example=changed[0],
         )
+        report.add(Kind.RELEASE, ADAPTER_CONFIG, unread[0], said)
 
 
 def _pattern_name(module: str) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, os_error_line
 from patchkit.fs.safepath import Root, Usage, mount_id, mount_points_below, remove_entry
 
@@ -107,26 +108,27 @@ def cache_dirs() -> list[CacheDir]:
     ]
 
 
-def refusal(cache: CacheDir, fs: Root, protected: list[Path], tree_root: Path) -> str | None:
+def refusal(cache: CacheDir, fs: Root, protected: list[Path], tree_root: Path) -> Reason | None:
     """Why the opened cache ``fs`` must be left alone, or None when it is safe to clear."""
     path = cache.path
     here = os.fstat(fs.fd)
     for keep in [Path("/"), Path.home(), *protected]:
         held = _ancestor_ids(keep)
         if (here.st_dev, here.st_ino) in held:
-            return f"{path} holds {held[(here.st_dev, here.st_ino)]}"
+            kept = str(held[(here.st_dev, here.st_ino)])
+            return Reason.of(Code.CACHE_HOLDS_KEPT, path=str(path), kept=kept)
     root = tree_root.resolve()
     if root == path or root in path.parents:
-        return f"{path} is inside the vLLM tree {tree_root}"
+        return Reason.of(Code.CACHE_IN_TREE, path=str(path), tree=str(tree_root))
     for name in fs.names("", "cache"):
         found = fs.lstat(name, "cache")
         if found is None:
             continue
         if stat.S_ISLNK(found.st_mode) or not cache.is_entry(fs, name, found.st_mode):
-            return f"{path} holds {name!r}, which is not part of the {cache.name}'s layout"
+            return Reason.of(Code.CACHE_FOREIGN_ENTRY, path=str(path), entry=name, cache=cache.name)
     mounted = mount_points_below(fs.fd, path)
     if mounted:
-        return f"{mounted} is a mount point inside the {cache.name}; patchkit never crosses one"
+        return Reason.of(Code.CACHE_MOUNT_INSIDE, mount=str(mounted), cache=cache.name)
     return None
 
 
@@ -154,7 +156,7 @@ class CacheResult:
     state: CacheState
     files: int = 0  # removed
     bytes: int = 0
-    reason: str | None = None  # why it was left alone, or why there was nothing to clear
+    reason: Reason | None = None  # why it was left alone, or why there was nothing to clear
 
     @property
     def removed(self) -> bool:
@@ -172,18 +174,18 @@ def clear_caches(tree_root: Path) -> list[CacheResult]:
 def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> CacheResult:
     path = str(cache.path or cache.source)
 
-    def result(state: CacheState, usage: Usage | None = None, reason: str | None = None):
+    def result(state: CacheState, usage: Usage | None = None, reason: Reason | None = None):
         usage = usage or Usage()
         return CacheResult(cache.name, path, state, usage.files, usage.bytes, reason)
 
     if cache.path is None:
-        return result("left-alone", reason=f"{cache.source} is not an absolute path")
+        return result("left-alone", reason=Reason.of(Code.CACHE_NOT_ABSOLUTE, source=cache.source))
     try:
         fs = Root.open_absolute(cache.path, cache.source)
     except FileNotFoundError:
-        return result("absent", reason=f"{cache.path} does not exist (nothing to clear)")
+        return result("absent", reason=Reason.of(Code.CACHE_ABSENT, path=str(cache.path)))
     except PatchkitError as exc:
-        return result("left-alone", reason=str(exc))
+        return result("left-alone", reason=Reason.of(Code.CACHE_UNSAFE, error=str(exc)))
     except OSError as exc:
         return result("left-alone", reason=_os_reason(exc, "opening", cache))
     with fs:
@@ -193,14 +195,17 @@ def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> Cache
                 return result("left-alone", reason=why)
             return result("cleared", _remove_entries(fs))
         except PatchkitError as exc:
-            return result("left-alone", reason=f"{exc} (partly cleared)")
+            return result("left-alone", reason=Reason.of(Code.CACHE_PARTLY_CLEARED, error=str(exc)))
         except OSError as exc:
             return result("left-alone", reason=_os_reason(exc, "clearing", cache))
 
 
-def _os_reason(exc: OSError, doing: str, cache: CacheDir) -> str:
+def _os_reason(exc: OSError, doing: str, cache: CacheDir) -> Reason:
+    """An OSError opening or clearing the cache: os_error_line's one line (the variable
+    to shorten where the path is too long), the cache and what patchkit was doing."""
     variable = cache.source.split("=")[0] if "=" in cache.source else "HOME (the default)"
-    return os_error_line(exc, f"{doing} the {cache.name} ({cache.source}):", too_long=variable)
+    line = os_error_line(exc, f"{doing} the {cache.name} ({cache.source}):", too_long=variable)
+    return Reason.of(Code.CACHE_OS_ERROR, doing=doing, cache=cache.name, error=line)
 
 
 def _remove_entries(fs: Root) -> Usage:

@@ -42,7 +42,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.codes import Code, Reason
+from patchkit.errors import PatchkitError, Refused, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.files import decode_json
 from patchkit.fs.safepath import Root, TooLarge, UnsafePath, checked_relpath
@@ -91,12 +92,8 @@ class CatalogueLock:
         self.timeout = locks.lock_timeout()
 
     def __enter__(self) -> Root:
-        locks.wait_for(
-            lambda: locks.try_flock(self.fs.fd),
-            self.timeout,
-            f"another patchkit refresh is writing {self.fs.path} (waited {self.timeout:.0f} s); "
-            "let it finish, then run the command again",
-        )
+        busy = Reason.of(Code.CATALOGUE_BUSY, path=str(self.fs.path), waited=self.timeout)
+        locks.wait_for(lambda: locks.try_flock(self.fs.fd), self.timeout, busy)
         return self.fs
 
     def __exit__(self, *exc_info) -> None:
@@ -119,10 +116,7 @@ def tree_path(fs: Root) -> str:
     except (OSError, UnsafePath):
         same = False
     if not same:
-        raise PatchkitError(
-            f"{fs.path}: refresh names the tree in its journal by a path without links, and "
-            f"{path} is not the same directory; pass --target the tree's real path"
-        )
+        raise Refused(Reason.of(Code.JOURNAL_TREE_NOT_REAL, tree=str(fs.path), real=path))
     return path
 
 
@@ -152,9 +146,9 @@ class CatalogueWrite:
         A file past MAX_FILE_BYTES is refused first: recovery would refuse to read it."""
         for item in self.files:
             if max(len(item.after), len(item.before or b"")) > MAX_FILE_BYTES:
-                raise PatchkitError(
-                    f"{self.fs.full(item.path)}: more than {MAX_FILE_BYTES} bytes, more than a "
-                    "catalogue file may hold; nothing was written"
+                path = str(self.fs.full(item.path))
+                raise Refused(
+                    Reason.of(Code.CATALOGUE_FILE_TOO_LARGE, path=path, most=MAX_FILE_BYTES)
                 )
         self.fs.remove_tree(JOURNAL_DIR, "journal")  # a run that died before its journal
         for item in self.files:
@@ -193,9 +187,9 @@ class CatalogueWrite:
             self.installed = []
             self.fs.remove_tree(JOURNAL_DIR, "rollback")
         except BaseException as exc:
-            raise PatchkitError(
-                f"putting the catalogue back after a failed refresh failed too ({exc}); "
-                f"`patchkit refresh --recover` puts it back from {self.fs.full(JOURNAL)}"
+            journal = str(self.fs.full(JOURNAL))
+            raise Refused(
+                Reason.of(Code.CATALOGUE_UNDO_FAILED, error=str(exc), journal=journal)
             ) from None
         return restored
 
@@ -283,36 +277,38 @@ def recover(root: Path, ids: Iterable[str]) -> list[str]:
             with CatalogueLock(fs), held():
                 return recover_locked(fs, ids)
         except OSError as exc:
-            raise PatchkitError(
-                f"{os_error_line(exc, 'finishing an interrupted refresh in')}; the catalogue "
-                f"keeps its journal ({fs.full(JOURNAL)}) for `patchkit refresh --recover`"
+            line = os_error_line(exc, "finishing an interrupted refresh in")
+            journal = str(fs.full(JOURNAL))
+            raise Refused(
+                Reason.of(Code.CATALOGUE_RECOVERY_FAILED, error=line, journal=journal)
             ) from None
 
 
-def recover_locked(fs: Root, ids: Iterable[str]) -> list[str]:
+def recover_locked(fs: Root, ids: Iterable[str]) -> list[Reason]:
     """:func:`recover` for a caller that holds :class:`CatalogueLock` on ``fs``."""
     if fs.lstat(JOURNAL, "journal") is None:
         if fs.lstat(JOURNAL_DIR, "journal") is None:
             return []
         fs.remove_tree(JOURNAL_DIR, "journal")  # died before its journal: nothing in place
-        return ["removed the staging of a refresh that was interrupted before it wrote anything"]
+        return [Reason.of(Code.CATALOGUE_STAGING_REMOVED)]
     tree, state_after, entries = _read_journal(fs, ids)
     try:
         committed = _tree_record_sha(tree) == state_after
     except (OSError, PatchkitError) as exc:
-        raise _not_acted_on(fs, f"its tree {tree} cannot be read: {exc}") from None
+        unread = Reason.of(Code.JOURNAL_TREE_UNREADABLE, tree=tree, error=str(exc))
+        raise _not_acted_on(fs, unread) from None
     try:  # every file is checked before any is touched
         moves = [_move_for(fs, entry, committed) for entry in entries]
     except (UnsafePath, TooLarge) as exc:
-        raise _not_acted_on(fs, str(exc)) from None
+        raise _not_acted_on(fs, Reason.of(Code.JOURNAL_UNSAFE, error=str(exc))) from None
     for entry, staged in moves:
         if staged is None:
             fs.unlink(entry.path, "rollback")
         elif staged:
             _move(fs, staged, entry.path)
     fs.remove_tree(JOURNAL_DIR, "journal")
-    done = "finished" if committed else "rolled back"
-    return [f"{done} an interrupted refresh of {', '.join(e.path for e in entries)}"]
+    paths = [e.path for e in entries]
+    return [Reason.of(Code.CATALOGUE_RECOVERED, finished=committed, paths=paths)]
 
 
 def _move_for(fs: Root, entry: _Entry, forward: bool) -> tuple[_Entry, str | None]:
@@ -323,12 +319,12 @@ def _move_for(fs: Root, entry: _Entry, forward: bool) -> tuple[_Entry, str | Non
     if current == want:
         return entry, ""
     if current != other:
-        raise _not_acted_on(fs, f"{entry.path} was changed after the interrupted refresh")
+        raise _not_acted_on(fs, Reason.of(Code.JOURNAL_FILE_CHANGED, path=entry.path))
     if want is None:
         return entry, None
     staged = f"{JOURNAL_DIR}/{'new' if forward else 'old'}/{entry.path}"
     if _sha(fs.read(staged, "journal", MAX_FILE_BYTES)) != want:
-        raise _not_acted_on(fs, f"its copy of {entry.path} is missing or damaged")
+        raise _not_acted_on(fs, Reason.of(Code.JOURNAL_COPY_MISSING, path=entry.path))
     return entry, staged
 
 
@@ -349,7 +345,7 @@ def _read_journal(fs: Root, ids: Iterable[str]) -> tuple[str, str, list[_Entry]]
         if len({e.path for e in entries}) != len(entries):
             raise ValueError("a file is listed twice")
     except (ValueError, UnsafePath, TooLarge) as exc:
-        raise _not_acted_on(fs, f"invalid journal ({exc})") from None
+        raise _not_acted_on(fs, Reason.of(Code.JOURNAL_INVALID, why=str(exc))) from None
     return data["tree"], data["state_after"], entries
 
 
@@ -362,11 +358,16 @@ def _entry(item: object, ids: tuple[str, ...], origin: str) -> _Entry:
     return _Entry(path, item["before"], item["after"])
 
 
-def _not_acted_on(fs: Root, detail: str) -> PatchkitError:
-    return PatchkitError(
-        f"{fs.full(JOURNAL)}: an interrupted refresh left this journal, and {detail}; it was "
-        f"not acted on. Restore the catalogue (git checkout -- {fs.path}), then delete "
-        f"{fs.full(JOURNAL_DIR)}"
+def _not_acted_on(fs: Root, problem: Reason) -> Refused:
+    """The journal is left as it is: ``problem`` says why, the words what to do by hand."""
+    return Refused(
+        Reason.of(
+            Code.JOURNAL_NOT_ACTED_ON,
+            journal=str(fs.full(JOURNAL)),
+            catalogue=str(fs.path),
+            staging=str(fs.full(JOURNAL_DIR)),
+            problem=problem,
+        )
     )
 
 

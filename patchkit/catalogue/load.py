@@ -35,6 +35,7 @@ from patchkit.catalogue.model import (
     Switch,
     Variant,
 )
+from patchkit.codes import Reason
 from patchkit.errors import PatchkitError
 from patchkit.fs.safepath import checked_relpath
 from patchkit.identity import is_version
@@ -196,9 +197,9 @@ def _series(root: Path) -> tuple[list[str], tuple[str, ...]]:
     return ids, releases
 
 
-def recover_interrupted_refresh(root: Path | None = None) -> list[str]:
+def recover_interrupted_refresh(root: Path | None = None) -> list[Reason]:
     """Finish or undo a refresh that died while writing the catalogue at ``root``: refresh's
-    first step (it owns the journal), `refresh --recover`'s only one; what it did, a line
+    first step (it owns the journal), `refresh --recover`'s only one; what it did, a reason
     each. Needs only series.toml, so a catalogue half one refresh's still gets there."""
     root = Path(root) if root is not None else default_root()
     ids, _ = _series(root)

@@ -1,15 +1,16 @@
 """The words of adapter check's findings: what is wrong with a file, a tensor or a config
 value (:mod:`patchkit.cli.words` takes these into its own registry, as it does doctor's).
 
-A finding's message is a reason (a code of :mod:`patchkit.codes` and its facts) where
-:mod:`patchkit.adapters.check` has typed it; the findings of the model's and the
-release's checks and the config reader's problems are still their words (a str), said
-as they are.
+Every finding's message, note and check skipped is a reason (a code of
+:mod:`patchkit.codes` and its facts); those of adapter_config.json's rule are worded in
+:mod:`patchkit.cli.adapter_config_words`, those against the model and the release in
+:mod:`patchkit.cli.adapter_target_words`, and this module's table holds them all.
 """
 
 from __future__ import annotations
 
 from patchkit.adapters.safetensorsfile import dims, shown
+from patchkit.cli import adapter_config_words, adapter_target_words
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
@@ -18,9 +19,15 @@ WORDS: dict[Code, Words] = {}
 words = registrar(WORDS)
 
 
-def finding_words(message: Reason | str) -> str:
-    """The words of a finding's message: a reason's made here, a str as it is."""
-    return message if isinstance(message, str) else WORDS[message.code](message, "")
+def finding_words(message: Reason) -> str:
+    """The words of a finding's message, a note or a check skipped (a reason of adapter
+    check's, made here)."""
+    return WORDS[message.code](message, "")
+
+
+@words(Code.ADAPTER_UNREADABLE)
+def _unreadable(r: Reason, _: str) -> str:
+    return r["error"]
 
 
 @words(Code.ADAPTER_PICKLE)
@@ -145,3 +152,7 @@ def _zero_factors(r: Reason, _: str) -> str:
         "changes nothing, a server serves it as the base model (PEFT initialises lora_B "
         "to zero: saved before its first training step?)"
     )
+
+
+WORDS.update(adapter_config_words.WORDS)  # adapter_config.json's, in their own module
+WORDS.update(adapter_target_words.WORDS)  # against the model and the release, likewise

@@ -10,7 +10,14 @@ that every code has words.
 
 from __future__ import annotations
 
-from patchkit.cli import adapter_words, doctor_words, probe_words, runner_words
+from patchkit.cli import (
+    adapter_words,
+    cache_words,
+    doctor_words,
+    lock_words,
+    probe_words,
+    runner_words,
+)
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 
@@ -344,8 +351,11 @@ def _after_commit(r: Reason, _: str) -> str:
 
 
 @words(Code.BYTECODE_LEFT)
-def _what(r: Reason, _: str) -> str:
-    return r["what"]
+def _bytecode_left(r: Reason, _: str) -> str:
+    return (
+        f"the patches are in place, but stale bytecode {r['path']} could not be "
+        f"removed ({r['why']}); delete it by hand (or run patchkit as the owner of the files)"
+    )
 
 
 @words(Code.ROLLED_BACK, Code.ROLLED_BACK_NOTHING, Code.ROLLED_BACK_COMMITTED)
@@ -774,4 +784,6 @@ def _outside(r: Reason, _: str) -> str:
 WORDS.update(doctor_words.WORDS)  # doctor's codes, worded in their own module
 WORDS.update(runner_words.WORDS)  # the model runner's, likewise
 WORDS.update(adapter_words.WORDS)  # adapter check's typed findings, likewise
-WORDS.update(probe_words.WORDS)  # probe report's warning
+WORDS.update(probe_words.WORDS)  # probe report's
+WORDS.update(cache_words.WORDS)  # why a compile cache was left alone
+WORDS.update(lock_words.WORDS)  # a busy lock, a bad PATCHKIT_LOCK_TIMEOUT

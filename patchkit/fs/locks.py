@@ -16,7 +16,8 @@ import os
 import time
 from collections.abc import Callable
 
-from patchkit.errors import PatchkitError
+from patchkit.codes import Code, Reason
+from patchkit.errors import Refused
 
 LOCK_TIMEOUT_ENV = "PATCHKIT_LOCK_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -33,9 +34,13 @@ def lock_timeout() -> float:
     except ValueError:
         value = math.nan
     if not value >= 0:  # nan and negative numbers too
-        raise PatchkitError(
-            f"{LOCK_TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds (0 or more; "
-            f"unset it for the default {DEFAULT_TIMEOUT:.0f}); nothing was changed"
+        raise Refused(
+            Reason.of(
+                Code.LOCK_TIMEOUT_INVALID,
+                variable=LOCK_TIMEOUT_ENV,
+                value=raw[:40],
+                default=DEFAULT_TIMEOUT,
+            )
         )
     return value
 
@@ -54,11 +59,12 @@ def release(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def wait_for(try_lock: Callable[[], bool], timeout: float, busy: str) -> None:
+def wait_for(try_lock: Callable[[], bool], timeout: float, busy: Reason) -> None:
     """Call ``try_lock`` until it takes the lock; after ``timeout`` seconds (from
-    :func:`lock_timeout`) raise PatchkitError(``busy``). A timeout of 0 tries once."""
+    :func:`lock_timeout`) refuse with ``busy`` (which lock, and how long it waited). A
+    timeout of 0 tries once."""
     deadline = time.monotonic() + timeout
     while not try_lock():
         if time.monotonic() >= deadline:
-            raise PatchkitError(busy)
+            raise Refused(busy)
         time.sleep(POLL_SECONDS)

@@ -12,6 +12,7 @@ root-owned ``__pycache__``) is a warning in the report, never a rollback.
 
 from __future__ import annotations
 
+from patchkit.codes import Code, Reason
 from patchkit.fs.safepath import Root, UnsafePath
 
 
@@ -39,8 +40,9 @@ def bytecode_paths(fs: Root, relpath: str) -> list[str]:
     return sorted(found)
 
 
-def remove_bytecode(fs: Root, relpaths: list[str]) -> tuple[list[str], list[str]]:
-    """Delete the bytecode of each touched module; (what was removed, what could not be)."""
+def remove_bytecode(fs: Root, relpaths: list[str]) -> tuple[list[str], list[Reason]]:
+    """Delete the bytecode of each touched module; (what was removed, and why what could
+    not be removed is left: a bytecode-left warning each)."""
     removed, problems = [], []
     for relpath in relpaths:
         try:
@@ -57,9 +59,6 @@ def remove_bytecode(fs: Root, relpaths: list[str]) -> tuple[list[str], list[str]
     return removed, problems
 
 
-def _problem(fs: Root, relpath: str, exc: Exception) -> str:
+def _problem(fs: Root, relpath: str, exc: Exception) -> Reason:
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return (
-        f"the patches are in place, but stale bytecode {fs.full(relpath)} could not be "
-        f"removed ({why}); delete it by hand (or run patchkit as the owner of the files)"
-    )
+    return Reason.of(Code.BYTECODE_LEFT, path=str(fs.full(relpath)), why=why)

@@ -242,8 +242,8 @@ def _execute(report: RunReport, state: State) -> None:
     report.notes.extend(Reason.of(Code.DROPPED_STALE_ENTRY, patch=i) for i in planned.drop)
     removed, problems = bytecode.remove_bytecode(state.fs, [c.path for c in writes])
     report.bytecode_removed = removed
-    for line in problems:
-        report.warn(Reason.of(Code.BYTECODE_LEFT, what=line))
+    for problem in problems:
+        report.warn(problem)
 
 
 def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str, bytes]:

@@ -110,10 +110,7 @@ def refresh(
             # catalogue (recover_interrupted_refresh); one that died since makes this run
             # stop (its catalogue is stale), an interrupted run on the tree is rolled back
             # and the report says so
-            recovered += [
-                Reason.of(Code.RECOVERED, text=line)
-                for line in journal.recover_locked(root, catalogue.ids)
-            ]
+            recovered += journal.recover_locked(root, catalogue.ids)
             if recovered:
                 raise Refused(Reason.of(Code.REFRESH_CATALOGUE_RECOVERED, recovered=recovered[0]))
             recovered += recover(tree.fs, catalogue.file_kinds)

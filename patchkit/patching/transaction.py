@@ -118,12 +118,8 @@ class TreeLock:
         try:
             with held():
                 self._open()
-            locks.wait_for(
-                self._try_lock,
-                self.timeout,
-                f"another patchkit run holds {self.path} (waited {self.timeout:.0f} s); "
-                "let it finish, then run the command again",
-            )
+            busy = Reason.of(Code.LOCK_BUSY, path=str(self.path), waited=self.timeout)
+            locks.wait_for(self._try_lock, self.timeout, busy)
         except BaseException:
             with held():
                 self._close()

@@ -61,18 +61,23 @@ CHECK_COMMAND = "patchkit adapter check"
 
 @dataclass
 class RequestFinding:
-    """Where one request first went bad, and what the decision tree makes of it."""
+    """Where one request first went bad, and what the decision tree makes of it: a reason
+    (probe-input-bad, probe-projection-bad, probe-output-bad, probe-quarantined), whose
+    words, the verdict and where to look, are patchkit.cli.probe_words'."""
 
     request: str
     adapter: str | None
     step: int
     layer: int
     module: str
-    verdict: str
-    look_at: str
+    reason: Reason
     bad_modules: list[str] = field(default_factory=list)
     tensor: str | None = None  # lora_A / lora_B: the adapter was quarantined for it
     command: str | None = None  # what to run next
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, Reason):  # words are made by the command line only
+            raise TypeError(f"a finding's reason is a Reason, not {type(self.reason).__name__}")
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,20 @@ class Quarantine:
     nan: int
     inf: int
 
-    def cause(self) -> str:
-        """'layer 1 mlp.shared_expert.down_proj lora_B has non-finite values (3 inf)'."""
-        where = f"layer {self.layer} " if self.layer is not None else ""
-        counts = ", ".join(f"{n} {k}" for k, n in (("nan", self.nan), ("inf", self.inf)) if n)
-        return f"{where}{self.module} {self.tensor} has non-finite values ({counts or '?'})"
+    def reason(self) -> Reason:
+        """The quarantine as a message's facts (probe-quarantine): who, which tensor, the
+        counts, and the command that names every non-finite tensor of the adapter."""
+        return Reason.of(
+            Code.PROBE_QUARANTINE,
+            adapter=self.adapter,
+            adapter_id=self.adapter_id,
+            layer=self.layer,
+            module=self.module,
+            tensor=self.tensor,
+            nan=self.nan,
+            inf=self.inf,
+            command=self.command(),
+        )
 
     def command(self) -> str:
         """The next command, safe to paste: the path is one shell word (a tenant chooses
@@ -104,10 +118,6 @@ class Quarantine:
         if not (path and path.isascii() and path.isprintable()):
             return f"{CHECK_COMMAND} DIR"
         return f"{CHECK_COMMAND} {shlex.quote('./' + path if path.startswith('-') else path)}"
-
-    def named(self) -> str:
-        adapter = repr(self.adapter) if self.adapter is not None else "(no name)"
-        return f"adapter {adapter} (id {self.adapter_id})"
 
 
 @dataclass
@@ -522,30 +532,26 @@ def judge(request: str, trail: RequestTrail, unwatched: list[dict]) -> RequestFi
     if quarantine is not None:
         return quarantined(common, quarantine, here[0])
     if inputs:
-        verdict = "hidden state already bad at the layer's input"
-        look_at = "upstream of this layer: the embedding or an earlier pipeline stage"
-        return RequestFinding(**common, module="input", verdict=verdict, look_at=look_at)
-    who = f"adapter {adapter!r}" if adapter else "this request (no adapter named)"
+        said = Reason.of(Code.PROBE_INPUT_BAD)
+        return RequestFinding(**common, module="input", reason=said)
     if projections:
         first = projections[0].module
-        look_at = (
-            f"the LoRA path of {first} for {who}: its weights (an inf/NaN in lora_A or "
-            "lora_B) or the LoRA kernels (patchkit doctor)"
-        )
-        return RequestFinding(
-            **common, module=first, verdict=f"projection {first} bad first", look_at=look_at
-        )
-    verdict = "every probed projection fine, the layer output bad"
-    look_at = f"the layer's own compute: {_compute_of(trail.compute.get(layer, 0))}"
+        said = Reason.of(Code.PROBE_PROJECTION_BAD, module=first, adapter=adapter)
+        return RequestFinding(**common, module=first, reason=said)
     run = trail.first[0].run
     modules = unwatched[run].get(layer, {}) if run >= 0 else {}
-    if modules and adapter:
-        look_at += (
-            f"; or the LoRA path of {_listed(list(modules))} for {who}, which the probe "
-            f"does not watch ({_listed(sorted(set(modules.values())))}): if only requests "
-            "with an adapter go bad here, check that adapter's expert weights"
-        )
-    return RequestFinding(**common, module="output", verdict=verdict, look_at=look_at)
+    names = list(modules) if adapter else []
+    classes = sorted(set(modules.values())) if adapter else []
+    said = Reason.of(
+        Code.PROBE_OUTPUT_BAD,
+        compute=_compute_of(trail.compute.get(layer, 0)),
+        adapter=adapter,
+        unwatched=names[:SHOWN_UNWATCHED],
+        unwatched_count=len(names),
+        classes=classes[:SHOWN_UNWATCHED],
+        classes_count=len(classes),
+    )
+    return RequestFinding(**common, module="output", reason=said)
 
 
 def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> RequestFinding:
@@ -555,30 +561,20 @@ def quarantined(common: dict, quarantine: Quarantine, first: Sighting) -> Reques
     that runs (``first``), wherever the bad tensor is; the finding names the
     tensor, not that projection.
     """
-    verdict = (
-        f"{quarantine.named()} was quarantined at load: {quarantine.cause()}; the torch "
-        f"LoRA path makes its rows NaN from its first LoRA projection on (here layer "
-        f"{first.layer}, {first.module}), other requests are not affected"
-    )
-    look_at = (
-        f"that tensor in the adapter's files: `{quarantine.command()}` names every "
-        "non-finite tensor; fix or replace the adapter, then load it again"
+    said = Reason.of(
+        Code.PROBE_QUARANTINED,
+        quarantine=quarantine.reason(),
+        first_layer=first.layer,
+        first_module=first.module,
     )
     common = {**common, "layer": quarantine.layer if quarantine.layer is not None else -1}
     return RequestFinding(
         **common,
         module=quarantine.module,
-        verdict=verdict,
-        look_at=look_at,
+        reason=said,
         tensor=quarantine.tensor,
         command=quarantine.command(),
     )
-
-
-def _listed(names: list[str]) -> str:
-    """At most SHOWN_UNWATCHED names: a header's list must not multiply into every finding."""
-    more = len(names) - SHOWN_UNWATCHED
-    return ", ".join(names[:SHOWN_UNWATCHED]) + (f" and {more} more" if more > 0 else "")
 
 
 def _position(sighting: Sighting) -> tuple[int, int]:
@@ -594,9 +590,10 @@ def _compute_bits(module: str) -> int:
 
 
 def _compute_of(bits: int) -> str:
-    """Attention, GDN or the MLP, by the module names the layer's bad records carry."""
+    """Which compute the layer's bad records point at, by their module names: ``gdn`` or
+    ``attention`` (each or the MLP), ``any`` where their names say neither."""
     if bits & GDN:
-        return "Gated DeltaNet (linear attention) or the MLP"
+        return "gdn"
     if bits & ATTENTION:
-        return "attention or the MLP"
-    return "attention, Gated DeltaNet or the MLP"
+        return "attention"
+    return "any"

@@ -10,8 +10,7 @@ from patchkit.cli import exits
 from patchkit.cli.adapter_words import finding_words
 from patchkit.cli.options import check_target, json_option
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, field_values, message, out, text_message
-from patchkit.codes import Code
+from patchkit.cli.render import counted, emit_json, field_values, message, messages, out
 
 
 @click.group("adapter", cls=click.Group)
@@ -85,8 +84,8 @@ def adapter_check_lines(report) -> list[str]:
     for f in report.findings:
         where = f"{f.file}: {f.tensor}" if f.tensor else f.file
         lines.append(f"{f.kind}: {where}: {finding_words(f.message)}")
-    lines += [f"note: {note}" for note in report.notes]
-    lines += [f"skipped: {skipped}" for skipped in report.skipped]
+    lines += [f"note: {finding_words(note)}" for note in report.notes]
+    lines += [f"skipped: {finding_words(skipped)}" for skipped in report.skipped]
     lines += target_lines(report)
     release = f", vLLM {report.vllm_version}" if report.vllm_version else ""
     scanned = f"{counted(report.tensors, 'tensor')}, {report.bytes_scanned / 1e6:.1f} MB scanned"
@@ -117,20 +116,14 @@ def adapter_check_json(report) -> dict:
         "tensors": report.tensors,
         "bytes_scanned": report.bytes_scanned,
         "findings": [_finding_json(f) for f in report.findings],
-        "skipped": [text_message(Code.SKIPPED, s) for s in report.skipped],
-        "notes": [text_message(Code.NOTE, n) for n in report.notes],
+        "skipped": messages(report.skipped),
+        "notes": messages(report.notes),
         "targets": report.targets,
     }
 
 
 def _finding_json(finding) -> dict:
     """A finding as a message: its reason's code (``adapter-nonfinite-values``), its words
-    as the text line ends and its facts, then where (file, tensor) and its kind; a finding
-    still in words has its kind's code (``adapter-target``) or a finer one."""
-    where = {k: v for k, v in field_values(finding).items() if k not in ("code", "message")}
-    if isinstance(finding.message, str):
-        code = finding.code or Code(f"adapter-{finding.kind}")
-        said = text_message(code, finding.message)
-    else:
-        said = message(finding.message)
-    return said | where | {"kind": str(finding.kind)}
+    as the text line ends and its facts, then where (file, tensor) and its kind."""
+    where = {k: v for k, v in field_values(finding).items() if k != "message"}
+    return message(finding.message) | where | {"kind": str(finding.kind)}

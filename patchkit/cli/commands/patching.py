@@ -31,12 +31,10 @@ from patchkit.cli.render import (
     message,
     messages,
     out,
-    text_message,
     warn,
     wrap,
 )
 from patchkit.cli.words import said, say
-from patchkit.codes import Code
 from patchkit.forks import forkmode
 from patchkit.patching import operations
 from patchkit.patching.assess import Assessment
@@ -195,7 +193,7 @@ def run_changes(report: RunReport) -> list[str]:
     """What a run that changed the tree did, and what went wrong after: the lines that go to
     stderr when stdout cannot take the report."""
     left_alone = [
-        f"left {c.name} alone: {c.reason}"
+        f"left {c.name} alone: {say(c.reason)}"
         for c in report.caches_removed
         if c.state not in ("cleared", "absent")
     ]
@@ -213,7 +211,7 @@ def _render_caches(caches: list[CacheResult]) -> None:
         elif cache.state == "absent":
             out(f"no {cache.name} at {cache.path}: nothing to clear")
         else:
-            warn(f"left {cache.name} alone: {cache.reason}")
+            warn(f"left {cache.name} alone: {say(cache.reason)}")
 
 
 def summary(report: RunReport) -> str:
@@ -265,7 +263,7 @@ def _cache_json(cache: CacheResult) -> dict:
         "removed": cache.removed,
         "files": cache.files,
         "bytes": cache.bytes,
-        "reason": text_message(Code.CACHE_NOT_CLEARED, cache.reason),
+        "reason": message(cache.reason),
     }
 
 

@@ -6,7 +6,8 @@ import click
 
 from patchkit.cli.options import json_option
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, field_values, messages, out, warn
+from patchkit.cli.probe_words import look_at, verdict
+from patchkit.cli.render import counted, emit_json, field_values, message, messages, out, warn
 from patchkit.cli.words import say
 
 
@@ -48,29 +49,28 @@ def render_probe_report(report) -> None:
     Request ids (a client's X-Request-Id), adapter and module names come from the
     log: :func:`out` escapes their control characters, as every line's.
     """
-    say = out
     records, steps = counted(report.records, "record"), counted(report.steps, "step")
-    say(f"nan-probe log {report.path}: {records} over {steps}")
+    out(f"nan-probe log {report.path}: {records} over {steps}")
     for q in report.quarantines:
-        say(f"  quarantined at load: {q.named()}: {q.cause()}; check it: {q.command()}")
+        out(f"  {say(q.reason())}")
     if report.quarantines_not_listed:
-        say(f"  and {counted(report.quarantines_not_listed, 'more quarantine')}")
+        out(f"  and {counted(report.quarantines_not_listed, 'more quarantine')}")
     if not report.findings:
-        say("no request had a NaN or Inf in any probed layer or projection")
+        out("no request had a NaN or Inf in any probed layer or projection")
     for f in report.findings:
         adapter = f" (adapter {f.adapter})" if f.adapter else ""
         where = f"step {f.step}, layer {f.layer}, {f.module}"
         if f.tensor:  # its adapter's quarantine, not the first bad projection, is the cause
-            say(f"  request {f.request}{adapter}: bad from step {f.step}, its adapter quarantined")
+            out(f"  request {f.request}{adapter}: bad from step {f.step}, its adapter quarantined")
         else:
-            say(f"  request {f.request}{adapter}: first bad at {where}")
-        say(f"      {f.verdict}; look at {f.look_at}")
+            out(f"  request {f.request}{adapter}: first bad at {where}")
+        out(f"      {say(f.reason)}")
         if not f.tensor:
-            say(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
+            out(f"      bad in layer {f.layer}: {', '.join(f.bad_modules)}")
     if report.padding_only:
         padding = counted(report.padding_only, "record")
-        say(f"{padding} had bad rows in CUDA-graph padding only (no request)")
-    say(f"probe report: {counted(len(report.findings), 'affected request')}")
+        out(f"{padding} had bad rows in CUDA-graph padding only (no request)")
+    out(f"probe report: {counted(len(report.findings), 'affected request')}")
 
 
 def probe_json(report) -> dict:
@@ -81,11 +81,28 @@ def probe_json(report) -> dict:
         "steps": report.steps,
         "headers": report.headers,
         "padding_only": report.padding_only,
-        "affected_requests": [field_values(f) for f in report.findings],
-        "quarantines": [field_values(q) | {"command": q.command()} for q in report.quarantines],
+        "affected_requests": [_finding_json(f) for f in report.findings],
+        "quarantines": [_quarantine_json(q) for q in report.quarantines],
         "quarantines_not_listed": report.quarantines_not_listed,
         "warnings": messages(report.warnings),
     }
+
+
+def _finding_json(finding) -> dict:
+    """A request's finding: where, the verdict and where to look in words (as they were
+    before the reason was added), and ``reason``, the message with its code and facts."""
+    found = {}
+    for key, value in field_values(finding).items():
+        if key == "reason":  # where the verdict and look_at were, in that order
+            found |= {"verdict": verdict(value), "look_at": look_at(value)}
+        else:
+            found[key] = value
+    return found | {"reason": message(finding.reason)}
+
+
+def _quarantine_json(quarantine) -> dict:
+    """A quarantine as a message (``probe-quarantine``, its line's words), then its fields."""
+    return message(quarantine.reason()) | field_values(quarantine)
 
 
 def render_probe_warnings(report) -> None:

@@ -7,9 +7,8 @@ import click
 from patchkit.catalogue.load import load_catalogue, recover_interrupted_refresh
 from patchkit.cli.options import check_only, json_option, target_options
 from patchkit.cli.outcome import outcome, user_errors
-from patchkit.cli.render import emit_json, messages, out, text_message
+from patchkit.cli.render import emit_json, messages, out
 from patchkit.cli.words import say
-from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import locate
 
@@ -78,7 +77,7 @@ def refresh_command(
     if recover:  # series.toml alone: a catalogue that does not load still gets recovered
         recovered = recover_interrupted_refresh()
         if recovered:
-            outcome().done([f"refresh: {line}" for line in recovered])
+            outcome().done([f"refresh: {say(r)}" for r in recovered])
         if as_json:
             emit_json("refresh", recover_json(recovered))
         else:
@@ -91,13 +90,13 @@ def refresh_command(
     recovered = []
     if catalogue.interrupted_refresh:  # refresh owns the journal: it finishes or undoes it
         recovered = recover_interrupted_refresh(catalogue.root)
-        outcome().done([f"refresh: {line}" for line in recovered])
+        outcome().done([f"refresh: {say(r)}" for r in recovered])
         catalogue = load_catalogue(catalogue.root)  # as the recovery left it
     tree = locate(target, vllm_version)
     result = refresh(
         tree, catalogue, patch_id, variant, tuple(add), Path(pristine) if pristine else None
     )
-    result.recovered[:0] = [Reason.of(Code.RECOVERED, text=line) for line in recovered]
+    result.recovered[:0] = recovered
     outcome().done([refresh_summary(result)])
     if as_json:
         emit_json("refresh", refresh_json(result))
@@ -151,17 +150,13 @@ def refresh_json(report) -> dict:
     }
 
 
-def render_recover(recovered: list[str]) -> None:
+def render_recover(recovered: list) -> None:
     """`refresh --recover`: what it finished or undid, or that there was nothing."""
-    for line in recovered:
-        out(f"refresh: {line}")
+    for reason in recovered:
+        out(f"refresh: {say(reason)}")
     if not recovered:
         out("refresh: no interrupted refresh in the catalogue: nothing to do")
 
 
-def recover_json(recovered: list[str]) -> dict:
-    return {
-        "ok": True,
-        "recover": True,
-        "recovered": [text_message(Code.RECOVERED, line) for line in recovered],
-    }
+def recover_json(recovered: list) -> dict:
+    return {"ok": True, "recover": True, "recovered": messages(recovered)}
