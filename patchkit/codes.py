@@ -323,6 +323,14 @@ class Code(str, Enum):
     ADAPTER_SKIPPED_UNKNOWN_MODEL = "adapter-skipped-unknown-model"  # no widths: architecture
     ADAPTER_SKIPPED_LORA_MODULES = "adapter-skipped-lora-modules"  # release's names unread
     ADAPTER_SKIPPED_REACH = "adapter-skipped-reach"  # which modules it reaches: error
+    # ----- where one adapter module ends on a release (adapter check --target's targets) -----
+    REACH_SKIP_PREFIX = "reach-skip-prefix"  # the model's lora_skip_prefixes skip it
+    REACH_MAPS_TO_NOTHING = "reach-maps-to-nothing"  # its name maps to nothing (vLLM raises)
+    REACH_NO_WRAPPED_NAME = "reach-no-wrapped-name"  # no wrapped module has its last name
+    REACH_NOT_LORA_LAYER = "reach-not-lora-layer"  # layer: a module that is no LoRA layer
+    REACH_WRAPPED = "reach-wrapped"  # packed: the packed module it is part of, or None
+    REACH_VISION_TOWER = "reach-vision-tower"  # option: the flag that wraps it; refused_layer
+    REACH_NOT_IN_MODEL = "reach-not-in-model"  # served: the class; layers: its layers' prefix
     ADAPTER_SKIPPED_PATTERNS = "adapter-skipped-patterns"  # whether it reads the patterns
     # ----- adapter_config.json: what the rule refuses (words: cli/adapter_config_words.py) -----
     ADAPTER_CONFIG_MISSING = "adapter-config-missing"  # no adapter_config.json

@@ -13,7 +13,9 @@ from patchkit.adapters import reach
 from patchkit.adapters.check import check
 from patchkit.adapters.release import lora_support
 from patchkit.adapters.report import Kind
+from patchkit.cli.adapter_target_words import reach_words
 from patchkit.cli.adapter_words import finding_words
+from patchkit.codes import Code, Reason
 from patchkit.vllmtree.tree import locate
 from tests import adapter_helpers as ah
 from tests.conftest import release_tree, run_cli
@@ -53,7 +55,8 @@ def test_every_module_of_a_healthy_adapter_is_wrapped(tmp_path, dense, version):
     assert len(report.targets) == len({k.split(".lora_")[0] for k in ah.dense_tensors()})
     q = next(row for row in report.targets if row["module"].endswith("1.self_attn.q_proj"))
     assert q["vllm_module"] == "language_model.model.layers.1.self_attn.q_proj"
-    assert q["why"] == "part of qkv_proj"  # the packed module the release wraps
+    assert q["why"] == Reason.of(Code.REACH_WRAPPED, packed="qkv_proj")  # the release wraps
+    assert reach_words(q["why"]) == "part of qkv_proj"
 
 
 @pytest.mark.parametrize("version", ["0.21.0", "0.26.0", "0.34.0"])
@@ -123,7 +126,9 @@ def test_json_lists_every_module_and_the_finding_code(tmp_path, dense):
     assert result.exit_code == 1
     assert [f["code"] for f in data["findings"]] == ["adapter-served-as-base"]
     assert len(data["targets"]) == 11
-    assert set(data["targets"][0]) == {"module", "vllm_module", "outcome", "why"}
+    assert set(data["targets"][0]) == {"module", "vllm_module", "outcome", "why", "reason"}
+    assert data["targets"][0]["reason"]["code"].startswith("reach-")
+    assert data["targets"][0]["reason"]["message"] == data["targets"][0]["why"]
 
 
 @pytest.mark.parametrize(
@@ -147,10 +152,11 @@ def test_the_vision_towers_conv3d_is_refused_by_034_when_tower_lora_is_on(
     report = check(adapter, dense, tree(version))
     row = next(r for r in report.targets if r["module"] == "model.visual.patch_embed.proj")
     assert row["outcome"] == "ignored" and row["vllm_module"] == "visual.patch_embed.proj"
-    assert row["why"].startswith(
+    assert row["why"].code == Code.REACH_VISION_TOWER
+    assert reach_words(row["why"]).startswith(
         "the vision tower, wrapped only with --enable-tower-connector-lora"
     )
-    assert ("refused: patch_embed.proj is no LoRA layer" in row["why"]) is refused
+    assert ("refused: patch_embed.proj is no LoRA layer" in reach_words(row["why"])) is refused
     assert not [f for f in report.findings if f.kind == Kind.RELEASE]
     assert any("1 module(s) in the vision tower" in note for note in notes(report))
 

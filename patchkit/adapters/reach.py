@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from patchkit.adapters.registry import parse
 from patchkit.adapters.release import LoraSupport, class_attribute, lookup_class
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import VllmTree
 
@@ -127,7 +128,7 @@ class Reach:
     module: str  # the adapter's name, under base_model.model.
     vllm_module: str | None  # the name vLLM looks it up under (None: mapped to nothing)
     outcome: str  # wrapped, ignored, refused
-    why: str = ""
+    why: Reason  # a reach-* code and its facts (words: patchkit.cli.adapter_target_words)
 
 
 def layout(tree: VllmTree, support: LoraSupport, arch: str) -> Layout:
@@ -160,47 +161,37 @@ def reach(module: str, lay: Layout, support: LoraSupport) -> Reach:
         name = name.removesuffix(".base_layer")  # the experts' name with it (gate_up_proj)
     nested = module[len(name) :]
     if any(f".{p}" in f"base_model.model.{module}" or module.startswith(p) for p in lay.skip):
-        return Reach(module, None, "ignored", "skipped by the model's lora_skip_prefixes")
+        return Reach(module, None, "ignored", Reason.of(Code.REACH_SKIP_PREFIX))
     mapped = module_name(lay.mapper, name)
     if mapped is None:
-        return Reach(module, None, "refused", "its name maps to nothing (vLLM raises)")
+        return Reach(module, None, "refused", Reason.of(Code.REACH_MAPS_TO_NOTHING))
     if support.refuses(name):
-        return Reach(module, mapped, "refused", "no wrapped module has its last name")
+        return Reach(module, mapped, "refused", Reason.of(Code.REACH_NO_WRAPPED_NAME))
     non_lora = next((n for n in lay.non_lora if mapped.endswith("." + n)), None)
     in_lm = mapped.startswith(lay.layers) or mapped in lay.tops
     if in_lm and non_lora and lay.refuses_non_lora:
-        return Reach(module, mapped, "refused", f"{non_lora} is no LoRA layer")
+        return Reach(
+            module, mapped, "refused", Reason.of(Code.REACH_NOT_LORA_LAYER, layer=non_lora)
+        )
     if in_lm:
-        return Reach(module, mapped + nested, "wrapped", _packed_in(mapped, support))
+        packed = Reason.of(Code.REACH_WRAPPED, packed=_packed_in(mapped, support))
+        return Reach(module, mapped + nested, "wrapped", packed)
     if any(mapped.startswith(p) for p in lay.tower):
-        option = (
-            "only with --enable-tower-connector-lora"
-            if lay.tower_option
-            else "never (LoRA only in the language model)"
-        )
-        refused = (
-            f"; with it, refused: {non_lora} is no LoRA layer"
-            if non_lora and lay.refuses_non_lora and lay.tower_option
-            else ""
-        )
-        return Reach(module, mapped, "ignored", f"the vision tower, wrapped {option}{refused}")
-    return Reach(
-        module,
-        mapped,
-        "ignored",
-        f"no module of {lay.served} is named so (its language model's layers are {lay.layers}N...)",
-    )
+        refused = non_lora if non_lora and lay.refuses_non_lora and lay.tower_option else None
+        why = Reason.of(Code.REACH_VISION_TOWER, option=lay.tower_option, refused_layer=refused)
+        return Reach(module, mapped, "ignored", why)
+    why = Reason.of(Code.REACH_NOT_IN_MODEL, served=lay.served, layers=lay.layers)
+    return Reach(module, mapped, "ignored", why)
 
 
-def grouped(rows: list[dict]) -> list[tuple[str, str, str, str]]:
+def grouped(rows: list[dict]) -> list[tuple[str, str, str, Reason]]:
     """(name with its layer as N, the layers, outcome, why) per target, in first-seen order:
-    one line per target name instead of one per layer."""
+    one line per target name instead of one per layer (a why holds no layer's number)."""
     groups: dict[tuple, list[int]] = {}
     for row in rows:
         match = _LAYER_INDEX.search(row["module"])
         name = _LAYER_INDEX.sub(".layers.N.", row["module"], count=1) if match else row["module"]
-        why = _LAYER_INDEX.sub(".layers.N.", row["why"])
-        layers = groups.setdefault((name, row["outcome"], why), [])
+        layers = groups.setdefault((name, row["outcome"], row["why"]), [])
         if match:
             layers.append(int(match[1]))
     return [(name, _spans(layers), outcome, why) for (name, outcome, why), layers in groups.items()]
@@ -232,11 +223,11 @@ def module_name(mapper: Mapper, module: str) -> str | None:
     return mapped.removesuffix(".lora_A.weight")
 
 
-def _packed_in(mapped: str, support: LoraSupport) -> str:
-    """`part of qkv_proj` for a member of a packed module, else ''."""
+def _packed_in(mapped: str, support: LoraSupport) -> str | None:
+    """`qkv_proj` for a member of a packed module, else None."""
     last = mapped.rsplit(".", 1)[-1]
     packed = next((k for k, members in support.packed.items() if last in members), None)
-    return f"part of {packed}" if packed and packed != last else ""
+    return packed if packed and packed != last else None
 
 
 # ----- reading the release -----

@@ -206,7 +206,7 @@ def _reach(adapter, arch: str, support: LoraSupport, tree: VllmTree, report: Rep
                 Code.ADAPTER_REACH_REFUSED, version=tree.version, module=r.module, why=r.why
             )
             report.add(Kind.RELEASE, ADAPTER_SAFETENSORS, factor[r.module], said)
-    tower = [r for r in rows if r.outcome == "ignored" and r.why.startswith("the vision tower")]
+    tower = [r for r in rows if r.outcome == "ignored" and r.why.code == Code.REACH_VISION_TOWER]
     ignored = [r for r in rows if r.outcome == "ignored" and r not in tower]
     wrapped = [r for r in rows if r.outcome == "wrapped"]
     if tower:

@@ -149,11 +149,11 @@ def _not_wrapped(r: Reason, _: str) -> str:
 
 @words(Code.ADAPTER_REACH_REFUSED)
 def _reach_refused(r: Reason, _: str) -> str:
-    return f"vLLM {r['version']} refuses the adapter: {r['module']}: {r['why']}"
+    return f"vLLM {r['version']} refuses the adapter: {r['module']}: {reach_words(r['why'])}"
 
 
 def _example(r: Reason) -> str:
-    return f"e.g. {r['example']} -> {r['vllm_module']}: {r['why']}"
+    return f"e.g. {r['example']} -> {r['vllm_module']}: {reach_words(r['why'])}"
 
 
 @words(Code.ADAPTER_SERVED_AS_BASE)
@@ -225,8 +225,8 @@ def _expert_by_shape(r: Reason, _: str) -> str:
 @words(Code.ADAPTER_VISION_TOWER)
 def _vision_tower(r: Reason, _: str) -> str:
     return (
-        f"{r['modules']} module(s) in the vision tower (e.g. {r['example']}): {r['why']}; "
-        "text prompts never reach them"
+        f"{r['modules']} module(s) in the vision tower (e.g. {r['example']}): "
+        f"{reach_words(r['why'])}; text prompts never reach them"
     )
 
 
@@ -286,3 +286,55 @@ def _skipped_reach(r: Reason, _: str) -> str:
 @words(Code.ADAPTER_SKIPPED_PATTERNS)
 def _skipped_patterns(r: Reason, _: str) -> str:
     return f"whether vLLM {r['version']} reads {' and '.join(r['patterns'])} ({r['error']})"
+
+
+# ----- where one adapter module ends on a release (Reach.why) -----
+
+
+def reach_words(why: Reason) -> str:
+    """The words of a Reach's why ("" for a wrapped module that is part of nothing)."""
+    return WORDS[why.code](why, "")
+
+
+@words(Code.REACH_SKIP_PREFIX)
+def _skip_prefix(_r: Reason, _: str) -> str:
+    return "skipped by the model's lora_skip_prefixes"
+
+
+@words(Code.REACH_MAPS_TO_NOTHING)
+def _maps_to_nothing(_r: Reason, _: str) -> str:
+    return "its name maps to nothing (vLLM raises)"
+
+
+@words(Code.REACH_NO_WRAPPED_NAME)
+def _no_wrapped_name(_r: Reason, _: str) -> str:
+    return "no wrapped module has its last name"
+
+
+@words(Code.REACH_NOT_LORA_LAYER)
+def _not_lora_layer(r: Reason, _: str) -> str:
+    return f"{r['layer']} is no LoRA layer"
+
+
+@words(Code.REACH_WRAPPED)
+def _wrapped(r: Reason, _: str) -> str:
+    return f"part of {r['packed']}" if r["packed"] else ""
+
+
+@words(Code.REACH_VISION_TOWER)
+def _tower(r: Reason, _: str) -> str:
+    option = (
+        "only with --enable-tower-connector-lora"
+        if r["option"]
+        else "never (LoRA only in the language model)"
+    )
+    refused = (
+        f"; with it, refused: {r['refused_layer']} is no LoRA layer" if r["refused_layer"] else ""
+    )
+    return f"the vision tower, wrapped {option}{refused}"
+
+
+@words(Code.REACH_NOT_IN_MODEL)
+def _not_in_model(r: Reason, _: str) -> str:
+    layers = f"its language model's layers are {r['layers']}N..."
+    return f"no module of {r['served']} is named so ({layers})"

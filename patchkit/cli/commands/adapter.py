@@ -97,12 +97,16 @@ def adapter_check_lines(report) -> list[str]:
 def target_lines(report) -> list[str]:
     """One line per target name (layers collapsed): whether the --target release wraps it."""
     from patchkit.adapters.reach import grouped
+    from patchkit.cli.adapter_target_words import reach_words
 
-    return [
-        f"on vLLM {report.vllm_version}: {name}{f' ({where})' if where else ''}: {outcome}"
-        + (f" ({why})" if why and outcome == "wrapped" else f": {why}" if why else "")
-        for name, where, outcome, why in grouped(report.targets)
-    ]
+    lines = []
+    for name, where, outcome, reason in grouped(report.targets):
+        why = reach_words(reason)
+        lines.append(
+            f"on vLLM {report.vllm_version}: {name}{f' ({where})' if where else ''}: {outcome}"
+            + (f" ({why})" if why and outcome == "wrapped" else f": {why}" if why else "")
+        )
+    return lines
 
 
 def adapter_check_json(report) -> dict:
@@ -118,8 +122,15 @@ def adapter_check_json(report) -> dict:
         "findings": [_finding_json(f) for f in report.findings],
         "skipped": messages(report.skipped),
         "notes": messages(report.notes),
-        "targets": report.targets,
+        "targets": [_target_json(row) for row in report.targets],
     }
+
+
+def _target_json(row: dict) -> dict:
+    """A target as JSON: ``why`` in words as before, and its reason as a message."""
+    from patchkit.cli.adapter_target_words import reach_words
+
+    return {**row, "why": reach_words(row["why"]), "reason": message(row["why"])}
 
 
 def _finding_json(finding) -> dict:
