@@ -201,3 +201,18 @@ def modelchecks_of_tiny() -> list:
         for name in ("down", "gate_up"):
             out += partial_moe_checks(lora, name, chosen[name])
     return out
+
+
+def test_a_prompt_without_vllms_base_answer_is_undecided_never_failed():
+    """The excess divides by vLLM's own base error on the same prompt: where the engine's
+    base answer is missing there is none, and the row is undecided, not FAILED."""
+    served = copy.deepcopy(WIDE_SERVED)
+    for mode in MODES:
+        del served[mode]["runs"]["base"]["p3000"]
+    run = engines.Served.from_json(served, ["a0"])
+    chosen = {"a0": references.peft_reference(run, "a0", "--reference peft")}
+    result = usermodel.judge(served, ["a0"], {"a0": CONTROLS}, chosen)
+    rows = {c.name: c for c in result.checks}
+    row = rows["eager: a0 3000 tokens vs peft"]
+    assert not row.ok and not row.decided and "no noise to judge it by" in row.detail
+    assert result.adapters[0].verdict == "INCONCLUSIVE"

@@ -204,6 +204,9 @@ def repeat_check(name: str, runs: dict, again: str, first: str, title: str) -> C
     if missing:
         return Check(f"{name}: {title}", False, f"not served: {missing}")
     names = list(runs[again])
+    lost = [n for n in names if not isinstance(runs[first].get(n), dict)]
+    if lost:
+        return Check(f"{name}: {title}", False, f"not served: {first} has no answer to {lost[0]}")
     worst = max(diff(logprobs(runs, again, n), logprobs(runs, first, n))[1] for n in names)
     same_tokens = all(runs[again][n]["tokens"] == runs[first][n]["tokens"] for n in names)
     return Check(

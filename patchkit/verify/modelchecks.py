@@ -191,9 +191,12 @@ class Judge:
         return round(PASS_EXCESS * extent(self.floors)[0], 4)
 
     def measure(self, values: list[float], prompt: str) -> Measured:
-        kind, noise = self.reference.kind, self.noise.get(prompt, 0.0)
+        kind, noise = self.reference.kind, self.noise.get(prompt)
+        if kind == "peft" and noise is None:  # no base answer of this engine to judge by
+            why = "vLLM's base answer to this prompt is missing: no noise to judge it by"
+            return Measured(False, False, False, float("nan"), why)
         wanted = self.reference.runs[prompt]["prompt_logprobs"]
-        return measure(values, wanted, kind, self.bounds, noise, self.sure)
+        return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure)
 
     def row(self, title: str, adapter: str, measured: Measured, weakest: float | None) -> Check:
         """One prompt's row: inside the bound, or FAILED where the rule decides (past the
