@@ -139,6 +139,9 @@ def test_the_healthy_wide_adapter_passes_with_every_control_failed_by_the_rule()
     assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
     rows = {c.name: c for c in result.checks}
     assert "1.24x vLLM's own base error" in rows["eager: a0 4096 tokens vs peft"].detail
+    # the effect row says what its bound is against PEFT, not the merged reference's words
+    effect = rows["eager: a0 adapter differs from base"].detail
+    assert "1.8x vLLM's own mean base error" in effect and "could pass" not in effect
 
 
 @pytest.mark.parametrize("label", ["control:a0+no-experts", "control:a0+half"])
