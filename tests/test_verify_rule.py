@@ -137,6 +137,9 @@ def test_the_healthy_wide_adapter_passes_with_every_control_failed_by_the_rule()
     assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
     assert "the merged reference could not decide" in verdict.reference_why
     assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
+    assert "every control past the failure line (2.2x)" in verdict.why
+    nearest = verdict.nearest  # the least excess a control was caught at (cudagraph, 600)
+    assert (nearest.what, round(nearest.value, 2)) == ("50 % strength", 2.69)
     rows = {c.name: c for c in result.checks}
     assert "1.24x vLLM's own base error" in rows["eager: a0 4096 tokens vs peft"].detail
     # the effect row says what its bound is against PEFT, not the merged reference's words

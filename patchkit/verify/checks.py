@@ -39,8 +39,8 @@ class Check:
     detail: str
     adapter: str | None = None
     decided: bool = True
-    # a control's row: how far the rule found it (the excess against PEFT, the mean
-    # against the merged reference) on the prompt farthest from the adapter's reference
+    # a control's row: the least distance the rule caught it at, over the prompts where
+    # it did (the excess against PEFT, the mean against the merged reference)
     value: float | None = None
 
     @property

@@ -256,7 +256,7 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
     rejected = [(p, m) for p, m in measured.items() if m.rejects]
     if rejected:
         prompt, m = rejected[0]
-        value = max(m.scale for m in measured.values())
+        value = min(m.scale for _, m in rejected)  # the least distance it was caught at
         row = Check(title, True, f"{prompt[1:]} tokens: {m.text}", control.adapter, value=value)
         return row, measured
     worst = list(measured.values())[-1].text if measured else "no prompt served"

@@ -294,7 +294,9 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
         )
         return verdict
     verdict.why = f"within the {reference.kind} reference's bound"
-    if results:
+    if results and reference.kind == "peft":
+        verdict.why += f", and every control past the failure line ({FAIL_EXCESS}x)"
+    elif results:
         verdict.why += ", and every control outside it"
     return verdict
 
