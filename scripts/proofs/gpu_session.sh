@@ -501,6 +501,14 @@ case $STEP in
     pack b1
     ;;
   build) # background, from b1: transformers + PEFT on the GPU, no vLLM
+    if [ "${GS_PLAN:-}" = rule ]; then # the 35B-A3B-wide stand-in alone, where the runs read it
+      mkdir -p "$G/rule"
+      do_ python3 scripts/proofs/verify_model_gpu.py "$G/rule/user" --preset wide35b --poison a0 \
+        >"$G/rule/build.txt" 2>&1
+      echo "exit $?" >>"$G/rule/build.txt"
+      touch "$G/build.done"
+      exit 0
+    fi
     if [ "${GS_PLAN:-}" = serving ]; then
       if [ "${GS_POISON:-0}" = 1 ]; then # the stand-in and its poisoned adapter
         build_user &
