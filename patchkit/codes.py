@@ -152,6 +152,12 @@ class Code(str, Enum):
     TUNED_NOT_NESTED = "tuned-not-nested"
     TUNED_NO_SINGLE_SLICE = "tuned-no-single-slice"
     TUNED_REPLACES_BLOCK_N = "tuned-replaces-block-n"
+    # doctor: why a .pyc does not match its source (path: the .pyc; source: its .py)
+    PYC_UNREADABLE = "pyc-unreadable"  # error
+    PYC_TRUNCATED = "pyc-truncated"  # shorter than the 16 bytes of its header
+    PYC_UNCHECKED_HASH = "pyc-unchecked-hash"  # hash-based, never re-validated
+    PYC_HASH_DIFFERS = "pyc-hash-differs"  # hash-based, of another source
+    PYC_OTHER_SOURCE = "pyc-other-source"  # timestamp-based: another mtime or size
     # doctor: why a bug is exposed, protected, not affected or unknown here
     VERDICT_NO_TREE = "verdict-no-tree"
     VERDICT_NO_VERSION = "verdict-no-version"
