@@ -494,6 +494,10 @@ def test_json_shape_of_a_failed_run():
     assert report["error"] == {
         "code": "canary-failed",
         "message": "adapter 'bad-lora' answers NaN",
+        "bad": [{"model": "bad-lora", "kind": "adapter"}],
+        "no_effect": [],
+        "polluted": None,
+        "others": [],
         "models": {"bad": ["bad-lora"]},
     }
     assert set(report["models"][1]) == {
@@ -675,10 +679,10 @@ def test_an_adapter_path_from_the_server_is_quoted_in_the_command_and_escaped():
 
 def test_evidence_of_nan_outranks_no_effect_and_error_outranks_it():
     check = ModelCheck("lora", parent=BASE)
-    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
-    check.mark("error", Code.CANARY_UNANSWERED, "no answer")
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, parent=BASE)
+    check.mark("error", Code.CANARY_UNANSWERED, error="no answer")
     assert check.verdict == "error"
-    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, parent=BASE)
     assert check.verdict == "error"
-    check.mark("bad", Code.CANARY_COUNTER_ROSE, "the counter rose")
+    check.mark("bad", Code.CANARY_COUNTER_ROSE, rise=1.0)
     assert check.verdict == "bad" and len(check.evidence) == 4
