@@ -152,6 +152,12 @@ class Code(str, Enum):
     TUNED_NOT_NESTED = "tuned-not-nested"
     TUNED_NO_SINGLE_SLICE = "tuned-no-single-slice"
     TUNED_REPLACES_BLOCK_N = "tuned-replaces-block-n"
+    # doctor: why a .pyc does not match its source (path: the .pyc; source: its .py)
+    PYC_UNREADABLE = "pyc-unreadable"  # error
+    PYC_TRUNCATED = "pyc-truncated"  # shorter than the 16 bytes of its header
+    PYC_UNCHECKED_HASH = "pyc-unchecked-hash"  # hash-based, never re-validated
+    PYC_HASH_DIFFERS = "pyc-hash-differs"  # hash-based, of another source
+    PYC_OTHER_SOURCE = "pyc-other-source"  # timestamp-based: another mtime or size
     # doctor: why a bug is exposed, protected, not affected or unknown here
     VERDICT_NO_TREE = "verdict-no-tree"
     VERDICT_NO_VERSION = "verdict-no-version"
@@ -229,7 +235,7 @@ class Code(str, Enum):
     ADAPTER_RELEASE = "adapter-release"
     ADAPTER_EFFECT = "adapter-effect"
 
-    # ----- canary: what one model's answer showed -----
+    # ----- canary: what one model's answer showed (words: cli/canary_words.py) -----
     CANARY_NAN_ERROR = "canary-nan-error"  # an HTTP error whose message reports NaN
     CANARY_HTTP_ERROR = "canary-http-error"  # an HTTP error without NaN
     CANARY_RETRY_FAILED = "canary-retry-failed"  # the request without logprobs failed too
@@ -249,13 +255,17 @@ class Code(str, Enum):
     CANARY_NOT_CHECKED = "canary-not-checked"
     CANARY_PROMPT_SHORTENED = "canary-prompt-shortened"
     # ----- canary: notes of a run -----
-    CANARY_COUNTER_ABSENT = "canary-counter-absent"
-    CANARY_COUNTER_UNREADABLE = "canary-counter-unreadable"
-    CANARY_METRICS_NOT_READ = "canary-metrics-not-read"
+    CANARY_COUNTER_ABSENT = "canary-counter-absent"  # counter: its name
+    CANARY_COUNTER_UNREADABLE = "canary-counter-unreadable"  # a value no count: value
+    CANARY_COUNTER_TOO_LONG = "canary-counter-too-long"  # more than most lines
+    CANARY_COUNTER_NOT_PROMETHEUS = "canary-counter-not-prometheus"  # the parser's error
+    CANARY_METRICS_NOT_READ = "canary-metrics-not-read"  # no answer: error
+    CANARY_METRICS_HTTP_STATUS = "canary-metrics-http-status"  # answered http_status
     CANARY_MODELS_SKIPPED = "canary-models-skipped"
     CANARY_NO_MODELS = "canary-no-models"
     # ----- canary: the verdict and what to do next -----
-    CANARY_FAILED = "canary-failed"
+    CANARY_OK = "canary-ok"  # count models, skipped
+    CANARY_FAILED = "canary-failed"  # bad, no_effect, polluted, others; models by verdict
     CANARY_STEP_DOCTOR = "canary-step-doctor"
     CANARY_STEP_APPLY = "canary-step-apply"
     CANARY_STEP_REPLACE_ADAPTER = "canary-step-replace-adapter"

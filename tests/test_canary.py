@@ -494,6 +494,10 @@ def test_json_shape_of_a_failed_run():
     assert report["error"] == {
         "code": "canary-failed",
         "message": "adapter 'bad-lora' answers NaN",
+        "bad": [{"model": "bad-lora", "kind": "adapter"}],
+        "no_effect": [],
+        "polluted": None,
+        "others": [],
         "models": {"bad": ["bad-lora"]},
     }
     assert set(report["models"][1]) == {
@@ -675,10 +679,54 @@ def test_an_adapter_path_from_the_server_is_quoted_in_the_command_and_escaped():
 
 def test_evidence_of_nan_outranks_no_effect_and_error_outranks_it():
     check = ModelCheck("lora", parent=BASE)
-    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
-    check.mark("error", Code.CANARY_UNANSWERED, "no answer")
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, parent=BASE)
+    check.mark("error", Code.CANARY_UNANSWERED, error="no answer")
     assert check.verdict == "error"
-    check.mark("no-effect", Code.CANARY_NO_EFFECT, "the same answer")
+    check.mark("no-effect", Code.CANARY_NO_EFFECT, parent=BASE)
     assert check.verdict == "error"
-    check.mark("bad", Code.CANARY_COUNTER_ROSE, "the counter rose")
+    check.mark("bad", Code.CANARY_COUNTER_ROSE, rise=1.0)
     assert check.verdict == "bad" and len(check.evidence) == 4
+
+
+class MetricsAnswer:
+    """What read_counter asks of a server: GET /metrics, answering ``status`` and ``body``
+    (or raising ``raises``)."""
+
+    def __init__(self, status: int = 200, body: str = "", raises: Exception | None = None):
+        self.status, self.body, self.raises = status, body, raises
+
+    def get(self, path: str):
+        if self.raises:
+            raise self.raises
+        return self
+
+
+@pytest.mark.parametrize(
+    "answer, code, said",
+    [
+        (
+            MetricsAnswer(raises=metrics.Unanswered("refused")),
+            Code.CANARY_METRICS_NOT_READ,
+            "/metrics not read: refused",
+        ),
+        (MetricsAnswer(503), Code.CANARY_METRICS_HTTP_STATUS, "/metrics answered HTTP 503"),
+        (
+            MetricsAnswer(body=f"{metrics.COUNTER} 1\n" * (metrics.MAX_COUNTER_LINES + 1)),
+            Code.CANARY_COUNTER_TOO_LONG,
+            f"{metrics.COUNTER} has more than {metrics.MAX_COUNTER_LINES} lines on /metrics: "
+            "unreadable",
+        ),
+        (
+            MetricsAnswer(body=f"{metrics.COUNTER} one\n"),
+            Code.CANARY_COUNTER_NOT_PROMETHEUS,
+            f"{metrics.COUNTER} on /metrics is not Prometheus text (ValueError: ",
+        ),
+    ],
+)
+def test_why_the_counter_was_not_read_is_a_code_and_its_words(answer, code, said):
+    """Each way /metrics fails the canary is a code of its own; its words are the note's."""
+    from patchkit.cli.words import say
+
+    reading = metrics.read_counter(answer)
+    assert reading.value is None and reading.why.code == code
+    assert say(reading.why).startswith(said)

@@ -218,7 +218,7 @@ def test_an_endless_chunked_body_ends_at_the_deadline():
         report, elapsed = run_with_clock(server.url, 10, clock)
     assert elapsed <= 10 + 1
     assert [m.verdict for m in report.models] == ["error", "not-checked"]
-    assert "got no answer within" in report.models[0].evidence[0]["text"]
+    assert "got no answer within" in report.models[0].evidence[0]["error"]
 
 
 def test_second_looks_and_many_models_share_one_deadline():

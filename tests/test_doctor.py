@@ -146,6 +146,9 @@ def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper
     module.write_text(original)
     report = doctor(tree_0260)
     assert [Path(s.split(" ")[0]).name for s in report["stale_bytecode"]] == [pyc.name]
+    (reason,) = report["stale_bytecode_reasons"]
+    assert reason["code"] == "pyc-other-source" and reason["path"] == str(pyc)
+    assert report["stale_bytecode"] == [reason["message"]]
     assert report["old_caches"][0]["entries"] == 1
     stale = verdict(report, STALE)
     assert stale["status"] == "exposed" and "--clear-caches" in stale["fix"]["message"]
@@ -156,6 +159,53 @@ def test_stale_bytecode_and_old_compile_caches_are_found(tree_0260: Path, hopper
     assert "unchecked" in doctor(tree_0260)["stale_bytecode"][0]
     py_compile.compile(str(module), cfile=str(pyc))  # fresh, timestamp-checked: fine
     assert doctor(tree_0260)["stale_bytecode"] == []
+
+
+def test_each_kind_of_stale_bytecode_is_a_reason_with_its_words(slim_tree_0260: Path):
+    """Every way a .pyc can fail its source is a code of its own with the .pyc's path; the
+    words (the text's line, the JSON's string) are made from them."""
+    from patchkit.cli.words import say
+    from patchkit.codes import Code
+    from patchkit.doctor.doctor import stale_bytecode
+    from patchkit.vllmtree.tree import locate
+
+    relpath = "vllm/lora/ops/triton_ops/utils.py"
+    source = slim_tree_0260 / relpath
+    pyc = source.parent / "__pycache__" / "utils.cpython-311.pyc"
+    pyc.parent.mkdir(exist_ok=True)
+    original = source.read_bytes()
+    hashed = py_compile.PycInvalidationMode
+
+    def found() -> list:
+        return stale_bytecode(locate(str(slim_tree_0260)), [relpath])
+
+    py_compile.compile(str(source), cfile=str(pyc))
+    assert found() == []
+    cases = [
+        (
+            Code.PYC_UNCHECKED_HASH,
+            "hash-based, unchecked: never re-validated",
+            hashed.UNCHECKED_HASH,
+        ),
+        (Code.PYC_HASH_DIFFERS, "hash differs from source", hashed.CHECKED_HASH),
+        (Code.PYC_OTHER_SOURCE, "built from another version of the source", hashed.TIMESTAMP),
+    ]
+    for code, words, mode in cases:
+        source.write_bytes(original + b"\n# another version\n")
+        py_compile.compile(str(source), cfile=str(pyc), invalidation_mode=mode)
+        source.write_bytes(original)
+        os.utime(source, (time.time() - 60, time.time() - 60))
+        (reason,) = found()
+        assert (reason.code, reason["path"], reason["source"]) == (code, str(pyc), str(source))
+        assert say(reason) == f"{pyc} ({words})"
+    pyc.write_bytes(pyc.read_bytes()[:10])
+    (reason,) = found()
+    assert reason.code == Code.PYC_TRUNCATED and say(reason) == f"{pyc} (truncated)"
+    pyc.unlink()
+    os.mkfifo(pyc)  # a .pyc that cannot be read as a file
+    (reason,) = found()
+    assert reason.code == Code.PYC_UNREADABLE
+    assert say(reason) == f"{pyc} (unreadable: {reason['error']})" and reason["error"]
 
 
 @pytest.mark.slow

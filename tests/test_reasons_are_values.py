@@ -1,6 +1,7 @@
 """Below the command line a message is a value: adapter check's findings, notes and checks
 skipped, adapter_config.json's problems, probe report's verdicts, a cache's reason, the
-locks' and the catalogue journal's refusals are reasons (patchkit.codes.Reason), and their
+locks' and the catalogue journal's refusals, doctor's stale bytecode, the canary's
+evidence, notes, verdict and next steps are reasons (patchkit.codes.Reason), and their
 words are made only in patchkit/cli/.
 
 Two guards: the dataclasses that hold a reason refuse a str, and no module of these
@@ -29,11 +30,15 @@ TYPED = [
     PACKAGE / "catalogue" / "journal.py",
     PACKAGE / "fs" / "locks.py",
     PACKAGE / "patching" / "bytecode.py",
+    *sorted((PACKAGE / "canary").glob("*.py")),
 ]
 # where an error raised for the user is a reason too (elsewhere in these areas an error is
 # still its line: a malformed probe log, a vLLM file patchkit cannot read)
 TYPED_ERRORS = {PACKAGE / "catalogue" / "journal.py", PACKAGE / "fs" / "locks.py"}
-MESSAGE_LISTS = {"notes", "skipped", "warnings", "notices", "findings", "problems"}
+MESSAGE_LISTS = {"notes", "skipped", "warnings", "notices", "findings", "problems", "evidence"}
+# calls whose every argument is a code or a fact (a command to run is one, not words): a
+# model's evidence, a reason's facts
+FACT_CALLS = {"mark", "mark_reason", "of"}
 MESSAGE_KEYWORDS = {"reason", "message", "verdict", "look_at", "warning", "note"}
 
 
@@ -76,6 +81,8 @@ def _sentences_handed_on(call: ast.Call, errors: bool = True) -> list[ast.AST]:
         found += call.args[3:4]  # report.add(kind, file, tensor, message)
     if name in ("Problem", "AdapterFinding", "RequestFinding"):
         found += call.args
+    if name in FACT_CALLS or (name == "add" and owner_name == "verdict"):
+        found += call.args + [k.value for k in call.keywords if k.arg != "command"]
     if errors and name in ("PatchkitError", "Refused"):
         found += call.args
     return [node for node in found if _sentence(node)]
@@ -101,6 +108,10 @@ def test_the_guard_sees_a_sentence_handed_on():
         'Problem("r", f"is {value}; a whole number expected")',
         'raise PatchkitError(f"{path}: more than {limit} bytes")',
         'result("absent", reason=f"{path} does not exist")',
+        'verdict.mark("bad", Code.CANARY_ZERO_RUN, f"{run} tokens of id 0 in a row")',
+        'verdict.add(Code.CANARY_RETRY_FAILED, f"without logprobs too: HTTP {status}")',
+        'Reason.of(Code.CANARY_NO_MODELS, text="the server lists no models")',
+        'report.notes.append(f"{count} more models not checked")',
     ]
     for source in calls:
         call = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call))
@@ -114,3 +125,27 @@ def test_a_config_problem_is_a_reason():
     assert Problem("r", Reason.of(Code.ADAPTER_CONFIG_BAD_R, value="'4'")).message.code == (
         Code.ADAPTER_CONFIG_BAD_R
     )
+
+
+def test_doctor_hands_up_stale_bytecode_as_reasons():
+    """Why a .pyc is stale is a code and its facts: _pyc_problem returns no sentence."""
+    tree = ast.parse((PACKAGE / "doctor" / "doctor.py").read_text())
+    function = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_pyc_problem"
+    )
+    returns = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
+    said = [n for n in returns if any(_sentence(part) for part in ast.walk(n))]
+    assert returns and not said, [ast.unparse(n) for n in said]
+
+
+def test_the_canary_makes_no_words():
+    """Below the command line the canary makes no words: its messages module (say(), a
+    reason that carried its text) is gone, and every canary code has words in
+    patchkit/cli/canary_words.py, none of them a TEXT code whose words are a fact."""
+    from patchkit.cli import canary_words
+    from patchkit.cli.words import TEXT
+
+    assert not (PACKAGE / "canary" / "messages.py").exists()
+    canary = {code for code in Code if code.value.startswith("canary-")}
+    assert canary <= set(canary_words.WORDS)
+    assert not canary & set(TEXT)

@@ -291,8 +291,10 @@ def test_counts_are_in_their_number():
     from patchkit.errors import Refused
     from patchkit.patching.decide import _fail_strict
 
-    assert Report("http://h", models=[ModelCheck("m")]).summary() == "the 1 model answers sanely"
-    assert Report("http://h", models=[ModelCheck("m"), ModelCheck("n")]).summary() == (
+    assert say(Report("http://h", models=[ModelCheck("m")]).outcome()) == (
+        "the 1 model answers sanely"
+    )
+    assert say(Report("http://h", models=[ModelCheck("m"), ModelCheck("n")]).outcome()) == (
         "all 2 models answer sanely"
     )
     a, b = (Reason.of(Code.NOT_APPLIED, patch=p, state="needed") for p in "ab")

@@ -84,8 +84,8 @@ def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool)
         verdict.mark(
             "error",
             Code.CANARY_ANSWER_SHAPE,
-            f"HTTP {answer.status} but {fields.one_line(str(exc))}",
             http_status=answer.status,
+            problem=str(exc),
         )
         return
     verdict.text = completion.text
@@ -99,14 +99,13 @@ def judge_completion(verdict: ModelCheck, answer: Exchange, with_logprobs: bool)
         verdict.mark(
             "bad",
             Code.CANARY_ZERO_RUN,
-            f"{run} tokens of id 0 in a row ('!' in Qwen tokenizers)",
             run=run,
         )
     elif verdict.token_ids is None and BANG_RUN in verdict.text:
         verdict.mark(
             "bad",
             Code.CANARY_BANG_TEXT,
-            f"the text is a run of '!': {fields.one_line(verdict.text, 40)!r}",
+            text=verdict.text[:80],  # what its words show of it, at most
         )
     if with_logprobs:
         verdict.logprobs = completion.logprobs
@@ -120,7 +119,6 @@ def judge_logprobs(verdict: ModelCheck, values: list[float | None] | None) -> No
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROBS_ABSENT,
-            "no log-probabilities in the answer (logprobs were asked for)",
         )
         return
     numbers = [v for v in values if v is not None]
@@ -133,38 +131,37 @@ def judge_logprobs(verdict: ModelCheck, values: list[float | None] | None) -> No
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROBS_NAN,
-            f"{nan} of {len(values)} log-probabilities are NaN",
             count=nan,
+            total=len(values),
         )
     if infinite:
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROBS_INFINITE,
-            f"{infinite} of {len(values)} log-probabilities are infinite (vLLM writes -inf "
-            "as -9999.0, and none is ever +inf)",
             count=infinite,
+            total=len(values),
         )
     if positive:
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROBS_POSITIVE,
-            f"{len(positive)} of {len(values)} log-probabilities are positive (largest "
-            f"{max(positive):.6g}; a log-probability is never above 0)",
             count=len(positive),
+            total=len(values),
+            largest=max(positive),
         )
     if missing:
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROBS_NULL,
-            f"{missing} of {len(values)} log-probabilities missing (null)",
             count=missing,
+            total=len(values),
         )
     if floor:
         verdict.mark(
             "bad",
             Code.CANARY_LOGPROB_IMPOSSIBLE,
-            f"greedy token with log-probability {min(floor)} (a sane argmax is above "
-            f"{MIN_GREEDY_LOGPROB:.0f}; vLLM writes -inf as -9999.0)",
+            lowest=min(floor),
+            floor=MIN_GREEDY_LOGPROB,
         )
 
 

@@ -55,7 +55,6 @@ except ImportError as exc:  # the optional dependencies are not installed
 # after the dependency check:
 from patchkit.canary import answers, effect, fields  # noqa: E402
 from patchkit.canary.fields import WrongShape  # noqa: E402
-from patchkit.canary.messages import say  # noqa: E402
 from patchkit.canary.metrics import COUNTER, read_counter  # noqa: E402
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS, NEW_TOKENS, prompt_text  # noqa: E402
 from patchkit.canary.report import ModelCheck, Report  # noqa: E402
@@ -172,20 +171,20 @@ def check_model(server: Server, card: dict, prompt: str) -> ModelCheck:
                 verdict.mark(
                     "bad",
                     Code.CANARY_NAN_ERROR,
-                    f"HTTP {answer.status}: '{message}' (NaN log-probabilities)",
                     http_status=answer.status,
+                    error=message,
                 )
             else:
                 verdict.mark(
                     "error",
                     Code.CANARY_HTTP_ERROR,
-                    f"HTTP {answer.status}: '{message}'",
                     http_status=answer.status,
+                    error=message,
                 )
             if answer.status != 404:
                 look_at_text(server, verdict, card["id"], prompt)
     except Unanswered as exc:
-        verdict.mark("error", Code.CANARY_UNANSWERED, str(exc))
+        verdict.mark("error", Code.CANARY_UNANSWERED, error=str(exc))
     verdict.seconds = round(server.now() - started, 2)
     return verdict
 
@@ -197,11 +196,7 @@ def look_at_text(server: Server, verdict: ModelCheck, model: str, prompt: str) -
         answers.judge_completion(verdict, answer, with_logprobs=False)
     else:
         message = error_message(answer, server.key)
-        verdict.add(
-            Code.CANARY_RETRY_FAILED,
-            f"without logprobs too: HTTP {answer.status}: '{message}'",
-            http_status=answer.status,
-        )
+        verdict.add(Code.CANARY_RETRY_FAILED, http_status=answer.status, error=message)
 
 
 def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int, Reason | None]:
@@ -217,18 +212,9 @@ def fitting_prompt(card: dict, by_id: dict[str, dict], wanted: int) -> tuple[int
     if not isinstance(limit, int) or (wanted + NEW_TOKENS) * 1.5 <= limit:
         return wanted, None
     fitted = max(16, int((limit - NEW_TOKENS) / 1.5))
-    return fitted, say(
-        Code.CANARY_PROMPT_SHORTENED,
-        f"prompt shortened to about {fitted} tokens to fit max_model_len {limit}",
-        prompt_tokens=fitted,
-        max_model_len=limit,
+    return fitted, Reason.of(
+        Code.CANARY_PROMPT_SHORTENED, prompt_tokens=fitted, max_model_len=limit
     )
-
-
-def some_names(names: list[str], shown: int = 3) -> str:
-    """The first few names, each cut short, and how many more: a bounded list for one line."""
-    listed = ", ".join(fields.one_line(n, 40) for n in names[:shown]) or "nothing"
-    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list[ModelCheck]]:
@@ -236,13 +222,10 @@ def select(cards: list[dict], wanted: tuple[str, ...]) -> tuple[list[dict], list
     if not wanted:
         return sorted(cards, key=lambda c: bool(c.get("parent"))), []
     by_id = {c["id"]: c for c in cards}
-    served = some_names(list(by_id), shown=5)
+    # the first few the server lists, and how many (a server may list thousands)
+    served = Reason.of(Code.CANARY_NOT_SERVED, served=list(by_id)[:5], served_count=len(by_id))
     missing = [
-        ModelCheck(
-            model=name,
-            verdict="not-served",
-            evidence=[say(Code.CANARY_NOT_SERVED, f"not in GET /v1/models (served: {served})")],
-        )
+        ModelCheck(model=name, verdict="not-served", evidence=[served])
         for name in dict.fromkeys(wanted)
         if name not in by_id
     ]
@@ -280,11 +263,11 @@ def run(
             report.skipped = [c["id"] for c in targets[MAX_MODELS:]]
             targets = targets[:MAX_MODELS]
             report.notes.append(
-                say(
+                Reason.of(
                     Code.CANARY_MODELS_SKIPPED,
-                    f"{len(report.skipped)} more models not checked (at most {MAX_MODELS} a "
-                    f"run; name them with --model): {some_names(report.skipped)}",
                     count=len(report.skipped),
+                    most=MAX_MODELS,
+                    models=report.skipped[:3],  # the first few, named (the count says all)
                 )
             )
         reading = read_counter(server)
@@ -298,7 +281,7 @@ def run(
         effect.judge_effects(report.models, report.parents)
         report.models += missing
         if not report.models:
-            report.notes.append(say(Code.CANARY_NO_MODELS, "the server lists no models"))
+            report.notes.append(Reason.of(Code.CANARY_NO_MODELS))
         recheck_base(server, report, by_id, prompt_tokens)
     finally:
         server.close()
@@ -313,11 +296,7 @@ def check_one(server: Server, report: Report, card: dict, by_id: dict, tokens: i
             model=card["id"],
             parent=card.get("parent"),
             verdict="not-checked",
-            evidence=[
-                say(
-                    Code.CANARY_NOT_CHECKED, "the time budget (--timeout) ran out before this model"
-                )
-            ],
+            evidence=[Reason.of(Code.CANARY_NOT_CHECKED)],
         )
     fitted, note = fitting_prompt(card, by_id, tokens)
     verdict = check_model(server, card, prompt_text(fitted))
@@ -359,8 +338,7 @@ def judge_counter(server: Server, report: Report, verdict: ModelCheck) -> None:
         verdict.mark(
             "bad",
             Code.CANARY_COUNTER_ROSE,
-            f"{COUNTER} rose by {reading.value - before:g} while its requests ran "
-            "(other traffic on the server counts too)",
+            counter=COUNTER,
             rise=reading.value - before,
         )
 

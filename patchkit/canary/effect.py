@@ -23,8 +23,6 @@ from __future__ import annotations
 import math
 import shlex
 
-from patchkit.canary import fields
-from patchkit.canary.messages import say
 from patchkit.codes import Code, Reason
 
 # Measured on vLLM 0.26.0's OpenAI server (tests/data/canary-noeffect-0.26.0.json.xz,
@@ -52,11 +50,10 @@ def judge_effects(models: list, parents: list = ()) -> None:
             verdict.mark(
                 NO_EFFECT,
                 Code.CANARY_NO_EFFECT,
-                f"the same {len(verdict.token_ids)} greedy tokens as its base model "
-                f"'{fields.one_line(parent.model, 60)}', log-probabilities at most "
-                f"{verdict.effect['max_logprob_difference']:.2g} apart (the server's repeat "
-                f"noise: {REPEAT_NOISE:g}): the adapter changes nothing",
                 parent=parent.model,
+                tokens=len(verdict.token_ids),
+                max_logprob_difference=verdict.effect["max_logprob_difference"],
+                repeat_noise=REPEAT_NOISE,
             )
 
 
@@ -91,42 +88,15 @@ def compare(adapter, parent) -> dict | None:
     }
 
 
-def summary(inert: list) -> str:
-    """The part of the canary's one-line verdict about adapters that change nothing."""
-    names = ", ".join(f"'{fields.one_line(v.model, 60)}'" for v in inert[:3])
-    more = f" and {len(inert) - 3} more" if len(inert) > 3 else ""
-    verb = "answers" if len(inert) == 1 else "answer"
-    return f"adapter {names}{more} {verb} as the base model (no effect)"
-
-
 def next_steps(inert: list) -> list[Reason]:
     """What to do about adapters that change nothing: the likely causes, then the admission
     check to run on each one's files (the directory /v1/models gives as its root)."""
     if not inert:
         return []
-    names = ", ".join(v.model for v in inert)
-    steps = [
-        say(
-            Code.CANARY_STEP_NO_EFFECT,
-            f"{names} {'is' if len(inert) == 1 else 'are'} served but change"
-            f"{'s' if len(inert) == 1 else ''} nothing; likely causes: targets this vLLM "
-            "release does not wrap, a name prefix it does not match (vLLM #34186: trained on "
-            "the text-only model, served on the multimodal one), an all-zero lora_B; stop "
-            f"routing to {'it' if len(inert) == 1 else 'them'} meanwhile",
-            adapters=[v.model for v in inert],
-        )
-    ]
+    steps = [Reason.of(Code.CANARY_STEP_NO_EFFECT, adapters=[v.model for v in inert])]
     for v in inert:
         command = v.effect["adapter_check"]
-        steps.append(
-            say(
-                Code.CANARY_STEP_ADAPTER_CHECK,
-                f"in the serving image: `{command}` (SITE_PACKAGES: the directory that holds "
-                "vllm/); it names the modules the release would not wrap and all-zero factors",
-                adapter=v.model,
-                command=command,
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_ADAPTER_CHECK, adapter=v.model, command=command))
     return steps
 
 

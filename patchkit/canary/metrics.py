@@ -15,8 +15,6 @@ from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from patchkit.canary import fields
-from patchkit.canary.messages import say
 from patchkit.canary.server import Server, Unanswered
 from patchkit.codes import Code, Reason
 
@@ -26,11 +24,7 @@ COUNTER_SAMPLES = (COUNTER, "vllm:corrupted_requests")  # without _total from ot
 COUNTER_LINES = tuple(  # the /metrics lines that can be about the counter
     f"{lead}vllm:corrupted_requests" for lead in ("", "# TYPE ", "# HELP ")
 )
-COUNTER_ABSENT = say(
-    Code.CANARY_COUNTER_ABSENT,
-    f"{COUNTER} is not on /metrics: start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 "
-    "so requests with NaN logits are counted",
-)
+COUNTER_ABSENT = Reason.of(Code.CANARY_COUNTER_ABSENT, counter=COUNTER)
 
 
 class Reading(NamedTuple):
@@ -53,28 +47,29 @@ def read_counter(server: Server) -> Reading:
     try:
         answer = server.get("/metrics")
     except Unanswered as exc:
-        return Reading(None, say(Code.CANARY_METRICS_NOT_READ, f"/metrics not read: {exc}"))
+        return Reading(None, Reason.of(Code.CANARY_METRICS_NOT_READ, error=str(exc)))
     if answer.status != 200:
-        why = say(Code.CANARY_METRICS_NOT_READ, f"/metrics answered HTTP {answer.status}")
-        return Reading(None, why)
+        return Reading(None, Reason.of(Code.CANARY_METRICS_HTTP_STATUS, http_status=answer.status))
     lines = [line for line in answer.body.splitlines() if line.startswith(COUNTER_LINES)]
     if len(lines) > MAX_COUNTER_LINES:
-        why = f"{COUNTER} has more than {MAX_COUNTER_LINES} lines on /metrics: unreadable"
-        return Reading(None, say(Code.CANARY_COUNTER_UNREADABLE, why), unreadable=True)
+        why = Reason.of(Code.CANARY_COUNTER_TOO_LONG, counter=COUNTER, most=MAX_COUNTER_LINES)
+        return Reading(None, why, unreadable=True)
     try:
         families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
     except Exception as exc:  # the parser raises ValueError and others on bad text
-        why = f"{COUNTER} on /metrics is not Prometheus text ({type(exc).__name__}: {exc})"
-        why = say(Code.CANARY_COUNTER_UNREADABLE, fields.one_line(why))
+        why = Reason.of(
+            Code.CANARY_COUNTER_NOT_PROMETHEUS,
+            counter=COUNTER,
+            error_type=type(exc).__name__,
+            error=str(exc),
+        )
         return Reading(None, why, unreadable=True)
     samples = [s for f in families for s in f.samples if s.name in COUNTER_SAMPLES]
     if not samples:
         return Reading(None, COUNTER_ABSENT)
     odd = [s.value for s in samples if not math.isfinite(s.value)]
     if odd:
-        why = (
-            f"{COUNTER} on /metrics is {odd[0]}, not a count: unreadable, so a rise in it "
-            "cannot be seen"
-        )
-        return Reading(None, say(Code.CANARY_COUNTER_UNREADABLE, why), unreadable=True)
+        # the value as text: NaN and infinity are no JSON numbers
+        why = Reason.of(Code.CANARY_COUNTER_UNREADABLE, counter=COUNTER, value=str(odd[0]))
+        return Reading(None, why, unreadable=True)
     return Reading(sum(s.value for s in samples))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.canary import effect, fields
-from patchkit.canary.messages import say, words
+from patchkit.canary import effect
 from patchkit.canary.metrics import COUNTER
 from patchkit.canary.prompt import DEFAULT_PROMPT_TOKENS
 from patchkit.codes import Code, Reason
@@ -43,9 +42,9 @@ class ModelCheck:
     def kind(self) -> str:
         return "adapter" if self.parent else "base"
 
-    def mark(self, verdict: str, code: Code, message: str, **facts) -> None:
+    def mark(self, verdict: str, code: Code, **facts) -> None:
         """Add evidence; `bad` outranks `error`, which outranks `no-effect` and `ok`."""
-        self.mark_reason(verdict, say(code, message, **facts))
+        self.mark_reason(verdict, Reason.of(code, **facts))
 
     def mark_reason(self, verdict: str, reason: Reason) -> None:
         """:meth:`mark` with the message already made (the counter's: patchkit.canary.metrics)."""
@@ -53,9 +52,9 @@ class ModelCheck:
             self.verdict = verdict
         self.evidence.append(reason)
 
-    def add(self, code: Code, message: str, **facts) -> None:
+    def add(self, code: Code, **facts) -> None:
         """Evidence that does not change the verdict (a note on this model)."""
-        self.evidence.append(say(code, message, **facts))
+        self.evidence.append(Reason.of(code, **facts))
 
 
 @dataclass
@@ -76,49 +75,44 @@ class Report:
         checked = self.models + ([self.recheck] if self.recheck else [])
         return bool(self.models) and all(v.verdict == "ok" for v in checked)
 
-    def summary(self) -> str:
-        """One line of at most fields.LINE characters: what is wrong (or that all is well).
-
-        Model names and evidence come from the server: each is escaped and cut,
-        and so is the whole line.
-        """
+    def outcome(self) -> Reason:
+        """The run in one line: ``canary-ok`` (how many models, how many not checked), or
+        ``canary-failed`` with what is wrong (the words escape and cut what came from the
+        server, and the whole line)."""
         if self.ok:
-            more = f" ({len(self.skipped)} more not checked)" if self.skipped else ""
-            n = len(self.models)
-            sane = f"all {n} models answer sanely" if n != 1 else "the 1 model answers sanely"
-            return sane + more
-        bad = [v for v in self.models if v.verdict == "bad"]
-        inert = [v for v in self.models if v.verdict == effect.NO_EFFECT]
+            return Reason.of(Code.CANARY_OK, count=len(self.models), skipped=len(self.skipped))
         others = [v for v in self.models if v.verdict not in ("ok", "bad", effect.NO_EFFECT)]
-        parts = []
-        if bad:
-            names = ", ".join(f"{v.kind} '{fields.one_line(v.model, 60)}'" for v in bad[:3])
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            parts.append(f"{names}{more} answer{'s' if len(bad) == 1 else ''} NaN")
-        if inert:
-            parts.append(effect.summary(inert))
-        if self.recheck and self.recheck.verdict != "ok":
-            name = fields.one_line(self.recheck.model, 60)
-            parts.append(f"the base model '{name}' went bad after it")
-        for v in others[:3]:
-            evidence = words(v.evidence[0]) if v.evidence else ""
-            parts.append(f"'{fields.one_line(v.model, 60)}' {v.verdict}: {evidence}")
-        if len(others) > 3:
-            parts.append(f"{len(others) - 3} more not ok")
-        return fields.one_line("; ".join(parts), fields.LINE)
+        polluted = self.recheck.model if self.recheck and self.recheck.verdict != "ok" else None
+        return Reason.of(
+            Code.CANARY_FAILED,
+            bad=[{"model": v.model, "kind": v.kind} for v in self.models if v.verdict == "bad"],
+            no_effect=[v.model for v in self.models if v.verdict == effect.NO_EFFECT],
+            polluted=polluted,
+            others=[
+                {
+                    "model": v.model,
+                    "verdict": v.verdict,
+                    "evidence": v.evidence[0] if v.evidence else None,
+                }
+                for v in others
+            ],
+            models=self.by_verdict(),
+        )
 
     def next_steps(self) -> list[Reason]:
         return next_steps(self)
 
-    def error(self) -> Reason | None:
-        """The failure as the JSON's ``error``: the summary line, and the models by verdict."""
-        if self.ok:
-            return None
+    def by_verdict(self) -> dict[str, list[str]]:
+        """The models that are not ok (the recheck too), by verdict."""
         failed = [v for v in self.models if v.verdict != "ok"]
         by_verdict: dict[str, list[str]] = {}
         for v in failed + ([self.recheck] if self.recheck and self.recheck.verdict != "ok" else []):
             by_verdict.setdefault(v.verdict, []).append(v.model)
-        return say(Code.CANARY_FAILED, self.summary(), models=by_verdict)
+        return by_verdict
+
+    def error(self) -> Reason | None:
+        """The failure as the JSON's ``error``: :meth:`outcome`, None when all is well."""
+        return None if self.ok else self.outcome()
 
 
 def next_steps(report: Report) -> list[Reason]:
@@ -130,74 +124,22 @@ def next_steps(report: Report) -> list[Reason]:
     bad_adapters = [v.model for v in bad if v.kind == "adapter"]
     steps = []
     if bad_adapters and not bad_base:
-        names = ", ".join(bad_adapters)
         steps += [
-            say(
-                Code.CANARY_STEP_DOCTOR,
-                f"the NaN comes through the LoRA path of {names} (the base model is sane): run "
-                "`patchkit doctor` in the serving image (the Python that runs vLLM); it says "
-                "whether vLLM #48590 (Hopper LoRA kernel) is exposed",
-                command="patchkit doctor",
-                adapters=bad_adapters,
-            ),
-            say(
-                Code.CANARY_STEP_APPLY,
-                "if exposed: `patchkit apply --clear-caches`, then restart the server",
-                command="patchkit apply --clear-caches",
-            ),
-            say(
-                Code.CANARY_STEP_REPLACE_ADAPTER,
-                f"if protected: the weights of {names} themselves hold inf/NaN (patchkit's "
-                "torch LoRA path keeps such an adapter's NaN in its own requests); replace the "
-                "adapter, and stop routing to it meanwhile (POST /v1/unload_lora_adapter when "
-                "the server allows runtime LoRA updates)",
-                adapters=bad_adapters,
-            ),
+            Reason.of(Code.CANARY_STEP_DOCTOR, command="patchkit doctor", adapters=bad_adapters),
+            Reason.of(Code.CANARY_STEP_APPLY, command="patchkit apply --clear-caches"),
+            Reason.of(Code.CANARY_STEP_REPLACE_ADAPTER, adapters=bad_adapters),
         ]
     if bad_base:
-        steps.append(
-            say(
-                Code.CANARY_STEP_BASE_NAN,
-                "the base model itself answers NaN, so LoRA is not the only cause: run "
-                "`patchkit doctor` in the serving image and `patchkit apply --clear-caches`",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_BASE_NAN))
     steps += effect.next_steps([v for v in report.models if v.verdict == effect.NO_EFFECT])
     if report.recheck and report.recheck.verdict != "ok":
-        steps.append(
-            say(
-                Code.CANARY_STEP_POLLUTED,
-                "the base model went bad after the adapter: the server's state is polluted",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_POLLUTED))
     if bad:
-        steps.append(
-            say(
-                Code.CANARY_STEP_RESTART,
-                "restart the server: once a NaN has appeared, later requests can stay bad "
-                "until a restart",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_RESTART))
     if any(v.verdict in ("error", "not-checked") for v in report.models):
-        steps.append(
-            say(
-                Code.CANARY_STEP_SERVER_LOG,
-                "look at the server's log for the failed requests; check --timeout",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_SERVER_LOG))
     if any(v.verdict == "not-served" for v in report.models):
-        steps.append(
-            say(
-                Code.CANARY_STEP_MODEL_NAMES,
-                "check the --model names against GET /v1/models (listed in the evidence)",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_MODEL_NAMES))
     if any(note.code == Code.CANARY_COUNTER_ABSENT for note in report.notes):
-        steps.append(
-            say(
-                Code.CANARY_STEP_COUNTER,
-                "start the server with VLLM_COMPUTE_NANS_IN_LOGITS=1 so the next NaN is also "
-                f"counted in {COUNTER}",
-            )
-        )
+        steps.append(Reason.of(Code.CANARY_STEP_COUNTER, counter=COUNTER))
     return steps

@@ -155,6 +155,24 @@ def _stale(r: Reason, _: str) -> str:
     return f"{r['pyc']} stale .pyc, {caches} cache{'s' if caches != 1 else ''} older than the patch"
 
 
+PYC_PROBLEMS = {
+    Code.PYC_TRUNCATED: "truncated",
+    Code.PYC_UNCHECKED_HASH: "hash-based, unchecked: never re-validated",
+    Code.PYC_HASH_DIFFERS: "hash differs from source",
+    Code.PYC_OTHER_SOURCE: "built from another version of the source",
+}
+
+
+@words(*PYC_PROBLEMS)
+def _stale_pyc(r: Reason, _: str) -> str:
+    return f"{r['path']} ({PYC_PROBLEMS[r.code]})"
+
+
+@words(Code.PYC_UNREADABLE)
+def _unreadable_pyc(r: Reason, _: str) -> str:
+    return f"{r['path']} (unreadable: {r['error']})"
+
+
 @words(Code.VERDICT_FRESH)
 def _fresh(r: Reason, _: str) -> str:
     return "bytecode matches its source; no older caches"

@@ -102,8 +102,10 @@ def message(reason: Reason | None) -> dict | None:
 def _fact(value):
     if isinstance(value, Reason):
         return message(value)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return [_fact(v) for v in value]
+    if isinstance(value, dict):  # a fact of several parts (canary-failed's models)
+        return {k: _fact(v) for k, v in value.items()}
     return value
 
 

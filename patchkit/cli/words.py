@@ -13,6 +13,7 @@ from __future__ import annotations
 from patchkit.cli import (
     adapter_words,
     cache_words,
+    canary_words,
     doctor_words,
     lock_words,
     probe_words,
@@ -44,7 +45,7 @@ TEXT = (
     *(
         code
         for code in Code
-        if code.value.startswith(("adapter-", "canary-")) and code not in adapter_words.WORDS
+        if code.value.startswith("adapter-") and code not in adapter_words.WORDS
     ),
 )
 
@@ -787,3 +788,4 @@ WORDS.update(adapter_words.WORDS)  # adapter check's typed findings, likewise
 WORDS.update(probe_words.WORDS)  # probe report's
 WORDS.update(cache_words.WORDS)  # why a compile cache was left alone
 WORDS.update(lock_words.WORDS)  # a busy lock, a bad PATCHKIT_LOCK_TIMEOUT
+WORDS.update(canary_words.WORDS)  # the canary's evidence, notes, verdict and next steps

@@ -99,7 +99,7 @@ class DoctorReport:
     # every override check's findings, and the same per patch id
     tuned_configs: list[OverrideFinding] = field(default_factory=list)
     overrides: dict[str, list[OverrideFinding]] = field(default_factory=dict)
-    stale_bytecode: list[str] = field(default_factory=list)
+    stale_bytecode: list[Reason] = field(default_factory=list)  # pyc-*
     old_caches: list[OldCache] = field(default_factory=list)
     kernels: ScanReport | None = None  # the --kernels scan, when asked for
     verdicts: list[BugVerdict] = field(default_factory=list)
@@ -201,8 +201,9 @@ def override_findings(catalogue: Catalogue) -> dict[str, list[OverrideFinding]]:
     return found
 
 
-def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
-    """.pyc files that do not match their source as Python would check them."""
+def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[Reason]:
+    """.pyc files that do not match their source as Python would check them: each a
+    reason (``pyc-*``) naming the .pyc and what is wrong with it."""
     stale = []
     for relpath in relpaths:
         info = tree.fs.lstat(relpath, "doctor")
@@ -211,27 +212,29 @@ def stale_bytecode(tree: VllmTree, relpaths: list[str]) -> list[str]:
         for pyc_relpath in bytecode_paths(tree.fs, relpath):
             problem = _pyc_problem(tree, relpath, pyc_relpath, info)
             if problem:
-                stale.append(f"{tree.fs.full(pyc_relpath)} ({problem})")
+                code, facts = problem
+                path, source = tree.fs.full(pyc_relpath), tree.fs.full(relpath)
+                stale.append(Reason.of(code, path=str(path), source=str(source), **facts))
     return stale
 
 
-def _pyc_problem(tree: VllmTree, relpath: str, pyc_relpath: str, info) -> str:
-    """Why a .pyc does not match its source; '' if it does."""
+def _pyc_problem(tree: VllmTree, relpath: str, pyc_relpath: str, info) -> tuple | None:
+    """Why a .pyc does not match its source, its code and facts; None if it does."""
     try:
         header = (tree.fs.read(pyc_relpath, "doctor") or b"")[:16]
     except PatchkitError as exc:
-        return f"unreadable: {exc}"
+        return Code.PYC_UNREADABLE, {"error": str(exc)}
     if len(header) < 16:
-        return "truncated"
+        return Code.PYC_TRUNCATED, {}
     flags, mtime, size = struct.unpack("<4xIII", header)
     if flags & 1 and not flags & 2:
-        return "hash-based, unchecked: never re-validated"
+        return Code.PYC_UNCHECKED_HASH, {}
     if flags & 1:
         source_hash = importlib.util.source_hash(tree.fs.read(relpath, "doctor") or b"")
-        return "hash differs from source" if header[8:16] != source_hash else ""
+        return (Code.PYC_HASH_DIFFERS, {}) if header[8:16] != source_hash else None
     if mtime != int(info.st_mtime) & 0xFFFFFFFF or size != info.st_size & 0xFFFFFFFF:
-        return "built from another version of the source"
-    return ""
+        return Code.PYC_OTHER_SOURCE, {}
+    return None
 
 
 def old_caches(patched_at: float | None) -> list[OldCache]:

@@ -13,6 +13,7 @@ import click
 from patchkit.cli import exits, render
 from patchkit.cli.options import json_option
 from patchkit.cli.outcome import fail, user_errors
+from patchkit.cli.words import say
 
 
 def check_url(ctx, param, value: str) -> str:
@@ -105,7 +106,7 @@ def canary_command(url, api_key, models, prompt_tokens, timeout, record, as_json
     )
     emit(result, as_json, api_key)
     if not result.ok:
-        fail(server.scrub(result.summary(), api_key), exits.FAILURE, False)
+        fail(server.scrub(say(result.outcome()), api_key), exits.FAILURE, False)
 
 
 # ----- the report -----
@@ -131,7 +132,6 @@ def canary_lines(report) -> list[str]:
     """The text report: a line per model, the counter, the verdict and the next steps
     (as they are: :func:`emit` scrubs and escapes them)."""
     from patchkit.canary import fields, metrics, prompt
-    from patchkit.canary.messages import words
 
     version = f"vLLM {report.version}" if report.version else "server"
     lines = [
@@ -157,12 +157,12 @@ def canary_lines(report) -> list[str]:
     counter = report.counter
     if counter.get("present"):
         lines.append(f"{metrics.COUNTER}: {counter['before']:g} -> {counter['after']:g}")
-    lines += [f"note: {words(note)}" for note in report.notes]
+    lines += [f"note: {say(note)}" for note in report.notes]
     if report.ok:
-        return lines + [f"OK: {report.summary()}"]
-    lines.append(f"FAILED: {report.summary()}")
+        return lines + [f"OK: {say(report.outcome())}"]
+    lines.append(f"FAILED: {say(report.outcome())}")
     steps = enumerate(report.next_steps(), start=1)
-    return lines + [f"  {number}. {words(step)}" for number, step in steps]
+    return lines + [f"  {number}. {say(step)}" for number, step in steps]
 
 
 def _label(v) -> str:
@@ -170,8 +170,6 @@ def _label(v) -> str:
 
 
 def _detail(v) -> str:
-    from patchkit.canary.messages import words
-
     facts = []
     if v.prompt_tokens is not None:
         facts.append(f"{v.prompt_tokens} prompt tokens")
@@ -180,7 +178,7 @@ def _detail(v) -> str:
     if v.verdict == "bad" and v.text is not None:
         facts.append(f"text {v.text[:24]!r}")
     facts.append(f"{v.seconds:.1f} s")
-    return "; ".join([words(e) for e in v.evidence] + [", ".join(facts)])
+    return "; ".join([say(e) for e in v.evidence] + [", ".join(facts)])
 
 
 def canary_json(report) -> dict:

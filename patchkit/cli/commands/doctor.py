@@ -16,6 +16,7 @@ from patchkit.cli.render import (
     emit_json,
     field_values,
     message,
+    messages,
     out,
     text_message,
     wrap,
@@ -121,7 +122,7 @@ def render_doctor(report, verbose: bool = False) -> None:
     for c in report.tuned_configs:
         out(f"tuned config {c.file}: {say(c.problem)}")
     for pyc in report.stale_bytecode:
-        out(f"stale bytecode: {pyc}")
+        out(f"stale bytecode: {say(pyc)}")
     for c in report.old_caches:
         out(f"{c.name} {c.path}: {counted(c.entries, 'entry', 'entries')} older than the patch")
     if report.kernels is not None:
@@ -245,7 +246,8 @@ def doctor_json(report) -> dict:
         "tuned_configs": [
             {"file": f.file, "problem": message(f.problem)} for f in report.tuned_configs
         ],
-        "stale_bytecode": report.stale_bytecode,
+        "stale_bytecode": [say(pyc) for pyc in report.stale_bytecode],
+        "stale_bytecode_reasons": messages(report.stale_bytecode),
         "old_caches": [field_values(c) for c in report.old_caches],
         "kernels": scan_json(report.kernels) if report.kernels else {},
         "verdicts": [_verdict_json(v) for v in report.verdicts],
