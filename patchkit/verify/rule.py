@@ -32,6 +32,8 @@ rule can be replaced as one module.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 from patchkit.verify import checks
@@ -117,13 +119,10 @@ LEAST_NOISE = 1e-3
 def median_distance(values: list[float], reference: list[float]) -> float:
     """The median |values - reference| over the tokens (inf when lengths differ, a value
     is NaN, or there is none)."""
-    if len(values) != len(reference) or not values:
+    found = [abs(x - y) for x, y in zip(values, reference, strict=False)]
+    if len(values) != len(reference) or not found or any(math.isnan(d) for d in found):
         return float("inf")
-    found = sorted(abs(x - y) for x, y in zip(values, reference, strict=True))
-    if any(d != d for d in found):
-        return float("inf")
-    middle = len(found) // 2
-    return found[middle] if len(found) % 2 else (found[middle - 1] + found[middle]) / 2
+    return statistics.median(found)
 
 
 @dataclass(frozen=True)
@@ -156,9 +155,7 @@ class Excess:
 
 def excess(values: list[float], reference: list[float], noise: float) -> Excess:
     """The Excess of ``values`` against ``reference`` given this prompt's noise."""
-    worst = max((abs(x - y) for x, y in zip(values, reference, strict=False)), default=0.0)
-    distance = median_distance(values, reference)
-    return Excess(distance, noise, worst if distance != float("inf") else float("inf"))
+    return Excess(median_distance(values, reference), noise, checks.diff(values, reference)[1])
 
 
 @dataclass(frozen=True)
