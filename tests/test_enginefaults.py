@@ -242,3 +242,8 @@ def test_the_injected_engine_bug_changes_one_line_of_a_private_copy(tmp_path):
     refused = run()  # already in: the good line is not there
     assert refused.returncode == 1 and "nothing written" in refused.stderr
     assert run("--undo").returncode == 0 and copy.read_bytes() == before
+
+
+def test_the_rpc_names_are_the_extensions_methods():
+    assert callable(getattr(ef.FaultExtension, ef.INSTALL))
+    assert callable(getattr(ef.FaultExtension, ef.APPLIED))

@@ -49,7 +49,8 @@ DENSE_FAULTS = (SCALE_2, LAYER_SKIPPED, B_PERMUTED)
 MOE_FAULTS = (*DENSE_FAULTS, EXPERTS_DOWN_DROPPED)
 PREFIX = "engine-"  # a control kind "engine-scale-2": adaptercontrols.Control.kind
 EXTENSION = "patchkit.verify.enginefaults.FaultExtension"
-INSTALL = "patchkit_install_faults"  # the method collective_rpc calls
+INSTALL = "patchkit_install_faults"  # the methods collective_rpc calls: FaultExtension's
+APPLIED = "patchkit_fault_applications"
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PERMUTATION_SEED = 20261207
 
@@ -91,7 +92,7 @@ def apply_fault(modules: dict, index: int, fault: str) -> int:
     import torch
 
     changed = 0
-    skipped = middle_layer(modules)
+    skipped = middle_layer(modules) if fault == LAYER_SKIPPED else None
     with torch.no_grad():
         for name, module in modules.items():
             if fault == SCALE_2:

@@ -119,9 +119,9 @@ def serve(job: Job, out_file: Path) -> None:
     if job.faults:  # what each worker found, and every fault it applied (id, slot, fault, n)
         from patchkit.verify import enginefaults
 
-        applied = llm.collective_rpc("patchkit_fault_applications")
-        result["faults"] = {"asked": job.faults, "installed": installed, "applied": applied}
-        result["faults"]["extension"] = enginefaults.EXTENSION
+        applied = llm.collective_rpc(enginefaults.APPLIED)
+        result["faults"] = {"asked": job.faults, "installed": installed, "applied": applied,
+                            "extension": enginefaults.EXTENSION}  # fmt: skip
     out_file.write_text(json.dumps(result))
 
 
