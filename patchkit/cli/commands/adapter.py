@@ -127,10 +127,10 @@ def adapter_check_json(report) -> dict:
 
 
 def _target_json(row: dict) -> dict:
-    """A target as JSON: ``why`` in words as before, and its reason as a message."""
-    from patchkit.cli.adapter_target_words import reach_words
-
-    return {**row, "why": reach_words(row["why"]), "reason": message(row["why"])}
+    """A target as JSON: ``why`` in words as before (the message's), and its reason as a
+    message."""
+    reason = message(row["why"])
+    return {**row, "why": reason["message"], "reason": reason}
 
 
 def _finding_json(finding) -> dict:
