@@ -14,6 +14,10 @@
 #            /opt/pristine, apply the default set to /opt/site, check _moe_C
 #            loads, start the proofs in the background, wait, pack
 #   collect  wait for the proofs and the benchmark, pack
+#   more     a second plan on the host an earlier plan's b1 and b2 left warm (vLLM
+#            unpacked and patched; give it its own GS_DIR): unpack .devbundle/b3 if
+#            carried, build this plan's models and start its proofs (both detached),
+#            wait, pack; then `collect` with the same GS_DIR
 #   dry      (CPU, here) the plan's commands without GPU work: argument parsing,
 #            packing; DRY=1 in the environment makes every step print, not run
 #
@@ -638,6 +642,17 @@ print(m.__file__, torch.ops._moe_C.topk_softmax)" >"$G/moe-import.txt" 2>&1
     [ -n "$p3" ] && wait "$p3"
     touch "$G/all.done"
     say "all done"
+    ;;
+  more) # a second plan on a warm host: no b1 or b2 to unpack, the site already patched
+    [ -d .devbundle/b3 ] && do_ bash .devtools/unpack.sh .devbundle/b3
+    ls -l /opt/site/vllm/_moe_C* >"$G/moe-file.txt" 2>&1
+    [ -n "${DRY:-}" ] || [ -d /opt/site/vllm ] || { say "no vLLM in /opt/site: run b1 and b2 of a plan first"; exit 1; }
+    say "building this plan's models and starting its proofs in the background"
+    detach more build
+    detach more proofs # it waits for build.done
+    wait_for "$G/all.done" "${GS_WAIT:-480}"
+    summary
+    pack more
     ;;
   collect)
     wait_for "$G/all.done" "${GS_WAIT:-540}"
