@@ -222,3 +222,28 @@ def test_a_prompt_without_vllms_base_answer_is_undecided_never_failed():
     row = rows["eager: a0 3000 tokens vs peft"]
     assert not row.ok and not row.decided and "no noise to judge it by" in row.detail
     assert result.adapters[0].verdict == "INCONCLUSIVE"
+
+
+def test_the_verdict_reads_a_rows_fields_never_its_words():
+    """Which control a row judges, whether it was served and whether an engine died are
+    fields of the row (checks.Check): rows whose words say none of it are read by them, and
+    a row whose words look like a control's but whose fields are not is no control."""
+    from patchkit.verify.checks import Check
+
+    what = CONTROLS[0].what
+    plain = [
+        Check("row one", True, "x", "a0", value=2.5, control=what),
+        Check("row two", False, "y", "a0", decided=False, control=CONTROLS[1].what, served=False),
+        Check(f"e: a0 control {CONTROLS[2].what} rejected", True, "not served: z", "a0"),
+    ]
+    found = {r.what: r for r in rule.control_results(plain, CONTROLS)}
+    assert found[what].rejected is True and found[what].value == 2.5
+    assert found[CONTROLS[1].what].rejected is None  # not served, by its field
+    assert CONTROLS[2].what not in found  # words alone make no control row
+    reference = references.Reference("peft", {}, {}, "chosen")
+    died = Check("an engine", False, "boom", engine_down=True)
+    verdict = rule.adapter_verdict("a0", [*plain, died], reference, CONTROLS)
+    assert verdict.verdict == rule.FAILED and verdict.why == "an engine: boom"
+    words_only = Check("e: vLLM ran", False, "boom", decided=False)
+    verdict = rule.adapter_verdict("a0", [plain[0], words_only], reference, CONTROLS[:1])
+    assert verdict.verdict == rule.PASSED

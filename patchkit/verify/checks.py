@@ -42,6 +42,12 @@ class Check:
     # a control's row: the least distance the rule caught it at, over the prompts where
     # it did (the excess against PEFT, the mean against the merged reference)
     value: float | None = None
+    # what the row is, as fields (the rule reads these, never the row's words): the
+    # control it judges ("50 % strength"), whether what it judges was served at all,
+    # and whether it says an engine did not run
+    control: str | None = None
+    served: bool = True
+    engine_down: bool = False
 
     @property
     def failed(self) -> bool:
@@ -135,7 +141,7 @@ def logprobs(runs: dict, label: str, prompt: str) -> list[float]:
 def engine_ran(name: str, served: dict) -> list[Check]:
     """[] when the engine ran; else the failed check, and a second start noted when one ran."""
     if "error" in served:
-        return [Check(f"{name}: vLLM ran", False, served["error"])]
+        return [Check(f"{name}: vLLM ran", False, served["error"], engine_down=True)]
     if "first_attempt" in served:
         return [
             Check(f"{name}: engine started (second attempt, alone)", True, served["first_attempt"])

@@ -247,7 +247,9 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
     title = f"{name}: {control.adapter} control {control.what} rejected"
     error = checks.served_error(runs, control.label)
     if error:
-        return Check(title, False, f"not served: {error}", control.adapter, decided=False), {}
+        why = f"not served: {error}"
+        row = Check(title, False, why, control.adapter, False, control=control.what, served=False)
+        return row, {}
     measured = {
         prompt: judge.measure(checks.logprobs(runs, control.label, prompt), prompt)
         for prompt in runs[control.label]
@@ -257,14 +259,16 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
     if rejected:
         prompt, m = rejected[0]
         value = min(m.scale for _, m in rejected)  # the least distance it was caught at
-        row = Check(title, True, f"{prompt[1:]} tokens: {m.text}", control.adapter, value=value)
+        why = f"{prompt[1:]} tokens: {m.text}"
+        row = Check(title, True, why, control.adapter, value=value, control=control.what)
         return row, measured
     worst = list(measured.values())[-1].text if measured else "no prompt served"
     if judge.reference.kind == "peft":
         why = f"short of {FAIL_EXCESS}x on every prompt ({worst}): this run cannot tell it apart"
     else:
         why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
-    return Check(title, False, why, control.adapter, decided=False), measured
+    row = Check(title, False, why, control.adapter, decided=False, control=control.what)
+    return row, measured
 
 
 def effect_check(

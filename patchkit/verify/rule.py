@@ -271,7 +271,7 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     mine = [c for c in found if c.adapter == adapter]
     results = control_results(mine, controls)
     failed = [c for c in mine if c.failed]
-    crashed = [c for c in found if c.adapter is None and c.failed and c.name.endswith("vLLM ran")]
+    crashed = [c for c in found if c.adapter is None and c.failed and c.engine_down]
     verdict = AdapterVerdict(
         adapter, PASSED, reference.kind, reference.why, "", "", results, unit_of(reference.kind)
     )
@@ -302,10 +302,10 @@ def control_results(mine: list[Check], controls) -> list[ControlResult]:
     """Each control: rejected when every engine rejected it, None when one did not serve it."""
     out = []
     for control in controls:
-        rows = [c for c in mine if c.name.endswith(f" control {control.what} rejected")]
+        rows = [c for c in mine if c.control == control.what]
         if not rows:
             continue
-        if any(c.detail.startswith("not served") for c in rows):
+        if not all(c.served for c in rows):
             out.append(ControlResult(control.what, None, rows[0].detail))
             continue
         misses = [c for c in rows if not c.ok]
