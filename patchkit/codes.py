@@ -374,6 +374,24 @@ class Code(str, Enum):
     PROBE_QUARANTINED = "probe-quarantined"  # its adapter quarantined at load: the tensor
     PROBE_QUARANTINE = "probe-quarantine"  # one quarantine the log recorded, served or not
 
+    # ----- verify: why an adapter's verdict, what decides instead, why its reference
+    # (words: cli/verify_words.py) -----
+    VERIFY_CHECK_FAILED = "verify-check-failed"  # check, detail: the first decided failure
+    VERIFY_CHECK_OPEN = "verify-check-open"  # check, detail: the first the rule left open
+    # reference (its kind), controls: "past-failure-line", "outside" or None (none served),
+    # fail_excess (the failure line against PEFT)
+    VERIFY_WITHIN = "verify-within"
+    VERIFY_DECIDES_PEFT = "verify-decides-peft"  # the PEFT reference would decide
+    VERIFY_DECIDES_OTHER_PROMPTS = "verify-decides-other-prompts"  # another seed, longer ones
+    VERIFY_REFERENCE_ASKED = "verify-reference-asked"  # reference: what --reference named
+    VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max (None: none finite)
+    VERIFY_MERGED_DECIDED = "verify-merged-decided"  # coarse (mean, max), it decided all the same
+    VERIFY_MERGED_UNDECIDED = "verify-merged-undecided"  # verdict: the merged one's why
+    VERIFY_PEFT_DECIDES = "verify-peft-decides"  # because: why the merged one was set aside
+    VERIFY_PEFT_DID_NOT_RUN = "verify-peft-did-not-run"  # because, missing: its error
+    VERIFY_PARTIAL_PEFT = "verify-partial-peft"  # one expert parameter: no merged reference
+    VERIFY_MOE_REFERENCE = "verify-moe-reference"  # progress: adapter, reference, why
+
 
 @dataclass(frozen=True)
 class Reason:

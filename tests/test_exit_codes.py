@@ -182,11 +182,14 @@ def test_3_a_bug_is_one_line_and_its_traceback_on_request(tmp_path):
 # leaves the CLI, text and JSON.
 VERDICT = """
 import patchkit.verify.runner as runner
+from patchkit.codes import Code, Reason
 from patchkit.verify import checks, rule
 def run(catalogue, request, say=None):
     check = checks.Check("eager: a0 600 tokens vs merged", VERDICT == "PASSED", "d",
                          "a0", decided=VERDICT != "INCONCLUSIVE")
-    adapter = checks.AdapterVerdict("a0", VERDICT, "merged", "", "why", "--reference peft")
+    why = Reason.of(Code.VERIFY_CHECK_OPEN, check=check.name, detail="d")
+    adapter = checks.AdapterVerdict("a0", VERDICT, "merged", None, why,
+                                    Reason.of(Code.VERIFY_DECIDES_PEFT))
     env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2", "triton": "3",
            "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 1}
     return runner.VerifyReport(env, [], model=rule.ModelResult([check], [adapter]))

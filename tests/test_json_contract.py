@@ -330,3 +330,29 @@ def test_a_lock_timeout_that_is_no_number_is_a_message_with_its_value(slim_tree_
         "abc",
         "PATCHKIT_LOCK_TIMEOUT",
     )
+
+
+def test_verify_says_each_adapters_why_and_reference_as_messages(monkeypatch):
+    """verify's document on a real judgement (the 35B-A3B-wide MoE's answers recorded on the
+    H200, judged as `verify --model` judges): the verdict's reason, its reference's reason
+    (the merged verdict it set aside nested in it) and what decides instead are messages."""
+    from patchkit.verify import runner
+    from tests.test_verify_rule import WIDE_SERVED, judge_wide
+
+    env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2.11.0", "triton": "3.6.0",
+           "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 11}  # fmt: skip
+    report = runner.VerifyReport(env, [], model=judge_wide(WIDE_SERVED))
+    monkeypatch.setattr(runner, "run", lambda catalogue, request, say: report)
+    document = checked("verify", run_cli("verify", "--json"), 0)
+    adapter = document["adapters"][0]
+    assert adapter["why"]["code"] == "verify-within"
+    assert adapter["why"]["controls"] == "past-failure-line"
+    assert adapter["reference_why"]["code"] == "verify-peft-decides"
+    because = adapter["reference_why"]["because"]
+    assert because["code"] == "verify-merged-undecided"
+    assert because["verdict"]["code"] == "verify-check-open"
+    assert adapter["reference_why"]["message"].endswith("; the PEFT reference decides")
+    assert adapter["decides_instead"] is None
+    text = run_cli("verify").stdout
+    assert f"  why: {adapter['why']['message']}\n" in text
+    assert f"  reference: peft ({adapter['reference_why']['message']})\n" in text

@@ -22,8 +22,11 @@ from patchkit.probe.report import RequestFinding
 from tests.conftest import REPO
 
 PACKAGE = REPO / "patchkit"
-# the areas whose messages are reasons; verify/ is not yet one of them
+# the areas whose messages are reasons (verify's: its verdicts' and references' why)
 TYPED = [
+    PACKAGE / "verify" / "rule.py",
+    PACKAGE / "verify" / "references.py",
+    PACKAGE / "verify" / "usermodel.py",
     *sorted((PACKAGE / "adapters").glob("*.py")),
     *sorted((PACKAGE / "probe").glob("*.py")),
     *sorted((PACKAGE / "caches").glob("*.py")),
@@ -58,6 +61,17 @@ def test_a_request_finding_refuses_a_sentence_for_its_reason():
     assert RequestFinding(**where, reason=Reason.of(Code.PROBE_INPUT_BAD)).reason.code == (
         Code.PROBE_INPUT_BAD
     )
+
+
+def test_a_verdict_refuses_a_sentence_for_its_why():
+    from patchkit.verify.checks import AdapterVerdict
+
+    why = Reason.of(Code.VERIFY_DECIDES_PEFT)
+    with pytest.raises(TypeError, match="why is a Reason, not str"):
+        AdapterVerdict("a0", "PASSED", "peft", None, "within the peft reference's bound")
+    with pytest.raises(TypeError, match="reference_why is a Reason, not str"):
+        AdapterVerdict("a0", "PASSED", "peft", "--reference peft", why)
+    assert AdapterVerdict("a0", "INCONCLUSIVE", "merged", None, why, why).decides_instead is why
 
 
 def _sentence(node: ast.AST) -> bool:

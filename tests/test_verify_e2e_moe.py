@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from patchkit.cli.verify_words import say as words
+from patchkit.codes import Reason
 from patchkit.verify import e2e, references, serving
 from tests.conftest import REPO
 from tests.helpers import failing
@@ -215,6 +217,7 @@ def test_the_full_adapter_is_judged_against_peft_where_its_merged_reference_cann
     assert f"{PREFIX}eager: {FULL} 600 tokens vs merged" not in names
     said = []
     e2e.moe_checks(served, said.append)
+    said = [words(line) if isinstance(line, Reason) else line for line in said]
     assert any(line.startswith(f"MoE case: {FULL} judged against the peft") for line in said)
     assert any("the merged reference could not decide" in line for line in said)
 

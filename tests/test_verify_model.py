@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from patchkit.cli.verify_words import say as words
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import (
     e2e,
@@ -109,12 +110,12 @@ def usage_cases(user, tmp_path):
 def test_usage_errors_are_one_line_exit_2_and_change_nothing(user, tmp_path):
     cases = usage_cases(user, tmp_path)
     before = listing(tmp_path)
-    for args, words in cases:
+    for args, expected in cases:
         result = run_cli("verify", *args)
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("patchkit: error: "), (args, lines)
-        assert words in lines[0], (args, lines[0])
+        assert expected in lines[0], (args, lines[0])
         assert "Traceback" not in result.output
         as_json = run_cli("verify", *args, "--json")
         assert json.loads(as_json.stdout) == {
@@ -513,8 +514,8 @@ def test_a_control_inside_the_bound_makes_the_adapter_inconclusive_not_passed():
     [verdict] = result.adapters
     assert verdict.verdict == "INCONCLUSIVE" and result.verdict == "INCONCLUSIVE"
     assert verdict.missed == ["50 % strength"] and verdict.caught == ["adapter ignored"]
-    assert "control 50 % strength rejected" in verdict.why
-    assert "--reference peft" in verdict.decides_instead
+    assert "control 50 % strength rejected" in words(verdict.why)
+    assert "--reference peft" in words(verdict.decides_instead)
     assert not [c.name for c in result.checks if c.failed]
 
 

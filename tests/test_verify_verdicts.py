@@ -25,6 +25,7 @@ import pytest
 
 import patchkit.verify
 from patchkit.cli.commands.verify import verify_request
+from patchkit.cli.verify_words import say as words
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import adaptercontrols, engines, references, rule, serving, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
@@ -69,7 +70,7 @@ def judge_recorded(served) -> rule.ModelResult:
 def test_the_real_moe_run_passes_and_rejects_every_control():
     result = judge_recorded(recorded_with_controls())
     [verdict] = result.adapters
-    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), verdict.why
+    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), words(verdict.why)
     assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
     assert verdict.missed == [] and verdict.reference == "merged"
 
@@ -87,8 +88,8 @@ def test_a_reference_as_coarse_as_the_wide_moe_one_is_inconclusive_not_failed():
     [verdict] = result.adapters
     assert (verdict.verdict, result.verdict) == ("INCONCLUSIVE", "INCONCLUSIVE")
     assert not [c.name for c in result.checks if c.failed]
-    assert "its own bf16 rounding" in verdict.why and "too coarse" in verdict.why
-    assert "--reference peft" in verdict.decides_instead
+    assert "its own bf16 rounding" in words(verdict.why) and "too coarse" in words(verdict.why)
+    assert "--reference peft" in words(verdict.decides_instead)
     rows = {c.name: c for c in result.checks}
     row = rows["moe-eager: moe 3000 tokens vs merged"]
     assert not row.ok and not row.decided and "too coarse to call it vLLM's" in row.detail
@@ -106,7 +107,7 @@ def test_against_a_coarse_merged_reference_an_answer_as_far_as_a_rejected_contro
         runs["lora:moe"] = copy.deepcopy(runs["base"])
     result = judge_recorded(served)
     [verdict] = result.adapters
-    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), verdict.why
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
     rows = [c for c in result.checks if c.failed and " tokens vs merged" in c.name]
     assert rows and all("as far as a control this run rejects" in c.detail for c in rows)
 
@@ -136,8 +137,8 @@ def judge_wide35b() -> rule.ModelResult:
 def test_the_wide_moe_healthy_adapter_passes_against_peft_and_rejects_every_control():
     result = judge_wide35b()
     [verdict] = result.adapters
-    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), verdict.why
-    assert verdict.reference == "peft" and "could not decide" in verdict.reference_why
+    assert (verdict.verdict, result.verdict) == ("PASSED", "PASSED"), words(verdict.why)
+    assert verdict.reference == "peft" and "could not decide" in words(verdict.reference_why)
     assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
     rows = {c.name: c for c in result.checks}
     assert "max 2.660 (<= 4.199)" in rows["eager: a0 4096 tokens vs peft"].detail
@@ -158,7 +159,7 @@ def test_a_poisoned_adapter_fails_even_against_a_coarse_reference():
     result = judge_recorded(served)
     [verdict] = result.adapters
     assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED")
-    assert verdict.why.startswith("moe-cudagraph: moe answers: finite, no run of token id 0")
+    assert words(verdict.why).startswith("moe-cudagraph: moe answers: finite, no run of token id 0")
 
 
 def test_a_poisoned_adapter_fails_alone_and_its_neighbour_still_passes():
@@ -191,7 +192,7 @@ def test_an_engine_that_did_not_run_fails_every_adapter():
     served["cudagraph"] = {"error": "vLLM (cudagraph) exited 1: boom"}
     result = usermodel.judge(served, ["one"], fake_controls(["one"]), merged(served, ["one"]))
     assert result.adapters[0].verdict == "FAILED" and result.verdict == "FAILED"
-    assert "cudagraph: vLLM ran" in result.adapters[0].why
+    assert "cudagraph: vLLM ran" in words(result.adapters[0].why)
 
 
 # ----- the PEFT reference, and the choice between the two -----
@@ -260,8 +261,8 @@ def test_reference_peft_judges_against_transformers_with_vllms_own_error_as_floo
     fake_peftref.result.write_text(json.dumps(peft_served(served, base_off=0.04)))
     result = run(user, tmp_path, "peft")
     [verdict] = result.adapters
-    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
-    assert verdict.reference_why == "--reference peft"
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), words(verdict.why)
+    assert words(verdict.reference_why) == "--reference peft"
     [(model, adapters, prompts, _)] = fake_peftref.calls
     assert (model, list(adapters), prompts) == (user["model"], ["one"], ["p600", "p3000"])
     row = {c.name: c for c in result.checks}["eager: one 600 tokens vs peft"]
@@ -310,7 +311,7 @@ def test_against_peft_the_max_bound_is_the_engines_own_worst_token_not_the_merge
     serve_fake(monkeypatch, served)
     fake_peftref.result.write_text(json.dumps(wide_moe_peft(served, spike)))
     [result] = run(user, tmp_path, "peft").adapters
-    assert result.verdict == verdict, result.why
+    assert result.verdict == verdict, words(result.why)
     assert all(c.rejected for c in result.controls)
 
 
@@ -321,7 +322,7 @@ def test_the_peft_reference_fails_a_lora_path_far_from_it(
     serve_fake(monkeypatch, served)
     fake_peftref.result.write_text(json.dumps(peft_served(served, lora_off=0.2)))
     [verdict] = run(user, tmp_path, "peft").adapters
-    assert verdict.verdict == "FAILED" and "vs peft" in verdict.why
+    assert verdict.verdict == "FAILED" and "vs peft" in words(verdict.why)
 
 
 def test_without_reference_a_coarse_merged_reference_hands_over_to_peft(
@@ -333,9 +334,9 @@ def test_without_reference_a_coarse_merged_reference_hands_over_to_peft(
     fake_peftref.result.write_text(json.dumps(peft_served(served)))
     result = run(user, tmp_path, None)
     [verdict] = result.adapters
-    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), verdict.why
-    assert verdict.reference_why.startswith("the merged reference could not decide (")
-    assert "the PEFT reference decides" in verdict.reference_why
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), words(verdict.why)
+    assert words(verdict.reference_why).startswith("the merged reference could not decide (")
+    assert "the PEFT reference decides" in words(verdict.reference_why)
     assert len(fake_peftref.calls) == 1
 
 
@@ -345,7 +346,7 @@ def test_without_reference_a_precise_merged_reference_judges_alone(
     serve_fake(monkeypatch, fake_served(["one"]))
     [verdict] = run(user, tmp_path, None).adapters
     assert (verdict.verdict, verdict.reference) == ("PASSED", "merged")
-    assert verdict.reference_why.startswith("its own bf16 rounding is small (mean 0.0040")
+    assert words(verdict.reference_why).startswith("its own bf16 rounding is small (mean 0.0040")
     assert fake_peftref.calls == []
 
 
@@ -360,7 +361,7 @@ def test_a_peft_reference_that_did_not_run_leaves_the_merged_verdict_and_says_wh
     [verdict] = run(user, tmp_path, None).adapters
     assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "merged")
     assert "; it did not run, the PEFT reference: patchkit.verify.peftref cannot be imported" in (
-        verdict.reference_why
+        words(verdict.reference_why)
     )
 
 

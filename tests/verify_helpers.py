@@ -81,4 +81,4 @@ def merged(served, adapters, prefix="") -> dict:
     from patchkit.verify import engines, references
 
     run = engines.Served.from_json(served, adapters, prefix)
-    return {name: references.merged_reference(run, name, "") for name in adapters}
+    return {name: references.merged_reference(run, name, None) for name in adapters}

@@ -18,6 +18,7 @@ from patchkit.cli import (
     lock_words,
     probe_words,
     runner_words,
+    verify_words,
 )
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
@@ -789,3 +790,4 @@ WORDS.update(probe_words.WORDS)  # probe report's
 WORDS.update(cache_words.WORDS)  # why a compile cache was left alone
 WORDS.update(lock_words.WORDS)  # a busy lock, a bad PATCHKIT_LOCK_TIMEOUT
 WORDS.update(canary_words.WORDS)  # the canary's evidence, notes, verdict and next steps
+WORDS.update(verify_words.WORDS)  # why verify's verdict and reference

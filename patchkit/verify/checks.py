@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from patchkit.codes import Reason
 from patchkit.symptoms import ZERO_RUN_RANDOM, longest_zero_run
 
 # The same request twice (before/after other requests) must agree within
@@ -78,18 +79,25 @@ class ControlResult:
     value: float | None = None  # how far it was, in every engine (the least of theirs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdapterVerdict:
     """What `verify --model` decided for one adapter, and why."""
 
     adapter: str
     verdict: str  # PASSED, FAILED or INCONCLUSIVE
     reference: str  # "merged" or "peft": what LoRA was judged against
-    reference_why: str  # why that reference (chosen, or forced by --reference)
-    why: str  # the reason for the verdict, one sentence
-    decides_instead: str = ""  # for INCONCLUSIVE: what would decide
+    reference_why: Reason | None  # why that reference (chosen, or forced by --reference)
+    why: Reason  # the reason for the verdict
+    decides_instead: Reason | None = None  # for INCONCLUSIVE: what would decide
     controls: list[ControlResult] = field(default_factory=list)
     unit: str = ""  # the unit of the controls' values ("x vLLM's own base error", ...)
+
+    def __post_init__(self) -> None:
+        """The verdict's reasons are values; their words are made by the command line."""
+        for name in ("reference_why", "why", "decides_instead"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Reason):
+                raise TypeError(f"a verdict's {name} is a Reason, not {type(value).__name__}")
 
     @property
     def nearest(self) -> ControlResult | None:

@@ -33,6 +33,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.verify import (
     baserows,
@@ -493,10 +494,7 @@ def run_e2e(
 
 # ----- the checks of the MoE case -----
 
-PARTIAL_WHY = (
-    "an adapter on one expert parameter has no merged reference here: transformers + PEFT "
-    "(float32, unmerged) decides"
-)
+PARTIAL_WHY = Reason.of(Code.VERIFY_PARTIAL_PEFT)  # one expert parameter: no merged reference
 
 
 def moe_references(served: dict) -> dict[str, references.Reference]:
@@ -518,7 +516,8 @@ def moe_checks(served: dict, say=lambda line: None) -> list[Check]:
     --model` judges them (modelchecks.compare), then each partial adapter in each mode."""
     chosen = moe_references(served)
     for name, reference in chosen.items():
-        say(f"MoE case: {name} judged against the {reference.kind} reference: {reference.why}")
+        say(Reason.of(Code.VERIFY_MOE_REFERENCE, adapter=name, reference=reference.kind,
+                      why=reference.why))  # fmt: skip
     full = {MOE_FULL: chosen[MOE_FULL]}
     out = [
         _named_bug(c) for c in modelchecks.compare(served, [MOE_FULL], MOE_PREFIX, references=full)

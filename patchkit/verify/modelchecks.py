@@ -45,7 +45,7 @@ def compare(
     its ``controls`` (patchkit.verify.adaptercontrols) must be rejected.
     """
     run = Served.from_json(served, adapters, prefix, merged=_any_merged(references))
-    references = references or {a: merged_reference(run, a, "") for a in adapters}
+    references = references or {a: merged_reference(run, a, None) for a in adapters}
     out = []
     for name in adapters:
         if references[name].kind == "merged":
@@ -146,7 +146,7 @@ def adapter_checks(
     output, and each control falls outside the bound. ``reference`` may be the merged
     reference's answers alone ({prompt: request}), as recorded runs hold them."""
     if not isinstance(reference, Reference):
-        reference = Reference("merged", reference, {name: floors or {}}, "")
+        reference = Reference("merged", reference, {name: floors or {}}, None)
     label = f"lora:{adapter}"
     error = checks.served_error(runs, label)
     if error:

@@ -4,12 +4,14 @@ precise each is (its floors)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.verify import checks, serving
 from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
@@ -88,7 +90,7 @@ class Reference:
     kind: str  # "merged" or "peft"
     runs: dict | None  # {prompt: request}; None when it did not run
     floors: dict[str, dict[str, tuple[float, float]]]
-    why: str  # why this reference judges the adapter
+    why: Reason | None  # why this reference judges the adapter (None: not chosen yet)
     missing: str = ""  # why it did not run, when runs is None
     base: dict | None = None
     max_floor: float = MERGED_BOUNDS[1]  # the least max bound (PEFT_MOE_MAX_FLOOR on MoE)
@@ -97,7 +99,7 @@ class Reference:
     noise: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def merged_reference(run: Served, adapter: str, why: str) -> Reference:
+def merged_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
     """The merged reference: floors from its rounding control, the same in every mode."""
     runs = _reference_runs(run, "merged", adapter)
     floors = rounding_floors(run, adapter)
@@ -106,7 +108,7 @@ def merged_reference(run: Served, adapter: str, why: str) -> Reference:
                      why, missing=error or "it served nothing")  # fmt: skip
 
 
-def peft_reference(run: Served, adapter: str, why: str) -> Reference:
+def peft_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
     """The transformers + PEFT reference: floors from vLLM base vs PEFT base, per mode."""
     peft = run.peft or {"error": "not run"}
     runs = peft.get("runs", {})
@@ -166,11 +168,13 @@ def rounding_floors(run: Served, adapter: str) -> dict[str, tuple[float, float]]
 def peft_or_merged(run: Served, name: str, merged: Reference) -> Reference:
     """The PEFT reference for an adapter the merged one could not decide; when PEFT did
     not run (no transformers, no peftref), the merged verdict stands and says why."""
-    why = merged.why if merged.kind == "peft" else f"{merged.why}; the PEFT reference decides"
+    why = merged.why
+    if merged.kind == "merged":
+        why = Reason.of(Code.VERIFY_PEFT_DECIDES, because=merged.why)
     peft = peft_reference(run, name, why)
     if peft.runs is None and merged.kind == "merged":
-        merged.why += f"; it did not run, {peft.missing}"
-        return merged
+        missing = Reason.of(Code.VERIFY_PEFT_DID_NOT_RUN, because=merged.why, missing=peft.missing)
+        return dataclasses.replace(merged, why=missing)
     return peft
 
 

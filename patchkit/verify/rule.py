@@ -36,6 +36,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from patchkit.codes import Code, Reason
 from patchkit.verify import checks
 from patchkit.verify.checks import (
     FAILED,
@@ -256,12 +257,6 @@ class ModelResult:
         return checks.overall([*found, FAILED] if engine_failed else found)
 
 
-PEFT_DECIDES = (
-    "`--reference peft` (transformers + PEFT in float32 from the same bf16 weights, the "
-    "adapter unmerged)"
-)
-
-
 def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> AdapterVerdict:
     """One adapter's verdict from its checks (those of every LoRA engine and of its
     reference): FAILED on a decided failure, INCONCLUSIVE on a check its reference
@@ -272,30 +267,34 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     results = control_results(mine, controls)
     failed = [c for c in mine if c.failed]
     crashed = [c for c in found if c.adapter is None and c.failed and c.engine_down]
-    verdict = AdapterVerdict(
-        adapter, PASSED, reference.kind, reference.why, "", "", results, unit_of(reference.kind)
-    )
+    open_ = [c for c in mine if not c.ok]
+    decides = None
     if failed or crashed:
         first = (crashed or failed)[0]
-        verdict.verdict, verdict.why = FAILED, f"{first.name}: {first.detail}"
-        return verdict
-    open_ = [c for c in mine if not c.ok]
-    if open_:
-        verdict.verdict, verdict.why = INCONCLUSIVE, f"{open_[0].name}: {open_[0].detail}"
-        verdict.decides_instead = (
-            PEFT_DECIDES
+        verdict = FAILED
+        why = Reason.of(Code.VERIFY_CHECK_FAILED, check=first.name, detail=first.detail)
+    elif open_:
+        verdict = INCONCLUSIVE
+        why = Reason.of(Code.VERIFY_CHECK_OPEN, check=open_[0].name, detail=open_[0].detail)
+        decides = Reason.of(
+            Code.VERIFY_DECIDES_PEFT
             if reference.kind == "merged"
-            else "the same check on other prompts (another --seed) or longer ones (a larger "
-            "--max-model-len), where its answers fall on one side of the band; a control "
-            "this run could not reject, only a stronger adapter"
+            else Code.VERIFY_DECIDES_OTHER_PROMPTS
         )
-        return verdict
-    verdict.why = f"within the {reference.kind} reference's bound"
-    if results and reference.kind == "peft":
-        verdict.why += f", and every control past the failure line ({FAIL_EXCESS}x)"
-    elif results:
-        verdict.why += ", and every control outside it"
-    return verdict
+    else:
+        verdict, why = PASSED, within(reference.kind, bool(results))
+    return AdapterVerdict(
+        adapter, verdict, reference.kind, reference.why, why, decides, results,
+        unit_of(reference.kind),
+    )  # fmt: skip
+
+
+def within(kind: str, controls: bool) -> Reason:
+    """PASSED's reason: within the reference's bound, and where every control fell."""
+    where = None
+    if controls:
+        where = "past-failure-line" if kind == "peft" else "outside"
+    return Reason.of(Code.VERIFY_WITHIN, reference=kind, controls=where, fail_excess=FAIL_EXCESS)
 
 
 def control_results(mine: list[Check], controls) -> list[ControlResult]:

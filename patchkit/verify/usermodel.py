@@ -17,6 +17,7 @@ patchkit.verify.rule.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.files import read_user_json
 from patchkit.verify import adaptercontrols, serving
@@ -43,7 +45,7 @@ from patchkit.verify.references import (
     run_peft_reference,
     write_references,
 )
-from patchkit.verify.rule import ModelResult, adapter_verdict, floor_text
+from patchkit.verify.rule import ModelResult, adapter_verdict, decisive, extent
 
 PROMPT_LENGTHS = (600, 3000)
 LONGEST = 16384
@@ -181,24 +183,32 @@ def choose_references(
     does not, said with why.
     """
     if asked == "peft":
-        why = "--reference peft"
+        why = Reason.of(Code.VERIFY_REFERENCE_ASKED, reference="peft")
         return {a: Reference("peft", None, {}, why) for a in adapters}, list(adapters)
     run = Served.from_json(served, adapters, prefix)
-    forced = "--reference merged"
-    merged = {a: merged_reference(run, a, forced if asked else "") for a in adapters}
+    forced = Reason.of(Code.VERIFY_REFERENCE_ASKED, reference="merged")
+    merged = {a: merged_reference(run, a, forced if asked else None) for a in adapters}
     if asked == "merged":
         return merged, []
     first = judge(served, adapters, controls, merged, prefix)
-    need = []
-    for verdict in first.adapters:
-        reference = merged[verdict.adapter]
-        if verdict.verdict == INCONCLUSIVE:
-            reference.why = f"the merged reference could not decide ({verdict.why})"
-            need.append(verdict.adapter)
-        else:
-            floors = rounding_floors(run, verdict.adapter)
-            reference.why = f"its own bf16 rounding is small ({floor_text(floors)})"
-    return merged, need
+    need = [v.adapter for v in first.adapters if v.verdict == INCONCLUSIVE]
+    chosen = {
+        v.adapter: dataclasses.replace(merged[v.adapter], why=merged_why(run, v))
+        for v in first.adapters
+    }
+    return chosen, need
+
+
+def merged_why(run: Served, verdict) -> Reason:
+    """Why the merged reference judges an adapter: its rounding is small, or, coarse, it
+    decided all the same (within its widened bound with every control rejected, or as far
+    as a control it rejects); or why it was set aside (its own verdict's reason)."""
+    if verdict.verdict == INCONCLUSIVE:
+        return Reason.of(Code.VERIFY_MERGED_UNDECIDED, verdict=verdict.why)
+    floors = rounding_floors(run, verdict.adapter)
+    mean, worst = extent(floors) if floors else (None, None)
+    small = Code.VERIFY_ROUNDING_SMALL if decisive(floors) else Code.VERIFY_MERGED_DECIDED
+    return Reason.of(small, mean=mean, max=worst)
 
 
 REFERENCE_CHOICES = ("merged", "peft")

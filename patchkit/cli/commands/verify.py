@@ -12,7 +12,9 @@ from patchkit.cli import exits
 from patchkit.cli.adapter_words import finding_words
 from patchkit.cli.options import json_option, noted_catalogue
 from patchkit.cli.outcome import user_errors
-from patchkit.cli.render import counted, emit_json, out, warn
+from patchkit.cli.render import counted, emit_json, message, out, warn
+from patchkit.cli.verify_words import say
+from patchkit.codes import Reason
 from patchkit.verify import checks
 
 
@@ -95,7 +97,7 @@ def verify_command(
     )
     if as_json:  # vLLM logs to stdout by default; keep stdout for the JSON
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    result = runner.run(noted_catalogue(), request, warn)
+    result = runner.run(noted_catalogue(), request, progress)
     emit_json("verify", verify_json(result)) if as_json else render_verify(result)
     sys.exit(VERDICT_EXITS[result.verdict])
 
@@ -229,11 +231,11 @@ def adapter_verdict_lines(adapters) -> list[str]:
     lines = []
     for a in adapters:
         lines.append(f"adapter {a.adapter}: {a.verdict} against the {a.reference} reference")
-        if a.reference_why:
-            lines.append(f"  reference: {a.reference} ({a.reference_why})")
-        lines.append(f"  why: {a.why}")
-        if a.decides_instead:
-            lines.append(f"  what decides instead: {a.decides_instead}")
+        if say(a.reference_why):
+            lines.append(f"  reference: {a.reference} ({say(a.reference_why)})")
+        lines.append(f"  why: {say(a.why)}")
+        if a.decides_instead is not None:
+            lines.append(f"  what decides instead: {say(a.decides_instead)}")
         if a.controls:
             lines.append(f"  would have caught: {', '.join(a.caught) or 'none of its controls'}")
         if a.nearest is not None:
@@ -285,9 +287,18 @@ def verify_json(report) -> dict:
     }
 
 
+def progress(line: str | Reason) -> None:
+    """verify's progress on stderr: a line, or a reason (its words made here)."""
+    warn(say(line) if isinstance(line, Reason) else line)
+
+
 def _adapter_json(verdict) -> dict:
+    """An adapter's verdict: its fields, the reasons among them as messages."""
     return {
         **dataclasses.asdict(verdict),
+        "reference_why": message(verdict.reference_why),
+        "why": message(verdict.why),
+        "decides_instead": message(verdict.decides_instead),
         "would_have_caught": verdict.caught,
         "could_not_tell_apart": verdict.missed,
         "nearest_caught": dataclasses.asdict(verdict.nearest) if verdict.nearest else None,
