@@ -190,6 +190,13 @@ class Code(str, Enum):
     FIX_SWITCHES = "fix-switches"
     FIX_STALE = "fix-stale"
 
+    # ----- errors: the kind of failure a command ended with (patchkit.errors; the words
+    # are the line made where it was raised, the facts beside each code) -----
+    OS_ERROR = "os-error"  # path, errno (its name: "ENOSPC"), error (the system's words)
+    UNSAFE_PATH = "unsafe-path"  # path, origin, kind (a link's target): out of the tree, a link
+    FILE_TOO_LARGE = "file-too-large"  # path, limit (bytes)
+    FILE_UNUSABLE = "file-unusable"  # a file of an adapter's or a model's directory: path, detail
+
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
     USAGE = "usage"  # exit 2
@@ -420,3 +427,9 @@ class Reason:
         """The code and its facts (a log or a debugger's view; people read the words)."""
         facts = ", ".join(f"{k}={v!r}" for k, v in self.facts)
         return f"{self.code}({facts})"
+
+
+@dataclass(frozen=True)
+class Line(Reason):
+    """An error's reason (:class:`patchkit.errors.PatchkitError`): its code and facts, and
+    the line the error was raised with (the fact ``text``), which are its words."""
