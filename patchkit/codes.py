@@ -196,6 +196,7 @@ class Code(str, Enum):
     UNSAFE_PATH = "unsafe-path"  # path, origin, kind (a link's target): out of the tree, a link
     FILE_TOO_LARGE = "file-too-large"  # path, limit (bytes)
     FILE_UNUSABLE = "file-unusable"  # a file of an adapter's or a model's directory: path, detail
+    LOCK_UNAVAILABLE = "lock-unavailable"  # the tree's lock cannot be made: path, error
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
