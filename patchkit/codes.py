@@ -197,6 +197,9 @@ class Code(str, Enum):
     FILE_TOO_LARGE = "file-too-large"  # path, limit (bytes)
     FILE_UNUSABLE = "file-unusable"  # a file of an adapter's or a model's directory: path, detail
     LOCK_UNAVAILABLE = "lock-unavailable"  # the tree's lock cannot be made: path, error
+    # the catalogue, and the patch ids asked for
+    CATALOGUE_INVALID = "catalogue-invalid"  # path (a catalogue file or diff), detail
+    UNKNOWN_PATCH = "unknown-patch"  # patch, known (the catalogue's ids)
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
