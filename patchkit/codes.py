@@ -200,6 +200,9 @@ class Code(str, Enum):
     # the catalogue, and the patch ids asked for
     CATALOGUE_INVALID = "catalogue-invalid"  # path (a catalogue file or diff), detail
     UNKNOWN_PATCH = "unknown-patch"  # patch, known (the catalogue's ids)
+    # the vLLM tree
+    VLLM_INSTALL_INVALID = "vllm-install-invalid"  # its dist-info: path, detail
+    VLLM_CODE_NOT_UNDERSTOOD = "vllm-code-not-understood"  # a vLLM file patchkit cannot read: path
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
