@@ -203,6 +203,9 @@ class Code(str, Enum):
     # the vLLM tree
     VLLM_INSTALL_INVALID = "vllm-install-invalid"  # its dist-info: path, detail
     VLLM_CODE_NOT_UNDERSTOOD = "vllm-code-not-understood"  # a vLLM file patchkit cannot read: path
+    # probe report
+    PROBE_LOG_INVALID = "probe-log-invalid"  # path, line (its number), detail
+    PROBE_LOG_UNREADABLE = "probe-log-unreadable"  # path, error
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on

@@ -157,8 +157,8 @@ def test_a_usage_error_and_an_error(tmp_path):
     usage = checked("status", run_cli("status", "--vllm-version", "abc", "--json"), 2)
     assert usage["error"]["code"] == "usage"
     log = write_log(tmp_path, "not a probe record")
-    refused = run_cli("probe", "report", str(log), "--json")
-    assert checked("probe report", refused, 1)["error"]["code"] == "error"
+    error = checked("probe report", run_cli("probe", "report", str(log), "--json"), 1)["error"]
+    assert (error["code"], error["path"], error["line"]) == ("probe-log-invalid", str(log), 1)
 
 
 def test_doctor_on_a_real_tree(slim_tree_0260):
