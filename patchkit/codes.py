@@ -203,9 +203,23 @@ class Code(str, Enum):
     # the vLLM tree
     VLLM_INSTALL_INVALID = "vllm-install-invalid"  # its dist-info: path, detail
     VLLM_CODE_NOT_UNDERSTOOD = "vllm-code-not-understood"  # a vLLM file patchkit cannot read: path
+    VLLM_IMPORT_FAILED = "vllm-import-failed"  # verify: path (the tree), error
     # probe report
     PROBE_LOG_INVALID = "probe-log-invalid"  # path, line (its number), detail
     PROBE_LOG_UNREADABLE = "probe-log-unreadable"  # path, error
+    # adapters, models and their files (adapter check, verify, doctor --kernels)
+    SAFETENSORS_INVALID = "safetensors-invalid"  # path, detail
+    DTYPE_UNSUPPORTED = "dtype-unsupported"  # dtype
+    MODEL_CONFIG_INVALID = "model-config-invalid"  # config.json: path, detail, key
+    CHECKPOINT_INVALID = "checkpoint-invalid"  # the base model's directory or a file: path
+    ADAPTER_REFUSED = "adapter-refused"  # verify: path, module or tensor
+    MERGE_REFUSED = "merge-refused"  # path (the adapter's weights), module, detail
+    # verify's run
+    GPU_UNAVAILABLE = "gpu-unavailable"  # torch (whether it is there)
+    WORKDIR_UNUSABLE = "workdir-unusable"  # path
+    NOT_ENOUGH_SPACE = "not-enough-space"  # path, needed, free (bytes)
+    REFERENCE_DOES_NOT_FIT = "reference-does-not-fit"  # needed, working, free, gpus; spilled
+    REFERENCE_FAILED = "reference-failed"  # refused ("label: error")
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
