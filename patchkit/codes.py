@@ -204,6 +204,16 @@ class Code(str, Enum):
     VLLM_INSTALL_INVALID = "vllm-install-invalid"  # its dist-info: path, detail
     VLLM_CODE_NOT_UNDERSTOOD = "vllm-code-not-understood"  # a vLLM file patchkit cannot read: path
     VLLM_IMPORT_FAILED = "vllm-import-failed"  # verify: path (the tree), error
+    # fetch
+    FETCH_FAILED = "fetch-failed"  # the index or the server: host, status, path
+    WHEEL_NOT_FOUND = "wheel-not-found"  # version
+    WHEEL_MISMATCH = "wheel-mismatch"  # not the size or sha256 its index gives: wheel
+    WHEEL_INVALID = "wheel-invalid"  # its zip broken or hostile: wheel, cause
+    RECORD_MISMATCH = "record-mismatch"  # a member and the wheel's RECORD disagree: wheel
+    PIP_CONFIG_INVALID = "pip-config-invalid"  # path and error, or key and value
+    FETCH_DEADLINE_INVALID = "fetch-deadline-invalid"  # PATCHKIT_FETCH_DEADLINE: value
+    VERSION_INVALID = "version-invalid"  # version
+    DEST_UNUSABLE = "dest-unusable"  # --dest: path
     # probe report
     PROBE_LOG_INVALID = "probe-log-invalid"  # path, line (its number), detail
     PROBE_LOG_UNREADABLE = "probe-log-unreadable"  # path, error
