@@ -230,6 +230,11 @@ class Code(str, Enum):
     NOT_ENOUGH_SPACE = "not-enough-space"  # path, needed, free (bytes)
     REFERENCE_DOES_NOT_FIT = "reference-does-not-fit"  # needed, working, free, gpus; spilled
     REFERENCE_FAILED = "reference-failed"  # refused ("label: error")
+    # canary
+    DEPENDENCY_MISSING = "dependency-missing"  # packages
+    SERVER_UNREACHABLE = "server-unreachable"  # url
+    SERVER_UNAUTHORIZED = "server-unauthorized"  # url, http_status
+    NOT_A_VLLM_SERVER = "not-a-vllm-server"  # url, http_status
 
     # ----- any command's error that is not typed yet, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
