@@ -192,6 +192,10 @@ class Code(str, Enum):
 
     # ----- errors: the kind of failure a command ended with (patchkit.errors; the words
     # are the line made where it was raised, the facts beside each code) -----
+    # (a lower error an error quotes is its fact ``cause``; usage errors are USAGE, an
+    # interrupted refresh INTERRUPTED, a hunk that does not fit HUNK_MISMATCH, a refresh
+    # interrupted while writing the catalogue CATALOGUE_INTERRUPTED, no vLLM for this
+    # Python VLLM_NOT_FOUND, a model shard changed under verify CHANGED_WHILE_RUNNING)
     OS_ERROR = "os-error"  # path, errno (its name: "ENOSPC"), error (the system's words)
     UNSAFE_PATH = "unsafe-path"  # path, origin, kind (a link's target): out of the tree, a link
     FILE_TOO_LARGE = "file-too-large"  # path, limit (bytes)
@@ -236,7 +240,7 @@ class Code(str, Enum):
     SERVER_UNAUTHORIZED = "server-unauthorized"  # url, http_status
     NOT_A_VLLM_SERVER = "not-a-vllm-server"  # url, http_status
 
-    # ----- any command's error that is not typed yet, by how it ends -----
+    # ----- an error the command line makes itself, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
     USAGE = "usage"  # exit 2
     INTERNAL_ERROR = "internal-error"  # exit 3: a bug in patchkit

@@ -7,7 +7,8 @@ raised. The error is a value all the same: its class names the kind (``code``, o
 of :class:`patchkit.codes.Code`) and it carries the facts the line was made from
 (``facts``: a path, a patch, a hunk, a URL; a lower error it quotes, as a fact of
 its own), so ``--json`` gives a tool the kind and its fields, not only a sentence
-(docs/json.md).
+(docs/json.md). The base class is never raised itself, and every kind names its
+code (tests/test_errors_are_typed.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class PatchkitError(Exception):
     value, a path (kept as text), a reason, or a lower PatchkitError (kept as its reason).
     """
 
-    code: ClassVar[Code] = Code.ERROR  # the kind's; error where a kind names none yet
+    code: ClassVar[Code]  # the kind's: each subclass names its own
     exit_code = 1
 
     def __init__(self, line: str, /, **facts: object):
