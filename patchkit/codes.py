@@ -190,7 +190,57 @@ class Code(str, Enum):
     FIX_SWITCHES = "fix-switches"
     FIX_STALE = "fix-stale"
 
-    # ----- any command's error that is not typed yet, by how it ends -----
+    # ----- errors: the kind of failure a command ended with (patchkit.errors; the words
+    # are the line made where it was raised, the facts beside each code) -----
+    # (a lower error an error quotes is its fact ``cause``; usage errors are USAGE, an
+    # interrupted refresh INTERRUPTED, a hunk that does not fit HUNK_MISMATCH, a refresh
+    # interrupted while writing the catalogue CATALOGUE_INTERRUPTED, no vLLM for this
+    # Python VLLM_NOT_FOUND, a model shard changed under verify CHANGED_WHILE_RUNNING)
+    OS_ERROR = "os-error"  # path, errno (its name: "ENOSPC"), error (the system's words)
+    UNSAFE_PATH = "unsafe-path"  # path, origin, kind (a link's target): out of the tree, a link
+    FILE_TOO_LARGE = "file-too-large"  # path, limit (bytes)
+    FILE_UNUSABLE = "file-unusable"  # a file of an adapter's or a model's directory: path, detail
+    LOCK_UNAVAILABLE = "lock-unavailable"  # the tree's lock cannot be made: path, error
+    # the catalogue, and the patch ids asked for
+    CATALOGUE_INVALID = "catalogue-invalid"  # path (a catalogue file or diff), detail
+    UNKNOWN_PATCH = "unknown-patch"  # patch, known (the catalogue's ids)
+    # the vLLM tree
+    VLLM_INSTALL_INVALID = "vllm-install-invalid"  # its dist-info: path, detail
+    VLLM_CODE_NOT_UNDERSTOOD = "vllm-code-not-understood"  # a vLLM file patchkit cannot read: path
+    VLLM_IMPORT_FAILED = "vllm-import-failed"  # verify: path (the tree), error
+    # fetch
+    FETCH_FAILED = "fetch-failed"  # the index or the server: host, status, path
+    WHEEL_NOT_FOUND = "wheel-not-found"  # version
+    WHEEL_MISMATCH = "wheel-mismatch"  # not the size or sha256 its index gives: wheel
+    WHEEL_INVALID = "wheel-invalid"  # its zip broken or hostile: wheel, cause
+    RECORD_MISMATCH = "record-mismatch"  # a member and the wheel's RECORD disagree: wheel
+    PIP_CONFIG_INVALID = "pip-config-invalid"  # path and error, or key and value
+    FETCH_DEADLINE_INVALID = "fetch-deadline-invalid"  # PATCHKIT_FETCH_DEADLINE: value
+    VERSION_INVALID = "version-invalid"  # version
+    DEST_UNUSABLE = "dest-unusable"  # --dest: path
+    # probe report
+    PROBE_LOG_INVALID = "probe-log-invalid"  # path, line (its number), detail
+    PROBE_LOG_UNREADABLE = "probe-log-unreadable"  # path, error
+    # adapters, models and their files (adapter check, verify, doctor --kernels)
+    SAFETENSORS_INVALID = "safetensors-invalid"  # path, detail
+    DTYPE_UNSUPPORTED = "dtype-unsupported"  # dtype
+    MODEL_CONFIG_INVALID = "model-config-invalid"  # config.json: path, detail, key
+    CHECKPOINT_INVALID = "checkpoint-invalid"  # the base model's directory or a file: path
+    ADAPTER_REFUSED = "adapter-refused"  # verify: path, module or tensor
+    MERGE_REFUSED = "merge-refused"  # path (the adapter's weights), module, detail
+    # verify's run
+    GPU_UNAVAILABLE = "gpu-unavailable"  # torch (whether it is there)
+    WORKDIR_UNUSABLE = "workdir-unusable"  # path
+    NOT_ENOUGH_SPACE = "not-enough-space"  # path, needed, free (bytes)
+    REFERENCE_DOES_NOT_FIT = "reference-does-not-fit"  # needed, working, free, gpus; spilled
+    REFERENCE_FAILED = "reference-failed"  # refused ("label: error")
+    # canary
+    DEPENDENCY_MISSING = "dependency-missing"  # packages
+    SERVER_UNREACHABLE = "server-unreachable"  # url
+    SERVER_UNAUTHORIZED = "server-unauthorized"  # url, http_status
+    NOT_A_VLLM_SERVER = "not-a-vllm-server"  # url, http_status
+
+    # ----- an error the command line makes itself, by how it ends -----
     ERROR = "error"  # exit 1: the user's to act on
     USAGE = "usage"  # exit 2
     INTERNAL_ERROR = "internal-error"  # exit 3: a bug in patchkit
@@ -420,3 +470,9 @@ class Reason:
         """The code and its facts (a log or a debugger's view; people read the words)."""
         facts = ", ".join(f"{k}={v!r}" for k, v in self.facts)
         return f"{self.code}({facts})"
+
+
+@dataclass(frozen=True)
+class Line(Reason):
+    """An error's reason (:class:`patchkit.errors.PatchkitError`): its code and facts, and
+    the line the error was raised with (the fact ``text``), which are its words."""

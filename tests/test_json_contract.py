@@ -9,6 +9,7 @@ patchkit.codes.Code, whose words patchkit.cli.words makes. docs/json.md says the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from patchkit.codes import Code
 from tests import adapter_helpers as ah
 from tests.canary_helpers import FakeVLLM
 from tests.conftest import REPO, copy_tree, release_tree, run_cli
+from tests.error_helpers import error_codes
 from tests.helpers import record, write_log
+from tests.wheelserver_helpers import PIP_ENV
 
 SCHEMAS = REPO / "docs" / "json"
 
@@ -93,8 +96,16 @@ def test_every_code_is_kebab_case_and_one_of_a_kind():
 
 
 def test_every_code_has_its_words():
-    missing = [code for code in Code if code not in TEXT and code not in WORDS]
+    """An error kind's code says the line the error was raised with (patchkit.errors);
+    every other code has words of its own, or is a TEXT code."""
+    lines = error_codes()
+    missing = [code for code in Code if code not in TEXT and code not in set(WORDS) | lines]
     assert not missing, missing
+
+
+def test_the_schema_lists_every_error_kind():
+    common = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]
+    assert set(common["error-kind"]["enum"]) == {code.value for code in error_codes()}
 
 
 def test_every_feature_adapter_config_refuses_has_its_words():
@@ -139,22 +150,89 @@ def test_status_apply_revert_on_a_real_tree(slim_tree_0260):
 
 
 def test_a_refusal_is_a_message_with_its_facts(slim_tree_0260):
-    """A conflict refused by apply: the error's code and the conflict it refuses, nested."""
+    """A conflict refused by apply: the error's code and the conflict it refuses, nested:
+    a hunk that does not fit, with its file and its number."""
     utils = slim_tree_0260 / "vllm/lora/ops/triton_ops/utils.py"
     utils.write_text(utils.read_text().replace("block_n", "block_m"))  # an edit of a real file
     document = checked("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"), 1)
     error = document["error"]
     assert error["code"] == "refused-conflict" and error["patch"] == "expand-block-n"
-    assert error["conflict"]["code"] in CODES
-    assert error["conflict"]["message"] in error["message"]
+    conflict = error["conflict"]
+    assert conflict["code"] == "hunk-mismatch" and conflict["message"] in error["message"]
+    assert conflict["path"] == "vllm/lora/ops/triton_ops/utils.py" and conflict["hunk"] >= 1
 
 
 def test_a_usage_error_and_an_error(tmp_path):
     usage = checked("status", run_cli("status", "--vllm-version", "abc", "--json"), 2)
     assert usage["error"]["code"] == "usage"
     log = write_log(tmp_path, "not a probe record")
-    refused = run_cli("probe", "report", str(log), "--json")
-    assert checked("probe report", refused, 1)["error"]["code"] == "error"
+    error = checked("probe report", run_cli("probe", "report", str(log), "--json"), 1)["error"]
+    assert (error["code"], error["path"], error["line"]) == ("probe-log-invalid", str(log), 1)
+
+
+# ----- an error is its kind's code and its facts -----
+
+
+def failed(command: str, result, exit_code: int = 1) -> dict:
+    """The error of a document that is one, checked as :func:`checked` checks any (its
+    message exactly the line on stderr)."""
+    error = checked(command, result, exit_code)["error"]
+    assert result.stderr == f"patchkit: error: {error['message']}\n"
+    return error
+
+
+def test_a_link_in_the_trees_state_is_an_unsafe_path(slim_tree_0260, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (slim_tree_0260 / ".patchkit").symlink_to(tmp_path / "elsewhere")
+    error = failed("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"))
+    assert error["code"] == "unsafe-path" and error["kind"] == "a symbolic link"
+    assert (error["path"], error["target"]) == (
+        str(slim_tree_0260 / ".patchkit"),
+        str(tmp_path / "elsewhere"),
+    )
+
+
+def test_a_broken_catalogue_file_is_catalogue_invalid(tmp_path):
+    root = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", root)
+    bugs = root / "bugs.toml"
+    bugs.write_text(bugs.read_text() + "\n[[bug]]\nids = ['vllm#1']\nunknown_key = 1\n")
+    error = failed("list", run_cli("list", "--json", env={"PATCHKIT_PATCHES_DIR": str(root)}))
+    assert (error["code"], error["path"]) == ("catalogue-invalid", str(bugs))
+    assert error["message"] == f"{bugs}: {error['detail']}" and "unknown_key" in error["detail"]
+
+
+def test_a_bad_model_or_adapter_file_names_its_kind_and_path(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": "wide"}
+    (model / "config.json").write_text(json.dumps(config))
+    adapter = ah.write_adapter(tmp_path / "adapter", ah.dense_tensors())
+    error = failed(
+        "adapter check",
+        run_cli("adapter", "check", str(adapter), "--model", str(model), "--json"),
+    )
+    assert (error["code"], error["key"]) == ("model-config-invalid", "hidden_size")
+    assert (error["path"], error["option"]) == (str(model / "config.json"), "--model")
+    (adapter / "adapter_config.json").unlink()
+    (adapter / "adapter_config.json").symlink_to("/etc/hostname")  # a link out of it
+    lora = f"a={adapter}"
+    error = failed("verify", run_cli("verify", "--model", str(model), "--lora", lora, "--json"), 2)
+    assert (error["code"], error["option"]) == ("usage", "--lora")
+    assert error["cause"]["code"] == "unsafe-path"
+    assert error["cause"]["path"] == str(adapter / "adapter_config.json")
+
+
+def test_a_fetch_that_reaches_no_server_is_fetch_failed(tmp_path):
+    """No network needed: the index is a closed port on this machine."""
+    env = {name: None for name in PIP_ENV}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "HOME": str(tmp_path)}
+    env |= {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PATCHKIT_CACHE_DIR": str(tmp_path)}
+    error = failed("fetch", run_cli("fetch", "0.26.0", "--json", env=env))
+    assert (error["code"], error["host"]) == ("fetch-failed", "127.0.0.1")
+    env["PATCHKIT_FETCH_DEADLINE"] = "soon"
+    error = failed("fetch", run_cli("fetch", "0.26.0", "--json", env=env))
+    assert (error["code"], error["value"]) == ("fetch-deadline-invalid", "soon")
 
 
 def test_doctor_on_a_real_tree(slim_tree_0260):

@@ -186,8 +186,12 @@ def test_json_errors_carry_the_exit_code(tmp_path):
         "command": "probe report",
         "ok": False,
         "error": {
-            "code": "error",
+            "code": "probe-log-invalid",
             "message": f"{not_json}:1: not JSON (JSONDecodeError): not a nan-probe log",
+            "path": str(not_json),
+            "line": 1,
+            "detail": "not JSON (JSONDecodeError): not a nan-probe log",
+            "why": "not JSON",
         },
         "exit_code": 1,
     }

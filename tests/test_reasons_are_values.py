@@ -36,7 +36,8 @@ TYPED = [
     *sorted((PACKAGE / "canary").glob("*.py")),
 ]
 # where an error raised for the user is a reason too (elsewhere in these areas an error is
-# still its line: a malformed probe log, a vLLM file patchkit cannot read)
+# its kind, a code and its facts, with its line made where it is raised: a malformed probe
+# log, a vLLM file patchkit cannot read; tests/test_errors_are_typed.py)
 TYPED_ERRORS = {PACKAGE / "catalogue" / "journal.py", PACKAGE / "fs" / "locks.py"}
 MESSAGE_LISTS = {"notes", "skipped", "warnings", "notices", "findings", "problems", "evidence"}
 # calls whose every argument is a code or a fact (a command to run is one, not words): a

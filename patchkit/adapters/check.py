@@ -350,7 +350,7 @@ def _model(model_dir: Path, report: Report) -> tuple[ModelShapes | None, str]:
             config = folder.read_json("config.json", "a model config")
         shapes = model_shapes(config, where)
     except PatchkitError as exc:
-        raise PatchkitError(f"--model: {exc}") from None
+        raise exc.reworded(f"--model: {exc}", option="--model") from None
     arch = architecture(config)
     if shapes is None:
         named = _named(arch) if arch else None

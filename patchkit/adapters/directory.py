@@ -21,7 +21,7 @@ import stat
 from pathlib import Path
 
 from patchkit.adapters.safetensorsfile import shown
-from patchkit.errors import FileProblem, PatchkitError, os_error_line
+from patchkit.errors import FileProblem, OsFailure, OversizedFile, PatchkitError, UnsafeFile
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
 
@@ -40,7 +40,7 @@ class Directory:
         try:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise PatchkitError(os_error_line(exc, "opening", path=self.path)) from None
+            raise OsFailure(exc, "opening", path=self.path) from None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -77,19 +77,19 @@ class Directory:
         try:
             mode = os.stat(target, dir_fd=where, follow_symlinks=False).st_mode
             if not stat.S_ISREG(mode):
-                raise FileProblem(self.path / name, f"{kind_of(mode)}, not a regular file")
+                raise UnsafeFile(self.path / name, f"{kind_of(mode)}, not a regular file")
             fd = os.open(target, flags, dir_fd=where)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # swapped for a link since _resolve looked
-                raise FileProblem(self.path / name, "became a link while read") from None
-            raise PatchkitError(os_error_line(exc, "opening", path=self.path / name)) from None
+                raise UnsafeFile(self.path / name, "became a link while read") from None
+            raise OsFailure(exc, "opening", path=self.path / name) from None
         finally:
             if where != self.fd:
                 os.close(where)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise FileProblem(self.path / name, f"{kind_of(mode)}, not a regular file")
+            raise UnsafeFile(self.path / name, f"{kind_of(mode)}, not a regular file")
         return os.fdopen(fd, "rb")
 
     def _resolve(self, name: str) -> tuple[int, str]:
@@ -97,20 +97,20 @@ class Directory:
         try:
             info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except OSError as exc:
-            raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
+            raise OsFailure(exc, "reading", path=self.path / name) from None
         if not stat.S_ISLNK(info.st_mode):
             return self.fd, name
         try:
             link = os.readlink(name, dir_fd=self.fd)
         except OSError as exc:  # swapped for a file since the stat: read it again
-            raise PatchkitError(os_error_line(exc, "reading", path=self.path / name)) from None
+            raise OsFailure(exc, "reading", path=self.path / name) from None
         blob = HF_BLOB.fullmatch(link)
         if blob:
             blobs = self._snapshot_blobs()
             if blobs is not None:
                 return blobs, blob.group(1)
         if "/" in link or link in (".", ".."):
-            raise FileProblem(
+            raise UnsafeFile(
                 self.path / name,
                 f"a link to {shown(link)}, out of the directory; refused "
                 "(copy the file in, or point patchkit at the directory that holds it)",
@@ -122,9 +122,9 @@ class Directory:
                 self.path / name, f"a link to {shown(link)}, which is not there"
             ) from None
         except OSError as exc:
-            raise PatchkitError(os_error_line(exc, "reading", path=self.path / link)) from None
+            raise OsFailure(exc, "reading", path=self.path / link) from None
         if stat.S_ISLNK(info.st_mode):
-            raise FileProblem(self.path / name, f"a link to a link ({shown(link)}); refused")
+            raise UnsafeFile(self.path / name, f"a link to a link ({shown(link)}); refused")
         return self.fd, link
 
     def _snapshot_blobs(self) -> int | None:
@@ -160,8 +160,10 @@ class Directory:
                 raw = f.read(limit + 1)
                 size = len(raw)  # it may have grown since the fstat
         if size > limit:
-            raise FileProblem(
-                self.path / name, f"{size} bytes, larger than the {limit} bytes allowed; not {what}"
+            raise OversizedFile(
+                self.path / name,
+                f"{size} bytes, larger than the {limit} bytes allowed; not {what}",
+                limit=limit,
             )
         return raw
 

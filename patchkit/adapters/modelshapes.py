@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from patchkit.errors import PatchkitError
+from patchkit.codes import Code
+from patchkit.errors import FileProblem
 
 # The architectures whose module widths this file knows (config.json "architectures").
 KNOWN = (
@@ -95,11 +96,20 @@ MAX_LAYERS = 1 << 12
 MAX_WIDTH = 1 << 24
 
 
+class ModelConfigInvalid(FileProblem):
+    """A model's config.json that says no model patchkit can size (a width that is no
+    integer, or past any model's): ``path``, ``detail``, and the ``key``."""
+
+    code = Code.MODEL_CONFIG_INVALID
+
+
 def _int(cfg: dict, key: str, where: str, default: int | None = None, most: int = MAX_WIDTH) -> int:
     value = cfg.get(key, default)
     if type(value) is not int or not 0 < value <= most:
         shown = repr(value)[:40]
-        raise PatchkitError(f"{where}: {key} is {shown}; an integer from 1 to {most} expected")
+        raise ModelConfigInvalid(
+            where, f"{key} is {shown}; an integer from 1 to {most} expected", key=key
+        )
     return value
 
 

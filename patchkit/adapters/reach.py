@@ -35,10 +35,9 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from patchkit.adapters.registry import parse
+from patchkit.adapters.registry import NotUnderstood, parse
 from patchkit.adapters.release import LoraSupport, class_attribute, lookup_class
 from patchkit.codes import Code, Reason
-from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import VllmTree
 
 # Where transformers puts each architecture's language model in its checkpoint, and so
@@ -62,10 +61,6 @@ _LAYER_INDEX = re.compile(r"\.layers\.([0-9]{1,9})\.")
 # linear and MoE layers, the embeddings and head, a pipeline stage's placeholder, a head
 # tied to the embeddings (an alias, wrapped once)
 LORA_LAYERS = ("Linear", "FusedMoE", "Embedding", "LMHead", "PPMissingLayer", "tie_weights")
-
-
-class NotUnderstood(PatchkitError):
-    """The release's code is not in a form this module reads; str() says where."""
 
 
 @dataclass
@@ -257,7 +252,9 @@ def _mapper(support: LoraSupport, relpath: str, node: ast.expr, seen: set) -> Ma
     ):
         key = lookup_class(support, relpath, node.value.id)
         if key is None or key in seen or len(seen) > 16:
-            raise NotUnderstood(f"{relpath}: {ast.unparse(node)} is not a class patchkit read")
+            raise NotUnderstood(
+                f"{relpath}: {ast.unparse(node)} is not a class patchkit read", path=relpath
+            )
         seen.add(key)
         found = _own_or_base(support, key, set())
         if found is None:
@@ -265,7 +262,9 @@ def _mapper(support: LoraSupport, relpath: str, node: ast.expr, seen: set) -> Ma
         return _mapper(support, found[0], found[1], seen)
     if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "WeightsMapper":
         return _weights_mapper(relpath, node)
-    raise NotUnderstood(f"{relpath}: line {node.lineno}: a hf_to_vllm_mapper patchkit cannot read")
+    raise NotUnderstood(
+        f"{relpath}: line {node.lineno}: a hf_to_vllm_mapper patchkit cannot read", path=relpath
+    )
 
 
 def _own_or_base(support: LoraSupport, key: tuple, seen: set):
@@ -297,7 +296,8 @@ def _weights_mapper(relpath: str, node: ast.Call) -> Mapper:
         elif value not in ({}, []):  # regex, renaming: patterns and objects, not read here
             raise NotUnderstood(
                 f"{relpath}: line {node.lineno}: WeightsMapper({keyword.arg}=...) is not a "
-                "map patchkit applies"
+                "map patchkit applies",
+                path=relpath,
             )
     return mapper
 
@@ -329,7 +329,10 @@ def variant_drops(tree: VllmTree) -> set[str]:
         None,
     )
     if call is None:
-        raise NotUnderstood(f"{tree.root / WEIGHTS_MAPPER_FILE}: {variant} is not a replace()")
+        raise NotUnderstood(
+            f"{tree.root / WEIGHTS_MAPPER_FILE}: {variant} is not a replace()",
+            path=tree.root / WEIGHTS_MAPPER_FILE,
+        )
     drops = set()
     for keyword in call.keywords:
         what = (keyword.arg or "").removeprefix("orig_to_new_")
@@ -394,7 +397,7 @@ def _strings(node) -> list[str] | None:
 def _source(tree: VllmTree, relpath: str) -> ast.Module:
     parsed = parse(tree, relpath, "vLLM's LoRA loader")
     if parsed is None:
-        raise NotUnderstood(f"{tree.root / relpath} is missing")
+        raise NotUnderstood(f"{tree.root / relpath} is missing", path=tree.root / relpath)
     return parsed
 
 

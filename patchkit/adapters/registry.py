@@ -16,7 +16,7 @@ as the platform, to the file whose ``class`` statement defines the class.
 The tree is untrusted: every file is read through ``tree.fs`` (bounded, no
 links out); a module name that is not dotted identifiers under ``vllm``, a
 missing file, a class no file defines or a branch whose platform test this
-module cannot decide is one :class:`PatchkitError` line naming the file.
+module cannot decide is one :class:`NotUnderstood` line naming the file.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import VllmTree
 
@@ -40,6 +41,14 @@ MAX_DEPTH = 100
 MAX_CHAIN = 64
 # platform tests in a model package's __init__.py, as on a CUDA machine
 _CUDA_TRUE = {"is_cuda", "is_cuda_alike"}
+
+
+class NotUnderstood(PatchkitError):
+    """The release's code is not in a form patchkit reads (a file missing, too large or
+    nested too deep, a registry entry or a mapping it cannot follow): ``path`` names the
+    file; the line says where in it."""
+
+    code = Code.VLLM_CODE_NOT_UNDERSTOOD
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,10 @@ def parse(tree: VllmTree, relpath: str, why: str) -> ast.Module | None:
     if found is None:
         return None
     if found.st_size > MAX_SOURCE_BYTES:
-        raise PatchkitError(
+        raise NotUnderstood(
             f"{tree.root / relpath}: {found.st_size} bytes, larger than the "
-            f"{MAX_SOURCE_BYTES} of any Python file patchkit reads ({why})"
+            f"{MAX_SOURCE_BYTES} of any Python file patchkit reads ({why})",
+            path=tree.root / relpath,
         )
     data = tree.fs.read(relpath, "adapter check")
     if data is None:
@@ -75,15 +85,17 @@ def parse(tree: VllmTree, relpath: str, why: str) -> ast.Module | None:
     try:
         parsed = ast.parse(data, filename=relpath)
     except (SyntaxError, ValueError) as exc:
-        raise PatchkitError(
-            f"{tree.root / relpath}: not Python patchkit reads ({why}): {exc}"
+        raise NotUnderstood(
+            f"{tree.root / relpath}: not Python patchkit reads ({why}): {exc}",
+            path=tree.root / relpath,
         ) from None
     except (RecursionError, MemoryError):  # the parser's own stack, past its bound
         parsed = None
     if parsed is None or _deeper(parsed, MAX_DEPTH):
-        raise PatchkitError(
+        raise NotUnderstood(
             f"{tree.root / relpath}: not Python patchkit reads ({why}): nested deeper than "
-            f"{MAX_DEPTH} (vLLM's own files: at most 30)"
+            f"{MAX_DEPTH} (vLLM's own files: at most 30)",
+            path=tree.root / relpath,
         )
     return parsed
 
@@ -119,7 +131,7 @@ def served_class(tree: VllmTree, arch: str) -> Served | None:
     """The class vLLM serves for ``arch`` on CUDA; None when the registry does not name it."""
     registry = parse(tree, REGISTRY, "the model registry")
     if registry is None:
-        raise PatchkitError(f"{tree.root / REGISTRY} is missing")
+        raise NotUnderstood(f"{tree.root / REGISTRY} is missing", path=tree.root / REGISTRY)
     entry = _entries(registry, tree).get(arch)
     if entry is None:
         return None
@@ -129,39 +141,45 @@ def served_class(tree: VllmTree, arch: str) -> Served | None:
         and all(isinstance(s, str) for s in entry)
         and entry[1].isidentifier()
     ):
-        raise PatchkitError(
-            f"{tree.root / REGISTRY}: the entry for {arch} is not a (module, class) pair"
+        raise NotUnderstood(
+            f"{tree.root / REGISTRY}: the entry for {arch} is not a (module, class) pair",
+            path=tree.root / REGISTRY,
         )
     relname, cls = entry
     prefixed = _qualifies_vllm(registry) and relname.startswith("vllm.")
     module = relname if prefixed else f"{_MODELS_PACKAGE}.{relname}"
     if not is_vllm_module(module):
-        raise PatchkitError(
+        raise NotUnderstood(
             f"{tree.root / REGISTRY}: the entry for {arch} names module {relname!r}, "
-            "not a module under vllm/"
+            "not a module under vllm/",
+            path=tree.root / REGISTRY,
         )
     registered, via = module, []
     for _ in range(_MAX_HOPS + 1):
         relpath, parsed = module_file(tree, module)
         via.append(relpath)
         if parsed is None:
-            raise PatchkitError(
-                f"{tree.root / relpath} is missing (the registry's module for {arch})"
+            raise NotUnderstood(
+                f"{tree.root / relpath} is missing (the registry's module for {arch})",
+                path=tree.root / relpath,
             )
         found = _binding(parsed.body, cls, tree, relpath)
         if found is None:
-            raise PatchkitError(
-                f"{tree.root / relpath}: defines no class {cls} (the registry's class for {arch})"
+            raise NotUnderstood(
+                f"{tree.root / relpath}: defines no class {cls} (the registry's class for {arch})",
+                path=tree.root / relpath,
             )
         if isinstance(found, ast.ClassDef):
             return Served(arch, registered, cls, relpath, tuple(via))
         module, cls = _imported_module(found, relpath), found.names_map[cls]
         if not is_vllm_module(module):
-            raise PatchkitError(
-                f"{tree.root / relpath}: imports {cls} from {module!r}, not a module under vllm/"
+            raise NotUnderstood(
+                f"{tree.root / relpath}: imports {cls} from {module!r}, not a module under vllm/",
+                path=tree.root / relpath,
             )
-    raise PatchkitError(
-        f"{tree.root / via[-1]}: {arch}'s class is re-exported more than {_MAX_HOPS} times"
+    raise NotUnderstood(
+        f"{tree.root / via[-1]}: {arch}'s class is re-exported more than {_MAX_HOPS} times",
+        path=tree.root / via[-1],
     )
 
 
@@ -175,7 +193,9 @@ def _entries(registry: ast.Module, tree: VllmTree) -> dict[str, object]:
                 if isinstance(target, ast.Name):
                     dicts[target.id] = node.value
     if _ALL not in dicts:
-        raise PatchkitError(f"{tree.root / REGISTRY}: no {_ALL} dict patchkit reads")
+        raise NotUnderstood(
+            f"{tree.root / REGISTRY}: no {_ALL} dict patchkit reads", path=tree.root / REGISTRY
+        )
     entries: dict[str, object] = {}
     _merge(dicts[_ALL], dicts, entries, set(), tree.root / REGISTRY)
     return entries
@@ -186,7 +206,7 @@ def _merge(node: ast.Dict, dicts: dict, entries: dict, seen: set[int], where) ->
         return
     seen.add(id(node))
     if len(seen) > MAX_CHAIN:
-        raise PatchkitError(f"{where}: {_ALL} merges more than {MAX_CHAIN} dicts")
+        raise NotUnderstood(f"{where}: {_ALL} merges more than {MAX_CHAIN} dicts", path=where)
     for key, value in zip(node.keys, node.values, strict=True):
         if key is None:  # **_TEXT_GENERATION_MODELS
             if isinstance(value, ast.Name) and value.id in dicts:
@@ -232,9 +252,10 @@ def _binding(body: list[ast.stmt], name: str, tree: VllmTree, relpath: str):
                 continue
             truth = _on_cuda(stmt.test)
             if truth is None:
-                raise PatchkitError(
+                raise NotUnderstood(
                     f"{tree.root / relpath}: line {stmt.lineno}: cannot tell which branch of "
-                    f"`if {ast.unparse(stmt.test)[:80]}` binds {name} on CUDA"
+                    f"`if {ast.unparse(stmt.test)[:80]}` binds {name} on CUDA",
+                    path=tree.root / relpath,
                 )
             found = (inside if truth else other) or found
         elif isinstance(stmt, ast.Try):

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 from patchkit.adapters.registry import (
     MAX_CHAIN,
+    NotUnderstood,
     Served,
     is_vllm_module,
     module_file,
     parse,
     served_class,
 )
-from patchkit.errors import PatchkitError
 from patchkit.vllmtree.tree import VllmTree
 
 # The architectures whose model files patchkit judges; the file is the one the release's own
@@ -127,7 +127,7 @@ def lora_support(tree: VllmTree, arch: str) -> LoraSupport | None:
         if relpath in seen:
             continue
         if module is None:  # a partial tree: judging by fewer files would refuse wrongly
-            raise PatchkitError(f"{tree.root / relpath} is missing")
+            raise NotUnderstood(f"{tree.root / relpath} is missing", path=tree.root / relpath)
         seen.append(relpath)
         _read(module, relpath, support, merged)
         if depth < _DEPTH:
@@ -138,14 +138,16 @@ def lora_support(tree: VllmTree, arch: str) -> LoraSupport | None:
         packed = _packed(support, key, set()) if key else None
         support.is_3d = _is_3d(support, key, set()) if key else False
     except _TooLong as exc:
-        raise PatchkitError(
+        raise NotUnderstood(
             f"{tree.root / exc.relpath}: {exc.what} followed past {MAX_CHAIN} steps; not a "
-            "model file patchkit reads"
+            "model file patchkit reads",
+            path=tree.root / exc.relpath,
         ) from None
     except RecursionError:  # each step bounded, their product not: mappings built on bases'
-        raise PatchkitError(
+        raise NotUnderstood(
             f"{tree.root / served.file}: the packed_modules_mapping of {served.cls} is built "
-            "through more classes and expressions than patchkit follows"
+            "through more classes and expressions than patchkit follows",
+            path=tree.root / served.file,
         ) from None
     # no mapping of its own or its bases' (vLLM then merges its children's), or one patchkit
     # cannot evaluate: every mapping read, merged, as the set can only grow

@@ -21,9 +21,25 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchkit.errors import FileProblem, PatchkitError, os_error_line
+from patchkit.codes import Code
+from patchkit.errors import FileProblem, OsFailure, PatchkitError, UnsafeFile
 from patchkit.fs.files import decode_user_json
 from patchkit.fs.safepath import kind_of
+
+
+class SafetensorsInvalid(FileProblem):
+    """A weights file that is no safetensors file patchkit reads (a header it refuses, a
+    tensor outside the file or over another's bytes, a file cut short): ``path``,
+    ``detail``."""
+
+    code = Code.SAFETENSORS_INVALID
+
+
+class DtypeUnsupported(PatchkitError):
+    """A tensor type patchkit does not convert (``dtype``: its safetensors or torch name)."""
+
+    code = Code.DTYPE_UNSUPPORTED
+
 
 # Byte size of each safetensors dtype.
 _DTYPE_SIZES = {
@@ -71,7 +87,9 @@ def torch_dtype(name: str):
         "BOOL": torch.bool,
     }
     if name not in table:
-        raise PatchkitError(f"safetensors dtype {name} cannot be read as a torch tensor here")
+        raise DtypeUnsupported(
+            f"safetensors dtype {name} cannot be read as a torch tensor here", dtype=name
+        )
     return table[name]
 
 
@@ -91,7 +109,9 @@ def dtype_name(dtype) -> str:
         torch.bool: "BOOL",
     }
     if dtype not in table:
-        raise PatchkitError(f"torch dtype {dtype} has no safetensors name here")
+        raise DtypeUnsupported(
+            f"torch dtype {dtype} has no safetensors name here", dtype=str(dtype)
+        )
     return table[dtype]
 
 
@@ -150,34 +170,36 @@ class SafetensorsFile:
                 self.size, self._identity = info.st_size, (info.st_dev, info.st_ino)
                 head = f.read(8)
                 if len(head) < 8:
-                    raise FileProblem(self.path, "not a safetensors file (shorter than 8 bytes)")
+                    raise SafetensorsInvalid(
+                        self.path, "not a safetensors file (shorter than 8 bytes)"
+                    )
                 (length,) = struct.unpack("<Q", head)
                 if length > MANIFEST_BYTES or 8 + length > self.size:
-                    raise FileProblem(
+                    raise SafetensorsInvalid(
                         self.path,
                         f"not a safetensors file patchkit reads (header length "
                         f"{length} in a file of {self.size} bytes; at most {MANIFEST_BYTES})",
                     )
                 raw = f.read(length)
         except OSError as exc:
-            raise PatchkitError(os_error_line(exc, "reading", path=self.path)) from exc
+            raise OsFailure(exc, "reading", path=self.path) from exc
         try:
             header = decode_user_json(raw, MANIFEST_BYTES)
         except ValueError as exc:
-            raise FileProblem(self.path, f"safetensors header unusable: {exc}") from None
+            raise SafetensorsInvalid(self.path, f"safetensors header unusable: {exc}") from None
         if not isinstance(header, dict):
-            raise FileProblem(self.path, "safetensors header is not a JSON object")
+            raise SafetensorsInvalid(self.path, "safetensors header is not a JSON object")
         self.header_bytes = head + raw
         self.data_start = 8 + length
         self.metadata = header.pop("__metadata__", None) or {}
         if not isinstance(self.metadata, dict):
-            raise FileProblem(self.path, "safetensors __metadata__ is not a JSON object")
+            raise SafetensorsInvalid(self.path, "safetensors __metadata__ is not a JSON object")
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             info = self._tensor_info(name, entry)
             size = _DTYPE_SIZES.get(info.dtype)
             if size is not None and info.numel * size != info.nbytes:
-                raise FileProblem(
+                raise SafetensorsInvalid(
                     self.path,
                     f"{shown(name)} is {info.dtype} {dims(info.shape)} but "
                     f"holds {info.nbytes} bytes",
@@ -193,7 +215,7 @@ class SafetensorsFile:
         ranges = sorted((t.begin, t.end, n) for n, t in self.tensors.items() if t.end > t.begin)
         for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:], strict=False):
             if begin < end:
-                raise FileProblem(
+                raise SafetensorsInvalid(
                     self.path,
                     f"{shown(second)} overlaps {shown(first)} (bytes from "
                     f"{begin - self.data_start}); safetensors tensors never share bytes",
@@ -210,7 +232,7 @@ class SafetensorsFile:
             and _counts(offsets)
             and len(offsets) == 2
         ):
-            raise FileProblem(
+            raise SafetensorsInvalid(
                 self.path,
                 f"header entry {shown(name)} is not "
                 "{dtype: name, shape: [counts], data_offsets: [begin, end]}",
@@ -218,7 +240,7 @@ class SafetensorsFile:
         begin, end = offsets
         info = TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
         if begin > end or info.end > self.size:
-            raise FileProblem(
+            raise SafetensorsInvalid(
                 self.path,
                 f"{shown(name)} lies outside the file (bytes {begin}..{end} of "
                 f"{self.size - self.data_start})",
@@ -260,7 +282,7 @@ class SafetensorsFile:
         while got < len(buf):
             n = f.readinto(buf[got:])
             if not n:
-                raise FileProblem(self.path, f"truncated at byte {begin + got}")
+                raise SafetensorsInvalid(self.path, f"truncated at byte {begin + got}")
             got += n
 
     def read_rows(self, name: str, row0: int, nrows: int):
@@ -303,7 +325,7 @@ def _open_regular(path: Path):
         if stat.S_ISREG(mode):
             return os.fdopen(fd, "rb")
         os.close(fd)
-    raise FileProblem(path, f"{kind_of(mode)}, not a regular file")
+    raise UnsafeFile(path, f"{kind_of(mode)}, not a regular file")
 
 
 def _counts(value: object) -> bool:

@@ -31,7 +31,7 @@ from packaging.version import Version
 from patchkit.adapters import reach
 from patchkit.adapters.adapterconfig import PatternRefused
 from patchkit.adapters.names import ADAPTER_CONFIG, ADAPTER_SAFETENSORS, NO_INDEX, layer_and_name
-from patchkit.adapters.registry import parse
+from patchkit.adapters.registry import NotUnderstood, parse
 from patchkit.adapters.release import LoraSupport, lora_support
 from patchkit.adapters.report import Kind, Report
 from patchkit.catalogue.load import load_catalogue
@@ -284,7 +284,7 @@ def _peft_helper_fields(tree: VllmTree) -> set[str]:
     """The fields of the release's PEFTHelper dataclass (``name: type = ...`` in its body)."""
     parsed = parse(tree, PEFT_HELPER, "vLLM's reader of adapter_config.json")
     if parsed is None:
-        raise PatchkitError(f"{tree.root / PEFT_HELPER} is missing")
+        raise NotUnderstood(f"{tree.root / PEFT_HELPER} is missing", path=tree.root / PEFT_HELPER)
     for node in parsed.body:
         if isinstance(node, ast.ClassDef) and node.name == "PEFTHelper":
             return {
@@ -292,4 +292,6 @@ def _peft_helper_fields(tree: VllmTree) -> set[str]:
                 for s in node.body
                 if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
             }
-    raise PatchkitError(f"{tree.root / PEFT_HELPER}: defines no class PEFTHelper")
+    raise NotUnderstood(
+        f"{tree.root / PEFT_HELPER}: defines no class PEFTHelper", path=tree.root / PEFT_HELPER
+    )

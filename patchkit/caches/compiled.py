@@ -185,7 +185,8 @@ def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> Cache
     except FileNotFoundError:
         return result("absent", reason=Reason.of(Code.CACHE_ABSENT, path=str(cache.path)))
     except PatchkitError as exc:
-        return result("left-alone", reason=Reason.of(Code.CACHE_UNSAFE, error=str(exc)))
+        unsafe = Reason.of(Code.CACHE_UNSAFE, error=str(exc), cause=exc.reason)
+        return result("left-alone", reason=unsafe)
     except OSError as exc:
         return result("left-alone", reason=_os_reason(exc, "opening", cache))
     with fs:
@@ -195,7 +196,8 @@ def _clear_one(cache: CacheDir, protected: list[Path], tree_root: Path) -> Cache
                 return result("left-alone", reason=why)
             return result("cleared", _remove_entries(fs))
         except PatchkitError as exc:
-            return result("left-alone", reason=Reason.of(Code.CACHE_PARTLY_CLEARED, error=str(exc)))
+            partly = Reason.of(Code.CACHE_PARTLY_CLEARED, error=str(exc), cause=exc.reason)
+            return result("left-alone", reason=partly)
         except OSError as exc:
             return result("left-alone", reason=_os_reason(exc, "clearing", cache))
 

@@ -40,6 +40,32 @@ from pathlib import Path
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 
+
+class DependencyMissing(PatchkitError):
+    """A command's optional dependencies are not installed: the ``packages`` to install."""
+
+    code = Code.DEPENDENCY_MISSING
+
+
+class ServerUnreachable(PatchkitError):
+    """No answer from the server at ``url``: refused, timed out, no such host."""
+
+    code = Code.SERVER_UNREACHABLE
+
+
+class ServerUnauthorized(PatchkitError):
+    """The server at ``url`` wants an API key the canary did not give, or another."""
+
+    code = Code.SERVER_UNAUTHORIZED
+
+
+class NotVllmServer(PatchkitError):
+    """The server at ``url`` answered /v1/models with no model list the canary reads
+    (``http_status``: its status where that was the trouble)."""
+
+    code = Code.NOT_A_VLLM_SERVER
+
+
 # The packages by name: `patchkit` on the public index is another project.
 MISSING_DEPS = (
     "patchkit canary needs httpx and prometheus-client: "
@@ -50,7 +76,9 @@ try:
     import httpx  # noqa: F401
     import prometheus_client  # noqa: F401
 except ImportError as exc:  # the optional dependencies are not installed
-    raise PatchkitError(MISSING_DEPS) from exc
+    raise DependencyMissing(
+        MISSING_DEPS, packages=["httpx>=0.27", "prometheus-client>=0.20"]
+    ) from exc
 
 # after the dependency check:
 from patchkit.canary import answers, effect, fields  # noqa: E402
@@ -73,9 +101,10 @@ DEFAULT_TIMEOUT = 60.0  # seconds for the whole run, so a probe or cron job alwa
 MAX_MODELS = 64  # checked per run; a server listing thousands must not outlast --timeout
 
 
-def failure(message: str) -> PatchkitError:
-    """A one-line error of at most fields.LINE characters (its server text already escaped)."""
-    return PatchkitError(fields.one_line(message, fields.LINE))
+def failure(kind: type[PatchkitError], message: str, url: str, **facts) -> PatchkitError:
+    """The error of its ``kind`` in one line of at most fields.LINE characters (its server
+    text already escaped), naming the server's ``url``."""
+    return kind(fields.one_line(message, fields.LINE), url=url, **facts)
 
 
 def list_models(server: Server) -> list[dict]:
@@ -85,30 +114,42 @@ def list_models(server: Server) -> list[dict]:
     try:
         answer = server.get("/v1/models")
     except Unreadable as exc:
-        raise failure(f"{where} is not an OpenAI-compatible vLLM server: {exc}") from None
+        raise failure(
+            NotVllmServer, f"{where} is not an OpenAI-compatible vLLM server: {exc}", where
+        ) from None
     except Unanswered as exc:
         raise failure(
+            ServerUnreachable,
             f"cannot reach the vLLM server at {where}: {exc}; is it running, and are the "
-            "host and port right?"
+            "host and port right?",
+            where,
         ) from None
     if answer.status == 401:
         raise failure(
+            ServerUnauthorized,
             f"{where} answered 401 Unauthorized on /v1/models: pass the server's API key "
-            "with --api-key or VLLM_API_KEY"
+            "with --api-key or VLLM_API_KEY",
+            where,
+            http_status=401,
         )
     data = answer.json()
     if answer.status != 200 or not isinstance(data, dict) or not isinstance(data.get("data"), list):
         detail = error_message(answer, server.key) or "no model list"
         raise failure(
+            NotVllmServer,
             f"{where} is not an OpenAI-compatible vLLM server: GET /v1/models answered "
-            f"HTTP {answer.status} ({detail})"
+            f"HTTP {answer.status} ({detail})",
+            where,
+            http_status=answer.status,
         )
     try:
         return model_cards(data["data"])
     except WrongShape as exc:
         raise failure(
+            NotVllmServer,
             f"{where} answered GET /v1/models with a model list the canary cannot read: "
-            f"{fields.one_line(server.scrub(str(exc)))}"
+            f"{fields.one_line(server.scrub(str(exc)))}",
+            where,
         ) from None
 
 

@@ -300,7 +300,8 @@ def recover_locked(fs: Root, ids: Iterable[str]) -> list[Reason]:
     try:  # every file is checked before any is touched
         moves = [_move_for(fs, entry, committed) for entry in entries]
     except (UnsafePath, TooLarge) as exc:
-        raise _not_acted_on(fs, Reason.of(Code.JOURNAL_UNSAFE, error=str(exc))) from None
+        unsafe = Reason.of(Code.JOURNAL_UNSAFE, error=str(exc), cause=exc.reason)
+        raise _not_acted_on(fs, unsafe) from None
     for entry, staged in moves:
         if staged is None:
             fs.unlink(entry.path, "rollback")

@@ -26,6 +26,7 @@ from patchkit.catalogue.model import (
     DECISION_STATES,
     Bug,
     Catalogue,
+    CatalogueInvalid,
     Decision,
     Diagnosis,
     Evidence,
@@ -35,7 +36,7 @@ from patchkit.catalogue.model import (
     Switch,
     Variant,
 )
-from patchkit.codes import Reason
+from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
 from patchkit.fs.safepath import checked_relpath
 from patchkit.identity import is_version
@@ -145,6 +146,13 @@ def installed_catalogue(root: Path) -> bool:
     return real == package / "patches" or bool({"site-packages", "dist-packages"} & set(real.parts))
 
 
+class CatalogueInterrupted(PatchkitError):
+    """The catalogue could not be loaded, and a refresh was interrupted while writing it
+    (``journal``): what it could not load (``cause``) is likely the refresh's half."""
+
+    code = Code.CATALOGUE_INTERRUPTED
+
+
 def load_catalogue(root: Path | None = None) -> Catalogue:
     """The catalogue at ``root`` (default: :func:`default_root`), every file checked; it
     only reads (an interrupted refresh is noticed, and left to refresh)."""
@@ -155,9 +163,11 @@ def load_catalogue(root: Path | None = None) -> Catalogue:
         staging = journal.pending(root)
         if staging is None:
             raise
-        raise PatchkitError(
+        raise CatalogueInterrupted(
             f"{exc} (a patchkit refresh was interrupted while writing this catalogue, "
-            f"{staging}: `patchkit refresh --recover` finishes or undoes it)"
+            f"{staging}: `patchkit refresh --recover` finishes or undoes it)",
+            journal=staging,
+            cause=exc,
         ) from None
 
 
@@ -170,9 +180,9 @@ def _load(root: Path) -> Catalogue:
         _check_made_on(patch, releases)
         for notice in patch.notices:
             if notice.fixed_by and notice.fixed_by not in ids:
-                raise PatchkitError(
-                    f"{patch.root / 'patch.toml'}: notices.fixed_by: {notice.fixed_by!r} is "
-                    "not in the series"
+                raise CatalogueInvalid(
+                    patch.root / "patch.toml",
+                    f"notices.fixed_by: {notice.fixed_by!r} is not in the series",
                 )
     # a refresh killed mid-write: noticed, never acted on here (reading never writes);
     # refresh, which owns the journal, finishes or undoes it
@@ -188,12 +198,12 @@ def _series(root: Path) -> tuple[list[str], tuple[str, ...]]:
     releases = tuple(_require(series, "tested_releases", series_file, list))
     for release in releases:
         if not isinstance(release, str) or not is_version(release):
-            raise PatchkitError(f"{series_file}: tested_releases: {release!r} is not a version")
+            raise CatalogueInvalid(series_file, f"tested_releases: {release!r} is not a version")
     for patch_id in ids:
         if not isinstance(patch_id, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", patch_id):
-            raise PatchkitError(f"{series_file}: series: {patch_id!r} is not a patch id")
+            raise CatalogueInvalid(series_file, f"series: {patch_id!r} is not a patch id")
     if len(set(ids)) != len(ids):
-        raise PatchkitError(f"{series_file}: series lists a patch twice")
+        raise CatalogueInvalid(series_file, "series lists a patch twice")
     return ids, releases
 
 
@@ -216,9 +226,10 @@ def _check_made_on(patch: Patch, releases: tuple[str, ...]) -> None:
             if release not in releases or not variant.versions.contains(
                 Version(release), prereleases=True
             ):
-                raise PatchkitError(
-                    f"{patch.root / 'patch.toml'}: variant {variant.name}: {key} "
-                    f"{release} must be a tested release in {variant.versions}"
+                raise CatalogueInvalid(
+                    patch.root / "patch.toml",
+                    f"variant {variant.name}: {key} "
+                    f"{release} must be a tested release in {variant.versions}",
                 )
 
 
@@ -235,9 +246,10 @@ def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
         ]
         if len(matches) != 1:
             found = ", ".join(matches) or "none"
-            raise PatchkitError(
-                f"{meta_file}: variants/decisions: tested release {release} must be decided "
-                f"exactly once, found {found}"
+            raise CatalogueInvalid(
+                meta_file,
+                f"variants/decisions: tested release {release} must be decided "
+                f"exactly once, found {found}",
             )
 
 
@@ -247,7 +259,7 @@ def _load_bugs(path: Path) -> dict[tuple[str, ...], Bug]:
         return {}
     entries = _read_toml(path, "bugs.toml").get("bug", [])
     if not isinstance(entries, list):
-        raise PatchkitError(f"{path}: [[bug]] entries expected")
+        raise CatalogueInvalid(path, "[[bug]] entries expected")
     bugs = {}
     for table in entries:
         ids = _bug_ids(_require(table, "ids", path, list), path, "bug.ids")
@@ -267,7 +279,7 @@ def _load_bugs(path: Path) -> dict[tuple[str, ...], Bug]:
 
 def _bug_ids(ids: list, origin: Path, key: str) -> tuple[str, ...]:
     if not all(isinstance(b, str) and re.fullmatch(r"[a-z-]+#\d+", b) for b in ids):
-        raise PatchkitError(f"{origin}: {key}: ids look like 'vllm#48590', got {ids}")
+        raise CatalogueInvalid(origin, f"{key}: ids look like 'vllm#48590', got {ids}")
     return tuple(ids)
 
 
@@ -275,7 +287,7 @@ def _load_patch(directory: Path, patch_id: str, bugs: dict[tuple[str, ...], Bug]
     meta_file = directory / "patch.toml"
     meta = _read_toml(meta_file, "patch.toml")
     if meta.get("id") != patch_id:
-        raise PatchkitError(f"{meta_file}: id must be {patch_id!r} (the series entry)")
+        raise CatalogueInvalid(meta_file, f"id must be {patch_id!r} (the series entry)")
     variants = tuple(_variant(v, directory, meta_file) for v in meta.get("variants", []))
     decisions = tuple(
         Decision(
@@ -319,25 +331,25 @@ def _opt_in(meta: dict, origin: Path) -> bool:
     """``opt_in = true``: a diagnostic that a plain `apply` must never put into a tree."""
     value = meta.get("opt_in", False)
     if not isinstance(value, bool):
-        raise PatchkitError(f"{origin}: opt_in: true or false expected, got {value!r}")
+        raise CatalogueInvalid(origin, f"opt_in: true or false expected, got {value!r}")
     return value
 
 
 def _variant(table: dict, directory: Path, origin: Path) -> Variant:
     created = table.get("creates", [])
     if not isinstance(created, list) or not all(isinstance(c, str) for c in created):
-        raise PatchkitError(f"{origin}: variants.creates: a list of paths under files/ expected")
+        raise CatalogueInvalid(origin, "variants.creates: a list of paths under files/ expected")
     for relpath in created:
         checked_relpath(relpath, f"{origin}: variants.creates")
     made_on = _require(table, "made_on", origin, str)
     if not is_version(made_on):
-        raise PatchkitError(f"{origin}: variants.made_on: {made_on!r} is not a version")
+        raise CatalogueInvalid(origin, f"variants.made_on: {made_on!r} is not a version")
     context = table.get("context", 3)
     if type(context) is not int or not 0 < context <= 10:
-        raise PatchkitError(f"{origin}: variants.context: 1 to 10 lines expected, got {context!r}")
+        raise CatalogueInvalid(origin, f"variants.context: 1 to 10 lines expected, got {context!r}")
     families = table.get("families", [])
     if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
-        raise PatchkitError(f"{origin}: variants.families: a list of tested releases expected")
+        raise CatalogueInvalid(origin, "variants.families: a list of tested releases expected")
     return Variant(
         name=_require(table, "name", origin, str),
         diff_path=directory / _require(table, "diff", origin, str),
@@ -363,8 +375,8 @@ def _diagnosis(table: dict | None, origin: Path, bugs: dict) -> Diagnosis | None
 def _bug(table: dict, origin: Path, bugs: dict) -> Bug:
     ids = _bug_ids(_require(table, "bugs", origin, list), origin, "diagnosis.bugs")
     if ids not in bugs:
-        raise PatchkitError(
-            f"{origin}: diagnosis.bugs: no [[bug]] with ids {list(ids)} in bugs.toml"
+        raise CatalogueInvalid(
+            origin, f"diagnosis.bugs: no [[bug]] with ids {list(ids)} in bugs.toml"
         )
     return bugs[ids]
 
@@ -376,8 +388,8 @@ def _decision_evidence(table: dict, origin: Path, bugs: dict) -> tuple[Evidence,
         return _evidence(table, origin)
     bug = next((b for ids, b in bugs.items() if source in ids), None)
     if bug is None or not bug.upstream_fix:
-        raise PatchkitError(
-            f"{origin}: decisions.evidence_from: {source!r} has no upstream_fix in bugs.toml"
+        raise CatalogueInvalid(
+            origin, f"decisions.evidence_from: {source!r} has no upstream_fix in bugs.toml"
         )
     return bug.upstream_fix
 
@@ -387,10 +399,10 @@ def _switches(tables, origin: Path) -> tuple[Switch, ...]:
     found = []
     for table in tables:
         if not isinstance(table, dict) or not isinstance(table.get("env"), str):
-            raise PatchkitError(f"{origin}: diagnosis.disabled_by: each entry needs env = '...'")
+            raise CatalogueInvalid(origin, "diagnosis.disabled_by: each entry needs env = '...'")
         if ("values" in table) == ("unless" in table):
-            raise PatchkitError(
-                f"{origin}: diagnosis.disabled_by {table['env']}: give values or unless, not both"
+            raise CatalogueInvalid(
+                origin, f"diagnosis.disabled_by {table['env']}: give values or unless, not both"
             )
         given = _strings(table, "values" if "values" in table else "unless", origin)
         lower = tuple(v.strip().lower() for v in given)
@@ -416,9 +428,9 @@ def _read_toml(path: Path, schema: str) -> dict:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
     except OSError as exc:
-        raise PatchkitError(f"{path}: cannot read the patch catalogue: {exc.strerror}") from None
+        raise CatalogueInvalid(path, f"cannot read the patch catalogue: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise PatchkitError(f"{path}: invalid TOML: {exc}") from None
+        raise CatalogueInvalid(path, f"invalid TOML: {exc}") from None
     check_keys(data, schema, path)
     return data
 
@@ -430,7 +442,7 @@ def check_keys(table: dict, schema: str, origin: Path, where: tuple[str, ...] = 
     allowed = SCHEMA[schema]
     for key, value in table.items():
         if key not in allowed:
-            raise PatchkitError(_unknown_key(origin, schema, where, key))
+            raise CatalogueInvalid(origin, _unknown_key(schema, where, key))
         inner = allowed[key]
         if inner is None:
             continue
@@ -444,19 +456,19 @@ def check_keys(table: dict, schema: str, origin: Path, where: tuple[str, ...] = 
         else:
             shape = "an array of tables" if many else "a table"
             place = ", ".join((*where, key)) if where else key
-            raise PatchkitError(
-                f"{origin}: {place}: {shape} expected ({inner}), got {type(value).__name__}"
+            raise CatalogueInvalid(
+                origin, f"{place}: {shape} expected ({inner}), got {type(value).__name__}"
             )
 
 
-def _unknown_key(origin: Path, schema: str, where: tuple[str, ...], key: str) -> str:
+def _unknown_key(schema: str, where: tuple[str, ...], key: str) -> str:
     allowed = SCHEMA[schema]
     table = ", ".join(where) if where else "the top-level table"
     close = difflib.get_close_matches(key, allowed, n=1)
     hint = HINTS.get((schema, key)) or (f"did you mean {close[0]!r}?" if close else "")
     shown = repr(key) if len(key) <= MAX_SHOWN_KEY else f"{key[:MAX_SHOWN_KEY]!r}..."
     return (
-        f"{origin}: unknown key {shown} in {table}" + (f" ({hint})" if hint else "") + "; "
+        f"unknown key {shown} in {table}" + (f" ({hint})" if hint else "") + "; "
         f"known there: {', '.join(allowed)}. A key patchkit does not know is refused, never "
         "ignored: nothing was loaded"
     )
@@ -465,7 +477,7 @@ def _unknown_key(origin: Path, schema: str, where: tuple[str, ...], key: str) ->
 def _require(table: dict, key: str, origin: Path, kind: type):
     value = table.get(key)
     if not isinstance(value, kind) or not value:
-        raise PatchkitError(f"{origin}: missing or empty {key!r} ({kind.__name__} expected)")
+        raise CatalogueInvalid(origin, f"missing or empty {key!r} ({kind.__name__} expected)")
     return value
 
 
@@ -477,8 +489,8 @@ def _optional(table: dict, key: str, origin: Path, kind: type, default):
         return default
     value = table[key]
     if type(value) is not kind:
-        raise PatchkitError(
-            f"{origin}: {key}: {kind.__name__} expected, got {type(value).__name__} {value!r:.60}"
+        raise CatalogueInvalid(
+            origin, f"{key}: {kind.__name__} expected, got {type(value).__name__} {value!r:.60}"
         )
     return value
 
@@ -487,7 +499,7 @@ def _strings(table: dict, key: str, origin: Path) -> list[str]:
     """A required, non-empty list of strings."""
     value = _require(table, key, origin, list)
     if not all(isinstance(v, str) for v in value):
-        raise PatchkitError(f"{origin}: {key}: a list of strings expected")
+        raise CatalogueInvalid(origin, f"{key}: a list of strings expected")
     return value
 
 
@@ -496,30 +508,30 @@ def _specifier(table: dict, origin: Path) -> SpecifierSet:
     try:
         return SpecifierSet(text)
     except InvalidSpecifier:
-        raise PatchkitError(f"{origin}: invalid version specifier {text!r}") from None
+        raise CatalogueInvalid(origin, f"invalid version specifier {text!r}") from None
 
 
 def _decision_state(table: dict, origin: Path) -> str:
     state = _require(table, "state", origin, str)
     if state not in DECISION_STATES:
-        raise PatchkitError(f"{origin}: state {state!r} is not one of {DECISION_STATES}")
+        raise CatalogueInvalid(origin, f"state {state!r} is not one of {DECISION_STATES}")
     return state
 
 
 def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidence, ...]:
     items = table.get("evidence", [])
     if required and not items:
-        raise PatchkitError(f"{origin}: a decision needs content evidence (file + pattern)")
+        raise CatalogueInvalid(origin, "a decision needs content evidence (file + pattern)")
     evidence = []
     for item in items:
         file = _require(item, "file", origin, str)
         checked_relpath(file, f"{origin}: evidence file")
         absent = item.get("absent", False)
         if not isinstance(absent, bool):
-            raise PatchkitError(f"{origin}: evidence {file}: absent: true or false expected")
+            raise CatalogueInvalid(origin, f"evidence {file}: absent: true or false expected")
         if absent and "pattern" in item:
-            raise PatchkitError(
-                f"{origin}: evidence {file}: give a pattern or absent = true, not both"
+            raise CatalogueInvalid(
+                origin, f"evidence {file}: give a pattern or absent = true, not both"
             )
         if absent:
             evidence.append(Evidence(file=file, absent=True))
@@ -528,6 +540,6 @@ def _evidence(table: dict, origin: Path, required: bool = True) -> tuple[Evidenc
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise PatchkitError(f"{origin}: evidence pattern {pattern!r}: {exc}") from None
+            raise CatalogueInvalid(origin, f"evidence pattern {pattern!r}: {exc}") from None
         evidence.append(Evidence(file=file, pattern=pattern))
     return tuple(evidence)

@@ -19,9 +19,23 @@ from packaging.version import Version
 
 from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import FilePatch, created_file_patch, parse_diff
-from patchkit.errors import PatchkitError
+from patchkit.errors import FileProblem, PatchkitError
 
 DECISION_STATES = ("upstream", "not-applicable")
+
+
+class CatalogueInvalid(FileProblem):
+    """A catalogue file (series.toml, bugs.toml, a patch.toml, a diff or a file a patch
+    creates) that cannot be read or does not say what the catalogue must: ``path`` and
+    ``detail``. Nothing is loaded."""
+
+    code = Code.CATALOGUE_INVALID
+
+
+class UnknownPatch(PatchkitError):
+    """A patch id the catalogue does not have: ``patch``, and the ids it ``known``."""
+
+    code = Code.UNKNOWN_PATCH
 
 
 @dataclass(frozen=True)
@@ -84,7 +98,9 @@ class Variant:
         try:
             return self.diff_path.read_bytes()
         except OSError as exc:
-            raise PatchkitError(f"{self.diff_path}: cannot read the diff: {exc.strerror}") from None
+            raise CatalogueInvalid(
+                self.diff_path, f"cannot read the diff: {exc.strerror}"
+            ) from None
 
     @cached_property
     def created_bytes(self) -> dict[str, bytes]:
@@ -96,9 +112,9 @@ class Variant:
             try:
                 found[relpath] = source.read_bytes()
             except OSError as exc:
-                raise PatchkitError(
-                    f"{self.diff_path.parent / 'patch.toml'}: variants.creates: {source}: "
-                    f"cannot read the created file: {exc.strerror}"
+                raise CatalogueInvalid(
+                    self.diff_path.parent / "patch.toml",
+                    f"variants.creates: {source}: cannot read the created file: {exc.strerror}",
                 ) from None
         return found
 
@@ -122,7 +138,7 @@ class Variant:
         for file_patch in self.files:
             if file_patch.path == relpath:
                 return file_patch
-        raise PatchkitError(f"{self.diff_path}: no hunks for {relpath}")
+        raise CatalogueInvalid(self.diff_path, f"no hunks for {relpath}")
 
 
 def variant_sha256(diff: bytes, created: dict[str, bytes]) -> str:
@@ -146,7 +162,7 @@ def variant_files(diff: bytes, created: dict[str, bytes], origin: str) -> tuple[
         for relpath, data in created.items()
     )
     if not changed and not made:
-        raise PatchkitError(f"{origin}: no file changes found in the diff")
+        raise CatalogueInvalid(origin, "no file changes found in the diff")
     return changed + made
 
 
@@ -318,8 +334,11 @@ class Catalogue:
         for patch in self.patches:
             if patch.id == patch_id:
                 return patch
-        raise PatchkitError(
-            f"unknown patch {patch_id!r}; {self.did_you_mean(patch_id)}known: {', '.join(self.ids)}"
+        raise UnknownPatch(
+            f"unknown patch {patch_id!r}; {self.did_you_mean(patch_id)}"
+            f"known: {', '.join(self.ids)}",
+            patch=patch_id,
+            known=self.ids,
         )
 
     def did_you_mean(self, patch_id: str) -> str:

@@ -3,8 +3,9 @@
 Every failure prints one line on stderr, and with ``--json`` also the
 command's error document on stdout (``{"format": 1, "command": ..., "ok": false,
 "error": {"code": ..., "message": ...}}``); the statuses are :mod:`patchkit.cli.exits`'s.
-A refusal made below the command line (:class:`patchkit.errors.Refused`) is a reason:
-its words are made here (:mod:`patchkit.cli.words`), its code and facts go into the JSON.
+Every error is a reason (:attr:`patchkit.errors.PatchkitError.reason`): its kind's code
+and facts go into the JSON, and its words are its line (a refusal's are made here, by
+:mod:`patchkit.cli.words`).
 
 A report never contradicts the disk (the line dpkg and git hold: never say
 nothing was done when something was, never do something silently):
@@ -37,7 +38,7 @@ from patchkit import signals
 from patchkit.cli import exits, render
 from patchkit.cli.words import say
 from patchkit.codes import Code, Reason
-from patchkit.errors import PatchkitError, Refused, os_error_line
+from patchkit.errors import OsFailure, PatchkitError
 
 
 class Outcome:
@@ -70,7 +71,8 @@ def outcome() -> Outcome:
     return click.get_current_context().meta[OUTCOME]
 
 
-# The code of an error that is a line, not a reason, by its exit status
+# The code of a line the command line makes itself (an interruption, a bug, a usage
+# error click found, a report lost), by its exit status
 ERROR_CODES = {
     exits.FAILURE: Code.ERROR,
     exits.USAGE: Code.USAGE,
@@ -202,13 +204,11 @@ def user_errors(func):
             report_lost(done, exc.cause, as_json)
         except BrokenPipeError as exc:  # stdout written past render.out
             report_lost(done, exc, as_json)
-        except Refused as exc:
-            fail(exc.reason, exits.FAILURE, as_json, done)
-        except PatchkitError as exc:
-            fail(str(exc), getattr(exc, "exit_code", exits.FAILURE), as_json, done)
+        except PatchkitError as exc:  # a refusal or an error: its kind's code and facts
+            fail(exc.reason, exc.exit_code, as_json, done)
         except OSError as exc:
             shorter = "--dest path" if command == "fetch" else "--target path"
-            fail(os_error_line(exc, "accessing", too_long=shorter), exits.FAILURE, as_json, done)
+            fail(OsFailure(exc, "accessing", too_long=shorter).reason, exits.FAILURE, as_json, done)
         except (click.ClickException, click.exceptions.Exit):
             raise  # usage errors: PatchkitGroup prints them, exit 2
         except KeyboardInterrupt:

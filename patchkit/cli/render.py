@@ -29,7 +29,7 @@ import textwrap
 
 import click
 
-from patchkit.cli.words import TEXT, say
+from patchkit.cli.words import its_own_words, say
 from patchkit.codes import Code, Reason
 from patchkit.terminal import printable
 
@@ -95,7 +95,7 @@ def message(reason: Reason | None) -> dict | None:
     null."""
     if reason is None:
         return None
-    facts = {k: _fact(v) for k, v in reason.facts if not (k == "text" and reason.code in TEXT)}
+    facts = {k: _fact(v) for k, v in reason.facts if not (k == "text" and its_own_words(reason))}
     return {"code": str(reason.code), "message": say(reason), **facts}
 
 

@@ -21,7 +21,7 @@ from patchkit.cli import (
     verify_words,
 )
 from patchkit.cli.wordbook import Words, registrar
-from patchkit.codes import Code, Reason
+from patchkit.codes import Code, Line, Reason
 
 NOTHING = "nothing was changed"
 NOTHING_ELSE = "nothing else was changed"
@@ -53,9 +53,14 @@ TEXT = (
 
 def say(reason: Reason, nothing: str = NOTHING) -> str:
     """The words of ``reason`` (a refusal's end: ``nothing``)."""
-    if reason.code in TEXT:
+    if its_own_words(reason):
         return reason["text"]
     return WORDS[reason.code](reason, nothing)
+
+
+def its_own_words(reason: Reason) -> bool:
+    """Whether ``reason``'s fact ``text`` is its words: a TEXT code's, or an error's line."""
+    return reason.code in TEXT or isinstance(reason, Line)
 
 
 def said(reason: Reason | None, nothing: str = NOTHING) -> str:

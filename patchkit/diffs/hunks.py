@@ -18,10 +18,18 @@ from pathlib import PurePosixPath
 import unidiff
 from unidiff.constants import LINE_TYPE_NO_NEWLINE
 
-from patchkit.errors import HunkMismatch, PatchkitError
+from patchkit.codes import Code
+from patchkit.errors import FileProblem, HunkMismatch
 from patchkit.fs.safepath import checked_relpath
 
 DEV_NULL = "/dev/null"
+
+
+class DiffInvalid(FileProblem):
+    """A catalogue diff that is no unified diff patchkit applies: ``path`` (the diff) and
+    ``detail``; the ``file`` and ``hunk`` it names where it names them."""
+
+    code = Code.CATALOGUE_INVALID
 
 
 @dataclass(frozen=True)
@@ -93,9 +101,9 @@ def parse_diff(text: str, origin: str) -> list[FilePatch]:
     try:
         patch_set = unidiff.PatchSet(text)
     except unidiff.UnidiffParseError as exc:
-        raise PatchkitError(f"{origin}: malformed unified diff: {exc}") from None
+        raise DiffInvalid(origin, f"malformed unified diff: {exc}") from None
     if not patch_set:
-        raise PatchkitError(f"{origin}: no file changes found in the diff")
+        raise DiffInvalid(origin, "no file changes found in the diff")
     files = []
     for patched in patch_set:
         creates = patched.source_file == DEV_NULL
@@ -104,13 +112,16 @@ def parse_diff(text: str, origin: str) -> list[FilePatch]:
         path = _strip_prefix(name, origin)
         hunks = tuple(_convert_hunk(i, h) for i, h in enumerate(patched, start=1))
         if not hunks:
-            raise PatchkitError(f"{origin}: {path}: no hunks (binary or empty diff?)")
+            raise DiffInvalid(origin, f"{path}: no hunks (binary or empty diff?)", file=path)
         for hunk in hunks:
             if not hunk.old and not creates:
-                raise PatchkitError(
-                    f"{origin}: {path}: hunk #{hunk.index} ({hunk.header}) has no "
+                raise DiffInvalid(
+                    origin,
+                    f"{path}: hunk #{hunk.index} ({hunk.header}) has no "
                     "context lines, so its place cannot be checked; regenerate "
-                    "the diff with context (diff -u)"
+                    "the diff with context (diff -u)",
+                    file=path,
+                    hunk=hunk.index,
                 )
         files.append(FilePatch(path, hunks, creates=creates, deletes=deletes))
     return files
@@ -138,7 +149,7 @@ def _strip_prefix(name: str, origin: str) -> str:
     """Strip the a/ or b/ prefix (-p1) and refuse paths that leave the tree."""
     parts = PurePosixPath(name).parts
     if len(parts) < 2 or parts[0] not in ("a", "b"):
-        raise PatchkitError(f"{origin}: path {name!r} is not of the form a/vllm/... or b/vllm/...")
+        raise DiffInvalid(origin, f"path {name!r} is not of the form a/vllm/... or b/vllm/...")
     return checked_relpath("/".join(parts[1:]), f"{origin}: {name}")
 
 

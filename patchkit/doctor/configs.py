@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.adapters.adapterconfig import read_ranks
+from patchkit.adapters.modelshapes import ModelConfigInvalid
 from patchkit.doctor.signatures import Launch, capturing
 from patchkit.doctor.standins import Gpu, Sandbox
-from patchkit.errors import PatchkitError
+from patchkit.errors import FileProblem
 from patchkit.fs.files import read_json_file
 
 # A decode step of 1 and of 16 sequences (1 is a constant to Triton, 16 divisible by
@@ -114,7 +115,7 @@ def model_from_dir(directory: Path, adapters: Iterable[Path] = ()) -> Model:
         return _model_of(config, directory, adapters)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         what = f"not the config of a model doctor can scan ({exc!r})"
-        raise PatchkitError(f"{path}: {what}") from None
+        raise ModelConfigInvalid(path, what) from None
 
 
 def _model_of(config: dict, directory: Path, adapters: Iterable[Path]) -> Model:
@@ -165,11 +166,11 @@ def _json_object(path: Path) -> dict:
     try:
         data = read_json_file(path, user=True)
     except OSError as exc:
-        raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
+        raise FileProblem(path, f"cannot read it ({exc.strerror})") from None
     except ValueError as exc:
-        raise PatchkitError(f"{path}: unusable ({exc})") from None
+        raise FileProblem(path, f"unusable ({exc})") from None
     if not isinstance(data, dict):
-        raise PatchkitError(f"{path}: not a JSON object")
+        raise FileProblem(path, "not a JSON object")
     return data
 
 

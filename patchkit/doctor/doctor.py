@@ -94,7 +94,7 @@ class DoctorReport:
     fixed_from: str | None = None  # the ptxas release that fixes the race
     tree_triton: TreeTriton | None = None  # the Triton installed next to the tree
     tree: VllmTree | None = None
-    tree_error: str = ""
+    tree_error: Reason | None = None  # why there is no tree: the error locating it
     patches: list[Assessment] = field(default_factory=list)
     # every override check's findings, and the same per patch id
     tuned_configs: list[OverrideFinding] = field(default_factory=list)
@@ -714,7 +714,7 @@ class ScanRequest:
 
 def run(
     tree: VllmTree | None,
-    tree_error: str,
+    tree_error: Reason | None,
     catalogue: Catalogue,
     kernels: ScanRequest | None = None,
 ) -> DoctorReport:

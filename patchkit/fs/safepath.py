@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 
 CODE_TOP = "vllm"
@@ -51,29 +52,39 @@ _KINDS = {
 
 
 class UnsafePath(PatchkitError):
-    """A path that would lead outside the tree, through a link, or to a non-file."""
+    """A path that would lead outside the tree, through a link, or to a non-file: its
+    facts are the path (``path``), where it came from (``origin``), and what it is
+    (``kind``: a link's ``target``)."""
+
+    code = Code.UNSAFE_PATH
 
 
 class TooLarge(PatchkitError):
     """A file larger than its reader's bound: refused before it is read whole."""
 
+    code = Code.FILE_TOO_LARGE
+
     def __init__(self, path: Path, limit: int):
-        super().__init__(f"{path} is larger than {limit} bytes")
+        super().__init__(f"{path} is larger than {limit} bytes", path=path, limit=limit)
 
 
 def checked_relpath(relpath: object, origin: str, top: str | None = CODE_TOP) -> str:
     """``relpath`` if it is clean, relative and under ``top``; else UnsafePath naming ``origin``."""
     if not isinstance(relpath, str) or not relpath:
-        raise UnsafePath(f"{origin}: {relpath!r} is not a relative file path")
+        raise UnsafePath(f"{origin}: {relpath!r} is not a relative file path", origin=origin)
     parts = relpath.split("/")
     if (
         "\x00" in relpath
         or PurePosixPath(relpath).is_absolute()
         or any(part in ("", ".", "..") for part in parts)
     ):
-        raise UnsafePath(f"{origin}: path {relpath!r} leaves the vLLM tree")
+        raise UnsafePath(
+            f"{origin}: path {relpath!r} leaves the vLLM tree", path=relpath, origin=origin
+        )
     if top is not None and (parts[0] != top or len(parts) < 2):
-        raise UnsafePath(f"{origin}: path {relpath!r} is not under {top}/")
+        raise UnsafePath(
+            f"{origin}: path {relpath!r} is not under {top}/", path=relpath, origin=origin
+        )
     return relpath
 
 
@@ -260,13 +271,14 @@ class Root:
                 return str(self.full(relpath))
             return mount_points_below(fd, self.full(relpath))
 
-    def links_below(self, relpath: str, origin: str) -> str | None:
-        """The first symbolic link at or below ``relpath``, as a message; None if there is none."""
+    def links_below(self, relpath: str, origin: str) -> UnsafePath | None:
+        """The first symbolic link at or below ``relpath``, as the error that refuses it;
+        None if there is none."""
         found = self.lstat(relpath, origin)
         if found is None:
             return None
         if stat.S_ISLNK(found.st_mode):
-            return _link_message(self.full(relpath), self._readlink(relpath, origin))
+            return _link(self.full(relpath), self._readlink(relpath, origin))
         if not stat.S_ISDIR(found.st_mode):
             return None
         with self.directory(relpath, origin) as fd:
@@ -280,10 +292,10 @@ class Root:
 def _absolute_parts(path: Path, what: str) -> list[str]:
     text = str(path)
     if not text.startswith("/") or "\x00" in text:
-        raise UnsafePath(f"{what}: {text!r} is not an absolute path")
+        raise UnsafePath(f"{what}: {text!r} is not an absolute path", path=text, origin=what)
     parts = [p for p in text.split("/")[1:] if p]
     if any(p in (".", "..") for p in parts):
-        raise UnsafePath(f"{what}: {text!r} has '.' or '..' in it")
+        raise UnsafePath(f"{what}: {text!r} has '.' or '..' in it", path=text, origin=what)
     return parts
 
 
@@ -319,25 +331,34 @@ def _descend(fd: int, parts: list[str], base: Path, origin: str, create: bool) -
 def _walk_error(exc: OSError, path: Path, fd: int, name: str, origin: str) -> Exception:
     """A component that is a link or not a directory gets its own message; others stay OSError."""
     if exc.errno == errno.ELOOP:
-        return UnsafePath(_link_message(path, _readlink_or(fd, name)))
+        return _link(path, _readlink_or(fd, name))
     if exc.errno == errno.ENOTDIR:
         found = _lstat_at(fd, name)
         if found is not None and stat.S_ISLNK(found.st_mode):
-            return UnsafePath(_link_message(path, _readlink_or(fd, name)))
+            return _link(path, _readlink_or(fd, name))
         if found is not None and stat.S_ISDIR(found.st_mode):
             return UnsafePath(
                 f"{origin}: {path} changed while patchkit walked it (it was not a directory, "
-                "now it is); something else is changing the tree: stop it and run the command again"
+                "now it is); something else is changing the tree: stop it and run the command "
+                "again",
+                path=path,
+                origin=origin,
+                kind="a directory",
             )
         kind = kind_of(found.st_mode) if found else "gone"
-        return UnsafePath(f"{origin}: {path} is {kind}, not a directory")
+        return UnsafePath(
+            f"{origin}: {path} is {kind}, not a directory", path=path, origin=origin, kind=kind
+        )
     return exc
 
 
-def _link_message(path: Path, target: str) -> str:
-    return (
+def _link(path: Path, target: str) -> UnsafePath:
+    return UnsafePath(
         f"{path} is a symbolic link (to {target}); patchkit never reads, writes or replaces "
-        "anything through a link; point it at the real files, or remove the link"
+        "anything through a link; point it at the real files, or remove the link",
+        path=path,
+        kind="a symbolic link",
+        target=target,
     )
 
 
@@ -357,10 +378,12 @@ def _lstat_at(fd: int, name: str) -> os.stat_result | None:
 
 def _not_a_file(path: Path, mode: int, fd: int, name: str) -> UnsafePath:
     if stat.S_ISLNK(mode):
-        return UnsafePath(_link_message(path, _readlink_or(fd, name)))
+        return _link(path, _readlink_or(fd, name))
     return UnsafePath(
         f"{path} is {kind_of(mode)}, not a regular file; patchkit reads and writes only "
-        "regular files there; remove it (reinstall vLLM if it belongs to vLLM)"
+        "regular files there; remove it (reinstall vLLM if it belongs to vLLM)",
+        path=path,
+        kind=kind_of(mode),
     )
 
 
@@ -430,10 +453,10 @@ def _opened_dir(fd: int, name: str):
         os.close(child)
 
 
-def _first_link(fd: int, path: Path) -> str | None:
+def _first_link(fd: int, path: Path) -> UnsafePath | None:
     for name, found, full in _children(fd, path):
         if stat.S_ISLNK(found.st_mode):
-            return _link_message(full, _readlink_or(fd, name))
+            return _link(full, _readlink_or(fd, name))
         if stat.S_ISDIR(found.st_mode):
             with _opened_dir(fd, name) as child:
                 inner = _first_link(child, full)
@@ -457,7 +480,11 @@ def remove_entry(fd: int, name: str, mount: object, path: Path) -> Usage:
         return Usage(1, found.st_size)
     with _opened_dir(fd, name) as child:
         if mount_id(child) != mount:
-            raise UnsafePath(f"{path} is a mount point; patchkit never removes across mounts")
+            raise UnsafePath(
+                f"{path} is a mount point; patchkit never removes across mounts",
+                path=path,
+                kind="a mount point",
+            )
         usage = Usage()
         for inner in sorted(os.listdir(child)):
             usage = usage + remove_entry(child, inner, mount, path / inner)

@@ -82,11 +82,16 @@ class _Plan:
 class InterruptedAfterRefresh(PatchkitError):
     """Ctrl-C, SIGTERM or SIGHUP arrived after the commit point: the refresh is complete."""
 
+    code = Code.INTERRUPTED
+
     def __init__(self, signum: int, report: RefreshReport):
         name = signal.Signals(signum).name
         super().__init__(
             f"{name} arrived as refresh finished; it had written everything: {report.diff}, "
-            f"{report.patch_id}'s created files and the tree's record (review with git diff)"
+            f"{report.patch_id}'s created files and the tree's record (review with git diff)",
+            signal=name,
+            patch=report.patch_id,
+            diff=report.diff,
         )
         self.exit_code = 128 + signum
 

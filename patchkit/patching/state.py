@@ -104,12 +104,14 @@ def check_no_links(fs: Root) -> None:
     """
     found = fs.links_below(STATE_DIR, "state")
     if found:
-        raise UnsafePath(f"{found} (patchkit's state holds only real files)")
+        raise UnsafePath(f"{found} (patchkit's state holds only real files)", **found.facts)
     mounted = fs.mount_point_at_or_below(STATE_DIR, "state")
     if mounted:
         raise UnsafePath(
             f"{mounted} is a mount point; patchkit keeps its state only in directories of "
-            "the tree's own file system and never removes across mounts; unmount it"
+            "the tree's own file system and never removes across mounts; unmount it",
+            path=mounted,
+            kind="a mount point",
         )
 
 

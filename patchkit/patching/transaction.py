@@ -32,7 +32,7 @@ import stat
 from dataclasses import dataclass
 
 from patchkit.codes import Code, Reason
-from patchkit.errors import PatchkitError, Refused, os_error_line
+from patchkit.errors import OsFailure, PatchkitError, Refused, os_error_line
 from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
@@ -64,10 +64,13 @@ class FileChange:
 
 
 class LockUnavailable(PatchkitError):
-    """The lock file cannot be created: a read-only or foreign-owned tree.
+    """The lock file cannot be created: a read-only or foreign-owned tree (``path``: the
+    lock; ``error``: the system's words).
 
     A run that would write nothing can still succeed on such a tree.
     """
+
+    code = Code.LOCK_UNAVAILABLE
 
 
 class TreeLock:
@@ -110,7 +113,7 @@ class TreeLock:
                 raise UnsafePath(f"{self.path} is a symbolic link; remove it") from None
             line = os_error_line(exc, "creating the lock")
             if exc.errno in _UNWRITABLE:
-                raise LockUnavailable(line) from None
+                raise LockUnavailable(line, path=self.path, error=exc.strerror) from None
             raise Refused(Reason.of(Code.LOCK_NOT_CREATED, cause=line)) from None
 
     def __enter__(self) -> TreeLock:
@@ -404,9 +407,5 @@ def after_recovery(exc: OSError | PatchkitError, done: list[Reason], doing: str)
     """The error of a run that first rolled an interrupted run back (``done``, what that
     did): the roll-back changed the tree and stands, so the words say so ("nothing else
     was changed"). ``doing`` names what an OSError interrupted ("accessing", "reading")."""
-    if isinstance(exc, Refused):
-        cause = exc.reason
-    else:
-        what = str(exc) if isinstance(exc, PatchkitError) else os_error_line(exc, doing)
-        cause = Reason.of(Code.ERROR, text=what)
+    cause = exc.reason if isinstance(exc, PatchkitError) else OsFailure(exc, doing).reason
     return Refused(Reason.of(Code.REFUSED_AFTER_RECOVERY, cause=cause, done=done))

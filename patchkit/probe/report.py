@@ -41,6 +41,7 @@ import shlex
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, UsageProblem
@@ -261,14 +262,14 @@ def read_log(path: Path, tally: Tally) -> list[Reason]:
     with handle:
         for number, raw, last in _lines(handle):
             if len(raw) > MAX_LINE:
-                raise PatchkitError(
-                    f"{path}:{number}: line longer than {MAX_LINE} bytes: not a nan-probe record"
+                raise ProbeLogInvalid(
+                    At(path, number), f"line longer than {MAX_LINE} bytes: not a nan-probe record"
                 )
             try:
                 entry = _parse(path, number, _decoded(path, raw))
             except CutLine as exc:
                 if not (last and seen):
-                    raise PatchkitError(str(exc)) from None
+                    raise
                 cut = Reason.of(
                     Code.PROBE_LAST_LINE_CUT, path=str(path), line=number, why=exc.why, seen=seen
                 )
@@ -279,11 +280,38 @@ def read_log(path: Path, tally: Tally) -> list[Reason]:
     return []
 
 
-class CutLine(PatchkitError):
+class At(NamedTuple):
+    """A line of the log, as an error names it: "path:number"."""
+
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+class ProbeLogInvalid(PatchkitError):
+    """A line that is no nan-probe line: its ``path``, its ``line`` (where the error says
+    it) and the ``detail``; the log is refused whole."""
+
+    code = Code.PROBE_LOG_INVALID
+
+    def __init__(self, where: At | Path, detail: str, **facts: object):
+        at = dict(where._asdict()) if isinstance(where, At) else {"path": where}
+        super().__init__(f"{where}: {detail}", **at, detail=detail, **facts)
+
+
+class ProbeLogUnreadable(PatchkitError):
+    """The log cannot be opened, or is no regular file: ``path``."""
+
+    code = Code.PROBE_LOG_UNREADABLE
+
+
+class CutLine(ProbeLogInvalid):
     """A line that is not (UTF-8) JSON: what a write cut short leaves as the last line."""
 
-    def __init__(self, message: str, why: str):
-        super().__init__(message)
+    def __init__(self, where: At | Path, detail: str, why: str):
+        super().__init__(where, detail, why=why)
         self.why = why
 
 
@@ -300,7 +328,7 @@ def _decoded(path: Path, raw: bytes) -> str:
     try:
         return raw.decode("utf-8", errors="strict")
     except UnicodeDecodeError:
-        raise CutLine(f"{path}: not UTF-8 text (is it a nan-probe log?)", "not UTF-8") from None
+        raise CutLine(path, "not UTF-8 text (is it a nan-probe log?)", "not UTF-8") from None
 
 
 def _open_regular(path: Path):
@@ -308,12 +336,18 @@ def _open_regular(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise UsageProblem(f"{path}: no such file (give the PATCHKIT_PROBE_LOG file)") from None
+        raise UsageProblem(
+            f"{path}: no such file (give the PATCHKIT_PROBE_LOG file)", path=path
+        ) from None
     except OSError as exc:
-        raise PatchkitError(f"{path}: cannot read: {exc.strerror}") from None
+        raise ProbeLogUnreadable(
+            f"{path}: cannot read: {exc.strerror}", path=path, error=exc.strerror
+        ) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise PatchkitError(f"{path}: not a regular file (give the PATCHKIT_PROBE_LOG file)")
+            raise ProbeLogUnreadable(
+                f"{path}: not a regular file (give the PATCHKIT_PROBE_LOG file)", path=path
+            )
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -329,14 +363,14 @@ def _parse(path: Path, number: int, line: str) -> tuple[str, dict] | None:
     """
     if not line.strip():
         return None
-    where = f"{path}:{number}"
+    where = At(path, number)
     try:
         entry = json.loads(line)
     except (ValueError, RecursionError) as exc:
         name = exc.__class__.__name__
-        raise CutLine(f"{where}: not JSON ({name}): not a nan-probe log", "not JSON") from None
+        raise CutLine(where, f"not JSON ({name}): not a nan-probe log", "not JSON") from None
     if not isinstance(entry, dict):
-        raise PatchkitError(f"{where}: a JSON object expected, got {type(entry).__name__}")
+        raise ProbeLogInvalid(where, f"a JSON object expected, got {type(entry).__name__}")
     kind = line_kind(where, entry)
     {HEADER: _check_header, QUARANTINE: _check_quarantine, RECORD: _check_record}[kind](
         where, entry
@@ -348,7 +382,7 @@ HEADER, QUARANTINE, RECORD = "header", "quarantine", "record"
 RECORD_ONLY = ("step", "bad_requests", "event")  # keys a header never carries
 
 
-def line_kind(where: str, entry: dict) -> str:
+def line_kind(where: At, entry: dict) -> str:
     """What a line is, decided once, here, for the checks and the tally alike: a header
     is the line with a ``probe`` key, and that key says ``nan-probe`` and the line
     carries nothing of a record's (a line that is both would have a header's
@@ -356,21 +390,22 @@ def line_kind(where: str, entry: dict) -> str:
     quarantine is ``"event": "quarantine"``; anything else is a step's record."""
     if "probe" in entry:
         if entry["probe"] != "nan-probe":
-            raise PatchkitError(
-                f"{where}: 'probe': {quoted(entry['probe'])} is not 'nan-probe': "
-                "not a nan-probe header"
+            raise ProbeLogInvalid(
+                where,
+                f"'probe': {quoted(entry['probe'])} is not 'nan-probe': not a nan-probe header",
             )
         mixed = [key for key in RECORD_ONLY if key in entry]
         if mixed:
-            raise PatchkitError(
-                f'{where}: a header ("probe": "nan-probe") with a record\'s {mixed[0]!r}: '
-                "a line is a header or a record, not both"
+            raise ProbeLogInvalid(
+                where,
+                f'a header ("probe": "nan-probe") with a record\'s {mixed[0]!r}: '
+                "a line is a header or a record, not both",
             )
         return HEADER
     return QUARANTINE if entry.get("event") == "quarantine" else RECORD
 
 
-def _check_quarantine(where: str, entry: dict) -> None:
+def _check_quarantine(where: At, entry: dict) -> None:
     """A quarantine record: every value goes into the report, so each is checked."""
     _check_types(where, entry, QUARANTINE_KEYS, "quarantine record")
     problems = [
@@ -384,9 +419,10 @@ def _check_quarantine(where: str, entry: dict) -> None:
     ]
     for key, fine in problems:
         if not fine:
-            raise PatchkitError(
-                f"{where}: {key!r}: {quoted(entry.get(key))} does not fit: "
-                "not a nan-probe quarantine record"
+            raise ProbeLogInvalid(
+                where,
+                f"{key!r}: {quoted(entry.get(key))} does not fit: "
+                "not a nan-probe quarantine record",
             )
 
 
@@ -420,14 +456,14 @@ def quoted(value) -> str:
     return f"{shown[:MAX_QUOTED]}... ({len(shown)} characters)"
 
 
-def _check_header(where: str, entry: dict) -> None:
+def _check_header(where: At, entry: dict) -> None:
     """``unprobed_lora``, where present (older logs have none): a list of
     {layer: int, module: str, class: str}, each name of a sane length."""
     entries = entry.get("unprobed_lora", [])
     if not isinstance(entries, list) or not all(_is_unprobed_entry(e) for e in entries):
-        raise PatchkitError(
-            f"{where}: 'unprobed_lora': a list of {{layer, module, class}} expected: "
-            "not a nan-probe header"
+        raise ProbeLogInvalid(
+            where,
+            "'unprobed_lora': a list of {layer, module, class} expected: not a nan-probe header",
         )
 
 
@@ -444,14 +480,14 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_types(where: str, entry: dict, keys: dict, what: str) -> None:
+def _check_types(where: At, entry: dict, keys: dict, what: str) -> None:
     """Each key of ``keys`` holds its type (a bool is no int here), or one line."""
     for key, kind in keys.items():
         value = entry.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise PatchkitError(
-                f"{where}: {key!r}: {kind.__name__} expected, got {quoted(value)}: "
-                f"not a nan-probe {what}"
+            raise ProbeLogInvalid(
+                where,
+                f"{key!r}: {kind.__name__} expected, got {quoted(value)}: not a nan-probe {what}",
             )
 
 
@@ -459,25 +495,23 @@ def _is_name(value) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME
 
 
-def _check_record(where: str, entry: dict) -> None:
+def _check_record(where: At, entry: dict) -> None:
     _check_types(where, entry, STEP_KEYS, "record")
     if not _is_name(entry["module"]):
-        raise PatchkitError(
-            f"{where}: 'module': a name of 1 to {MAX_NAME} characters expected: "
-            "not a nan-probe record"
+        raise ProbeLogInvalid(
+            where,
+            f"'module': a name of 1 to {MAX_NAME} characters expected: not a nan-probe record",
         )
     if entry["kind"] not in KINDS:
-        raise PatchkitError(
-            f"{where}: 'kind': one of {', '.join(KINDS)} expected, got {quoted(entry['kind'])}"
+        raise ProbeLogInvalid(
+            where, f"'kind': one of {', '.join(KINDS)} expected, got {quoted(entry['kind'])}"
         )
     if not all(isinstance(r, str) for r in entry["bad_requests"]):
-        raise PatchkitError(f"{where}: 'bad_requests': a list of request ids expected")
+        raise ProbeLogInvalid(where, "'bad_requests': a list of request ids expected")
     adapters = entry.get("adapters", {})
     if not isinstance(adapters, dict) or not all(isinstance(a, str) for a in adapters.values()):
         # an adapter value goes into the report: a NaN would make --json invalid JSON
-        raise PatchkitError(
-            f"{where}: 'adapters': an object of request id to adapter name expected"
-        )
+        raise ProbeLogInvalid(where, "'adapters': an object of request id to adapter name expected")
 
 
 def is_bad(record: dict) -> bool:

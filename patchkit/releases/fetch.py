@@ -38,6 +38,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import open_regular
 from patchkit.fs.places import cache_root
@@ -53,7 +54,14 @@ from patchkit.releases.members import (
     remote_source,
 )
 from patchkit.releases.pipconfig import PipSettings, pip_settings
-from patchkit.releases.transport import FetchError, RangesRefused, Transport, host_of
+from patchkit.releases.transport import (
+    FetchError,
+    RangesRefused,
+    Transport,
+    WheelMismatch,
+    host_of,
+)
+from patchkit.releases.wheelzip import BadWheel
 from patchkit.signals import held
 from patchkit.terminal import printable
 
@@ -62,13 +70,28 @@ STAGING_MARKER = ".patchkit-staging"
 WHOLE_WHEEL = "wheel.whl"  # the whole wheel, in the staging directory
 
 
+class VersionInvalid(PatchkitError):
+    """The release asked for is no version (``version``)."""
+
+    code = Code.VERSION_INVALID
+
+
+class DestUnusable(PatchkitError):
+    """--dest (``path``) cannot take the tree: a link, a path with '..', or a directory
+    that holds something else."""
+
+    code = Code.DEST_UNUSABLE
+
+
 def fetch(
     version: str, dest: Path | None = None, progress: bool = False, trust_ranges: bool = False
 ) -> Path:
     """Return a directory holding vllm/ and its dist-info for ``version``; ``trust_ranges``
     reads it by range requests, without the check of the whole wheel's sha256."""
     if not is_version(version):
-        raise PatchkitError(f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)")
+        raise VersionInvalid(
+            f"fetch: {version[:40]!r} is not a version (e.g. 0.26.0)", version=version
+        )
     version = str(Version(version))  # v0.26.0 (a Docker tag) is 0.26.0: one release, one tree
     own = dest is None  # only patchkit's own cache is swept for dead fetches
     dest = _checked_dest(Path(dest)) if dest else cache_root() / "trees" / f"vllm-{version}"
@@ -82,8 +105,8 @@ def fetch(
             )
         return dest
     if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
-        raise PatchkitError(
-            f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest"
+        raise DestUnusable(
+            f"fetch: {dest} exists and is not a patchkit tree; pass an empty --dest", path=dest
         )
     settings = pip_settings()  # pip's settings and the deadline: refused before any write
     transport = Transport(settings)
@@ -106,10 +129,10 @@ def _checked_dest(dest: Path) -> Path:
     directory beside it would land elsewhere) or a link (the tree would land elsewhere)
     is refused in one line."""
     if ".." in dest.parts:
-        raise PatchkitError(f"fetch: --dest {dest} holds '..'; give the directory itself")
+        raise DestUnusable(f"fetch: --dest {dest} holds '..'; give the directory itself", path=dest)
     if dest.is_symlink():
-        raise PatchkitError(
-            f"fetch: --dest {dest} is a symbolic link; give the directory it points to"
+        raise DestUnusable(
+            f"fetch: --dest {dest} is a symbolic link; give the directory it points to", path=dest
         )
     return dest
 
@@ -234,7 +257,7 @@ def _fetch_members(
     finally:
         transport.close()
     if not (tmp / "tree" / "vllm" / "__init__.py").is_file():
-        raise FetchError(f"fetch: {link.filename} holds no vllm/ package")
+        raise BadWheel(f"fetch: {link.filename} holds no vllm/ package", wheel=link.filename)
     if progress:
         say(_summary(link, fetched, transport))
     return link.filename
@@ -267,9 +290,9 @@ def _from_local_file(link: WheelLink, staging: Root) -> Fetched:
     try:
         fd = open_regular(path, MAX_WHEEL)
     except OSError as exc:
-        raise FetchError(f"fetch: cannot read {path}: {exc.strerror}") from None
+        raise FetchError(f"fetch: cannot read {path}: {exc.strerror}", path=path) from None
     except ValueError as exc:
-        raise FetchError(f"fetch: cannot read {path}: {exc}") from None
+        raise FetchError(f"fetch: cannot read {path}: {exc}", path=path) from None
     try:
         hash_file(fd, link.filename, link.sha256, link.size)
         return extract(local_source(fd, link.filename), _wanted, staging, link.version)
@@ -300,7 +323,10 @@ def _from_whole_wheel(
             with os.fdopen(os.dup(out), "wb") as writer:
                 transport.stream_to(response, writer, limit, link.url, digest)
             if link.sha256 and digest.hexdigest() != link.sha256.lower():
-                raise FetchError(f"fetch: {link.filename} does not match its index's sha256")
+                raise WheelMismatch(
+                    f"fetch: {link.filename} does not match its index's sha256",
+                    wheel=link.filename,
+                )
             hash_file(out, link.filename, None, link.size)
             fetched = extract(local_source(out, link.filename), _wanted, staging, link.version)
         finally:

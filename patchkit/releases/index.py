@@ -28,7 +28,13 @@ from packaging.version import InvalidVersion, Version
 
 from patchkit.fs.files import read_regular
 from patchkit.releases.pipconfig import PipSettings
-from patchkit.releases.transport import FetchError, Transport, host_of, without_credentials
+from patchkit.releases.transport import (
+    FetchError,
+    Transport,
+    WheelNotFound,
+    host_of,
+    without_credentials,
+)
 
 PROJECT = "vllm"
 PYTHON = (3, 12)
@@ -81,9 +87,10 @@ def find_wheel(version: str, settings: PipSettings, transport: Transport) -> Whe
     wanted = SpecifierSet(f"=={Version(version)}")  # as pip reads vllm==VERSION: +local too
     found = _candidates(wanted, settings, transport)
     if not found:
-        raise FetchError(
+        raise WheelNotFound(
             f"fetch: no wheel of vllm=={version} for CPython 3.12 on x86_64 Linux "
-            f"at {where(settings)}"
+            f"at {where(settings)}",
+            version=version,
         )
     # pip's order: not yanked, then the higher version (a +local one), then the better tag;
     # max keeps the first of equals
@@ -166,7 +173,9 @@ def _links_at(location: str, transport: Transport):
         try:
             return _html_links(_read_page(path), path.as_uri())
         except OSError as exc:
-            raise FetchError(f"fetch: cannot read find-links {path}: {exc.strerror}") from None
+            raise FetchError(
+                f"fetch: cannot read find-links {path}: {exc.strerror}", path=path
+            ) from None
     return []
 
 
@@ -191,7 +200,7 @@ def _read_page(path: Path) -> bytes:
     try:
         return read_regular(path, MAX_PAGE)
     except ValueError as exc:
-        raise FetchError(f"fetch: cannot read {path}: {exc}") from None
+        raise FetchError(f"fetch: cannot read {path}: {exc}", path=path) from None
 
 
 def _json_links(body: bytes, base: str, url: str):
@@ -213,7 +222,8 @@ def _json_links(body: bytes, base: str, url: str):
         return links
     except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
         raise FetchError(
-            f"fetch: {host_of(url)}'s page for {PROJECT} is not the JSON simple API"
+            f"fetch: {host_of(url)}'s page for {PROJECT} is not the JSON simple API",
+            host=host_of(url),
         ) from None
 
 
@@ -224,12 +234,14 @@ def _checked(filename: str, url: str, sha256, requires) -> tuple[str | None, str
     if sha256 is not None and not (isinstance(sha256, str) and SHA256.fullmatch(sha256)):
         raise FetchError(
             f"fetch: {host_of(url)} gives {filename[:120]} a sha256 that is not 64 hex "
-            f"digits: {str(sha256)[:80]!r}"
+            f"digits: {str(sha256)[:80]!r}",
+            host=host_of(url),
         )
     if requires is not None and not isinstance(requires, str):
         raise FetchError(
             f"fetch: {host_of(url)} gives {filename[:120]} a requires-python that is not "
-            f"a string: {str(requires)[:40]!r}"
+            f"a string: {str(requires)[:40]!r}",
+            host=host_of(url),
         )
     return (sha256.lower() if sha256 else None), requires
 

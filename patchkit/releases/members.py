@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from patchkit.errors import PatchkitError
+from patchkit.errors import OsFailure
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.releases import wheelzip
 from patchkit.releases.record import check_member, parse_record
@@ -36,6 +36,7 @@ from patchkit.releases.transport import (
     FetchError,
     RangesRefused,
     Transport,
+    WheelMismatch,
     check_partial,
     content_range,
     host_of,
@@ -81,11 +82,13 @@ def remote_source(url: str, filename: str, size: int | None, transport: Transpor
         if last != total - 1 or last - first + 1 > TAIL_READ:
             raise FetchError(
                 f"fetch: {host_of(url)} answered bytes {first}-{last}/{total} "
-                f"to a request for the last {TAIL_READ:,}"
+                f"to a request for the last {TAIL_READ:,}",
+                host=host_of(url),
             )
         if size is not None and total != size:
             raise FetchError(
-                f"fetch: {filename} is {total:,} bytes at {host_of(url)}, the index says {size:,}"
+                f"fetch: {filename} is {total:,} bytes at {host_of(url)}, the index says {size:,}",
+                host=host_of(url),
             )
         tail = transport.read_exactly(response, last - first + 1, url)
     except RangesRefused as refused:
@@ -109,7 +112,7 @@ def local_source(fd: int, filename: str) -> Source:
     def read(start: int, end: int) -> bytes:
         data = os.pread(fd, end - start, start)
         if len(data) != end - start:
-            raise FetchError(f"fetch: {filename} changed while it was read")
+            raise WheelMismatch(f"fetch: {filename} changed while it was read", wheel=filename)
         return data
 
     return Source(filename, size, read)
@@ -119,7 +122,9 @@ def hash_file(fd: int, filename: str, sha256: str | None, size: int | None) -> N
     """The whole local wheel against the index's sha256 and size, where the index gives them."""
     actual = os.fstat(fd).st_size
     if size is not None and actual != size:
-        raise FetchError(f"fetch: {filename} is {actual:,} bytes, the index says {size:,}")
+        raise WheelMismatch(
+            f"fetch: {filename} is {actual:,} bytes, the index says {size:,}", wheel=filename
+        )
     if sha256 is None:
         return
     digest, at = hashlib.sha256(), 0
@@ -127,7 +132,7 @@ def hash_file(fd: int, filename: str, sha256: str | None, size: int | None) -> N
         digest.update(chunk)
         at += len(chunk)
     if digest.hexdigest() != sha256.lower():
-        raise FetchError(f"fetch: {filename} does not match its index's sha256")
+        raise WheelMismatch(f"fetch: {filename} does not match its index's sha256", wheel=filename)
 
 
 def extract(
@@ -148,7 +153,7 @@ def extract(
     record_name = f"{dist_info}/RECORD"
     chosen = [m for m in members if wanted(m.name) and m.name not in _signatures(dist_info)]
     if not any(m.name == record_name for m in chosen):
-        raise wheelzip.BadWheel(f"fetch: {what} has no {record_name}")
+        raise wheelzip.BadWheel(f"fetch: {what} has no {record_name}", wheel=what)
     spans = wheelzip.spans(members, chosen, directory, what)  # each member's own bound
     _check_total(chosen, what)
     [(start, end, record_member)] = [s for s in spans if s[2].name == record_name]
@@ -187,7 +192,8 @@ def _own_dist_info(members: list[wheelzip.Member], version: Version, what: str) 
             return found[0]
     listed = ", ".join(repr(top[:80]) for top in found[:3]) or "none"
     raise wheelzip.BadWheel(
-        f"fetch: {what} must hold one .dist-info directory, vllm-{version}'s; it holds {listed}"
+        f"fetch: {what} must hold one .dist-info directory, vllm-{version}'s; it holds {listed}",
+        wheel=what,
     )
 
 
@@ -208,7 +214,8 @@ def _check_total(chosen: list[wheelzip.Member], what: str) -> None:
     if total > MAX_UNPACKED:
         raise wheelzip.BadWheel(
             f"fetch: {what}'s Python files and dist-info come to {total:,} bytes unpacked, "
-            f"over the {MAX_UNPACKED:,} a vLLM tree may have"
+            f"over the {MAX_UNPACKED:,} a vLLM tree may have",
+            wheel=what,
         )
 
 
@@ -301,7 +308,7 @@ class _Writer:
         try:
             relpath = checked_relpath(name.rstrip("/"), self.origin, top=None)
         except UnsafePath as exc:
-            raise PatchkitError(f"{exc} (a member of the wheel)") from None
+            raise wheelzip.BadWheel(f"{exc} (a member of the wheel)", cause=exc) from None
         head, _, base = relpath.rpartition("/")
         try:
             if name.endswith("/"):
@@ -316,8 +323,11 @@ class _Writer:
                 self.directory = head
             _write_file(self.fd, base, data, self.staging.full(relpath))
         except OSError as exc:
-            raise PatchkitError(
-                f"fetch: cannot write {self.staging.full(relpath)}: {exc.strerror}"
+            raise OsFailure(
+                exc,
+                "writing",
+                path=self.staging.full(relpath),
+                line=f"fetch: cannot write {self.staging.full(relpath)}: {exc.strerror}",
             ) from None
 
 

@@ -28,6 +28,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import read_regular
 
@@ -97,6 +98,14 @@ def config_files(env) -> list[Path]:
     return files
 
 
+class PipConfigInvalid(PatchkitError):
+    """pip's configuration (a file, or a ``PIP_*`` variable) that fetch cannot use: the
+    file's ``path`` and the ``error``, or the setting's ``key`` and ``value`` (a URL that
+    may hold a password is not given)."""
+
+    code = Code.PIP_CONFIG_INVALID
+
+
 def _read_file(path: Path) -> dict[str, str] | None:
     """``section.key`` -> value of one file; None when it is not there (or a directory,
     which pip skips too).
@@ -112,15 +121,19 @@ def _read_file(path: Path) -> dict[str, str] | None:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     except OSError as exc:
-        raise PatchkitError(
-            f"fetch: pip's configuration {path} cannot be read: {exc.strerror}"
+        raise PipConfigInvalid(
+            f"fetch: pip's configuration {path} cannot be read: {exc.strerror}",
+            path=path,
+            error=exc.strerror,
         ) from None
     except (
         ValueError,
         configparser.Error,
     ) as exc:  # not a regular file, too large, UnicodeDecodeError, syntax
-        raise PatchkitError(
-            f"fetch: pip's configuration {path} cannot be read: {_one_line(exc)}"
+        raise PipConfigInvalid(
+            f"fetch: pip's configuration {path} cannot be read: {_one_line(exc)}",
+            path=path,
+            error=_one_line(exc),
         ) from None
     return {
         f"{section}.{_normal(key)}": value
@@ -176,9 +189,10 @@ def _url(value: str, key: str) -> str:
     except ValueError:
         broken = True
     if broken:
-        raise PatchkitError(
+        raise PipConfigInvalid(
             f"fetch: pip's {key} setting is not a URL fetch can read (not shown: it may hold "
-            "a password); in a password, write '#' as %23, '/' as %2F, '?' as %3F, '@' as %40"
+            "a password); in a password, write '#' as %23, '/' as %2F, '?' as %3F, '@' as %40",
+            key=key,
         )
     return value
 
@@ -191,7 +205,9 @@ def _flag(value: str | None, key: str) -> bool:
         return True
     if word in FALSE:
         return False
-    raise PatchkitError(f"fetch: pip's {key} setting {value[:40]!r} is not true or false")
+    raise PipConfigInvalid(
+        f"fetch: pip's {key} setting {value[:40]!r} is not true or false", key=key, value=value
+    )
 
 
 def _timeout(options: dict[str, str]) -> float:
@@ -210,8 +226,10 @@ def _timeout(options: dict[str, str]) -> float:
     except ValueError:
         seconds = math.nan
     if not math.isfinite(seconds):
-        raise PatchkitError(
+        raise PipConfigInvalid(
             f"fetch: pip's {key} setting {value[:40]!r} is not a number of seconds "
-            f"(PIP_{key.upper().replace('-', '_')} or {key} in pip's configuration)"
+            f"(PIP_{key.upper().replace('-', '_')} or {key} in pip's configuration)",
+            key=key,
+            value=value,
         )
     return min(max(seconds, 1.0), 3600.0)

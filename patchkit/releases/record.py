@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.vllmtree.record import RecordRow, RecordUnreadable, read_rows
 
@@ -20,7 +21,9 @@ SIZE = re.compile(r"[0-9]{1,15}")  # ASCII digits: str.isdigit() takes '²', whi
 
 
 class RecordMismatch(PatchkitError):
-    """A member and the wheel's RECORD disagree."""
+    """A member and the wheel's RECORD disagree (or RECORD cannot be read): ``wheel``."""
+
+    code = Code.RECORD_MISMATCH
 
 
 def parse_record(data: bytes, what: str) -> dict[str, RecordRow]:
@@ -28,7 +31,7 @@ def parse_record(data: bytes, what: str) -> dict[str, RecordRow]:
     try:
         rows = read_rows(data.decode("utf-8"))
     except (UnicodeDecodeError, RecordUnreadable) as exc:
-        raise RecordMismatch(f"fetch: {what}'s RECORD cannot be read: {exc}") from None
+        raise RecordMismatch(f"fetch: {what}'s RECORD cannot be read: {exc}", wheel=what) from None
     for row in rows.values():
         _size(row.size, row.path, what)
     return rows
@@ -40,7 +43,8 @@ def _size(field: str, path: str, what: str) -> int | None:
         return None
     if not SIZE.fullmatch(field.strip()):
         raise RecordMismatch(
-            f"fetch: {what}'s RECORD gives {path[:100]!r} the size {field[:20]!r}, not a number"
+            f"fetch: {what}'s RECORD gives {path[:100]!r} the size {field[:20]!r}, not a number",
+            wheel=what,
         )
     return int(field)
 
@@ -52,15 +56,21 @@ def check_member(name: str, content: bytes, record: dict[str, RecordRow], what: 
         return
     row = record.get(name)
     if row is None:
-        raise RecordMismatch(f"fetch: {what}: {name[:100]} is not in the wheel's RECORD")
+        raise RecordMismatch(
+            f"fetch: {what}: {name[:100]} is not in the wheel's RECORD", wheel=what
+        )
     if not row.known or row.algorithm in FORBIDDEN:
         raise RecordMismatch(
-            f"fetch: {what}: RECORD hashes {name[:100]} with {row.algorithm[:20]!r}, not sha256"
+            f"fetch: {what}: RECORD hashes {name[:100]} with {row.algorithm[:20]!r}, not sha256",
+            wheel=what,
         )
     size = _size(row.size, name, what)
     if size is not None and size != len(content):
         raise RecordMismatch(
-            f"fetch: {what}: {name[:100]} is {len(content):,} bytes, RECORD says {size:,}"
+            f"fetch: {what}: {name[:100]} is {len(content):,} bytes, RECORD says {size:,}",
+            wheel=what,
         )
     if not row.matches(content):
-        raise RecordMismatch(f"fetch: {what}: {name[:100]} does not match its hash in RECORD")
+        raise RecordMismatch(
+            f"fetch: {what}: {name[:100]} does not match its hash in RECORD", wheel=what
+        )

@@ -30,6 +30,7 @@ import urllib.request
 import weakref
 from dataclasses import dataclass
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.releases.pipconfig import PipSettings
 
@@ -42,11 +43,33 @@ DEADLINE = 1800.0  # seconds for one whole fetch; PATCHKIT_FETCH_DEADLINE change
 
 class FetchError(PatchkitError):
     """A one-line failure of the index, the server or the wheel (``status``: the HTTP
-    status where the server answered with an error)."""
+    status where the server answered with an error; ``host`` where one failed)."""
 
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
+    code = Code.FETCH_FAILED
+
+    def __init__(self, message: str, status: int | None = None, **facts: object):
+        answered = {"status": status} if status is not None else {}
+        super().__init__(message, **answered, **facts)
         self.status = status
+
+
+class WheelNotFound(FetchError):
+    """No wheel of the ``version`` asked for at the places pip is configured with."""
+
+    code = Code.WHEEL_NOT_FOUND
+
+
+class WheelMismatch(FetchError):
+    """The wheel (``wheel``: its file name) is not what its index says: another size or
+    sha256, or it changed while it was read."""
+
+    code = Code.WHEEL_MISMATCH
+
+
+class DeadlineInvalid(PatchkitError):
+    """PATCHKIT_FETCH_DEADLINE is no positive number of seconds: its ``value``."""
+
+    code = Code.FETCH_DEADLINE_INVALID
 
 
 class RangesRefused(Exception):
@@ -173,17 +196,24 @@ class Transport:
             exc.close()
             if 300 <= exc.code < 400 and "infinite loop" in str(exc.reason):
                 raise FetchError(
-                    f"fetch: {host_of(url)} redirected more than {MAX_REDIRECTS} times"
+                    f"fetch: {host_of(url)} redirected more than {MAX_REDIRECTS} times",
+                    host=host_of(url),
                 ) from None
             if exc.code == 416:
                 raise RangesRefused(f"it answered 416 to {headers}") from None
             raise FetchError(
-                f"fetch: {host_of(url)} answered {exc.code} {exc.reason}", exc.code
+                f"fetch: {host_of(url)} answered {exc.code} {exc.reason}",
+                exc.code,
+                host=host_of(url),
             ) from None
         except urllib.error.URLError as exc:
-            raise FetchError(f"fetch: cannot reach {host_of(url)}: {exc.reason}") from None
+            raise FetchError(
+                f"fetch: cannot reach {host_of(url)}: {exc.reason}", host=host_of(url)
+            ) from None
         except (http.client.HTTPException, OSError, ValueError) as exc:
-            raise FetchError(f"fetch: {host_of(url)} failed: {_said(exc)}") from None
+            raise FetchError(
+                f"fetch: {host_of(url)} failed: {_said(exc)}", host=host_of(url)
+            ) from None
 
     def page(self, url: str, limit: int, accept: str) -> Page | None:
         """An index page; None when the index has no such page (404, as pip takes it)."""
@@ -202,10 +232,14 @@ class Transport:
         """The whole body, refused past ``limit`` bytes."""
         declared = _content_length(response, url)
         if declared is not None and declared > limit:
-            raise FetchError(f"fetch: {host_of(url)} sent {declared:,} bytes, over {limit:,}")
+            raise FetchError(
+                f"fetch: {host_of(url)} sent {declared:,} bytes, over {limit:,}", host=host_of(url)
+            )
         data = self._read(response, limit + 1, url)
         if len(data) > limit:
-            raise FetchError(f"fetch: {host_of(url)} sent more than {limit:,} bytes")
+            raise FetchError(
+                f"fetch: {host_of(url)} sent more than {limit:,} bytes", host=host_of(url)
+            )
         return data
 
     def read_range(self, url: str, start: int, end: int, total: int) -> bytes:
@@ -217,7 +251,8 @@ class Transport:
             if (first, last + 1, size) != (start, end, total):
                 raise FetchError(
                     f"fetch: {host_of(url)} answered bytes {first}-{last}/{size} "
-                    f"to a request for {start}-{end - 1}/{total}"
+                    f"to a request for {start}-{end - 1}/{total}",
+                    host=host_of(url),
                 )
             return self.read_exactly(response, end - start, url)
 
@@ -225,12 +260,14 @@ class Transport:
         declared = _content_length(response, url)
         if declared is not None and declared != length:
             raise FetchError(
-                f"fetch: {host_of(url)} declared {declared:,} bytes for a range of {length:,}"
+                f"fetch: {host_of(url)} declared {declared:,} bytes for a range of {length:,}",
+                host=host_of(url),
             )
         data = self._read(response, length + 1, url)
         if len(data) != length:
             raise FetchError(
-                f"fetch: {host_of(url)} sent {len(data):,} bytes for a range of {length:,}"
+                f"fetch: {host_of(url)} sent {len(data):,} bytes for a range of {length:,}",
+                host=host_of(url),
             )
         return data
 
@@ -253,7 +290,9 @@ class Transport:
                 parts.append(chunk)
                 got += len(chunk)
         except (http.client.HTTPException, OSError, ValueError) as exc:
-            raise FetchError(f"fetch: reading from {host_of(url)} failed: {_said(exc)}") from None
+            raise FetchError(
+                f"fetch: reading from {host_of(url)} failed: {_said(exc)}", host=host_of(url)
+            ) from None
         with self._counting:
             self.bytes_read += got
         return b"".join(parts)
@@ -262,7 +301,9 @@ class Transport:
         """Copy a whole body into the open file ``out`` (hashing it), at most ``limit`` bytes."""
         declared = _content_length(response, url)
         if declared is not None and declared > limit:
-            raise FetchError(f"fetch: {host_of(url)} sent {declared:,} bytes, over {limit:,}")
+            raise FetchError(
+                f"fetch: {host_of(url)} sent {declared:,} bytes, over {limit:,}", host=host_of(url)
+            )
         written = 0
         while True:
             chunk = self._read(response, min(CHUNK, limit + 1 - written), url)
@@ -270,7 +311,9 @@ class Transport:
                 return written
             written += len(chunk)
             if written > limit:
-                raise FetchError(f"fetch: {host_of(url)} sent more than {limit:,} bytes")
+                raise FetchError(
+                    f"fetch: {host_of(url)} sent more than {limit:,} bytes", host=host_of(url)
+                )
             digest.update(chunk)
             out.write(chunk)
 
@@ -358,8 +401,9 @@ def deadline_seconds(env) -> float:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise PatchkitError(
-            f"fetch: PATCHKIT_FETCH_DEADLINE={value[:40]!r} is not a positive number of seconds"
+        raise DeadlineInvalid(
+            f"fetch: PATCHKIT_FETCH_DEADLINE={value[:40]!r} is not a positive number of seconds",
+            value=value,
         )
     return seconds
 
@@ -390,7 +434,8 @@ class Deadline:
         if self.passed:
             raise FetchError(
                 f"fetch: stopped after {self.seconds:g} s, the bound on one whole fetch "
-                "(PATCHKIT_FETCH_DEADLINE)"
+                "(PATCHKIT_FETCH_DEADLINE)",
+                deadline=self.seconds,
             )
 
     def watch(self, sock) -> None:
@@ -453,17 +498,23 @@ def content_range(response, url: str) -> tuple[int, int, int]:
     value = response.headers.get("Content-Range", "")
     match = CONTENT_RANGE.fullmatch(value.strip())
     if not match:
-        raise FetchError(f"fetch: {host_of(url)} sent a Content-Range of {value[:60]!r}")
+        raise FetchError(
+            f"fetch: {host_of(url)} sent a Content-Range of {value[:60]!r}", host=host_of(url)
+        )
     first, last, total = (int(g) for g in match.groups())
     if not first <= last < total:
-        raise FetchError(f"fetch: {host_of(url)} sent a Content-Range of {value[:60]!r}")
+        raise FetchError(
+            f"fetch: {host_of(url)} sent a Content-Range of {value[:60]!r}", host=host_of(url)
+        )
     return first, last, total
 
 
 def _no_encoding(response, url: str) -> None:
     encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise FetchError(f"fetch: {host_of(url)} sent a {encoding[:20]!r}-encoded body")
+        raise FetchError(
+            f"fetch: {host_of(url)} sent a {encoding[:20]!r}-encoded body", host=host_of(url)
+        )
 
 
 def _content_length(response, url: str) -> int | None:
@@ -471,7 +522,9 @@ def _content_length(response, url: str) -> int | None:
     if value is None:
         return None
     if not DIGITS.fullmatch(value.strip()):
-        raise FetchError(f"fetch: {host_of(url)} sent a Content-Length of {value[:30]!r}")
+        raise FetchError(
+            f"fetch: {host_of(url)} sent a Content-Length of {value[:30]!r}", host=host_of(url)
+        )
     return int(value)
 
 

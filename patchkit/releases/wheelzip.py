@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 
 EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
@@ -40,7 +41,9 @@ Read = Callable[[int, int], bytes]  # bytes [start, end) of the file
 
 
 class BadWheel(PatchkitError):
-    """The zip structure of a wheel is broken or hostile."""
+    """The zip structure of a wheel is broken or hostile: ``wheel`` names it."""
+
+    code = Code.WHEEL_INVALID
 
 
 @dataclass(frozen=True)
@@ -70,16 +73,19 @@ def locate_directory(
     _, disk, cd_disk, _, count, size, offset, _ = EOCD.unpack_from(tail, at)
     end_record = tail_start + at
     if disk != 0 or cd_disk != 0:
-        raise BadWheel(f"fetch: {what} is a multi-part zip")
+        raise BadWheel(f"fetch: {what} is a multi-part zip", wheel=what)
     locator_at = at - ZIP64_LOCATOR.size
     if locator_at >= 0 and tail[locator_at : locator_at + 4] == b"PK\x06\x07":
         count, size, offset, end_record = _zip64(tail, tail_start, locator_at, total, read, what)
     if count > MAX_ENTRIES or size > MAX_DIRECTORY:
-        raise BadWheel(f"fetch: {what}'s directory lists {count:,} members in {size:,} bytes")
+        raise BadWheel(
+            f"fetch: {what}'s directory lists {count:,} members in {size:,} bytes", wheel=what
+        )
     if offset + size > end_record or offset + size > total:
         raise BadWheel(
             f"fetch: {what}'s directory ({offset:,}+{size:,}) lies outside the file "
-            f"({total:,} bytes, end record at {end_record:,})"
+            f"({total:,} bytes, end record at {end_record:,})",
+            wheel=what,
         )
     return CentralDirectory(offset, size, count)
 
@@ -94,23 +100,27 @@ def _end_record(tail: bytes, what: str) -> int:
         if at + EOCD.size + EOCD.unpack_from(tail, at)[-1] == len(tail):
             return at
         at -= 1
-    raise BadWheel(f"fetch: {what} has no zip end record in its last {len(tail):,} bytes")
+    raise BadWheel(
+        f"fetch: {what} has no zip end record in its last {len(tail):,} bytes", wheel=what
+    )
 
 
 def _zip64(tail, tail_start, locator_at, total, read, what):
     _, _, record_at, _ = ZIP64_LOCATOR.unpack_from(tail, locator_at)
     if record_at + ZIP64_EOCD.size > tail_start + locator_at:
-        raise BadWheel(f"fetch: {what}'s zip64 end record lies outside the file")
+        raise BadWheel(f"fetch: {what}'s zip64 end record lies outside the file", wheel=what)
     if record_at >= tail_start:
         record = tail[record_at - tail_start : record_at - tail_start + ZIP64_EOCD.size]
     else:
         record = read(record_at, record_at + ZIP64_EOCD.size)
     fields = ZIP64_EOCD.unpack(record)
     if fields[0] != b"PK\x06\x06":
-        raise BadWheel(f"fetch: {what}'s zip64 end record is not where its locator says")
+        raise BadWheel(
+            f"fetch: {what}'s zip64 end record is not where its locator says", wheel=what
+        )
     _, _, _, _, disk, cd_disk, _, count, size, offset = fields
     if disk != 0 or cd_disk != 0:
-        raise BadWheel(f"fetch: {what} is a multi-part zip")
+        raise BadWheel(f"fetch: {what} is a multi-part zip", wheel=what)
     return count, size, offset, record_at
 
 
@@ -119,16 +129,18 @@ def read_directory(data: bytes, directory: CentralDirectory, what: str) -> list[
     members, at = [], 0
     for _ in range(directory.count):
         if at + CENTRAL.size > len(data):
-            raise BadWheel(f"fetch: {what}'s directory ends inside an entry")
+            raise BadWheel(f"fetch: {what}'s directory ends inside an entry", wheel=what)
         fields = CENTRAL.unpack_from(data, at)
         if fields[0] != b"PK\x01\x02":
-            raise BadWheel(f"fetch: {what}'s directory has a broken entry at byte {at:,}")
+            raise BadWheel(
+                f"fetch: {what}'s directory has a broken entry at byte {at:,}", wheel=what
+            )
         flags, method, crc = fields[5], fields[6], fields[9]
         compressed, size = fields[10], fields[11]
         name_len, extra_len, comment_len, offset = fields[12], fields[13], fields[14], fields[18]
         end = at + CENTRAL.size + name_len + extra_len + comment_len
         if end > len(data):
-            raise BadWheel(f"fetch: {what}'s directory ends inside an entry")
+            raise BadWheel(f"fetch: {what}'s directory ends inside an entry", wheel=what)
         raw = data[at + CENTRAL.size : at + CENTRAL.size + name_len]
         extra = data[at + CENTRAL.size + name_len : at + CENTRAL.size + name_len + extra_len]
         size, compressed, offset = _zip64_extra(extra, size, compressed, offset, raw, what)
@@ -136,7 +148,9 @@ def read_directory(data: bytes, directory: CentralDirectory, what: str) -> list[
         members.append(Member(name, raw, offset, compressed, size, crc, method, flags))
         at = end
     if at != len(data):
-        raise BadWheel(f"fetch: {what}'s directory holds {len(data) - at:,} bytes past its entries")
+        raise BadWheel(
+            f"fetch: {what}'s directory holds {len(data) - at:,} bytes past its entries", wheel=what
+        )
     _check_layout(members, directory, what)
     return members
 
@@ -163,7 +177,7 @@ def _zip64_extra(extra, size, compressed, offset, raw, what):
                 return tuple(result)
             break
         at += 4 + length
-    raise BadWheel(f"fetch: {what}: member {raw[:80]!r} lacks its zip64 sizes")
+    raise BadWheel(f"fetch: {what}: member {raw[:80]!r} lacks its zip64 sizes", wheel=what)
 
 
 def _check_layout(members: list[Member], directory: CentralDirectory, what: str) -> None:
@@ -171,11 +185,15 @@ def _check_layout(members: list[Member], directory: CentralDirectory, what: str)
     names, offsets = set(), set()
     for member in members:
         if member.name in names:
-            raise BadWheel(f"fetch: {what} holds {member.name[:80]!r} twice")
+            raise BadWheel(f"fetch: {what} holds {member.name[:80]!r} twice", wheel=what)
         if member.offset in offsets:
-            raise BadWheel(f"fetch: {what}: two members start at byte {member.offset:,}")
+            raise BadWheel(
+                f"fetch: {what}: two members start at byte {member.offset:,}", wheel=what
+            )
         if member.offset + LOCAL.size + len(member.raw_name) > directory.offset:
-            raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} lies past the directory")
+            raise BadWheel(
+                f"fetch: {what}: member {member.name[:80]!r} lies past the directory", wheel=what
+            )
         names.add(member.name)
         offsets.add(member.offset)
 
@@ -191,10 +209,13 @@ def spans(members: list[Member], wanted: Iterable[Member], directory: CentralDir
         if largest > MAX_MEMBER:
             raise BadWheel(
                 f"fetch: {what}: member {member.name[:80]!r} is {largest:,} bytes, "
-                f"over the {MAX_MEMBER:,} a source file may have"
+                f"over the {MAX_MEMBER:,} a source file may have",
+                wheel=what,
             )
         if member.offset + LOCAL.size + len(member.raw_name) + member.compressed > end:
-            raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} overlaps the next one")
+            raise BadWheel(
+                f"fetch: {what}: member {member.name[:80]!r} overlaps the next one", wheel=what
+            )
         out.append((member.offset, end, member))
     return sorted(out, key=lambda span: span[0])
 
@@ -217,24 +238,26 @@ def member_bytes(member: Member, data: bytes, data_start: int, what: str) -> byt
     at = member.offset - data_start
     header = data[at : at + LOCAL.size]
     if len(header) != LOCAL.size or header[:4] != b"PK\x03\x04":
-        raise BadWheel(f"fetch: {what}: no local header for {member.name[:80]!r}")
+        raise BadWheel(f"fetch: {what}: no local header for {member.name[:80]!r}", wheel=what)
     fields = LOCAL.unpack(header)
     name_len, extra_len = fields[10], fields[11]
     if data[at + LOCAL.size : at + LOCAL.size + name_len] != member.raw_name:
-        raise BadWheel(f"fetch: {what}: the local header of {member.name[:80]!r} names another")
+        raise BadWheel(
+            f"fetch: {what}: the local header of {member.name[:80]!r} names another", wheel=what
+        )
     begin = at + LOCAL.size + name_len + extra_len
     stored = data[begin : begin + member.compressed]
     if len(stored) != member.compressed:
-        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} runs past its span")
+        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} runs past its span", wheel=what)
     content = _decompress(member, stored, what)
     if zlib.crc32(content) != member.crc:
-        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} fails its CRC")
+        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} fails its CRC", wheel=what)
     return content
 
 
 def _decompress(member: Member, stored: bytes, what: str) -> bytes:
     if member.flags & 0x1:
-        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} is encrypted")
+        raise BadWheel(f"fetch: {what}: member {member.name[:80]!r} is encrypted", wheel=what)
     if member.method == STORED:
         content = stored
     elif member.method == DEFLATED:
@@ -242,15 +265,19 @@ def _decompress(member: Member, stored: bytes, what: str) -> bytes:
         try:
             content = inflater.decompress(stored, member.size + 1)
         except zlib.error as exc:
-            raise BadWheel(f"fetch: {what}: member {member.name[:80]!r}: {exc}") from None
+            raise BadWheel(
+                f"fetch: {what}: member {member.name[:80]!r}: {exc}", wheel=what
+            ) from None
     else:
         raise BadWheel(
-            f"fetch: {what}: member {member.name[:80]!r} uses compression {member.method}"
+            f"fetch: {what}: member {member.name[:80]!r} uses compression {member.method}",
+            wheel=what,
         )
     if len(content) != member.size:
         raise BadWheel(
             f"fetch: {what}: member {member.name[:80]!r} holds {len(content):,}"
             f"{'+' if len(content) > member.size else ''} bytes, not the {member.size:,} "
-            "its directory entry says"
+            "its directory entry says",
+            wheel=what,
         )
     return content

@@ -25,10 +25,25 @@ from patchkit.adapters.adapterconfig import AdapterConfig
 from patchkit.adapters.directory import Directory
 from patchkit.adapters.names import ADAPTER_CONFIG, ADAPTER_SAFETENSORS, PEFT_PREFIX, PICKLES
 from patchkit.adapters.safetensorsfile import SafetensorsFile, dtype_name
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.verify.checkpoint import CONFIG_BYTES
 
 ADAPTER_BIN = PICKLES
+
+
+class AdapterUnreadable(PatchkitError):
+    """An adapter whose weights cannot be read: no weights file, or one that is no state
+    dict (``path``: the directory or the file)."""
+
+    code = Code.ADAPTER_UNREADABLE
+
+
+class AdapterRefused(PatchkitError):
+    """An adapter the merge refuses for what its tensors are (DoRA, a bias, a factor
+    without its pair): ``path``, and the ``module`` or ``tensor`` where it knows it."""
+
+    code = Code.ADAPTER_REFUSED
 
 
 def read_adapter_config(adapter_dir: Path) -> AdapterConfig:
@@ -78,17 +93,20 @@ class AdapterTensors:
                     try:
                         loaded = torch.load(f, map_location="cpu", weights_only=True)
                     except Exception as exc:  # any unpickling failure: the user's file
-                        raise PatchkitError(
-                            f"{self.path}: cannot be read as a state dict ({exc})"
+                        raise AdapterUnreadable(
+                            f"{self.path}: cannot be read as a state dict ({exc})",
+                            path=self.path,
+                            error=str(exc),
                         ) from exc
                 if not isinstance(loaded, dict):
-                    raise PatchkitError(f"{self.path}: not a state dict")
+                    raise AdapterUnreadable(f"{self.path}: not a state dict", path=self.path)
                 self._loaded = loaded
                 self.shapes = {k: tuple(v.shape) for k, v in loaded.items()}
                 self.dtypes = {k: dtype_name(v.dtype) for k, v in loaded.items()}
                 return
-        raise PatchkitError(
-            f"adapter directory {adapter_dir} has no {ADAPTER_SAFETENSORS} (or adapter_model.bin)"
+        raise AdapterUnreadable(
+            f"adapter directory {adapter_dir} has no {ADAPTER_SAFETENSORS} (or adapter_model.bin)",
+            path=adapter_dir,
         )
 
     def float32(self, key: str):
@@ -140,8 +158,10 @@ def module_keys(adapter: AdapterTensors) -> tuple[dict[str, dict[str, str]], lis
             skipped.append(key)  # a full copy of the base embedding; vLLM skips it too
             continue
         if "lora_magnitude_vector" in name:
-            raise PatchkitError(
-                f"{adapter.path}: {key} is a DoRA magnitude vector; DoRA is refused"
+            raise AdapterRefused(
+                f"{adapter.path}: {key} is a DoRA magnitude vector; DoRA is refused",
+                path=adapter.path,
+                tensor=key,
             )
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name) or re.fullmatch(
             r"(.+)\.lora_embedding_([AB])", name
@@ -152,21 +172,27 @@ def module_keys(adapter: AdapterTensors) -> tuple[dict[str, dict[str, str]], lis
                 if name.endswith(".lora_B.bias")
                 else "not a LoRA factor"
             )
-            raise PatchkitError(f"{adapter.path}: tensor {key} is {what}; refused")
+            raise AdapterRefused(
+                f"{adapter.path}: tensor {key} is {what}; refused", path=adapter.path, tensor=key
+            )
         module, which = match.group(1), match.group(2)
         entry = modules.setdefault(module, {})
         kind = "embedding" if "lora_embedding_" in name else "linear"
         if entry.setdefault("kind", kind) != kind:
-            raise PatchkitError(
-                f"{adapter.path}: module {module} mixes lora_A/B and lora_embedding_A/B"
+            raise AdapterRefused(
+                f"{adapter.path}: module {module} mixes lora_A/B and lora_embedding_A/B",
+                path=adapter.path,
+                module=module,
             )
         entry[which] = key
     for module, entry in modules.items():
         for which in ("A", "B"):
             if which not in entry:
                 other = "B" if which == "A" else "A"
-                raise PatchkitError(
-                    f"{adapter.path}: module {module} has lora_{other} but no lora_{which}"
+                raise AdapterRefused(
+                    f"{adapter.path}: module {module} has lora_{other} but no lora_{which}",
+                    path=adapter.path,
+                    module=module,
                 )
     notes = []
     if skipped:

@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 
 from patchkit.adapters.safetensorsfile import MANIFEST_BYTES, SafetensorsFile, TensorInfo, shown
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.codes import Code
+from patchkit.errors import FileProblem, OsFailure, PatchkitError
 from patchkit.fs.files import read_user_json
+from patchkit.fs.safepath import UnsafePath
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -30,20 +32,30 @@ def user_json(path: Path, limit: int, what: str) -> dict:
     try:
         data = read_user_json(path, limit)
     except OSError as exc:
-        raise PatchkitError(os_error_line(exc, "reading")) from None
+        raise OsFailure(exc, "reading") from None
     except ValueError as exc:
-        raise PatchkitError(f"{path}: unusable as {what}: {exc}") from None
+        raise FileProblem(path, f"unusable as {what}: {exc}") from None
     if not isinstance(data, dict):
-        raise PatchkitError(f"{path}: not a JSON object ({what} expected)")
+        raise FileProblem(path, f"not a JSON object ({what} expected)")
     return data
 
 
 def _safe_relname(name: str, where: Path) -> str:
     if os.path.isabs(name) or ".." in Path(name).parts:
-        raise PatchkitError(
-            f"{where}: refuses weight file name {shown(name)} outside the model directory"
+        raise UnsafePath(
+            f"{where}: refuses weight file name {shown(name)} outside the model directory",
+            path=name,
+            origin=where,
         )
     return name
+
+
+class CheckpointInvalid(PatchkitError):
+    """A base model directory that is no safetensors checkpoint the merge reads (none
+    there, an index that names what is not there, a tensor in two shards, experts of a
+    layout it does not merge): ``path`` names the directory or the file."""
+
+    code = Code.CHECKPOINT_INVALID
 
 
 class Checkpoint:
@@ -52,7 +64,7 @@ class Checkpoint:
     def __init__(self, model_dir: Path):
         self.dir = model_dir
         if not model_dir.is_dir():
-            raise PatchkitError(f"model directory {model_dir} does not exist")
+            raise CheckpointInvalid(f"model directory {model_dir} does not exist", path=model_dir)
         index = model_dir / INDEX_NAME
         self.index_meta: dict | None = None
         if index.is_file():
@@ -61,11 +73,12 @@ class Checkpoint:
             if not isinstance(weight_map, dict) or not all(
                 isinstance(v, str) for v in weight_map.values()
             ):
-                raise PatchkitError(
-                    f"{index}: weight_map is not a JSON object of tensor name to file name"
+                raise CheckpointInvalid(
+                    f"{index}: weight_map is not a JSON object of tensor name to file name",
+                    path=index,
                 )
             if not isinstance(meta, dict):
-                raise PatchkitError(f"{index}: metadata is not a JSON object")
+                raise CheckpointInvalid(f"{index}: metadata is not a JSON object", path=index)
             self.index_meta = dict(meta)
             names = sorted({_safe_relname(v, index) for v in weight_map.values()})
         elif (model_dir / SINGLE_NAME).is_file():
@@ -73,9 +86,10 @@ class Checkpoint:
         else:
             names = sorted(p.name for p in model_dir.glob("*.safetensors"))
             if not names:
-                raise PatchkitError(
+                raise CheckpointInvalid(
                     f"{model_dir} holds no safetensors weights (model.safetensors or "
-                    f"{INDEX_NAME}); the merge needs a safetensors checkpoint"
+                    f"{INDEX_NAME}); the merge needs a safetensors checkpoint",
+                    path=model_dir,
                 )
         self.shards: dict[str, SafetensorsFile] = {}
         self.where: dict[str, str] = {}
@@ -83,14 +97,19 @@ class Checkpoint:
             path = model_dir / name
             if not path.is_file():
                 if not index.is_file():  # a FIFO or a dangling link found by the glob
-                    raise PatchkitError(f"{path}: not a regular file (a weight file expected)")
-                raise PatchkitError(f"{index}: names {shown(name)}, which is not in {model_dir}")
+                    raise CheckpointInvalid(
+                        f"{path}: not a regular file (a weight file expected)", path=path
+                    )
+                raise CheckpointInvalid(
+                    f"{index}: names {shown(name)}, which is not in {model_dir}", path=index
+                )
             shard = SafetensorsFile(path)
             self.shards[name] = shard
             for key in shard.tensors:
                 if key in self.where:
-                    raise PatchkitError(
-                        f"{model_dir}: tensor {key} is in both {self.where[key]} and {name}"
+                    raise CheckpointInvalid(
+                        f"{model_dir}: tensor {key} is in both {self.where[key]} and {name}",
+                        path=model_dir,
                     )
                 self.where[key] = name
         self.config: dict = {}

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from patchkit.codes import Code, Reason
-from patchkit.errors import PatchkitError
 from patchkit.verify import (
     baserows,
     checks,
@@ -199,7 +198,9 @@ def reference_logprobs(model_dir: Path, adapter_dir: Path, seed: int) -> dict:
     )
     refused = [f"{label}: {group['error']}" for label, group in runs.items() if "error" in group]
     if refused:
-        raise PatchkitError(f"transformers + PEFT did not load the e2e adapters: {refused[0]}")
+        raise peftref.ReferenceFailed(
+            f"transformers + PEFT did not load the e2e adapters: {refused[0]}", refused=refused
+        )
     return {
         label: {p: request["prompt_logprobs"] for p, request in group.items()}
         for label, group in runs.items()

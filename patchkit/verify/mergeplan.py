@@ -20,18 +20,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.adapters.safetensorsfile import dims
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.verify.adapterfiles import (
     ADAPTER_CONFIG,
     AdapterConfig,
+    AdapterRefused,
     AdapterTensors,
+    AdapterUnreadable,
     FactorCache,
     module_keys,
     read_adapter_config,
 )
-from patchkit.verify.checkpoint import INDEX_NAME, Checkpoint
+from patchkit.verify.checkpoint import INDEX_NAME, Checkpoint, CheckpointInvalid
 
 _MERGEABLE = ("F32", "F16", "BF16", "F64")
+
+
+class NotEnoughSpace(PatchkitError):
+    """The merged checkpoints need more disk than is free: ``path``, ``needed`` and
+    ``free`` (bytes). Nothing was written."""
+
+    code = Code.NOT_ENOUGH_SPACE
+
+
+class WorkdirUnusable(PatchkitError):
+    """A directory verify writes into that cannot take its files (not new or empty, not
+    a directory, not creatable): ``path``."""
+
+    code = Code.WORKDIR_UNUSABLE
+
+
+class MergeRefused(PatchkitError):
+    """An adapter module the merge cannot put into this checkpoint (no base tensor, factors
+    that do not fit it, a quantized weight, a rank its config does not give): ``path``
+    (the adapter's weights), ``module`` and ``detail``."""
+
+    code = Code.MERGE_REFUSED
+
+
 # The fused expert parameters of Qwen3.5-MoE in registration order (PEFT nests
 # target_parameters wrappers in this order: the first is the innermost base_layer).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -185,8 +212,13 @@ class _Planner:
     def where(self, key: str) -> str:
         return f"{key} in {self.ckpt.where[key]}"
 
-    def fail(self, module: str, what: str) -> PatchkitError:
-        return PatchkitError(f"{self.adapter.path.name}: module {module}: {what}")
+    def fail(self, module: str, what: str) -> MergeRefused:
+        return MergeRefused(
+            f"{self.adapter.path.name}: module {module}: {what}",
+            path=self.adapter.path,
+            module=module,
+            detail=what,
+        )
 
     def shapes(self, entry: dict[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.adapter.shapes[entry["A"]], self.adapter.shapes[entry["B"]]
@@ -330,8 +362,10 @@ class _Planner:
                     if self.ckpt.has(key):
                         shape = self.ckpt.info(key).shape
                         if len(shape) != 3:
-                            raise PatchkitError(
-                                f"{self.where(key)}: fused experts are {dims(shape)}, not 3-D"
+                            raise CheckpointInvalid(
+                                f"{self.where(key)}: fused experts are {dims(shape)}, not 3-D",
+                                path=self.ckpt.dir / self.ckpt.where[key],
+                                tensor=key,
                             )
                         params[name] = shape
                 if alt != root:
@@ -347,16 +381,18 @@ class _Planner:
                 count = max(indices) + 1
                 if indices != set(range(count)):
                     missing = sorted(set(range(count)) - indices)[:3]
-                    raise PatchkitError(
-                        f"{self.ckpt.dir}: experts under {alt} miss indices {missing}"
+                    raise CheckpointInvalid(
+                        f"{self.ckpt.dir}: experts under {alt} miss indices {missing}",
+                        path=self.ckpt.dir,
                     )
                 params = {}
                 gate, up, down = (self.ckpt.has(f"{alt}.0.{p}.weight") for p in EXPERT_PROJ)
                 if gate and up:
                     g, u = (self.ckpt.info(f"{alt}.0.{p}.weight").shape for p in EXPERT_PROJ[:2])
                     if g != u or len(g) != 2:
-                        raise PatchkitError(
-                            f"{self.ckpt.dir}: {alt}.0 gate_proj {g} and up_proj {u} differ"
+                        raise CheckpointInvalid(
+                            f"{self.ckpt.dir}: {alt}.0 gate_proj {g} and up_proj {u} differ",
+                            path=self.ckpt.dir,
                         )
                     params["gate_up_proj"] = (count, 2 * g[0], g[1])
                 if down:
@@ -544,14 +580,14 @@ def plan_merge(model_dir: Path | str, adapter_dir: Path | str) -> MergePlan:
     """Decide the merge of one PEFT LoRA adapter into a safetensors checkpoint; writes nothing."""
     model_dir, adapter_dir = Path(model_dir), Path(adapter_dir)
     if not adapter_dir.is_dir():
-        raise PatchkitError(f"adapter directory {adapter_dir} does not exist")
+        raise AdapterUnreadable(f"adapter directory {adapter_dir} does not exist", path=adapter_dir)
     ckpt = Checkpoint(model_dir)
     cfg = read_adapter_config(adapter_dir)
     adapter = AdapterTensors(adapter_dir)
     try:
         modules, notes = module_keys(adapter)
         if not modules:
-            raise PatchkitError(f"{adapter.path}: holds no LoRA factors")
+            raise AdapterRefused(f"{adapter.path}: holds no LoRA factors", path=adapter.path)
         planner = _Planner(ckpt, cfg, adapter)
         planner.run(modules)
     finally:

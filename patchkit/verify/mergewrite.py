@@ -21,10 +21,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from patchkit.adapters.safetensorsfile import SafetensorsFile, TensorInfo, tensor_bytes, torch_dtype
-from patchkit.errors import PatchkitError, os_error_line
+from patchkit.codes import Code
+from patchkit.errors import OsFailure, PatchkitError
 from patchkit.verify.adapterfiles import AdapterTensors, FactorCache
 from patchkit.verify.checkpoint import INDEX_NAME
-from patchkit.verify.mergeplan import MergePlan, Piece, human_bytes, plan_merge
+from patchkit.verify.mergeplan import (
+    MergePlan,
+    NotEnoughSpace,
+    Piece,
+    WorkdirUnusable,
+    human_bytes,
+    plan_merge,
+)
 
 # Elements of one row block of a weight while it is merged (64 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 24
@@ -106,6 +114,13 @@ def _rewrite_shard(
             out.write(src.read_bytes(pos, src.size - pos))
 
 
+class ChangedSincePlanned(PatchkitError):
+    """A shard of the base model changed between the merge's plan and its writing:
+    ``path``. Nothing was written."""
+
+    code = Code.CHANGED_WHILE_RUNNING
+
+
 def _link(source: Path, dest: Path) -> str:
     real = source.resolve()
     try:
@@ -117,9 +132,12 @@ def _link(source: Path, dest: Path) -> str:
         os.symlink(real, dest)
         return "symlink"
     except OSError as exc:
-        raise PatchkitError(
-            f"cannot hard-link or symlink {real} into {dest.parent} ({exc.strerror}); "
-            "the merge does not copy unchanged shards"
+        raise OsFailure(
+            exc,
+            "linking",
+            path=real,
+            line=f"cannot hard-link or symlink {real} into {dest.parent} ({exc.strerror}); "
+            "the merge does not copy unchanged shards",
         ) from exc
 
 
@@ -138,22 +156,30 @@ def write_merged(
     """
     dest = Path(dest_dir).absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise PatchkitError(f"{dest} exists and is not empty; give write_merged a new directory")
+        raise WorkdirUnusable(
+            f"{dest} exists and is not empty; give write_merged a new directory", path=dest
+        )
     parent = dest.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(parent).free
     except OSError as exc:
-        raise PatchkitError(os_error_line(exc, "preparing")) from exc
+        raise OsFailure(exc, "preparing") from exc
     if free < plan.bytes_needed:
-        raise PatchkitError(
+        raise NotEnoughSpace(
             f"the merged checkpoint needs {human_bytes(plan.bytes_needed)} at {parent}, "
-            f"{human_bytes(free)} is free; give --workdir a larger disk"
+            f"{human_bytes(free)} is free; give --workdir a larger disk",
+            path=parent,
+            needed=plan.bytes_needed,
+            free=free,
         )
     for name, (size, mtime) in plan.sources.items():
         st = (plan.model_dir / name).stat()
         if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            raise PatchkitError(f"{plan.model_dir / name} changed since the merge was planned")
+            raise ChangedSincePlanned(
+                f"{plan.model_dir / name} changed since the merge was planned",
+                path=plan.model_dir / name,
+            )
     done: dict[str, str] = {}
     adapter = AdapterTensors(plan.adapter_dir)
     cache = FactorCache(adapter, _CACHE_BYTES)
@@ -184,7 +210,7 @@ def write_merged(
     except OSError as exc:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-        raise PatchkitError(os_error_line(exc, "writing the merged checkpoint to")) from exc
+        raise OsFailure(exc, "writing the merged checkpoint to") from exc
     except BaseException:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)

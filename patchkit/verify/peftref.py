@@ -84,10 +84,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.adapters.modelshapes import ModelConfigInvalid
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError
 from patchkit.fs.files import read_user_json
 from patchkit.terminal import printable
 from patchkit.verify import serving
+
+
+class ReferenceDoesNotFit(PatchkitError):
+    """The float32 reference does not fit the visible GPUs: the bytes it ``needed`` and
+    the ``free`` bytes (where known), or where transformers ``spilled`` its layers."""
+
+    code = Code.REFERENCE_DOES_NOT_FIT
+
+
+class ReferenceFailed(PatchkitError):
+    """transformers + PEFT did not load an adapter the reference needs: what each
+    ``refused`` ("label: error")."""
+
+    code = Code.REFERENCE_FAILED
+
 
 NAME = "peft-reference"  # the job's name: its log, its files, its entry in served.json
 MODE = "peft"  # its Job.mode (not a vLLM mode)
@@ -182,9 +199,9 @@ def text_config(model_dir: Path) -> dict:
     try:
         config = read_user_json(model_dir / "config.json")
     except (OSError, ValueError) as exc:
-        raise PatchkitError(f"{model_dir}/config.json: not readable ({exc})") from None
+        raise ModelConfigInvalid(f"{model_dir}/config.json", f"not readable ({exc})") from None
     if not isinstance(config, dict):
-        raise PatchkitError(f"{model_dir}/config.json: not a JSON object")
+        raise ModelConfigInvalid(f"{model_dir}/config.json", "not a JSON object")
     text = config.get("text_config")
     return {**config, **(text if isinstance(text, dict) else {})}
 
@@ -220,12 +237,16 @@ def placement(need: Estimate, free: list[int]) -> dict[int, int]:
 
     budgets = {gpu: max(0, room - need.working) for gpu, room in enumerate(free)}
     if not free or sum(budgets.values()) < need.spread:
-        raise PatchkitError(
+        raise ReferenceDoesNotFit(
             f"the float32 reference (transformers + PEFT) needs {human_bytes(need.spread)} "
             f"for the weights and adapters ({human_bytes(need.bf16)} as stored, float32 is "
             f"twice bf16) and {human_bytes(need.working)} working memory on each GPU; the "
             f"{len(free)} visible GPU(s) have {human_bytes(sum(free))} free: make more GPUs "
-            "visible (CUDA_VISIBLE_DEVICES) or take the merged reference"
+            "visible (CUDA_VISIBLE_DEVICES) or take the merged reference",
+            needed=need.spread,
+            working=need.working,
+            free=sum(free),
+            gpus=len(free),
         )
     return budgets
 
@@ -267,9 +288,10 @@ def load_base(model_dir: Path, max_memory: dict[int, int] | None):
     )
     spilled = {d for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"}
     if spilled:
-        raise PatchkitError(
+        raise ReferenceDoesNotFit(
             f"the float32 reference did not fit the GPUs: transformers placed layers on "
-            f"{', '.join(sorted(spilled))}"
+            f"{', '.join(sorted(spilled))}",
+            spilled=sorted(spilled),
         )
     return model.eval()
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.codes import Code, Reason
-from patchkit.errors import PatchkitError
 from patchkit.verify import checks, serving
 from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
 from patchkit.verify.rule import MERGED_BOUNDS, PEFT_MOE_MAX_FLOOR, median_distance
@@ -38,9 +37,12 @@ def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, s
         for note in plan.notes:
             say(f"note: {note}")
     if needed > free:
-        raise PatchkitError(
+        raise mergeplan.NotEnoughSpace(
             f"the merged references need {mergeplan.human_bytes(needed)} under {workdir} and "
-            f"{mergeplan.human_bytes(free)} is free; give --workdir a disk with more space"
+            f"{mergeplan.human_bytes(free)} is free; give --workdir a disk with more space",
+            path=workdir,
+            needed=needed,
+            free=free,
         )
     return plans
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchkit.catalogue.model import Catalogue
+from patchkit.codes import Code
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.patching import operations
 from patchkit.verify.checks import FAILED, INCONCLUSIVE, PASSED, overall
 from patchkit.verify.rule import ModelResult
-from patchkit.vllmtree.tree import VllmTree, locate
+from patchkit.vllmtree.tree import VllmNotFound, VllmTree, locate
 
 
 @dataclass
@@ -57,19 +59,34 @@ class VerifyReport:
         return self.verdict == PASSED
 
 
+class GpuUnavailable(PatchkitError):
+    """verify runs on a GPU, and this Python has none it can use: no torch with CUDA
+    (``torch``: False), or no GPU visible to it."""
+
+    code = Code.GPU_UNAVAILABLE
+
+
+class VllmImportFailed(PatchkitError):
+    """vLLM's LoRA code (``path``: the tree) raised on import: its ``error``."""
+
+    code = Code.VLLM_IMPORT_FAILED
+
+
 def require_gpu():
     """torch with a visible CUDA GPU, or a one-line error."""
     try:
         import torch
     except ImportError:
-        raise PatchkitError(
+        raise GpuUnavailable(
             "verify needs torch with CUDA: run it with the Python that serves vLLM, which "
-            "has it (--e2e also needs pip install 'transformers>=5.17' 'peft>=0.17')"
+            "has it (--e2e also needs pip install 'transformers>=5.17' 'peft>=0.17')",
+            torch=False,
         ) from None
     if not torch.cuda.is_available():
-        raise PatchkitError(
+        raise GpuUnavailable(
             "verify needs an NVIDIA GPU and none is visible to torch "
-            "(torch.cuda.is_available() is False); run it on the GPU server"
+            "(torch.cuda.is_available() is False); run it on the GPU server",
+            torch=True,
         )
     return torch
 
@@ -78,10 +95,12 @@ def importable_tree() -> VllmTree:
     """The vLLM this Python imports (verify checks what actually runs)."""
     try:
         return locate(None)
-    except PatchkitError:
-        raise PatchkitError(
+    except PatchkitError as exc:
+        raise VllmNotFound(
             "verify checks the vLLM this Python imports, and there is none; "
-            "run it with the Python that serves vLLM"
+            "run it with the Python that serves vLLM",
+            python=sys.executable,
+            cause=exc,
         ) from None
 
 
@@ -190,7 +209,11 @@ def run(catalogue: Catalogue, request: Request, say=lambda line: None) -> Verify
         report = VerifyReport(env, patches)
         report.kernel = kernelcheck.trigger_cases(seed) + kernelcheck.wrapper_cases(seed)
     except ImportError as exc:
-        raise PatchkitError(f"cannot import vLLM's LoRA code from {tree.root}: {exc}") from None
+        raise VllmImportFailed(
+            f"cannot import vLLM's LoRA code from {tree.root}: {exc}",
+            path=tree.root,
+            error=str(exc),
+        ) from None
     gpu = gpu_memory(torch, request.tensor_parallel_size)
     if request.e2e:
         report.e2e = _run_e2e(seed, request, gpu, say)

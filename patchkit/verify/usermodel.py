@@ -34,6 +34,7 @@ from patchkit.fs.files import read_user_json
 from patchkit.verify import adaptercontrols, serving
 from patchkit.verify.checks import INCONCLUSIVE, Check
 from patchkit.verify.engines import PEFT_ENTRY, WAVE_TIMEOUT, Served, jobs
+from patchkit.verify.mergeplan import WorkdirUnusable
 from patchkit.verify.modelchecks import compare
 from patchkit.verify.references import (
     Reference,
@@ -78,7 +79,7 @@ def parse_lora(value: str) -> tuple[str, Path]:
     except UsageProblem:
         raise
     except PatchkitError as exc:
-        raise UsageProblem(f"--lora {name}: {exc}") from None
+        raise UsageProblem(f"--lora {name}: {exc}", option="--lora", cause=exc) from None
     return name, directory
 
 
@@ -335,16 +336,21 @@ def _claim(path: Path) -> bool:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise PatchkitError(f"{path}: cannot create it ({exc.strerror})") from None
+        raise WorkdirUnusable(
+            f"{path}: cannot create it ({exc.strerror})", path=path, error=exc.strerror
+        ) from None
     try:
         is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
         empty = is_dir and not any(path.iterdir())
     except OSError as exc:
-        raise PatchkitError(f"{path}: cannot read it ({exc.strerror})") from None
+        raise WorkdirUnusable(
+            f"{path}: cannot read it ({exc.strerror})", path=path, error=exc.strerror
+        ) from None
     if not empty:
         what = "a link or not a directory" if not is_dir else "not empty"
-        raise PatchkitError(
+        raise WorkdirUnusable(
             f"{path}: {what} by the time verify was to write there (it was new or empty "
-            "when verify started); nothing was written; give a new directory"
+            "when verify started); nothing was written; give a new directory",
+            path=path,
         )
     return False

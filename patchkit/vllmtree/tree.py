@@ -17,13 +17,27 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from patchkit.errors import PatchkitError, UsageProblem
+from patchkit.codes import Code
+from patchkit.errors import FileProblem, PatchkitError, UsageProblem
 from patchkit.fs.safepath import Root
 from patchkit.identity import is_version
 from patchkit.vllmtree.record import RecordRow, RecordUnreadable, WheelRecord, read_rows
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
 MAX_METADATA_BYTES = 64 << 20
+
+
+class VllmNotFound(PatchkitError):
+    """No --target, and this Python (``python``) imports no vLLM."""
+
+    code = Code.VLLM_NOT_FOUND
+
+
+class VllmInstallInvalid(FileProblem):
+    """vLLM's dist-info (METADATA, RECORD) or the tree holding it says nothing patchkit
+    can trust: ``path`` and ``detail``; reinstalling vLLM mends it."""
+
+    code = Code.VLLM_INSTALL_INVALID
 
 
 @dataclass
@@ -74,11 +88,17 @@ TARGET_ADVICE = (
 def _target_root(target: Path) -> Path:
     """The tree root named by --target; the same usage error (exit 2) in every command."""
     if not target.is_dir():
-        raise UsageProblem(f"--target {target}: no such directory; {TARGET_ADVICE}")
+        raise UsageProblem(
+            f"--target {target}: no such directory; {TARGET_ADVICE}", option="--target", path=target
+        )
     if target.name == "vllm" and (target / "__init__.py").is_file():
         target = target.parent  # accept the package directory itself too
     if not (target / "vllm" / "__init__.py").is_file():
-        raise UsageProblem(f"--target {target}: no vllm/ package there; {TARGET_ADVICE}")
+        raise UsageProblem(
+            f"--target {target}: no vllm/ package there; {TARGET_ADVICE}",
+            option="--target",
+            path=target,
+        )
     return target.resolve()
 
 
@@ -88,10 +108,11 @@ def _importable_root() -> Path:
     if spec is None or not spec.submodule_search_locations:
         import sys
 
-        raise PatchkitError(
+        raise VllmNotFound(
             f"vLLM is not installed for this Python ({sys.executable}); pass "
             "--target DIR (the directory that contains vllm/), or run "
-            "`patchkit fetch VERSION` to get a release tree"
+            "`patchkit fetch VERSION` to get a release tree",
+            python=sys.executable,
         )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     return package_dir.parent.resolve()
@@ -118,26 +139,29 @@ def _dist_info(root: Path, fs: Root) -> str | None:
     candidates = [n for n in fs.names("", "dist-info") if re.fullmatch(r"vllm-.*\.dist-info", n)]
     owning = [name for name in candidates if _lists_vllm(fs, name)]
     if len(owning) > 1:
-        raise PatchkitError(
-            f"{root}: several vLLM installs claim vllm/ ({', '.join(owning)}); remove the "
-            "stale dist-info or reinstall vLLM"
+        raise VllmInstallInvalid(
+            root,
+            f"several vLLM installs claim vllm/ ({', '.join(owning)}); remove the "
+            "stale dist-info or reinstall vLLM",
+            dist_infos=owning,
         )
     return owning[0] if owning else None
 
 
 def _metadata_text(fs: Root, relpath: str) -> str | None:
-    """A dist-info file as text; PatchkitError naming it when it is not sane text."""
+    """A dist-info file as text; VllmInstallInvalid naming it when it is not sane text."""
     data = fs.read(relpath, "dist-info")
     if data is None:
         return None
     if len(data) > MAX_METADATA_BYTES:
-        raise PatchkitError(f"{fs.full(relpath)}: larger than {MAX_METADATA_BYTES} bytes")
+        raise VllmInstallInvalid(fs.full(relpath), f"larger than {MAX_METADATA_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PatchkitError(
-            f"{fs.full(relpath)}: not UTF-8 (byte {exc.start}); reinstall vLLM "
-            "(pip install --force-reinstall --no-deps vllm)"
+        raise VllmInstallInvalid(
+            fs.full(relpath),
+            f"not UTF-8 (byte {exc.start}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)",
         ) from None
 
 
@@ -152,9 +176,10 @@ def _record_rows(fs: Root, dist_info: str, text: str) -> dict[str, RecordRow]:
     try:
         return read_rows(text)
     except RecordUnreadable as exc:
-        raise PatchkitError(
-            f"{fs.full(dist_info)}/RECORD: not a valid RECORD ({exc}); reinstall vLLM "
-            "(pip install --force-reinstall --no-deps vllm)"
+        raise VllmInstallInvalid(
+            f"{fs.full(dist_info)}/RECORD",
+            f"not a valid RECORD ({exc}); reinstall vLLM "
+            "(pip install --force-reinstall --no-deps vllm)",
         ) from None
 
 
@@ -163,12 +188,12 @@ def _metadata_version(fs: Root, dist_info: str) -> str:
     text = _metadata_text(fs, relpath)
     version = HeaderParser().parsestr(text).get("Version") if text is not None else None
     if not version:
-        raise PatchkitError(f"{fs.full(relpath)}: no Version header")
+        raise VllmInstallInvalid(fs.full(relpath), "no Version header")
     version = version.strip()
     if not is_version(version):
-        raise PatchkitError(
-            f"{fs.full(relpath)}: Version {version[:40]!r} is not a PEP 440 version; pass "
-            "--vllm-version"
+        raise VllmInstallInvalid(
+            fs.full(relpath),
+            f"Version {version[:40]!r} is not a PEP 440 version; pass --vllm-version",
         )
     return version
 
@@ -180,9 +205,10 @@ def _read_record(fs: Root, dist_info: str) -> WheelRecord:
     rows = {} if text is None else _record_rows(fs, dist_info, text)
     for row in rows.values():
         if row.known and row.digest() is None:
-            raise PatchkitError(
-                f"{fs.full(dist_info)}/RECORD: {row.path[:80]}: {row.hash[:60]!r} is not a "
-                f"{row.algorithm}; reinstall vLLM (pip install --force-reinstall --no-deps vllm)"
+            raise VllmInstallInvalid(
+                f"{fs.full(dist_info)}/RECORD",
+                f"{row.path[:80]}: {row.hash[:60]!r} is not a "
+                f"{row.algorithm}; reinstall vLLM (pip install --force-reinstall --no-deps vllm)",
             )
     return WheelRecord(rows, lambda relpath: fs.read(relpath, "RECORD"))
 

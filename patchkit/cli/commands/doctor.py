@@ -18,11 +18,9 @@ from patchkit.cli.render import (
     message,
     messages,
     out,
-    text_message,
     wrap,
 )
 from patchkit.cli.words import say
-from patchkit.codes import Code
 from patchkit.doctor import sass
 from patchkit.errors import PatchkitError
 from patchkit.patching.assess import Assessment
@@ -76,11 +74,11 @@ def doctor_command(
     if (model or adapters) and not kernels:
         raise click.UsageError("--model and --adapter go with --kernels")
     try:
-        tree, tree_error = locate(target, vllm_version), ""
+        tree, tree_error = locate(target, vllm_version), None
     except PatchkitError as exc:
         if target is not None:  # a --target that is wrong fails as in every other command
             raise
-        tree, tree_error = None, str(exc)
+        tree, tree_error = None, exc.reason
     request = None
     if kernels:
         request = doctor.ScanRequest(
@@ -112,7 +110,7 @@ def render_doctor(report, verbose: bool = False) -> None:
         f"ptxas for sm_90: {t.ptxas_version or 'unknown'}{where}{fixed}"
     )
     if report.tree is None:
-        out(f"vLLM: {report.tree_error}")
+        out(f"vLLM: {say(report.tree_error)}")
     else:
         _render_tree(report)
         if report.runner is not None:
@@ -237,11 +235,7 @@ def doctor_json(report) -> dict:
         "gpu_note": message(report.gpu_note),
         "triton": triton,
         "triton_next_to_vllm": field_values(theirs) if theirs else None,
-        "vllm": (
-            report.tree.describe()
-            if report.tree
-            else {"error": text_message(Code.VLLM_NOT_FOUND, report.tree_error)}
-        ),
+        "vllm": (report.tree.describe() if report.tree else {"error": message(report.tree_error)}),
         "patches": [_doctor_patch_json(a) for a in report.patches],
         "tuned_configs": [
             {"file": f.file, "problem": message(f.problem)} for f in report.tuned_configs
