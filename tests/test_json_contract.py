@@ -415,7 +415,7 @@ def test_verify_says_each_adapters_why_and_reference_as_messages(monkeypatch):
     H200, judged as `verify --model` judges): the verdict's reason, its reference's reason
     (the merged verdict it set aside nested in it) and what decides instead are messages."""
     from patchkit.verify import runner
-    from tests.test_verify_rule import WIDE_SERVED, judge_wide
+    from tests.verify_helpers import WIDE_SERVED, judge_wide
 
     env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2.11.0", "triton": "3.6.0",
            "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 11}  # fmt: skip

@@ -19,29 +19,15 @@ engines served) judged as if they were the adapter's read FAILED, not INCONCLUSI
 from __future__ import annotations
 
 import copy
-import json
-import lzma
-from pathlib import Path
 
 import pytest
 
 from patchkit.cli.verify_words import say as words
 from patchkit.verify import engines, references, rule, usermodel
-from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 from patchkit.verify.e2e import moe_references
+from tests.verify_helpers import CONTROLS, TINY, WIDE_SERVED, judge_wide, load
 
-DATA = Path(__file__).parent / "data"
-WIDE = DATA / "h200-2026-12-01i-wide35b-served.json.xz"
-TINY = DATA / "h200-2026-12-01i-e2e-moe-served.json.xz"
 MODES = ("eager", "cudagraph")
-
-
-def load(path: Path) -> dict:
-    with lzma.open(path, "rt") as handle:
-        return json.load(handle)
-
-
-WIDE_SERVED = load(WIDE)
 TINY_SERVED = load(TINY)
 
 
@@ -104,22 +90,6 @@ def test_every_wrong_lora_path_the_wide_cut_served_is_past_the_failure_line():
 
 
 # ----- the verdicts, as `verify --model` reaches them -----
-
-CONTROLS = [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c")),
-            Control("a0", IGNORED, None)]  # fmt: skip
-
-
-def judge_wide(served: dict, controls: list | None = None) -> rule.ModelResult:
-    """As run_model judges: the merged reference first, then PEFT where it cannot decide."""
-    served = copy.deepcopy(served)
-    controls = {"a0": CONTROLS if controls is None else controls}
-    peft = served.pop(engines.PEFT_ENTRY)
-    chosen, need = usermodel.choose_references(served, ["a0"], controls, None)
-    served[engines.PEFT_ENTRY] = peft
-    run = engines.Served.from_json(served, ["a0"])
-    for name in need:
-        chosen[name] = references.peft_or_merged(run, name, chosen[name])
-    return usermodel.judge(served, ["a0"], controls, chosen)
 
 
 def served_as(label: str) -> dict:

@@ -7,9 +7,42 @@ holds them ({engine name: {"corrupted_requests", "runs": {label: {prompt: reques
 from __future__ import annotations
 
 import copy
+import json
+import lzma
 from pathlib import Path
 
-from patchkit.verify import adaptercontrols, enginefaults, serving
+from patchkit.verify import adaptercontrols, enginefaults, engines, references, serving, usermodel
+from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
+
+DATA = Path(__file__).parent / "data"
+# served on the test H200 (2026-12-01): the 35B-A3B-wide cut with its healthy adapter a0,
+# its controls and the PEFT reference; the tiny MoE of `verify --e2e`
+WIDE = DATA / "h200-2026-12-01i-wide35b-served.json.xz"
+TINY = DATA / "h200-2026-12-01i-e2e-moe-served.json.xz"
+
+
+def load(path: Path) -> dict:
+    with lzma.open(path, "rt") as handle:
+        return json.load(handle)
+
+
+WIDE_SERVED = load(WIDE)
+CONTROLS = [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c")),
+            Control("a0", IGNORED, None)]  # fmt: skip
+
+
+def judge_wide(served: dict, controls: list | None = None):
+    """As run_model judges the wide cut: the merged reference first, then PEFT where it
+    cannot decide."""
+    served = copy.deepcopy(served)
+    controls = {"a0": CONTROLS if controls is None else controls}
+    peft = served.pop(engines.PEFT_ENTRY)
+    chosen, need = usermodel.choose_references(served, ["a0"], controls, None)
+    served[engines.PEFT_ENTRY] = peft
+    run = engines.Served.from_json(served, ["a0"])
+    for name in need:
+        chosen[name] = references.peft_or_merged(run, name, chosen[name])
+    return usermodel.judge(served, ["a0"], controls, chosen)
 
 
 def request(values) -> dict:
