@@ -100,7 +100,7 @@ def as_json(choice, assessments: list[Assessment]) -> dict:
         "flip": (
             {
                 "env": model_runner.ENV,
-                "value": choice.flip.split("=", 1)[1],
+                "value": str(choice.flip_value),
                 "gives": choice.flip_to,
                 "refused": message(choice.flip_refused),
             }

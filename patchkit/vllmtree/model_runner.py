@@ -62,7 +62,7 @@ class RunnerChoice:
     runner: str
     reason: Reason  # why (or why unknown)
     only: bool = False  # the other runner is gone from the tree
-    flip: str | None = None  # "VLLM_USE_V2_MODEL_RUNNER=0", None where nothing flips it
+    flip_value: int | None = None  # the ENV value that flips it (0 or 1); None: nothing does
     flip_to: str | None = None  # the runner the flip gives
     flip_refused: Reason | None = None  # the flip makes vLLM refuse to start: its message
     env_value: str | None = None  # the environment's value, as given
@@ -72,6 +72,11 @@ class RunnerChoice:
     @property
     def known(self) -> bool:
         return self.runner in (V1, V2)
+
+    @property
+    def flip(self) -> str | None:
+        """The assignment that flips the runner ("VLLM_USE_V2_MODEL_RUNNER=0"), or None."""
+        return None if self.flip_value is None else f"{ENV}={self.flip_value}"
 
 
 def hooked(files) -> frozenset[str]:
@@ -120,7 +125,7 @@ def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
     choice = RunnerChoice(
         runner,
         why,
-        flip=f"{ENV}={int(flip_value)}",
+        flip_value=int(flip_value),
         flip_to=flip_runner if flip_runner in (V1, V2) else None,
         flip_refused=flip_why if flip_runner == "refused" else None,
         env_value=env_value,
