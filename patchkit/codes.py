@@ -247,8 +247,6 @@ class Code(str, Enum):
     INTERRUPTED = "interrupted"  # exit 130, 143, 129
 
     # ----- messages of the other commands, by kind -----
-    NOTE = "note"
-    CACHE_NOT_CLEARED = "cache-not-cleared"  # status of a cache a run left alone, and why
     # why a cache was left alone, or had nothing to clear (words: cli/cache_words.py)
     CACHE_NOT_ABSOLUTE = "cache-not-absolute"  # the environment's path: source
     CACHE_ABSENT = "cache-absent"  # nothing to clear
@@ -259,9 +257,6 @@ class Code(str, Enum):
     CACHE_MOUNT_INSIDE = "cache-mount-inside"  # a mount point below it
     CACHE_PARTLY_CLEARED = "cache-partly-cleared"  # stopped midway: error
     CACHE_OS_ERROR = "cache-os-error"  # opening or clearing it failed: error
-    WARNING = "warning"
-    SKIPPED = "skipped"
-    RECOVERED = "recovered"  # refresh: what it finished or undid of an interrupted one
     VLLM_NOT_FOUND = "vllm-not-found"  # doctor without a tree
     RUNNER_NOT_HOOKED = "runner-not-hooked"
     # the model runner: why it is the one, or why it is unknown (patchkit.cli.runner_words)

@@ -28,18 +28,14 @@ NOTHING_ELSE = "nothing else was changed"
 
 WORDS: dict[Code, Words] = {}
 
-# codes whose one fact ``text`` is their words: messages of the commands whose reasons
-# are not typed yet, and errors raised as a line
+# codes whose one fact ``text`` is their words: an error's line (made where it was raised,
+# its kind's facts beside it), the catalogue's own text, and the adapter codes whose
+# words are the finding's own (adapter_words.py words the others)
 TEXT = (
     Code.ERROR,
     Code.USAGE,
     Code.INTERNAL_ERROR,
     Code.INTERRUPTED,
-    Code.NOTE,
-    Code.CACHE_NOT_CLEARED,
-    Code.WARNING,
-    Code.SKIPPED,
-    Code.RECOVERED,
     Code.VLLM_NOT_FOUND,
     Code.RUNNER_NOT_HOOKED,
     Code.DECIDED,  # the catalogue's own text for its decision
