@@ -116,13 +116,16 @@ def test_scale_2_doubles_every_b_of_its_slot_only():
         assert torch.equal(ef.b_tensors(modules[name])[n][1], old[1] * 2)
 
 
-def test_layer_skipped_zeroes_the_middle_layer_of_its_slot_only():
+def test_layer_skipped_zeroes_the_first_lora_layer_of_its_slot_only():
     modules = model()
     before = snapshot(modules)
     ef.apply_fault(modules, 2, ef.LAYER_SKIPPED)
-    assert ef.middle_layer(modules) == 2
-    assert changed_slots(before, modules) == {("model.layers.2.self_attn.qkv_proj", 0): [2]}
-    assert not ef.b_tensors(modules["model.layers.2.self_attn.qkv_proj"])[0][2].any()
+    assert ef.skipped_layer(modules) == 0
+    assert changed_slots(before, modules) == {("model.layers.0.linear_attn.in_proj_qkvz", 0): [2]}
+    assert not ef.b_tensors(modules["model.layers.0.linear_attn.in_proj_qkvz"])[0][2].any()
+    # the first layer that has LoRA modules, not layer 0 as such
+    later = {k: v for k, v in model().items() if ".layers.0." not in k}
+    assert ef.skipped_layer(later) == 1 and ef.skipped_layer({}) is None
 
 
 def test_experts_down_dropped_zeroes_w2_only_and_keeps_gate_up():
@@ -200,13 +203,13 @@ def test_the_serving_child_installs_each_fault_under_its_loras_id():
     class Engine:  # what _install_faults uses of vllm.LLM
         def collective_rpc(self, method, args=()):
             calls.append((method, args))
-            return [{"modules": 5, "middle_layer": 2}]
+            return [{"modules": 5, "skipped_layer": 0}]
 
     loras = {"one": "/a/one", "one+half": "/c/half", "one+engine-scale-2": "/a/one"}
     job = serving.Job("eager", "/m", "eager", {}, [], loras=loras,
                       faults={"one+engine-scale-2": ef.SCALE_2})  # fmt: skip
     assert serving.lora_ids(job) == {"one": 1, "one+half": 2, "one+engine-scale-2": 3}
-    assert serving._install_faults(Engine(), job) == [{"modules": 5, "middle_layer": 2}]
+    assert serving._install_faults(Engine(), job) == [{"modules": 5, "skipped_layer": 0}]
     assert calls == [(ef.INSTALL, ({3: ef.SCALE_2},))]
     assert serving._install_faults(Engine(), serving.Job("b", "/m", "eager", {}, [])) == []
     assert len(calls) == 1

@@ -356,7 +356,7 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
         "50 % strength",
         "adapter ignored",
         "LoRA scale doubled in vLLM",
-        "one layer's LoRA skipped in vLLM",
+        "first LoRA layer skipped in vLLM",
         "another adapter's weights in its slot",
     ]
     assert seen["controls"] == ["control-one+half", "control-two+half"]  # only these have files
