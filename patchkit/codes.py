@@ -429,8 +429,9 @@ class Code(str, Enum):
     VERIFY_DECIDES_PEFT = "verify-decides-peft"  # the PEFT reference would decide
     VERIFY_DECIDES_OTHER_PROMPTS = "verify-decides-other-prompts"  # another seed, longer ones
     VERIFY_REFERENCE_ASKED = "verify-reference-asked"  # reference: what --reference named
-    VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max (None: none finite)
-    VERIFY_MERGED_DECIDED = "verify-merged-decided"  # coarse (mean, max), it decided all the same
+    VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max
+    # coarse (mean, max; None: none finite), it decided all the same
+    VERIFY_MERGED_DECIDED = "verify-merged-decided"
     VERIFY_MERGED_UNDECIDED = "verify-merged-undecided"  # verdict: the merged one's why
     VERIFY_PEFT_DECIDES = "verify-peft-decides"  # because: why the merged one was set aside
     VERIFY_PEFT_DID_NOT_RUN = "verify-peft-did-not-run"  # because, missing: its error

@@ -23,6 +23,7 @@ import copy
 import pytest
 
 from patchkit.cli.verify_words import say as words
+from patchkit.codes import Code
 from patchkit.verify import engines, references, rule, usermodel
 from patchkit.verify.e2e import moe_references
 from tests.verify_helpers import CONTROLS, TINY, WIDE_SERVED, judge_wide, load
@@ -222,3 +223,16 @@ def test_the_verdict_reads_a_rows_fields_never_its_words():
     words_only = Check("e: vLLM ran", False, "boom", decided=False)
     verdict = rule.adapter_verdict("a0", [plain[0], words_only], reference, CONTROLS[:1])
     assert verdict.verdict == rule.PASSED
+
+
+def test_a_merged_reference_that_decided_without_its_rounding_says_so():
+    """The rounding control not served: the merged reference still fails an answer as far
+    as a control it rejects, and says its rounding is unknown (not small, not coarse)."""
+    served = served_as("control:a0+half")
+    served["rounding-a0"] = {"error": "vLLM (rounding) exited 1: boom"}
+    [verdict] = judge_wide(served).adapters
+    assert (verdict.verdict, verdict.reference) == ("FAILED", "merged")
+    assert verdict.reference_why.code == Code.VERIFY_MERGED_DECIDED
+    assert words(verdict.reference_why) == (
+        "it decided, its own bf16 rounding unknown (no finite distance measured)"
+    )

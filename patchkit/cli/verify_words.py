@@ -61,13 +61,13 @@ def _asked(r: Reason, _: str) -> str:
 
 @words(Code.VERIFY_ROUNDING_SMALL)
 def _rounding(r: Reason, _: str) -> str:
-    if r["mean"] is None:
-        return "its own bf16 rounding is small (unknown: no finite distance measured)"
     return f"its own bf16 rounding is small (mean {r['mean']:.4f}, max {r['max']:.3f})"
 
 
 @words(Code.VERIFY_MERGED_DECIDED)
 def _merged_decided(r: Reason, _: str) -> str:
+    if r["mean"] is None:  # its rounding control served nothing finite
+        return "it decided, its own bf16 rounding unknown (no finite distance measured)"
     return f"it decided despite its coarse bf16 rounding (mean {r['mean']:.4f}, max {r['max']:.3f})"
 
 

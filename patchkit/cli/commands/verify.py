@@ -231,7 +231,7 @@ def adapter_verdict_lines(adapters) -> list[str]:
     lines = []
     for a in adapters:
         lines.append(f"adapter {a.adapter}: {a.verdict} against the {a.reference} reference")
-        if say(a.reference_why):
+        if a.reference_why is not None:
             lines.append(f"  reference: {a.reference} ({say(a.reference_why)})")
         lines.append(f"  why: {say(a.why)}")
         if a.decides_instead is not None:
