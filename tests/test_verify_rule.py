@@ -236,3 +236,15 @@ def test_a_merged_reference_that_decided_without_its_rounding_says_so():
     assert words(verdict.reference_why) == (
         "it decided, its own bf16 rounding unknown (no finite distance measured)"
     )
+
+
+def test_a_row_that_says_not_served_is_marked_not_served():
+    """``served`` is the row's fact, the same wherever a row says "not served": a control's
+    answers and a repeat's lost in one engine (the data verify --json gives beside it)."""
+    served = copy.deepcopy(WIDE_SERVED)
+    runs = served["eager"]["runs"]
+    del runs["control:a0+half"], runs["base_after_lora"]
+    rows = judge_wide(served).checks
+    unserved = [c.name for c in rows if not c.served]
+    assert len(unserved) == 2, unserved
+    assert [c.name for c in rows if c.detail.startswith("not served")] == unserved

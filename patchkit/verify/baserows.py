@@ -133,7 +133,7 @@ def compare_mode(name: str, mode: str, lora: dict, plain: dict, limit) -> Check:
     plain_base = plain.get("runs", {}).get("base") or {"error": "no base requests"}
     missing = missing or lora_base.get("error") or plain_base.get("error")
     if missing:
-        return Check(title, False, f"not served: {missing}")
+        return Check(title, False, f"not served: {missing}", served=False)
     prompts = list(plain_base)
     found = [checks.diff(checks.logprobs({"b": lora_base}, "b", p),
                          checks.logprobs({"b": plain_base}, "b", p)) for p in prompts]  # fmt: skip

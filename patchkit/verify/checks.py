@@ -216,11 +216,12 @@ def repeat_check(name: str, runs: dict, again: str, first: str, title: str) -> C
     """The same request later in the run answers as it did first (no state carried over)."""
     missing = served_error(runs, again) or served_error(runs, first)
     if missing:
-        return Check(f"{name}: {title}", False, f"not served: {missing}")
+        return Check(f"{name}: {title}", False, f"not served: {missing}", served=False)
     names = list(runs[again])
     lost = [n for n in names if not isinstance(runs[first].get(n), dict)]
     if lost:
-        return Check(f"{name}: {title}", False, f"not served: {first} has no answer to {lost[0]}")
+        why = f"not served: {first} has no answer to {lost[0]}"
+        return Check(f"{name}: {title}", False, why, served=False)
     worst = max(diff(logprobs(runs, again, n), logprobs(runs, first, n))[1] for n in names)
     same_tokens = all(runs[again][n]["tokens"] == runs[first][n]["tokens"] for n in names)
     return Check(

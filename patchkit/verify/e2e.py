@@ -636,7 +636,8 @@ def _effect_check(mode: str, runs: dict) -> Check:
     """The adapter visibly changes the output (it was applied at all)."""
     error = checks.served_error(runs, "lora")
     if error:
-        return Check(f"{mode}: LoRA output differs from base", False, f"not served: {error}")
+        why = f"not served: {error}"
+        return Check(f"{mode}: LoRA output differs from base", False, why, served=False)
     effect = min(
         checks.diff(checks.logprobs(runs, "lora", n), checks.logprobs(runs, "base", n))[0]
         for n in runs["lora"]
