@@ -83,7 +83,20 @@ class Check:
         self.logs.mkdir(parents=True, exist_ok=True)
 
     def build(self, name: str, tag: str, *args: str) -> tuple[int, str]:
-        """`buildah bud` with VLLM_TAG=``tag``: its exit status and its output."""
+        """`buildah bud` with VLLM_TAG=``tag``: its exit status and its output.
+
+        A build the container runtime failed to start a step of runs once more, said in a
+        note: that failure is the runtime's, before any of patchkit's code ran. A second
+        one is the build's result, so a runtime that always fails still fails the check.
+        """
+        code, log = self.bud_once(name, tag, *args)
+        failure = builder.runtime_failure(log) if code else ""
+        if failure:
+            self.report.note(f"{name}: the runtime failed to start a step ({failure}); again")
+            code, log = self.bud_once(name, tag, *args)
+        return code, log
+
+    def bud_once(self, name: str, tag: str, *args: str) -> tuple[int, str]:
         self.buildah.forget_containers()  # a failed step's container, from an earlier build
         log = self.logs / f"{name}.log"
         started = time.monotonic()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.docker_check.buildah import failed_at, step_output, why_no_builder
+from scripts.docker_build_check import Check, Report
+from scripts.docker_check.buildah import failed_at, runtime_failure, step_output, why_no_builder
 from scripts.docker_check.expect import expected, newest_tested
 from tests.conftest import REPO, release_tree
 
@@ -108,6 +109,54 @@ def test_a_build_that_failed_names_its_step_and_patchkit_s_one_line():
     [line] = step_output(log, "RUN patchkit apply --strict")
     assert line.startswith("patchkit: error: expand-block-n: conflict:")
     assert failed_at(log) == "RUN patchkit apply --strict"
+
+
+def test_a_step_the_runtime_failed_to_start_is_told_from_a_step_that_failed():
+    """The last lines of a real CI build whose runtime (runc's sealed copy of itself) failed
+    before pip ran; the drifted base's failure is patchkit's, and a passed build has none."""
+    failed = (DATA / "runtime-failed-0.34.0.log").read_text()
+    assert runtime_failure(failed) == "Close_Fd sealing memfd copy: Device or resource busy"
+    assert failed_at(failed).startswith("RUN PIP_NO_CACHE_DIR=1 python3 -m pip wheel")
+    for recorded in ("drifted-0.26.0.log", "patched-0.26.0.log"):
+        assert runtime_failure((DATA / recorded).read_text()) == ""
+
+
+class RecordedBuilds:
+    """A builder that answers each `bud` with the next recorded log and its exit status."""
+
+    def __init__(self, *logs: tuple[int, str]) -> None:
+        self.logs, self.buds = list(logs), 0
+
+    def forget_containers(self) -> None:
+        pass
+
+    def bud(self, log: Path, *args: str) -> int:
+        code, name = self.logs[self.buds]
+        self.buds += 1
+        log.write_text((DATA / name).read_text())
+        return code
+
+
+@pytest.mark.parametrize(
+    ("builds", "runs", "code"),
+    [
+        ([(1, "runtime-failed-0.34.0.log"), (0, "patched-0.26.0.log")], 2, 0),
+        ([(1, "runtime-failed-0.34.0.log")] * 3, 2, 1),
+        ([(1, "drifted-0.26.0.log"), (0, "patched-0.26.0.log")], 1, 1),
+        ([(0, "patched-0.26.0.log")] * 2, 1, 0),
+    ],
+    ids=["runtime-once", "runtime-twice", "patchkit-failed", "passed"],
+)
+def test_only_a_step_the_runtime_failed_to_start_is_built_again_and_only_once(
+    tmp_path, capsys, builds, runs, code
+):
+    check = Check(tmp_path, Report())
+    check.buildah = RecordedBuilds(*builds)
+    got, log = check.build("patched-0.34.0", "v0.34.0")
+    assert (got, check.buildah.buds) == (code, runs)
+    assert log == (DATA / builds[runs - 1][1]).read_text()
+    again = [line for line in capsys.readouterr().out.splitlines() if "again" in line]
+    assert len(again) == runs - 1
 
 
 @pytest.mark.parametrize("release", ["0.26.0", newest_tested()])

@@ -65,6 +65,21 @@ def install() -> str | None:
     return None
 
 
+# The container runtime failing to start a RUN step at all, before the step's command ran:
+# runc's copy of its own binary into a sealed memfd ("Close_Fd sealing memfd copy: Device
+# or resource busy"; the kernel refuses F_ADD_SEALS while a page of the copy is still
+# pinned). Seen once in some thirty CI builds; the same build passed when run again.
+RUNTIME_FAILURES = (re.compile(r"sealing memfd copy: .*busy"),)
+
+
+def runtime_failure(log: str) -> str:
+    """The line where the runtime failed to start a step, before the step ran; "" if none."""
+    for line in log.splitlines():
+        if any(pattern.search(line) for pattern in RUNTIME_FAILURES):
+            return line.strip()
+    return ""
+
+
 def step_output(log: str, instruction: str) -> list[str]:
     """The lines one build step printed (not buildah's own); [] if it did not run."""
     lines: list[str] = []
