@@ -163,6 +163,17 @@ class OsFailure(PatchkitError):
         )
 
 
+def cause_of(exc: BaseException, doing: str) -> Reason:
+    """A lower error as the message a reason quotes in its fact ``cause`` (docs/json.md: a
+    fact that is itself a reason is a message): a PatchkitError's own reason, an OSError as
+    :class:`OsFailure` words it (``doing``: what it interrupted), anything else its words."""
+    if isinstance(exc, PatchkitError):
+        return exc.reason
+    if isinstance(exc, OSError):
+        return OsFailure(exc, doing).reason
+    return Line.of(Code.INTERNAL_ERROR, text=f"{type(exc).__name__}: {exc}")
+
+
 def os_error_line(
     exc: OSError, doing: str, too_long: str = "--target path", path: object = None
 ) -> str:

@@ -8,6 +8,7 @@ Fixtures, real trees and the ways to run patchkit are in conftest.py.
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import json
 import os
@@ -47,6 +48,19 @@ def report_row(text: str, patch_id: str) -> str:
             break
         row.append(line.strip())
     return " ".join(row)
+
+
+def failing_lock(monkeypatch, error: int = errno.EROFS) -> None:
+    """Make creating .patchkit/lock fail with ``error`` (as on a read-only file system, by
+    default), in an in-process run (run_cli)."""
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if str(path) == "lock" and "dir_fd" in kwargs and flags & os.O_CREAT:
+            raise OSError(error, os.strerror(error), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
 
 
 def one_line_failure(result, code: int = 1) -> str:

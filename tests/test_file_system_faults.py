@@ -8,7 +8,6 @@ is a warning, with the patches applied.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import subprocess
@@ -16,26 +15,14 @@ import subprocess
 import pytest
 
 from tests.conftest import applied, run_cli, run_subprocess, slim_tree, snapshot
-from tests.helpers import one_line_failure
-
-
-def read_only_lock(monkeypatch):
-    """Make creating .patchkit/lock fail as on a read-only file system."""
-    real_open = os.open
-
-    def refusing_open(path, flags, *args, **kwargs):
-        if str(path) == "lock" and "dir_fd" in kwargs and flags & os.O_CREAT:
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refusing_open)
+from tests.helpers import failing_lock, one_line_failure
 
 
 def test_read_only_tree_already_patched_is_a_no_op(slim_tree_0260, monkeypatch):
     applied(slim_tree_0260)
     (slim_tree_0260 / ".patchkit" / "lock").unlink()
     before = snapshot(slim_tree_0260)
-    read_only_lock(monkeypatch)
+    failing_lock(monkeypatch)
     result = run_cli("apply", "--target", str(slim_tree_0260))
     assert result.exit_code == 0, result.output
     assert "nothing needed writing" in result.output
@@ -44,7 +31,7 @@ def test_read_only_tree_already_patched_is_a_no_op(slim_tree_0260, monkeypatch):
 
 def test_read_only_tree_that_needs_patching_names_the_file_system(slim_tree_0260, monkeypatch):
     before = snapshot(slim_tree_0260)
-    read_only_lock(monkeypatch)
+    failing_lock(monkeypatch)
     line = one_line_failure(run_cli("apply", "--target", str(slim_tree_0260)))
     assert "read-only" in line and "owns" not in line
     assert snapshot(slim_tree_0260) == before and not (slim_tree_0260 / ".patchkit").exists()

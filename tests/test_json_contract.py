@@ -8,6 +8,7 @@ patchkit.codes.Code, whose words patchkit.cli.words makes. docs/json.md says the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -17,14 +18,16 @@ import jsonschema
 import pytest
 from referencing import Registry, Resource
 
+from patchkit.catalogue import journal
 from patchkit.cli.main import main
 from patchkit.cli.words import TEXT, WORDS
 from patchkit.codes import Code
+from patchkit.patching import transaction
 from tests import adapter_helpers as ah
 from tests.canary_helpers import FakeVLLM
-from tests.conftest import REPO, copy_tree, release_tree, run_cli
+from tests.conftest import REPO, copy_tree, release_tree, run_cli, snapshot
 from tests.error_helpers import error_codes
-from tests.helpers import record, write_log
+from tests.helpers import failing_lock, record, write_log
 from tests.wheelserver_helpers import PIP_ENV
 
 SCHEMAS = REPO / "docs" / "json"
@@ -407,6 +410,96 @@ def test_a_lock_timeout_that_is_no_number_is_a_message_with_its_value(slim_tree_
         "lock-timeout-invalid",
         "abc",
         "PATCHKIT_LOCK_TIMEOUT",
+    )
+
+
+# ----- an error that quotes a lower one keeps it as its cause, a message -----
+
+
+def test_a_read_only_tree_quotes_the_lock_error_naming_the_lock(slim_tree_0260, monkeypatch):
+    """apply on a read-only file system: refused-read-only, its cause the lock-unavailable
+    error as a message (it was its words alone), naming the lock's full path (it named
+    the relative path the lock was opened by)."""
+    failing_lock(monkeypatch)
+    lock = str(slim_tree_0260 / ".patchkit" / "lock")
+    error = failed("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"))
+    assert (error["code"], error["cause"]["code"], error["cause"]["path"]) == (
+        "refused-read-only",
+        "lock-unavailable",
+        lock,
+    )
+    assert error["message"].startswith(f"creating the lock {lock} failed: the file system is")
+
+
+def test_a_lock_that_cannot_be_made_quotes_the_os_error(slim_tree_0260, monkeypatch):
+    failing_lock(monkeypatch, errno.ENOSPC)
+    lock = str(slim_tree_0260 / ".patchkit" / "lock")
+    error = failed("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"))
+    cause = error["cause"]
+    assert (error["code"], cause["code"], cause["errno"], cause["path"]) == (
+        "lock-not-created",
+        "os-error",
+        "ENOSPC",
+        lock,
+    )
+    assert error["message"].startswith(f"creating the lock {lock} failed: no space left")
+
+
+def full_disk(monkeypatch, failing) -> None:
+    """The writes into the tree (apply's, then its roll-back's: 1, 2, ...) whose number
+    ``failing`` takes fail as on a full disk."""
+    real, calls = transaction._write, []
+
+    def write(fs, relpath, data):
+        calls.append(relpath)
+        if failing(len(calls)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fs.full(relpath)))
+        return real(fs, relpath, data)
+
+    monkeypatch.setattr(transaction, "_write", write)
+
+
+def test_a_write_undone_quotes_the_os_error(slim_tree_0260, monkeypatch):
+    before = snapshot(slim_tree_0260)
+    full_disk(monkeypatch, lambda n: n == 2)  # the second file; the roll-back's go through
+    error = failed("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"))
+    cause = error["cause"]
+    assert (error["code"], error["written"], cause["code"], cause["errno"]) == (
+        "write-undone",
+        2,
+        "os-error",
+        "ENOSPC",
+    )
+    assert snapshot(slim_tree_0260) == before
+
+
+def test_a_failed_restore_quotes_the_os_error(slim_tree_0260, monkeypatch):
+    full_disk(monkeypatch, lambda n: n >= 2)  # the roll-back's writes fail too
+    error = failed("apply", run_cli("apply", "--target", str(slim_tree_0260), "--json"))
+    assert (error["code"], error["cause"]["code"], error["cause"]["errno"]) == (
+        "restore-failed",
+        "os-error",
+        "ENOSPC",
+    )
+
+
+def test_a_refresh_not_written_quotes_the_os_error(tmp_path, slim_tree_0260, monkeypatch):
+    root = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", root)
+    env = {"PATCHKIT_PATCHES_DIR": str(root)}
+    target = ("--target", str(slim_tree_0260))
+    assert run_cli("apply", *target, "--only", "expand-block-n", env=env).exit_code == 0
+
+    def full(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root / "expand-block-n"))
+
+    monkeypatch.setattr(journal.CatalogueWrite, "prepare", full)
+    result = run_cli("refresh", "expand-block-n", *target, "--json", env=env)
+    error = failed("refresh", result)
+    assert (error["code"], error["cause"]["code"], error["cause"]["errno"]) == (
+        "refresh-not-written",
+        "os-error",
+        "ENOSPC",
     )
 
 

@@ -561,13 +561,13 @@ def _refused_half_written(r: Reason, nothing: str) -> str:
 
 @words(Code.REFUSED_READ_ONLY, Code.LOCK_NOT_CREATED)
 def _refused_cause(r: Reason, nothing: str) -> str:
-    return f"{r['cause']}; {nothing}"
+    return f"{say(r['cause'])}; {nothing}"
 
 
 @words(Code.REFRESH_NOT_WRITTEN)
 def _refresh_not_written(r: Reason, nothing: str) -> str:
     return (
-        f"{r['cause']}; {nothing} (refresh put the catalogue and the tree's record back as "
+        f"{say(r['cause'])}; {nothing} (refresh put the catalogue and the tree's record back as "
         "they were)"
     )
 
@@ -626,14 +626,15 @@ def _git_failed(r: Reason, _: str) -> str:
 @words(Code.WRITE_UNDONE)
 def _write_undone(r: Reason, _: str) -> str:
     return (
-        f"{r['cause']}; the {r['written']} file(s) already written were restored, nothing changed"
+        f"{say(r['cause'])}; the {r['written']} file(s) already written were restored, "
+        "nothing changed"
     )
 
 
 @words(Code.RESTORE_FAILED)
 def _restore_failed(r: Reason, _: str) -> str:
     return (
-        f"restoring the tree after a failed write failed too ({r['cause']}); the next "
+        f"restoring the tree after a failed write failed too ({say(r['cause'])}); the next "
         "`patchkit apply` or `patchkit revert` rolls the run back from its journal"
     )
 

@@ -278,6 +278,6 @@ def _read_only(
     report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
     acting = [s for s in report.steps if s.action != Action.NONE]
     if interrupted(tree.fs) or acting or report.plan.drop:
-        raise Refused(Reason.of(Code.REFUSED_READ_ONLY, cause=str(exc))) from None
+        raise Refused(Reason.of(Code.REFUSED_READ_ONLY, cause=exc.reason)) from None
     report.notes.append(Reason.of(Code.NOT_WRITABLE))
     return report

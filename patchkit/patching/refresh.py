@@ -37,7 +37,7 @@ from patchkit.catalogue.model import Catalogue, Patch, Variant, variant_files, v
 from patchkit.codes import Code, Reason
 from patchkit.diffs.hunks import apply_file_patch
 from patchkit.diffs.unified import unified_diff
-from patchkit.errors import PatchkitError, Refused, os_error_line
+from patchkit.errors import PatchkitError, Refused, cause_of
 from patchkit.fs.safepath import Root
 from patchkit.identity import sha256_bytes
 from patchkit.patching.assess import TreeFiles
@@ -385,7 +385,7 @@ def _write(tree: VllmTree, root: Root, plan: _Plan) -> None:
         except BaseException as exc:
             write.undo()
             if isinstance(exc, OSError):
-                why = os_error_line(exc, "writing")
+                why = cause_of(exc, "writing")
                 raise Refused(Reason.of(Code.REFRESH_NOT_WRITTEN, cause=why)) from None
             raise
         late = _finish(tree, write)

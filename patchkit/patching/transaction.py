@@ -32,7 +32,7 @@ import stat
 from dataclasses import dataclass
 
 from patchkit.codes import Code, Reason
-from patchkit.errors import OsFailure, PatchkitError, Refused, os_error_line
+from patchkit.errors import OsFailure, PatchkitError, Refused, cause_of
 from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
@@ -111,10 +111,12 @@ class TreeLock:
             self._undo_created()
             if exc.errno == errno.ELOOP:
                 raise UnsafePath(f"{self.path} is a symbolic link; remove it") from None
-            line = os_error_line(exc, "creating the lock")
+            # the open was relative to a directory: the words name the lock's full path
+            named = OSError(exc.errno, exc.strerror, str(self.path))
+            failure = OsFailure(named, "creating the lock")
             if exc.errno in _UNWRITABLE:
-                raise LockUnavailable(line, path=self.path, error=exc.strerror) from None
-            raise Refused(Reason.of(Code.LOCK_NOT_CREATED, cause=line)) from None
+                raise LockUnavailable(str(failure), path=self.path, error=exc.strerror) from None
+            raise Refused(Reason.of(Code.LOCK_NOT_CREATED, cause=failure.reason)) from None
 
     def __enter__(self) -> TreeLock:
         """Create and lock; signals are held while anything is made, not while waiting."""
@@ -194,7 +196,7 @@ def commit(state: State, changes: list[FileChange], backups: dict[str, bytes]) -
     try:
         commit_or_undo(state, changes, backups, written)
     except OSError as exc:
-        why = os_error_line(exc, "writing")
+        why = cause_of(exc, "writing")
         raise Refused(Reason.of(Code.WRITE_UNDONE, cause=why, written=len(written))) from None
     state.fs.remove_tree(TXN_DIR, "journal")
 
@@ -288,7 +290,7 @@ def _undo(fs: Root, written: list[FileChange], stored: list[str]) -> None:
             fs.unlink_tmp(change.path, "rollback")
             _write(fs, change.path, change.before)
     except BaseException as exc:
-        raise Refused(Reason.of(Code.RESTORE_FAILED, cause=str(exc))) from None
+        raise Refused(Reason.of(Code.RESTORE_FAILED, cause=cause_of(exc, "restoring"))) from None
     for relpath in stored:
         fs.unlink(relpath, "rollback")
         fs.unlink_tmp(relpath, "rollback")
@@ -407,5 +409,4 @@ def after_recovery(exc: OSError | PatchkitError, done: list[Reason], doing: str)
     """The error of a run that first rolled an interrupted run back (``done``, what that
     did): the roll-back changed the tree and stands, so the words say so ("nothing else
     was changed"). ``doing`` names what an OSError interrupted ("accessing", "reading")."""
-    cause = exc.reason if isinstance(exc, PatchkitError) else OsFailure(exc, doing).reason
-    return Refused(Reason.of(Code.REFUSED_AFTER_RECOVERY, cause=cause, done=done))
+    return Refused(Reason.of(Code.REFUSED_AFTER_RECOVERY, cause=cause_of(exc, doing), done=done))
