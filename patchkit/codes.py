@@ -264,6 +264,7 @@ class Code(str, Enum):
     RUNNER_NO_CONFIG_SWITCH = "runner-no-config-switch"  # the variable alone (0.17-0.21)
     RUNNER_ONLY_ONE = "runner-only-one"  # the other runner's file is gone
     RUNNER_REFUSED = "runner-refused"  # vLLM raises: its message, or where
+    RUNNER_V2_NO_HYBRID = "runner-v2-no-hybrid"  # V2 has no hybrid state: the assert's file:line
     RUNNER_BAD_VALUE = "runner-bad-value"  # the variable's value fails vLLM's int()
     RUNNER_UNKNOWN = "runner-unknown"  # code of a shape the check does not know: kind
     # adapter check: one code per kind of finding

@@ -14,7 +14,7 @@ from patchkit.cli.words import say
 from patchkit.codes import Code
 from patchkit.fs.safepath import Root
 from patchkit.vllmtree import model_runner
-from tests.conftest import RELEASES, release_tree, run_cli, run_subprocess
+from tests.conftest import RELEASES, copy_tree, release_tree, run_cli, run_subprocess
 from tests.helpers import REPORT_IMPORTS
 
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -23,7 +23,10 @@ REFUSES = "does not yet support: hybrid/mamba models"
 # The test's own expectations, read by hand from each wheel's vllm/config/vllm.py,
 # vllm/envs.py and its runner files (not computed from the code under test):
 # release range -> (default runner, the value that switches it, what that value gives)
-#   0.17.0-0.19.1  envs default "0", no use_v2_model_runner, no V2 check     V1, =1 gives V2
+#   0.17.0-0.19.1  envs default "0", no use_v2_model_runner, no V2 check, but V2's
+#                  gpu/attn_utils.py knows no MambaSpec: _reshape_kv_cache asserts every
+#                  KV cache spec is an AttentionSpec, and a GDN layer's is a MambaSpec
+#                  (0.20.0 then refused hybrids in the config)     V1, =1 stops at start
 #   0.20.0-0.21.0  envs default "0"; _validate_v2_model_runner refuses has_inner_state
 #                  (hybrids): =1 makes vLLM refuse the model                  V1, =1 refused
 #   0.22.0-0.22.1  Qwen3ForCausalLM only in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES; with =1
@@ -36,7 +39,7 @@ REFUSES = "does not yet support: hybrid/mamba models"
 #   0.34.0         gpu_model_runner.py and the variable removed              V2 only
 FACTS = {
     **dict.fromkeys(
-        ["0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1"], ("v1", "1", "v2")
+        ["0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1"], ("v1", "1", "stops")
     ),
     **dict.fromkeys(["0.20.0", "0.20.1", "0.20.2", "0.21.0"], ("v1", "1", "refused")),
     **dict.fromkeys(["0.22.0", "0.22.1"], ("v1", "1", "refused")),
@@ -45,6 +48,20 @@ FACTS = {
     **dict.fromkeys(["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"], ("v2", "0", "v1")),
     "0.34.0": ("v2", None, None),
 }
+
+
+KV_CACHE = "vllm/v1/worker/gpu/attn_utils.py"
+
+
+def attention_assert(release: str) -> tuple[str, int]:
+    """Where V2's KV cache code of ``release`` asserts an AttentionSpec (read as text)."""
+    lines = (release_tree(release) / KV_CACHE).read_text().splitlines()
+    [number] = [
+        n
+        for n, line in enumerate(lines, 1)
+        if "assert isinstance(kv_cache_spec, AttentionSpec)" in line
+    ]
+    return KV_CACHE, number
 
 
 def decide(root: Path, env: str | None = None) -> model_runner.RunnerChoice:
@@ -69,6 +86,11 @@ def test_the_runner_each_release_picks(release: str):
     if gives == "refused":
         assert choice.flip_to is None and choice.flip_refused.code == Code.RUNNER_REFUSED
         assert REFUSES in choice.flip_refused["raised"]
+    elif gives == "stops":
+        assert choice.flip_to is None and choice.flip_refused.code == Code.RUNNER_V2_NO_HYBRID
+        assert (choice.flip_refused["file"], choice.flip_refused["line"]) == attention_assert(
+            release
+        )
     else:
         assert choice.flip_to == gives and choice.flip_refused is None
     # 0.17-0.21: the variable alone, its default "0"; later: the config's property, unset
@@ -86,7 +108,7 @@ def test_the_environment_value_changes_it(release: str):
         return
     flipped = decide(release_tree(release), value)
     assert flipped.runner == runner  # the default stays what the code says
-    assert flipped.effective == gives
+    assert flipped.effective == ("refused" if gives == "stops" else gives)
     kept = decide(release_tree(release), "1" if value == "0" else "0")
     assert kept.effective == runner
 
@@ -171,9 +193,42 @@ def test_status_text_and_json_show_the_runner():
     assert runner["hooks"] == {"nan-probe": ["v1", "v2"]} and runner["warning"] is None
 
 
-def test_status_names_a_probe_that_does_not_hook_the_runner_that_serves():
-    """0.17.0's nan-probe (runner-hooks) hooks V1 only; the environment asks for V2."""
+def test_status_says_v2_stops_on_a_hybrid_before_0_20():
+    """0.17.0: nothing in the config refuses V2 for a hybrid, but V2 cannot hold its GDN
+    state: status says =1 stops vLLM at start (it said =1 gives Model Runner V2), and
+    warns of no probe gap, for no runner serves then."""
     tree = str(release_tree("0.17.0"))
+    where = "{}:{}".format(*attention_assert("0.17.0"))
+    stops = (
+        "makes vLLM refuse it: Model Runner V2 here keeps no Gated DeltaNet (Mamba) state: "
+        f"vLLM stops at start on the assert that every KV cache is attention's ({where})"
+    )
+    text = " ".join(run_cli("status", "--target", tree, env={ENV: None}).stdout.split())
+    assert (
+        f"runner: V1 serves Qwen3.5/3.6 + LoRA here by default (VLLM_USE_V2_MODEL_RUNNER=1 {stops})"
+        in text
+    )
+    data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: "1"}).stdout)
+    runner = data["runner"]
+    assert runner["flip"]["gives"] is None and runner["flip"]["refused"]["line"] == int(
+        where.split(":")[1]
+    )
+    assert runner["environment"]["runner"] == "refused"
+    assert runner["environment"]["reason"]["code"] == "runner-v2-no-hybrid"
+    assert runner["warning"] is None
+
+
+def test_status_names_a_probe_that_does_not_hook_the_runner_that_serves(tmp_path: Path):
+    """0.17.0's nan-probe (runner-hooks) hooks V1 only; the environment asks for V2. This
+    alters a copy of the real 0.17.0 tree: V2's KV cache code without the assert that
+    stops a hybrid there, as if V2 could serve it."""
+    root = copy_tree("0.17.0", tmp_path / "t")
+    kv = root / KV_CACHE
+    text = kv.read_text()
+    old = "assert isinstance(kv_cache_spec, AttentionSpec)"
+    assert text.count(old) == 1
+    kv.write_text(text.replace(old, "pass"))
+    tree = str(root)
     data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: "1"}).stdout)
     runner = data["runner"]
     assert runner["environment"]["runner"] == "v2"

@@ -50,6 +50,14 @@ def _refused(r: Reason, _: str) -> str:
     return r["raised"] if r["raised"] is not None else f"vLLM raises at {r['file']}:{r['line']}"
 
 
+@words(Code.RUNNER_V2_NO_HYBRID)
+def _v2_no_hybrid(r: Reason, _: str) -> str:
+    return (
+        "Model Runner V2 here keeps no Gated DeltaNet (Mamba) state: vLLM stops at start on "
+        f"the assert that every KV cache is attention's ({r['file']}:{r['line']})"
+    )
+
+
 @words(Code.RUNNER_BAD_VALUE)
 def _bad_value(r: Reason, _: str) -> str:
     return f"vLLM reads {r['env']} with int(), which fails on {r['value']!r}"

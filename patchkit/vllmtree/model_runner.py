@@ -29,6 +29,7 @@ CONFIG = "vllm/config/vllm.py"
 ENVS = "vllm/envs.py"
 V1_FILE = "vllm/v1/worker/gpu_model_runner.py"
 V2_FILE = "vllm/v1/worker/gpu/model_runner.py"
+V2_KV_CACHE = "vllm/v1/worker/gpu/attn_utils.py"  # V2's KV caches, a hybrid's state among them
 MAX_SOURCE_BYTES = 4 << 20
 MAX_STEPS = 20_000
 ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -117,6 +118,13 @@ def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
         raise _unknown("env-not-read", file=ENVS, env=ENV)
     config = _Config(_parse(fs, CONFIG))
     outcomes = {value: config.runner(value) for value in (None, False, True)}
+    if any(runner == V2 for runner, _ in outcomes.values()):
+        no_state = _v2_without_hybrid_state(fs)
+        if no_state is not None:
+            outcomes = {
+                value: ("refused", no_state) if runner == V2 else (runner, why)
+                for value, (runner, why) in outcomes.items()
+            }
     runner, why = outcomes[None] if default is None else outcomes[default]
     if runner not in (V1, V2):
         raise _unknown("refused-unset", env=ENV, refusal=why)
@@ -133,6 +141,41 @@ def _decide(fs: Root, env_value: str | None) -> RunnerChoice:
     if flip_runner == runner:
         choice = RunnerChoice(runner, why, env_value=env_value)
     return _with_env(choice, outcomes, default, env_value)
+
+
+def _v2_without_hybrid_state(fs: Root) -> Reason | None:
+    """Where Model Runner V2 cannot hold a hybrid's Gated DeltaNet (Mamba) state, why:
+    ``runner-v2-no-hybrid`` with the assert vLLM stops at; None where nothing says so.
+
+    Up to 0.19.1 nothing in vLLM's config refuses V2 for a hybrid (0.20.0 added the
+    check), yet V2's KV cache code knows no MambaSpec: ``_reshape_kv_cache`` asserts that
+    every layer's spec is an AttentionSpec, and a GDN layer's is a MambaSpec, so with
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` vLLM stops at start. From 0.21.0 that file imports
+    MambaSpec and allocates the state (later releases keep it in other files of V2, and
+    the assert is gone).
+    """
+    if fs.lstat(V2_KV_CACHE, "runner") is None:
+        return None
+    tree = _parse(fs, V2_KV_CACHE)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "MambaSpec" for a in node.names):
+            return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert) and _isinstance_of(node.test, "AttentionSpec"):
+            return Reason.of(Code.RUNNER_V2_NO_HYBRID, file=V2_KV_CACHE, line=node.lineno)
+    return None
+
+
+def _isinstance_of(test: ast.expr, name: str) -> bool:
+    """``isinstance(x, name)``."""
+    return (
+        isinstance(test, ast.Call)
+        and isinstance(test.func, ast.Name)
+        and test.func.id == "isinstance"
+        and len(test.args) == 2
+        and isinstance(test.args[1], ast.Name)
+        and test.args[1].id == name
+    )
 
 
 def _with_env(choice, outcomes, default, env_value) -> RunnerChoice:
