@@ -25,7 +25,6 @@ from tests.conftest import (
     module_from_source,
     patched_text,
     release_tree,
-    releases_decided,
     releases_with_variant,
     run_cli,
     snapshot,
@@ -198,28 +197,6 @@ def test_hooks_sit_where_only_real_steps_reach_them(version):
     assert line_of(load, "self.load_lora_model") < line_of(load, "patchkit_nan_probe.install")
     for name in ("_dummy_run", "capture_model", "execute_model"):
         assert not any("patchkit_nan_probe" in c for c in calls_in(method(tree, name)))
-
-
-@pytest.mark.parametrize("version", releases_decided("nan-probe", "not-applicable"))
-def test_where_the_runner_is_gone_status_says_so_and_apply_only_changes_nothing(
-    version, scratch_path
-):
-    """0.34.0 removed the V1 runner: status says not-applicable with the catalogue's reason,
-    and `apply --only nan-probe` says in one line why it did nothing, and does nothing."""
-    root = copy_tree(version, scratch_path / "site")
-    pristine = snapshot(root)
-    reason = CATALOGUE.get("nan-probe").expected_for(Version(version)).reason
-    state = status_of(root)["nan-probe"]
-    assert state == "not-applicable"
-    result = run_cli("apply", "--target", str(root), "--only", "nan-probe")
-    assert result.exit_code == 0, result.output
-    said = [line for line in result.stderr.splitlines() if "nan-probe" in line]
-    assert said == [
-        f"warning: nan-probe was asked for with --only but is not applied: "
-        f"not-applicable ({reason})"
-    ]
-    assert result.stdout.splitlines()[-1].startswith("apply: nothing to do; ")
-    assert snapshot(root) == pristine
 
 
 def lora_layer_bases(version: str) -> dict[str, list[str]]:

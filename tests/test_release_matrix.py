@@ -39,6 +39,7 @@ from tests.conftest import (
     copy_tree,
     patched_text,
     release_tree,
+    releases_decided,
     releases_with_variant,
     run_cli,
     snapshot,
@@ -48,6 +49,14 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+# Each patch the catalogue decides not-applicable somewhere, at its newest such release.
+NOT_APPLICABLE = [
+    (patch.id, decided[-1])
+    for patch in CATALOGUE.patches
+    if (decided := releases_decided(patch.id, "not-applicable"))
+]
+
 
 # ----- the survey: facts written by hand, never derived -----
 
@@ -262,3 +271,31 @@ def test_patched_block_n_is_32_on_sm90_only(version: str):
         assert eval(after, {**scope, "num_slices": 2}) == multi
     unpatched = compile(ast.Expression(before), "", "eval")
     assert eval(unpatched, {"num_slices": 1}) == 128
+
+
+def test_some_patch_is_not_applicable_somewhere():
+    """The next test's cases: a catalogue with no not-applicable decision would leave it
+    with none, and pytest skips an empty parameter set without failing."""
+    assert {patch for patch, _ in NOT_APPLICABLE} >= {"split-in-proj-qkvz", "partial-gdn-adapter"}
+
+
+@pytest.mark.parametrize(("patch", "version"), NOT_APPLICABLE)
+def test_apply_only_a_not_applicable_patch_says_why_in_one_line_and_changes_nothing(
+    patch, version, scratch_path
+):
+    """Where the catalogue decides a patch not-applicable, status says so, and `apply
+    --only` of it warns in one line with the catalogue's reason and does nothing."""
+    root = copy_tree(version, scratch_path / "site")
+    pristine = snapshot(root)
+    reason = CATALOGUE.get(patch).expected_for(Version(version)).reason
+    status = run_cli("status", "--target", str(root), "--json")
+    states = {p["id"]: p["state"] for p in json.loads(status.stdout)["patches"]}
+    assert states[patch] == "not-applicable"
+    result = run_cli("apply", "--target", str(root), "--only", patch)
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if patch in line]
+    assert said == [
+        f"warning: {patch} was asked for with --only but is not applied: not-applicable ({reason})"
+    ]
+    assert result.stdout.splitlines()[-1].startswith("apply: nothing to do; ")
+    assert snapshot(root) == pristine
