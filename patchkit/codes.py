@@ -266,6 +266,8 @@ class Code(str, Enum):
     RUNNER_REFUSED = "runner-refused"  # vLLM raises: its message, or where
     RUNNER_V2_NO_HYBRID = "runner-v2-no-hybrid"  # V2 has no hybrid state: the assert's file:line
     RUNNER_BAD_VALUE = "runner-bad-value"  # the variable's value fails vLLM's int()
+    RUNNER_ENV_REFUSED = "runner-env-refused"  # vLLM's start refuses the value: file:line
+    RUNNER_ENV_REDUNDANT = "runner-env-redundant"  # the value it lets through, and warns of
     RUNNER_UNKNOWN = "runner-unknown"  # code of a shape the check does not know: kind
     # adapter check: one code per kind of finding
     ADAPTER_FILE = "adapter-file"

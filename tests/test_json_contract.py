@@ -245,6 +245,17 @@ def test_doctor_on_a_real_tree(slim_tree_0260):
     }  # fmt: skip
 
 
+def test_a_runner_value_vllm_refuses_at_start_is_a_message_with_its_facts():
+    """0.34.0 refuses VLLM_USE_V2_MODEL_RUNNER=0 at start: status's and doctor's runner
+    say so as runner-env-refused, each document checked against its schema."""
+    tree = str(release_tree("0.34.0"))
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    for command in ("status", "doctor"):
+        document = checked(command, run_cli(command, "--target", tree, "--json", env=env))
+        reason = document["runner"]["environment"]["reason"]
+        assert reason["code"] == "runner-env-refused" and reason["value"] == "0"
+
+
 def test_fetch_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     copy_tree("0.26.0", cache / "trees" / "vllm-0.26.0")

@@ -37,6 +37,11 @@ REFUSES = "does not yet support: hybrid/mamba models"
 #   0.27.0-0.28.0  hybrids V1 unless the architecture is listed (no Qwen3_5*) V1, =1 gives V2
 #   0.29.0-0.33.0  no default-model check, nothing unsupported for hybrid+LoRA V2, =0 gives V1
 #   0.34.0         gpu_model_runner.py and the variable removed              V2 only
+# And where the variable is set, vLLM's start-up check of its environment (the engine calls
+# vllm/platforms/interface.py's validate_environ before it makes any config):
+#   0.17.0-0.33.0  it warns only of VLLM_* names vLLM does not know; the variable is known
+#   0.34.0         any value but "1" raises ("... is no longer supported: Model Runner V1
+#                  has been removed. Unset this variable."); "1" logs that it is redundant
 FACTS = {
     **dict.fromkeys(
         ["0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1"], ("v1", "1", "stops")
@@ -48,6 +53,18 @@ FACTS = {
     **dict.fromkeys(["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"], ("v2", "0", "v1")),
     "0.34.0": ("v2", None, None),
 }
+START_REFUSES = {"0.34.0"}  # releases whose start refuses any value but "1"
+PLATFORM = "vllm/platforms/interface.py"
+
+
+def start_check(release: str) -> tuple[int, int]:
+    """The lines of ``release``'s validate_environ that raise for a value other than "1"
+    and warn of "1" (read as text)."""
+    lines = (release_tree(release) / PLATFORM).read_text().splitlines()
+    [test] = [n for n, line in enumerate(lines, 1) if line.strip() == 'if value != "1":']
+    assert "raise ValueError(" in lines[test]  # the line after the test
+    warns = next(n for n, line in enumerate(lines[test:], test + 1) if "logger.warning(" in line)
+    return test + 1, warns
 
 
 KV_CACHE = "vllm/v1/worker/gpu/attn_utils.py"
@@ -103,14 +120,95 @@ def test_the_runner_each_release_picks(release: str):
 @pytest.mark.parametrize("release", RELEASES)
 def test_the_environment_value_changes_it(release: str):
     runner, value, gives = FACTS[release]
-    if value is None:  # the variable is gone: vLLM does not read it
-        assert decide(release_tree(release), "0").effective == runner
+    if value is None:  # the variable is gone from the config: only vLLM's start reads it
+        assert release in START_REFUSES
         return
     flipped = decide(release_tree(release), value)
     assert flipped.runner == runner  # the default stays what the code says
     assert flipped.effective == ("refused" if gives == "stops" else gives)
     kept = decide(release_tree(release), "1" if value == "0" else "0")
     assert kept.effective == runner
+    for choice in (flipped, kept):  # vLLM's start lets any value through
+        assert choice.effective_reason is None or choice.effective_reason.code not in (
+            Code.RUNNER_ENV_REFUSED,
+            Code.RUNNER_ENV_REDUNDANT,
+        )
+
+
+@pytest.mark.parametrize("release", sorted(START_REFUSES))
+def test_a_value_vllm_no_longer_takes_refuses_its_start(release: str):
+    """0.34.0 removed V1, and validate_environ refuses the variable at any value but "1"
+    (patchkit said nothing switches the runner, and vLLM did not start)."""
+    raises, warns = start_check(release)
+    runner = FACTS[release][0]
+    for value in ("0", "true", " 1"):  # vLLM compares the text: " 1" is not "1"
+        choice = decide(release_tree(release), value)
+        assert (choice.runner, choice.effective) == (runner, "refused")
+        why = choice.effective_reason
+        assert why.code == Code.RUNNER_ENV_REFUSED
+        assert (why["file"], why["line"], why["value"]) == (PLATFORM, raises, value)
+        assert why["raised"] == (
+            f"{ENV}={value} is no longer supported: Model Runner V1 has been removed. "
+            "Unset this variable."
+        )
+    redundant = decide(release_tree(release), "1")
+    assert redundant.effective == runner
+    why = redundant.effective_reason
+    assert why.code == Code.RUNNER_ENV_REDUNDANT and (why["file"], why["line"]) == (
+        PLATFORM,
+        warns,
+    )
+    assert decide(release_tree(release)).effective_reason is None  # unset: nothing to say
+
+
+def test_status_and_doctor_say_vllm_refuses_to_start_and_to_unset_it():
+    tree = str(release_tree("0.34.0"))
+    raises, warns = start_check("0.34.0")
+    for command in ("status", "doctor"):
+        text = " ".join(run_cli(command, "--target", tree, env={ENV: "0"}).stdout.split())
+        assert (
+            f"this environment's {ENV}=0: vLLM refuses to start: {PLATFORM}:{raises} raises "
+            f'"{ENV}=0 is no longer supported: Model Runner V1 has been removed. Unset this '
+            f'variable."; unset {ENV}'
+        ) in text, text
+        text = " ".join(run_cli(command, "--target", tree, env={ENV: "1"}).stdout.split())
+        assert (
+            f"this environment's {ENV}=1: redundant, vLLM warns that it can be unset "
+            f"({PLATFORM}:{warns})"
+        ) in text, text
+        data = json.loads(run_cli(command, "--target", tree, "--json", env={ENV: "0"}).stdout)
+        environment = data["runner"]["environment"]
+        assert (environment["value"], environment["runner"]) == ("0", "refused")
+        assert environment["reason"]["code"] == "runner-env-refused"
+        assert (environment["reason"]["file"], environment["reason"]["line"]) == (PLATFORM, raises)
+
+
+def altered(release: str, dest: Path, relpath: str, old: str, new: str) -> Path:
+    """A copy of the real ``release`` tree at ``dest`` with ``old``, once in ``relpath``,
+    written as ``new``."""
+    root = copy_tree(release, dest)
+    text = (root / relpath).read_text()
+    assert text.count(old) == 1
+    (root / relpath).write_text(text.replace(old, new))
+    return root
+
+
+def test_a_start_check_of_another_shape_is_unknown_with_the_line(tmp_path: Path):
+    """This alters a copy of the real 0.34.0 tree's validate_environ: it lets a second
+    value through, a shape this check does not read; what the value does is unknown, the
+    default runner stays what the code says."""
+    old, new = 'if value != "1":', 'if value not in ("1", "true"):'
+    root = altered("0.34.0", tmp_path / "t", PLATFORM, old, new)
+    choice = decide(root, "0")
+    assert (choice.runner, choice.effective) == ("v2", "unknown")
+    why = choice.effective_reason
+    assert (why.code, why["kind"], why["file"]) == (
+        Code.RUNNER_UNKNOWN,
+        "environ-not-understood",
+        PLATFORM,
+    )
+    assert say(why).startswith(f"{PLATFORM}:{why['line']}: validate_environ reads {ENV}")
+    assert decide(root).effective == "v2"
 
 
 def test_a_value_vllm_cannot_read_is_refused_not_guessed():
@@ -222,13 +320,8 @@ def test_status_names_a_probe_that_does_not_hook_the_runner_that_serves(tmp_path
     """0.17.0's nan-probe (runner-hooks) hooks V1 only; the environment asks for V2. This
     alters a copy of the real 0.17.0 tree: V2's KV cache code without the assert that
     stops a hybrid there, as if V2 could serve it."""
-    root = copy_tree("0.17.0", tmp_path / "t")
-    kv = root / KV_CACHE
-    text = kv.read_text()
     old = "assert isinstance(kv_cache_spec, AttentionSpec)"
-    assert text.count(old) == 1
-    kv.write_text(text.replace(old, "pass"))
-    tree = str(root)
+    tree = str(altered("0.17.0", tmp_path / "t", KV_CACHE, old, "pass"))
     data = json.loads(run_cli("status", "--target", tree, "--json", env={ENV: "1"}).stdout)
     runner = data["runner"]
     assert runner["environment"]["runner"] == "v2"

@@ -45,14 +45,25 @@ def _runner_headline(choice) -> str:
         )
     else:
         text = f"{name} serves {SERVES} here by default (no setting switches it)"
-    if choice.env_value is not None and choice.effective != choice.runner and not choice.only:
-        said = f"{model_runner.ENV}={choice.env_value[:40]}"
-        if choice.effective == "refused":
-            why = say(choice.effective_reason)
-            text += f"; this environment's {said} makes vLLM refuse it: {why}"
-        else:
-            text += f"; this environment's {said} gives {_runner_name(choice.effective)}"
-    return text
+    return text + _environment(choice)
+
+
+def _environment(choice) -> str:
+    """What the variable in patchkit's own environment does, after the headline: nothing
+    said where it changes nothing and vLLM's start says nothing of it."""
+    if choice.env_value is None:
+        return ""
+    said = f"this environment's {model_runner.ENV}={choice.env_value[:40]}"
+    why = choice.effective_reason
+    if why is not None and why.code in (Code.RUNNER_ENV_REFUSED, Code.RUNNER_ENV_REDUNDANT):
+        return f"; {said}: {say(why)}"
+    if choice.effective == "unknown":
+        return f"; what {said} does is unknown: {say(why)}"
+    if choice.effective == choice.runner or choice.only:
+        return ""
+    if choice.effective == "refused":
+        return f"; {said} makes vLLM refuse it: {say(why)}"
+    return f"; {said} gives {_runner_name(choice.effective)}"
 
 
 def _serving(choice) -> str | None:

@@ -63,6 +63,19 @@ def _bad_value(r: Reason, _: str) -> str:
     return f"vLLM reads {r['env']} with int(), which fails on {r['value']!r}"
 
 
+@words(Code.RUNNER_ENV_REFUSED)
+def _env_refused(r: Reason, _: str) -> str:
+    return (
+        f'vLLM refuses to start: {r["file"]}:{r["line"]} raises "{r["raised"]}"; unset {r["env"]}'
+    )
+
+
+@words(Code.RUNNER_ENV_REDUNDANT)
+def _env_redundant(r: Reason, _: str) -> str:
+    where = r["file"] if r["line"] is None else f"{r['file']}:{r['line']}"
+    return f"redundant, vLLM warns that it can be unset ({where})"
+
+
 # runner-unknown about the tree and its files: no "file:line" before them
 _TREE: dict[str, Callable[[Reason], str]] = {
     "no-runner-files": lambda r: f"neither {r['v1']} nor {r['v2']} is in the tree",
@@ -79,6 +92,10 @@ _TREE: dict[str, Callable[[Reason], str]] = {
     "file-too-large": lambda r: f"{r['file']} is larger than {r['limit']} bytes",
     "file-unreadable": lambda r: f"{r['file']} could not be read whole",
     "file-unparsable": lambda r: f"{r['file']} does not parse ({r['error']})",
+    "environ-overridden": lambda r: (
+        f"{r['file']} has its own validate_environ, which this check does not read"
+    ),
+    "environ-not-called": lambda r: f"{r['file']} no longer calls validate_environ",
 }
 _NOT_KNOWN = "this check does not know"
 # runner-unknown in the code: said after "file:line: " (or "file: " without a line)
@@ -104,6 +121,7 @@ _CODE: dict[str, Callable[[Reason], str]] = {
     "depends-on-moe": lambda r: "depends on whether the model is MoE",
     "depends-on-model": lambda r: f"depends on {r['name']}",
     "unknown-value": lambda r: str(r["detail"]),
+    "environ-not-understood": lambda r: f"validate_environ reads {r['env']} in a way {_NOT_KNOWN}",
 }
 KINDS = frozenset(_TREE) | frozenset(_CODE)  # every kind runner-unknown may carry
 

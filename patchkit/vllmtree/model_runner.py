@@ -3,7 +3,9 @@
 Read from the tree's own code, never imported: ``vllm/envs.py`` (the default
 of ``VLLM_USE_V2_MODEL_RUNNER``), ``vllm/config/vllm.py`` (the
 ``use_v2_model_runner`` property and the methods it calls, evaluated here by a
-small interpreter over their syntax tree) and which runner files exist. The
+small interpreter over their syntax tree), which runner files exist, and where the
+variable is set, what vLLM's start-up check of its environment
+(``Platform.validate_environ`` in ``vllm/platforms/interface.py``) does with its value. The
 interpreter knows one configuration, vLLM's defaults plus ``--enable-lora``
 for a Qwen3.5/3.6 hybrid (Gated DeltaNet + attention) on CUDA; a statement,
 call or attribute it does not know makes the answer ``unknown`` with the line
@@ -30,6 +32,9 @@ ENVS = "vllm/envs.py"
 V1_FILE = "vllm/v1/worker/gpu_model_runner.py"
 V2_FILE = "vllm/v1/worker/gpu/model_runner.py"
 V2_KV_CACHE = "vllm/v1/worker/gpu/attn_utils.py"  # V2's KV caches, a hybrid's state among them
+PLATFORM = "vllm/platforms/interface.py"  # Platform.validate_environ: the environment's check
+CUDA_PLATFORM = "vllm/platforms/cuda.py"  # CUDA's platform, which could override it
+ENGINE_ARGS = "vllm/engine/arg_utils.py"  # the engine's start, which calls it
 MAX_SOURCE_BYTES = 4 << 20
 MAX_STEPS = 20_000
 ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -90,7 +95,7 @@ def hooked(files) -> frozenset[str]:
 def decide(fs: Root, env_value: str | None) -> RunnerChoice:
     """The runner for the tree behind ``fs``; ``env_value`` is ``VLLM_USE_V2_MODEL_RUNNER``."""
     try:
-        return _decide(fs, env_value)
+        return _checked_at_start(fs, _decide(fs, env_value))
     except Unknown as exc:
         return RunnerChoice("unknown", exc.reason, env_value=env_value)
 
@@ -191,6 +196,164 @@ def _with_env(choice, outcomes, default, env_value) -> RunnerChoice:
         )
     runner, why = outcomes[value]
     return _replace(choice, effective=runner, effective_reason=why)
+
+
+def _checked_at_start(fs: Root, choice: RunnerChoice) -> RunnerChoice:
+    """The choice as vLLM's start-up check of its environment leaves it: where that check
+    refuses the variable's value, vLLM never reaches its config (``effective`` refused);
+    where it only warns, the runner stays. Unknown where the check names the variable in a
+    shape this module does not read; the choice as it was where the variable is unset or
+    the check does not name it."""
+    if choice.env_value is None:
+        return choice
+    try:
+        check = _environ_check(fs)
+    except Unknown as exc:
+        return _replace(choice, effective="unknown", effective_reason=exc.reason)
+    if check is None:
+        return choice
+    accepted, raise_line, template, warn_line = check
+    value = choice.env_value[:40]
+    if choice.env_value == accepted:
+        why = Reason.of(
+            Code.RUNNER_ENV_REDUNDANT, env=ENV, value=value, file=PLATFORM, line=warn_line
+        )
+        return _replace(choice, effective_reason=why)
+    raised = "".join(value if part is None else part for part in template)
+    why = Reason.of(
+        Code.RUNNER_ENV_REFUSED, env=ENV, value=value, raised=raised, file=PLATFORM, line=raise_line
+    )
+    return _replace(choice, effective="refused", effective_reason=why)
+
+
+def _environ_check(fs: Root) -> tuple[str, int, tuple[str | None, ...], int | None] | None:
+    """What ``Platform.validate_environ`` does with the variable: the one value it lets
+    through, the line that raises for any other, vLLM's message there (text, None where the
+    value goes) and the line that warns of the value let through; None where it does not
+    name the variable.
+
+    The engine calls it before it makes any config (``create_engine_config``). Up to
+    0.33.0 it only warns of ``VLLM_*`` names vLLM does not know, and the variable was one it
+    knew; from 0.34.0, which removed V1, any value but "1" raises ("Model Runner V1 has been
+    removed. Unset this variable.") and "1" logs that it is redundant.
+    """
+    if fs.lstat(PLATFORM, "runner") is None:
+        return None
+    method = _validate_environ(_parse(fs, PLATFORM))
+    if method is None or not any(
+        isinstance(n, ast.Constant) and n.value == ENV for n in ast.walk(method)
+    ):
+        return None
+    found = _refusing_branch(method)
+    if found is None:
+        raise _unknown("environ-not-understood", method.lineno, file=PLATFORM, env=ENV)
+    if fs.lstat(CUDA_PLATFORM, "runner") is not None and _validate_environ(
+        _parse(fs, CUDA_PLATFORM)
+    ):
+        raise _unknown("environ-overridden", file=CUDA_PLATFORM)
+    engine = _parse(fs, ENGINE_ARGS) if fs.lstat(ENGINE_ARGS, "runner") is not None else None
+    if engine is None or not any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "validate_environ"
+        for n in ast.walk(engine)
+    ):
+        raise _unknown("environ-not-called", file=ENGINE_ARGS)
+    return found
+
+
+def _validate_environ(tree: ast.Module) -> ast.FunctionDef | None:
+    """A class's ``validate_environ`` in the module, or None."""
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "validate_environ":
+                    return item
+    return None
+
+
+def _refusing_branch(method: ast.FunctionDef):
+    """``for NAME, VALUE in os.environ.items(): if NAME == ENV: if VALUE != "X": raise
+    E(message)`` and, after it, the warning: (X, the raise's line, the message, the
+    warning's line); None for any other shape."""
+    for loop in ast.walk(method):
+        if not (
+            isinstance(loop, ast.For)
+            and ast.unparse(loop.iter) == "os.environ.items()"
+            and isinstance(loop.target, ast.Tuple)
+            and all(isinstance(e, ast.Name) for e in loop.target.elts)
+            and len(loop.target.elts) == 2
+        ):
+            continue
+        name, value = (e.id for e in loop.target.elts)
+        for branch in loop.body:
+            if isinstance(branch, ast.If) and _compares(branch.test, name, ast.Eq) == ENV:
+                return _refusal(branch.body, value)
+    return None
+
+
+def _refusal(body: list[ast.stmt], value: str):
+    first = body[0]
+    if not isinstance(first, ast.If) or first.orelse:
+        return None
+    accepted = _compares(first.test, value, ast.NotEq)
+    raised = first.body[0] if len(first.body) == 1 else None
+    if not isinstance(accepted, str) or not isinstance(raised, ast.Raise):
+        return None
+    exc = raised.exc
+    if not (isinstance(exc, ast.Call) and len(exc.args) == 1):
+        return None
+    template = _template(exc.args[0], value)
+    if template is None:
+        return None
+    warn_line = next(
+        (
+            stmt.lineno
+            for stmt in body[1:]
+            if isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and ast.unparse(stmt.value.func) in ("logger.warning", "logger.warning_once")
+        ),
+        None,
+    )
+    return accepted, raised.lineno, template, warn_line
+
+
+def _compares(test: ast.expr, name: str, op: type) -> object:
+    """The constant ``name`` is compared with by ``op`` in ``test``, or None."""
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], op)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == name
+        and isinstance(test.comparators[0], ast.Constant)
+    ):
+        return test.comparators[0].value
+    return None
+
+
+def _template(node: ast.expr, value: str) -> tuple[str | None, ...] | None:
+    """A message made of text and ``{value}``: its parts, None where the value goes."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return (node.value,)
+    if not isinstance(node, ast.JoinedStr):
+        return None
+    parts: list[str | None] = []
+    for part in node.values:
+        if isinstance(part, ast.Constant) and isinstance(part.value, str):
+            parts.append(part.value)
+        elif (
+            isinstance(part, ast.FormattedValue)
+            and isinstance(part.value, ast.Name)
+            and part.value.id == value
+            and part.conversion == -1
+            and part.format_spec is None
+        ):
+            parts.append(None)
+        else:
+            return None
+    return tuple(parts)
 
 
 def _replace(choice: RunnerChoice, **changes) -> RunnerChoice:
