@@ -185,25 +185,35 @@ ENTRY = "\nfrom patchkit.cli.entry import main\nmain()\n"
 PATCHKIT = [sys.executable, "-c", ENTRY]  # the console script's start, for strace and friends
 
 
+# Root without the powers that pass permission bits: files another user owns are as
+# unwritable to it as to a user who is not root (setpriv, util-linux; needs root).
+WITHOUT_ROOTS_POWERS = (
+    "setpriv",
+    "--bounding-set=-dac_override,-dac_read_search,-fowner",
+    "--inh-caps=-all",
+)
+
+
 def run_subprocess(
     *args: str,
     env: dict | None = None,
     code: str | None = None,
     cwd: Path | None = None,
     timeout: float = 120,
+    prefix: tuple[str, ...] = (),
 ):
     """Run patchkit in a child Python, started as the console script starts it.
 
     ``code`` runs first (to inject faults); ``env`` is laid over this process's
     environment, a None value unsetting a variable; the child imports this
-    checkout's patchkit. A hang fails the test after ``timeout`` seconds instead
-    of stopping the suite.
+    checkout's patchkit; ``prefix`` is a command that starts it (``WITHOUT_ROOTS_POWERS``).
+    A hang fails the test after ``timeout`` seconds instead of stopping the suite.
     """
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     full_env = {name: value for name, value in full_env.items() if value is not None}
     return subprocess.run(
-        [sys.executable, "-c", (code or "") + ENTRY, *args],
+        [*prefix, sys.executable, "-c", (code or "") + ENTRY, *args],
         capture_output=True,
         text=True,
         env=full_env,

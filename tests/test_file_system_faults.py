@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
 
-from tests.conftest import applied, run_cli, run_subprocess, slim_tree, snapshot
+from tests.conftest import (
+    WITHOUT_ROOTS_POWERS,
+    applied,
+    run_cli,
+    run_subprocess,
+    slim_tree,
+    snapshot,
+)
 from tests.helpers import failing_lock, one_line_failure
 
 
@@ -85,14 +93,20 @@ def test_a_really_read_only_file_system(small_tmpfs):
     assert snapshot(small_tmpfs) == before
 
 
-def test_a_read_only_pristine_tree_is_a_no_op_for_revert(tmp_path, slim_tree_0260, bind_mount):
+def _read_only_mount(tmp_path, tree, bind_mount):
+    """``tree`` bind-mounted read-only at tmp_path/ro; skips where remounting is refused."""
     read_only = tmp_path / "ro"
     read_only.mkdir()
-    bind_mount(slim_tree_0260, read_only)
+    bind_mount(tree, read_only)
     remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(read_only)],
                              capture_output=True)  # fmt: skip
     if remount.returncode != 0:
         pytest.skip(f"cannot remount read-only: {remount.stderr.decode().strip()}")
+    return read_only
+
+
+def test_a_read_only_pristine_tree_is_a_no_op_for_revert(tmp_path, slim_tree_0260, bind_mount):
+    read_only = _read_only_mount(tmp_path, slim_tree_0260, bind_mount)
     result = run_subprocess("revert", "--target", str(read_only))
     assert result.returncode == 0, result.stderr
     assert "nothing needed writing" in result.stdout
@@ -120,3 +134,73 @@ def test_bytecode_that_cannot_be_removed_is_a_warning_after_the_commit(slim_tree
     )
     [left] = [w for w in data["warnings"] if w["code"] == "bytecode-left"]
     assert left["path"].endswith("utils.cpython-312.pyc") and left["why"]
+
+
+def test_a_dry_run_on_a_read_only_mount_ends_as_the_run_does(tmp_path, slim_tree_0260, bind_mount):
+    """apply --dry-run said "4 would apply" and exited 0 where apply refuses: it refuses
+    with apply's line and exit code now, and --json with its error document."""
+    read_only = _read_only_mount(tmp_path, slim_tree_0260, bind_mount)
+    before = snapshot(slim_tree_0260)
+    real = run_cli("apply", "--target", str(read_only))
+    dry = run_cli("apply", "--dry-run", "--target", str(read_only))
+    assert one_line_failure(dry) == one_line_failure(real)
+    assert "read-only" in one_line_failure(dry)
+    document = json.loads(
+        run_cli("apply", "--dry-run", "--json", "--target", str(read_only)).stdout
+    )
+    assert (document["ok"], document["exit_code"]) == (False, 1)
+    assert document["error"]["code"] == "refused-read-only"
+    assert snapshot(slim_tree_0260) == before and not (slim_tree_0260 / ".patchkit").exists()
+
+
+def test_a_dry_run_that_would_write_nothing_on_a_read_only_mount_passes(
+    tmp_path, slim_tree_0260, bind_mount
+):
+    applied(slim_tree_0260)
+    read_only = _read_only_mount(tmp_path, slim_tree_0260, bind_mount)
+    dry = run_cli("apply", "--dry-run", "--target", str(read_only))
+    assert dry.exit_code == 0, dry.output
+    assert "nothing needed writing" in dry.output
+
+
+@pytest.fixture
+def foreign_tree(tmp_path):
+    """A slim tree another user (uid 65534) owns, its directories not writable by others."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run patchkit without root's powers")
+    tree = slim_tree(tmp_path / "t")
+    for dirpath, _, names in os.walk(tree):
+        for path in [dirpath, *(os.path.join(dirpath, n) for n in names)]:
+            os.chown(path, 65534, 65534)
+            os.chmod(path, os.stat(path).st_mode & ~0o022)
+    return tree
+
+
+def test_a_dry_run_on_a_tree_this_user_cannot_write_ends_as_the_run_does(foreign_tree):
+    """Permission bits, not a read-only mount: as a user who is not the tree's owner (root
+    without the powers that pass them), apply --dry-run refuses as apply does, and neither
+    makes .patchkit/."""
+    before = snapshot(foreign_tree)
+    target = ("--target", str(foreign_tree))
+    real = run_subprocess("apply", *target, prefix=WITHOUT_ROOTS_POWERS)
+    if "setpriv" in real.stderr:
+        pytest.skip(f"setpriv cannot drop root's powers here: {real.stderr.strip()}")
+    dry = run_subprocess("apply", "--dry-run", *target, prefix=WITHOUT_ROOTS_POWERS)
+    assert real.returncode == dry.returncode == 1, dry.stdout
+    assert dry.stderr == real.stderr and len(dry.stderr.splitlines()) == 1
+    assert "permission denied" in dry.stderr and "owns the vLLM install" in dry.stderr
+    assert snapshot(foreign_tree) == before and not (foreign_tree / ".patchkit").exists()
+
+
+def test_a_dry_run_writes_nothing_not_even_the_lock(slim_tree_0260):
+    """On a tree patchkit can write, the dry run's check of the lock creates neither
+    .patchkit/ nor a lock file that is missing."""
+    before = snapshot(slim_tree_0260)
+    assert run_cli("apply", "--dry-run", "--target", str(slim_tree_0260)).exit_code == 0
+    assert snapshot(slim_tree_0260) == before and not (slim_tree_0260 / ".patchkit").exists()
+    applied(slim_tree_0260)
+    (slim_tree_0260 / ".patchkit" / "lock").unlink()
+    before = snapshot(slim_tree_0260)
+    assert run_cli("apply", "--dry-run", "--target", str(slim_tree_0260)).exit_code == 0
+    assert snapshot(slim_tree_0260) == before
+    assert not (slim_tree_0260 / ".patchkit" / "lock").exists()

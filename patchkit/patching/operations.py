@@ -52,6 +52,7 @@ from patchkit.patching.transaction import (
     after_recovery,
     commit,
     interrupted,
+    lock_unavailable,
     recover,
 )
 from patchkit.vllmtree import model_runner
@@ -161,13 +162,7 @@ def _run(
 ) -> RunReport:
     select(catalogue, options.only)  # an unknown id fails before anything else
     if options.dry_run:
-        state = state_of(tree, catalogue)
-        report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
-        if catalogue.interrupted_note:
-            report.warn(catalogue.interrupted_note)
-        if interrupted(tree.fs):
-            report.warn(Reason.of(Code.INTERRUPTED_RUN_DRY))
-        return report
+        return _dry_run(command, tree, catalogue, options)
     if catalogue.interrupted_note:  # its diffs may be half one refresh's, half before it
         raise Refused(
             Reason.of(
@@ -270,14 +265,33 @@ def _record_applied(tree: VllmTree, state: State, steps: list[Step]) -> dict[str
     return backups
 
 
+def _dry_run(command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions) -> RunReport:
+    """Plan without the lock and write nothing (not the lock either); where the run could
+    not make its lock, end as it would on that tree (:func:`_without_writing`)."""
+    state = state_of(tree, catalogue)
+    report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
+    if catalogue.interrupted_note:
+        report.warn(catalogue.interrupted_note)
+    if interrupted(tree.fs):
+        report.warn(Reason.of(Code.INTERRUPTED_RUN_DRY))
+    unwritable = lock_unavailable(tree.fs)
+    if unwritable is not None:
+        _without_writing(report, unwritable)
+    return report
+
+
 def _read_only(
     command: str, tree: VllmTree, catalogue: Catalogue, options: RunOptions, exc: LockUnavailable
 ) -> RunReport:
-    """On a tree patchkit cannot write, succeed only if the run would write nothing."""
     state = state_of(tree, catalogue)
     report = RunReport(command, tree, plan(command, tree, catalogue, state, options), options)
+    _without_writing(report, exc)
+    return report
+
+
+def _without_writing(report: RunReport, exc: LockUnavailable) -> None:
+    """On a tree patchkit cannot write, succeed only if the run would write nothing."""
     acting = [s for s in report.steps if s.action != Action.NONE]
-    if interrupted(tree.fs) or acting or report.plan.drop:
+    if interrupted(report.tree.fs) or acting or report.plan.drop:
         raise Refused(Reason.of(Code.REFUSED_READ_ONLY, cause=exc.reason)) from None
     report.notes.append(Reason.of(Code.NOT_WRITABLE))
-    return report

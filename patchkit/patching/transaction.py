@@ -73,6 +73,41 @@ class LockUnavailable(PatchkitError):
     code = Code.LOCK_UNAVAILABLE
 
 
+def _lock_failure(fs: Root, number: int, words: str) -> OsFailure:
+    """Creating the lock failed with ``number``: the words name the lock's full path (the
+    open is relative to a directory)."""
+    return OsFailure(OSError(number, words, str(fs.full(LOCK_FILE))), "creating the lock")
+
+
+def lock_unavailable(fs: Root) -> LockUnavailable | None:
+    """What :class:`TreeLock` would meet on a read-only or foreign-owned tree, found
+    without creating anything, so ``--dry-run`` ends as the run would; None where it could
+    make its lock.
+
+    The lock opens ``.patchkit/lock`` for writing, creating it (and ``.patchkit/``) where
+    missing: the place it would create in, or the lock it would open, is checked for
+    writing as this process (``faccessat`` with its effective ids: a read-only mount,
+    permission bits, an immutable file), and the file system's read-only flag tells
+    EROFS from EACCES, the errors the lock takes as unwritable.
+    """
+    check_no_links(fs)
+    if fs.lstat(STATE_DIR, "lock") is None:
+        where, name, mode = "", ".", os.W_OK | os.X_OK
+    elif fs.lstat(LOCK_FILE, "lock") is None:
+        where, name, mode = STATE_DIR, ".", os.W_OK | os.X_OK
+    else:
+        where, name, mode = STATE_DIR, "lock", os.R_OK | os.W_OK
+    with fs.directory(where, "lock") as fd:
+        if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            number = errno.EROFS
+        elif not os.access(name, mode, dir_fd=fd, effective_ids=True):
+            number = errno.EACCES
+        else:
+            return None
+    failure = _lock_failure(fs, number, os.strerror(number))
+    return LockUnavailable(str(failure), path=fs.full(LOCK_FILE), error=os.strerror(number))
+
+
 class TreeLock:
     """An exclusive lock on one tree, waited for as :mod:`patchkit.fs.locks` says."""
 
@@ -111,9 +146,7 @@ class TreeLock:
             self._undo_created()
             if exc.errno == errno.ELOOP:
                 raise UnsafePath(f"{self.path} is a symbolic link; remove it") from None
-            # the open was relative to a directory: the words name the lock's full path
-            named = OSError(exc.errno, exc.strerror, str(self.path))
-            failure = OsFailure(named, "creating the lock")
+            failure = _lock_failure(self.fs, exc.errno, exc.strerror)
             if exc.errno in _UNWRITABLE:
                 raise LockUnavailable(str(failure), path=self.path, error=exc.strerror) from None
             raise Refused(Reason.of(Code.LOCK_NOT_CREATED, cause=failure.reason)) from None
