@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.conftest import CATALOGUE, RELEASES, REPO, run_cli, snapshot
+from tests.conftest import CATALOGUE, RELEASES, REPO, release_tree, run_cli, snapshot
 from tests.helpers import report_row
 
 # ----- install lines name the packages or the distribution (the index's `patchkit` is
@@ -409,13 +409,48 @@ def test_a_conflict_on_a_newer_release_says_so_and_what_to_do(slim_tree_0260: Pa
         f"--only ID {target}` applies one at your own risk; CONTRIBUTING.md, 'A new vLLM "
         "release', says how to add the release)"
     )
-    # the same conflict on a tested release keeps the short advice
+    # the same conflict on a tested release names the commands that go on
     relabel(slim_tree_0260, "0.26.0")
-    assert (
-        run_cli("apply", "--target", str(slim_tree_0260))
-        .stderr.strip()
-        .endswith("nothing was changed (apply the others with --only)")
+    line = run_cli("apply", "--target", str(slim_tree_0260)).stderr.strip()
+    assert line.endswith(
+        "nothing was changed; `patchkit apply --only expand-block-n --only "
+        f"matmul-add-lora-linear --only partial-moe-adapter {target}` applies the others; or "
+        "`pip install --force-reinstall --no-deps vllm==0.26.0` makes vLLM's files its own "
+        f"again, then `patchkit apply {target}`"
     )
+
+
+def test_a_conflict_refusal_names_the_commands_that_go_on(slim_tree_0260: Path, tmp_path: Path):
+    """A conflict on a tested release ended "(apply the others with --only)": it names the
+    apply --only of the patches that still fit, and the reinstall that gives the files
+    back; each command, run as it is written, goes on (a reinstall: vLLM's file copied back)."""
+    utils = "vllm/lora/ops/triton_ops/utils.py"  # expand-block-n's, the series' first
+    edited = slim_tree_0260 / utils
+    edited.write_text(edited.read_text().replace("block_n", "block_m"))  # an edit
+    before = snapshot(slim_tree_0260)
+    refused = run_cli("apply", "--target", str(slim_tree_0260))
+    assert refused.exit_code == 1 and snapshot(slim_tree_0260) == before
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("patchkit: error: expand-block-n: conflict: ")
+    others, repair, then = re.findall(r"`([^`]+)`", line.split("nothing was changed; ")[1])
+    target = f"--target {slim_tree_0260}"
+    assert others == (
+        "patchkit apply --only matmul-add-lora-linear --only partial-gdn-adapter "
+        f"--only partial-moe-adapter {target}"
+    )
+    assert (repair, then) == (
+        "pip install --force-reinstall --no-deps vllm==0.26.0",
+        f"patchkit apply {target}",
+    )
+    second = tmp_path / "second"  # the tree as it was refused, for the other way
+    shutil.copytree(slim_tree_0260, second)
+    done = run_cli(*shlex.split(others)[1:])
+    assert done.exit_code == 0, done.output
+    assert "apply: 3 applied now" in done.stdout
+    shutil.copy2(release_tree("0.26.0") / utils, second / utils)  # what the reinstall does
+    done = run_cli(*shlex.split(then.replace(str(slim_tree_0260), str(second)))[1:])
+    assert done.exit_code == 0, done.output
+    assert "apply: 4 applied now" in done.stdout
 
 
 # ----- a file edited after apply -----

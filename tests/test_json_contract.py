@@ -163,6 +163,8 @@ def test_a_refusal_is_a_message_with_its_facts(slim_tree_0260):
     conflict = error["conflict"]
     assert conflict["code"] == "hunk-mismatch" and conflict["message"] in error["message"]
     assert conflict["path"] == "vllm/lora/ops/triton_ops/utils.py" and conflict["hunk"] >= 1
+    assert error["fit"] == ["matmul-add-lora-linear", "partial-gdn-adapter", "partial-moe-adapter"]
+    assert error["reinstall"] is True
 
 
 def test_a_usage_error_and_an_error(tmp_path):

@@ -16,10 +16,12 @@ from patchkit.cli import (
     canary_words,
     doctor_words,
     lock_words,
+    next_words,
     probe_words,
     runner_words,
     verify_words,
 )
+from patchkit.cli.next_words import reinstall
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Line, Reason
 
@@ -79,10 +81,6 @@ def headline(reason: Reason) -> str:
             "(RECORD), and its backup is another release's file"
         )
     return said(r)
-
-
-def reinstall(version: str) -> str:
-    return f"pip install --force-reinstall --no-deps vllm=={version}"
 
 
 # ----- a patch's state, why -----
@@ -454,9 +452,10 @@ def _refused_conflict(r: Reason, nothing: str) -> str:
         f"newest {r['newest']}: a newer patchkit may cover it; `patchkit status {target}` "
         f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your own "
         "risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
-        if r["newest"]
-        else "(apply the others with --only)"
     )
+    if not r["newest"]:
+        way = next_words.after_conflict(r["fit"], r["version"], r["reinstall"], r["target"])
+        return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing}; {way}"
     return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing} {after}"
 
 
@@ -465,8 +464,7 @@ def _refused_moved(r: Reason, nothing: str) -> str:
     target = f"--target {r['target']}"
     others = f" (and {', '.join(r['others'])})" if r["others"] else ""
     rest = (
-        f"`patchkit apply {' '.join(f'--only {i}' for i in r['fit'])} {target}` applies the "
-        "patches that fit"
+        f"`{next_words.apply_only(r['fit'], r['target'])}` applies the patches that fit"
         if r["fit"]
         else f"no other patch it would take is needed here; `patchkit doctor {target}` says "
         "which known bugs stay unknown on this release until a patchkit that has decided it"

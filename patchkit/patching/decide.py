@@ -156,49 +156,67 @@ def _plan_forward(
     files = TreeFiles(tree, state, catalogue.ids)
     selected = [p.id for p in select(catalogue, options.only)]  # in series order
     moved: list[Assessment] = []  # changed-upstream patches the run would have to take
+    conflict: Assessment | None = None  # the first: refused once the others are planned
     acting = Action.WOULD_APPLY if options.dry_run else Action.APPLIED
     for patch in catalogue.patches:
-        assessment = assess_with(patch, tree, state, catalogue, files)
-        if result.command == APPLY and patch.id not in selected:
-            result.steps.append(Step(_left_alone(assessment)))
-            continue
-        if result.command == APPLY and assessment.outdated and patch.id in options.only:
-            step = _replace(assessment, tree, files, acting)
-            assessment = step.assessment
-        else:
-            step = Step(assessment)
-        _take_findings(result, assessment)
-        if result.command == STATUS:
-            result.steps.append(_status_step(assessment, files))
-            continue
-        result.steps.append(step)
-        if assessment.state == PatchState.CONFLICT:
-            raise Refused(_conflict_refusal(assessment, tree, catalogue))
-        if assessment.state == PatchState.CHANGED_UPSTREAM:
-            moved.append(assessment)
-            continue
-        if assessment.state == PatchState.NEEDED:
-            _refuse_under_later(patch, assessment, files)
-            stack(files, assessment)
-            result.steps[-1] = Step(assessment, acting, assessment.changes)
-        elif patch.id in options.only and assessment.state != PatchState.APPLIED:
-            result.warn(
-                Reason.of(
-                    Code.ONLY_NOT_APPLIED,
-                    patch=patch.id,
-                    state=str(assessment.state),
-                    reason=assessment.reason,
+        try:
+            assessment = assess_with(patch, tree, state, catalogue, files)
+            if result.command == APPLY and patch.id not in selected:
+                result.steps.append(Step(_left_alone(assessment)))
+                continue
+            if result.command == APPLY and assessment.outdated and patch.id in options.only:
+                step = _replace(assessment, tree, files, acting)
+                assessment = step.assessment
+            else:
+                step = Step(assessment)
+            _take_findings(result, assessment)
+            if result.command == STATUS:
+                result.steps.append(_status_step(assessment, files))
+                continue
+            result.steps.append(step)
+            if assessment.state == PatchState.CONFLICT:
+                conflict = conflict or assessment
+                continue
+            if assessment.state == PatchState.CHANGED_UPSTREAM:
+                moved.append(assessment)
+                continue
+            if assessment.state == PatchState.NEEDED:
+                _refuse_under_later(patch, assessment, files)
+                stack(files, assessment)
+                result.steps[-1] = Step(assessment, acting, assessment.changes)
+            elif patch.id in options.only and assessment.state != PatchState.APPLIED:
+                result.warn(
+                    Reason.of(
+                        Code.ONLY_NOT_APPLIED,
+                        patch=patch.id,
+                        state=str(assessment.state),
+                        reason=assessment.reason,
+                    )
                 )
-            )
+        except Refused:
+            if conflict is None:
+                raise
+            # after a conflict, a patch refused on its own is left out of the others too
+    if conflict is not None:
+        raise Refused(_conflict_refusal(conflict, tree, catalogue, _acting(result)))
     if moved and result.command == APPLY:
         _refuse_moved(moved, result, tree)
     if result.command == APPLY:
         result.drop = stale_entries(state, catalogue, tree, selected)
 
 
-def _conflict_refusal(assessment: Assessment, tree: VllmTree, catalogue: Catalogue) -> Reason:
-    """apply refuses a conflict; on a release newer than the catalogue the words say that
-    it is, and the three ways on (``newest``)."""
+def _acting(result: _Draft) -> list[str]:
+    """The patches the run would apply, in series order."""
+    return [s.assessment.patch.id for s in result.steps if s.action != Action.NONE]
+
+
+def _conflict_refusal(
+    assessment: Assessment, tree: VllmTree, catalogue: Catalogue, fit: list[str]
+) -> Reason:
+    """apply refuses a conflict, naming the ways on: ``fit``, the patches an ``apply
+    --only`` of them would apply (planned on after the conflict, as that run would), and
+    ``reinstall`` where reinstalling vLLM makes the files its own again (a pip install);
+    on a release newer than the catalogue the words say that it is (``newest``)."""
     return Reason.of(
         Code.REFUSED_CONFLICT,
         patch=assessment.patch.id,
@@ -206,6 +224,8 @@ def _conflict_refusal(assessment: Assessment, tree: VllmTree, catalogue: Catalog
         version=tree.version,
         newest=newer_than_catalogue(catalogue, tree.parsed_version) or None,
         target=shlex.quote(str(tree.root)),
+        fit=fit,
+        reinstall=tree.source == "metadata",
     )
 
 
@@ -219,7 +239,7 @@ def _refuse_moved(moved: list[Assessment], result: _Draft, tree: VllmTree) -> No
             patch=first.patch.id,
             others=[a.patch.id for a in moved[1:]],
             moved=first.reason,
-            fit=[s.assessment.patch.id for s in result.steps if s.action != Action.NONE],
+            fit=_acting(result),
             target=shlex.quote(str(tree.root)),
         )
     )
