@@ -295,7 +295,8 @@ def test_apply_only_a_not_applicable_patch_says_why_in_one_line_and_changes_noth
     assert result.exit_code == 0, result.output
     said = [line for line in result.stderr.splitlines() if patch in line]
     assert said == [
-        f"warning: {patch} was asked for with --only but is not applied: not-applicable ({reason})"
+        f"warning: {patch} was asked for with --only but is not applied; it is not-applicable "
+        f"here: {reason}"
     ]
     assert result.stdout.splitlines()[-1].startswith("apply: nothing to do; ")
     assert snapshot(root) == pristine

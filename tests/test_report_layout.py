@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import termios
@@ -366,3 +367,20 @@ def test_the_width_is_the_terminals_at_most_100(columns, widest):
     """On a terminal its own width counts (COLUMNS unset), and never more than 100."""
     text = on_a_terminal(columns, "list")
     assert widest - 15 < max(widths(text)) <= widest, text
+
+
+def test_a_range_is_written_lower_bound_first(slim_tree_0260):
+    """show and doctor wrote `<0.18.0,>=0.17.0` (SpecifierSet's own order); they write
+    a range as the catalogue does, lower bound first, in text and in --json."""
+    upper_first = re.compile(r"<=?[0-9][0-9.]*,>")
+    shown = run_cli("show", "expand-block-n").stdout
+    assert ">=0.17.0,<0.18.0  variant block-k-16" in shown
+    document = json.loads(run_cli("show", "expand-block-n", "--json").stdout)
+    assert [v["versions"] for v in document["patches"][0]["variants"]] == [
+        ">=0.17.0,<0.18.0",
+        ">=0.18.0,<0.33.0",
+    ]
+    doctor = " ".join(run_cli("doctor", "--target", str(slim_tree_0260)).stdout.split())
+    assert "vLLM 0.26.0 is not in >=0.17.0,<0.19.0" in doctor  # vllm#35286's range
+    for text in (run_cli("list", "-v").stdout, doctor, json.dumps(document)):
+        assert not upper_first.search(text), upper_first.search(text)

@@ -55,7 +55,7 @@ def test_a_rewritten_function_is_changed_upstream_not_a_conflict(tmp_path):
     state, reason = states(status(root))["partial-moe-adapter"]
     assert state == "changed-upstream"
     assert reason.startswith(
-        f"vLLM {NEXT} changed the code partial-moe-adapter changes in {MANAGER}"
+        f"vLLM {NEXT} changed the lines partial-moe-adapter changes in {MANAGER} (hunk #"
     )
     assert "whether the bug is fixed there is not known to this catalogue" in reason
     assert "reinstall" not in reason and "pip install" not in reason
@@ -167,3 +167,34 @@ def test_on_a_newer_release_the_newest_variant_that_fits_is_tried_first(tmp_path
     oldest = _from_variants(patch, None, tree, files, newer=False)
     assert (newest.state, newest.variant.name) == ("needed", "single-parameter-patterns")
     assert (oldest.state, oldest.variant.name) == ("needed", "single-parameter")
+
+
+def test_the_known_issue_and_changed_upstream_agree_on_the_real_0_35_0():
+    """The real 0.35.0 wheel: peft_helper.py renamed peft_config.py, and in
+    model_manager.py a comment where the hunk expects none, around the assert the bug
+    fails on, kept. status said "changed the code partial-moe-adapter changes" beside
+    "the code it was seen in is still there"; each now names what it read: the line
+    that differs, and the file where the failing code still matches."""
+    tree = release_tree("0.35.0")
+    lines = (tree / MANAGER).read_text().splitlines()
+    [number] = [n for n, line in enumerate(lines, 1) if "down_proj_lora = module_lora" in line]
+    assert "assert gate_up_proj_lora is not None" in lines[number]  # the failing code, kept
+    row = next(p for p in status(tree)["patches"] if p["id"] == "partial-moe-adapter")
+    assert row["state"] == "changed-upstream"
+    reason = row["reason"]
+    assert (reason["gone"], reason["changed"], reason["hunk"]) == (
+        "vllm/lora/peft_helper.py",
+        MANAGER,
+        2,
+    )
+    assert (
+        f"where line {number} should be 'down_proj_lora = module_lora' but is "
+        in (reason["detail"])
+    )
+    (issue,) = row["notices"]
+    assert issue["code"] == "known-issue-undecided" and issue["evidence"] == [MANAGER]
+    assert (
+        f"(seen up to {NEWEST}, and the code it was seen failing in still matches in "
+        f"{MANAGER})" in issue["message"]
+    )
+    assert "the code it was seen in is still there" not in issue["message"]

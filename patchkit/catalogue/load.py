@@ -35,6 +35,7 @@ from patchkit.catalogue.model import (
     Patch,
     Switch,
     Variant,
+    range_text,
 )
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError
@@ -229,7 +230,7 @@ def _check_made_on(patch: Patch, releases: tuple[str, ...]) -> None:
                 raise CatalogueInvalid(
                     patch.root / "patch.toml",
                     f"variant {variant.name}: {key} "
-                    f"{release} must be a tested release in {variant.versions}",
+                    f"{release} must be a tested release in {range_text(variant.versions)}",
                 )
 
 
@@ -240,7 +241,7 @@ def _check_decided_once(patch: Patch, releases: tuple[str, ...]) -> None:
         version = Version(release)
         matches = [
             f"{type(e).__name__.lower()} {getattr(e, 'name', None) or getattr(e, 'state', '')} "
-            f"({e.versions})"
+            f"({range_text(e.versions)})"
             for e in (*patch.variants, *patch.decisions)
             if e.versions.contains(version, prereleases=True)
         ]

@@ -23,6 +23,16 @@ from patchkit.errors import FileProblem, PatchkitError
 
 DECISION_STATES = ("upstream", "not-applicable")
 
+# a range's specifiers in the order people write them: lower bounds, pins, upper bounds
+_BOUND_ORDER = {">": 0, ">=": 0, "~=": 1, "==": 1, "===": 1, "!=": 2, "<": 3, "<=": 3}
+
+
+def range_text(versions: SpecifierSet) -> str:
+    """A version range as the catalogue writes it, lower bound first (``>=0.17.0,<0.33.0``);
+    SpecifierSet's own text sorts its specifiers as strings, so ``<`` came first."""
+    specifiers = sorted(versions, key=lambda s: (_BOUND_ORDER.get(s.operator, 2), str(s)))
+    return ",".join(str(s) for s in specifiers)
+
 
 class CatalogueInvalid(FileProblem):
     """A catalogue file (series.toml, bugs.toml, a patch.toml, a diff or a file a patch

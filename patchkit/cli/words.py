@@ -19,6 +19,7 @@ from patchkit.cli import (
     next_words,
     probe_words,
     runner_words,
+    untested_words,
     verify_words,
 )
 from patchkit.cli.next_words import reinstall
@@ -193,20 +194,6 @@ def _differs(r: Reason, _: str) -> str:
     )
 
 
-@words(Code.CHANGED_UPSTREAM)
-def _changed_upstream(r: Reason, _: str) -> str:
-    moved = [f"no longer ships {r['gone']} (moved or removed)"] if r["gone"] else []
-    if r["changed"]:
-        moved.append(
-            f"changed the code {r['patch']} changes in {r['changed']} (the file is the "
-            "wheel's own, as its RECORD says)"
-        )
-    return (
-        f"vLLM {r['version']} {' and '.join(moved)}; whether the bug is fixed there is not "
-        f"known to this catalogue, tested up to {r['newest']}"
-    )
-
-
 @words(Code.VARIANT_NOT_MADE)
 def _not_made(r: Reason, _: str) -> str:
     return (
@@ -298,8 +285,8 @@ def _no_evidence(r: Reason, _: str) -> str:
 @words(Code.ONLY_NOT_APPLIED)
 def _only_not_applied(r: Reason, _: str) -> str:
     return (
-        f"{r['patch']} was asked for with --only but is not applied: {r['state']} "
-        f"({said(r['reason'])})"
+        f"{r['patch']} was asked for with --only but is not applied; it is {r['state']} "
+        f"here: {said(r['reason'])}"
     )
 
 
@@ -400,10 +387,7 @@ def _committed(r: Reason, _: str) -> str:
 def _known_issue(r: Reason, _: str) -> str:
     text = r["text"]
     if r.code == Code.KNOWN_ISSUE_UNDECIDED:
-        text = (
-            f"unknown on vLLM {r['version']}, which this catalogue has not decided (seen up to "
-            f"{r['seen_up_to']}, and the code it was seen in is still there): {text}"
-        )
+        text = f"{untested_words.undecided(r)}: {text}"
     return f"{text}; {say(r['remedy'])}" if r["remedy"] is not None else text
 
 
@@ -791,3 +775,4 @@ WORDS.update(cache_words.WORDS)  # why a compile cache was left alone
 WORDS.update(lock_words.WORDS)  # a busy lock, a bad PATCHKIT_LOCK_TIMEOUT
 WORDS.update(canary_words.WORDS)  # the canary's evidence, notes, verdict and next steps
 WORDS.update(verify_words.WORDS)  # why verify's verdict and reference
+WORDS.update(untested_words.WORDS)  # changed-upstream, on a release the catalogue has not decided

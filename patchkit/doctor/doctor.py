@@ -28,7 +28,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from patchkit.caches.compiled import TRITON_CACHE, cache_dirs, cache_entries
-from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant
+from patchkit.catalogue.model import Catalogue, Diagnosis, Patch, Variant, range_text
 from patchkit.codes import Code, Reason
 from patchkit.doctor import configs, kernelscan
 from patchkit.doctor.kernelscan import Case, ScanReport
@@ -373,7 +373,7 @@ def bug_verdict(
         )
     if not d.affected.contains(version, prereleases=True):
         reason = Reason.of(
-            Code.VERDICT_OUT_OF_RANGE, version=str(version), affected=str(d.affected)
+            Code.VERDICT_OUT_OF_RANGE, version=str(version), affected=range_text(d.affected)
         )
         return BugVerdict(d.label, Verdict.NOT_AFFECTED, reason)
     unaffected = _machine_unaffected(report, d)

@@ -59,6 +59,7 @@ class KnownIssue:
     remedy: Reason | None = None
     undecided: str = ""
     seen_up_to: str = ""
+    evidence: tuple[str, ...] = ()  # the files its evidence matched in, where it was checked
 
     @property
     def reason(self) -> Reason:
@@ -70,6 +71,7 @@ class KnownIssue:
                 Code.KNOWN_ISSUE_UNDECIDED,
                 version=self.undecided,
                 seen_up_to=self.seen_up_to,
+                evidence=list(self.evidence),
                 **facts,
             )
         return Reason.of(Code.KNOWN_ISSUE, **facts)
@@ -505,7 +507,7 @@ def _changed_upstream(
     newer = bool(newer_than_catalogue(catalogue, tree.parsed_version))
     newest = max(made, key=lambda v: Version(v.made_on))
     variant = newest if newer else conflict.variant or made[0]
-    gone, rewritten = [], []
+    gone, rewritten = [], []  # rewritten: the first hunk of each file that no longer fits
     for path in variant.paths:
         if path in variant.created:
             continue
@@ -515,29 +517,34 @@ def _changed_upstream(
             gone.append(path)
         elif files.base_sha256(path) != tree.record.get(path):
             return None  # not the wheel's file: an edit, a conflict proper
-        elif not _fits(variant, path, files):
-            rewritten.append(path)
+        elif (misfit := _misfit(variant, path, files)) is not None:
+            rewritten.append(misfit)
     if not gone and not rewritten:
         return None
+    first = rewritten[0] if rewritten else None
     moved = Reason.of(
         Code.CHANGED_UPSTREAM,
         patch=patch.id,
         version=tree.version,
         gone=gone[0] if gone else None,
-        changed=rewritten[0] if rewritten else None,
+        changed=first.path if first else None,
+        hunk=first.hunk_index if first else None,
+        header=first.header if first else None,
+        detail=first.detail if first else None,
         newest=catalogue.newest_tested,
     )
     return Assessment(patch, CHANGED_UPSTREAM, reason=moved, variant=variant, files=variant.paths)
 
 
-def _fits(variant: Variant, path: str, files: TreeFiles) -> bool:
-    """Whether the variant's hunks for one file apply to it."""
+def _misfit(variant: Variant, path: str, files: TreeFiles) -> HunkMismatch | None:
+    """The first of the variant's hunks for one file that does not apply to it (where,
+    and the first line that differs), or None where they all do."""
     try:
         for file_patch in (f for f in variant.files if f.path == path):
             apply_file_patch(files.text(path), file_patch)
-    except HunkMismatch:
-        return False
-    return True
+    except HunkMismatch as exc:
+        return exc
+    return None
 
 
 def _conflict(patch: Patch, expected: Variant | Decision | None, files: TreeFiles) -> Assessment:
@@ -601,6 +608,7 @@ def _notices(
                 notice.fixed_by,
                 undecided=undecided,
                 seen_up_to=max(seen, key=Version) if undecided else "",
+                evidence=tuple(dict.fromkeys(e.file for e in notice.evidence)),
             )
         )
     return found

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 from packaging.version import Version
 
-from patchkit.catalogue.model import Catalogue, Variant
+from patchkit.catalogue.model import Catalogue, Variant, range_text
 from patchkit.cli.options import check_only, json_option, noted_catalogue
 from patchkit.cli.outcome import user_errors
 from patchkit.cli.render import (
@@ -97,13 +97,13 @@ def render_patch(patch, catalogue: Catalogue) -> None:
         )
     field("why", patch.why)
     for variant in patch.variants:
-        for line in wrap(f"    {variant.versions}  ", f"variant {variant.name} "
+        for line in wrap(f"    {range_text(variant.versions)}  ", f"variant {variant.name} "
                          f"({variant.diff_path.name})", INDENT):  # fmt: skip
             out(line)
     for decision in patch.decisions:
-        field(f"{decision.versions}  {decision.state}", decision.reason)
+        field(f"{range_text(decision.versions)}  {decision.state}", decision.reason)
     for notice in patch.notices:
-        field(f"{notice.versions}  known issue", notice.message)
+        field(f"{range_text(notice.versions)}  known issue", notice.message)
     field("upstream", ", ".join(patch.upstream))
     field("remove when", patch.remove_when)
 
@@ -175,18 +175,18 @@ def catalogue_json(catalogue: Catalogue, only: str | None = None) -> dict:
                 "overridden_by": (
                     {
                         "env": p.overridden_by.env,
-                        "versions": str(p.overridden_by.versions),
+                        "versions": range_text(p.overridden_by.versions),
                         "detail": p.overridden_by.detail,
                     }
                     if p.overridden_by
                     else None
                 ),
                 "variants": [
-                    {"name": v.name, "diff": v.diff_path.name, "versions": str(v.versions)}
+                    {"name": v.name, "diff": v.diff_path.name, "versions": range_text(v.versions)}
                     for v in p.variants
                 ],
                 "decisions": [
-                    {"state": d.state, "versions": str(d.versions), "reason": d.reason}
+                    {"state": d.state, "versions": range_text(d.versions), "reason": d.reason}
                     for d in p.decisions
                 ],
             }
