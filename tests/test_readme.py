@@ -8,7 +8,10 @@ options its command has (-h/--help aside), and every command must have a line.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -17,7 +20,8 @@ import pytest
 from patchkit.catalogue.load import load_catalogue
 from patchkit.cli.commands.catalogue import coverage
 from patchkit.cli.main import main
-from tests.conftest import REPO, copy_tree, run_cli
+from tests.conftest import ENTRY, REPO, copy_tree, run_cli, slim_tree
+from tests.wheelserver_helpers import PIP_ENV, WHEEL, Index, build_wheel, serving
 
 THIS = Path(__file__).resolve()
 
@@ -156,7 +160,49 @@ def test_the_try_it_output_is_what_apply_prints_on_the_real_release(tmp_path):
     first, _, rows = sample.partition("\n")  # the tree's line wraps with a long tmp path
     assert result.stdout.endswith(rows) and rows.count("\n") > 10
     header = " ".join(result.stdout[: -len(rows)].split())  # its own path, wrapped or not
-    assert header == first.replace("/root/.cache/patchkit/trees/vllm-0.26.0", str(tree))
+    assert header == re.sub(r"/tmp/tmp\.\w+", str(tree), first)
+
+
+def try_it_command() -> str:
+    """The command under "Try it" after its install: the fetch and the apply."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Try it", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    install = ".venv/bin/pip install -q . && "
+    assert block.startswith("python3 -m venv .venv && " + install), block
+    return block.split(install, 1)[1]
+
+
+def test_the_try_it_command_patches_a_copy_not_fetchs_cache(tmp_path):
+    """The first command patched the tree `fetch` caches (~/.cache/patchkit/trees), which
+    the next fetch hands out as the pristine original. Run as written (its patchkit this
+    checkout's, the index a local one serving the real 0.26.0 files as a wheel), it
+    patches a directory of its own and leaves the cache without a tree."""
+    command = try_it_command()
+    bin_dir = tmp_path / "work" / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    patchkit = bin_dir / "patchkit"
+    patchkit.write_text(f'#!/bin/sh\nexec {sys.executable} -c "$PATCHKIT_ENTRY" "$@"\n')
+    patchkit.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    wheel = build_wheel(slim_tree(tmp_path / "slim"), tmp_path / WHEEL).read_bytes()
+    index = Index(wheel=wheel)
+    env = {name: value for name, value in os.environ.items() if name not in PIP_ENV}
+    env.update(
+        PIP_CONFIG_FILE=os.devnull, HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp")
+    )
+    env.update(PYTHONPATH=str(REPO), PATCHKIT_ENTRY=ENTRY)
+    env.pop("PATCHKIT_CACHE_DIR", None)  # the default cache: under this HOME
+    with serving(index):
+        env["PIP_INDEX_URL"] = f"{index.url}/simple"
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path / "work", env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "apply: 4 applied now" in done.stdout
+    trees = tmp_path / "home" / ".cache" / "patchkit" / "trees"
+    assert not trees.exists() or list(trees.iterdir()) == []  # fetch's cache: no tree
+    [patched] = (tmp_path / "tmp").iterdir()
+    assert f"vLLM 0.26.0 at {patched} (version" in " ".join(done.stdout.split())
+    assert (patched / ".patchkit" / "state.json").is_file()
 
 
 # ----- docs/: the release ranges written in the pages are the catalogue's -----
