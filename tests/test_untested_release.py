@@ -169,13 +169,39 @@ def test_on_a_newer_release_the_newest_variant_that_fits_is_tried_first(tmp_path
     assert (oldest.state, oldest.variant.name) == ("needed", "single-parameter")
 
 
-def test_the_known_issue_and_changed_upstream_agree_on_the_real_0_35_0():
-    """The real 0.35.0 wheel: peft_helper.py renamed peft_config.py, and in
-    model_manager.py a comment where the hunk expects none, around the assert the bug
-    fails on, kept. status said "changed the code partial-moe-adapter changes" beside
-    "the code it was seen in is still there"; each now names what it read: the line
-    that differs, and the file where the failing code still matches."""
-    tree = release_tree("0.35.0")
+# The release drill of 2026-12-06's next release (docs/evidence.md, "the release drill"):
+# peft_helper.py renamed peft_config.py, and the assert partial-moe-adapter's hunk #2
+# anchors on given a message, a comment now ending the line before it.
+HELPER, RENAMED = "vllm/lora/peft_helper.py", "vllm/lora/peft_config.py"
+MOE_ASSERT_COMMENTED = {
+    MANAGER: (
+        "            down_proj_lora = module_lora\n"
+        "            # FIXME Edge case where LoRA is not added to gate_up_proj\n"
+        "            # or down_proj\n"
+        "            assert gate_up_proj_lora is not None\n",
+        "            down_proj_lora = module_lora  # PEFT: <experts> is down_proj\n"
+        "            assert gate_up_proj_lora is not None, (\n"
+        '                f"{module_name}: no gate_up_proj LoRA (experts.base_layer)"\n'
+        "            )\n",
+    )
+}
+
+
+def test_the_known_issue_and_changed_upstream_agree_where_the_failing_code_stays(tmp_path):
+    """0.34.0 altered as the release drill's next release was (its imports of the renamed
+    module left as they were: patchkit reads them not): status said "changed the code
+    partial-moe-adapter changes" beside "the code it was seen in is still there"; each
+    now names what it read: the line that differs, and the file where the failing code
+    still matches."""
+    source = release_tree("0.34.0")
+    tree = next_release(
+        source,
+        tmp_path / "site",
+        NEXT,
+        remove=(HELPER,),
+        rewrite=MOE_ASSERT_COMMENTED,
+        add={RENAMED: (source / HELPER).read_text()},
+    )
     lines = (tree / MANAGER).read_text().splitlines()
     [number] = [n for n, line in enumerate(lines, 1) if "down_proj_lora = module_lora" in line]
     assert "assert gate_up_proj_lora is not None" in lines[number]  # the failing code, kept
@@ -183,7 +209,7 @@ def test_the_known_issue_and_changed_upstream_agree_on_the_real_0_35_0():
     assert row["state"] == "changed-upstream"
     reason = row["reason"]
     assert (reason["gone"], reason["changed"], reason["hunk"]) == (
-        "vllm/lora/peft_helper.py",
+        HELPER,
         MANAGER,
         2,
     )
