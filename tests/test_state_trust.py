@@ -249,3 +249,33 @@ def test_revert_only_never_restores_under_a_patch_this_patchkit_lacks(slim_tree_
         "'future-fix', which this patchkit does not know" in w["message"]
         for w in status["warnings"]
     )
+
+
+# A child whose address space is 1 GiB: a file read whole past that is a MemoryError
+# (exit 3), not a machine out of memory.
+LIMITED = "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+
+
+@pytest.mark.parametrize("where", ["state", "journal", "state beside a journal"])
+def test_a_huge_state_or_journal_is_refused_by_its_size_before_a_byte(slim_tree_0260, where):
+    """A 4 GiB (sparse) state.json or journal went whole into memory before its size was
+    checked: on a 23 GiB host the kernel killed patchkit (and could have chosen another
+    process). The real 0.26.0 tree, applied, then its state file or a journal made huge
+    (beside a journal, the roll-back reads the state to know whether the run committed):
+    each command that reads it refuses it by its size, in one line."""
+    state_file = applied(slim_tree_0260)
+    journal = state_file.parent / "txn" / "journal.json"
+    journal.parent.mkdir()
+    huge = journal if where == "journal" else state_file
+    if where == "state beside a journal":
+        entry = {"path": UTILS, "before": sha(slim_tree_0260 / UTILS),
+                 "after": sha(slim_tree_0260 / UTILS), "patches": ["expand-block-n"]}  # fmt: skip
+        journal.write_text(json.dumps({"state_sha256": "0" * 64, "files": [entry]}))
+    with open(huge, "ab") as handle:
+        handle.truncate(4 << 30)
+    before = snapshot(slim_tree_0260 / "vllm")
+    commands = ("status", "apply", "revert") if where == "state" else ("apply", "revert")
+    for command in commands:
+        line = one_line(run_subprocess(command, "--target", str(slim_tree_0260), code=LIMITED))
+        assert "larger than 16777216 bytes" in line, line
+    assert snapshot(slim_tree_0260 / "vllm") == before and huge.stat().st_size == 4 << 30

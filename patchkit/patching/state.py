@@ -30,7 +30,7 @@ from pathlib import Path
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, Refused
 from patchkit.fs.files import decode_json
-from patchkit.fs.safepath import TMP_SUFFIX, Root, UnsafePath, checked_relpath
+from patchkit.fs.safepath import TMP_SUFFIX, Root, TooLarge, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
 
 STATE_DIR = ".patchkit"
@@ -119,8 +119,14 @@ MISSING = object()
 
 
 def load_json(fs: Root, relpath: str, what: str) -> object:
-    """Decode one of patchkit's JSON files; MISSING when it is not there; ValueError when bad."""
-    raw = fs.read(relpath, what)
+    """Decode one of patchkit's JSON files; MISSING when it is not there; ValueError when bad.
+
+    The bound is the read's: a 4 GiB (sparse) state file read whole before its size was
+    checked took the machine's memory."""
+    try:
+        raw = fs.read(relpath, what, MAX_JSON_BYTES)
+    except TooLarge:
+        raise ValueError(f"larger than {MAX_JSON_BYTES} bytes") from None
     return MISSING if raw is None else decode_json(raw, MAX_JSON_BYTES)
 
 

@@ -37,6 +37,7 @@ from patchkit.fs import locks
 from patchkit.fs.safepath import Root, UnsafePath, checked_relpath
 from patchkit.identity import sha256_bytes
 from patchkit.patching.state import (
+    MAX_JSON_BYTES,
     STATE_DIR,
     STATE_FILE,
     TXN_DIR,
@@ -404,7 +405,7 @@ def recover(fs: Root, file_kinds) -> list[Reason]:
     state_sha, entries = _read_journal(fs, file_kinds)
     for entry in entries:
         fs.unlink_tmp(entry.path, "rollback")
-    if file_sha256(fs.read(STATE_FILE, "state")) == state_sha:
+    if file_sha256(fs.read(STATE_FILE, "state", MAX_JSON_BYTES)) == state_sha:
         fs.remove_tree(TXN_DIR, "journal")
         return [Reason.of(Code.ROLLED_BACK_COMMITTED)]
     restored = []
