@@ -180,6 +180,21 @@ def test_a_deeply_nested_tuned_config_is_a_finding(tmp_path, slim_tree_0260):
     assert "nested too deeply" in result.stdout
 
 
+@pytest.mark.parametrize("key", ["block_n", "num_stages"])
+def test_a_tuned_config_whose_numbers_are_text_is_a_finding(tmp_path, slim_tree_0260, key):
+    """A block_n or num_stages of "64" was compared with 32: TypeError, exit 3."""
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    config = {"block_n": 64, "num_stages": 2} | {key: "64"}
+    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(json.dumps({"1": {"1": config}}))
+    result = run_subprocess("doctor", "--target", str(slim_tree_0260), "--json",
+                      env={"VLLM_TUNED_CONFIG_FOLDER": str(folder)})  # fmt: skip
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    [finding] = json.loads(result.stdout)["tuned_configs"]
+    assert finding["problem"]["code"] == "tuned-unreadable"
+    assert "block_n or num_stages is no number" in finding["problem"]["message"]
+
+
 def test_doctor_kernels_model_config_of_the_wrong_shape_is_one_line(tmp_path):
     """{} as config.json, a string hidden_size, a list as an adapter's rank_pattern:
     KeyError / ValueError / AttributeError, exit 3, before."""

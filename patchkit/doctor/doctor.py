@@ -163,14 +163,19 @@ def tuned_configs(folder: str | None) -> list[OverrideFinding]:
 
 
 def _risky_leaves(path: Path, max_loras: str, by_slices: dict) -> list[OverrideFinding]:
+    """The findings of one max_loras entry; a block_n or num_stages that is no number is
+    one of its own (the file is the user's: a string there raised TypeError, exit 3)."""
     if "1" not in by_slices:
         problem = Reason.of(Code.TUNED_NO_SINGLE_SLICE, max_loras=max_loras)
         return [OverrideFinding(str(path), problem)]
-    risky = [
-        c
-        for c in leaf_configs(by_slices["1"])
-        if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2
-    ]
+    leaves = leaf_configs(by_slices["1"])
+    compared = ("block_n", "num_stages")
+    if not all(isinstance(c.get(k, 0), (int, float)) for c in leaves for k in compared):
+        detail = (
+            f"max_loras {max_loras}: a num_slices=1 config's block_n or num_stages is no number"
+        )
+        return [OverrideFinding(str(path), Reason.of(Code.TUNED_UNREADABLE, detail=detail))]
+    risky = [c for c in leaves if c.get("block_n", 0) > 32 and c.get("num_stages", 2) >= 2]
     if not risky:
         return []
     problem = Reason.of(Code.TUNED_REPLACES_BLOCK_N, max_loras=max_loras, configs=len(risky))
