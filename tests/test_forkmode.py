@@ -208,6 +208,34 @@ def test_fork_mode_never_writes_through_links_in_dot_git(tmp_path, checkout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("index", ["its index", "a new file"])
+def test_a_git_hooks_repository_variables_never_reach_the_checkouts_git(tmp_path, checkout, index):
+    """patchkit run from a git hook of another repository inherits GIT_DIR, GIT_WORK_TREE
+    and GIT_INDEX_FILE for that one: git add and commit read and wrote the index they
+    name (its index: exit 3; a new file: written there, outside the tree). The checkout
+    is the real 0.26.0 tree; the other repository is a fresh one beside it."""
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    (outer / "notes.txt").write_text("someone's work\n")
+    git(outer, "init", "-q")
+    git(outer, "add", "notes.txt")
+    git(outer, "commit", "-qm", "notes")
+    new_index = outer / ".git" / "next-index-4242.lock"
+    named = outer / ".git" / "index" if index == "its index" else new_index
+    hook_env = {
+        "GIT_DIR": str(outer / ".git"),
+        "GIT_WORK_TREE": str(outer),
+        "GIT_INDEX_FILE": str(named),
+        "GIT_OBJECT_DIRECTORY": str(tmp_path / "objects"),
+    }
+    before = snapshot(outer)
+    done = run_subprocess("apply", "--target", str(checkout), env=IDENTITY | hook_env)
+    assert done.returncode == 0, done.stderr
+    assert git(checkout, "rev-list", "--count", "HEAD") == "6"  # its 2 and the 4 patches
+    assert snapshot(outer) == before and not (tmp_path / "objects").exists()
+
+
+@pytest.mark.slow
 def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
     exclude = checkout / ".git" / "info" / "exclude"
     exclude.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import click
 from patchkit import signals
 from patchkit.cli import exits, render
 from patchkit.cli.outcome import command_name, fail, standard_streams
+from patchkit.forks import forkmode
 
 
 class PatchkitGroup(click.Group):
@@ -33,6 +34,7 @@ class PatchkitGroup(click.Group):
             )
             sys.exit(exits.FAILURE)
         signals.install()
+        forkmode.forget_other_repositories()
         try:
             extra.pop("standalone_mode", None)
             result = super().main(args, prog_name, standalone_mode=False, **extra)

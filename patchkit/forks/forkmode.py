@@ -20,6 +20,7 @@ silent edits. So on a checkout patchkit
 
 from __future__ import annotations
 
+import os
 import re
 import stat
 from dataclasses import dataclass, replace
@@ -37,6 +38,37 @@ from patchkit.vocabulary import Action, PatchState
 INDEX, EXCLUDE = "index", "info/exclude"  # relative to the git directory
 TRAILER_PATCH = "Patchkit-Patch"
 TRAILER_ACTION = "Patchkit-Action"
+# The variables by which git works on another repository than the one it runs in (`git
+# rev-parse --local-env-vars`, less GIT_CONFIG*: those carry the user's own -c settings);
+# git drops them itself before it works in a submodule.
+REPOSITORY_ENV = (
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_IMPLICIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_COMMON_DIR",
+    "GIT_GRAFT_FILE",
+    "GIT_SHALLOW_FILE",
+    "GIT_NO_REPLACE_OBJECTS",
+    "GIT_REPLACE_REF_BASE",
+    "GIT_PREFIX",
+    "GIT_INTERNAL_SUPER_PREFIX",
+)
+
+
+def forget_other_repositories() -> None:
+    """Drop :data:`REPOSITORY_ENV` from this process, before any git runs.
+
+    patchkit runs git only on the checkout --target names. Started by a git hook of
+    another repository, it inherits that one's GIT_DIR, GIT_WORK_TREE and
+    GIT_INDEX_FILE; left set, fork mode's `git add` and `git commit` read that
+    repository's index (exit 3) or wrote the checkout's index into the file it names,
+    outside the tree.
+    """
+    for name in REPOSITORY_ENV:
+        os.environ.pop(name, None)
 
 
 def is_fork(tree: VllmTree) -> bool:
