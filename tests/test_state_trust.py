@@ -10,6 +10,7 @@ with nothing changed; a stale record whose files are back is dropped.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -279,3 +280,41 @@ def test_a_huge_state_or_journal_is_refused_by_its_size_before_a_byte(slim_tree_
         line = one_line(run_subprocess(command, "--target", str(slim_tree_0260), code=LIMITED))
         assert "larger than 16777216 bytes" in line, line
     assert snapshot(slim_tree_0260 / "vllm") == before and huge.stat().st_size == 4 << 30
+
+
+def nest(directory: Path, depth: int) -> None:
+    """``depth`` directories, one inside the other, made by descriptors (no path that long)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+
+
+def unnest(directory: Path, depth: int) -> None:
+    """Remove what :func:`nest` made, deepest first (shutil.rmtree recurses as deep)."""
+    fds = [os.open(directory, os.O_RDONLY | os.O_DIRECTORY)]
+    for _ in range(depth - 1):
+        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    for fd in reversed(fds):
+        os.rmdir("d", dir_fd=fd)
+        os.close(fd)
+
+
+def test_a_directory_nested_past_the_recursion_limit_in_the_state_is_one_line(slim_tree_0260):
+    """1,200 directories one inside the other in .patchkit/backups/ (the real 0.26.0 tree,
+    applied, altered so): the walk that looks for links there raised RecursionError,
+    exit 3, in every command; now it stops MAX_DEPTH down and names the directory."""
+    state_file = applied(slim_tree_0260)
+    backups = state_file.parent / "backups"
+    nest(backups, 1200)
+    try:
+        before = snapshot(slim_tree_0260 / "vllm")
+        for command in ("status", "apply", "revert"):
+            line = one_line(run_subprocess(command, "--target", str(slim_tree_0260)))
+            assert "directories deep; patchkit never walks that far" in line, line
+        assert snapshot(slim_tree_0260 / "vllm") == before
+    finally:
+        unnest(backups, 1200)

@@ -38,6 +38,11 @@ from patchkit.errors import PatchkitError
 
 CODE_TOP = "vllm"
 TMP_SUFFIX = ".patchkit-tmp"
+# How many directories below its start a recursive walk (links, mounts, removal) goes:
+# far past any tree, cache or .patchkit/ (vLLM's deepest file is 8 below vllm/), far
+# from Python's recursion limit (1,200 directories under .patchkit/ raised RecursionError,
+# exit 3, in every command).
+MAX_DEPTH = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -453,19 +458,30 @@ def _opened_dir(fd: int, name: str):
         os.close(child)
 
 
-def _first_link(fd: int, path: Path) -> UnsafePath | None:
+def _first_link(fd: int, path: Path, depth: int = 0) -> UnsafePath | None:
     for name, found, full in _children(fd, path):
         if stat.S_ISLNK(found.st_mode):
             return _link(full, _readlink_or(fd, name))
         if stat.S_ISDIR(found.st_mode):
+            if depth >= MAX_DEPTH:
+                return _too_deep(full)
             with _opened_dir(fd, name) as child:
-                inner = _first_link(child, full)
+                inner = _first_link(child, full, depth + 1)
             if inner:
                 return inner
     return None
 
 
-def remove_entry(fd: int, name: str, mount: object, path: Path) -> Usage:
+def _too_deep(path: Path) -> UnsafePath:
+    return UnsafePath(
+        f"{path} is more than {MAX_DEPTH} directories deep; patchkit never walks that far "
+        "down (nothing it writes is): remove it",
+        path=path,
+        kind="too deep",
+    )
+
+
+def remove_entry(fd: int, name: str, mount: object, path: Path, depth: int = 0) -> Usage:
     """Remove ``name`` in directory ``fd``, recursively, without leaving ``mount``.
 
     Links are removed as links (never followed). A directory on another mount
@@ -478,6 +494,8 @@ def remove_entry(fd: int, name: str, mount: object, path: Path) -> Usage:
     if not stat.S_ISDIR(found.st_mode):
         _unlink_at(fd, name)
         return Usage(1, found.st_size)
+    if depth > MAX_DEPTH:
+        raise _too_deep(path)
     with _opened_dir(fd, name) as child:
         if mount_id(child) != mount:
             raise UnsafePath(
@@ -487,14 +505,16 @@ def remove_entry(fd: int, name: str, mount: object, path: Path) -> Usage:
             )
         usage = Usage()
         for inner in sorted(os.listdir(child)):
-            usage = usage + remove_entry(child, inner, mount, path / inner)
+            usage = usage + remove_entry(child, inner, mount, path / inner, depth + 1)
     os.rmdir(name, dir_fd=fd)
     return usage
 
 
-def mount_points_below(fd: int, path: Path) -> str | None:
+def mount_points_below(fd: int, path: Path, depth: int = 0) -> str | None:
     """The first entry below ``fd`` that is on another mount (a bind-mounted directory or
     file); None if there is none."""
+    if depth > MAX_DEPTH:
+        raise _too_deep(path)
     mount = mount_id(fd)
     for name, found, full in _children(fd, path):
         if stat.S_ISLNK(found.st_mode):
@@ -505,7 +525,8 @@ def mount_points_below(fd: int, path: Path) -> str | None:
                 return str(full)
             continue
         with _opened_dir(fd, name) as child:
-            inner = str(full) if mount_id(child) != mount else mount_points_below(child, full)
+            below = mount_id(child) == mount
+            inner = mount_points_below(child, full, depth + 1) if below else str(full)
         if inner:
             return inner
     return None
