@@ -43,6 +43,11 @@ TMP_SUFFIX = ".patchkit-tmp"
 # from Python's recursion limit (1,200 directories under .patchkit/ raised RecursionError,
 # exit 3, in every command).
 MAX_DEPTH = 256
+# The most a read through a Root takes unless its caller says less: far past any file
+# patchkit reads in a tree, a cache or .git (vLLM's largest source file is 0.4 MB, a
+# RECORD 0.3 MB); a 4 GiB sparse file once went whole into memory (MemoryError, or the
+# kernel killing patchkit).
+MAX_READ_BYTES = 64 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -184,9 +189,9 @@ class Root:
             return None if fd is None else _lstat_at(fd, name)
 
     # -- files --------------------------------------------------------------
-    def read(self, relpath: str, origin: str, limit: int | None = None) -> bytes | None:
-        """A regular file's bytes; None when it is missing. Links and FIFOs are refused;
-        with ``limit``, so is a file of more bytes (:class:`TooLarge`), before it is read."""
+    def read(self, relpath: str, origin: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """A regular file's bytes; None when it is missing. Links and FIFOs are refused, and
+        so is a file of more than ``limit`` bytes (:class:`TooLarge`), before it is read."""
         with self.parent(relpath, origin) as (fd, name):
             return None if fd is None else _read_at(fd, name, self.full(relpath), limit)
 

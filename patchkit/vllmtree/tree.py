@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 
 from patchkit.codes import Code
 from patchkit.errors import FileProblem, PatchkitError, UsageProblem
-from patchkit.fs.safepath import Root
+from patchkit.fs.safepath import Root, TooLarge
 from patchkit.identity import is_version
 from patchkit.vllmtree.record import RecordRow, RecordUnreadable, WheelRecord, read_rows
 
@@ -150,11 +150,14 @@ def _dist_info(root: Path, fs: Root) -> str | None:
 
 def _metadata_text(fs: Root, relpath: str) -> str | None:
     """A dist-info file as text; VllmInstallInvalid naming it when it is not sane text."""
-    data = fs.read(relpath, "dist-info")
+    try:
+        data = fs.read(relpath, "dist-info", MAX_METADATA_BYTES)
+    except TooLarge:
+        raise VllmInstallInvalid(
+            fs.full(relpath), f"larger than {MAX_METADATA_BYTES} bytes"
+        ) from None
     if data is None:
         return None
-    if len(data) > MAX_METADATA_BYTES:
-        raise VllmInstallInvalid(fs.full(relpath), f"larger than {MAX_METADATA_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
