@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import py_compile
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import releases_with_variant, run_cli, run_subprocess
 from tests.helpers import REPORT_IMPORTS
+from tests.kernelscan_helpers import triton_site
 
 NAN_BUG = "vLLM #48590"
 PARTIAL_BUG = "vLLM #47639"
@@ -332,3 +334,41 @@ def test_the_nan_verdict_rests_on_the_kernel_scan(cases, ptxas, states, status, 
     reason, fix = say(verdict.reason), said(verdict.fix)
     assert verdict.status == status and "kernel scan" in reason
     assert words in reason + fix
+
+
+RUNS_AND_SAYS = """#!/bin/sh
+touch {ran}
+echo "Cuda compilation tools, release 12.8, V12.8.93"
+"""
+
+
+@pytest.mark.parametrize("ptxas", ["a script", "the real binary"])
+def test_the_ptxas_beside_the_tree_is_read_never_run(slim_tree_0260, tmp_path, ptxas):
+    """doctor reads a tree; it ran the tree's triton/backends/nvidia/bin/ptxas --version,
+    whatever the tree put there, with patchkit's rights (root's under sudo). The real
+    0.26.0 tree with Triton 3.6.0's dist-info beside it, and its ptxas: the wheel's real
+    binary, or a script that marks a file outside the tree when it runs. The version is
+    read from the bytes (where --version's words are) and nothing runs."""
+    site = triton_site("3.6.0")
+    shutil.copytree(site / "triton-3.6.0.dist-info", slim_tree_0260 / "triton-3.6.0.dist-info")
+    bundled = slim_tree_0260 / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
+    bundled.parent.mkdir(parents=True)
+    ran = tmp_path / "ran"
+    if ptxas == "a script":
+        executable(bundled, "").write_text(RUNS_AND_SAYS.format(ran=ran))
+    else:
+        shutil.copy2(site / "triton" / "backends" / "nvidia" / "bin" / "ptxas", bundled)
+    report = doctor(slim_tree_0260)
+    assert report["triton_next_to_vllm"]["ptxas_version"] == "12.8.93"
+    assert not ran.exists()
+
+
+def test_a_fifo_as_the_triton_metadata_beside_the_tree_is_not_waited_on(slim_tree_0260):
+    """triton-*.dist-info/METADATA beside the real 0.26.0 tree made a FIFO: doctor waited
+    for a writer forever."""
+    info = slim_tree_0260 / "triton-3.6.0.dist-info"
+    info.mkdir()
+    os.mkfifo(info / "METADATA")
+    done = run_subprocess("doctor", "--target", str(slim_tree_0260), "--json", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["triton_next_to_vllm"]["version"] is None

@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchkit.fs.files import MAX_SETTINGS_BYTES, read_regular
+
 PTXAS_ENV = "TRITON_PTXAS_PATH"
 
 
@@ -73,6 +75,28 @@ def ptxas_version(path: str) -> str | None:
     return match.group(2) if match else None
 
 
+# ptxas spells its version in its own bytes ("Cuda compilation tools, release 12.8,
+# V12.8.93"), as --version prints it; the 12.8 binary is 32 MB.
+_PTXAS_RELEASE = re.compile(rb"release (\d+\.\d+), V([\d.]+)")
+MAX_PTXAS_BYTES = 256 << 20
+
+
+def ptxas_version_read(path: str) -> str | None:
+    """The version ``ptxas --version`` would print, read from the binary, never run; None
+    if it is no regular file of at most MAX_PTXAS_BYTES or spells no version.
+
+    For the ptxas beside a vLLM tree: it is one of the tree's files, and doctor only
+    reads a tree. Running it ran whatever the tree put there, with patchkit's rights
+    (root's, under sudo), free to write anywhere.
+    """
+    try:
+        data = read_regular(path, MAX_PTXAS_BYTES)
+    except (OSError, ValueError):
+        return None
+    match = _PTXAS_RELEASE.search(data)
+    return match.group(2).decode() if match else None
+
+
 def disassembler(location: str) -> list[str]:
     """cuobjdump (or nvdisasm) from Triton's wheel, else nvidia-cuda-nvdisasm's, else PATH's."""
     bin_dir = Path(location) / "backends" / "nvidia" / "bin"
@@ -121,14 +145,16 @@ def tree_triton(root: Path) -> TreeTriton:
         version=version,
         location=location,
         python=_environment_python(root),
-        ptxas_version=ptxas_version(str(bundled)) if location and bundled.is_file() else None,
+        ptxas_version=ptxas_version_read(str(bundled)) if location else None,
     )
 
 
 def _read(path: Path) -> str:
+    """A dist-info file beside the tree as text; '' where it is no regular file of at most
+    1 MiB (a FIFO there hung doctor; a link to /dev/zero took all its memory)."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")[:65536]
-    except OSError:
+        return read_regular(path, MAX_SETTINGS_BYTES).decode("utf-8", errors="replace")
+    except (OSError, ValueError):
         return ""
 
 
