@@ -795,7 +795,9 @@ def test_no_control_character_from_the_files_reaches_the_terminal(tmp_path, dens
     data = json.loads(
         run_cli("adapter", "check", str(adapter), "--model", str(dense), "--json").stdout
     )
-    assert "Evil\r\x1b[2K" in data["skipped"][0]["message"]  # JSON escapes; the value is kept
+    skipped = data["skipped"][0]
+    assert skipped["architecture"] == "Evil\r\x1b[2Kadapter check: clean"  # the fact, exact
+    assert "(Evil\\r\\x1b[2Kadapter" in skipped["message"]  # the words, as the text shows them
 
 
 # ----- hostile values: one finding or line each, never exit 3 -----

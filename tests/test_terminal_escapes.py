@@ -20,7 +20,7 @@ import pytest
 
 from patchkit.cli import render
 from patchkit.terminal import printable
-from tests.conftest import CATALOGUE, run_cli, slim_tree
+from tests.conftest import CATALOGUE, applied, run_cli, slim_tree
 from tests.helpers import record, write_log
 
 HOSTILE = "x\x1b]0;owned\x07\x1b[2J\rclean\nforged\u202eevil"
@@ -123,3 +123,34 @@ def test_an_error_that_quotes_its_input_is_one_escaped_line(args):
     clean(result, shown=None)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "\\x1b" in result.stderr or "\\\\x1b" in result.stderr, result.stderr
+
+
+def json_messages(value) -> list[str]:
+    """Every message's words in a JSON document, nested ones too."""
+    if isinstance(value, list):
+        return [m for item in value for m in json_messages(item)]
+    if not isinstance(value, dict):
+        return []
+    own = [value["message"]] if "code" in value and isinstance(value.get("message"), str) else []
+    return own + [m for item in value.values() for m in json_messages(item)]
+
+
+def test_a_json_message_is_its_line_as_printed_and_its_facts_are_exact(tmp_path):
+    """docs/json.md: a message is the words the text output prints, and a reader shows it.
+    A warning's and a refusal's quoted entry held the tree's path raw (ESC, a forged
+    line), while the error's own message was escaped. The real 0.26.0 tree under a
+    hostile name, applied, its state altered to name a patch this patchkit lacks."""
+    tree = slim_tree(tmp_path / f"site-{HOSTILE}")
+    state_file = applied(tree)
+    state = json.loads(state_file.read_text())
+    ghost = json.loads(json.dumps(state["patches"][0])) | {"id": "ghost"}
+    ghost["files"][0]["backup"] = "backups/ghost/" + ghost["files"][0]["path"]
+    state_file.write_text(json.dumps(state | {"patches": [*state["patches"], ghost]}))
+    for command in ("status", "revert"):
+        result = run_cli(command, "--target", str(tree), "--json")
+        document = json.loads(result.stdout)
+        messages = json_messages(document)
+        assert any(SHOWN in m for m in messages), messages
+        assert [m for m in messages if raw(m) or "\n" in m] == []
+    status = json.loads(run_cli("status", "--target", str(tree), "--json").stdout)
+    assert status["vllm"]["path"] == str(tree)  # a fact stays exact

@@ -90,13 +90,15 @@ def document(command: str, data: dict) -> dict:
 
 
 def message(reason: Reason | None) -> dict | None:
-    """A message in JSON: its code, its words as the text output prints them, and the
-    facts the words were made from (a nested reason as a message of its own); None stays
+    """A message in JSON: its code, its words as the text output prints them (escaped,
+    :func:`printable`: a reader shows the message, and a path with ESC or a newline in it
+    once reached its terminal raw from a warning or a refusal's cause), and the facts the
+    words were made from, exact (a nested reason as a message of its own); None stays
     null."""
     if reason is None:
         return None
     facts = {k: _fact(v) for k, v in reason.facts if not (k == "text" and its_own_words(reason))}
-    return {"code": str(reason.code), "message": say(reason), **facts}
+    return {"code": str(reason.code), "message": printable(say(reason)), **facts}
 
 
 def _fact(value):
