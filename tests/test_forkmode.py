@@ -236,6 +236,49 @@ def test_a_git_hooks_repository_variables_never_reach_the_checkouts_git(tmp_path
 
 
 @pytest.mark.slow
+def test_a_git_file_naming_another_repository_is_refused(tmp_path, checkout):
+    """The tree's .git a git file naming someone else's repository (the real 0.26.0 tree,
+    its own .git removed): apply --allow-dirty committed the patches there and switched
+    its HEAD to patchkit's branch. Now it is one line, and that repository is as before."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("someone's work\n")
+    git(other, "init", "-q", "-b", "main")
+    git(other, "add", "notes.txt")
+    git(other, "commit", "-qm", "notes")
+    git(other, "tag", "v0.26.0")
+    shutil.rmtree(checkout / ".git")
+    (checkout / ".git").write_text(f"gitdir: {other / '.git'}\n")
+    before = other_state(other)
+    done = run_subprocess("apply", "--allow-dirty", "--target", str(checkout), env=IDENTITY)
+    line = one_line(done)
+    assert f"names the repository {other / '.git'}" in line, line
+    assert other_state(other) == before
+
+
+def other_state(root: Path) -> tuple:
+    """A repository's HEAD, branches, every commit and its exclude file."""
+    exclude = root / ".git" / "info" / "exclude"
+    return (
+        (root / ".git" / "HEAD").read_text(),
+        git(root, "branch", "--list"),
+        git(root, "rev-list", "--all"),
+        exclude.read_text() if exclude.exists() else None,
+    )
+
+
+@pytest.mark.slow
+def test_a_linked_worktree_of_the_checkout_is_its_own_repository(tmp_path, checkout):
+    """A linked worktree's .git is a git file too; its repository names it back."""
+    linked = tmp_path / "linked"
+    git(checkout, "worktree", "add", "-q", "--detach", str(linked))
+    done = run_subprocess("apply", "--target", str(linked), env=IDENTITY)
+    assert done.returncode == 0, done.stderr
+    assert git(linked, "branch", "--show-current") == "patchkit/vllm-0.26.0"
+    assert git(checkout, "branch", "--show-current") == "main"
+
+
+@pytest.mark.slow
 def test_a_fifo_in_dot_git_is_refused_not_waited_on(checkout):
     exclude = checkout / ".git" / "info" / "exclude"
     exclude.unlink(missing_ok=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 from patchkit.catalogue.model import Patch
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, Refused, UsageProblem
+from patchkit.fs.files import MAX_SETTINGS_BYTES, read_regular
 from patchkit.fs.safepath import Root, UnsafePath, kind_of
 from patchkit.patching.state import STATE_DIR
 from patchkit.signals import Terminated, held
@@ -100,6 +101,25 @@ class Checkout:
                 )
 
     # -- checks -------------------------------------------------------------
+    def check_own_repository(self) -> None:
+        """The repository is the checkout's own: its .git a directory in the tree, or a git
+        file naming a repository whose work tree is this checkout (a linked worktree names
+        it back in its ``gitdir`` file, a submodule in ``core.worktree``). A .git file or
+        link naming another repository made fork mode commit there and switch its HEAD."""
+        dot_git = self.tree.root / ".git"
+        if dot_git.is_dir() and not dot_git.is_symlink():
+            return
+        git_dir = Path(self.repo.git_dir)
+        if _work_tree_of(git_dir, self.repo) == self.tree.root.resolve():
+            return
+        raise UnsafePath(
+            f"{dot_git} names the repository {git_dir}, whose work tree is not "
+            f"{self.tree.root}; fork mode commits only into the checkout's own repository",
+            path=dot_git,
+            kind="a git file naming another repository",
+            target=str(git_dir),
+        )
+
     def check_clean(self, allow_dirty: bool) -> None:
         if allow_dirty or not self.repo.is_dirty(untracked_files=False):
             return
@@ -253,6 +273,25 @@ def _state_files(fs: Root, relpath: str = STATE_DIR) -> list[str]:
     return found
 
 
+def _work_tree_of(git_dir: Path, repo) -> Path | None:
+    """The work tree a git directory names back: a linked worktree's ``gitdir`` file (the
+    path of the worktree's .git file), else ``core.worktree`` (a submodule's, relative to
+    the git directory); None where it names none."""
+    try:
+        back = read_regular(git_dir / "gitdir", MAX_SETTINGS_BYTES).decode().strip()
+    except FileNotFoundError:
+        back = None
+    except (OSError, ValueError):
+        return None
+    if back:
+        return Path(back).parent.resolve()
+    try:
+        worktree = repo.config_reader("repository").get_value("core", "worktree", "")
+    except Exception:  # a config git itself would refuse
+        return None
+    return (git_dir / str(worktree)).resolve() if worktree else None
+
+
 def _git_message(exc: Exception) -> str:
     """The useful line of a git failure (its stderr), not gitpython's whole repr."""
     stderr = getattr(exc, "stderr", "") or str(exc)
@@ -345,6 +384,7 @@ class _Guard:
         writes = plan.writes()
         if not writes and not plan.acting(Action.REVERTED):
             return
+        self.checkout.check_own_repository()
         self.checkout.check_clean(self.allow_dirty)
         self.checkout.check_identity()
         branch = self.branch or self.checkout.current_branch() or "HEAD"
