@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import applied, normalized, release_tree, run_cli, run_subprocess, snapshot
+from tests.conftest import (
+    CATALOGUE,
+    applied,
+    normalized,
+    release_tree,
+    run_cli,
+    run_subprocess,
+    snapshot,
+)
 from tests.helpers import NESTED, UTILS, one_line, one_line_failure, sha
 
 
@@ -200,6 +208,37 @@ def test_an_unknown_patch_in_the_state_is_reported_not_acted_on(slim_tree_0260):
     line = one_line_failure(run_cli("revert", "--target", str(slim_tree_0260)))
     assert "'ghost'" in line and "nothing was changed" in line
     assert snapshot(slim_tree_0260) == before
+
+
+def test_a_refused_run_leaves_an_interrupted_run_s_leftovers_as_they_were(slim_tree_0260, tmp_path):
+    """The real 0.26.0 tree (slim) with expand-block-n applied, then what a run killed
+    before its journal leaves in .patchkit/ (a temporary file, a backup no entry records)
+    beside an entry for a patch this patchkit does not know: revert, apply and refresh
+    refuse, and .patchkit/ is byte for byte as it was. A run that writes sweeps them."""
+    tree = slim_tree_0260
+    assert run_cli("apply", "--target", str(tree), "--only", "expand-block-n").exit_code == 0
+    state_file = tree / ".patchkit" / "state.json"
+    data = json.loads(state_file.read_text())
+    ghost = json.loads(json.dumps(data["patches"][0]))
+    ghost["id"], ghost["files"][0]["backup"] = "ghost", f"backups/ghost/{UTILS}"
+    data["patches"].append(ghost)
+    state_file.write_text(json.dumps(data))
+    leftovers = [tree / ".patchkit/state.json.patchkit-tmp", tree / ".patchkit/backups/x/a.py"]
+    for leftover in leftovers:
+        leftover.parent.mkdir(parents=True, exist_ok=True)
+        leftover.write_text("left by a killed run\n")
+    catalogue = tmp_path / "patches"  # refresh's, copied: it would write there
+    shutil.copytree(CATALOGUE.root, catalogue)
+    env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    before = snapshot(tree)
+    for args in (("revert",), ("apply",), ("refresh", "expand-block-n")):
+        result = run_cli(*args, "--target", str(tree), env=env)
+        assert result.exit_code == 1 and "ghost" in one_line_failure(result), args
+        assert snapshot(tree) == before, args
+    data["patches"].pop()
+    state_file.write_text(json.dumps(data))
+    assert run_cli("revert", "--target", str(tree)).exit_code == 0
+    assert not (tree / ".patchkit").exists()
 
 
 def test_an_unknown_patch_whose_files_are_back_is_dropped(slim_tree_0260):

@@ -118,15 +118,22 @@ def state_of(tree: VllmTree, catalogue: Catalogue) -> State:
 
 @contextmanager
 def _locked(tree: VllmTree, catalogue: Catalogue, notes: list[Reason]):
-    """Lock the tree, hold signals, roll back an interrupted run, yield the state; tidy."""
+    """Lock the tree, hold signals, roll back an interrupted run, yield the state; tidy.
+
+    A run refused before it wrote leaves ``.patchkit/`` as it found it, an interrupted
+    run's leftovers included (its exit says nothing changed): those are swept just before
+    the first write (:func:`_execute`) or by tidying after a run that succeeded. Only a
+    roll-back, which stands and is said, is tidied after a refusal too.
+    """
     with TreeLock(tree.fs) as lock, signals.held():
         try:
             notes.extend(recover(tree.fs, catalogue.file_kinds))
-            state = state_of(tree, catalogue)
-            sweep(state)
-            yield state
-        finally:
-            tidy(tree.fs, lock)
+            yield state_of(tree, catalogue)
+        except BaseException:
+            if notes:
+                tidy(tree.fs, lock)
+            raise
+        tidy(tree.fs, lock)
 
 
 def status(tree: VllmTree, catalogue: Catalogue) -> RunReport:
@@ -220,10 +227,13 @@ def _execute(report: RunReport, state: State) -> None:
     planned = report.plan
     applied = planned.acting(Action.APPLIED)
     reverted = planned.acting(Action.REVERTED)
-    for patch_id in [*planned.drop, *(s.assessment.patch.id for s in reverted)]:
-        state.patches.pop(patch_id, None)
     if not (applied or reverted or planned.drop):
         return
+    # an interrupted run's leftovers, before the state forgets what it reverts: their
+    # backups are kept until the commit, to restore from should it fail
+    sweep(state)
+    for patch_id in [*planned.drop, *(s.assessment.patch.id for s in reverted)]:
+        state.patches.pop(patch_id, None)
     backups = _record_applied(report.tree, state, applied)
     writes = planned.writes()
     commit(state, writes, backups)

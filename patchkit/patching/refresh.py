@@ -51,6 +51,7 @@ from patchkit.patching.state import (
     backup_path,
     file_sha256,
     load_state,
+    recorded_backups,
     sweep,
 )
 from patchkit.patching.transaction import TreeLock, after_recovery, commit_or_undo, recover
@@ -120,9 +121,11 @@ def refresh(
                 raise Refused(Reason.of(Code.REFRESH_CATALOGUE_RECOVERED, recovered=recovered[0]))
             recovered += recover(tree.fs, catalogue.file_kinds)
             state = load_state(tree.fs, catalogue.file_kinds)
-            sweep(state)
+            recorded = recorded_backups(state)  # _plan makes state the one to be written
         try:
             plan = _plan(tree, catalogue, root, patch, state, variant_name, add, pristine)
+            with signals.held():  # only now: a refused plan leaves .patchkit/ as it was
+                sweep(state, recorded)
             _write(tree, root, plan)
         except (OSError, PatchkitError) as exc:
             if not recovered or isinstance(exc, InterruptedAfterRefresh):

@@ -247,18 +247,23 @@ def _is_short_str(value: object) -> bool:
     return isinstance(value, str) and len(value) <= 200
 
 
-def sweep(state: State) -> None:
+def sweep(state: State, wanted: set[str] | None = None) -> None:
     """Remove what an interrupted run can leave in ``.patchkit/`` besides the journal.
 
     Temporary files of atomic writes, and backups of patches the state does
     not record (written before a run's journal, then killed). Called under
-    the lock, after recovery, so the directory holds exactly what the state
-    describes.
+    the lock, after recovery, before a run's first write, so the directory
+    holds exactly what the state describes. ``wanted``: the backups to keep,
+    :func:`recorded_backups` of the state as committed, where ``state`` is
+    already the one the run will write.
     """
-    fs = state.fs
+    _sweep_dir(state.fs, STATE_DIR, recorded_backups(state) if wanted is None else wanted)
+
+
+def recorded_backups(state: State) -> set[str]:
+    """The backups ``state``'s entries record, as paths relative to the tree."""
     entries = [r for p in state.patches.values() for r in p.files]
-    wanted = {f"{STATE_DIR}/{r.backup}" for r in entries if r.backup}
-    _sweep_dir(fs, STATE_DIR, wanted)
+    return {f"{STATE_DIR}/{r.backup}" for r in entries if r.backup}
 
 
 def _sweep_dir(fs: Root, relpath: str, wanted: set[str]) -> None:
