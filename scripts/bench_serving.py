@@ -1496,7 +1496,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.step == "table":
         results = json.loads(args.results.read_text())
-        text = table(results, results["meta"])
+        text = table(results, results.get("meta") or cut_short_meta(results, args.results))
         if args.clocks:
             counted = counted_rows(results)
             found = clock_table(counted, clock_samples(args.clocks), measured(results))
@@ -1560,6 +1560,18 @@ def profile_step(args, results: dict, engines: dict[str, Engine], deadline: floa
     if args.markdown:
         args.markdown.write_text(text + "\n")
     return 0
+
+
+def cut_short_meta(results: dict, path: Path) -> dict:
+    """The caption's facts for a results file whose run ended before its report (a sitting
+    packed while it ran: results.json is saved after each round): the build's, from
+    bench.json beside it, and the day of its first round; what only the report could
+    know (the GPU, the versions) is said to be unknown."""
+    unknown = "unknown (the run ended before its report)"
+    first = min((r["wall"] for r in results["rounds"] if "wall" in r), default=None)
+    day = time.strftime("%Y-%m-%d", time.gmtime(first)) if first is not None else unknown
+    return {"date": day, "gpu": f"GPU {unknown}", "vllm": unknown, "torch": unknown,
+            **bench_spec(path.parent)}  # fmt: skip
 
 
 def wait_for_file(path: Path | None, deadline: float) -> None:

@@ -69,6 +69,25 @@ def test_the_table_gives_the_median_of_per_round_ratios():
     assert "| decode_b1_lora | 100 | 103 (103.0 %, q1 100.0 %, 97-110) | 3 |" in text
 
 
+def test_table_reads_a_run_that_ended_before_its_report(tmp_path, capsys, monkeypatch):
+    """A sitting packed while the rounds ran: results.json has the rounds but no meta.
+    `table` prints them, the build from bench.json beside them, the rest said unknown."""
+    rows = [{**row(c, r, t), "wall": 1796628364.7} for r in (0, 1, 2) for c, t in
+            (("default", 100), ("default+nan-probe", 95))]  # fmt: skip
+    results = {"configs": {"default": {}, "default+nan-probe": {}}, "rounds": rows,
+               "base": "default"}  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    (tmp_path / "bench.json").write_text(json.dumps({"model": "dense27b", "adapters": 4,
+                                                     "rank": 64, "layers": 8}))  # fmt: skip
+    module = bench()
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "table", str(tmp_path / "results.json")])
+    assert module.main() == 0
+    text = capsys.readouterr().out
+    assert text.startswith("2026-12-07, GPU unknown (the run ended before its report), vLLM ")
+    assert "dense27b, 4 adapters of rank 64, 8 layers" in text
+    assert "| decode_b1_lora | 100 | 95 (95.0 %, q1 95.0 %, 95-95) | 2 |" in text
+
+
 def test_the_table_names_the_reload_unit_only_where_it_measured_reloads():
     meta = {"date": "d", "gpu": "g", "vllm": "v", "torch": "t", "rounds": 3}
     rows = [row(c, r, 100) for r in (1, 2, 3) for c in ("unpatched", "default")]
