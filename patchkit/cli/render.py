@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import textwrap
@@ -81,7 +82,28 @@ def emit_json(command: str, data: dict) -> None:
     ``"format"`` and ``"command"`` (as typed: "adapter check"), then the command's own
     keys. json.dumps escapes every control character inside a string, so its lines pass
     :func:`out` unchanged and the document stays valid JSON."""
-    out_lines(json.dumps(document(command, data), indent=2))
+    out_lines(json_text(document(command, data)))
+
+
+# JSON has no number for these: a document says them as protobuf's JSON mapping does
+NON_FINITE = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+
+
+def json_text(document: dict) -> str:
+    """``document`` as strict JSON: a non-finite float (a distance verify or canary measured
+    as inf, a NaN answer) is the string "Infinity", "-Infinity" or "NaN"; Python's own
+    bare Infinity and NaN are refused by jq, JavaScript and most other readers."""
+    return json.dumps(_finite(document), indent=2, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return NON_FINITE[repr(value)]
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def document(command: str, data: dict) -> dict:

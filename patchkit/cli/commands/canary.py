@@ -6,8 +6,6 @@ other command needs them.
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from patchkit.cli import exits, render
@@ -122,7 +120,7 @@ def emit(report, as_json: bool, api_key: str | None) -> None:
 
     if as_json:
         data = render.document("canary", canary_json(report))
-        render.out_lines(server.scrub(json.dumps(data, indent=2), api_key))
+        render.out_lines(server.scrub(render.json_text(data), api_key))
         return
     for line in canary_lines(report):
         render.out(fields.one_line(server.scrub(line, api_key), fields.LINE))
