@@ -211,6 +211,36 @@ def test_a_start_check_of_another_shape_is_unknown_with_the_line(tmp_path: Path)
     assert decide(root).effective == "v2"
 
 
+@pytest.mark.parametrize(
+    "deep",
+    [
+        "        _deep = " + "not " * 5000 + "env\n",  # CPython's parser: RecursionError
+        "        _deep = " + "-" * 100_000 + "1\n",  # its parser stack: MemoryError
+        "        for _ in " + "-" * 1000 + "env:\n            pass\n",  # parses; unparse recursed
+        "        (" + "-" * 1000 + "env).warning('x')\n",
+    ],
+    ids=["not-5000", "minus-100000", "for-iter-1000", "call-1000"],
+)
+def test_a_start_check_nested_too_deep_is_unknown_not_a_crash(tmp_path: Path, deep: str):
+    """This alters a copy of the real 0.34.0 tree's validate_environ: an expression nested
+    thousands deep (a few hundred kilobytes at most) before its loop or inside its branch.
+    The check's answer is unknown (or the file's shape, where it still reads it), never
+    patchkit's internal error, exit 3."""
+    if "warning" in deep:
+        old = '                logger.warning(\n                    "VLLM_USE_V2_MODEL_RUNNER=1'
+        new = deep.replace("        ", "                ", 1) + old
+    else:
+        old = "        for env, value in os.environ.items():\n"
+        new = deep + old
+    root = altered("0.34.0", tmp_path / "t", PLATFORM, old, new)
+    choice = decide(root, "0")
+    parses = "env\n" not in deep and "1\n" not in deep
+    # where the file still parses, the deep expression is just not the loop or warning read
+    assert choice.effective == ("refused" if parses else "unknown"), choice
+    result = run_cli("doctor", "--target", str(root), env={ENV: "0"})
+    assert result.exit_code == 0 and "internal error" not in result.output, result.output
+
+
 def test_a_value_vllm_cannot_read_is_refused_not_guessed():
     choice = decide(release_tree("0.30.0"), "yes")
     assert choice.runner == "v2" and choice.effective == "refused"

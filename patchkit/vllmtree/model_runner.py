@@ -279,7 +279,7 @@ def _refusing_branch(method: ast.FunctionDef):
     for loop in ast.walk(method):
         if not (
             isinstance(loop, ast.For)
-            and ast.unparse(loop.iter) == "os.environ.items()"
+            and _dotted(loop.iter) == "os.environ.items()"
             and isinstance(loop.target, ast.Tuple)
             and all(isinstance(e, ast.Name) for e in loop.target.elts)
             and len(loop.target.elts) == 2
@@ -312,11 +312,26 @@ def _refusal(body: list[ast.stmt], value: str):
             for stmt in body[1:]
             if isinstance(stmt, ast.Expr)
             and isinstance(stmt.value, ast.Call)
-            and ast.unparse(stmt.value.func) in ("logger.warning", "logger.warning_once")
+            and _dotted(stmt.value.func) in ("logger.warning", "logger.warning_once")
         ),
         None,
     )
     return accepted, raised.lineno, template, warn_line
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c``, or ``a.b.c()`` for a call of it without arguments; None for anything
+    else. Read in a loop: ast.unparse recurses, and an expression a file nests a thousand
+    deep (which parses) raised RecursionError out of the check."""
+    call = isinstance(node, ast.Call) and not node.args and not node.keywords
+    node = node.func if call else node
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)]) + ("()" if call else "")
 
 
 def _compares(test: ast.expr, name: str, op: type) -> object:
@@ -373,7 +388,8 @@ def _parse(fs: Root, relpath: str) -> ast.Module:
         raise _unknown("file-unreadable", file=relpath)
     try:
         return ast.parse(data.decode("utf-8"), filename=relpath)
-    except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+    except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+        # RecursionError, MemoryError: CPython's parser on an expression nested thousands deep
         raise _unknown("file-unparsable", file=relpath, error=type(exc).__name__) from None
 
 
