@@ -10,6 +10,8 @@ tests walk the maintainer's loop (apply, edit, refresh) and its refusals.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -93,6 +95,19 @@ def test_refresh_refuses_a_patch_that_is_not_applied(tmp_path):
     result = run_cli("refresh", "expand-block-n", "--target", str(tree), env=env)
     assert result.exit_code == 1 and "is not applied" in result.stderr
     assert snapshot(root) == snapshot(CATALOGUE.root)
+
+
+def test_refresh_not_applied_names_an_apply_a_shell_runs_as_written(tmp_path):
+    """A copy of the real 0.26.0 tree under a directory whose name is shell code: the
+    apply refresh names quotes it (it was pasted bare, and $(...) ran)."""
+    root, env = catalogue_copy(tmp_path)
+    tree = copy_tree("0.26.0", tmp_path / "$(touch PWNED) it's" / "site")
+    result = run_cli("refresh", "expand-block-n", "--target", str(tree), env=env)
+    assert result.exit_code == 1
+    (command,) = re.findall(r"`([^`]+)`", result.stderr)
+    assert shlex.split(command) == [
+        "patchkit", "apply", "--only", "expand-block-n", "--target", str(tree)
+    ]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ that every code has words.
 
 from __future__ import annotations
 
+import shlex
+
 from patchkit.cli import (
     adapter_words,
     cache_words,
@@ -678,9 +680,9 @@ def _catalogue_recovered(r: Reason, _: str) -> str:
 def _refresh_not_applied(r: Reason, _: str) -> str:
     p, tree = r["patch"], r["tree"]
     return (
-        f"{p} is not applied on {tree}: `patchkit apply --only {p} --target {tree}`, edit the "
-        "files, then refresh (or, to make a variant from edits of a pristine tree, name the "
-        "edited files with --add)"
+        f"{p} is not applied on {tree}: `{next_words.apply_only([p], shlex.quote(tree))}`, "
+        "edit the files, then refresh (or, to make a variant from edits of a pristine tree, "
+        "name the edited files with --add)"
     )
 
 
