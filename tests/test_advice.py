@@ -260,6 +260,19 @@ def notices(root: Path) -> list[str]:
     return [n["message"] for n in next(p for p in patches if p["id"] == PARTIAL)["notices"]]
 
 
+def test_a_reinstall_named_for_a_version_with_an_epoch_is_quoted(slim_tree_0260: Path):
+    """The real 0.26.0 tree relabelled 1!0.26.0 (PEP 440's epoch), a line added at the end
+    of a file a patch changes (it differs from RECORD): the reinstall apply names quotes the
+    requirement, as bash expands a pasted '!' (!5: its history's fifth command) first."""
+    relabel(slim_tree_0260, "1!0.26.0")
+    with (slim_tree_0260 / UTILS).open("a") as handle:
+        handle.write("# a local note\n")
+    before = snapshot(slim_tree_0260)
+    refused = run_cli("apply", "--target", str(slim_tree_0260))
+    assert refused.exit_code == 1 and snapshot(slim_tree_0260) == before
+    assert "(pip install --force-reinstall --no-deps 'vllm==1!0.26.0') to patch" in refused.stderr
+
+
 def test_a_needed_fix_is_offered_and_0_29_is_not_said_to_fix_it(slim_tree_0260: Path):
     """0.29.0 (#47640) loads an in_proj_qkv-only adapter; an in_proj_z-only one still
     raises there (tests/test_partial_adapter.py runs both on 0.29.0's real code)."""

@@ -7,10 +7,13 @@ and ``--target`` it was refused on, never "ID" or "the others" for the user to f
 
 from __future__ import annotations
 
+import shlex
+
 
 def reinstall(version: str) -> str:
-    """The pip command that puts vLLM ``version``'s own files back."""
-    return f"pip install --force-reinstall --no-deps vllm=={version}"
+    """The pip command that puts vLLM ``version``'s own files back; the requirement
+    quoted, as a PEP 440 epoch's ``!`` (1!0.26.0) is bash's history expansion pasted."""
+    return f"pip install --force-reinstall --no-deps {shlex.quote(f'vllm=={version}')}"
 
 
 def apply_only(ids, target: str) -> str:
