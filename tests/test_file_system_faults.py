@@ -192,6 +192,22 @@ def test_a_dry_run_on_a_tree_this_user_cannot_write_ends_as_the_run_does(foreign
     assert snapshot(foreign_tree) == before and not (foreign_tree / ".patchkit").exists()
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_dry_run_meets_a_lock_that_is_no_file_as_the_run_does(slim_tree_0260, kind):
+    """A copy of the real 0.26.0 tree whose .patchkit/lock is a directory or a FIFO: the
+    run refuses it by type before it opens it; the dry run said '4 would apply', exit 0."""
+    (slim_tree_0260 / ".patchkit").mkdir()
+    lock = slim_tree_0260 / ".patchkit" / "lock"
+    lock.mkdir() if kind == "directory" else os.mkfifo(lock)
+    before = snapshot(slim_tree_0260 / "vllm")  # snapshot() would block reading the FIFO
+    run = run_cli("apply", "--target", str(slim_tree_0260))
+    dry = run_cli("apply", "--dry-run", "--target", str(slim_tree_0260))
+    assert run.exit_code == dry.exit_code == 1, dry.output
+    assert dry.stderr == run.stderr == f"patchkit: error: {lock} is not a regular file; remove it\n"
+    assert snapshot(slim_tree_0260 / "vllm") == before
+    assert os.listdir(lock.parent) == ["lock"] and lock.is_dir() == (kind == "directory")
+
+
 def test_a_dry_run_writes_nothing_not_even_the_lock(slim_tree_0260):
     """On a tree patchkit can write, the dry run's check of the lock creates neither
     .patchkit/ nor a lock file that is missing."""

@@ -94,7 +94,7 @@ def lock_unavailable(fs: Root) -> LockUnavailable | None:
     check_no_links(fs)
     if fs.lstat(STATE_DIR, "lock") is None:
         where, name, mode = "", ".", os.W_OK | os.X_OK
-    elif fs.lstat(LOCK_FILE, "lock") is None:
+    elif _lock_file(fs) is None:
         where, name, mode = STATE_DIR, ".", os.W_OK | os.X_OK
     else:
         where, name, mode = STATE_DIR, "lock", os.R_OK | os.W_OK
@@ -107,6 +107,16 @@ def lock_unavailable(fs: Root) -> LockUnavailable | None:
             return None
     failure = _lock_failure(fs, number, os.strerror(number))
     return LockUnavailable(str(failure), path=fs.full(LOCK_FILE), error=os.strerror(number))
+
+
+def _lock_file(fs: Root) -> os.stat_result | None:
+    """The lock file's lstat, None where there is none; UnsafePath where it is no regular
+    file (refused by type before it is opened, by the lock and by the dry run's forecast
+    alike: a directory or a FIFO there made --dry-run say '4 would apply')."""
+    found = fs.lstat(LOCK_FILE, "lock")
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise UnsafePath(f"{fs.full(LOCK_FILE)} is not a regular file; remove it")
+    return found
 
 
 class TreeLock:
@@ -127,11 +137,8 @@ class TreeLock:
         try:
             if self.fs.lstat(STATE_DIR, "lock") is None:
                 self._made.append(STATE_DIR)
-            found = self.fs.lstat(LOCK_FILE, "lock")
-            if found is None:
+            if _lock_file(self.fs) is None:
                 self._made.insert(0, LOCK_FILE)
-            elif not stat.S_ISREG(found.st_mode):  # refused by type before it is opened
-                raise UnsafePath(f"{self.path} is not a regular file; remove it")
             with self.fs.directory(STATE_DIR, "lock", create=True) as directory:
                 fd = os.open(
                     "lock",
