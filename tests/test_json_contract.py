@@ -549,6 +549,19 @@ def test_a_distance_measured_as_inf_is_strict_json(monkeypatch):
     assert [r["value"] for r in half] == ["Infinity", "Infinity"]
 
 
+def test_every_non_finite_float_is_written_as_protobuf_writes_it_numpy_s_too():
+    """Python's floats and numpy's (a float subclass whose repr is np.float64(inf)), at any
+    depth: strict JSON with the three strings, finite numbers unchanged."""
+    from patchkit.cli.render import json_text
+
+    np = pytest.importorskip("numpy")
+    values = [float("inf"), -float("inf"), float("nan"), np.float64("inf"), np.float64("-inf"),
+              np.float64("nan"), 0.5, np.float64(0.25)]  # fmt: skip
+    document = strict_json(json_text({"a": {"b": values}, "c": (float("nan"),)}))
+    assert document == {"a": {"b": ["Infinity", "-Infinity", "NaN"] * 2 + [0.5, 0.25]},
+                        "c": ["NaN"]}  # fmt: skip
+
+
 def test_verify_says_each_adapters_why_and_reference_as_messages(monkeypatch):
     """verify's document on a real judgement (the 35B-A3B-wide MoE's answers recorded on the
     H200, judged as `verify --model` judges): the verdict's reason, its reference's reason

@@ -85,10 +85,6 @@ def emit_json(command: str, data: dict) -> None:
     out_lines(json_text(document(command, data)))
 
 
-# JSON has no number for these: a document says them as protobuf's JSON mapping does
-NON_FINITE = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
-
-
 def json_text(document: dict) -> str:
     """``document`` as strict JSON: a non-finite float (a distance verify or canary measured
     as inf, a NaN answer) is the string "Infinity", "-Infinity" or "NaN"; Python's own
@@ -97,8 +93,8 @@ def json_text(document: dict) -> str:
 
 
 def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return NON_FINITE[repr(value)]
+    if isinstance(value, float) and not math.isfinite(value):  # numpy's floats too
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
