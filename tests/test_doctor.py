@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import py_compile
+import shlex
 import shutil
 import stat
 import time
@@ -372,3 +373,47 @@ def test_a_fifo_as_the_triton_metadata_beside_the_tree_is_not_waited_on(slim_tre
     done = run_subprocess("doctor", "--target", str(slim_tree_0260), "--json", timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["triton_next_to_vllm"]["version"] is None
+
+
+HOSTILE_DIR = "site $(touch PWNED) 'q'"
+
+
+def test_the_command_to_scan_with_the_trees_triton_is_quoted_for_the_shell(
+    slim_tree_0260, tmp_path
+):
+    """The real 0.26.0 tree (slim) moved under a directory whose name holds a space, a
+    command substitution and quotes, beside a Triton of another release in a Python whose
+    path has a space: the command doctor prints to scan with that Triton splits, as a
+    shell would, into exactly that Python, the module and the tree."""
+    from patchkit.cli.words import say
+    from patchkit.doctor.doctor import DoctorReport, triton_mismatch
+    from patchkit.doctor.toolchain import Toolchain, TreeTriton
+    from patchkit.vllmtree.tree import locate
+
+    root = shutil.move(slim_tree_0260, tmp_path / HOSTILE_DIR)
+    python = str(tmp_path / "my env" / "bin" / "python3")
+    report = DoctorReport(
+        toolchain=Toolchain(triton="3.7.1", location="/x/triton"),
+        tree_triton=TreeTriton("3.6.0", str(root / "triton"), python),
+        tree=locate(str(root)),
+    )
+    words = say(triton_mismatch(report))
+    command = words.split("scan with that one: ", 1)[1].removesuffix(" (patchkit installed there)")
+    assert shlex.split(command) == [
+        python, "-m", "patchkit", "doctor", "--kernels", "--target", str(root)
+    ]  # fmt: skip
+
+
+def test_fetch_s_note_on_a_patched_tree_names_revert_quoted_for_the_shell(tmp_path, capsys):
+    """A tree fetch made earlier (its marker) and since patched (.patchkit/), under a
+    directory whose name a shell would run: fetch hands it back with a note whose revert
+    command splits into exactly that directory."""
+    from patchkit.releases.fetch import MARKER, fetch
+
+    dest = tmp_path / HOSTILE_DIR
+    (dest / ".patchkit").mkdir(parents=True)
+    (dest / MARKER).write_text("vllm-0.26.0-cp38-abi3-manylinux1_x86_64.whl\n")
+    assert fetch("0.26.0", dest) == dest
+    [note] = capsys.readouterr().err.splitlines()
+    command = note.split("(`", 1)[1].split("`", 1)[0]
+    assert shlex.split(command) == ["patchkit", "revert", "--target", str(dest)]

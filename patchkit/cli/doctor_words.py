@@ -9,6 +9,8 @@ with another Triton than vLLM's).
 
 from __future__ import annotations
 
+import shlex
+
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Reason
 from patchkit.doctor import sass
@@ -231,7 +233,7 @@ def _scan_errors(r: Reason, _: str) -> str:
 @words(Code.SCAN_OTHER_TRITON)
 def _other_triton(r: Reason, _: str) -> str:
     where = f" ({r['vllm_triton_location']})" if r["vllm_triton_location"] else ""
-    python = r["python"] or "the Python of vLLM's environment"
+    python = shlex.quote(r["python"]) if r["python"] else "the Python of vLLM's environment"
     return (
         f"the kernel scan compiled with Triton {r['triton']} ({r['location']}), but vLLM here "
         f"runs Triton {r['vllm_triton']}{where}, so the scan is not evidence for it; scan with "

@@ -498,7 +498,7 @@ def triton_mismatch(report: DoctorReport) -> Reason | None:
     ours, theirs = report.toolchain, report.tree_triton
     if theirs is None or theirs.version is None or same_triton(ours, theirs):
         return None
-    target = f" --target {report.tree.root}" if report.tree else ""
+    target = f" --target {shlex.quote(str(report.tree.root))}" if report.tree else ""
     return Reason.of(
         Code.SCAN_OTHER_TRITON,
         triton=ours.triton,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 import urllib.parse
@@ -101,7 +102,7 @@ def fetch(
         if (dest / ".patchkit").exists():
             say(
                 f"note: {dest} has patchkit changes applied "
-                f"(`patchkit revert --target {dest}` undoes them)"
+                f"(`patchkit revert --target {shlex.quote(str(dest))}` undoes them)"
             )
         return dest
     if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
