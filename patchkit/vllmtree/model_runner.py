@@ -159,9 +159,9 @@ def _v2_without_hybrid_state(fs: Root) -> Reason | None:
     MambaSpec and allocates the state (later releases keep it in other files of V2, and
     the assert is gone).
     """
-    if fs.lstat(V2_KV_CACHE, "runner") is None:
+    tree = _parse_present(fs, V2_KV_CACHE)
+    if tree is None:
         return None
-    tree = _parse(fs, V2_KV_CACHE)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and any(a.name == "MambaSpec" for a in node.names):
             return None
@@ -175,8 +175,7 @@ def _isinstance_of(test: ast.expr, name: str) -> bool:
     """``isinstance(x, name)``."""
     return (
         isinstance(test, ast.Call)
-        and isinstance(test.func, ast.Name)
-        and test.func.id == "isinstance"
+        and _dotted(test.func) == "isinstance"
         and len(test.args) == 2
         and isinstance(test.args[1], ast.Name)
         and test.args[1].id == name
@@ -237,9 +236,8 @@ def _environ_check(fs: Root) -> tuple[str, int, tuple[str | None, ...], int | No
     knew; from 0.34.0, which removed V1, any value but "1" raises ("Model Runner V1 has been
     removed. Unset this variable.") and "1" logs that it is redundant.
     """
-    if fs.lstat(PLATFORM, "runner") is None:
-        return None
-    method = _validate_environ(_parse(fs, PLATFORM))
+    platform = _parse_present(fs, PLATFORM)
+    method = _validate_environ(platform) if platform is not None else None
     if method is None or not any(
         isinstance(n, ast.Constant) and n.value == ENV for n in ast.walk(method)
     ):
@@ -247,11 +245,10 @@ def _environ_check(fs: Root) -> tuple[str, int, tuple[str | None, ...], int | No
     found = _refusing_branch(method)
     if found is None:
         raise _unknown("environ-not-understood", method.lineno, file=PLATFORM, env=ENV)
-    if fs.lstat(CUDA_PLATFORM, "runner") is not None and _validate_environ(
-        _parse(fs, CUDA_PLATFORM)
-    ):
+    cuda = _parse_present(fs, CUDA_PLATFORM)
+    if cuda is not None and _validate_environ(cuda):
         raise _unknown("environ-overridden", file=CUDA_PLATFORM)
-    engine = _parse(fs, ENGINE_ARGS) if fs.lstat(ENGINE_ARGS, "runner") is not None else None
+    engine = _parse_present(fs, ENGINE_ARGS)
     if engine is None or not any(
         isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute)
@@ -378,9 +375,18 @@ def _replace(choice: RunnerChoice, **changes) -> RunnerChoice:
 
 
 def _parse(fs: Root, relpath: str) -> ast.Module:
+    tree = _parse_present(fs, relpath)
+    if tree is None:
+        raise _unknown("file-missing", file=relpath)
+    return tree
+
+
+def _parse_present(fs: Root, relpath: str) -> ast.Module | None:
+    """``relpath``'s syntax tree; None where the tree has no such file (a file some
+    releases lack); Unknown where it is there but cannot be read or parsed."""
     found = fs.lstat(relpath, "runner")
     if found is None:
-        raise _unknown("file-missing", file=relpath)
+        return None
     if found.st_size > MAX_SOURCE_BYTES:
         raise _unknown("file-too-large", file=relpath, limit=MAX_SOURCE_BYTES)
     data = fs.read(relpath, "runner")
