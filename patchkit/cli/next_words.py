@@ -17,7 +17,8 @@ def reinstall(version: str) -> str:
 
 
 def apply_only(ids, target: str) -> str:
-    """``patchkit apply --only A --only B --target T``."""
+    """``patchkit apply --only A --only B --target T``; ``target`` as the shell reads it
+    (shlex-quoted by the caller, as the refusals carry it)."""
     return f"patchkit apply {' '.join(f'--only {i}' for i in ids)} --target {target}"
 
 

@@ -432,6 +432,9 @@ def _conflict_stays(r: Reason, _: str) -> str:
 
 @words(Code.REFUSED_CONFLICT)
 def _refused_conflict(r: Reason, nothing: str) -> str:
+    if not r["newest"]:
+        way = next_words.after_conflict(r["fit"], r["version"], r["reinstall"], r["target"])
+        return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing}; {way}"
     target = f"--target {r['target']}"
     after = (
         f"(vLLM {r['version']} is newer than every release this catalogue was tested on, the "
@@ -439,9 +442,6 @@ def _refused_conflict(r: Reason, nothing: str) -> str:
         f"shows which patches fit, `patchkit apply --only ID {target}` applies one at your own "
         "risk; CONTRIBUTING.md, 'A new vLLM release', says how to add the release)"
     )
-    if not r["newest"]:
-        way = next_words.after_conflict(r["fit"], r["version"], r["reinstall"], r["target"])
-        return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing}; {way}"
     return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing} {after}"
 
 
