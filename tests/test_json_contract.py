@@ -516,6 +516,18 @@ def test_a_refresh_not_written_quotes_the_os_error(tmp_path, slim_tree_0260, mon
     )
 
 
+def verify_judges(monkeypatch, served: dict) -> None:
+    """`patchkit verify` here judges ``served`` (the wide MoE's recorded answers, as
+    `verify --model` judges them) on an H200's environment, with no GPU."""
+    from patchkit.verify import runner
+    from tests.verify_helpers import judge_wide
+
+    env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2.11.0", "triton": "3.6.0",
+           "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 11}  # fmt: skip
+    report = runner.VerifyReport(env, [], model=judge_wide(served))
+    monkeypatch.setattr(runner, "run", lambda catalogue, request, say: report)
+
+
 def strict_json(text: str):
     """``text`` read as RFC 8259 JSON: Python's json reads bare NaN and Infinity, which jq,
     JavaScript and most other readers refuse."""
@@ -531,17 +543,13 @@ def test_a_distance_measured_as_inf_is_strict_json(monkeypatch):
     control's (what a control gives where a fault makes NaN): its distance is inf. verify
     --json says "Infinity", not Python's bare Infinity, and stays valid for its schema.
     (The run is FAILED: verify's NaN check counts every served answer, controls too.)"""
-    from patchkit.verify import runner
-    from tests.verify_helpers import WIDE_SERVED, judge_wide
+    from tests.verify_helpers import WIDE_SERVED
 
     served = json.loads(json.dumps(WIDE_SERVED))
     for engine in ("eager", "cudagraph"):
         for answer in served[engine]["runs"]["control:a0+half"].values():
             answer["prompt_logprobs"][3] = float("nan")
-    env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2.11.0", "triton": "3.6.0",
-           "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 11}  # fmt: skip
-    report = runner.VerifyReport(env, [], model=judge_wide(served))
-    monkeypatch.setattr(runner, "run", lambda catalogue, request, say: report)
+    verify_judges(monkeypatch, served)
     result = run_cli("verify", "--json")
     checked("verify", result, 1)  # FAILED: the NaN check counts the control's NaN
     rows = strict_json(result.stdout)["model_checks"]
@@ -566,13 +574,9 @@ def test_verify_says_each_adapters_why_and_reference_as_messages(monkeypatch):
     """verify's document on a real judgement (the 35B-A3B-wide MoE's answers recorded on the
     H200, judged as `verify --model` judges): the verdict's reason, its reference's reason
     (the merged verdict it set aside nested in it) and what decides instead are messages."""
-    from patchkit.verify import runner
-    from tests.verify_helpers import WIDE_SERVED, judge_wide
+    from tests.verify_helpers import WIDE_SERVED
 
-    env = {"gpu": "H200", "compute_capability": "9.0", "torch": "2.11.0", "triton": "3.6.0",
-           "vllm": "0.26.0", "vllm_path": "/v", "lora_backend": "torch", "seed": 11}  # fmt: skip
-    report = runner.VerifyReport(env, [], model=judge_wide(WIDE_SERVED))
-    monkeypatch.setattr(runner, "run", lambda catalogue, request, say: report)
+    verify_judges(monkeypatch, WIDE_SERVED)
     document = checked("verify", run_cli("verify", "--json"), 0)
     adapter = document["adapters"][0]
     assert adapter["why"]["code"] == "verify-within"
