@@ -171,6 +171,13 @@ summary() {
         ;;
     esac
   done
+  if [ -f "$G/rule.txt" ]; then # GS_PLAN=rule: each run's verdict, or where it is
+    echo "== rule: $(tail -n 2 "$G/inject.txt" 2>/dev/null | tr '\n' ' ')"
+    tail -n 24 "$G/rule.txt"
+    for e in "$G"/rule/*.err; do
+      [ -e "$e" ] && echo "   $(basename "$e"): $(tail -n 1 "$e" | cut -c1-150)"
+    done
+  fi
   [ -f "$G/probe/summary.json" ] && python3 -c "import json,sys; \
 s = json.load(open(sys.argv[1]))['proofs']; print({k: v.get('checks', v) for k, v in s.items()})" \
     "$G/probe/summary.json" 2>&1 | cut -c1-600
@@ -241,7 +248,8 @@ lane() { for run in "$@"; do one "$run"; done; }
 # GS_PLAN=rule: verify's rule on the 35B-A3B-wide MoE (scripts/proofs/verify_moe_proof.sh):
 # the healthy adapter with its engine-side controls, and the same on a hard-linked copy
 # of the site with scripts/proofs/inject_engine_bug.py's bug (/opt/bugged), side by side
-# on GPU 0; GS_RULE_RUNS picks the runs, GS_SEED the prompts' seed
+# on GPU 0; GS_RULE_RUNS picks the runs, GS_SEED the prompts' seed (VMP_ONE_AT_A_TIME and
+# VMP_BUG_REFERENCE pass through to verify_moe_proof.sh: one run at a time on an H100)
 rule_runs() {
   do_ rm -rf /opt/bugged
   do_ mkdir -p /opt/bugged

@@ -16,7 +16,13 @@
 #   bash scripts/proofs/verify_moe_proof.sh OUT [LIMIT_S] [MAX_MODEL_LEN]
 # VMP_RUNS (default "healthy poisoned") picks the runs, side by side; VMP_SEED (11) the
 # seed of every run (the healthy adapter over seeds 1-5: one sitting each).
-# OUT/<run>.txt is each verify's report with its exit status last, <run>.err its
+# VMP_ONE_AT_A_TIME=1: the runs one after another, in VMP_RUNS's order, each alone on
+# the GPU (an H100 holds one wide run's engines and float32 reference, and a run's time
+# alone is what requirement 4 of issue 53 bounds). VMP_BUG_REFERENCE=peft: the
+# engine-bug run names its reference (saves the merges, about 25 GiB, on a short sitting;
+# the MoE's merged reference is undecided and verify picks PEFT anyway).
+# OUT/<run>.txt is each verify's report with its exit status last, <run>.rss.json the
+# peak host memory of its process tree (scripts/proofs/tree_rss.py), <run>.err its
 # stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
 # merged copies and each run's own compile cache, VLLM_CACHE_ROOT=OUT/cache-<run>, are
 # removed to spare the disk).
@@ -37,20 +43,23 @@ one() {
     begin=$(date +%s)
     site=
     [ "$name" = engine-bug ] && site="${VMP_BUGGED_SITE:?engine-bug needs VMP_BUGGED_SITE}:"
-    PYTHONPATH="$site${PYTHONPATH:-}" VLLM_CACHE_ROOT="$out/cache-$name" timeout "$limit" \
+    PYTHONPATH="$site${PYTHONPATH:-}" VLLM_CACHE_ROOT="$out/cache-$name" \
+      python3 scripts/proofs/tree_rss.py "$out/$name.rss.json" -- timeout "$limit" \
       python3 -m patchkit verify --seed "${VMP_SEED:-11}" --keep "$out/$name" \
       --model "$u/model" --max-model-len "$len" "$@" >"$out/$name.txt" 2>"$out/$name.err"
     echo "exit $? after $(($(date +%s) - begin)) s" >>"$out/$name.txt"
     rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-* "$out/cache-$name"
   ) &
+  if [ "${VMP_ONE_AT_A_TIME:-0}" = 1 ]; then wait; else sleep 20; fi # staggered: the runs do
+  # not read free GPU memory at the same moment
 }
 runs=${VMP_RUNS:-healthy poisoned}
 for run in $runs; do
   case $run in
-  healthy | engine-bug) one "$run" --lora "a0=$u/a0" ;;
+  healthy) one healthy --lora "a0=$u/a0" ;;
+  engine-bug) one engine-bug --lora "a0=$u/a0" ${VMP_BUG_REFERENCE:+--reference "$VMP_BUG_REFERENCE"} ;;
   poisoned) one poisoned --lora "poisoned=$u/poisoned" --reference peft ;;
   esac
-  sleep 20 # staggered: the runs do not read free GPU memory at the same moment
 done
 wait
 nvidia-smi --query-gpu=name,memory.used --format=csv >"$out/nvidia-smi.txt" 2>&1
@@ -59,4 +68,6 @@ for run in $runs; do
   echo "== $run"
   grep -E "^adapter |^  (reference|why|would have caught|could not tell apart)|^verify |^exit " \
     "$out/$run.txt"
+  grep -hE '"(peak_rss_bytes|peak_anon_bytes|seconds)"' "$out/$run.rss.json" 2>/dev/null | tr -d '\n'
+  echo
 done
