@@ -56,7 +56,7 @@ def test_the_record_keeps_the_commands_exit_status(tmp_path):
 
 
 def test_a_call_without_its_separator_is_refused(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/proofs/tree_rss.py", str(tmp_path / "x"),
-                           "true"], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [sys.executable, "scripts/proofs/tree_rss.py", str(tmp_path / "x"), "true"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "usage" in done.stderr
     assert not (tmp_path / "x").exists()
