@@ -207,7 +207,7 @@ def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     def sleeping(jobs, workdir):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         started.append(child)
-        return {job: child for job in jobs}
+        return {job.name: child for job in jobs}
 
     def terminated(signum, frame):
         raise signals.Terminated(signal.SIGTERM)
@@ -217,7 +217,8 @@ def test_an_interrupted_run_leaves_no_engine_running(tmp_path, monkeypatch):
     signal.alarm(1)
     try:
         with pytest.raises(signals.Terminated):
-            serving.serve_all(["eager"], tmp_path, 60.0, 1)
+            job = serving.Job("eager", "/m", "eager", {}, [])
+            serving.serve_all([job], tmp_path, 60.0, 1)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -326,6 +327,33 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     with pytest.raises(PatchkitError, match=r"need .* and 100 B is free; give --workdir"):
         references.plan_references(user["model"], {"one": user["one"]}, tmp_path, print)
     assert listing(tmp_path) == before
+
+
+def test_the_cuda_graph_engines_start_together_in_the_first_wave(user, monkeypatch):
+    """Three at a time (an H100 and the 35B-A3B-wide cut), the LoRA engines, the merged
+    reference's, its rounding control's and the two without LoRA went [eager, cudagraph,
+    merged], [rounding, nolora-eager, nolora-cudagraph]: two waves each as long as a
+    CUDA-graph engine (171 s and 148 s of a 430-s run, 2026-12-07). Now both such
+    engines share the first; the result keeps the jobs' order."""
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
+    setup |= {"gpu_memory_utilization": 0.2, "kv_cache_bytes": 1 << 30}
+    made = {"one": {"merged": Path("/m"), "rounding": Path("/r")}}
+    jobs = engines.jobs(user["model"], {"one": user["one"]}, made, setup)
+    started = []
+
+    def start(wave, workdir):
+        started.append([job.name for job in wave])
+        return {job.name: job for job in wave}
+
+    monkeypatch.setattr(serving, "start", start)
+    monkeypatch.setattr(serving, "wait", lambda children, workdir, timeout: {
+        name: {"runs": {}} for name in children})  # fmt: skip
+    served = serving.serve_all(jobs, Path("/w"), 60.0, 3)
+    assert [sorted(wave) for wave in started] == [["cudagraph", "eager", "nolora-cudagraph"],
+                                                  ["merged-one", "nolora-eager", "rounding-one"]]
+    assert list(served) == [job.name for job in jobs]
+    [one_wave] = serving.waves(jobs, 6)  # an H200: all six at once
+    assert sorted(j.name for j in one_wave) == sorted(j.name for j in jobs)
 
 
 def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, monkeypatch):
