@@ -349,8 +349,10 @@ def test_the_cuda_graph_engines_start_together_in_the_first_wave(user, monkeypat
     monkeypatch.setattr(serving, "wait", lambda children, workdir, timeout: {
         name: {"runs": {}} for name in children})  # fmt: skip
     served = serving.serve_all(jobs, Path("/w"), 60.0, 3)
-    assert [sorted(wave) for wave in started] == [["cudagraph", "eager", "nolora-cudagraph"],
-                                                  ["merged-one", "nolora-eager", "rounding-one"]]
+    assert [sorted(wave) for wave in started] == [
+        ["cudagraph", "eager", "nolora-cudagraph"],
+        ["merged-one", "nolora-eager", "rounding-one"],
+    ]
     assert list(served) == [job.name for job in jobs]
     [one_wave] = serving.waves(jobs, 6)  # an H200: all six at once
     assert sorted(j.name for j in one_wave) == sorted(j.name for j in jobs)
