@@ -7,63 +7,81 @@ under the command twice a second from /proc and keeps the peak of the sum.
 
     python3 scripts/proofs/tree_rss.py OUT.json -- COMMAND [ARG ...]
 
-OUT.json: peak_rss_bytes (the sum of VmRSS over the tree at its highest sample;
-pages shared between processes, as a model mmap-ed from /dev/shm, count once per
-process, so this is an upper bound), peak_anon_bytes (the sum of RssAnon, memory
-no other process shares, at its own highest sample), peak_processes, at_s (when
-the RSS peak came), seconds, samples and the command's exit status, which is also
-this script's.
+OUT.json, each a peak over the samples:
+- peak_rss_bytes: the sum of VmRSS over the tree. Pages shared between processes (a
+  model's safetensors mmap-ed by three engines, CUDA's libraries) count once per
+  process: an upper bound, 44.9 GB for a run whose private memory was 8.0 GB.
+- peak_pss_bytes: the sum of Pss (smaps_rollup): each shared page divided among the
+  processes that map it, so the tree's pages count once. File-backed pages among them
+  are page cache the kernel can drop.
+- peak_private_bytes: the sum of Pss_Anon and Pss_Shmem, memory the kernel cannot drop.
+- peak_anon_bytes: the sum of RssAnon.
+- largest_process_rss_bytes: the largest one process's peak RSS (getrusage of the
+  waited-for children: what /usr/bin/time -v reports as its maximum resident set).
+Also peak_processes, at_s (when the RSS peak came), seconds, samples and the command's
+exit status, which is also this script's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 INTERVAL_S = 0.5
+PEAKS = {"peak_rss_bytes": "VmRSS", "peak_pss_bytes": "Pss", "peak_private_bytes": "Private",
+         "peak_anon_bytes": "RssAnon", "peak_processes": "processes"}  # fmt: skip
 
 
-def _status(pid: int) -> dict[str, int]:
-    """PPid, VmRSS and RssAnon (bytes) of one process; {} once it has gone."""
-    fields: dict[str, int] = {}
+SUMMED = ("VmRSS", "RssAnon", "Pss", "Pss_Anon", "Pss_Shmem")
+
+
+def _fields(path: str, fields: dict[str, int]) -> None:
+    """The SUMMED fields of one /proc file, in bytes (/proc's kB are KiB); none if gone."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in SUMMED:
+            fields[key] = int(value.split()[0]) * 1024
+
+
+def _parent(pid: int) -> int | None:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return fields
+        return None
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "PPid":
-            fields["ppid"] = int(value)
-        elif key in ("VmRSS", "RssAnon"):
-            fields[key] = int(value.split()[0]) * 1024  # kB in /proc: KiB
-    return fields
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    return None
 
 
-def tree_memory(root: int) -> tuple[int, int, int]:
-    """(VmRSS sum, RssAnon sum, processes) of ``root`` and every descendant."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _status(int(entry))
-            if "ppid" in fields:
-                table[int(entry)] = fields
+def tree_memory(root: int) -> dict[str, int]:
+    """The SUMMED fields over ``root`` and every descendant, and "processes"."""
+    parents = {int(e): _parent(int(e)) for e in os.listdir("/proc") if e.isdigit()}
     children: dict[int, list[int]] = {}
-    for pid, fields in table.items():
-        children.setdefault(fields["ppid"], []).append(pid)
-    rss = anon = count = 0
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    total = dict.fromkeys(SUMMED, 0) | {"processes": 0}
     todo = [root]
     while todo:
         pid = todo.pop()
-        if pid in table:
-            rss += table[pid].get("VmRSS", 0)
-            anon += table[pid].get("RssAnon", 0)
-            count += 1
+        fields: dict[str, int] = {}
+        _fields(f"/proc/{pid}/status", fields)
+        _fields(f"/proc/{pid}/smaps_rollup", fields)
+        if fields:
+            total["processes"] += 1
+            for key, value in fields.items():
+                total[key] += value
         todo.extend(children.get(pid, ()))
-    return rss, anon, count
+    return total
 
 
 def main(argv: list[str]) -> int:
@@ -73,18 +91,21 @@ def main(argv: list[str]) -> int:
     out, command = Path(argv[0]), argv[2:]
     started = time.monotonic()
     child = subprocess.Popen(command)
-    peak = {"peak_rss_bytes": 0, "peak_anon_bytes": 0, "peak_processes": 0, "at_s": 0.0}
+    peak = dict.fromkeys(PEAKS, 0) | {"at_s": 0.0}
     samples = 0
     while child.poll() is None:
-        rss, anon, count = tree_memory(child.pid)
+        now = tree_memory(child.pid)
+        now["Private"] = now["Pss_Anon"] + now["Pss_Shmem"]
         samples += 1
-        if rss > peak["peak_rss_bytes"]:
-            peak.update(peak_rss_bytes=rss, at_s=round(time.monotonic() - started, 1))
-        peak["peak_anon_bytes"] = max(peak["peak_anon_bytes"], anon)
-        peak["peak_processes"] = max(peak["peak_processes"], count)
+        if now["VmRSS"] > peak["peak_rss_bytes"]:
+            peak["at_s"] = round(time.monotonic() - started, 1)
+        for name, field in PEAKS.items():
+            peak[name] = max(peak[name], now[field])
         time.sleep(INTERVAL_S)
-    record = {**peak, "seconds": round(time.monotonic() - started, 1), "samples": samples,
-              "exit": child.returncode, "command": command}  # fmt: skip
+    largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
+    record = {**peak, "largest_process_rss_bytes": largest, "samples": samples,
+              "seconds": round(time.monotonic() - started, 1), "exit": child.returncode,
+              "command": command}  # fmt: skip
     out.write_text(json.dumps(record, indent=1) + "\n")
     return child.returncode
 

@@ -68,6 +68,6 @@ for run in $runs; do
   echo "== $run"
   grep -E "^adapter |^  (reference|why|would have caught|could not tell apart)|^verify |^exit " \
     "$out/$run.txt"
-  grep -hE '"(peak_rss_bytes|peak_anon_bytes|seconds)"' "$out/$run.rss.json" 2>/dev/null | tr -d '\n'
+  grep -hE '"(peak_rss_bytes|peak_pss_bytes|peak_private_bytes|largest_process_rss_bytes|seconds)"' "$out/$run.rss.json" 2>/dev/null | tr -d '\n'
   echo
 done
