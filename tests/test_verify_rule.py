@@ -26,26 +26,10 @@ from patchkit.cli.verify_words import say as words
 from patchkit.codes import Code
 from patchkit.verify import engines, references, rule, usermodel
 from patchkit.verify.e2e import moe_references
-from tests.verify_helpers import CONTROLS, TINY, WIDE_SERVED, judge_wide, load
+from tests.verify_helpers import CONTROLS, TINY, WIDE_SERVED, excesses, judge_wide, load
 
 MODES = ("eager", "cudagraph")
 TINY_SERVED = load(TINY)
-
-
-def excesses(served: dict, prefix: str, peft: str, label: str, adapter: str) -> list:
-    """rule.excess of ``label``'s answers against PEFT's answers of ``adapter``, per
-    engine and prompt, the noise vLLM base against PEFT base on that prompt."""
-    theirs = served[peft]["runs"]
-    out = []
-    for mode in MODES:
-        runs = served[f"{prefix}{mode}"]["runs"]
-        for prompt, wanted in theirs[f"lora:{adapter}"].items():
-            noise = rule.median_distance(
-                runs["base"][prompt]["prompt_logprobs"], theirs["base"][prompt]["prompt_logprobs"]
-            )
-            values = runs[label][prompt]["prompt_logprobs"]
-            out.append(rule.excess(values, wanted["prompt_logprobs"], noise))
-    return out
 
 
 def healthy() -> dict[str, list[float]]:

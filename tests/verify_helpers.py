@@ -11,7 +11,15 @@ import json
 import lzma
 from pathlib import Path
 
-from patchkit.verify import adaptercontrols, enginefaults, engines, references, serving, usermodel
+from patchkit.verify import (
+    adaptercontrols,
+    enginefaults,
+    engines,
+    references,
+    rule,
+    serving,
+    usermodel,
+)
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 
 DATA = Path(__file__).parent / "data"
@@ -43,6 +51,22 @@ def judge_wide(served: dict, controls: list | None = None):
     for name in need:
         chosen[name] = references.peft_or_merged(run, name, chosen[name])
     return usermodel.judge(served, ["a0"], controls, chosen)
+
+
+def excesses(served: dict, prefix: str, peft: str, label: str, adapter: str) -> list:
+    """rule.excess of ``label``'s answers against PEFT's answers of ``adapter``, per
+    engine and prompt, the noise vLLM base against PEFT base on that prompt."""
+    theirs = served[peft]["runs"]
+    out = []
+    for mode in serving.MODES:
+        runs = served[f"{prefix}{mode}"]["runs"]
+        for prompt, wanted in theirs[f"lora:{adapter}"].items():
+            noise = rule.median_distance(
+                runs["base"][prompt]["prompt_logprobs"], theirs["base"][prompt]["prompt_logprobs"]
+            )
+            values = runs[label][prompt]["prompt_logprobs"]
+            out.append(rule.excess(values, wanted["prompt_logprobs"], noise))
+    return out
 
 
 def request(values) -> dict:

@@ -1,0 +1,131 @@
+"""verify's rule on the answers of three `verify --model` runs on the test H100 (2026-12-07).
+
+vLLM 0.26.0 with the default set, Model Runner V1; the 35B-A3B-wide cut (8 layers,
+256 routed experts top 8) and its healthy rank-16 adapter ``a0``; the transformers +
+PEFT reference in float32 (tests/data, docs/evidence.md "verify on the 35B-A3B-wide
+MoE with engine-side controls"):
+
+- ``healthy``: seed 11, verify's own choice of reference (the merged one undecided,
+  PEFT chosen), the three adapter-side controls and the four engine-side ones
+  (patchkit.verify.enginefaults) served in the run's own two LoRA engines;
+- ``healthy-seed1``: the same with --seed 1;
+- ``engine-bug``: seed 11, --reference peft, on a copy of vLLM with
+  scripts/proofs/inject_engine_bug.py's bug (the packed layers' set_lora loop stops
+  one slice short): a bug of no kind the controls make.
+
+Each served.json was put together from the engines' result files under --keep (the
+sitting's archive left served.json itself out by size); the first test shows it is
+what verify judged: every row and verdict line of the three reports, from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from patchkit.cli.commands.verify import adapter_verdict_lines, check_table
+from patchkit.cli.verify_words import say as words
+from patchkit.verify import adaptercontrols, engines, references, rule, usermodel
+from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
+from tests.verify_helpers import DATA, excesses, load
+
+RUNS = {
+    "healthy": ("h100-2026-12-07c-wide35b-healthy-served.json.xz", None),
+    "healthy-seed1": ("h100-2026-12-07c-wide35b-healthy-seed1-served.json.xz", None),
+    "engine-bug": ("h100-2026-12-07c-wide35b-engine-bug-served.json.xz", "peft"),
+}
+SERVED = {run: load(DATA / name) for run, (name, _) in RUNS.items()}
+REPORTS = json.loads((DATA / "h100-2026-12-07c-wide35b-reports.json").read_text())
+ENGINE_SIDE = [
+    "LoRA scale doubled in vLLM",
+    "first LoRA layer skipped in vLLM",
+    "another adapter's weights in its slot",
+    "experts' down_proj LoRA dropped in vLLM",
+]
+
+
+def controls() -> dict[str, list[Control]]:
+    """The run's controls as run_model built them for a0 on a model with routed experts."""
+    adapter_side = [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c")),
+                    Control("a0", IGNORED, None)]  # fmt: skip
+    return {"a0": adapter_side + adaptercontrols.engine_controls("a0", Path("/a0"), 256)}
+
+
+def judge(served: dict, asked: str | None):
+    """As run_model judges: the merged reference first (where the run served one), then
+    PEFT where it cannot decide, or PEFT alone with --reference peft."""
+    served = copy.deepcopy(served)
+    peft = served.pop(engines.PEFT_ENTRY)
+    chosen, need = usermodel.choose_references(served, ["a0"], controls(), asked)
+    served[engines.PEFT_ENTRY] = peft
+    run = engines.Served.from_json(served, ["a0"], merged="merged-a0" in served)
+    for name in need:
+        chosen[name] = references.peft_or_merged(run, name, chosen[name])
+    return usermodel.judge(served, ["a0"], controls(), chosen)
+
+
+def judged(run: str):
+    return judge(SERVED[run], RUNS[run][1])
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_the_recorded_report_is_what_the_rule_says_of_its_answers(run):
+    """Every model-check row (name, result, detail) and every verdict line the H100 printed,
+    rebuilt here from the served answers alone: a change to the rule that moves any
+    number or word of these reports fails here, with the row it moved."""
+    result = judged(run)
+    recorded = REPORTS[run]
+    rows = [c for c in result.checks if not c.name.startswith("adapter check")]
+    table = check_table("model check", rows)[1:]
+    wanted = [r for r in recorded["rows"] if not r[0].startswith("adapter check")]
+    assert len(table) == len(wanted)
+    for line, (name, result_word, detail) in zip(table, wanted, strict=True):
+        assert line.split() == f"{name} {result_word} {detail}".split(), name
+    assert adapter_verdict_lines(result.adapters) == recorded["verdict"][:-1]
+
+
+@pytest.mark.parametrize("run", ["healthy", "healthy-seed1"])
+def test_the_healthy_adapter_passes_with_every_engine_side_control_failed(run):
+    result = judged(run)
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("PASSED", "peft"), words(verdict.why)
+    assert set(ENGINE_SIDE) <= set(verdict.caught)
+    assert len(verdict.caught) == len(controls()["a0"]) == 7
+    for check in result.checks:
+        if " control " in check.name and "in vLLM" in check.name or "slot" in check.name:
+            assert check.ok and "failed from 2.2x" in check.detail, check.name
+            ratio = float(check.detail.split("x vLLM's own base error")[0].rsplit(", ", 1)[1])
+            assert ratio >= rule.FAIL_EXCESS, (check.name, ratio)
+
+
+def test_the_injected_engine_bug_is_failed_never_attributed_to_noise():
+    """The bug the rule was not tuned on: FAILED on every prompt of both engines, by the
+    excess alone (2.40-3.17x against 2.2x), and nothing in the report says noise."""
+    result = judged("engine-bug")
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
+    rows = [c for c in result.checks if c.name.endswith(" tokens vs peft")]
+    assert len(rows) == 6 and all(c.failed and c.decided for c in rows)
+    ratios = [e.ratio for e in excesses(SERVED["engine-bug"], "", "peft", "lora:a0", "a0")]
+    assert min(ratios) >= rule.FAIL_EXCESS, ratios
+    assert round(min(ratios), 2) == 2.40 and round(max(ratios), 2) == 3.17
+    said = " ".join(adapter_verdict_lines(result.adapters))
+    assert "noise" not in said and "not a failure of vLLM" not in said
+
+
+def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
+    """Requirement 3's margin, as measured: the largest healthy excess is 70 % of the
+    PASSED bound at seed 11 and 76 % at seed 1; none of the 12 healthy samples is FAILED
+    or in the band (false FAILED: 0 of 12 here; with the 14 of 2026-12-01, 0 of 26)."""
+    found = {
+        run: [e.ratio for e in excesses(SERVED[run], "", "peft", "lora:a0", "a0")]
+        for run in ("healthy", "healthy-seed1")
+    }
+    assert [len(v) for v in found.values()] == [6, 6]
+    assert round(max(found["healthy"]) / rule.PASS_EXCESS, 2) == 0.70
+    assert round(max(found["healthy-seed1"]) / rule.PASS_EXCESS, 2) == 0.76
+    every = found["healthy"] + found["healthy-seed1"]
+    assert max(every) <= rule.PASS_EXCESS
