@@ -116,6 +116,23 @@ def test_the_injected_engine_bug_is_failed_never_attributed_to_noise():
     assert "noise" not in said and "not a failure of vLLM" not in said
 
 
+@pytest.mark.parametrize("fault", ENGINE_SIDE)
+def test_an_engine_side_control_that_caught_nothing_takes_the_pass_away(fault):
+    """PASSED requires each engine-side control FAILED: the healthy run with one of them
+    served as the adapter itself (a fault that changed nothing) is not PASSED, and the
+    report names that control as one it could not tell apart."""
+    served = copy.deepcopy(SERVED["healthy"])
+    kind = next(c.kind for c in controls()["a0"] if c.what == fault)
+    for mode in ("eager", "cudagraph"):
+        runs = served[mode]["runs"]
+        runs[f"control:a0{adaptercontrols.SEP}{kind}"] = copy.deepcopy(runs["lora:a0"])
+    [verdict] = judge(served, None).adapters
+    assert verdict.verdict == "INCONCLUSIVE", words(verdict.why)
+    assert fault not in verdict.caught
+    lines = adapter_verdict_lines([verdict])
+    assert any(line.startswith(f"  could not tell apart: {fault}") for line in lines), lines
+
+
 def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
     """Requirement 3's margin, as measured: the largest healthy excess is 70 % of the
     PASSED bound at seed 11 and 76 % at seed 1; none of the 12 healthy samples is FAILED

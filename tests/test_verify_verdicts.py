@@ -95,11 +95,14 @@ def test_a_reference_as_coarse_as_the_wide_moe_one_is_inconclusive_not_failed():
     assert not row.ok and not row.decided and "too coarse to call it vLLM's" in row.detail
 
 
-def test_against_a_coarse_merged_reference_an_answer_as_far_as_a_rejected_control_fails():
+def test_against_a_coarse_merged_reference_a_control_out_by_one_token_is_no_witness():
     """The reference as coarse as above (its roundings 0.44 apart: a miss alone is not
     called vLLM's), and the adapter silently not applied (the base model's answers in
-    its place, as its adapter-ignored control is judged): FAILED, as far as a control
-    the run rejects, where the old rule said "within this reference's own noise"."""
+    its place, as its adapter-ignored control is judged). Its mean, 0.60-0.62, is inside
+    the widened bound (0.6675); only its worst token is out. A control caught by one
+    token is no measure of a wrong distance (a control that changed nothing would be
+    caught the same way wherever the adapter is): the rows are undecided, never "as far
+    as a control", and the run is FAILED by what does decide it, the adapter's effect."""
     served = recorded_with_controls()
     shift(served["moe-rounding-moe"]["runs"]["merged"], 0.44)
     for mode in ("moe-eager", "moe-cudagraph"):
@@ -108,8 +111,12 @@ def test_against_a_coarse_merged_reference_an_answer_as_far_as_a_rejected_contro
     result = judge_recorded(served)
     [verdict] = result.adapters
     assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
-    rows = [c for c in result.checks if c.failed and " tokens vs merged" in c.name]
-    assert rows and all("as far as a control this run rejects" in c.detail for c in rows)
+    assert "adapter differs from base" in words(verdict.why)
+    rows = [c for c in result.checks if " tokens vs merged" in c.name]
+    assert rows and all(not c.ok and not c.decided for c in rows)
+    assert not any("as far as a control" in c.detail for c in rows)
+    ignored = [c for c in result.checks if "control adapter ignored" in c.name]
+    assert ignored and all("cannot tell it apart" in c.detail for c in ignored)
 
 
 WIDE_CONTROLS = {

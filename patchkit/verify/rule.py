@@ -22,7 +22,10 @@ on a wide MoE is as large as a wrong LoRA path's distance measured by its mean; 
 reference is judged by the excess instead (PASS_EXCESS, FAIL_EXCESS below): FAILED
 past the failure line, PASSED within the bound, INCONCLUSIVE only between the two.
 Against either reference an answer at least as far as a control the run rejects is
-FAILED: the run has just shown that such a distance is a wrong LoRA path.
+FAILED: the run has just shown that such a distance is a wrong LoRA path. A control is
+rejected by its median excess (PEFT) or its mean (merged), never by its worst token
+alone: one token of the reference's own tail would catch a control that changed
+nothing as readily as the adapter.
 
 Everything that decides lives here, apart from the checks that measure: the
 thresholds, the bound (bounds_for), whether a miss is vLLM's fault
@@ -166,7 +169,7 @@ class Measured:
 
     within: bool  # inside the bound: what PASSED needs on every prompt
     beyond: bool  # outside it and past what the reference's noise explains: FAILED
-    rejects: bool  # what makes a control caught: beyond (PEFT), outside the bound (merged)
+    rejects: bool  # what makes a control caught: beyond (PEFT), past the mean bound (merged)
     scale: float  # how far, in the unit answers are compared in (excess, or mean)
     text: str
 
@@ -185,7 +188,11 @@ def measure(values, reference, kind: str, bounds, noise: float, sure: bool):
     mean, worst = checks.diff(values, reference)
     within = mean <= bounds[0] and worst <= bounds[1]
     text = f"mean |d logprob| {mean:.4f} (<= {bounds[0]}), max {worst:.3f} (<= {bounds[1]})"
-    return Measured(within, not within and sure, not within, mean, text)
+    # a control is caught by its mean, as against PEFT by its median: one worst token
+    # would make a control that changed nothing (a fault that did not take) "rejected"
+    # wherever the reference's own tail puts the adapter outside the max bound too, and
+    # the adapter then FAILED as far as it
+    return Measured(within, not within and sure, mean > bounds[0], mean, text)
 
 
 def extent(floors: dict[str, tuple[float, float]]) -> tuple[float, float]:
