@@ -23,9 +23,9 @@
 # the MoE's merged reference is undecided and verify picks PEFT anyway).
 # OUT/<run>.txt is each verify's report with its exit status last, <run>.rss.json the
 # peak host memory of its process tree (scripts/proofs/tree_rss.py), <run>.err its
-# stderr, OUT/<run>/ its --keep directory (served.json, vLLM's and PEFT's logs; the
-# merged copies and each run's own compile cache, VLLM_CACHE_ROOT=OUT/cache-<run>, are
-# removed to spare the disk).
+# stderr, OUT/<run>/ its --keep directory (served.json and its .xz, vLLM's and PEFT's
+# logs; the merged copies and each run's own compile cache, VLLM_CACHE_ROOT=OUT/cache-<run>,
+# are removed to spare the disk).
 set -u
 out=$1
 limit=${2:-450}
@@ -49,6 +49,8 @@ one() {
       --model "$u/model" --max-model-len "$len" "$@" >"$out/$name.txt" 2>"$out/$name.err"
     echo "exit $? after $(($(date +%s) - begin)) s" >>"$out/$name.txt"
     rm -rf "$out/$name"/model/merged-* "$out/$name"/model/rounding-* "$out/cache-$name"
+    # served.json (about 4 MB) is over what a sitting packs (3 MB): xz makes it 0.8 MB
+    [ -f "$out/$name/model/served.json" ] && xz -9 -k "$out/$name/model/served.json"
   ) &
   if [ "${VMP_ONE_AT_A_TIME:-0}" = 1 ]; then wait; else sleep 20; fi # staggered: the runs do
   # not read free GPU memory at the same moment
