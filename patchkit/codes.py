@@ -436,6 +436,7 @@ class Code(str, Enum):
     # coarse (mean, max; None: none finite), it decided all the same
     VERIFY_MERGED_DECIDED = "verify-merged-decided"
     VERIFY_MERGED_UNDECIDED = "verify-merged-undecided"  # verdict: the merged one's why
+    VERIFY_MERGED_NOT_RUN = "verify-merged-not-run"  # missing: its engine's error
     VERIFY_PEFT_DECIDES = "verify-peft-decides"  # because: why the merged one was set aside
     VERIFY_PEFT_DID_NOT_RUN = "verify-peft-did-not-run"  # because, missing: its error
     VERIFY_PARTIAL_PEFT = "verify-partial-peft"  # one expert parameter: no merged reference

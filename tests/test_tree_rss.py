@@ -1,4 +1,4 @@
-"""scripts/proofs/tree_rss.py: the peak host memory of a process tree (issue 53's RSS)."""
+"""scripts/proofs/tree_rss.py: the peak host memory of a process tree (verify's memory target)."""
 
 from __future__ import annotations
 

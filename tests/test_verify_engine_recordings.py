@@ -146,3 +146,29 @@ def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
     assert round(max(found["healthy-seed1"]) / rule.PASS_EXCESS, 2) == 0.76
     every = found["healthy"] + found["healthy-seed1"]
     assert max(every) <= rule.PASS_EXCESS
+
+
+def test_engines_that_did_not_start_are_failed_and_no_reference_is_said_to_have_decided():
+    """The sitting's first try at seed 1 ran without the bundle's import shims: every
+    engine exited 1 at import (ModuleNotFoundError: xgrammar). verify said FAILED, as a
+    vLLM that does not start is, but its reference line read "merged (it decided, its own
+    bf16 rounding unknown ...)" of a reference that never ran, and the table ran
+    "undecided" into its detail ("undecidedvLLM")."""
+    error = "exited 1: ModuleNotFoundError: No module named 'xgrammar'"
+    served = {
+        name: {"error": f"vLLM ({name}) {error}"}
+        for name in SERVED["healthy"]
+        if name != engines.PEFT_ENTRY
+    }
+    chosen, need = usermodel.choose_references(served, ["a0"], controls(), None)
+    assert need == []  # the verdict is decided without any reference: no PEFT to run
+    result = usermodel.judge(served, ["a0"], controls(), chosen)
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
+    assert "vLLM ran" in words(verdict.why)
+    said = words(verdict.reference_why)
+    assert said.startswith("the merged reference did not run (vLLM (merged-a0) exited 1")
+    assert "decided" not in said
+    table = check_table("model check", result.checks)
+    undecided = [line for line in table if " undecided " in line]
+    assert undecided and all("undecided vLLM (" in line for line in undecided), table

@@ -71,6 +71,11 @@ def _merged_decided(r: Reason, _: str) -> str:
     return f"it decided despite its coarse bf16 rounding (mean {r['mean']:.4f}, max {r['max']:.3f})"
 
 
+@words(Code.VERIFY_MERGED_NOT_RUN)
+def _merged_not_run(r: Reason, _: str) -> str:
+    return f"the merged reference did not run ({r['missing']}): nothing was compared with it"
+
+
 @words(Code.VERIFY_MERGED_UNDECIDED)
 def _merged_undecided(r: Reason, _: str) -> str:
     return f"the merged reference could not decide ({say(r['verdict'])})"

@@ -203,9 +203,14 @@ def choose_references(
 def merged_why(run: Served, verdict) -> Reason:
     """Why the merged reference judges an adapter: its rounding is small, or, coarse, it
     decided all the same (within its widened bound with every control rejected, or as far
-    as a control it rejects); or why it was set aside (its own verdict's reason)."""
+    as a control it rejects); or why it was set aside (its own verdict's reason); or that
+    it did not run, where the verdict came from vLLM's own checks (an engine that did not
+    start), never "it decided"."""
     if verdict.verdict == INCONCLUSIVE:
         return Reason.of(Code.VERIFY_MERGED_UNDECIDED, verdict=verdict.why)
+    merged = merged_reference(run, verdict.adapter, None)
+    if merged.runs is None:  # a verdict without it (vLLM did not start): it decided nothing
+        return Reason.of(Code.VERIFY_MERGED_NOT_RUN, missing=merged.missing)
     floors = rounding_floors(run, verdict.adapter)
     mean, worst = extent(floors) if floors else (None, None)
     small = Code.VERIFY_ROUNDING_SMALL if decisive(floors) else Code.VERIFY_MERGED_DECIDED

@@ -1,8 +1,8 @@
 """Run a command and write the peak host memory of its whole process tree.
 
 verify --model is a tree: the verify process, its vLLM engines and their workers,
-the PEFT reference's child. Issue 53's requirement 4 bounds the tree's peak host
-RSS (16 GB), which no one process's ru_maxrss says: this samples every process
+the PEFT reference's child. verify's memory target bounds the tree's peak host
+RSS (16 GB, docs/verify.md), which no one process's ru_maxrss says: this samples every process
 under the command twice a second from /proc and keeps the peak of the sum.
 
     python3 scripts/proofs/tree_rss.py OUT.json -- COMMAND [ARG ...]

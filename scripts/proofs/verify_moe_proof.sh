@@ -18,7 +18,7 @@
 # seed of every run (the healthy adapter over seeds 1-5: one sitting each).
 # VMP_ONE_AT_A_TIME=1: the runs one after another, in VMP_RUNS's order, each alone on
 # the GPU (an H100 holds one wide run's engines and float32 reference, and a run's time
-# alone is what requirement 4 of issue 53 bounds). VMP_BUG_REFERENCE=peft: the
+# alone is what verify's time target bounds). VMP_BUG_REFERENCE=peft: the
 # engine-bug run names its reference (saves the merges, about 25 GiB, on a short sitting;
 # the MoE's merged reference is undecided and verify picks PEFT anyway).
 # OUT/<run>.txt is each verify's report with its exit status last, <run>.rss.json the

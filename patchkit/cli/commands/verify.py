@@ -221,8 +221,10 @@ def _check_result(check) -> str:
 def check_table(title: str, found) -> list[str]:
     """The rows of checks under a header, the result column past the longest name."""
     width = max(60, *(len(c.name) + 2 for c in found))
-    return [f"{title:<{width}}{'result':<8}detail"] + [
-        f"{c.name:<{width}}{_check_result(c):<8}{c.detail}" for c in found
+    # "undecided" is longer than the column's 8: past it, one space before the detail
+    result = max(8, *(len(_check_result(c)) + 1 for c in found))
+    return [f"{title:<{width}}{'result':<{result}}detail"] + [
+        f"{c.name:<{width}}{_check_result(c):<{result}}{c.detail}" for c in found
     ]
 
 
