@@ -250,3 +250,45 @@ def test_the_injected_engine_bug_changes_one_line_of_a_private_copy(tmp_path):
 def test_the_rpc_names_are_the_extensions_methods():
     assert callable(getattr(ef.FaultExtension, ef.INSTALL))
     assert callable(getattr(ef.FaultExtension, ef.APPLIED))
+
+
+def test_a_fault_no_worker_applied_is_named():
+    """The records of the H100's LoRA engine (ids 4-7: the four engine-side controls of a0)
+    say every fault applied; one missing from a worker, or applied to no tensor, names its
+    control, with the worker."""
+    ids = {"a0": 1, "a0+half": 2, "a0+no-experts": 3, "a0+engine-scale-2": 4,
+           "a0+engine-layer-skipped": 5}  # fmt: skip
+    faults = {"a0+engine-scale-2": ef.SCALE_2, "a0+engine-layer-skipped": ef.LAYER_SKIPPED}
+    worker = [[4, 3, ef.SCALE_2, 112], [5, 0, ef.LAYER_SKIPPED, 15]]
+    assert ef.not_applied(ids, faults, [worker]) == {}
+    assert ef.not_applied(ids, faults, [worker, worker]) == {}
+    zero = [[4, 3, ef.SCALE_2, 112], [5, 0, ef.LAYER_SKIPPED, 0]]
+    [(name, why)] = ef.not_applied(ids, faults, [worker, zero]).items()
+    assert name == "a0+engine-layer-skipped"
+    assert why.startswith("its engine-side fault (layer-skipped) changed no tensor in worker 1")
+    other_id = [[4, 3, ef.SCALE_2, 112], [2, 0, ef.LAYER_SKIPPED, 15]]
+    assert list(ef.not_applied(ids, faults, [other_id])) == ["a0+engine-layer-skipped"]
+    assert sorted(ef.not_applied(ids, faults, [])) == sorted(faults)  # no worker answered
+
+
+def test_the_serving_child_marks_a_control_whose_fault_took_no_effect_not_served():
+    """Its answers were the adapter's own: the result keeps none of them, and says why."""
+    from patchkit.verify import serving
+
+    class Engine:
+        def collective_rpc(self, method, args=()):
+            assert method == ef.APPLIED
+            return [[[3, 1, ef.SCALE_2, 0]]]  # activated, but nothing found to change
+
+    loras = {"one": "/a/one", "one+half": "/c/half", "one+engine-scale-2": "/a/one"}
+    requests = [("lora:one", "p600", "one"), ("control:one+engine-scale-2", "p600",
+                "one+engine-scale-2")]  # fmt: skip
+    job = serving.Job("eager", "/m", "eager", {}, requests, loras=loras,
+                      faults={"one+engine-scale-2": ef.SCALE_2})  # fmt: skip
+    runs = {"lora:one": {"p600": {"x": 1}}, "control:one+engine-scale-2": {"p600": {"x": 1}}}
+    found = serving._faults_applied(Engine(), job, [{"modules": 5}], runs)
+    assert found["not_applied"] == ["one+engine-scale-2"]
+    assert runs["lora:one"] == {"p600": {"x": 1}}
+    assert runs["control:one+engine-scale-2"]["error"].startswith(
+        "its engine-side fault (scale-2) changed no tensor in worker 0 of 1"
+    )

@@ -172,3 +172,22 @@ def test_engines_that_did_not_start_are_failed_and_no_reference_is_said_to_have_
     table = check_table("model check", result.checks)
     undecided = [line for line in table if " undecided " in line]
     assert undecided and all("undecided vLLM (" in line for line in undecided), table
+
+
+def test_a_control_whose_fault_took_no_effect_is_not_served_and_takes_the_pass_away():
+    """The serving child marks a control whose fault changed no tensor as not served
+    (serving._faults_applied): the healthy run with one so marked is INCONCLUSIVE, the
+    control named with the engine's reason, never counted as caught."""
+    served = copy.deepcopy(SERVED["healthy"])
+    why = (
+        "its engine-side fault (layer-skipped) changed no tensor in worker 0 of 1: "
+        "not the control it stands for"
+    )
+    for mode in ("eager", "cudagraph"):
+        served[mode]["runs"]["control:a0+engine-layer-skipped"] = {"error": why}
+    result = judge(served, None)
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("INCONCLUSIVE", "INCONCLUSIVE")
+    assert "first LoRA layer skipped in vLLM" not in verdict.caught
+    rows = [c for c in result.checks if "first LoRA layer skipped" in c.name]
+    assert len(rows) == 2 and all(not c.served and c.detail == f"not served: {why}" for c in rows)

@@ -65,6 +65,29 @@ def faults_for(routed_experts: int) -> tuple[str, ...]:
     return MOE_FAULTS if routed_experts else DENSE_FAULTS
 
 
+def not_applied(ids: dict[str, int], faults: dict[str, str], applied: list) -> dict[str, str]:
+    """{LoRA name: why} of the faults asked (``faults``: {name: fault}) that some worker
+    never applied to a tensor: ``applied`` is each worker's records (id, slot, fault, n),
+    ``ids`` each name's LoRA id. Such a control served the adapter itself (or, under
+    tensor parallelism, part of it changed): it measures nothing it stands for, and must
+    not be read as a fault the run caught or missed."""
+    out = {}
+    for name, fault in faults.items():
+        lora_id = ids[name]
+        misses = [
+            worker
+            for worker, records in enumerate(applied)
+            if not any(r[0] == lora_id and r[2] == fault and r[3] > 0 for r in records)
+        ]
+        if misses or not applied:
+            where = f"worker {misses[0]} of {len(applied)}" if applied else "no worker"
+            out[name] = (
+                f"its engine-side fault ({fault}) changed no tensor in {where}: "
+                "not the control it stands for"
+            )
+    return out
+
+
 def layer_of(module_name: str) -> int | None:
     found = LAYER.search(module_name)
     return int(found.group(1)) if found else None

@@ -117,12 +117,22 @@ def serve(job: Job, out_file: Path) -> None:
     if job.loras:  # what decides whether base rows must come out bit-identical (baserows)
         result |= {"lora_backend": lora_backend(), "routed_experts": routed_experts(job.model)}
     if job.faults:  # what each worker found, and every fault it applied (id, slot, fault, n)
-        from patchkit.verify import enginefaults
-
-        applied = llm.collective_rpc(enginefaults.APPLIED)
-        result["faults"] = {"asked": job.faults, "installed": installed, "applied": applied,
-                            "extension": enginefaults.EXTENSION}  # fmt: skip
+        result["faults"] = _faults_applied(llm, job, installed, runs)
     out_file.write_text(json.dumps(result))
+
+
+def _faults_applied(llm, job: Job, installed: list, runs: dict) -> dict:
+    """What the workers applied; a control whose fault changed nothing is marked not
+    served in ``runs`` (its answers are the adapter's own: a control of nothing)."""
+    from patchkit.verify import enginefaults
+
+    applied = llm.collective_rpc(enginefaults.APPLIED)
+    missing = enginefaults.not_applied(lora_ids(job), job.faults, applied)
+    for label, _, adapter in job.requests:
+        if adapter in missing:
+            runs[label] = {"error": missing[adapter]}
+    return {"asked": job.faults, "installed": installed, "applied": applied,
+            "not_applied": sorted(missing), "extension": enginefaults.EXTENSION}  # fmt: skip
 
 
 def lora_ids(job: Job) -> dict[str, int]:
