@@ -7,14 +7,6 @@ and ``--target`` it was refused on, never "ID" or "the others" for the user to f
 
 from __future__ import annotations
 
-import shlex
-
-
-def reinstall(version: str) -> str:
-    """The pip command that puts vLLM ``version``'s own files back; the requirement
-    quoted, as a PEP 440 epoch's ``!`` (1!0.26.0) is bash's history expansion pasted."""
-    return f"pip install --force-reinstall --no-deps {shlex.quote(f'vllm=={version}')}"
-
 
 def apply_only(ids, target: str) -> str:
     """``patchkit apply --only A --only B --target T``; ``target`` as the shell reads it
@@ -22,16 +14,17 @@ def apply_only(ids, target: str) -> str:
     return f"patchkit apply {' '.join(f'--only {i}' for i in ids)} --target {target}"
 
 
-def after_conflict(fit, version: str, reinstall_fixes: bool, target: str) -> str:
-    """A conflict refusal's way on: the ``apply --only`` of the patches that still fit, and,
-    where reinstalling vLLM makes the conflicting files its own again, that; or only what
-    is left where nothing else fits."""
+def after_conflict(fit, reinstall: str | None, target: str) -> str:
+    """A conflict refusal's way on: the ``apply --only`` of the patches that still fit, and
+    ``reinstall`` (the tree's own command, patchkit.vllmtree.reinstall) where reinstalling
+    vLLM makes the conflicting files its own again; or only what is left where nothing
+    else fits."""
     ways = []
     if fit:
         ways.append(f"`{apply_only(fit, target)}` applies the others")
-    if reinstall_fixes:
+    if reinstall:
         ways.append(
-            f"`{reinstall(version)}` makes vLLM's files its own again, then `patchkit apply "
+            f"`{reinstall}` makes vLLM's files its own again, then `patchkit apply "
             f"--target {target}`"
         )
     if not ways:

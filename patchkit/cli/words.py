@@ -24,7 +24,6 @@ from patchkit.cli import (
     untested_words,
     verify_words,
 )
-from patchkit.cli.next_words import reinstall
 from patchkit.cli.wordbook import Words, registrar
 from patchkit.codes import Code, Line, Reason
 
@@ -142,7 +141,7 @@ def _under_later(r: Reason, _: str) -> str:
 @words(Code.FOREIGN_BACKUP)
 def _foreign(r: Reason, _: str) -> str:
     return (
-        f"{headline(r)}; reinstall vLLM ({reinstall(r['version'])}), then `patchkit revert` "
+        f"{headline(r)}; reinstall vLLM ({r['reinstall_command']}), then `patchkit revert` "
         "drops the old record"
     )
 
@@ -192,7 +191,7 @@ def _partly(r: Reason, _: str) -> str:
 def _differs(r: Reason, _: str) -> str:
     return (
         f"{r['path']} differs from the sha256 in vLLM {r['version']}'s RECORD (edited, or not "
-        f"the wheel's file); reinstall vLLM ({reinstall(r['version'])}) to patch it"
+        f"the wheel's file); reinstall vLLM ({r['reinstall_command']}) to patch it"
     )
 
 
@@ -302,8 +301,8 @@ def _unknown_record(r: Reason, _: str) -> str:
     return (
         f"{r['state']} records patch {r['patch']!r}, which this patchkit does not know; its "
         f"files ({', '.join(r['paths'])}) still hold what it wrote and were left alone: "
-        "revert it with the patchkit that applied it, or reinstall vLLM (pip install "
-        f"--force-reinstall --no-deps vllm) and delete {r['directory']}"
+        "revert it with the patchkit that applied it, or reinstall vLLM "
+        f"({r['reinstall_command']}) and delete {r['directory']}"
     )
 
 
@@ -416,7 +415,7 @@ def _no_fix(r: Reason, _: str) -> str:
 @words(Code.CONFLICT_STAYS)
 def _conflict_stays(r: Reason, _: str) -> str:
     until = (
-        f"its files are vLLM {r['version']}'s own again ({reinstall(r['version'])}, then "
+        f"its files are vLLM {r['version']}'s own again ({r['reinstall_command']}, then "
         "`patchkit apply`)"
         if r["reinstall"]
         else f"{r['patch']} has a variant for this tree's code (CONTRIBUTING.md)"
@@ -433,7 +432,8 @@ def _conflict_stays(r: Reason, _: str) -> str:
 @words(Code.REFUSED_CONFLICT)
 def _refused_conflict(r: Reason, nothing: str) -> str:
     if not r["newest"]:
-        way = next_words.after_conflict(r["fit"], r["version"], r["reinstall"], r["target"])
+        reinstall = r["reinstall_command"] if r["reinstall"] else None
+        way = next_words.after_conflict(r["fit"], reinstall, r["target"])
         return f"{r['patch']}: conflict: {said(r['conflict'])}; {nothing}; {way}"
     target = f"--target {r['target']}"
     after = (
@@ -523,7 +523,7 @@ def _refused_force(r: Reason, nothing: str) -> str:
 def _refused_backup(r: Reason, nothing: str) -> str:
     return (
         f"{r['patch']}: the backup of {r['path']} is missing or damaged and reverse-applying "
-        f"the diff does not give the original back; reinstall vLLM ({reinstall(r['version'])}); "
+        f"the diff does not give the original back; reinstall vLLM ({r['reinstall_command']}); "
         f"{nothing}"
     )
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchkit.fs.files import MAX_SETTINGS_BYTES, read_regular
+from patchkit.vllmtree.reinstall import environment_python
 
 PTXAS_ENV = "TRITON_PTXAS_PATH"
 
@@ -144,7 +145,7 @@ def tree_triton(root: Path) -> TreeTriton:
     return TreeTriton(
         version=version,
         location=location,
-        python=_environment_python(root),
+        python=environment_python(root),
         ptxas_version=ptxas_version_read(str(bundled)) if location else None,
     )
 
@@ -156,21 +157,6 @@ def _read(path: Path) -> str:
         return read_regular(path, MAX_SETTINGS_BYTES).decode("utf-8", errors="replace")
     except (OSError, ValueError):
         return ""
-
-
-def _environment_python(site_packages: Path) -> str | None:
-    """``<env>/bin/python`` for ``<env>/lib/pythonX.Y/site-packages``; None otherwise."""
-    if site_packages.name not in ("site-packages", "dist-packages"):
-        return None
-    lib = site_packages.parent
-    env = lib.parent.parent if lib.name.startswith("python") else None
-    if env is None:
-        return None
-    for name in (lib.name, "python3", "python"):
-        candidate = env / "bin" / name
-        if candidate.is_file():
-            return str(candidate)
-    return None
 
 
 def same_triton(ours: Toolchain, theirs: TreeTriton) -> bool:

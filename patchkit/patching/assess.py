@@ -276,7 +276,8 @@ def _entry_conflict(
     tree = files.tree
     if FOREIGN in by_kind:
         path, top = by_kind[FOREIGN]
-        return Reason.of(Code.FOREIGN_BACKUP, path=path, top=top, version=tree.version)
+        return Reason.of(Code.FOREIGN_BACKUP, path=path, top=top, version=tree.version,
+                         reinstall_command=tree.reinstall)  # fmt: skip
     unknown = [top for _, top in by_kind.values() if top not in files.order]
     if unknown:
         return Reason.of(Code.UNKNOWN_PATCH_ON_TOP, path=applied.files[0].path, top=unknown[0])
@@ -468,7 +469,12 @@ def _needed(
             return Assessment(
                 patch,
                 CONFLICT,
-                reason=Reason.of(Code.DIFFERS_FROM_RECORD, path=path, version=tree.version),
+                reason=Reason.of(
+                    Code.DIFFERS_FROM_RECORD,
+                    path=path,
+                    version=tree.version,
+                    reinstall_command=tree.reinstall,
+                ),  # fmt: skip
                 variant=variant,
                 files=variant.paths,
             )
@@ -633,9 +639,8 @@ def remedy(
         return Reason.of(Code.NO_FIX_HERE, patch=fixed_by, version=tree.version)
     if result.state == CONFLICT:
         reinstall = tree.source == "metadata"  # its files can be the wheel's own again
-        return Reason.of(
-            Code.CONFLICT_STAYS, patch=fixed_by, version=tree.version, reinstall=reinstall
-        )
+        return Reason.of(Code.CONFLICT_STAYS, patch=fixed_by, version=tree.version,
+                         reinstall=reinstall, reinstall_command=tree.reinstall)  # fmt: skip
     return None
 
 

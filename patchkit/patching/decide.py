@@ -226,6 +226,7 @@ def _conflict_refusal(
         target=shlex.quote(str(tree.root)),
         fit=fit,
         reinstall=tree.source == "metadata",
+        reinstall_command=tree.reinstall,
     )
 
 
@@ -352,7 +353,8 @@ def _plan_revert(
     it leave them (a copy of ``state`` follows them: the caller's is never changed)."""
     unknown = [i for i, stale in unknown_entries(state, catalogue, tree).items() if not stale]
     if unknown and not options.only:
-        raise Refused(Reason.of(Code.REFUSED_UNKNOWN_ENTRY, entry=unknown_line(state, unknown[0])))
+        entry = unknown_line(state, unknown[0], tree)
+        raise Refused(Reason.of(Code.REFUSED_UNKNOWN_ENTRY, entry=entry))
     selected = [p.id for p in select(catalogue, options.only, opt_in=True)]
     result.drop = stale_entries(state, catalogue, tree, selected)
     kept = {k: v for k, v in state.patches.items() if k not in result.drop}
@@ -454,16 +456,17 @@ def unknown_entries(state: State, catalogue: Catalogue, tree: VllmTree) -> dict[
 
 def unknown_warnings(state: State, catalogue: Catalogue, tree: VllmTree) -> list[Reason]:
     entries = unknown_entries(state, catalogue, tree)
-    return [unknown_line(state, patch_id) for patch_id, stale in entries.items() if not stale]
+    return [unknown_line(state, patch_id, tree) for patch_id, stale in entries.items() if not stale]
 
 
-def unknown_line(state: State, patch_id: str) -> Reason:
+def unknown_line(state: State, patch_id: str, tree: VllmTree) -> Reason:
     return Reason.of(
         Code.UNKNOWN_ENTRY,
         state=str(state.path),
         patch=patch_id,
         paths=[f.path for f in state.patches[patch_id].files],
         directory=str(state.directory),
+        reinstall_command=tree.reinstall,
     )
 
 
@@ -549,6 +552,7 @@ def _restore(applied: PatchedFile, files: TreeFiles, assessment: Assessment) -> 
                 patch=patch_id,
                 path=applied.path,
                 version=files.state.vllm_version,
+                reinstall_command=files.tree.reinstall,
             )
         )
     return FileChange(applied.path, current, rebuilt, (patch_id,))

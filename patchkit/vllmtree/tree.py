@@ -21,6 +21,7 @@ from patchkit.codes import Code
 from patchkit.errors import FileProblem, PatchkitError, UsageProblem
 from patchkit.fs.safepath import Root, TooLarge
 from patchkit.identity import is_version
+from patchkit.vllmtree import reinstall
 from patchkit.vllmtree.record import RecordRow, RecordUnreadable, WheelRecord, read_rows
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
@@ -51,6 +52,13 @@ class VllmTree:
     record: WheelRecord = field(default_factory=WheelRecord.empty)
     git_root: Path | None = None
     fs: Root | None = field(default=None, repr=False, compare=False)  # root, held open
+    # what pip installs it from again (patchkit.vllmtree.reinstall); "" until detected
+    requirement: str = ""
+
+    @property
+    def reinstall(self) -> str:
+        """The command that makes vLLM's files its own again, for a refusal to name."""
+        return reinstall.command(self.root, self.requirement or f"vllm=={self.version}")
 
     @property
     def parsed_version(self) -> Version | None:
@@ -122,7 +130,9 @@ def _detect(root: Path, fs: Root) -> VllmTree:
     dist_info = _dist_info(root, fs)
     if dist_info is not None:
         version = _metadata_version(fs, dist_info)
-        return VllmTree(root, version, "metadata", _read_record(fs, dist_info))
+        requirement = reinstall.installed_from(fs, dist_info, version)
+        return VllmTree(root, version, "metadata", _read_record(fs, dist_info),
+                        requirement=requirement)  # fmt: skip
     git_root = _git_root(root)
     if git_root is not None:
         described = _git_version(git_root)

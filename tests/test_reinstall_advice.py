@@ -1,0 +1,104 @@
+"""The reinstall a refusal names: the tree's own environment's pip, and where pip says the
+tree came from (patchkit.vllmtree.reinstall)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from patchkit.fs.safepath import Root
+from patchkit.vllmtree import reinstall
+from tests.conftest import run_cli, slim_tree, snapshot
+
+UTILS = "vllm/lora/ops/triton_ops/utils.py"
+DIST_INFO = "vllm-0.26.0.dist-info"
+WHEEL = "https://example.org/wheels/vllm-0.26.0-cp38-abi3-manylinux1_x86_64.whl"
+
+
+def tree_in_environment(tmp_path: Path, direct_url: dict | None = None) -> tuple[Path, Path]:
+    """(site-packages holding the real slim 0.26.0 tree, its environment's python), the
+    environment's path with a space and a '$' in it, as a shell would expand them."""
+    env = tmp_path / "my env $HOME"
+    site = env / "lib" / "python3.11" / "site-packages"
+    slim_tree(site)
+    python = env / "bin" / "python3.11"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    if direct_url is not None:
+        (site / DIST_INFO / "direct_url.json").write_text(json.dumps(direct_url))
+    return site, python
+
+
+def refused_reinstall(site: Path) -> list[str]:
+    """apply on the tree with a line added to a file a patch changes (it differs from
+    RECORD): refused, nothing changed; the reinstall it names, split as a shell would."""
+    with (site / UTILS).open("a") as handle:
+        handle.write("# a local note\n")
+    before = snapshot(site)
+    refused = run_cli("apply", "--target", str(site))
+    assert refused.exit_code == 1 and snapshot(site) == before
+    command = refused.stderr.split("reinstall vLLM (", 1)[1].split(") to patch", 1)[0]
+    return shlex.split(command)
+
+
+def test_a_tree_in_an_environment_is_reinstalled_by_that_environments_pip(tmp_path):
+    """The pip first on PATH may be another environment's: the command names the tree's."""
+    site, python = tree_in_environment(tmp_path)
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    assert refused_reinstall(site) == [*wanted, "vllm==0.26.0"]
+
+
+def test_a_wheel_installed_from_a_url_is_reinstalled_from_it(tmp_path):
+    """pip recorded the archive it installed (PEP 610): the index may not have that wheel."""
+    site, python = tree_in_environment(tmp_path, {"url": WHEEL, "archive_info": {}})
+    assert refused_reinstall(site)[-1] == WHEEL
+
+
+def test_a_tree_outside_an_environment_names_pip_and_the_version(tmp_path):
+    site = slim_tree(tmp_path / "t")
+    assert refused_reinstall(site)[:2] == ["pip", "install"]
+    assert refused_reinstall(site)[-1] == "vllm==0.26.0"
+
+
+@pytest.mark.parametrize(
+    ("record", "wanted"),
+    [
+        ({"url": WHEEL, "archive_info": {"hashes": {}}}, WHEEL),
+        ({"url": "https://github.com/vllm-project/vllm",
+          "vcs_info": {"vcs": "git", "commit_id": "0123abc"}},
+         "git+https://github.com/vllm-project/vllm@0123abc"),
+        ({"url": "https://github.com/vllm-project/vllm", "vcs_info": {"vcs": "git"}},
+         "vllm==0.26.0"),
+        ({"url": "file:///src/vllm", "dir_info": {"editable": True}}, "vllm==0.26.0"),
+        ({"url": "file:///src/vllm", "dir_info": {}}, "vllm==0.26.0"),
+        ({"url": 5, "archive_info": {}}, "vllm==0.26.0"),
+        (["not", "an", "object"], "vllm==0.26.0"),
+    ],
+)  # fmt: skip
+def test_what_pip_recorded_is_read_as_pep_610_says(tmp_path, record, wanted):
+    (tmp_path / DIST_INFO).mkdir()
+    (tmp_path / DIST_INFO / "direct_url.json").write_text(json.dumps(record))
+    assert reinstall.installed_from(Root.open(tmp_path), DIST_INFO, "0.26.0") == wanted
+
+
+@pytest.mark.parametrize("kind", ["missing", "garbage", "deep", "large", "link", "directory"])
+def test_a_direct_url_that_cannot_be_read_names_the_index(tmp_path, kind):
+    """Only advice: whatever is there, the requirement falls back to the version."""
+    info = tmp_path / DIST_INFO
+    info.mkdir()
+    path = info / "direct_url.json"
+    if kind == "garbage":
+        path.write_bytes(b"\xff{")
+    elif kind == "deep":
+        path.write_text("[" * 60_000)
+    elif kind == "large":
+        path.write_text(json.dumps({"url": WHEEL, "archive_info": {}, "pad": "x" * 70_000}))
+    elif kind == "link":
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"url": WHEEL, "archive_info": {}}))
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif kind == "directory":
+        path.mkdir()
+    assert reinstall.installed_from(Root.open(tmp_path), DIST_INFO, "0.26.0") == "vllm==0.26.0"
