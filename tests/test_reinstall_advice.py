@@ -102,3 +102,35 @@ def test_a_direct_url_that_cannot_be_read_names_the_index(tmp_path, kind):
     elif kind == "directory":
         path.mkdir()
     assert reinstall.installed_from(Root.open(tmp_path), DIST_INFO, "0.26.0") == "vllm==0.26.0"
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"url": "-rhttps://evil.example/requirements.txt", "archive_info": {}},
+        {"url": "--index-url=https://evil.example/simple", "archive_info": {}},
+        {"url": "https://github.com/vllm-project/vllm",
+         "vcs_info": {"vcs": "-e git", "commit_id": "0123abc"}},
+        {"url": "https://github.com/vllm-project/vllm",
+         "vcs_info": {"vcs": "git", "commit_id": "0123abc -rhttps://evil.example/r.txt"}},
+        {"url": WHEEL + ' ; python_version < "3"', "archive_info": {}},
+        {"url": WHEEL + "\n\x1b[31mred\x00", "archive_info": {}},
+        {"url": "https://example.org/\ud800.whl", "archive_info": {}},
+    ],
+)  # fmt: skip
+def test_a_direct_url_that_is_no_plain_url_names_the_index(tmp_path, record):
+    """direct_url.json is the tree's: an option where the URL goes (pip reads '-rURL' as a
+    requirements file to fetch), a space (a marker that skips the install), or a character
+    the terminal shows escaped is not what pip recorded; the index is named instead."""
+    (tmp_path / DIST_INFO).mkdir()
+    (tmp_path / DIST_INFO / "direct_url.json").write_text(json.dumps(record))
+    assert reinstall.installed_from(Root.open(tmp_path), DIST_INFO, "0.26.0") == "vllm==0.26.0"
+
+
+def test_the_printed_reinstall_runs_pip_on_one_requirement(tmp_path):
+    """Pasted into a shell, the command is the environment's pip installing one
+    requirement, never an option in its place."""
+    record = {"url": "-rhttps://evil.example/requirements.txt", "archive_info": {}}
+    site, python = tree_in_environment(tmp_path, record)
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    assert refused_reinstall(site) == [*wanted, "vllm==0.26.0"]

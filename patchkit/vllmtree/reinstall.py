@@ -13,12 +13,19 @@ is shell-quoted, since the directory names and the URL come from disk.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
 from patchkit.fs.safepath import Root, TooLarge, UnsafePath
 
 MAX_DIRECT_URL_BYTES = 64 << 10
+# What pip may be given from direct_url.json: a URL with a scheme, printable ASCII without
+# a space. The file is the tree's: '-rhttps://...' there is pip's option to fetch a
+# requirements file, 'URL ; marker' an install pip skips, an ESC one the terminal shows
+# escaped, so not the URL pasted.
+_PLAIN_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[!-~]+")
+_VCS = ("git", "hg", "svn", "bzr")  # PEP 610's registered VCS, pip's VCS+URL prefixes
 
 
 def environment_python(site_packages: Path) -> str | None:
@@ -48,14 +55,19 @@ def installed_from(fs: Root, dist_info: str, version: str) -> str:
         return fallback  # only advice: a link, a FIFO or garbage there names the index
     if not isinstance(record, dict) or not isinstance(record.get("url"), str):
         return fallback
+    requirement = _recorded(record)
+    return requirement if requirement and _PLAIN_URL.fullmatch(requirement) else fallback
+
+
+def _recorded(record: dict) -> str | None:
+    """The archive's URL, or the VCS URL at its commit; None for a local directory (editable
+    or not: no archive to reinstall) or a VCS install without its commit."""
     url = record["url"]
     vcs = record.get("vcs_info")
-    if isinstance(vcs, dict) and isinstance(vcs.get("vcs"), str):
+    if isinstance(vcs, dict) and vcs.get("vcs") in _VCS:
         commit = vcs.get("commit_id")
-        return f"{vcs['vcs']}+{url}@{commit}" if isinstance(commit, str) else fallback
-    if isinstance(record.get("archive_info"), dict) and "://" in url:
-        return url
-    return fallback  # dir_info: a local directory, editable or not: no archive to reinstall
+        return f"{vcs['vcs']}+{url}@{commit}" if isinstance(commit, str) else None
+    return url if isinstance(record.get("archive_info"), dict) else None
 
 
 def command(root: Path, requirement: str) -> str:
