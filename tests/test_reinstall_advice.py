@@ -4,6 +4,7 @@ tree came from (patchkit.vllmtree.reinstall)."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -134,3 +135,26 @@ def test_the_printed_reinstall_runs_pip_on_one_requirement(tmp_path):
     site, python = tree_in_environment(tmp_path, record)
     wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
     assert refused_reinstall(site) == [*wanted, "vllm==0.26.0"]
+
+
+@pytest.mark.parametrize("damage", ["not-utf8", "not-csv", "not-a-sha256"])
+def test_a_dist_info_patchkit_cannot_read_names_the_environments_pip(tmp_path, damage):
+    """A RECORD patchkit cannot trust is refused before the tree is known, with the same
+    reinstall as every refusal: the environment's pip and the release the dist-info is
+    named after, never the pip on PATH and the newest vLLM ('vllm' alone, with --no-deps
+    another release without its dependencies)."""
+    site, python = tree_in_environment(tmp_path)
+    record = site / DIST_INFO / "RECORD"
+    text = record.read_bytes()
+    if damage == "not-utf8":
+        record.write_bytes(text + b"vllm/x.py,,\xff\n")
+    elif damage == "not-csv":
+        record.write_bytes(text + b"vllm/x.py," + b"x" * 200_000 + b"\n")
+    else:
+        record.write_bytes(re.sub(rb"sha256=[^,]*", b"sha256=zz", text, count=1))
+    before = snapshot(site)
+    result = run_cli("status", "--target", str(site))
+    assert result.exit_code == 1 and snapshot(site) == before
+    command = result.stderr.split("reinstall vLLM (", 1)[1].rsplit(")", 1)[0]
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    assert shlex.split(command) == [*wanted, "vllm==0.26.0"]

@@ -173,9 +173,19 @@ def _metadata_text(fs: Root, relpath: str) -> str | None:
     except UnicodeDecodeError as exc:
         raise VllmInstallInvalid(
             fs.full(relpath),
-            f"not UTF-8 (byte {exc.start}); reinstall vLLM "
-            "(pip install --force-reinstall --no-deps vllm)",
+            f"not UTF-8 (byte {exc.start}); {_reinstall(fs, relpath.split('/')[0])}",
         ) from None
+
+
+def _reinstall(fs: Root, dist_info: str) -> str:
+    """'reinstall vLLM (COMMAND)' where the dist-info cannot be read: the command every
+    refusal names (patchkit.vllmtree.reinstall), for the release the dist-info is named
+    after (vllm-X.dist-info), as METADATA may be what is unreadable; plain 'vllm' (the
+    newest release) only where the name holds no version."""
+    version = dist_info.removeprefix("vllm-").removesuffix(".dist-info")
+    found = is_version(version)
+    requirement = reinstall.installed_from(fs, dist_info, version) if found else "vllm"
+    return f"reinstall vLLM ({reinstall.command(fs.path, requirement)})"
 
 
 def _lists_vllm(fs: Root, dist_info: str) -> bool:
@@ -191,8 +201,7 @@ def _record_rows(fs: Root, dist_info: str, text: str) -> dict[str, RecordRow]:
     except RecordUnreadable as exc:
         raise VllmInstallInvalid(
             f"{fs.full(dist_info)}/RECORD",
-            f"not a valid RECORD ({exc}); reinstall vLLM "
-            "(pip install --force-reinstall --no-deps vllm)",
+            f"not a valid RECORD ({exc}); {_reinstall(fs, dist_info)}",
         ) from None
 
 
@@ -221,7 +230,7 @@ def _read_record(fs: Root, dist_info: str) -> WheelRecord:
             raise VllmInstallInvalid(
                 f"{fs.full(dist_info)}/RECORD",
                 f"{row.path[:80]}: {row.hash[:60]!r} is not a "
-                f"{row.algorithm}; reinstall vLLM (pip install --force-reinstall --no-deps vllm)",
+                f"{row.algorithm}; {_reinstall(fs, dist_info)}",
             )
     return WheelRecord(rows, lambda relpath: fs.read(relpath, "RECORD"))
 
