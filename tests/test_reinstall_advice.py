@@ -158,3 +158,39 @@ def test_a_dist_info_patchkit_cannot_read_names_the_environments_pip(tmp_path, d
     command = result.stderr.split("reinstall vLLM (", 1)[1].rsplit(")", 1)[0]
     wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
     assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
+
+
+def test_a_journal_not_acted_on_names_the_environments_reinstall(tmp_path):
+    """An invalid journal is refused with a reinstall: the environment's pip and this
+    release, in the words and in --json, never the pip on PATH and the newest vLLM."""
+    site, python = tree_in_environment(tmp_path)
+    txn = site / ".patchkit" / "txn"
+    txn.mkdir(parents=True)
+    (txn / "journal.json").write_text(json.dumps({"state_sha256": "0" * 64, "files": 5}))
+    before = snapshot(site)
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    refused = run_cli("apply", "--target", str(site))
+    assert refused.exit_code == 1 and snapshot(site) == before
+    command = refused.stderr.split("Reinstall vLLM (", 1)[1].split("), then delete", 1)[0]
+    assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
+    error = json.loads(run_cli("apply", "--json", "--target", str(site)).stdout)["error"]
+    assert shlex.split(error["reinstall_command"]) == [*wanted, "vllm==0.26.0"]
+
+
+def test_a_file_changed_since_an_interrupted_run_names_the_environments_reinstall(tmp_path):
+    """A journal whose file is neither its before nor its after cannot be rolled back: the
+    refusal names the environment's reinstall (the words and --json alike)."""
+    site, python = tree_in_environment(tmp_path)
+    txn = site / ".patchkit" / "txn"
+    txn.mkdir(parents=True)
+    entry = {"path": UTILS, "before": "1" * 64, "after": "2" * 64, "patches": ["expand-block-n"]}
+    (txn / "journal.json").write_text(json.dumps({"state_sha256": "0" * 64, "files": [entry]}))
+    before = snapshot(site)
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    refused = run_cli("apply", "--target", str(site))
+    assert refused.exit_code == 1 and snapshot(site) == before
+    assert "cannot be rolled back safely" in refused.stderr
+    command = refused.stderr.split("reinstall vLLM (", 1)[1].split("), then delete", 1)[0]
+    assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
+    error = json.loads(run_cli("apply", "--json", "--target", str(site)).stdout)["error"]
+    assert shlex.split(error["reinstall_command"]) == [*wanted, "vllm==0.26.0"]

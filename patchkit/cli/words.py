@@ -626,8 +626,8 @@ def _restore_failed(r: Reason, _: str) -> str:
 @words(Code.INVALID_JOURNAL)
 def _invalid_journal(r: Reason, _: str) -> str:
     return (
-        f"{r['path']}: invalid journal ({r['why']}); it was not acted on. Reinstall vLLM (pip "
-        f"install --force-reinstall --no-deps vllm), then delete {r['journal']}"
+        f"{r['path']}: invalid journal ({r['why']}); it was not acted on. Reinstall vLLM "
+        f"({r['reinstall_command']}), then delete {r['journal']}"
     )
 
 
@@ -644,7 +644,8 @@ def _invalid_state(r: Reason, _: str) -> str:
 def _changed_since_interrupted(r: Reason, _: str) -> str:
     return (
         f"{r['path']}: changed after an interrupted patchkit run, so it cannot be rolled back "
-        f"safely; reinstall vLLM, then delete {r['journal']}"
+        f"safely; reinstall vLLM ({r['reinstall_command']}), then delete "
+        f"{r['journal']}"
     )
 
 

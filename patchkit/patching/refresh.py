@@ -119,7 +119,7 @@ def refresh(
             recovered += journal.recover_locked(root, catalogue.ids)
             if recovered:
                 raise Refused(Reason.of(Code.REFRESH_CATALOGUE_RECOVERED, recovered=recovered[0]))
-            recovered += recover(tree.fs, catalogue.file_kinds)
+            recovered += recover(tree.fs, catalogue.file_kinds, tree.reinstall)
             state = load_state(tree.fs, catalogue.file_kinds)
             recorded = recorded_backups(state)  # _plan makes state the one to be written
         try:

@@ -361,8 +361,9 @@ class _JournalEntry:
     after: str | None
 
 
-def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
-    """The journal, validated like the state file and against the diffs of its patches."""
+def _read_journal(fs: Root, file_kinds, reinstall: str) -> tuple[str, list[_JournalEntry]]:
+    """The journal, validated like the state file and against the diffs of its patches;
+    refused naming ``reinstall`` (the tree's command) as the way on."""
     path = fs.full(JOURNAL)
     try:
         data = load_json(fs, JOURNAL, "journal")
@@ -377,7 +378,13 @@ def _read_journal(fs: Root, file_kinds) -> tuple[str, list[_JournalEntry]]:
             raise ValueError("state_sha256 is not a sha256")
     except (ValueError, TypeError, UnsafePath) as exc:
         raise Refused(
-            Reason.of(Code.INVALID_JOURNAL, path=str(path), why=str(exc), journal=str(path.parent))
+            Reason.of(
+                Code.INVALID_JOURNAL,
+                path=str(path),
+                why=str(exc),
+                journal=str(path.parent),
+                reinstall_command=reinstall,
+            )
         ) from None
     return data["state_sha256"], entries
 
@@ -403,13 +410,15 @@ def _journal_entry(raw: object, origin: str, file_kinds) -> _JournalEntry:
     return _JournalEntry(path, raw["before"], raw["after"])
 
 
-def recover(fs: Root, file_kinds) -> list[Reason]:
-    """Finish or undo a run that died mid-write; returns what was done."""
+def recover(fs: Root, file_kinds, reinstall: str) -> list[Reason]:
+    """Finish or undo a run that died mid-write; returns what was done. A journal it may
+    not act on is refused naming ``reinstall``, the tree's own reinstall command
+    (VllmTree.reinstall): the files are then vLLM's own again."""
     if not interrupted(fs):
         if fs.lstat(TXN_DIR, "journal") is not None:  # died before its journal: untouched
             fs.remove_tree(TXN_DIR, "journal")
         return []
-    state_sha, entries = _read_journal(fs, file_kinds)
+    state_sha, entries = _read_journal(fs, file_kinds, reinstall)
     for entry in entries:
         fs.unlink_tmp(entry.path, "rollback")
     if file_sha256(fs.read(STATE_FILE, "state", MAX_JSON_BYTES)) == state_sha:
@@ -426,6 +435,7 @@ def recover(fs: Root, file_kinds) -> list[Reason]:
                     Code.CHANGED_SINCE_INTERRUPTED,
                     path=str(fs.full(entry.path)),
                     journal=str(fs.full(TXN_DIR)),
+                    reinstall_command=reinstall,
                 )
             )
         if entry.before is None:
