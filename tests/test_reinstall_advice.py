@@ -4,15 +4,17 @@ tree came from (patchkit.vllmtree.reinstall)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
 
 from patchkit.fs.safepath import Root
 from patchkit.vllmtree import reinstall
-from tests.conftest import run_cli, slim_tree, snapshot
+from tests.conftest import WITHOUT_ROOTS_POWERS, run_cli, run_subprocess, slim_tree, snapshot
 
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 DIST_INFO = "vllm-0.26.0.dist-info"
@@ -194,3 +196,28 @@ def test_a_file_changed_since_an_interrupted_run_names_the_environments_reinstal
     assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
     error = json.loads(run_cli("apply", "--json", "--target", str(site)).stdout)["error"]
     assert shlex.split(error["reinstall_command"]) == [*wanted, "vllm==0.26.0"]
+
+
+def test_an_environment_this_user_cannot_search_costs_only_the_advice(tmp_path):
+    """The environment's bin/ another user's, closed to others (0700): patchkit cannot
+    stat its python. status still reports the tree, apply refuses as it would, naming the
+    pip on PATH; the advice never ended the run ('accessing .../bin/python3.11 failed:
+    permission denied', exit 1 from status)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run patchkit without root's powers")
+    site, python = tree_in_environment(tmp_path)
+    with (site / UTILS).open("a") as handle:
+        handle.write("# a local note\n")
+    os.chown(python.parent, 65534, 65534)
+    python.parent.chmod(0o700)
+    before = snapshot(site)
+    status = run_subprocess("status", "--json", "--target", str(site), prefix=WITHOUT_ROOTS_POWERS)
+    if "setpriv" in status.stderr:
+        pytest.skip(f"setpriv cannot drop root's powers here: {status.stderr.strip()}")
+    assert status.returncode == 0, status.stderr
+    assert '"reinstall_command": "pip install --force-reinstall --no-deps vllm==0.26.0"' in (
+        status.stdout
+    )
+    applied = run_subprocess("apply", "--target", str(site), prefix=WITHOUT_ROOTS_POWERS)
+    assert applied.returncode == 1 and "reinstall vLLM (pip install" in applied.stderr
+    assert snapshot(site) == before

@@ -29,7 +29,9 @@ _VCS = ("git", "hg", "svn", "bzr")  # PEP 610's registered VCS, pip's VCS+URL pr
 
 
 def environment_python(site_packages: Path) -> str | None:
-    """``<env>/bin/python`` for ``<env>/lib/pythonX.Y/site-packages``; None otherwise."""
+    """``<env>/bin/python`` for ``<env>/lib/pythonX.Y/site-packages``; None otherwise, or
+    where ``<env>/bin`` cannot be searched (another user's, 0700): it is only advice, and
+    its stat once ended every command that named a reinstall."""
     if site_packages.name not in ("site-packages", "dist-packages"):
         return None
     lib = site_packages.parent
@@ -38,8 +40,11 @@ def environment_python(site_packages: Path) -> str | None:
         return None
     for name in (lib.name, "python3", "python"):
         candidate = env / "bin" / name
-        if candidate.is_file():
-            return str(candidate)
+        try:
+            if candidate.is_file():
+                return str(candidate)
+        except OSError:  # EACCES, EIO: is_file passes only ENOENT, ENOTDIR, EBADF, ELOOP
+            return None
     return None
 
 
