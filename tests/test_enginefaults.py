@@ -292,3 +292,29 @@ def test_the_serving_child_marks_a_control_whose_fault_took_no_effect_not_served
     assert runs["control:one+engine-scale-2"]["error"].startswith(
         "its engine-side fault (scale-2) changed no tensor in worker 0 of 1"
     )
+
+
+@pytest.mark.parametrize(
+    "applied",
+    [
+        None,
+        "4 3 scale-2 112",
+        [None],
+        ["4 3 scale-2 112"],
+        [[None, 7, {"id": 4}]],
+        [[[4, 3, ef.SCALE_2]]],
+        [[[4, 3, ef.SCALE_2, None]]],
+        [[[4, 3, ef.SCALE_2, "112"]]],
+        [[[4, 3, ef.SCALE_2, True]]],
+        [[{0: 4, 2: ef.SCALE_2, 3: 112}]],
+        [[[4, 3, ef.SCALE_2, 112]], None],
+    ],
+)
+def test_worker_records_of_another_shape_name_the_control_never_crash(applied):
+    """The records come from the workers' extension: a shape it never writes (a worker's
+    None, a string, a record short of its count or counting with no int) is a worker
+    that did not say it applied the fault. The control is named not served; the serving
+    child does not die on it (TypeError, IndexError, KeyError) and lose every answer."""
+    ids = {"a0": 1, "a0+engine-scale-2": 4}
+    faults = {"a0+engine-scale-2": ef.SCALE_2}
+    assert list(ef.not_applied(ids, faults, applied)) == ["a0+engine-scale-2"]

@@ -70,22 +70,44 @@ def not_applied(ids: dict[str, int], faults: dict[str, str], applied: list) -> d
     never applied to a tensor: ``applied`` is each worker's records (id, slot, fault, n),
     ``ids`` each name's LoRA id. Such a control served the adapter itself (or, under
     tensor parallelism, part of it changed): it measures nothing it stands for, and must
-    not be read as a fault the run caught or missed."""
+    not be read as a fault the run caught or missed. A worker's answer of another shape
+    than the extension writes says nothing applied, never ends the serving child."""
+    workers = applied if isinstance(applied, (list, tuple)) else []
     out = {}
     for name, fault in faults.items():
         lora_id = ids[name]
         misses = [
             worker
-            for worker, records in enumerate(applied)
-            if not any(r[0] == lora_id and r[2] == fault and r[3] > 0 for r in records)
+            for worker, records in enumerate(workers)
+            if not _changed_a_tensor(records, lora_id, fault)
         ]
-        if misses or not applied:
-            where = f"worker {misses[0]} of {len(applied)}" if applied else "no worker"
+        if misses or not workers:
+            where = f"worker {misses[0]} of {len(workers)}" if workers else "no worker"
             out[name] = (
                 f"its engine-side fault ({fault}) changed no tensor in {where}: "
                 "not the control it stands for"
             )
     return out
+
+
+def _changed_a_tensor(records: object, lora_id: int, fault: str) -> bool:
+    """Whether one worker's records hold (``lora_id``, slot, ``fault``, n > 0): a record is
+    the extension's 4-tuple (a list once through JSON), its id and count ints."""
+    if not isinstance(records, (list, tuple)):
+        return False
+    return any(
+        isinstance(r, (list, tuple))
+        and len(r) == 4
+        and _count(r[0]) == lora_id
+        and r[2] == fault
+        and (_count(r[3]) or 0) > 0
+        for r in records
+    )
+
+
+def _count(value: object) -> int | None:
+    """An int the extension wrote; None for anything else (True is no tensor count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def layer_of(module_name: str) -> int | None:
