@@ -270,7 +270,7 @@ def test_a_reinstall_named_for_a_version_with_an_epoch_is_quoted(slim_tree_0260:
     before = snapshot(slim_tree_0260)
     refused = run_cli("apply", "--target", str(slim_tree_0260))
     assert refused.exit_code == 1 and snapshot(slim_tree_0260) == before
-    assert "(pip install --force-reinstall --no-deps 'vllm==1!0.26.0') to patch" in refused.stderr
+    assert "(`pip install --force-reinstall --no-deps 'vllm==1!0.26.0'`) to patch" in refused.stderr
 
 
 def test_a_needed_fix_is_offered_and_0_29_is_not_said_to_fix_it(slim_tree_0260: Path):
@@ -291,8 +291,8 @@ def test_a_fix_in_conflict_is_not_offered(slim_tree_0260: Path):
     assert "patchkit apply` fixes it" not in notice
     assert (
         "partial-gdn-adapter is in conflict here, so patchkit cannot apply it (its line says "
-        "what differs): until its files are vLLM 0.26.0's own again (pip install "
-        "--force-reinstall --no-deps vllm==0.26.0, then `patchkit apply`), the issue stays"
+        "what differs): until its files are vLLM 0.26.0's own again (`pip install "
+        "--force-reinstall --no-deps vllm==0.26.0`, then `patchkit apply`), the issue stays"
     ) in notice
     report = json.loads(run_cli("doctor", "--target", str(slim_tree_0260), "--json").stdout)
     verdict = next(v for v in report["verdicts"] if v["bug"].startswith("vLLM #47639"))

@@ -35,6 +35,13 @@ def tree_in_environment(tmp_path: Path, direct_url: dict | None = None) -> tuple
     return site, python
 
 
+def named_reinstall(text: str) -> str:
+    """The command in a message's "reinstall vLLM (`COMMAND`)", as printed."""
+    found = re.search(r"reinstall vLLM \(`([^`]*)`", text)
+    assert found, text
+    return found.group(1)
+
+
 def refused_reinstall(site: Path) -> list[str]:
     """apply on the tree with a line added to a file a patch changes (it differs from
     RECORD): refused, nothing changed; the reinstall it names, split as a shell would."""
@@ -43,7 +50,7 @@ def refused_reinstall(site: Path) -> list[str]:
     before = snapshot(site)
     refused = run_cli("apply", "--target", str(site))
     assert refused.exit_code == 1 and snapshot(site) == before
-    command = refused.stderr.split("reinstall vLLM (", 1)[1].split(") to patch", 1)[0]
+    command = named_reinstall(refused.stderr)
     return shlex.split(command)
 
 
@@ -157,7 +164,7 @@ def test_a_dist_info_patchkit_cannot_read_names_the_environments_pip(tmp_path, d
     before = snapshot(site)
     result = run_cli("status", "--target", str(site))
     assert result.exit_code == 1 and snapshot(site) == before
-    command = result.stderr.split("reinstall vLLM (", 1)[1].rsplit(")", 1)[0]
+    command = named_reinstall(result.stderr)
     wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
     assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
 
@@ -173,7 +180,7 @@ def test_a_journal_not_acted_on_names_the_environments_reinstall(tmp_path):
     wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
     refused = run_cli("apply", "--target", str(site))
     assert refused.exit_code == 1 and snapshot(site) == before
-    command = refused.stderr.split("Reinstall vLLM (", 1)[1].split("), then delete", 1)[0]
+    command = named_reinstall(refused.stderr.replace("Reinstall vLLM", "reinstall vLLM"))
     assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
     error = json.loads(run_cli("apply", "--json", "--target", str(site)).stdout)["error"]
     assert shlex.split(error["reinstall_command"]) == [*wanted, "vllm==0.26.0"]
@@ -192,7 +199,7 @@ def test_a_file_changed_since_an_interrupted_run_names_the_environments_reinstal
     refused = run_cli("apply", "--target", str(site))
     assert refused.exit_code == 1 and snapshot(site) == before
     assert "cannot be rolled back safely" in refused.stderr
-    command = refused.stderr.split("reinstall vLLM (", 1)[1].split("), then delete", 1)[0]
+    command = named_reinstall(refused.stderr)
     assert shlex.split(command) == [*wanted, "vllm==0.26.0"]
     error = json.loads(run_cli("apply", "--json", "--target", str(site)).stdout)["error"]
     assert shlex.split(error["reinstall_command"]) == [*wanted, "vllm==0.26.0"]
@@ -219,5 +226,5 @@ def test_an_environment_this_user_cannot_search_costs_only_the_advice(tmp_path):
         status.stdout
     )
     applied = run_subprocess("apply", "--target", str(site), prefix=WITHOUT_ROOTS_POWERS)
-    assert applied.returncode == 1 and "reinstall vLLM (pip install" in applied.stderr
+    assert applied.returncode == 1 and "reinstall vLLM (`pip install" in applied.stderr
     assert snapshot(site) == before

@@ -384,3 +384,19 @@ def test_a_range_is_written_lower_bound_first(slim_tree_0260):
     assert "vLLM 0.26.0 is not in >=0.17.0,<0.19.0" in doctor  # vllm#35286's range
     for text in (run_cli("list", "-v").stdout, doctor, json.dumps(document)):
         assert not upper_first.search(text), upper_first.search(text)
+
+
+def test_a_command_in_backticks_is_never_split(monkeypatch):
+    """A reinstall wrapped after "-m" in status's table ran the pip on PATH where a user
+    copied its second line: a `command` stays on one line, the words around it flow."""
+    from patchkit.cli import render
+
+    monkeypatch.setenv("COLUMNS", "60")
+    command = "/srv/my env/bin/python3.11 -m pip install --force-reinstall --no-deps vllm==0.26.0"
+    text = f"the file differs from RECORD; reinstall vLLM (`{command}`) to patch it"
+    lines = render.wrap("  expand-block-n  conflict  ", text)
+    [holding] = [line for line in lines if "`" in line]
+    assert f"`{command}`" in holding
+    assert " ".join(line.strip() for line in lines).endswith(text)
+    words = render.wrap("  x  ", "a `b\ue000c d` e")  # the placeholder itself: shown escaped
+    assert words == ["  x  a `b\\ue000c d` e"]

@@ -179,14 +179,27 @@ def wrap(first: str, text: str, under: int | None = None) -> list[str]:
     if width - column < COLUMN:
         column = INDENT
     lines = textwrap.wrap(
-        " ".join(printable(word) for word in LAYOUT.split(text) if word),
+        _commands_whole(" ".join(printable(word) for word in LAYOUT.split(text) if word)),
         width,
         initial_indent=first,
         subsequent_indent=" " * column,
         break_on_hyphens=False,
         break_long_words=False,
     )
-    return lines or [first.rstrip()]
+    return [line.replace(KEPT_SPACE, " ") for line in lines] or [first.rstrip()]
+
+
+KEPT_SPACE = "\ue000"  # a private-use character: a space wrapping must not break at
+COMMAND = re.compile(r"`[^`]+`")
+
+
+def _commands_whole(text: str) -> str:
+    """``text`` with the spaces inside each `command` made unbreakable, so a command is
+    never split over two lines: a user who copies one line of a table copies all of it
+    (a reinstall broken after "-m" ran the pip on PATH when pasted). A command longer
+    than the line stays whole, as a long word does. ``text`` cannot hold KEPT_SPACE
+    itself: :func:`printable` has escaped it, as every private-use character."""
+    return COMMAND.sub(lambda found: found.group().replace(" ", KEPT_SPACE), text)
 
 
 def blocks(text: str) -> list[str]:

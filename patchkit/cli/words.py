@@ -141,7 +141,7 @@ def _under_later(r: Reason, _: str) -> str:
 @words(Code.FOREIGN_BACKUP)
 def _foreign(r: Reason, _: str) -> str:
     return (
-        f"{headline(r)}; reinstall vLLM ({r['reinstall_command']}), then `patchkit revert` "
+        f"{headline(r)}; reinstall vLLM (`{r['reinstall_command']}`), then `patchkit revert` "
         "drops the old record"
     )
 
@@ -191,7 +191,7 @@ def _partly(r: Reason, _: str) -> str:
 def _differs(r: Reason, _: str) -> str:
     return (
         f"{r['path']} differs from the sha256 in vLLM {r['version']}'s RECORD (edited, or not "
-        f"the wheel's file); reinstall vLLM ({r['reinstall_command']}) to patch it"
+        f"the wheel's file); reinstall vLLM (`{r['reinstall_command']}`) to patch it"
     )
 
 
@@ -302,7 +302,7 @@ def _unknown_record(r: Reason, _: str) -> str:
         f"{r['state']} records patch {r['patch']!r}, which this patchkit does not know; its "
         f"files ({', '.join(r['paths'])}) still hold what it wrote and were left alone: "
         "revert it with the patchkit that applied it, or reinstall vLLM "
-        f"({r['reinstall_command']}) and delete {r['directory']}"
+        f"(`{r['reinstall_command']}`) and delete {r['directory']}"
     )
 
 
@@ -415,7 +415,7 @@ def _no_fix(r: Reason, _: str) -> str:
 @words(Code.CONFLICT_STAYS)
 def _conflict_stays(r: Reason, _: str) -> str:
     until = (
-        f"its files are vLLM {r['version']}'s own again ({r['reinstall_command']}, then "
+        f"its files are vLLM {r['version']}'s own again (`{r['reinstall_command']}`, then "
         "`patchkit apply`)"
         if r["reinstall"]
         else f"{r['patch']} has a variant for this tree's code (CONTRIBUTING.md)"
@@ -523,7 +523,7 @@ def _refused_force(r: Reason, nothing: str) -> str:
 def _refused_backup(r: Reason, nothing: str) -> str:
     return (
         f"{r['patch']}: the backup of {r['path']} is missing or damaged and reverse-applying "
-        f"the diff does not give the original back; reinstall vLLM ({r['reinstall_command']}); "
+        f"the diff does not give the original back; reinstall vLLM (`{r['reinstall_command']}`); "
         f"{nothing}"
     )
 
@@ -627,7 +627,7 @@ def _restore_failed(r: Reason, _: str) -> str:
 def _invalid_journal(r: Reason, _: str) -> str:
     return (
         f"{r['path']}: invalid journal ({r['why']}); it was not acted on. Reinstall vLLM "
-        f"({r['reinstall_command']}), then delete {r['journal']}"
+        f"(`{r['reinstall_command']}`), then delete {r['journal']}"
     )
 
 
@@ -644,7 +644,7 @@ def _invalid_state(r: Reason, _: str) -> str:
 def _changed_since_interrupted(r: Reason, _: str) -> str:
     return (
         f"{r['path']}: changed after an interrupted patchkit run, so it cannot be rolled back "
-        f"safely; reinstall vLLM ({r['reinstall_command']}), then delete "
+        f"safely; reinstall vLLM (`{r['reinstall_command']}`), then delete "
         f"{r['journal']}"
     )
 

@@ -185,7 +185,7 @@ def _reinstall(fs: Root, dist_info: str) -> str:
     version = dist_info.removeprefix("vllm-").removesuffix(".dist-info")
     found = is_version(version)
     requirement = reinstall.installed_from(fs, dist_info, version) if found else "vllm"
-    return f"reinstall vLLM ({reinstall.command(fs.path, requirement)})"
+    return f"reinstall vLLM (`{reinstall.command(fs.path, requirement)}`)"
 
 
 def _lists_vllm(fs: Root, dist_info: str) -> bool:
