@@ -191,3 +191,57 @@ def test_a_control_whose_fault_took_no_effect_is_not_served_and_takes_the_pass_a
     assert "first LoRA layer skipped in vLLM" not in verdict.caught
     rows = [c for c in result.checks if "first LoRA layer skipped" in c.name]
     assert len(rows) == 2 and all(not c.served and c.detail == f"not served: {why}" for c in rows)
+
+
+def near_the_adapter(served: dict, how: str) -> None:
+    """The layer-skipped control served as a fault that took but moved little: the
+    adapter's own answers (``same``), or half way from them to the merged reference
+    (``nearer``: a control nearer the reference than the adapter)."""
+    merged = served["merged-a0"]["runs"]["merged"]
+    for mode in ("eager", "cudagraph"):
+        runs = served[mode]["runs"]
+        control = copy.deepcopy(runs["lora:a0"])
+        if how == "nearer":
+            for prompt, one in control.items():
+                wanted = merged[prompt]["prompt_logprobs"]
+                one["prompt_logprobs"] = [
+                    (a + b) / 2 for a, b in zip(one["prompt_logprobs"], wanted, strict=True)
+                ]
+        runs["control:a0+engine-layer-skipped"] = control
+
+
+@pytest.mark.parametrize("how", ["same", "nearer"])
+def test_without_its_rounding_control_the_merged_reference_rejects_no_control(how):
+    """The healthy run with the rounding control's engine down (OOM): the merged
+    reference's precision is unknown and its bound falls to 0.03 mean, which every answer
+    of this MoE passes, the adapter's 0.36-0.43 too. A control outside that bound is no
+    wrong distance the run has shown: a control near the adapter made the healthy adapter
+    FAILED "as far as a control this run rejects" against the merged reference, and PEFT
+    was never asked. The merged reference cannot decide; PEFT does, and cannot tell that
+    control apart: INCONCLUSIVE, the control named."""
+    served = copy.deepcopy(SERVED["healthy"])
+    served["rounding-a0"] = {"error": "vLLM (rounding-a0) exited 1: CUDA out of memory"}
+    near_the_adapter(served, how)
+    result = judge(served, None)
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "peft"), words(verdict.why)
+    assert not [c.name for c in result.checks if c.failed]
+    assert "first LoRA layer skipped in vLLM" in verdict.missed
+    assert not any("as far as a control" in c.detail for c in result.checks)
+
+
+def test_a_coarse_merged_reference_alone_says_it_caught_no_control():
+    """PEFT did not run, so the merged reference (its roundings 0.35-0.41 apart, too coarse
+    to call a miss vLLM's) is all the run has. Its bound is no fail line, so no control is
+    caught by it ("would have caught" listed all seven), and a control outside it is not
+    said to be inside."""
+    served = copy.deepcopy(SERVED["healthy"])
+    served[engines.PEFT_ENTRY] = {"error": "patchkit.verify.peftref cannot be imported"}
+    result = judge(served, None)
+    [verdict] = result.adapters
+    assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "merged")
+    assert verdict.caught == [] and len(verdict.missed) == 7
+    rows = [c for c in result.checks if " control " in c.name]
+    assert rows and all(not c.ok and not c.decided for c in rows)
+    assert not any("inside the bound" in c.detail for c in rows)
+    assert all("is not known to be small (mean <= 0.1)" in c.detail for c in rows)

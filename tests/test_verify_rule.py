@@ -107,27 +107,17 @@ def test_the_healthy_wide_adapter_passes_with_every_control_failed_by_the_rule()
 @pytest.mark.parametrize("with_controls", [True, False])
 def test_a_wrong_lora_path_on_the_wide_moe_is_failed_not_inconclusive(label, with_controls):
     """A bug in vLLM's LoRA code (the experts' LoRA skipped) read INCONCLUSIVE, "not a
-    failure of vLLM". On vLLM's own answers of such a path: FAILED. Without controls the
-    merged reference cannot decide and PEFT's excess alone fails it; with them, the
-    merged reference already does (as far as a control the run rejects), and PEFT would."""
+    failure of vLLM". On vLLM's own answers of such a path: FAILED, by PEFT's excess. The
+    merged reference cannot decide it, with its controls or without: its rounding (0.41
+    mean) is too coarse to call a miss vLLM's, so a control outside its bound is no wrong
+    distance shown (test_verify_engine_recordings: a control near a healthy adapter made
+    it FAILED that way)."""
     result = judge_wide(served_as(label), None if with_controls else [])
     [verdict] = result.adapters
     assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
-    failed = [c.detail for c in result.checks if c.failed and " tokens vs " in c.name]
-    if with_controls:
-        assert verdict.reference == "merged"
-        assert all("as far as a control this run rejects" in d for d in failed)
-        # its rounding (0.41 mean) is not small: the report says it decided all the same
-        assert words(verdict.reference_why) == (
-            "it decided despite its coarse bf16 rounding (mean 0.4096, max 3.016)"
-        )
-    else:
-        assert verdict.reference == "peft" and "failed from 2.2x" in words(verdict.why)
-    peft = {"a0": CONTROLS if with_controls else []}
-    run = engines.Served.from_json(served_as(label), ["a0"])
-    chosen = {"a0": references.peft_reference(run, "a0", None)}
-    [against_peft] = usermodel.judge(served_as(label), ["a0"], peft, chosen).adapters
-    assert against_peft.verdict == "FAILED", words(against_peft.why)
+    assert verdict.reference == "peft" and "failed from 2.2x" in words(verdict.why)
+    assert "the merged reference could not decide" in words(verdict.reference_why)
+    assert not any("as far as a control" in c.detail for c in result.checks)
 
 
 def test_an_answer_in_the_band_is_inconclusive_and_says_what_would_decide():
@@ -210,12 +200,15 @@ def test_the_verdict_reads_a_rows_fields_never_its_words():
 
 
 def test_a_merged_reference_that_decided_without_its_rounding_says_so():
-    """The rounding control not served: the merged reference still fails an answer as far
-    as a control it rejects, and says its rounding is unknown (not small, not coarse)."""
-    served = served_as("control:a0+half")
+    """The rounding control not served: the merged reference still fails what needs no
+    precision (an answer that is not finite), and says its rounding is unknown (not
+    small, not coarse)."""
+    served = copy.deepcopy(WIDE_SERVED)
     served["rounding-a0"] = {"error": "vLLM (rounding) exited 1: boom"}
+    served["eager"]["runs"]["lora:a0"]["p600"]["prompt_logprobs"][5] = float("inf")
     [verdict] = judge_wide(served).adapters
     assert (verdict.verdict, verdict.reference) == ("FAILED", "merged")
+    assert "finite" in words(verdict.why)
     assert verdict.reference_why.code == Code.VERIFY_MERGED_DECIDED
     assert words(verdict.reference_why) == (
         "it decided, its own bf16 rounding unknown (no finite distance measured)"

@@ -26,6 +26,7 @@ from patchkit.verify.rule import (
     decisive,
     extent,
     floor_text,
+    mean_decisive,
     measure,
 )
 
@@ -185,6 +186,7 @@ class Judge:
         self.floors = floors
         self.bounds = bounds_for(floors, ceiling, reference.max_floor)
         self.sure = decisive(floors, ceiling)
+        self.mean_sure = mean_decisive(floors)
         self.noise = reference.noise.get(engine, {})
 
     @property
@@ -201,7 +203,7 @@ class Judge:
             why = "vLLM's base answer to this prompt is missing: no noise to judge it by"
             return Measured(False, False, False, float("nan"), why)
         wanted = self.reference.runs[prompt]["prompt_logprobs"]
-        return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure)
+        return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure, self.mean_sure)
 
     def row(self, title: str, adapter: str, measured: Measured, weakest: float | None) -> Check:
         """One prompt's row: inside the bound, or FAILED where the rule decides (past the
@@ -265,6 +267,12 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
     worst = list(measured.values())[-1].text if measured else "no prompt served"
     if judge.reference.kind == "peft":
         why = f"short of {FAIL_EXCESS}x on every prompt ({worst}): this run cannot tell it apart"
+    elif not judge.mean_sure:
+        why = (
+            f"not rejected ({worst}): this reference's own bf16 rounding "
+            f"({floor_text(judge.floors)}) is not known to be small (mean <= {ROUNDING_LIMIT}), "
+            "so its bound rejects no control; this reference cannot tell it apart"
+        )
     else:
         why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
     row = Check(title, False, why, control.adapter, decided=False, control=control.what)

@@ -25,7 +25,11 @@ Against either reference an answer at least as far as a control the run rejects 
 FAILED: the run has just shown that such a distance is a wrong LoRA path. A control is
 rejected by its median excess (PEFT) or its mean (merged), never by its worst token
 alone: one token of the reference's own tail would catch a control that changed
-nothing as readily as the adapter.
+nothing as readily as the adapter. Against the merged reference the mean rejects only
+where the reference's own rounding is known and small (mean_decisive): outside the
+bound of a reference too coarse to call a miss vLLM's, or of one whose rounding did not
+run (the bound then falls to MERGED_BOUNDS), a control near the adapter is as far as
+the adapter and no farther, and the adapter would be FAILED as far as itself.
 
 Everything that decides lives here, apart from the checks that measure: the
 thresholds, the bound (bounds_for), whether a miss is vLLM's fault
@@ -174,10 +178,11 @@ class Measured:
     text: str
 
 
-def measure(values, reference, kind: str, bounds, noise: float, sure: bool):
+def measure(values, reference, kind: str, bounds, noise: float, sure: bool, mean_sure: bool):
     """``values`` against ``reference`` on one prompt: against the PEFT reference by the
     excess over vLLM's own base error (``noise``); against the merged one by the mean and
-    max bound, a miss decided when the reference is precise (``sure``: decisive)."""
+    max bound, a miss decided when the reference is precise (``sure``: decisive), a
+    control rejected by a mean it can judge (``mean_sure``: mean_decisive)."""
     if kind == "peft":
         found = excess(values, reference, noise)
         within = found.within(bounds[1])
@@ -191,8 +196,11 @@ def measure(values, reference, kind: str, bounds, noise: float, sure: bool):
     # a control is caught by its mean, as against PEFT by its median: one worst token
     # would make a control that changed nothing (a fault that did not take) "rejected"
     # wherever the reference's own tail puts the adapter outside the max bound too, and
-    # the adapter then FAILED as far as it
-    return Measured(within, not within and sure, mean > bounds[0], mean, text)
+    # the adapter then FAILED as far as it; and only by a mean the reference can judge
+    # (mean_sure): outside a bound its own rounding does not make a fail line, a
+    # control near the adapter is caught wherever the adapter is out too
+    rejects = mean > bounds[0] and mean_sure
+    return Measured(within, not within and sure, rejects, mean, text)
 
 
 def extent(floors: dict[str, tuple[float, float]]) -> tuple[float, float]:
@@ -235,10 +243,15 @@ def decisive(floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX
     vLLM is small (mean <= ROUNDING_LIMIT) and the max bound was not cut below
     ROUNDING_FACTOR x it by MAX_CEILING. Otherwise a LoRA answer outside the bound
     may be the reference's own noise: INCONCLUSIVE, not FAILED."""
-    if not floors:
-        return False
-    mean, worst = extent(floors)
-    return mean <= ROUNDING_LIMIT and ROUNDING_FACTOR * worst <= ceiling
+    return mean_decisive(floors) and ROUNDING_FACTOR * extent(floors)[1] <= ceiling
+
+
+def mean_decisive(floors: dict[str, tuple[float, float]] | None) -> bool:
+    """Whether a mean outside the bound is more than the reference's own rounding: that
+    rounding was measured (a rounding control that did not run leaves the bound at
+    MERGED_BOUNDS, which says nothing of this model) and its mean is small. The max
+    ceiling bounds the worst token only and does not enter here."""
+    return bool(floors) and extent(floors)[0] <= ROUNDING_LIMIT
 
 
 def floor_text(floors: dict | None) -> str:

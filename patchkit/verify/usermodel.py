@@ -201,11 +201,12 @@ def choose_references(
 
 
 def merged_why(run: Served, verdict) -> Reason:
-    """Why the merged reference judges an adapter: its rounding is small, or, coarse, it
-    decided all the same (within its widened bound with every control rejected, or as far
-    as a control it rejects); or why it was set aside (its own verdict's reason); or that
-    it did not run, where the verdict came from vLLM's own checks (an engine that did not
-    start), never "it decided"."""
+    """Why the merged reference judges an adapter: its rounding is small, or, its worst
+    token coarse or its rounding unknown, it decided all the same (within its bound with
+    every control rejected by the mean, or by a check that needs no precision); or why
+    it was set aside (its own verdict's reason); or that it did not run, where the
+    verdict came from vLLM's own checks (an engine that did not start), never "it
+    decided"."""
     if verdict.verdict == INCONCLUSIVE:
         return Reason.of(Code.VERIFY_MERGED_UNDECIDED, verdict=verdict.why)
     merged = merged_reference(run, verdict.adapter, None)
