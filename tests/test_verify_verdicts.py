@@ -159,6 +159,36 @@ def test_the_wide_moe_run_was_inconclusive_under_the_old_two_nat_ceiling(monkeyp
     assert verdict.verdict == "INCONCLUSIVE"
 
 
+def test_a_mean_four_times_the_references_own_is_failed_though_one_token_of_it_flips():
+    """The reference's two roundings 0.031-0.040 mean apart, and one token of the 3000
+    moved 1.45 nats by a flipped routing choice (as on the H200's tiny MoE): 1.5 x 1.45
+    is past the 2-nat ceiling, so a miss of the worst token cannot be called vLLM's. The
+    adapter served at 75 % of its strength misses by the mean, 0.16 against a bound of
+    0.061: that read "this reference's own bf16 rounding (mean 0.0405, max 1.450) is too
+    coarse to call it vLLM's", INCONCLUSIVE, of a mean four times that rounding's. The
+    ceiling cuts the max bound only; the mean decides: FAILED."""
+    served = recorded_with_controls()
+    merged_p3000 = served["moe-merged-moe"]["runs"]["merged"]["p3000"]["prompt_logprobs"]
+    rounding = served["moe-rounding-moe"]["runs"]["merged"]["p3000"]["prompt_logprobs"]
+    rounding[100] = merged_p3000[100] - 1.45
+    for mode in ("moe-eager", "moe-cudagraph"):
+        runs = served[mode]["runs"]
+        for prompt, one in runs["lora:moe"].items():
+            base = runs["base"][prompt]["prompt_logprobs"]
+            one["prompt_logprobs"] = [
+                0.75 * a + 0.25 * b for a, b in zip(one["prompt_logprobs"], base, strict=True)
+            ]
+        runs["lora_after_long"]["p600"] = copy.deepcopy(runs["lora:moe"]["p600"])
+    result = judge_recorded(served)
+    [verdict] = result.adapters
+    assert (verdict.verdict, result.verdict) == ("FAILED", "FAILED"), words(verdict.why)
+    rows = [c for c in result.checks if " tokens vs merged" in c.name]
+    assert len(rows) == 4 and all(c.failed for c in rows)
+    assert not any("too coarse" in c.detail for c in rows)
+    means = [float(c.detail.split("mean |d logprob| ")[1].split()[0]) for c in rows]
+    assert min(means) > 0.15 and "(<= 0.0607)" in rows[0].detail
+
+
 def test_a_poisoned_adapter_fails_even_against_a_coarse_reference():
     served = recorded_with_controls()
     shift(served["moe-rounding-moe"]["runs"]["merged"], 0.44)

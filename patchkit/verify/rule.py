@@ -200,7 +200,9 @@ def measure(values, reference, kind: str, bounds, noise: float, sure: bool, mean
     # (mean_sure): outside a bound its own rounding does not make a fail line, a
     # control near the adapter is caught wherever the adapter is out too
     rejects = mean > bounds[0] and mean_sure
-    return Measured(within, not within and sure, rejects, mean, text)
+    # a miss by the mean is vLLM's where the mean is (mean_sure), whether or not the
+    # ceiling cut the max bound: that cut leaves a worst token undecided, not a mean
+    return Measured(within, not within and sure or rejects, rejects, mean, text)
 
 
 def extent(floors: dict[str, tuple[float, float]]) -> tuple[float, float]:
@@ -242,7 +244,8 @@ def decisive(floors: dict[str, tuple[float, float]] | None, ceiling: float = MAX
     """Whether LoRA outside the bound is vLLM's fault: the reference's own distance from
     vLLM is small (mean <= ROUNDING_LIMIT) and the max bound was not cut below
     ROUNDING_FACTOR x it by MAX_CEILING. Otherwise a LoRA answer outside the bound
-    may be the reference's own noise: INCONCLUSIVE, not FAILED."""
+    may be the reference's own noise: INCONCLUSIVE, not FAILED; unless it is outside by
+    its mean and the mean alone is decisive (mean_decisive)."""
     return mean_decisive(floors) and ROUNDING_FACTOR * extent(floors)[1] <= ceiling
 
 
