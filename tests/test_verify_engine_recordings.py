@@ -245,3 +245,54 @@ def test_a_coarse_merged_reference_alone_says_it_caught_no_control():
     assert rows and all(not c.ok and not c.decided for c in rows)
     assert not any("inside the bound" in c.detail for c in rows)
     assert all("is not known to be small (mean <= 0.1)" in c.detail for c in rows)
+
+
+def _spoil(served: dict, where: str, prompt: str, how: str) -> None:
+    """One reference answer spoilt: one token NaN or -inf, or the prompt's answer gone."""
+    engine, label = {
+        "PEFT's LoRA": (engines.PEFT_ENTRY, "lora:a0"),
+        "PEFT's base": (engines.PEFT_ENTRY, "base"),
+        "the merged reference": ("merged-a0", "merged"),
+    }[where]
+    group = served[engine]["runs"][label]
+    if how == "missing":
+        del group[prompt]
+    else:
+        group[prompt]["prompt_logprobs"][10] = float(how)
+
+
+@pytest.mark.parametrize(
+    "where,how",
+    [
+        ("PEFT's LoRA", "nan"),
+        ("PEFT's LoRA", "-inf"),
+        ("PEFT's LoRA", "missing"),
+        ("PEFT's base", "nan"),
+        ("PEFT's base", "-inf"),
+        ("PEFT's base", "missing"),
+        ("the merged reference", "nan"),
+        ("the merged reference", "missing"),
+    ],
+)
+def test_a_reference_answer_that_cannot_judge_is_no_failure_of_vllm(where, how):
+    """vLLM's answers as the healthy run served them; one answer of a reference spoilt (a
+    NaN, an -inf, the prompt missing). That read FAILED ("median |d logprob| inf", "smallest
+    share 0.00": the reference's NaN charged to vLLM; against the merged reference "as far
+    as a control this run rejects (inf)"), or the PEFT row "0.00x vLLM's own base error
+    inf" passed whatever vLLM answered, or verify stopped on a KeyError. The prompt the
+    reference cannot judge is undecided and says whose answer is missing; nothing is
+    FAILED and nothing passes by it."""
+    served = copy.deepcopy(SERVED["healthy"])
+    _spoil(served, where, "p4096" if how == "missing" else "p600", how)
+    result = judge(served, None)
+    [verdict] = result.adapters
+    assert not [c.name for c in result.checks if c.failed], words(verdict.why)
+    assert verdict.verdict in ("INCONCLUSIVE", "PASSED")
+    rows = [c for c in result.checks if " tokens vs " in c.name]
+    assert not any("inf" in c.detail for c in rows if c.ok)
+    if where.startswith("PEFT"):
+        assert verdict.verdict == "INCONCLUSIVE" and verdict.reference == "peft"
+        open_ = [c for c in rows if not c.ok]
+        assert len(open_) == 2 and all(not c.decided for c in open_)
+        assert all(f"{where} answer to this prompt" in c.detail for c in open_), open_
+        assert all("outside the bound" not in c.detail for c in open_)

@@ -4,6 +4,7 @@ its controls rejected, and what `adapter check` found first."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,9 +26,11 @@ from patchkit.verify.rule import (
     ceiling_for,
     decisive,
     extent,
+    finite_answer,
     floor_text,
     mean_decisive,
     measure,
+    unjudged,
 )
 
 
@@ -198,16 +201,26 @@ class Judge:
         return round(PASS_EXCESS * extent(self.floors)[0], 4)
 
     def measure(self, values: list[float], prompt: str) -> Measured:
+        """``values`` on ``prompt`` by the rule; unjudged where the reference's answer, or
+        a base answer its noise is made of, is missing or not finite (theirs, not vLLM's)."""
         kind, noise = self.reference.kind, self.noise.get(prompt)
-        if kind == "peft" and noise is None:  # no base answer of this engine to judge by
-            why = "vLLM's base answer to this prompt is missing: no noise to judge it by"
-            return Measured(False, False, False, float("nan"), why)
-        wanted = self.reference.runs[prompt]["prompt_logprobs"]
+        wanted = finite_answer(self.reference.runs.get(prompt))
+        if wanted is None:
+            whose = "PEFT's LoRA" if kind == "peft" else "the merged reference"
+            return unjudged(f"{whose} answer to this prompt is missing or not finite")
+        if kind == "peft" and (noise is None or not math.isfinite(noise)):
+            theirs = finite_answer((self.reference.base or {}).get(prompt))
+            whose = "vLLM's base" if theirs is not None else "PEFT's base"
+            return unjudged(
+                f"{whose} answer to this prompt is missing or not finite: no noise to judge it by"
+            )
         return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure, self.mean_sure)
 
     def row(self, title: str, adapter: str, measured: Measured, weakest: float | None) -> Check:
         """One prompt's row: inside the bound, or FAILED where the rule decides (past the
         noise, or as far as a control the run rejects), else undecided and why."""
+        if not measured.judged:
+            return Check(title, False, measured.text, adapter, decided=False)
         if measured.within:
             return Check(title, True, measured.text, adapter)
         as_far = weakest is not None and measured.scale >= weakest
@@ -299,16 +312,20 @@ def effect_check(
     bound is PASS_EXCESS x vLLM's own base error (``bound``: that in mean units), said so.
     """
     label = f"lora:{adapter}"
+    title = f"{name}: {adapter} adapter differs from base"
     served, wanted = [], []
     for prompt in runs[label]:
         base = checks.logprobs(runs, "base", prompt)
-        theirs = (
-            checks.logprobs({"base": reference_base}, "base", prompt) if reference_base else base
-        )
+        theirs = finite_answer((reference_base or {}).get(prompt)) if reference_base else base
+        effect = checks.diff(finite_answer(merged.get(prompt)) or [], theirs or [])[0]
+        if not math.isfinite(effect):  # the reference cannot say its effect here
+            continue
         served.append(checks.diff(checks.logprobs(runs, label, prompt), base)[0])
-        wanted.append(checks.diff(merged[prompt]["prompt_logprobs"], theirs)[0])
+        wanted.append(effect)
+    if not wanted:
+        why = "the reference has no finite answer (LoRA and base) to any prompt vLLM answered"
+        return Check(title, False, why, adapter, decided=False)
     share = min(s / w if w else 0.0 for s, w in zip(served, wanted, strict=True))
-    title = f"{name}: {adapter} adapter differs from base"
     if min(wanted) < EFFECT_FLOOR:
         return Check(
             title,

@@ -14,7 +14,12 @@ from pathlib import Path
 from patchkit.codes import Code, Reason
 from patchkit.verify import checks, serving
 from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
-from patchkit.verify.rule import MERGED_BOUNDS, PEFT_MOE_MAX_FLOOR, median_distance
+from patchkit.verify.rule import (
+    MERGED_BOUNDS,
+    PEFT_MOE_MAX_FLOOR,
+    finite_answer,
+    median_distance,
+)
 
 
 def plan_references(model_dir: Path, adapters: dict[str, Path], workdir: Path, say) -> dict:
@@ -121,7 +126,7 @@ def peft_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
     floors, noise = {}, {}
     for lora in run.lora():
         vllm_base = lora.runs.get("base") or {}
-        floors[lora.engine.name] = _floors(vllm_base, base)
+        floors[lora.engine.name] = _floors(vllm_base, base, partial=True)
         noise[lora.engine.name] = _noise(vllm_base, base)
     routed = any(lora.result.get("routed_experts", 0) for lora in run.lora())
     max_floor = PEFT_MOE_MAX_FLOOR if routed else MERGED_BOUNDS[1]
@@ -130,24 +135,30 @@ def peft_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
 
 def _noise(ours: dict, theirs: dict) -> dict[str, float]:
     """Per prompt of ``theirs``, the median |ours - theirs| (vLLM's own base error against
-    the PEFT reference's base); a prompt missing from ``ours`` is left out."""
-    return {
-        prompt: median_distance(ours[prompt]["prompt_logprobs"], request["prompt_logprobs"])
-        for prompt, request in theirs.items()
-        if isinstance(request, dict) and isinstance(ours.get(prompt), dict)
-    }
+    the PEFT reference's base); a prompt missing from either, or with a value that is not
+    finite, is left out (no noise to judge it by: the median would hide that token)."""
+    out = {}
+    for prompt, request in theirs.items():
+        mine, wanted = finite_answer(ours.get(prompt)), finite_answer(request)
+        if mine is not None and wanted is not None:
+            out[prompt] = median_distance(mine, wanted)
+    return out
 
 
-def _floors(ours: dict, theirs: dict) -> dict[str, tuple[float, float]]:
+def _floors(ours: dict, theirs: dict, partial: bool = False) -> dict[str, tuple[float, float]]:
     """Per prompt of ``theirs``, (mean, max) |ours - theirs|; {} when one is missing or
-    a value is not finite (no precision can be read from it)."""
+    a value is not finite (no precision can be read from it), or with ``partial`` that
+    prompt left out (vLLM's error against PEFT: the prompt's rows are then unjudged, and
+    the other prompts keep a bound of their own, not MERGED_BOUNDS)."""
     floors = {}
     for prompt, request in theirs.items():
         other = ours.get(prompt)
-        if not isinstance(request, dict) or not isinstance(other, dict):
-            return {}
-        floor = checks.diff(other["prompt_logprobs"], request["prompt_logprobs"])
+        floor = (float("inf"),)
+        if isinstance(request, dict) and isinstance(other, dict):
+            floor = checks.diff(other["prompt_logprobs"], request["prompt_logprobs"])
         if not all(math.isfinite(v) for v in floor):
+            if partial:
+                continue
             return {}
         floors[prompt] = floor
     return floors

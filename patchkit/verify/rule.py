@@ -176,6 +176,22 @@ class Measured:
     rejects: bool  # what makes a control caught: beyond (PEFT), past the mean bound (merged)
     scale: float  # how far, in the unit answers are compared in (excess, or mean)
     text: str
+    judged: bool = True  # False: nothing to compare with (text says whose answer is missing)
+
+
+def unjudged(why: str) -> Measured:
+    """A prompt the reference cannot judge (its answer, or a base answer the noise needs,
+    missing or not finite): neither inside nor outside, and no failure of vLLM."""
+    return Measured(False, False, False, float("nan"), why, judged=False)
+
+
+def finite_answer(request) -> list[float] | None:
+    """A served request's prompt log-probabilities, or None when there is none or one of
+    them is NaN or infinite (a reference that cannot judge that prompt)."""
+    values = request.get("prompt_logprobs") if isinstance(request, dict) else None
+    if not values or not all(math.isfinite(v) for v in values):
+        return None
+    return values
 
 
 def measure(values, reference, kind: str, bounds, noise: float, sure: bool, mean_sure: bool):
