@@ -296,3 +296,55 @@ def test_a_reference_answer_that_cannot_judge_is_no_failure_of_vllm(where, how):
         assert len(open_) == 2 and all(not c.decided for c in open_)
         assert all(f"{where} answer to this prompt" in c.detail for c in open_), open_
         assert all("outside the bound" not in c.detail for c in open_)
+
+
+def weaker(served: dict, k: float) -> dict:
+    """The healthy run as an adapter ``k`` times as strong would have it, served right:
+    vLLM's LoRA and PEFT's k of the way from their base answers; each merged reference as
+    far from vLLM's LoRA as it was (its bf16 rounding moves every changed weight by up to
+    half a step whatever the adapter's size, so it keeps its own noise)."""
+    served = copy.deepcopy(served)
+    eager = served["eager"]["runs"]
+    for prompt, one in eager["lora:a0"].items():
+        base = eager["base"][prompt]["prompt_logprobs"]
+        delta = [a - b for a, b in zip(one["prompt_logprobs"], base, strict=True)]
+        for name in ("merged-a0", "rounding-a0"):
+            ref = served[name]["runs"]["merged"][prompt]
+            ref["prompt_logprobs"] = [
+                x - (1 - k) * d for x, d in zip(ref["prompt_logprobs"], delta, strict=True)
+            ]
+    for label, runs in [("lora:a0", served[m]["runs"]) for m in ("eager", "cudagraph")] + [
+        ("lora:a0", served[engines.PEFT_ENTRY]["runs"])
+    ]:
+        for prompt, one in runs[label].items():
+            base = runs["base"][prompt]["prompt_logprobs"]
+            one["prompt_logprobs"] = [
+                b + k * (a - b) for a, b in zip(one["prompt_logprobs"], base, strict=True)
+            ]
+        if "lora_after_long" in runs:
+            runs["lora_after_long"]["p600"] = copy.deepcopy(runs[label]["p600"])
+    return served
+
+
+def test_a_weak_adapter_is_not_failed_by_the_merged_references_own_rounding():
+    """An adapter a fifth as strong, served right. Its merged reference moves the output
+    0.37-0.40 from base, most of it the reference's own bf16 rounding (its two roundings
+    0.35-0.41 apart), while vLLM's LoRA moves it 0.18: "smallest share 0.42 (>= 0.5)",
+    FAILED against the merged reference and PEFT never asked. Half of an effect the
+    reference's own rounding could make up is no proof LoRA is not applied: undecided
+    there, and PEFT (float32, no rounding of its own) decides."""
+    result = judge(weaker(SERVED["healthy"], 0.2), None)
+    [verdict] = result.adapters
+    assert verdict.reference == "peft", words(verdict.why)
+    effect = [c for c in result.checks if c.name.endswith("adapter differs from base")]
+    assert len(effect) == 2 and all(c.ok for c in effect), [c.detail for c in effect]
+    assert not [c.name for c in result.checks if c.failed]
+    # the merged reference alone (--reference merged): undecided, and its words true of a
+    # bound wider than the effect ("an adapter at -65% of its strength could pass")
+    result = judge(weaker(SERVED["healthy"], 0.2), "merged")
+    [verdict] = result.adapters
+    assert verdict.verdict == "INCONCLUSIVE" and not [c for c in result.checks if c.failed]
+    effect = [c for c in result.checks if c.name.endswith("adapter differs from base")]
+    assert all(not c.ok and not c.decided for c in effect)
+    assert all("could make up the rest of its effect" in c.detail for c in effect)
+    assert all("an adapter not applied at all could pass" in c.detail for c in effect)
