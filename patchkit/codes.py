@@ -431,6 +431,7 @@ class Code(str, Enum):
     VERIFY_WITHIN = "verify-within"
     VERIFY_DECIDES_PEFT = "verify-decides-peft"  # the PEFT reference would decide
     VERIFY_DECIDES_OTHER_PROMPTS = "verify-decides-other-prompts"  # another seed, longer ones
+    VERIFY_DECIDES_REFERENCE_RUN = "verify-decides-reference-run"  # missing: why it did not
     VERIFY_REFERENCE_ASKED = "verify-reference-asked"  # reference: what --reference named
     VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max
     # coarse (mean, max; None: none finite), it decided all the same

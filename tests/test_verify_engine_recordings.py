@@ -348,3 +348,15 @@ def test_a_weak_adapter_is_not_failed_by_the_merged_references_own_rounding():
     assert all(not c.ok and not c.decided for c in effect)
     assert all("could make up the rest of its effect" in c.detail for c in effect)
     assert all("an adapter not applied at all could pass" in c.detail for c in effect)
+
+
+def test_a_reference_that_did_not_run_is_what_would_decide():
+    """--reference peft where transformers + PEFT could not run: every row undecided, and
+    what would decide was "the same check on other prompts (another --seed) or longer
+    ones", which no seed gives; it is the reference running, said with why it did not."""
+    served = copy.deepcopy(SERVED["engine-bug"])
+    served[engines.PEFT_ENTRY] = {"error": "patchkit.verify.peftref cannot be imported"}
+    [verdict] = judge(served, "peft").adapters
+    assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "peft")
+    said = words(verdict.decides_instead)
+    assert "--seed" not in said and "patchkit.verify.peftref cannot be imported" in said

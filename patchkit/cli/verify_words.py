@@ -54,6 +54,11 @@ def _decides_other(r: Reason, _: str) -> str:
     )
 
 
+@words(Code.VERIFY_DECIDES_REFERENCE_RUN)
+def _decides_reference_run(r: Reason, _: str) -> str:
+    return f"the same run with its reference running (it did not: {r['missing']})"
+
+
 @words(Code.VERIFY_REFERENCE_ASKED)
 def _asked(r: Reason, _: str) -> str:
     return f"--reference {r['reference']}"

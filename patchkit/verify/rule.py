@@ -315,17 +315,23 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     elif open_:
         verdict = INCONCLUSIVE
         why = Reason.of(Code.VERIFY_CHECK_OPEN, check=open_[0].name, detail=open_[0].detail)
-        decides = Reason.of(
-            Code.VERIFY_DECIDES_PEFT
-            if reference.kind == "merged"
-            else Code.VERIFY_DECIDES_OTHER_PROMPTS
-        )
+        decides = decides_instead(reference)
     else:
         verdict, why = PASSED, within(reference.kind, bool(results))
     return AdapterVerdict(
         adapter, verdict, reference.kind, reference.why, why, decides, results,
         unit_of(reference.kind),
     )  # fmt: skip
+
+
+def decides_instead(reference) -> Reason:
+    """What would decide an open verdict: the PEFT reference, for the merged one; the PEFT
+    reference running, where it did not (no seed makes it run); else other prompts."""
+    if reference.kind == "merged":
+        return Reason.of(Code.VERIFY_DECIDES_PEFT)
+    if reference.runs is None:
+        return Reason.of(Code.VERIFY_DECIDES_REFERENCE_RUN, missing=reference.missing)
+    return Reason.of(Code.VERIFY_DECIDES_OTHER_PROMPTS)
 
 
 def within(kind: str, controls: bool) -> Reason:
