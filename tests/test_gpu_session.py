@@ -32,3 +32,24 @@ def test_the_deadlines_alone_end_a_serving_sittings_rounds(tmp_path):
     assert len(steps) == 3, steps  # batch 1 and 4, batch 64 and prefill, reloads
     for last_round, deadline in steps:
         assert last_round >= deadline, f"--rounds {last_round} caps a {deadline}-s step"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_rule_plans_seeds_run_one_at_a_time_then_the_dense_cut(tmp_path):
+    """GS_SEEDS: the healthy adapter at each seed, each alone (VMP_ONE_AT_A_TIME) in a
+    folder of its own reading the one stand-in; GS_RULE_DENSE: the 27B-wide cut built
+    and verified after them on the same GPU."""
+    gs = tmp_path / "gs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GS_", "VMP_"))}
+    env.update(GS_PLAN="rule", GS_SEEDS="2 3", GS_RULE_DENSE="1", GS_DIR=str(gs))
+    done = subprocess.run(["bash", "scripts/proofs/gpu_session.sh", "dry"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    for seed in ("2", "3"):
+        run = (gs / f"rule-s{seed}.txt").read_text()
+        assert f"VMP_SEED={seed} VMP_ONE_AT_A_TIME=1" in run
+        assert f"verify_moe_proof.sh {gs}/rule-s{seed} " in run
+    assert "--preset wide27b" in (gs / "build.log").read_text() + done.stdout
+    dense = (gs / "model-tp1.txt").read_text()
+    assert f"--model {gs}/wide/model" in dense and "CUDA_VISIBLE_DEVICES=0" in dense
+    assert not (gs / "rule.txt").exists()  # the seeds instead of healthy and engine-bug

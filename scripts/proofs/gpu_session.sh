@@ -43,7 +43,8 @@
 # output in first.log, inside GS_BENCH_END (e.g. another proof of the same sitting).
 # GS_PLAN=rule (one GPU; calls b1, b3, b2, collect): verify's rule on the 35B-A3B-wide
 # MoE, the healthy adapter with its engine-side controls and vLLM with an injected bug
-# (rule_runs below).
+# (rule_runs below); with GS_SEEDS="2 3 ..." the healthy adapter at each seed instead,
+# and with GS_RULE_DENSE=1 then the dense 27B-wide cut (rule_seeds).
 # GS_PLAN=tail (what is left when a sitting loses its host, about 500 s): model-tp2
 # and poison side by side, no benchmark; calls b1 then b2 (GS_WAIT bounds it).
 # GS_PLAN=short (a second sitting with about 600 s of device time): no stand-in
@@ -171,6 +172,9 @@ summary() {
         ;;
     esac
   done
+  for f in "$G"/rule-s*.txt; do # GS_SEEDS: each seed's verdict, or where it is
+    [ -e "$f" ] && { echo "== $(basename "$f" .txt)"; tail -n 12 "$f"; }
+  done
   if [ -f "$G/rule.txt" ]; then # GS_PLAN=rule: each run's verdict, or where it is
     echo "== rule: $(tail -n 2 "$G/inject.txt" 2>/dev/null | tr '\n' ' ')"
     tail -n 24 "$G/rule.txt"
@@ -241,6 +245,9 @@ one() {
   local rc=$?
   echo "exit $rc after $((SECONDS - start)) s" >>"$G/$name.txt"
   say "end $name: exit $rc after $((SECONDS - start)) s"
+  # a --model run's served.json (4 MB on the wide MoE) is over what pack keeps: its xz
+  [ -f "$G/$name/model/served.json" ] && xz -9 -k "$G/$name/model/served.json"
+  return 0
 }
 
 lane() { for run in "$@"; do one "$run"; done; }
@@ -251,6 +258,10 @@ lane() { for run in "$@"; do one "$run"; done; }
 # on GPU 0; GS_RULE_RUNS picks the runs, GS_SEED the prompts' seed (VMP_ONE_AT_A_TIME and
 # VMP_BUG_REFERENCE pass through to verify_moe_proof.sh: one run at a time on an H100)
 rule_runs() {
+  if [ -n "${GS_SEEDS:-}" ]; then
+    rule_seeds
+    return
+  fi
   do_ rm -rf /opt/bugged
   do_ mkdir -p /opt/bugged
   do_ cp -al /opt/site/vllm /opt/site/vllm-*.dist-info /opt/bugged/
@@ -260,6 +271,23 @@ rule_runs() {
     VMP_BUGGED_SITE=/opt/bugged VMP_SEED="$SEED" timeout "$RUN_LIMIT" \
     bash scripts/proofs/verify_moe_proof.sh "$G/rule" "${GS_RULE_LIMIT:-900}" >"$G/rule.txt" 2>&1
   say "rule: exit $?"
+}
+
+# GS_SEEDS="2 3 4 5" (GS_PLAN=rule): the healthy adapter of the 35B-A3B-wide cut at each
+# seed, one run after another on GPU 0, each in $G/rule-sN (rule-sN.txt: its summary);
+# then, with GS_RULE_DENSE=1, the dense 27B-wide cut with its two adapters and their
+# controls (the run model-tp1, $G/wide built by the build step)
+rule_seeds() {
+  for seed in $GS_SEEDS; do
+    do_ mkdir -p "$G/rule-s$seed"
+    do_ ln -sfn "$G/rule/user" "$G/rule-s$seed/user"
+    say "rule: healthy, seed $seed"
+    do_ env CUDA_VISIBLE_DEVICES=0 VMP_RUNS=healthy VMP_SEED="$seed" VMP_ONE_AT_A_TIME=1 \
+      timeout "$RUN_LIMIT" bash scripts/proofs/verify_moe_proof.sh "$G/rule-s$seed" \
+      "${GS_RULE_LIMIT:-900}" >"$G/rule-s$seed.txt" 2>&1
+    say "rule: seed $seed exit $?"
+  done
+  [ "${GS_RULE_DENSE:-0}" = 1 ] && GS_MODEL_GPU=0 one model-tp1
 }
 
 # GS_HOST_ROUNDS (1) rounds, each module once a round, in reverse order every other
@@ -518,6 +546,10 @@ case $STEP in
       do_ python3 scripts/proofs/verify_model_gpu.py "$G/rule/user" --preset wide35b --poison a0 \
         >"$G/rule/build.txt" 2>&1
       echo "exit $?" >>"$G/rule/build.txt"
+      if [ "${GS_RULE_DENSE:-0}" = 1 ]; then # and the dense 27B-wide cut (rule_seeds)
+        do_ python3 scripts/proofs/verify_model_gpu.py "$G/wide" --preset wide27b >"$G/build-wide.txt" 2>&1
+        echo "exit $?" >>"$G/build-wide.txt"
+      fi
       touch "$G/build.done"
       exit 0
     fi
