@@ -164,12 +164,11 @@ def adapter_checks(
         return [Check(f"{name}: {adapter} {against}", False, why, adapter, decided=False)]
     judge = Judge(name, reference, floors)
     found = [control_check(name, control, runs, judge) for control in controls or []]
-    weakest = judge.weakest_rejected(found)
     out = []
     for prompt in runs[label]:
         title = f"{name}: {adapter} {prompt[1:]} tokens {against}"
         measured = judge.measure(checks.logprobs(runs, label, prompt), prompt)
-        out.append(judge.row(title, adapter, measured, weakest.get(prompt)))
+        out.append(judge.row(title, adapter, measured))
     out.append(
         effect_check(
             name, adapter, runs, reference.runs, judge.mean_bound, reference.base,
@@ -177,7 +176,7 @@ def adapter_checks(
             rounding=(floors or {}) if reference.kind == "merged" else None,
         )
     )  # fmt: skip
-    return out + [check for check, _ in found]
+    return out + found
 
 
 class Judge:
@@ -217,19 +216,17 @@ class Judge:
             )
         return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure, self.mean_sure)
 
-    def row(self, title: str, adapter: str, measured: Measured, weakest: float | None) -> Check:
-        """One prompt's row: inside the bound, or FAILED where the rule decides (past the
-        noise, or as far as a control the run rejects), else undecided and why."""
+    def row(self, title: str, adapter: str, measured: Measured) -> Check:
+        """One prompt's row: inside the bound, or FAILED where the rule decides, else
+        undecided and why. An answer as far as a control the run rejects is FAILED here
+        with no comparison of its own: a control is rejected only where its distance is
+        one the rule fails (rule.measure), and the answer's, no smaller, is one too."""
         if not measured.judged:
             return Check(title, False, measured.text, adapter, decided=False)
         if measured.within:
             return Check(title, True, measured.text, adapter)
-        as_far = weakest is not None and measured.scale >= weakest
-        if measured.beyond or as_far:
-            why = (
-                "" if measured.beyond else f": as far as a control this run rejects ({weakest:.4g})"
-            )
-            return Check(title, False, measured.text + why, adapter)
+        if measured.beyond:
+            return Check(title, False, measured.text, adapter)
         return Check(title, False, measured.text + self._undecided(), adapter, decided=False)
 
     def _undecided(self) -> str:
@@ -244,28 +241,17 @@ class Judge:
             "call it vLLM's"
         )
 
-    @staticmethod
-    def weakest_rejected(found: list) -> dict[str, float]:
-        """Per prompt, the least distance of a control this run rejected there."""
-        out: dict[str, float] = {}
-        for _, measured in found:
-            for prompt, m in measured.items():
-                if m.rejects:
-                    out[prompt] = min(out.get(prompt, m.scale), m.scale)
-        return out
 
-
-def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, dict]:
+def control_check(name: str, control, runs: dict, judge: Judge) -> Check:
     """A control (patchkit.verify.adaptercontrols) served like the adapter: the rule must
-    reject it on some prompt (FAILED it, against PEFT; put it outside the bound, against
-    the merged reference), or the run could not tell it from the adapter. Returns the
-    row and what was measured per prompt (for the adapter's rows: as far as a control)."""
+    reject it on some prompt (FAILED it, against PEFT; put it past the mean bound, against
+    a merged reference whose rounding is small), or the run could not tell it from the
+    adapter."""
     title = f"{name}: {control.adapter} control {control.what} rejected"
     error = checks.served_error(runs, control.label)
     if error:
         why = f"not served: {error}"
-        row = Check(title, False, why, control.adapter, False, control=control.what, served=False)
-        return row, {}
+        return Check(title, False, why, control.adapter, False, control=control.what, served=False)
     measured = {
         prompt: judge.measure(checks.logprobs(runs, control.label, prompt), prompt)
         for prompt in runs[control.label]
@@ -276,8 +262,7 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
         prompt, m = rejected[0]
         value = min(m.scale for _, m in rejected)  # the least distance it was caught at
         why = f"{prompt[1:]} tokens: {m.text}"
-        row = Check(title, True, why, control.adapter, value=value, control=control.what)
-        return row, measured
+        return Check(title, True, why, control.adapter, value=value, control=control.what)
     worst = list(measured.values())[-1].text if measured else "no prompt served"
     if judge.reference.kind == "peft":
         why = f"short of {FAIL_EXCESS}x on every prompt ({worst}): this run cannot tell it apart"
@@ -289,8 +274,7 @@ def control_check(name: str, control, runs: dict, judge: Judge) -> tuple[Check, 
         )
     else:
         why = f"inside the bound on every prompt ({worst}): this reference cannot tell it apart"
-    row = Check(title, False, why, control.adapter, decided=False, control=control.what)
-    return row, measured
+    return Check(title, False, why, control.adapter, decided=False, control=control.what)
 
 
 def effect_check(

@@ -22,7 +22,9 @@ on a wide MoE is as large as a wrong LoRA path's distance measured by its mean; 
 reference is judged by the excess instead (PASS_EXCESS, FAIL_EXCESS below): FAILED
 past the failure line, PASSED within the bound, INCONCLUSIVE only between the two.
 Against either reference an answer at least as far as a control the run rejects is
-FAILED: the run has just shown that such a distance is a wrong LoRA path. A control is
+FAILED: the run has just shown that such a distance is a wrong LoRA path. That takes no
+comparison of its own: a control is rejected only at a distance measure() fails, so an
+answer no nearer fails by the same measure. A control is
 rejected by its median excess (PEFT) or its mean (merged), never by its worst token
 alone: one token of the reference's own tail would catch a control that changed
 nothing as readily as the adapter. Against the merged reference the mean rejects only
@@ -117,7 +119,7 @@ RESOLUTION_LIMIT = 0.25
 PASS_EXCESS = 1.8
 # ...FAILED at or beyond FAIL_EXCESS on any prompt of any engine: 1.7 x the largest
 # healthy excess recorded, which none of the 14 healthy samples reached; between the
-# two, INCONCLUSIVE unless the answer is as far as a control the run caught.
+# two, INCONCLUSIVE (a control the run caught is past FAIL_EXCESS itself).
 FAIL_EXCESS = 2.2
 # The least noise the excess divides by: where vLLM base and PEFT base agree to the last
 # bit on most tokens, a median of 0 would make any LoRA rounding infinitely far.
