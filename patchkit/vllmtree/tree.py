@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
+from functools import cached_property
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -55,9 +56,11 @@ class VllmTree:
     # what pip installs it from again (patchkit.vllmtree.reinstall); "" until detected
     requirement: str = ""
 
-    @property
+    @cached_property
     def reinstall(self) -> str:
-        """The command that makes vLLM's files its own again, for a refusal to name."""
+        """The command that makes vLLM's files its own again, for a refusal to name; once
+        per tree (it stats the environment's bin/, and a run names it in every conflict's
+        reason)."""
         return reinstall.command(self.root, self.requirement or f"vllm=={self.version}")
 
     @property
