@@ -28,9 +28,9 @@ import pytest
 
 from patchkit.cli.commands.verify import adapter_verdict_lines, check_table
 from patchkit.cli.verify_words import say as words
-from patchkit.verify import adaptercontrols, engines, references, rule, usermodel
+from patchkit.verify import adaptercontrols, engines, rule, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
-from tests.verify_helpers import DATA, excesses, load
+from tests.verify_helpers import DATA, excesses, judge_wide, load
 
 RUNS = {
     "healthy": ("h100-2026-12-07c-wide35b-healthy-served.json.xz", None),
@@ -55,16 +55,8 @@ def controls() -> dict[str, list[Control]]:
 
 
 def judge(served: dict, asked: str | None):
-    """As run_model judges: the merged reference first (where the run served one), then
-    PEFT where it cannot decide, or PEFT alone with --reference peft."""
-    served = copy.deepcopy(served)
-    peft = served.pop(engines.PEFT_ENTRY)
-    chosen, need = usermodel.choose_references(served, ["a0"], controls(), asked)
-    served[engines.PEFT_ENTRY] = peft
-    run = engines.Served.from_json(served, ["a0"], merged="merged-a0" in served)
-    for name in need:
-        chosen[name] = references.peft_or_merged(run, name, chosen[name])
-    return usermodel.judge(served, ["a0"], controls(), chosen)
+    """As run_model judges, with the run's seven controls (verify_helpers.judge_wide)."""
+    return judge_wide(served, controls()["a0"], asked)
 
 
 def judged(run: str):

@@ -39,15 +39,15 @@ CONTROLS = [Control("a0", HALF, Path("/c")), Control("a0", NO_EXPERTS, Path("/c"
             Control("a0", IGNORED, None)]  # fmt: skip
 
 
-def judge_wide(served: dict, controls: list | None = None):
-    """As run_model judges the wide cut: the merged reference first, then PEFT where it
-    cannot decide."""
+def judge_wide(served: dict, controls: list | None = None, asked: str | None = None):
+    """As run_model judges the wide cut: the merged reference first (where the run served
+    one), then PEFT where it cannot decide; or the reference ``asked`` (--reference)."""
     served = copy.deepcopy(served)
     controls = {"a0": CONTROLS if controls is None else controls}
     peft = served.pop(engines.PEFT_ENTRY)
-    chosen, need = usermodel.choose_references(served, ["a0"], controls, None)
+    chosen, need = usermodel.choose_references(served, ["a0"], controls, asked)
     served[engines.PEFT_ENTRY] = peft
-    run = engines.Served.from_json(served, ["a0"])
+    run = engines.Served.from_json(served, ["a0"], merged="merged-a0" in served)
     for name in need:
         chosen[name] = references.peft_or_merged(run, name, chosen[name])
     return usermodel.judge(served, ["a0"], controls, chosen)
