@@ -14,7 +14,14 @@ import pytest
 
 from patchkit.fs.safepath import Root
 from patchkit.vllmtree import reinstall
-from tests.conftest import WITHOUT_ROOTS_POWERS, run_cli, run_subprocess, slim_tree, snapshot
+from tests.conftest import (
+    CATALOGUE,
+    WITHOUT_ROOTS_POWERS,
+    run_cli,
+    run_subprocess,
+    slim_tree,
+    snapshot,
+)
 
 UTILS = "vllm/lora/ops/triton_ops/utils.py"
 DIST_INFO = "vllm-0.26.0.dist-info"
@@ -228,3 +235,47 @@ def test_an_environment_this_user_cannot_search_costs_only_the_advice(tmp_path):
     applied = run_subprocess("apply", "--target", str(site), prefix=WITHOUT_ROOTS_POWERS)
     assert applied.returncode == 1 and "reinstall vLLM (`pip install" in applied.stderr
     assert snapshot(site) == before
+
+
+def test_a_backup_of_another_release_names_the_reinstall_of_this_one(tmp_path):
+    """revert --force on an edited file of a tree without a RECORD that now reports another
+    version: the backup may be the old release's, so it is refused, naming the
+    environment's reinstall of the release the tree reports now."""
+    site, python = tree_in_environment(tmp_path)
+    (site / DIST_INFO / "RECORD").unlink()  # no RECORD: the version alone vouches for it
+    assert run_cli("apply", "--target", str(site)).exit_code == 0
+    with (site / UTILS).open("a") as handle:
+        handle.write("# a local note\n")
+    metadata = site / DIST_INFO / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.26.0", "Version: 0.26.1"))
+    before = snapshot(site)
+    refused = run_cli("revert", "--force", "--target", str(site))
+    assert refused.exit_code == 1 and snapshot(site) == before
+    assert "applied to vLLM 0.26.0 and this tree reports 0.26.1" in refused.stderr
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    assert shlex.split(named_reinstall(refused.stderr)) == [*wanted, "vllm==0.26.1"]
+
+
+def test_refresh_without_its_backup_names_the_environments_reinstall(tmp_path):
+    """refresh makes the diff against the backup; one that is not the original any more
+    is refused, naming the environment's reinstall (words and --json), nothing written."""
+    catalogue = tmp_path / "patches"
+    shutil.copytree(CATALOGUE.root, catalogue)
+    env = {"PATCHKIT_PATCHES_DIR": str(catalogue)}
+    site, python = tree_in_environment(tmp_path)
+    args = ["--target", str(site)]
+    assert run_cli("apply", *args, "--only", "expand-block-n", env=env).exit_code == 0
+    with (site / UTILS).open("a") as handle:
+        handle.write("# a local note\n")
+    state = json.loads((site / ".patchkit" / "state.json").read_text())
+    (patch,) = [p for p in state["patches"] if p["id"] == "expand-block-n"]
+    (backup,) = [f["backup"] for f in patch["files"]]
+    (site / ".patchkit" / backup).write_text("not the original\n")
+    before, patches = snapshot(site), snapshot(catalogue)
+    refused = run_cli("refresh", "expand-block-n", *args, env=env)
+    assert refused.exit_code == 1, refused.output
+    assert snapshot(site) == before and snapshot(catalogue) == patches
+    wanted = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-deps"]
+    assert shlex.split(named_reinstall(refused.stderr)) == [*wanted, "vllm==0.26.0"]
+    error = json.loads(run_cli("refresh", "expand-block-n", "--json", *args, env=env).stdout)
+    assert shlex.split(error["error"]["reinstall_command"]) == [*wanted, "vllm==0.26.0"]

@@ -235,8 +235,8 @@ def _backup_not_here(r: Reason, _: str) -> str:
 def _other_version(r: Reason, _: str) -> str:
     return (
         f"the patch was applied to vLLM {r['applied_to']} and this tree reports "
-        f"{r['version']}, so its backup may be another release's file; reinstall vLLM and "
-        "delete .patchkit/"
+        f"{r['version']}, so its backup may be another release's file; reinstall vLLM "
+        f"(`{r['reinstall_command']}`) and delete .patchkit/"
     )
 
 
@@ -712,7 +712,7 @@ def _nothing_left(r: Reason, _: str) -> str:
 def _refresh_backup(r: Reason, _: str) -> str:
     return (
         f"the backup of {r['path']} is missing or damaged; refresh needs it as the original "
-        "(reinstall vLLM, apply, edit again)"
+        f"(reinstall vLLM (`{r['reinstall_command']}`), apply, edit again)"
     )
 
 

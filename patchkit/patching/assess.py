@@ -361,7 +361,10 @@ def force_refusal(files: TreeFiles, relpath: str) -> Reason | None:
         return None if recorded == bottom else Reason.of(Code.BACKUP_NOT_THIS_RELEASE)
     if state is not None and state.vllm_version not in (None, tree.version):
         return Reason.of(
-            Code.APPLIED_TO_OTHER_VERSION, applied_to=state.vllm_version, version=tree.version
+            Code.APPLIED_TO_OTHER_VERSION,
+            applied_to=state.vllm_version,
+            version=tree.version,
+            reinstall_command=tree.reinstall,
         )
     return None
 

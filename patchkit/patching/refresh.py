@@ -217,7 +217,11 @@ def _originals(
             continue
         data = tree.fs.read(f"{STATE_DIR}/{entry.backup}", str(state.path))
         if data is None or sha256_bytes(data) != entry.pre_sha256:
-            raise Refused(Reason.of(Code.REFRESH_BACKUP_DAMAGED, path=entry.path))
+            raise Refused(
+                Reason.of(
+                    Code.REFRESH_BACKUP_DAMAGED, path=entry.path, reinstall_command=tree.reinstall
+                )
+            )
         found[entry.path] = data
     for relpath in add:
         others = sorted(p.id for p in state.patches.values() for f in p.files if f.path == relpath)
