@@ -352,3 +352,18 @@ def test_a_reference_that_did_not_run_is_what_would_decide():
     assert (verdict.verdict, verdict.reference) == ("INCONCLUSIVE", "peft")
     said = words(verdict.decides_instead)
     assert "--seed" not in said and "patchkit.verify.peftref cannot be imported" in said
+
+
+def test_a_nan_in_a_controls_answer_fails_the_run_and_names_the_control():
+    """An engine-side control's weights are the adapter's own, finite and of its size, in
+    a slot the engine fills as it fills any adapter's: a vLLM that answers NaN to them
+    would answer NaN to a user's next adapter in that slot. The run is FAILED by the
+    engine's NaN row, which names the control; the adapter's own answers matched, so its
+    verdict stays PASSED and says nothing else."""
+    served = copy.deepcopy(SERVED["healthy"])
+    control = served["eager"]["runs"]["control:a0+engine-scale-2"]
+    next(iter(control.values()))["token_logprobs"][3] = float("nan")
+    result = judge(served, None)
+    failed = [(c.name, c.detail) for c in result.checks if not c.ok and c.decided is not False]
+    assert failed == [("eager: no NaN log-probabilities", "1 NaN (in control:a0+engine-scale-2)")]
+    assert result.verdict == "FAILED" and result.adapters[0].verdict == "PASSED"
