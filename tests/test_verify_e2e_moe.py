@@ -339,12 +339,12 @@ def recorded() -> dict:
 def test_the_h200_partial_adapters_pass_within_the_moe_max_floor():
     """There vLLM base vs PEFT base reached at most 0.98 nats on 3000 tokens, and the
     partial adapters, 0.027-0.031 from PEFT on average, three single tokens each 1.5-1.95
-    off: on a MoE the PEFT reference's max bound is at least the 2 nats a merged MoE
-    reference allows for near-tied routing choices."""
+    off: on a MoE the PEFT reference's max bound is its ceiling (rule.PEFT_MOE_MAX_FLOOR:
+    a worst token of a routed model's heavy tail tells nothing apart below it)."""
     checks = e2e.moe_checks(recorded())
     assert failing(checks) == []
     found = rows(checks)
-    assert "max 1.953 (<= 2.0)" in found[f"{PREFIX}eager: {DOWN} 3000 tokens vs peft"].detail
+    assert "max 1.953 (<= 6.0)" in found[f"{PREFIX}eager: {DOWN} 3000 tokens vs peft"].detail
     for mode in MODES:
         for name in (DOWN, GATE_UP):
             assert found[f"{mode}: {name} control served as {FULL} rejected"].ok

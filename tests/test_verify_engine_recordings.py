@@ -11,7 +11,10 @@ MoE with engine-side controls"):
 - ``healthy-seed1``: the same with --seed 1;
 - ``engine-bug``: seed 11, --reference peft, on a copy of vLLM with
   scripts/proofs/inject_engine_bug.py's bug (the packed layers' set_lora loop stops
-  one slice short): a bug of no kind the controls make.
+  one slice short): a bug of no kind the controls make;
+- ``healthy-seed2`` and ``healthy-seed3``: the healthy run at seeds 2 and 3, a later
+  sitting of that day (docs/evidence.md, h100-2026-12-07d): the H100 printed seed 2
+  INCONCLUSIVE on one worst token, which the rule no longer reads (rule.PEFT_MOE_MAX_FLOOR).
 
 Each served.json was put together from the engines' result files under --keep (the
 sitting's archive left served.json itself out by size); the first test shows it is
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from patchkit.cli.commands.verify import adapter_verdict_lines, check_table
 from patchkit.cli.verify_words import say as words
-from patchkit.verify import adaptercontrols, engines, rule, usermodel
+from patchkit.verify import adaptercontrols, engines, references, rule, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 from tests.verify_helpers import DATA, excesses, judge_wide, load
 
@@ -36,9 +40,15 @@ RUNS = {
     "healthy": ("h100-2026-12-07c-wide35b-healthy-served.json.xz", None),
     "healthy-seed1": ("h100-2026-12-07c-wide35b-healthy-seed1-served.json.xz", None),
     "engine-bug": ("h100-2026-12-07c-wide35b-engine-bug-served.json.xz", "peft"),
+    "healthy-seed2": ("h100-2026-12-07d-wide35b-healthy-seed2-served.json.xz", None),
+    "healthy-seed3": ("h100-2026-12-07d-wide35b-healthy-seed3-served.json.xz", None),
 }
+HEALTHY = ["healthy", "healthy-seed1", "healthy-seed2", "healthy-seed3"]
 SERVED = {run: load(DATA / name) for run, (name, _) in RUNS.items()}
-REPORTS = json.loads((DATA / "h100-2026-12-07c-wide35b-reports.json").read_text())
+REPORTS = {
+    **json.loads((DATA / "h100-2026-12-07c-wide35b-reports.json").read_text()),
+    **json.loads((DATA / "h100-2026-12-07d-wide35b-reports.json").read_text()),
+}
 ENGINE_SIDE = [
     "LoRA scale doubled in vLLM",
     "first LoRA layer skipped in vLLM",
@@ -63,23 +73,38 @@ def judged(run: str):
     return judge(SERVED[run], RUNS[run][1])
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+# What the rule changed since the sitting, each on purpose: against PEFT on a MoE the worst
+# token's bound is the ceiling (rule.PEFT_MOE_MAX_FLOOR: the H100 printed 1.5 x the
+# engine's own worst token), and a stretch past PASS_EXCESS is named (rule.STRETCH_TOKENS).
+RECORDED_MAX_BOUND = re.compile(r"(failed from \d+\.\d+x\), max \d+\.\d+ \(<= )\d+\.\d+\)")
+STRETCH = re.compile(r", its worst \d+-token stretch \d+\.\d+x \(< [\d.]+x\)")
+
+
+def as_the_rule_prints_it_now(text: str) -> str:
+    """A line the H100 printed, with the max bound the rule gives a MoE against PEFT now."""
+    return RECORDED_MAX_BOUND.sub(rf"\g<1>{rule.PEFT_MAX_CEILING})", text)
+
+
+@pytest.mark.parametrize("run", [run for run in RUNS if run != "healthy-seed2"])
 def test_the_recorded_report_is_what_the_rule_says_of_its_answers(run):
     """Every model-check row (name, result, detail) and every verdict line the H100 printed,
     rebuilt here from the served answers alone: a change to the rule that moves any
-    number or word of these reports fails here, with the row it moved."""
+    number or word of these reports fails here, with the row it moved. The two changes
+    made since on purpose (RECORDED_MAX_BOUND, STRETCH) are the only ones allowed."""
     result = judged(run)
     recorded = REPORTS[run]
     rows = [c for c in result.checks if not c.name.startswith("adapter check")]
-    table = check_table("model check", rows)[1:]
+    table = [STRETCH.sub("", line) for line in check_table("model check", rows)[1:]]
     wanted = [r for r in recorded["rows"] if not r[0].startswith("adapter check")]
     assert len(table) == len(wanted)
     for line, (name, result_word, detail) in zip(table, wanted, strict=True):
-        assert line.split() == f"{name} {result_word} {detail}".split(), name
-    assert adapter_verdict_lines(result.adapters) == recorded["verdict"][:-1]
+        printed = as_the_rule_prints_it_now(f"{name} {result_word} {detail}")
+        assert line.split() == printed.split(), name
+    lines = [STRETCH.sub("", line) for line in adapter_verdict_lines(result.adapters)]
+    assert lines == [as_the_rule_prints_it_now(line) for line in recorded["verdict"][:-1]]
 
 
-@pytest.mark.parametrize("run", ["healthy", "healthy-seed1"])
+@pytest.mark.parametrize("run", HEALTHY)
 def test_the_healthy_adapter_passes_with_every_engine_side_control_failed(run):
     result = judged(run)
     [verdict] = result.adapters
@@ -126,18 +151,98 @@ def test_an_engine_side_control_that_caught_nothing_takes_the_pass_away(fault):
 
 
 def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
-    """Requirement 3's margin, as measured: the largest healthy excess is 70 % of the
-    PASSED bound at seed 11 and 76 % at seed 1; none of the 12 healthy samples is FAILED
-    or in the band (false FAILED: 0 of 12 here; with the 14 of 2026-12-01, 0 of 26)."""
+    """The margin, as measured: the largest healthy excess is 70 % of the PASSED bound at
+    seed 11, 76 % at seed 1, 73 % at seed 2 and 72 % at seed 3; none of the 24 healthy
+    samples is FAILED or in the band (false FAILED: 0 of 24 here; with the 14 of
+    2026-12-01, 0 of 38). Their worst stretch (rule.STRETCH_TOKENS) stands at 71 % of
+    the failure line at most."""
     found = {
         run: [e.ratio for e in excesses(SERVED[run], "", "peft", "lora:a0", "a0")]
-        for run in ("healthy", "healthy-seed1")
+        for run in HEALTHY
     }
-    assert [len(v) for v in found.values()] == [6, 6]
-    assert round(max(found["healthy"]) / rule.PASS_EXCESS, 2) == 0.70
-    assert round(max(found["healthy-seed1"]) / rule.PASS_EXCESS, 2) == 0.76
-    every = found["healthy"] + found["healthy-seed1"]
-    assert max(every) <= rule.PASS_EXCESS
+    assert [len(v) for v in found.values()] == [6, 6, 6, 6]
+    shares = [round(max(found[run]) / rule.PASS_EXCESS, 2) for run in HEALTHY]
+    assert shares == [0.70, 0.76, 0.73, 0.72]
+    assert max(max(v) for v in found.values()) <= rule.PASS_EXCESS
+    stretches = [stretch(SERVED[run], mode, prompt) for run in HEALTHY for mode, prompt in
+                 samples(SERVED[run])]  # fmt: skip
+    assert len(stretches) == 24 and round(max(stretches) / rule.FAIL_EXCESS, 2) == 0.71
+
+
+def samples(served: dict) -> list[tuple[str, str]]:
+    """(LoRA engine, prompt) of a recorded run."""
+    return [
+        (mode, prompt) for mode in ("eager", "cudagraph") for prompt in served[mode]["runs"]["base"]
+    ]
+
+
+def errors(served: dict, mode: str, label: str, prompt: str) -> list[float]:
+    """|vLLM - PEFT| per token of ``label``'s answer (base against PEFT's base)."""
+    peft = served[engines.PEFT_ENTRY]["runs"]["base" if label == "base" else "lora:a0"]
+    ours = served[mode]["runs"][label][prompt]["prompt_logprobs"]
+    return [abs(x - y) for x, y in zip(ours, peft[prompt]["prompt_logprobs"], strict=True)]
+
+
+def stretch(served: dict, mode: str, prompt: str, label: str = "lora:a0") -> float:
+    """rule.stretch_excess of ``label`` on one prompt of one engine."""
+    base = errors(served, mode, "base", prompt)
+    return rule.stretch_excess(errors(served, mode, label, prompt), base)
+
+
+def test_seed_2_was_inconclusive_on_one_worst_token_and_passes_by_the_rule_now(monkeypatch):
+    """The H100 printed INCONCLUSIVE at seed 2: on the 4096-token prompt the adapter's
+    worst token, 3.854 and 3.815 nats, lay past 1.5 x the engine's own worst over the
+    prompts (bounds 3.159 and 3.76), its median excess 1.29-1.32x (<= 1.8x) and every
+    control FAILED. With the max bound the H100 ran, the replay prints that report word
+    for word; under the rule now only those two rows change, to inside the bound, and
+    the adapter PASSES with all seven controls caught."""
+    monkeypatch.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+    recorded = REPORTS["healthy-seed2"]
+    then = judged("healthy-seed2")
+    assert report_rows(then) == [f"{n} {w} {d}".split() for n, w, d in recorded["rows"][1:]]
+    assert adapter_verdict_lines(then.adapters) == recorded["verdict"][:-1]
+    monkeypatch.undo()
+    now = judged("healthy-seed2")
+    [verdict] = now.adapters
+    assert (verdict.verdict, len(verdict.caught)) == ("PASSED", 7), words(verdict.why)
+    printed = [
+        as_the_rule_prints_it_now(f"{n} {w} {d}").split() for n, w, d in recorded["rows"][1:]
+    ]
+    moved = [a[0:3] for a, b in zip(report_rows(now), printed, strict=True) if a != b]
+    assert moved == [["eager:", "a0", "4096"], ["cudagraph:", "a0", "4096"]]
+    assert [r[1] for r in recorded["rows"] if " a0 4096 tokens vs peft" in r[0]] == [
+        "undecided"
+    ] * 2
+
+
+def report_rows(result) -> list[list[str]]:
+    """The model-check rows but the adapter check, as the report prints them, split."""
+    rows = [c for c in result.checks if not c.name.startswith("adapter check")]
+    return [line.split() for line in check_table("model check", rows)[1:]]
+
+
+@pytest.mark.parametrize("fault", ["engine-layer-skipped", "engine-experts-down-dropped", "half"])
+def test_a_wrong_lora_path_on_the_last_tenth_of_a_prompt_is_not_passed(fault, monkeypatch):
+    """A bug that breaks a region of a prompt (a chunk, the positions past some length):
+    the healthy adapter's answers with a control's on the last 10 % of the 4096-token
+    prompt's positions, in both engines. The prompt's median barely moves (1.36-1.39x);
+    its worst stretch stands past the failure line (2.32-2.72x), so the adapter is not
+    PASSED, the stretch named. The worst-token bound the rule had before (1.5 x the
+    engine's own worst, 4.2-4.7 nats here) passed it: its worst token was 2.78-3.55."""
+    served = copy.deepcopy(SERVED["healthy"])
+    for mode in ("eager", "cudagraph"):
+        runs = served[mode]["runs"]
+        prompt = max(runs["base"], key=lambda p: len(runs["base"][p]["prompt_logprobs"]))
+        mine = runs["lora:a0"][prompt]["prompt_logprobs"]
+        wrong = runs[f"control:a0{adaptercontrols.SEP}{fault}"][prompt]["prompt_logprobs"]
+        cut = len(mine) - len(mine) // 10
+        runs["lora:a0"][prompt]["prompt_logprobs"] = mine[:cut] + wrong[cut:]
+    [verdict] = judge(served, None).adapters
+    assert verdict.verdict == "INCONCLUSIVE", words(verdict.why)
+    assert "4096 tokens vs peft" in words(verdict.why) and "-token stretch" in words(verdict.why)
+    monkeypatch.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+    monkeypatch.setattr(rule, "STRETCH_TOKENS", 1 << 30)  # one stretch: the prompt's median
+    assert judge(served, None).adapters[0].verdict == "PASSED"
 
 
 def test_engines_that_did_not_start_are_failed_and_no_reference_is_said_to_have_decided():

@@ -225,3 +225,30 @@ def test_a_row_that_says_not_served_is_marked_not_served():
     unserved = [c.name for c in rows if not c.served]
     assert len(unserved) == 2, unserved
     assert [c.name for c in rows if c.detail.startswith("not served")] == unserved
+
+
+def test_a_region_far_off_is_kept_from_passed_by_its_stretch_and_never_failed_by_it():
+    """The last quarter of a 2048-token prompt three times vLLM's own error, the rest at
+    it: the prompt's median says 1.0x, its last 512-token stretch 3.0x. Not inside (the
+    stretch is past the failure line), not beyond (the prompt's median decides that)."""
+    base = [0.2] * 2048
+    reference = [0.0] * 2048
+    values = [0.2] * 1536 + [0.6] * 512
+    found = rule.excess(values, reference, 0.2, base)
+    assert (round(found.ratio, 6), round(found.stretch, 6)) == (1.0, 3.0)
+    assert not found.within(6.0) and not found.beyond_noise()
+    assert "its worst 512-token stretch 3.00x (< 2.2x)" in found.text(6.0)
+    measured = rule.measure(values, reference, "peft", (0.3, 6.0), 0.2, True, True, base)
+    assert (measured.within, measured.beyond, measured.rejects) == (False, False, False)
+
+
+def test_a_prompt_shorter_than_two_stretches_is_one_and_the_text_does_not_repeat_it():
+    """600 tokens: one stretch, the prompt itself; its excess is the prompt's, not named
+    twice. Without vLLM's base error per token there is no stretch to read (0.0)."""
+    base = [0.1] * 600
+    values = [0.25] * 600
+    found = rule.excess(values, [0.0] * 600, 0.1, base)
+    assert round(found.stretch, 6) == round(found.ratio, 6) == 2.5
+    assert "stretch" not in found.text(6.0)
+    assert rule.excess(values, [0.0] * 600, 0.1).stretch == 0.0
+    assert rule.stretch_excess([0.1] * 600, [0.1] * 599) == 0.0

@@ -191,6 +191,7 @@ class Judge:
         self.sure = decisive(floors, ceiling)
         self.mean_sure = mean_decisive(floors)
         self.noise = reference.noise.get(engine, {})
+        self.errors = reference.errors.get(engine, {})
 
     @property
     def mean_bound(self) -> float:
@@ -214,7 +215,8 @@ class Judge:
             return unjudged(
                 f"{whose} answer to this prompt is missing or not finite: no noise to judge it by"
             )
-        return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure, self.mean_sure)
+        return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure,
+                       self.mean_sure, self.errors.get(prompt))  # fmt: skip
 
     def row(self, title: str, adapter: str, measured: Measured) -> Check:
         """One prompt's row: inside the bound, or FAILED where the rule decides, else

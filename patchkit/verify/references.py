@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,6 @@ from patchkit.verify.rule import (
     MERGED_BOUNDS,
     PEFT_MOE_MAX_FLOOR,
     finite_answer,
-    median_distance,
 )
 
 
@@ -104,6 +104,9 @@ class Reference:
     # PEFT: per LoRA engine and prompt, the median |vLLM base - PEFT base| (rule.Excess's
     # noise: the PEFT reference is judged by the excess over it); {} for the merged one
     noise: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per engine and prompt, |vLLM base - PEFT base| per token: the noise of each stretch
+    # of the prompt (rule.stretch_excess); {} for the merged one
+    errors: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
 def merged_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
@@ -123,25 +126,28 @@ def peft_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
     if "error" in peft or not isinstance(mine, dict) or "error" in mine or not base:
         missing = peft.get("error") or (mine or {}).get("error") or "it served nothing"
         return Reference("peft", None, {}, why, missing=f"the PEFT reference: {missing}")
-    floors, noise = {}, {}
+    floors, noise, errors = {}, {}, {}
     for lora in run.lora():
         vllm_base = lora.runs.get("base") or {}
         floors[lora.engine.name] = _floors(vllm_base, base, partial=True)
-        noise[lora.engine.name] = _noise(vllm_base, base)
+        mode = errors[lora.engine.name] = _base_errors(vllm_base, base)
+        noise[lora.engine.name] = {prompt: statistics.median(e) for prompt, e in mode.items()}
     routed = any(lora.result.get("routed_experts", 0) for lora in run.lora())
     max_floor = PEFT_MOE_MAX_FLOOR if routed else MERGED_BOUNDS[1]
-    return Reference("peft", mine, floors, why, base=base, max_floor=max_floor, noise=noise)
+    return Reference("peft", mine, floors, why, base=base, max_floor=max_floor, noise=noise,
+                     errors=errors)  # fmt: skip
 
 
-def _noise(ours: dict, theirs: dict) -> dict[str, float]:
-    """Per prompt of ``theirs``, the median |ours - theirs| (vLLM's own base error against
-    the PEFT reference's base); a prompt missing from either, or with a value that is not
-    finite, is left out (no noise to judge it by: the median would hide that token)."""
+def _base_errors(ours: dict, theirs: dict) -> dict[str, list[float]]:
+    """Per prompt of ``theirs``, |ours - theirs| per token (vLLM's own base error against
+    the PEFT reference's base; its median is the prompt's noise); a prompt missing from
+    either, of another length, or with a value that is not finite, is left out (no noise
+    to judge it by: the median would hide that token)."""
     out = {}
     for prompt, request in theirs.items():
         mine, wanted = finite_answer(ours.get(prompt)), finite_answer(request)
-        if mine is not None and wanted is not None:
-            out[prompt] = median_distance(mine, wanted)
+        if mine is not None and wanted is not None and len(mine) == len(wanted):
+            out[prompt] = [abs(x - y) for x, y in zip(mine, wanted, strict=True)]
     return out
 
 
