@@ -34,7 +34,7 @@ from patchkit.verify import (
 )
 from tests.conftest import run_cli, run_subprocess
 from tests.helpers import failing
-from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift
+from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift, when_ready
 
 torch = pytest.importorskip("torch", reason="the merged references need torch (the test extra)")
 from tests.checkpoint_helpers import (  # noqa: E402
@@ -329,39 +329,81 @@ def test_too_little_free_disk_is_refused_and_nothing_is_written(user, tmp_path, 
     assert listing(tmp_path) == before
 
 
-def test_the_cuda_graph_engines_start_together_in_the_first_wave(user, monkeypatch):
-    """Three at a time (an H100 and the 35B-A3B-wide cut), the LoRA engines, the merged
-    reference's, its rounding control's and the two without LoRA went [eager, cudagraph,
-    merged], [rounding, nolora-eager, nolora-cudagraph]: two waves each as long as a
-    CUDA-graph engine (171 s and 148 s of a 430-s run, 2026-12-07). Now both such
-    engines share the first; the result keeps the jobs' order."""
+class Child:
+    """A stand-in engine child for serving.pool: done after ``polls`` looks."""
+
+    def __init__(self, polls: int):
+        self.polls, self.returncode = polls, None
+
+    def poll(self):
+        self.polls -= 1
+        if self.polls <= 0:
+            self.returncode = 0
+        return self.returncode
+
+
+def test_the_pool_starts_a_job_as_soon_as_a_slot_is_free_and_what_it_reads_is_written(
+    user, monkeypatch
+):
+    """Three at a time (an H100 and the 35B-A3B-wide cut): the two CUDA-graph engines and
+    eager first. Waves made the second three wait for the slowest of the first, a
+    CUDA-graph engine (223-260 s against 110 s eager, 2026-12-07). Here the reference
+    engines wait only for their checkpoints: when eager ends (3 looks), nolora-eager
+    takes its slot, merged-one not yet written; merged-one starts once written, rounding-one
+    once written too, in the slots the others free. Never more than three at once; the
+    result in the jobs' order."""
     setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
     setup |= {"gpu_memory_utilization": 0.2, "kv_cache_bytes": 1 << 30}
     made = {"one": {"merged": Path("/m"), "rounding": Path("/r")}}
     jobs = engines.jobs(user["model"], {"one": user["one"]}, made, setup)
-    started = []
+    lives = {"cudagraph": 9, "nolora-cudagraph": 8, "eager": 3, "nolora-eager": 3}
+    looks, started, running = [0], [], {}
 
-    def start(wave, workdir):
-        started.append([job.name for job in wave])
-        return {job.name: job for job in wave}
+    def start(batch, workdir):
+        [job] = batch
+        alive = sorted(name for name, child in running.items() if child.returncode is None)
+        started.append((looks[0], job.name, alive))
+        running[job.name] = Child(lives.get(job.name, 3))
+        assert len(alive) < 3
+        return {job.name: running[job.name]}
+
+    def ready(job):  # as refwriter writes them: the merged reference first, then rounding
+        looks[0] += 1
+        return looks[0] > {"/m": 30, "/r": 60}.get(job.model, 0)
 
     monkeypatch.setattr(serving, "start", start)
-    monkeypatch.setattr(serving, "wait", lambda children, workdir, timeout: {
-        name: {"runs": {}} for name in children})  # fmt: skip
-    served = serving.serve_all(jobs, Path("/w"), 60.0, 3)
-    assert [sorted(wave) for wave in started] == [
-        ["cudagraph", "eager", "nolora-cudagraph"],
-        ["merged-one", "nolora-eager", "rounding-one"],
-    ]
+    monkeypatch.setattr(serving, "result", lambda name, child, workdir: {"runs": {}})
+    monkeypatch.setattr(serving, "POLL_S", 0)
+    served = serving.serve_all(jobs, Path("/w"), 60.0, 3, ready)
+    order = [name for _, name, _ in started]
+    assert order == [
+        "cudagraph", "nolora-cudagraph", "eager", "nolora-eager", "merged-one", "rounding-one"
+    ]  # fmt: skip
+    first_three = {name for look, name, _ in started if look == started[0][0]}
+    assert first_three == {"cudagraph", "nolora-cudagraph", "eager"}
+    beside = {name: alive for _, name, alive in started}
+    assert beside["nolora-eager"] == ["cudagraph", "nolora-cudagraph"]  # no wave to wait for
     assert list(served) == [job.name for job in jobs]
-    [one_wave] = serving.waves(jobs, 6)  # an H200: all six at once
-    assert sorted(j.name for j in one_wave) == sorted(j.name for j in jobs)
+
+
+def test_a_job_still_running_past_its_time_is_killed_and_reported(user, monkeypatch):
+    """Each child has ``timeout`` from its own start (a wave had it from the wave's)."""
+    killed = []
+    job = serving.Job("eager", "/m", "eager", {}, [])
+    monkeypatch.setattr(serving, "start", lambda batch, workdir: {"eager": Child(10**9)})
+    monkeypatch.setattr(serving, "kill", lambda child: killed.append(child))
+    monkeypatch.setattr(serving, "result", lambda name, child, workdir: {"error": "killed"})
+    monkeypatch.setattr(serving, "wait", lambda children, workdir, timeout: {"eager": {"runs": {}}})
+    monkeypatch.setattr(serving, "POLL_S", 0)
+    served = serving.serve_all([job], Path("/w"), -1.0, 1)
+    assert len(killed) == 1 and served["eager"] == {"runs": {}, "first_attempt": "killed"}
 
 
 def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, monkeypatch):
     seen = {}
 
-    def serve_all(jobs, workdir, timeout, at_once):
+    def serve_all(jobs, workdir, timeout, at_once, ready=None):
+        when_ready(jobs, ready)
         for kind in ("merged", "rounding"):
             seen[kind] = sorted(p.name for p in workdir.iterdir() if p.name.startswith(kind))
         seen["jobs"] = [(j.name, j.mode, bool(j.loras)) for j in jobs]
@@ -421,7 +463,9 @@ def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path
     with pytest.raises(KeyboardInterrupt):
         usermodel.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
     assert list(work.iterdir()) == []
-    monkeypatch.setattr(serving, "serve_all", lambda *a: fake_served(["one"]))
+    monkeypatch.setattr(
+        serving, "serve_all", lambda *a: (when_ready(a[0], a[4]), fake_served(["one"]))[1]
+    )
     keep = tmp_path / "keep"
     usermodel.run_model(user["model"], setup, None, keep, (1 << 40, 1 << 40), print)
     assert (keep / "merged-one" / "config.json").is_file()

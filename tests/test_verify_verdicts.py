@@ -29,7 +29,15 @@ from patchkit.cli.verify_words import say as words
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.verify import adaptercontrols, engines, references, rule, serving, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
-from tests.verify_helpers import fake_controls, fake_served, lora, merged, request, shift
+from tests.verify_helpers import (
+    fake_controls,
+    fake_served,
+    lora,
+    merged,
+    request,
+    shift,
+    when_ready,
+)
 
 torch = pytest.importorskip("torch", reason="the controls are written with torch")
 from tests.checkpoint_helpers import st_read, write_adapter  # noqa: E402
@@ -279,7 +287,11 @@ def user(tmp_path):
 
 
 def serve_fake(monkeypatch, served):
-    monkeypatch.setattr(serving, "serve_all", lambda jobs, work, timeout, at_once: served)
+    def serve_all(jobs, work, timeout, at_once, ready=None):
+        when_ready(jobs, ready)
+        return served
+
+    monkeypatch.setattr(serving, "serve_all", serve_all)
 
 
 def run(user, tmp_path, reference):
@@ -525,7 +537,8 @@ def test_workdir_and_keep_are_each_new_or_empty(tmp_path, option):
 def test_a_new_workdir_is_created_and_removed_after_the_run(user, tmp_path, monkeypatch):
     seen = []
 
-    def serve_all(jobs, work, timeout, at_once):
+    def serve_all(jobs, work, timeout, at_once, ready=None):
+        when_ready(jobs, ready)
         seen.append(work.parent.is_dir())
         return fake_served(["one"])
 
@@ -579,7 +592,8 @@ def test_a_run_removes_only_its_own_files_from_a_workdir_it_created(user, tmp_pa
     its own directory in it, and --workdir itself only when that leaves it empty."""
     workdir = tmp_path / "shared-workdir"
 
-    def serve_all(jobs, work, timeout, at_once):
+    def serve_all(jobs, work, timeout, at_once, ready=None):
+        when_ready(jobs, ready)
         (workdir / "other-run").mkdir()
         (workdir / "other-run" / "results.json").write_text("not verify's\n")
         return fake_served(["one"])

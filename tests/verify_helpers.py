@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import lzma
+import threading
 from pathlib import Path
 
 from patchkit.verify import (
@@ -139,3 +140,15 @@ def merged(served, adapters, prefix="") -> dict:
 
     run = engines.Served.from_json(served, adapters, prefix)
     return {name: references.merged_reference(run, name, None) for name in adapters}
+
+
+def when_ready(jobs: list, ready) -> None:
+    """What serving.pool does before a job starts, for a test's stand-in of serve_all:
+    wait until what the job reads is written (refwriter.ReferenceWriter.ready; it raises
+    what the writing raised). A bounded wait on a thread, not a timing."""
+    done = threading.Event()
+    for _ in range(12000):  # 120 s at most: the tiny checkpoints are written in well under 1
+        if ready is None or all(ready(job) for job in jobs):
+            return
+        done.wait(0.01)
+    raise AssertionError("the merged references were never written")

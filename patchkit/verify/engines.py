@@ -8,7 +8,8 @@ from pathlib import Path
 
 from patchkit.verify import baserows, serving
 
-WAVE_TIMEOUT = 1800.0
+# How long one engine (or the PEFT reference) may take, from its own start (seconds).
+ENGINE_TIMEOUT = 1800.0
 
 
 def adapter_rank(adapter_dir: Path) -> int:

@@ -93,15 +93,27 @@ def _merge_tensor(
         out.write(tensor_bytes(rounded))
 
 
+class Cancelled(Exception):
+    """write_merged was told to stop (its run is ending); what it wrote is removed."""
+
+
 def _rewrite_shard(
-    src: SafetensorsFile, dest: Path, pieces: dict[str, list[Piece]], cache, generator=None
+    src: SafetensorsFile,
+    dest: Path,
+    pieces: dict[str, list[Piece]],
+    cache,
+    generator=None,
+    cancel=None,
 ) -> None:
-    """The shard again, byte for byte, except the merged tensors' data."""
+    """The shard again, byte for byte, except the merged tensors' data; ``cancel`` (a
+    threading.Event) is looked at before each tensor."""
     chunk = 1 << 24
     with open(dest, "wb") as out:
         out.write(src.header_bytes)
         pos = src.data_start
         for info in sorted(src.tensors.values(), key=lambda i: i.begin):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"writing {dest.name} stopped")
             if info.begin > pos:  # bytes between tensors, kept as they are
                 out.write(src.read_bytes(pos, info.begin - pos))
             if info.name in pieces:
@@ -146,6 +158,7 @@ def write_merged(
     dest_dir: Path | str,
     progress: Callable[[str], None] | None = None,
     stochastic_seed: int | None = None,
+    cancel=None,
 ) -> dict[str, str]:
     """Write the merged checkpoint to dest_dir (which must not exist, or be empty).
 
@@ -153,6 +166,8 @@ def write_merged(
     is either complete or absent. Returns {shard: "merged"|"hardlink"|"symlink"}.
     With ``stochastic_seed`` the merged tensors are rounded stochastically
     (``round_stochastically``, reproducible from the seed) instead of to nearest.
+    ``cancel`` (a threading.Event, set when the run ends early) stops it before the next
+    tensor; the staging directory goes and dest_dir is left as it was.
     """
     dest = Path(dest_dir).absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -202,7 +217,7 @@ def write_merged(
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             with SafetensorsFile(plan.model_dir / name) as src:
                 mine = {k: v for k, v in plan.pieces.items() if k in src.tensors}
-                _rewrite_shard(src, work / name, mine, cache, generator)
+                _rewrite_shard(src, work / name, mine, cache, generator, cancel)
             done[name] = "merged"
         if dest.exists():
             dest.rmdir()

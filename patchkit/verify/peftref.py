@@ -129,8 +129,8 @@ def job(
     """The reference as a serving job: serving.start runs it in a child of its own and
     serving.wait reads its result (workdir/vllm-NAME.json) under ``name``.
 
-    It takes every visible GPU: start it in a wave of its own (serve_all with
-    at_once 1), not beside vLLM engines.
+    It takes every visible GPU: start it on its own (serving.start and wait, after
+    the engines), not beside vLLM engines.
     """
     return serving.Job(
         name=name,

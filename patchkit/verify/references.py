@@ -14,7 +14,7 @@ from pathlib import Path
 
 from patchkit.codes import Code, Reason
 from patchkit.verify import checks, serving
-from patchkit.verify.engines import PEFT_ENTRY, REFERENCES, WAVE_TIMEOUT, Served
+from patchkit.verify.engines import ENGINE_TIMEOUT, PEFT_ENTRY, REFERENCES, Served
 from patchkit.verify.rule import (
     MERGED_BOUNDS,
     PEFT_MOE_MAX_FLOOR,
@@ -60,18 +60,33 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def write_references(plans: dict, workdir: Path, say, seed: int) -> dict[str, dict[str, Path]]:
+def reference_paths(plans: dict, workdir: Path) -> dict[str, dict[str, Path]]:
+    """Where write_references puts each adapter's merged checkpoint and rounding control
+    (known before they are written, so their engines can be planned meanwhile)."""
+    return {name: {kind: workdir / f"{kind}-{name}" for kind in REFERENCES} for name in plans}
+
+
+def write_references(
+    plans: dict, workdir: Path, say, seed: int, cancel=None, written=None
+) -> dict[str, dict[str, Path]]:
     """Each merged checkpoint under workdir/merged-NAME, and its rounding control
-    (the same merge rounded stochastically) under workdir/rounding-NAME."""
+    (the same merge rounded stochastically) under workdir/rounding-NAME. ``cancel`` (a
+    threading.Event) stops it between tensors, the one being written removed;
+    ``written(path)`` is called as each is complete."""
     from patchkit.verify import mergewrite
 
-    out = {}
+    out = reference_paths(plans, workdir)
     for number, (name, plan) in enumerate(plans.items()):
         say(f"writing merged reference and rounding control for {name}")
-        out[name] = {kind: workdir / f"{kind}-{name}" for kind in REFERENCES}
-        mergewrite.write_merged(plan, out[name]["merged"])
+        mergewrite.write_merged(plan, out[name]["merged"], cancel=cancel)
+        if written:
+            written(out[name]["merged"])
         control_seed = (seed * 1000 + number) % (1 << 63)  # manual_seed takes < 2**64
-        mergewrite.write_merged(plan, out[name]["rounding"], stochastic_seed=control_seed)
+        mergewrite.write_merged(
+            plan, out[name]["rounding"], stochastic_seed=control_seed, cancel=cancel
+        )
+        if written:
+            written(out[name]["rounding"])
     return out
 
 
@@ -207,7 +222,7 @@ def run_peft_reference(
     except ImportError as exc:
         return {"error": f"patchkit.verify.peftref cannot be imported ({exc})"}
     job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)  # every GPU: alone
-    return serving.wait(serving.start([job], work), work, WAVE_TIMEOUT)[PEFT_ENTRY]
+    return serving.wait(serving.start([job], work), work, ENGINE_TIMEOUT)[PEFT_ENTRY]
 
 
 def reference_base(keep: Path | None, workdir: Path | None) -> Path:

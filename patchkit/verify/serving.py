@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ MAX_BATCHED_TOKENS = 4096
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks, 0.22-0.33).
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 GIB = 1 << 30
+# How often the pool looks at its children and at what is ready (seconds).
+POLL_S = 1.0
 
 
 @dataclass
@@ -303,7 +306,6 @@ def start(jobs: list[Job], workdir: Path) -> dict:
 def wait(children: dict, workdir: Path, timeout: float) -> dict:
     """Each job's results, or an error quoting its log's first error line."""
     deadline = time.monotonic() + timeout
-    results = {}
     try:
         for child in children.values():
             try:
@@ -316,16 +318,18 @@ def wait(children: dict, workdir: Path, timeout: float) -> dict:
         for child in children.values():
             kill(child)
         raise
-    for name, child in children.items():
-        out = workdir / f"vllm-{name}.json"
-        if child.returncode == 0 and out.exists():
-            results[name] = json.loads(out.read_text())
-        else:
-            results[name] = {
-                "error": f"vLLM ({name}) exited {child.returncode}: "
-                + first_error(workdir / f"vllm-{name}.log")
-            }
-    return results
+    return {name: result(name, child, workdir) for name, child in children.items()}
+
+
+def result(name: str, child: subprocess.Popen, workdir: Path) -> dict:
+    """What a finished child wrote, or an error quoting its log's first error line."""
+    out = workdir / f"vllm-{name}.json"
+    if child.returncode == 0 and out.exists():
+        return json.loads(out.read_text())
+    return {
+        "error": f"vLLM ({name}) exited {child.returncode}: "
+        + first_error(workdir / f"vllm-{name}.log")
+    }
 
 
 def kill(child: subprocess.Popen) -> None:
@@ -356,16 +360,20 @@ def first_error(log: Path) -> str:
     return (found[0] if found else " | ".join(lines[-3:]))[:300]
 
 
-def serve_all(jobs: list[Job], workdir: Path, timeout: float, at_once: int) -> dict:
-    """The jobs in waves of ``at_once``; a job that failed then gets one run on its own.
+def serve_all(
+    jobs: list[Job],
+    workdir: Path,
+    timeout: float,
+    at_once: int,
+    ready: Callable[[Job], bool] | None = None,
+) -> dict:
+    """The jobs, ``at_once`` at a time (pool); a job that failed then gets one run alone.
 
     A failure beside other engines can be theirs (memory, ports); alone it is
     the engine's own. The first error is kept in the result. The result is in the
-    jobs' order, whatever order the waves took.
+    jobs' order, whatever order they ran in.
     """
-    served: dict = {}
-    for wave in waves(jobs, at_once):
-        served |= wait(start(wave, workdir), workdir, timeout)
+    served = pool(jobs, workdir, timeout, at_once, ready or (lambda job: True))
     for job in [j for j in jobs if "error" in served[j.name]]:
         first = served[job.name]["error"]
         served[job.name] = wait(start([job], workdir), workdir, timeout)[job.name]
@@ -373,18 +381,49 @@ def serve_all(jobs: list[Job], workdir: Path, timeout: float, at_once: int) -> d
     return {job.name: served[job.name] for job in jobs}
 
 
-def waves(jobs: list[Job], at_once: int) -> list[list[Job]]:
-    """The jobs in groups of ``at_once``, the CUDA-graph engines first.
+def pool(
+    jobs: list[Job], workdir: Path, timeout: float, at_once: int, ready: Callable[[Job], bool]
+) -> dict:
+    """Each job in a slot of ``at_once`` as soon as one is free and the job is ``ready``
+    (what it reads is written: the merged references, written while the first engines
+    start), the CUDA-graph engines first (first_slow); each child given ``timeout``.
 
-    A wave lasts as long as its slowest engine, and the next starts only when it
-    has ended (an engine that frees GPU memory while another profiles its own
-    breaks the other's profile). Compiling and capturing graphs makes a CUDA-graph
-    engine the slowest of any wave: on the 35B-A3B-wide cut on an H100, three at a
-    time, 145-188 s against 54-66 s eager (2026-12-07). Together in the first wave
-    they cost one such wait, not one a wave.
+    Waves of ``at_once`` lasted each as long as its slowest engine: on the 35B-A3B-wide
+    cut on an H100, three at a time, a CUDA-graph engine took 223-260 s and an eager one
+    54-110 s (2026-12-07), so two eager engines waited for the third slot's compile
+    twice. A slot frees when its child has exited, so as many engines hold the GPU at
+    once as in a wave, and each reserves a fixed KV cache (no memory profiling to break
+    when a neighbour frees memory: the module's docstring). ``ready`` may raise (the
+    references could not be written): the children running are killed and it goes on.
     """
-    ordered = sorted(jobs, key=lambda job: job.mode != "cudagraph")  # stable: else as given
-    return [ordered[i : i + at_once] for i in range(0, len(ordered), at_once)]
+    waiting, running, served = first_slow(jobs), {}, {}
+    try:
+        while waiting or running:
+            for name, (child, deadline) in list(running.items()):
+                if child.poll() is None and time.monotonic() < deadline:
+                    continue
+                if child.poll() is None:
+                    kill(child)
+                served[name] = result(name, child, workdir)
+                del running[name]
+            for job in [j for j in waiting if ready(j)][: at_once - len(running)]:
+                waiting.remove(job)
+                running[job.name] = (start([job], workdir)[job.name], time.monotonic() + timeout)
+            if running or waiting:
+                time.sleep(POLL_S)
+    except BaseException:
+        # SIGTERM (CI, `timeout`, Kubernetes), Ctrl-C, or the references' writer failing:
+        # the engines would go on holding the GPUs, orphaned, their workdir removed.
+        for child, _ in running.values():
+            kill(child)
+        raise
+    return served
+
+
+def first_slow(jobs: list[Job]) -> list[Job]:
+    """The CUDA-graph engines first (compiling and capturing graphs makes them the slowest
+    of a run, 3-4 times an eager engine on the wide cut), else as given."""
+    return sorted(jobs, key=lambda job: job.mode != "cudagraph")  # stable
 
 
 if __name__ == "__main__":  # the child process of start(); TP workers re-import this module

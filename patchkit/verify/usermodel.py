@@ -33,7 +33,7 @@ from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.files import read_user_json
 from patchkit.verify import adaptercontrols, serving
 from patchkit.verify.checks import INCONCLUSIVE, Check
-from patchkit.verify.engines import PEFT_ENTRY, WAVE_TIMEOUT, Served, jobs
+from patchkit.verify.engines import ENGINE_TIMEOUT, PEFT_ENTRY, Served, jobs
 from patchkit.verify.mergeplan import WorkdirUnusable
 from patchkit.verify.modelchecks import compare
 from patchkit.verify.references import (
@@ -44,8 +44,8 @@ from patchkit.verify.references import (
     reference_base,
     rounding_floors,
     run_peft_reference,
-    write_references,
 )
+from patchkit.verify.refwriter import ReferenceWriter
 from patchkit.verify.rule import ModelResult, adapter_verdict, decisive, extent
 
 PROMPT_LENGTHS = (600, 3000)
@@ -278,6 +278,7 @@ def run_model(
             model_dir, adapters, reference_base(keep, workdir), say
         )
     work, made = _workdir(keep, workdir)
+    writer = None
     try:
         routed = serving.experts_in(setup["config"])  # read_config's, checked
         controls = {
@@ -286,14 +287,17 @@ def run_model(
             for name, path in adapters.items()
         }
         say(f"controls: {describe_controls(controls)}")
-        references = write_references(plans, work, say, setup["seed"]) if plans else {}
+        if plans:  # written while the first engines run (refwriter)
+            writer = ReferenceWriter(plans, work, say, setup["seed"])
         setup, at_once = with_memory(setup, model_dir, gpu)
+        references = writer.paths if writer else {}
         engines = jobs(model_dir, adapters, references, setup, controls=controls)
         say(
             f"serving {model_dir}: {len(engines)} engines, {at_once} at a time, "
             f"prompts {', '.join(p[1:] for p in setup['prompts'])} tokens"
         )
-        served = serving.serve_all(engines, work, WAVE_TIMEOUT, at_once)
+        ready = writer.ready if writer else None
+        served = serving.serve_all(engines, work, ENGINE_TIMEOUT, at_once, ready)
         chosen, need = choose_references(served, list(adapters), controls, asked)
         if need:
             say(f"PEFT reference (transformers + PEFT, float32) for {', '.join(need)}")
@@ -306,6 +310,8 @@ def run_model(
         (work / "served.json").write_text(json.dumps(served))
         return judge(served, list(adapters), controls, chosen, admission=setup.get("admission"))
     finally:
+        if writer is not None:
+            writer.close()  # before the workdir goes: nothing writes into it after
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)  # this run's own directory
             if made:  # --workdir was created by this run: removed if nothing else is there
