@@ -156,8 +156,9 @@ def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
     """The margin, as measured: the largest healthy excess is 70 % of the PASSED bound at
     seed 11, 76 % at seed 1, 73 % at seed 2 and 72 % at seed 3; none of the 24 healthy
     samples is FAILED or in the band (false FAILED: 0 of 24 here; with the 14 of
-    2026-12-01, 0 of 38). Their worst stretch (rule.STRETCH_TOKENS) stands at 71 % of
-    the failure line at most."""
+    2026-12-01, 0 of 38, of them 37 distinct: the H200's eager answers to the 600-token
+    prompt are these at seed 11, bit for bit, the same model, adapter and prompt). Their
+    worst stretch (rule.STRETCH_TOKENS) stands at 71 % of the failure line at most."""
     found = {
         run: [e.ratio for e in excesses(SERVED[run], "", "peft", "lora:a0", "a0")]
         for run in HEALTHY
@@ -169,6 +170,14 @@ def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
     stretches = [stretch(SERVED[run], mode, prompt) for run in HEALTHY for mode, prompt in
                  samples(SERVED[run])]  # fmt: skip
     assert len(stretches) == 24 and round(max(stretches) / rule.FAIL_EXCESS, 2) == 0.71
+    h200 = load(DATA / "h200-2026-12-01i-wide35b-served.json.xz")
+    same = [
+        (mode, prompt)
+        for mode, prompt in samples(h200)
+        if all(errors(h200, mode, label, prompt) == errors(SERVED["healthy"], mode, label, prompt)
+               for label in ("base", "lora:a0"))
+    ]  # fmt: skip
+    assert same == [("eager", "p600")]
 
 
 def samples(served: dict) -> list[tuple[str, str]]:
