@@ -14,7 +14,7 @@ MoE with engine-side controls"):
   one slice short): a bug of no kind the controls make;
 - ``healthy-seed2`` and ``healthy-seed3``: the healthy run at seeds 2 and 3, a later
   sitting of that day (docs/evidence.md, h100-2026-12-07d): the H100 printed seed 2
-  INCONCLUSIVE on one worst token, which the rule no longer reads (rule.PEFT_MOE_MAX_FLOOR).
+  INCONCLUSIVE on one worst token, which the rule now allows (rule.MOE_LONE_TOKENS).
 
 Each served.json was put together from the engines' result files under --keep (the
 sitting's archive left served.json itself out by size); the first test shows it is
@@ -44,8 +44,9 @@ RUNS = {
     "engine-bug": ("h100-2026-12-07c-wide35b-engine-bug-served.json.xz", "peft"),
     "healthy-seed2": ("h100-2026-12-07d-wide35b-healthy-seed2-served.json.xz", None),
     "healthy-seed3": ("h100-2026-12-07d-wide35b-healthy-seed3-served.json.xz", None),
+    "healthy-seed4": ("h100-2026-12-07e-wide35b-healthy-seed4-served.json.xz", None),
 }
-HEALTHY = ["healthy", "healthy-seed1", "healthy-seed2", "healthy-seed3"]
+HEALTHY = ["healthy", "healthy-seed1", "healthy-seed2", "healthy-seed3", "healthy-seed4"]
 SERVED = {run: load(DATA / name) for run, (name, _) in RUNS.items()}
 REPORTS = {
     **json.loads((DATA / "h100-2026-12-07c-wide35b-reports.json").read_text()),
@@ -75,35 +76,36 @@ def judged(run: str):
     return judge(SERVED[run], RUNS[run][1])
 
 
-# What the rule changed since the sitting, each on purpose: against PEFT on a MoE the worst
-# token's bound is the ceiling (rule.PEFT_MOE_MAX_FLOOR: the H100 printed 1.5 x the
-# engine's own worst token), and a stretch past PASS_EXCESS is named (rule.STRETCH_TOKENS).
-RECORDED_MAX_BOUND = re.compile(r"(failed from \d+\.\d+x\), max \d+\.\d+ \(<= )\d+\.\d+\)")
+# What the rule changed since the sitting, each on purpose: against PEFT on a MoE one token
+# may pass the max bound up to the ceiling, and the row names the next token too
+# (rule.MOE_LONE_TOKENS); a stretch past PASS_EXCESS is named (rule.STRETCH_TOKENS).
+NEXT_TOKEN = re.compile(
+    r"max (\d+\.\d+), the next \d+\.\d+ \(<= ([\d.]+); one token up to [\d.]+\)"
+)
 STRETCH = re.compile(r", its worst \d+-token stretch \d+\.\d+x \(< [\d.]+x\)")
 
 
-def as_the_rule_prints_it_now(text: str) -> str:
-    """A line the H100 printed, with the max bound the rule gives a MoE against PEFT now."""
-    return RECORDED_MAX_BOUND.sub(rf"\g<1>{rule.PEFT_MAX_CEILING})", text)
+def as_the_h100_printed_it(text: str) -> str:
+    """A line the rule prints now, without what it added since the sitting."""
+    return NEXT_TOKEN.sub(r"max \1 (<= \2)", STRETCH.sub("", text))
 
 
-@pytest.mark.parametrize("run", [run for run in RUNS if run != "healthy-seed2"])
+@pytest.mark.parametrize("run", [run for run in REPORTS if run != "healthy-seed2"])
 def test_the_recorded_report_is_what_the_rule_says_of_its_answers(run):
     """Every model-check row (name, result, detail) and every verdict line the H100 printed,
     rebuilt here from the served answers alone: a change to the rule that moves any
     number or word of these reports fails here, with the row it moved. The two changes
-    made since on purpose (RECORDED_MAX_BOUND, STRETCH) are the only ones allowed."""
+    added since (NEXT_TOKEN, STRETCH) are the only ones allowed."""
     result = judged(run)
     recorded = REPORTS[run]
     rows = [c for c in result.checks if not c.name.startswith("adapter check")]
-    table = [STRETCH.sub("", line) for line in check_table("model check", rows)[1:]]
+    table = [as_the_h100_printed_it(line) for line in check_table("model check", rows)[1:]]
     wanted = [r for r in recorded["rows"] if not r[0].startswith("adapter check")]
     assert len(table) == len(wanted)
     for line, (name, result_word, detail) in zip(table, wanted, strict=True):
-        printed = as_the_rule_prints_it_now(f"{name} {result_word} {detail}")
-        assert line.split() == printed.split(), name
-    lines = [STRETCH.sub("", line) for line in adapter_verdict_lines(result.adapters)]
-    assert lines == [as_the_rule_prints_it_now(line) for line in recorded["verdict"][:-1]]
+        assert line.split() == f"{name} {result_word} {detail}".split(), name
+    lines = [as_the_h100_printed_it(line) for line in adapter_verdict_lines(result.adapters)]
+    assert lines == recorded["verdict"][:-1]
 
 
 @pytest.mark.parametrize("run", HEALTHY)
@@ -154,22 +156,22 @@ def test_an_engine_side_control_that_caught_nothing_takes_the_pass_away(fault):
 
 def test_the_healthy_margin_and_the_false_failed_count_over_these_runs():
     """The margin, as measured: the largest healthy excess is 70 % of the PASSED bound at
-    seed 11, 76 % at seed 1, 73 % at seed 2 and 72 % at seed 3; none of the 24 healthy
-    samples is FAILED or in the band (false FAILED: 0 of 24 here; with the 14 of
-    2026-12-01, 0 of 38, of them 37 distinct: the H200's eager answers to the 600-token
+    seed 11, 76 % at seed 1, 73 % at seed 2, 72 % at seed 3 and 70 % at seed 4; none of
+    the 30 healthy samples is FAILED or in the band (false FAILED: 0 of 30 here; with the
+    14 of 2026-12-01, 0 of 44, of them 43 distinct: the H200's eager answers to the 600-token
     prompt are these at seed 11, bit for bit, the same model, adapter and prompt). Their
     worst stretch (rule.STRETCH_TOKENS) stands at 71 % of the failure line at most."""
     found = {
         run: [e.ratio for e in excesses(SERVED[run], "", "peft", "lora:a0", "a0")]
         for run in HEALTHY
     }
-    assert [len(v) for v in found.values()] == [6, 6, 6, 6]
+    assert [len(v) for v in found.values()] == [6, 6, 6, 6, 6]
     shares = [round(max(found[run]) / rule.PASS_EXCESS, 2) for run in HEALTHY]
-    assert shares == [0.70, 0.76, 0.73, 0.72]
+    assert shares == [0.70, 0.76, 0.73, 0.72, 0.70]
     assert max(max(v) for v in found.values()) <= rule.PASS_EXCESS
     stretches = [stretch(SERVED[run], mode, prompt) for run in HEALTHY for mode, prompt in
                  samples(SERVED[run])]  # fmt: skip
-    assert len(stretches) == 24 and round(max(stretches) / rule.FAIL_EXCESS, 2) == 0.71
+    assert len(stretches) == 30 and round(max(stretches) / rule.FAIL_EXCESS, 2) == 0.71
     h200 = load(DATA / "h200-2026-12-01i-wide35b-served.json.xz")
     same = [
         (mode, prompt)
@@ -204,10 +206,10 @@ def test_seed_2_was_inconclusive_on_one_worst_token_and_passes_by_the_rule_now(m
     """The H100 printed INCONCLUSIVE at seed 2: on the 4096-token prompt the adapter's
     worst token, 3.854 and 3.815 nats, lay past 1.5 x the engine's own worst over the
     prompts (bounds 3.159 and 3.76), its median excess 1.29-1.32x (<= 1.8x) and every
-    control FAILED. With the max bound the H100 ran, the replay prints that report word
-    for word; under the rule now only those two rows change, to inside the bound, and
-    the adapter PASSES with all seven controls caught."""
-    monkeypatch.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+    control FAILED. With no lone token allowed, as the H100 ran, the replay prints that
+    report word for word; under the rule now only those two rows change, to inside (the
+    next token under the bound), and the adapter PASSES with all seven controls caught."""
+    monkeypatch.setattr(references, "MOE_LONE_TOKENS", 0)
     recorded = REPORTS["healthy-seed2"]
     then = judged("healthy-seed2")
     assert report_rows(then) == [f"{n} {w} {d}".split() for n, w, d in recorded["rows"][1:]]
@@ -216,10 +218,9 @@ def test_seed_2_was_inconclusive_on_one_worst_token_and_passes_by_the_rule_now(m
     now = judged("healthy-seed2")
     [verdict] = now.adapters
     assert (verdict.verdict, len(verdict.caught)) == ("PASSED", 7), words(verdict.why)
-    printed = [
-        as_the_rule_prints_it_now(f"{n} {w} {d}").split() for n, w, d in recorded["rows"][1:]
-    ]
-    moved = [a[0:3] for a, b in zip(report_rows(now), printed, strict=True) if a != b]
+    printed = [f"{n} {w} {d}".split() for n, w, d in recorded["rows"][1:]]
+    rows = [as_the_h100_printed_it(" ".join(row)).split() for row in report_rows(now)]
+    moved = [a[0:3] for a, b in zip(rows, printed, strict=True) if a != b]
     assert moved == [["eager:", "a0", "4096"], ["cudagraph:", "a0", "4096"]]
     assert [r[1] for r in recorded["rows"] if " a0 4096 tokens vs peft" in r[0]] == [
         "undecided"
@@ -251,7 +252,7 @@ def test_a_wrong_lora_path_on_the_last_tenth_of_a_prompt_is_not_passed(fault, mo
     [verdict] = judge(served, None).adapters
     assert verdict.verdict == "INCONCLUSIVE", words(verdict.why)
     assert "4096 tokens vs peft" in words(verdict.why) and "-token stretch" in words(verdict.why)
-    monkeypatch.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+    monkeypatch.setattr(references, "MOE_LONE_TOKENS", 0)
     monkeypatch.setattr(rule, "STRETCH_TOKENS", 1 << 30)  # one stretch: the prompt's median
     assert judge(served, None).adapters[0].verdict == "PASSED"
 
@@ -279,11 +280,11 @@ def last_tenth(n: int) -> range:
 def test_the_last_tenth_wrong_puts_a_stretch_past_the_line_at_every_seed_for_every_control(
     monkeypatch,
 ):
-    """The case above at all four seeds, with each of the six controls served: its worst
-    stretch stands at 2.29-3.53x (24 x 2 engines), never under the failure line, while
-    the prompt's median says 1.31-1.46x, and the adapter is never PASSED. The worst-token
-    bound the rule had before passed 15 of the 18 at seeds 11, 1 and 3 (at seed 2 the
-    healthy adapter itself was outside it)."""
+    """The case above at all five seeds, with each of the six controls served: its worst
+    stretch stands at 2.29-3.53x (30 x 2 engines), never under the failure line, while
+    the prompt's median says 1.31-1.46x, and the adapter is never PASSED. The rule before
+    the stretches (no stretch, no lone token) passed 18 of the 24 at seeds 11, 1,
+    3 and 4 (at seed 2 the healthy adapter itself was outside its worst-token bound)."""
     found, ratios, old_passed = [], [], 0
     for run in HEALTHY:
         for kind in SERVED_CONTROLS:
@@ -294,34 +295,46 @@ def test_the_last_tenth_wrong_puts_a_stretch_past_the_line_at_every_seed_for_eve
                 found.append(rule.stretch_excess(mine, base))
             assert judge(served, None).adapters[0].verdict == "INCONCLUSIVE", (run, kind)
             with monkeypatch.context() as before:
-                before.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+                before.setattr(references, "MOE_LONE_TOKENS", 0)
                 before.setattr(rule, "STRETCH_TOKENS", 1 << 30)
                 old_passed += judge(served, None).adapters[0].verdict == "PASSED"
-    assert len(found) == 48 and min(found) >= rule.FAIL_EXCESS
+    assert len(found) == 60 and min(found) >= rule.FAIL_EXCESS
     assert (round(min(found), 2), round(max(found), 2)) == (2.29, 3.53)
     assert (round(min(ratios), 2), round(max(ratios), 2)) == (1.31, 1.46)
-    assert old_passed == 15
+    assert old_passed == 18
 
 
 @pytest.mark.parametrize("kind", SERVED_CONTROLS)
-def test_a_broken_region_astride_two_stretches_passes_where_one_in_a_stretch_does_not(kind):
-    """What the stretches do not see, measured: 576 wrong tokens inside the second stretch
-    of the 4096-token prompt (585 tokens each) keep the adapter from PASSED; the same 576
-    across the border of the second and third (288 in each) pass, as they did under the
-    rule before. A region must cover most of one stretch."""
+def test_a_broken_region_is_seen_inside_a_stretch_and_astride_two(kind, monkeypatch):
+    """576 wrong tokens inside the second stretch of the 4096-token prompt (585 tokens
+    each) keep the adapter from PASSED, and so do the same 576 across the border of the
+    second and third (288 in each): the stretches overlap by half, so that region is
+    most of the one between. With stretches side by side (none between) it passed."""
     size = round(4095 / (4095 // rule.STRETCH_TOKENS))
     inside = spliced("healthy", kind, lambda n: range(size, size + 576))
     astride = spliced("healthy", kind, lambda n: range(2 * size - 288, 2 * size + 288))
     assert judge(inside, None).adapters[0].verdict == "INCONCLUSIVE"
+    assert judge(astride, None).adapters[0].verdict == "INCONCLUSIVE"
+
+    def side_by_side(distances, base):
+        count = len(distances) // rule.STRETCH_TOKENS
+        cuts = [round(i * len(distances) / count) for i in range(count + 1)]
+        return max(
+            statistics.median(distances[lo:hi]) / max(statistics.median(base[lo:hi]), 1e-3)
+            for lo, hi in zip(cuts, cuts[1:], strict=False)
+        )
+
+    monkeypatch.setattr(rule, "stretch_excess", side_by_side)
     assert judge(astride, None).adapters[0].verdict == "PASSED"
 
 
 def test_a_wrong_path_on_a_scattered_quarter_of_the_positions_passes(monkeypatch):
     """A wrong path on a quarter of the 4096-token prompt's positions, scattered (a bug
     that breaks some tokens, not a region): the prompt's median moves to 1.54-1.61x and
-    its worst stretch to 1.63-1.84x, short of both lines, and every control's answers so
+    its worst stretch to 1.67-1.84x, short of both lines, and every control's answers so
     spliced PASS. The worst-token bound the rule had before caught the doubled scale
-    there, by one token 4.53 nats off (its bound 4.199): power the 6-nat ceiling gave up."""
+    there, by one token 4.53 nats off (its bound 4.199), which one lone token allowed
+    (rule.MOE_LONE_TOKENS) passes: the next token was under it."""
     quarter = sorted(random.Random(0).sample(range(4095), 4095 // 4))
     ratios, stretches = [], []
     for kind in SERVED_CONTROLS:
@@ -332,9 +345,9 @@ def test_a_wrong_path_on_a_scattered_quarter_of_the_positions_passes(monkeypatch
             ratios.append(statistics.median(mine) / statistics.median(base))
             stretches.append(rule.stretch_excess(mine, base))
     assert (round(min(ratios), 2), round(max(ratios), 2)) == (1.54, 1.61)
-    assert (round(min(stretches), 2), round(max(stretches), 2)) == (1.63, 1.84)
+    assert (round(min(stretches), 2), round(max(stretches), 2)) == (1.67, 1.84)
     served = spliced("healthy", "engine-scale-2", lambda n: quarter)
-    monkeypatch.setattr(references, "PEFT_MOE_MAX_FLOOR", rule.MAX_CEILING)
+    monkeypatch.setattr(references, "MOE_LONE_TOKENS", 0)
     result = judge(served, None)
     assert result.adapters[0].verdict == "INCONCLUSIVE"
     [row] = [c for c in result.checks if c.name == "eager: a0 4096 tokens vs peft"]
@@ -568,3 +581,23 @@ def test_a_nan_in_a_controls_answer_fails_the_run_and_names_the_control():
     failed = [(c.name, c.detail) for c in result.checks if not c.ok and c.decided is not False]
     assert failed == [("eager: no NaN log-probabilities", "1 NaN (in control:a0+engine-scale-2)")]
     assert result.verdict == "FAILED" and result.adapters[0].verdict == "PASSED"
+
+
+NEXT_SAID = re.compile(r"the next (\d+\.\d+) \(<= (\d+\.\d+);")
+
+
+def next_token_shares(result) -> list[float]:
+    """Each LoRA row's next-to-worst token as a share of its max bound, as printed."""
+    rows = [c for c in result.checks if re.fullmatch(r"\w+: a0 \d+ tokens vs peft", c.name)]
+    found = [NEXT_SAID.search(c.detail) for c in rows]
+    return [float(m.group(1)) / float(m.group(2)) for m in found if m]
+
+
+def test_no_healthy_answer_puts_a_second_token_past_the_max_bound():
+    """One token may pass the max bound on a MoE (rule.MOE_LONE_TOKENS); none of the 36
+    healthy samples of the wide cut (five H100 seeds, the H200 run) puts a second one
+    past it: the next-to-worst token stands at 0.80 of the bound at most."""
+    h200 = judge_wide(load(DATA / "h200-2026-12-01i-wide35b-served.json.xz"))
+    shares = [s for run in HEALTHY for s in next_token_shares(judged(run))]
+    shares += next_token_shares(h200)
+    assert len(shares) == 36 and round(max(shares), 2) == 0.80

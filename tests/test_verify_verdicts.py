@@ -156,7 +156,8 @@ def test_the_wide_moe_healthy_adapter_passes_against_peft_and_rejects_every_cont
     assert verdict.reference == "peft" and "could not decide" in words(verdict.reference_why)
     assert verdict.caught == ["50 % strength", "experts ignored", "adapter ignored"]
     rows = {c.name: c for c in result.checks}
-    assert "max 2.660 (<= 6.0)" in rows["eager: a0 4096 tokens vs peft"].detail
+    detail = rows["eager: a0 4096 tokens vs peft"].detail
+    assert "max 2.660, the next 2.538 (<= 4.199; one token up to 6.0)" in detail
 
 
 def test_the_wide_moe_run_was_inconclusive_under_the_old_two_nat_ceiling(monkeypatch):

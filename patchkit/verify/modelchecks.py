@@ -216,7 +216,7 @@ class Judge:
                 f"{whose} answer to this prompt is missing or not finite: no noise to judge it by"
             )
         return measure(values, wanted, kind, self.bounds, noise or 0.0, self.sure,
-                       self.mean_sure, self.errors.get(prompt))  # fmt: skip
+                       self.mean_sure, self.errors.get(prompt), self.reference.lone)  # fmt: skip
 
     def row(self, title: str, adapter: str, measured: Measured) -> Check:
         """One prompt's row: inside the bound, or FAILED where the rule decides, else

@@ -17,6 +17,7 @@ from patchkit.verify import checks, serving
 from patchkit.verify.engines import ENGINE_TIMEOUT, PEFT_ENTRY, REFERENCES, Served
 from patchkit.verify.rule import (
     MERGED_BOUNDS,
+    MOE_LONE_TOKENS,
     PEFT_MOE_MAX_FLOOR,
     finite_answer,
 )
@@ -116,6 +117,7 @@ class Reference:
     missing: str = ""  # why it did not run, when runs is None
     base: dict | None = None
     max_floor: float = MERGED_BOUNDS[1]  # the least max bound (PEFT_MOE_MAX_FLOOR on MoE)
+    lone: int = 0  # tokens that may pass the max bound, up to the ceiling (PEFT on a MoE)
     # PEFT: per LoRA engine and prompt, the median |vLLM base - PEFT base| (rule.Excess's
     # noise: the PEFT reference is judged by the excess over it); {} for the merged one
     noise: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -150,7 +152,7 @@ def peft_reference(run: Served, adapter: str, why: Reason | None) -> Reference:
     routed = any(lora.result.get("routed_experts", 0) for lora in run.lora())
     max_floor = PEFT_MOE_MAX_FLOOR if routed else MERGED_BOUNDS[1]
     return Reference("peft", mine, floors, why, base=base, max_floor=max_floor, noise=noise,
-                     errors=errors)  # fmt: skip
+                     errors=errors, lone=MOE_LONE_TOKENS if routed else 0)  # fmt: skip
 
 
 def _base_errors(ours: dict, theirs: dict) -> dict[str, list[float]]:
