@@ -37,18 +37,20 @@ def test_the_deadlines_alone_end_a_serving_sittings_rounds(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_rule_plans_seeds_run_one_at_a_time_then_the_dense_cut(tmp_path):
     """GS_SEEDS: the healthy adapter at each seed, each alone (VMP_ONE_AT_A_TIME) in a
-    folder of its own reading the one stand-in; GS_RULE_DENSE: the 27B-wide cut built
+    folder of its own reading the one stand-in, its prompts as long as GS_RULE_LEN says;
+    GS_RULE_DENSE: the 27B-wide cut built
     and verified after them on the same GPU."""
     gs = tmp_path / "gs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GS_", "VMP_"))}
-    env.update(GS_PLAN="rule", GS_SEEDS="2 3", GS_RULE_DENSE="1", GS_DIR=str(gs))
+    env.update(GS_PLAN="rule", GS_SEEDS="2 3", GS_RULE_DENSE="1", GS_RULE_LEN="16400",
+               GS_DIR=str(gs))  # fmt: skip
     done = subprocess.run(["bash", "scripts/proofs/gpu_session.sh", "dry"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     for seed in ("2", "3"):
         run = (gs / f"rule-s{seed}.txt").read_text()
         assert f"VMP_SEED={seed} VMP_ONE_AT_A_TIME=1" in run
-        assert f"verify_moe_proof.sh {gs}/rule-s{seed} " in run
+        assert f"verify_moe_proof.sh {gs}/rule-s{seed} 900 16400" in run
     assert "--preset wide27b" in (gs / "build.log").read_text() + done.stdout
     dense = (gs / "model-tp1.txt").read_text()
     assert f"--model {gs}/wide/model" in dense and "CUDA_VISIBLE_DEVICES=0" in dense

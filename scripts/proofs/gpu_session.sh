@@ -274,7 +274,8 @@ rule_runs() {
 }
 
 # GS_SEEDS="2 3 4 5" (GS_PLAN=rule): the healthy adapter of the 35B-A3B-wide cut at each
-# seed, one run after another on GPU 0, each in $G/rule-sN (rule-sN.txt: its summary);
+# seed, one run after another on GPU 0, each in $G/rule-sN (rule-sN.txt: its summary),
+# --max-model-len GS_RULE_LEN (4112: a 4096-token prompt; 16400 for 16384 tokens);
 # then, with GS_RULE_DENSE=1, the dense 27B-wide cut with its two adapters and their
 # controls (the run model-tp1, $G/wide built by the build step)
 rule_seeds() {
@@ -284,7 +285,7 @@ rule_seeds() {
     say "rule: healthy, seed $seed"
     do_ env CUDA_VISIBLE_DEVICES=0 VMP_RUNS=healthy VMP_SEED="$seed" VMP_ONE_AT_A_TIME=1 \
       timeout "$RUN_LIMIT" bash scripts/proofs/verify_moe_proof.sh "$G/rule-s$seed" \
-      "${GS_RULE_LIMIT:-900}" >"$G/rule-s$seed.txt" 2>&1
+      "${GS_RULE_LIMIT:-900}" "${GS_RULE_LEN:-4112}" >"$G/rule-s$seed.txt" 2>&1
     say "rule: seed $seed exit $?"
   done
   [ "${GS_RULE_DENSE:-0}" = 1 ] && GS_MODEL_GPU=0 one model-tp1
