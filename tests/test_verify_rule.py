@@ -137,7 +137,7 @@ def test_an_answer_in_the_band_is_inconclusive_and_says_what_would_decide():
     rows = [c for c in result.checks if c.name.endswith("vs peft") and not c.ok]
     assert verdict.verdict == "INCONCLUSIVE", words(verdict.why)
     assert rows and all(not c.decided for c in rows)
-    assert all("short of 2.2x and of every control this run rejects" in c.detail for c in rows)
+    assert all(c.detail.endswith(": outside the bound, short of 2.2x") for c in rows)
     assert "another --seed" in words(verdict.decides_instead)
     ratios = [float(c.detail.split("x vLLM")[0].rsplit(", ", 1)[1]) for c in rows]
     assert all(rule.PASS_EXCESS < r < rule.FAIL_EXCESS for r in ratios)
@@ -227,19 +227,34 @@ def test_a_row_that_says_not_served_is_marked_not_served():
     assert [c.name for c in rows if c.detail.startswith("not served")] == unserved
 
 
-def test_a_region_far_off_is_kept_from_passed_by_its_stretch_and_never_failed_by_it():
+def test_a_region_far_off_is_failed_by_its_stretch_though_the_prompt_median_is_inside():
     """The last quarter of a 2048-token prompt three times vLLM's own error, the rest at
-    it: the prompt's median says 1.0x, its last 512-token stretch 3.0x. Not inside (the
-    stretch is past the failure line), not beyond (the prompt's median decides that)."""
+    it: the prompt's median says 1.0x, its last 512-token stretch 3.0x, past the failure
+    line: FAILED (and a control so served would be caught), the stretch named."""
     base = [0.2] * 2048
     reference = [0.0] * 2048
     values = [0.2] * 1536 + [0.6] * 512
     found = rule.excess(values, reference, 0.2, base)
     assert (round(found.ratio, 6), round(found.stretch, 6)) == (1.0, 3.0)
-    assert not found.within(6.0) and not found.beyond_noise()
-    assert "its worst 512-token stretch 3.00x (< 2.2x)" in found.text(6.0)
+    assert not found.within(6.0) and found.beyond_noise()
+    assert "its worst 512-token stretch 3.00x (failed from 2.2x)" in found.text(6.0)
     measured = rule.measure(values, reference, "peft", (0.3, 6.0), 0.2, True, True, base)
-    assert (measured.within, measured.beyond, measured.rejects) == (False, False, False)
+    assert (measured.within, measured.beyond, measured.rejects) == (False, True, True)
+
+
+def test_an_open_answer_says_what_kept_it_open():
+    """Inside by its median and every stretch, out by its worst token: the row says a
+    token alone never fails (not "short of 2.2x", which is no reason there); in the band
+    by its median: short of 2.2x."""
+    reference = [0.0] * 1000
+    token = [0.2] * 999 + [5.0]
+    measured = rule.measure(token, reference, "peft", (0.3, 2.0), 0.2, True, True, [0.2] * 1000)
+    assert (measured.within, measured.beyond) == (False, False)
+    assert measured.text.endswith(
+        ": its worst token past the max bound (2.0), which alone never fails"
+    )
+    band = rule.measure([0.4] * 1000, reference, "peft", (0.3, 6.0), 0.2, True, True, [0.2] * 1000)
+    assert band.text.endswith(": outside the bound, short of 2.2x")
 
 
 def test_a_prompt_shorter_than_two_stretches_is_one_and_the_text_does_not_repeat_it():
