@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -26,12 +27,14 @@ from patchkit.verify import (
     enginefaults,
     engines,
     mergeplan,
+    mergewrite,
     modelchecks,
     references,
     rule,
     serving,
     usermodel,
 )
+from patchkit.verify.refwriter import ReferenceWriter
 from tests.conftest import run_cli, run_subprocess
 from tests.helpers import failing
 from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift, when_ready
@@ -707,3 +710,66 @@ def test_an_engine_wide_health_row_names_the_adapter_whose_requests_went_bad():
     zero = checks["eager: no run of token id 0"]
     assert not zero.ok and zero.detail.endswith("zeros in a row (in lora:two)")
     assert checks["cudagraph: no NaN log-probabilities"].detail == "0 NaN"
+
+
+# ----- the merged references written beside the first engines (refwriter) -----
+
+
+@pytest.fixture
+def plans(user) -> dict:
+    """One adapter's merge planned on the tiny checkpoint (nothing written yet)."""
+    return {"one": mergeplan.plan_merge(user["model"], user["one"])}
+
+
+def reading(model: Path | str) -> serving.Job:
+    """A job whose engine reads ``model``."""
+    return serving.Job("j", str(model), "eager", {}, [])
+
+
+def test_a_reference_engine_waits_for_its_checkpoint_and_the_others_do_not(plans, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    writer = ReferenceWriter(plans, work, lambda line: None, 0)
+    merged, rounding = writer.paths["one"]["merged"], writer.paths["one"]["rounding"]
+    assert writer.ready(reading(tmp_path / "model"))  # the base model: nothing to wait for
+    when_ready([reading(merged), reading(rounding)], writer.ready)
+    writer.close()
+    assert (merged / "config.json").is_file() and (rounding / "config.json").is_file()
+    assert not [name for name in os.listdir(work) if ".partial-" in name]
+
+
+def test_a_failed_writing_is_raised_where_the_run_asks_whether_a_job_may_start(plans, tmp_path):
+    """A shard changed between the plan and the writing (or no space left): the pool gets
+    the error at its next look, kills its engines and the run ends as before."""
+    model = plans["one"].model_dir
+    shard = next(model.glob("*.safetensors"))
+    os.utime(shard, ns=(0, 0))  # its mtime no longer what the plan read
+    work = tmp_path / "work"
+    work.mkdir()
+    writer = ReferenceWriter(plans, work, lambda line: None, 0)
+    writer._thread.join()
+    with pytest.raises(mergewrite.ChangedSincePlanned):
+        writer.ready(reading(writer.paths["one"]["merged"]))
+    writer.close()
+    assert os.listdir(work) == []
+
+
+def test_a_run_that_ends_while_writing_stops_it_and_leaves_no_partial_directory(
+    plans, tmp_path, monkeypatch
+):
+    """close() before the first tensor (the run interrupted at once): write_merged stops,
+    its staging directory goes, and no reference is there afterwards."""
+    work = tmp_path / "work"
+    work.mkdir()
+    write = references.write_references
+
+    def cancelled_at_once(plans, workdir, say, seed, cancel=None, written=None):
+        cancel.set()  # as if close() came before the first tensor
+        return write(plans, workdir, say, seed, cancel, written)
+
+    monkeypatch.setattr(references, "write_references", cancelled_at_once)
+    writer = ReferenceWriter(plans, work, lambda line: None, 0)
+    writer.close()
+    assert os.listdir(work) == []
+    with pytest.raises(mergewrite.Cancelled):
+        writer.ready(reading(writer.paths["one"]["merged"]))
