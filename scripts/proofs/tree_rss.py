@@ -18,8 +18,9 @@ OUT.json, each a peak over the samples:
 - peak_anon_bytes: the sum of RssAnon.
 - largest_process_rss_bytes: the largest one process's peak RSS (getrusage of the
   waited-for children: what /usr/bin/time -v reports as its maximum resident set).
-Also peak_processes, at_s (when the RSS peak came), seconds, samples and the command's
-exit status, which is also this script's.
+Also peak_processes, at_s (when the RSS peak came), seconds, samples, orphans_counted
+(whether processes whose parent exited were kept in the tree: adopt_orphans) and the
+command's exit status, which is also this script's.
 """
 
 from __future__ import annotations
@@ -63,8 +64,26 @@ def _parent(pid: int) -> int | None:
     return None
 
 
-def tree_memory(root: int) -> dict[str, int]:
-    """The SUMMED fields over ``root`` and every descendant, and "processes"."""
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of what it starts: a process whose parent exits
+    (a vLLM engine core whose front end died, a daemonized helper) is then reparented
+    here, not to init, and stays in the tree this script measures. False where prctl
+    cannot (not Linux): orphans are then not counted."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def tree_memory(root: int, include_root: bool = True) -> dict[str, int]:
+    """The SUMMED fields over ``root`` and every descendant (``root`` itself left out
+    when not ``include_root``: this script, measuring what it started), and "processes"."""
     parents = {int(e): _parent(int(e)) for e in os.listdir("/proc") if e.isdigit()}
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
@@ -74,8 +93,9 @@ def tree_memory(root: int) -> dict[str, int]:
     while todo:
         pid = todo.pop()
         fields: dict[str, int] = {}
-        _fields(f"/proc/{pid}/status", fields)
-        _fields(f"/proc/{pid}/smaps_rollup", fields)
+        if pid != root or include_root:
+            _fields(f"/proc/{pid}/status", fields)
+            _fields(f"/proc/{pid}/smaps_rollup", fields)
         if fields:
             total["processes"] += 1
             for key, value in fields.items():
@@ -90,11 +110,12 @@ def main(argv: list[str]) -> int:
         return 2
     out, command = Path(argv[0]), argv[2:]
     started = time.monotonic()
+    adopted = adopt_orphans()
     child = subprocess.Popen(command)
     peak = dict.fromkeys(PEAKS, 0) | {"at_s": 0.0}
     samples = 0
     while child.poll() is None:
-        now = tree_memory(child.pid)
+        now = tree_memory(os.getpid(), include_root=False)
         now["Private"] = now["Pss_Anon"] + now["Pss_Shmem"]
         samples += 1
         if now["VmRSS"] > peak["peak_rss_bytes"]:
@@ -105,7 +126,7 @@ def main(argv: list[str]) -> int:
     largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
     record = {**peak, "largest_process_rss_bytes": largest, "samples": samples,
               "seconds": round(time.monotonic() - started, 1), "exit": child.returncode,
-              "command": command}  # fmt: skip
+              "orphans_counted": adopted, "command": command}  # fmt: skip
     out.write_text(json.dumps(record, indent=1) + "\n")
     return child.returncode
 
