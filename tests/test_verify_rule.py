@@ -267,3 +267,19 @@ def test_a_prompt_shorter_than_two_stretches_is_one_and_the_text_does_not_repeat
     assert "stretch" not in found.text(6.0)
     assert rule.excess(values, [0.0] * 600, 0.1).stretch == 0.0
     assert rule.stretch_excess([0.1] * 600, [0.1] * 599) == 0.0
+
+
+def test_the_last_stretch_ends_at_the_prompts_end():
+    """1025 tokens (a --max-model-len of 1026 + the answer): stretches of 512.5 tokens.
+    Their starts were rounded and a rounded length added, so the last one ended a token
+    short (at 1024: 320 lengths of 1024-40000 left their last token out of every stretch,
+    and 307 asked for one past the end). Here the last 257 tokens at 3x vLLM's own error
+    make the last stretch 3.0x with that token, 2.0x without it."""
+    base = [0.1] * 1025
+    values = [0.1] * 768 + [0.3] * 257
+    assert round(rule.stretch_excess(values, base), 6) == 3.0
+    for length in range(1, 20000):
+        found = rule.stretches(length)
+        assert found[0][0] == 0 and found[-1][1] == length, length
+        assert all(hi - lo >= min(length, rule.STRETCH_TOKENS) for lo, hi in found), length
+        assert all(b[0] <= a[1] for a, b in zip(found, found[1:], strict=False)), length

@@ -162,14 +162,20 @@ def stretch_excess(distances: list[float], base: list[float] | None) -> float:
     or when the two are not of one length (nothing to compare a stretch with)."""
     if not base or len(base) != len(distances):
         return 0.0
-    count = max(1, len(distances) // STRETCH_TOKENS)
-    size = len(distances) / count
-    starts = [round(i * size / 2) for i in range(2 * count - 1)]
     return max(
-        statistics.median(distances[lo : lo + round(size)])
-        / max(statistics.median(base[lo : lo + round(size)]), LEAST_NOISE)
-        for lo in starts
+        statistics.median(distances[lo:hi]) / max(statistics.median(base[lo:hi]), LEAST_NOISE)
+        for lo, hi in stretches(len(distances))
     )
+
+
+def stretches(length: int) -> list[tuple[int, int]]:
+    """The stretches of a prompt of ``length`` tokens, (start, end): as many equal ones of
+    at least STRETCH_TOKENS as fit (the whole prompt when it is shorter than two), each
+    starting half way into the one before. Ends are rounded, not lengths, so the last one
+    ends at the prompt's end, never a token short of it or past it."""
+    count = max(1, length // STRETCH_TOKENS)
+    size = length / count
+    return [(round(i * size / 2), round(i * size / 2 + size)) for i in range(2 * count - 1)]
 
 
 @dataclass(frozen=True)
