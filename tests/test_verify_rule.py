@@ -257,6 +257,25 @@ def test_an_open_answer_says_what_kept_it_open():
     assert band.text.endswith(": outside the bound, short of 2.2x")
 
 
+@pytest.mark.parametrize(
+    "tail,why",
+    [
+        ([7.0], "its worst token past the 6.0-nat ceiling, which alone never fails"),
+        ([2.5, 3.0], "more than one token past the max bound (2.0); tokens alone never fail"),
+    ],
+)
+def test_on_a_moe_an_open_answer_says_which_token_bound_kept_it_open(tail, why):
+    """With one lone token allowed (rule.MOE_LONE_TOKENS) an answer is open by a second
+    token past the max bound, or by its worst past the ceiling, the next inside. The row
+    said "more than one token past the max bound" of both, beside "max 7.000, the next
+    0.200 (<= 2.0; one token up to 6.0)": one token was."""
+    values = [0.2] * (1000 - len(tail)) + tail
+    base = [0.2] * 1000
+    measured = rule.measure(values, [0.0] * 1000, "peft", (0.3, 2.0), 0.2, True, True, base, 1)
+    assert (measured.within, measured.beyond) == (False, False)
+    assert measured.text.endswith(f": {why}"), measured.text
+
+
 def test_a_prompt_shorter_than_two_stretches_is_one_and_the_text_does_not_repeat_it():
     """600 tokens: one stretch, the prompt itself; its excess is the prompt's, not named
     twice. Without vLLM's base error per token there is no stretch to read (0.0)."""

@@ -213,8 +213,11 @@ class Excess:
         """Why an answer neither inside nor beyond is undecided, in the report's words."""
         if self.ratio > PASS_EXCESS:
             return f"outside the bound, short of {FAIL_EXCESS}x"
-        where = "more than one token" if lone else "its worst token"
-        return f"{where} past the max bound ({max_bound}), which alone never fails"
+        if not lone:
+            return f"its worst token past the max bound ({max_bound}), which alone never fails"
+        if self.next_worst > max_bound:
+            return f"more than one token past the max bound ({max_bound}); tokens alone never fail"
+        return f"its worst token past the {PEFT_MAX_CEILING}-nat ceiling, which alone never fails"
 
     def text(self, max_bound: float, lone: int = 0) -> str:
         """The numbers the rule read; a stretch only where it is past PASS_EXCESS (below
