@@ -313,6 +313,31 @@ def test_the_last_tenth_wrong_puts_a_stretch_past_the_line_at_every_seed_for_eve
     assert old_passed == 18
 
 
+def test_a_control_caught_by_a_stretch_alone_is_caught_at_the_stretchs_excess():
+    """The 50 %-strength control served as a fault that takes on the last 10 % of the
+    4096-token prompt only (the adapter's own answers elsewhere): caught by that prompt's
+    worst stretch, its median short of the line. Its value is the excess that caught it,
+    past 2.2x (2.37x): it was the prompt's median (1.38x), so the report read "the nearest it
+    caught: 50 % strength (1.38x vLLM's own base error)" under "every control past the
+    failure line (2.2x)"."""
+    served = copy.deepcopy(SERVED["healthy"])
+    for mode in ("eager", "cudagraph"):
+        runs = served[mode]["runs"]
+        half = runs[f"control:a0{adaptercontrols.SEP}{HALF}"]
+        control = copy.deepcopy(runs["lora:a0"])
+        answer = control["p4096"]["prompt_logprobs"]
+        for i in last_tenth(len(answer)):
+            answer[i] = half["p4096"]["prompt_logprobs"][i]
+        runs[f"control:a0{adaptercontrols.SEP}{HALF}"] = control
+    result = judge(served, None)
+    [verdict] = result.adapters
+    assert (verdict.verdict, len(verdict.caught)) == ("PASSED", 7), words(verdict.why)
+    [half] = [c for c in verdict.controls if c.what == "50 % strength"]
+    assert half.value >= rule.FAIL_EXCESS and "-token stretch" in half.detail, half
+    lines = adapter_verdict_lines(result.adapters)
+    assert "  the nearest it caught: 50 % strength (2.37x vLLM's own base error)" in lines
+
+
 @pytest.mark.parametrize("kind", SERVED_CONTROLS)
 def test_a_broken_region_is_seen_inside_a_stretch_and_astride_two(kind, monkeypatch):
     """576 wrong tokens inside the second stretch of the 4096-token prompt (585 tokens

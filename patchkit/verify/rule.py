@@ -194,6 +194,13 @@ class Excess:
     def ratio(self) -> float:
         return self.distance / max(self.noise, LEAST_NOISE)
 
+    @property
+    def farthest(self) -> float:
+        """How far the rule found the answer: the prompt's excess, or a stretch's where the
+        stretch alone is past the failure line (a control caught by a region is caught
+        there, not at the prompt's median short of the line)."""
+        return self.stretch if self.ratio < FAIL_EXCESS <= self.stretch else self.ratio
+
     def within(self, max_bound: float, lone: int = 0) -> bool:
         """Inside: the median, every stretch, and the worst token within the max bound,
         or with ``lone`` (MOE_LONE_TOKENS), the next token within it and the worst within
@@ -312,7 +319,7 @@ def measure(
         text = found.text(bounds[1], lone)
         if not within and not beyond:
             text += f": {found.open_because(bounds[1], lone)}"
-        return Measured(within, beyond, beyond, found.ratio, text)
+        return Measured(within, beyond, beyond, found.farthest, text)
     mean, worst = checks.diff(values, reference)
     within = mean <= bounds[0] and worst <= bounds[1]
     text = f"mean |d logprob| {mean:.4f} (<= {bounds[0]}), max {worst:.3f} (<= {bounds[1]})"
