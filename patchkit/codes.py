@@ -431,6 +431,9 @@ class Code(str, Enum):
     VERIFY_WITHIN = "verify-within"
     VERIFY_DECIDES_PEFT = "verify-decides-peft"  # the PEFT reference would decide
     VERIFY_DECIDES_OTHER_PROMPTS = "verify-decides-other-prompts"  # another seed, longer ones
+    # open by tokens alone (its median and stretches inside): other prompts that pass it;
+    # lone: tokens allowed past the max bound (a MoE), ceiling: how far they may go
+    VERIFY_DECIDES_TOKENS = "verify-decides-tokens"
     VERIFY_DECIDES_REFERENCE_RUN = "verify-decides-reference-run"  # missing: why it did not
     VERIFY_REFERENCE_ASKED = "verify-reference-asked"  # reference: what --reference named
     VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max

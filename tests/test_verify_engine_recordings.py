@@ -34,6 +34,7 @@ import pytest
 
 from patchkit.cli.commands.verify import adapter_verdict_lines, check_table
 from patchkit.cli.verify_words import say as words
+from patchkit.codes import Code
 from patchkit.verify import adaptercontrols, engines, references, rule, usermodel
 from patchkit.verify.adaptercontrols import HALF, IGNORED, NO_EXPERTS, Control
 from tests.verify_helpers import DATA, excesses, judge_wide, load
@@ -89,6 +90,14 @@ OPEN_BY_A_TOKEN = re.compile(
     r": its worst token past the max bound \([\d.]+\), which alone never fails"
 )
 OPEN_THEN = ": outside the bound, short of 2.2x and of every control this run rejects"
+# ...and what would decide a verdict open by tokens alone is other prompts that pass it:
+# the H100 said other prompts "where its answers fall on one side of the band"
+DECIDES_TOKENS = Code.VERIFY_DECIDES_TOKENS
+DECIDES_THEN = (
+    "  what decides instead: the same check on other prompts (another --seed) or longer ones "
+    "(a larger --max-model-len), where its answers fall on one side of the band; a control "
+    "this run could not reject, only a stronger adapter"
+)
 
 
 def as_the_h100_printed_it(text: str) -> str:
@@ -214,15 +223,18 @@ def test_seed_2_was_inconclusive_on_one_worst_token_and_passes_by_the_rule_now(m
     prompts (bounds 3.159 and 3.76), its median excess 1.29-1.32x (<= 1.8x) and every
     control FAILED. With no lone token allowed, as the H100 ran, the replay prints that
     report word for word but the open rows' reason, worded now by what kept them open
-    (OPEN_BY_A_TOKEN); under the rule now only those two rows change, to inside (the
-    next token under the bound), and the adapter PASSES with all seven controls caught."""
+    (OPEN_BY_A_TOKEN), and what would decide (DECIDES_TOKENS); under the rule now only
+    those two rows change, to inside (the next token under the bound), and the adapter
+    PASSES with all seven controls caught."""
     monkeypatch.setattr(references, "MOE_LONE_TOKENS", 0)
     recorded = REPORTS["healthy-seed2"]
     then = judged("healthy-seed2")
     rows = [OPEN_BY_A_TOKEN.sub(OPEN_THEN, " ".join(row)).split() for row in report_rows(then)]
     assert rows == [f"{n} {w} {d}".split() for n, w, d in recorded["rows"][1:]]
     lines = [OPEN_BY_A_TOKEN.sub(OPEN_THEN, line) for line in adapter_verdict_lines(then.adapters)]
-    assert lines == recorded["verdict"][:-1]
+    decides = [i for i, line in enumerate(lines) if line.startswith("  what decides instead:")]
+    assert decides == [3] and then.adapters[0].decides_instead.code == DECIDES_TOKENS
+    assert lines[:3] + [DECIDES_THEN] + lines[4:] == recorded["verdict"][:-1]
     monkeypatch.undo()
     now = judged("healthy-seed2")
     [verdict] = now.adapters
@@ -234,6 +246,32 @@ def test_seed_2_was_inconclusive_on_one_worst_token_and_passes_by_the_rule_now(m
     assert [r[1] for r in recorded["rows"] if " a0 4096 tokens vs peft" in r[0]] == [
         "undecided"
     ] * 2
+
+
+def test_a_verdict_open_by_tokens_alone_says_no_other_prompt_fails_it(monkeypatch):
+    """Seed 2 as the H100 judged it (no lone token): open by its worst token alone on the
+    4096-token prompt, its median 1.29-1.32x. What would decide said "other prompts ...
+    where its answers fall on one side of the band": its answers were on one side (inside),
+    and no prompt fails a token. It says what other prompts can decide (PASSED), and that
+    tokens past the bound at every seed leave it open; under the rule now (one lone token),
+    with a second token of that prompt put 4 nats off, it names the lone token too."""
+    monkeypatch.setattr(references, "MOE_LONE_TOKENS", 0)
+    [verdict] = judged("healthy-seed2").adapters
+    assert verdict.verdict == "INCONCLUSIVE" and verdict.decides_instead.code == DECIDES_TOKENS
+    assert words(verdict.decides_instead) == (
+        "the same check on other prompts (another --seed), where no token lies past the max "
+        "bound: it passes there; a token alone never fails, so tokens past the bound at "
+        "every seed leave it open"
+    )
+    monkeypatch.undo()
+    served = copy.deepcopy(SERVED["healthy-seed2"])
+    for mode in ("eager", "cudagraph"):
+        served[mode]["runs"]["lora:a0"]["p4096"]["prompt_logprobs"][2000] -= 4.0
+    [verdict] = judge(served, None).adapters
+    assert verdict.verdict == "INCONCLUSIVE" and verdict.decides_instead.code == DECIDES_TOKENS
+    assert "where at most one token lies past the max bound, none past the 6.0-nat ceiling: " in (
+        words(verdict.decides_instead)
+    )
 
 
 def report_rows(result) -> list[list[str]]:

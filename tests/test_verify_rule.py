@@ -139,6 +139,7 @@ def test_an_answer_in_the_band_is_inconclusive_and_says_what_would_decide():
     assert rows and all(not c.decided for c in rows)
     assert all(c.detail.endswith(": outside the bound, short of 2.2x") for c in rows)
     assert "another --seed" in words(verdict.decides_instead)
+    assert verdict.decides_instead.code == Code.VERIFY_DECIDES_OTHER_PROMPTS
     ratios = [float(c.detail.split("x vLLM")[0].rsplit(", ", 1)[1]) for c in rows]
     assert all(rule.PASS_EXCESS < r < rule.FAIL_EXCESS for r in ratios)
 

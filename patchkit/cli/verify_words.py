@@ -54,6 +54,18 @@ def _decides_other(r: Reason, _: str) -> str:
     )
 
 
+@words(Code.VERIFY_DECIDES_TOKENS)
+def _decides_tokens(r: Reason, _: str) -> str:
+    where = "no token lies past the max bound"
+    if r["lone"]:
+        some = "one token lies" if r["lone"] == 1 else f"{r['lone']} tokens lie"
+        where = f"at most {some} past the max bound, none past the {r['ceiling']}-nat ceiling"
+    return (
+        f"the same check on other prompts (another --seed), where {where}: it passes there; "
+        "a token alone never fails, so tokens past the bound at every seed leave it open"
+    )
+
+
 @words(Code.VERIFY_DECIDES_REFERENCE_RUN)
 def _decides_reference_run(r: Reason, _: str) -> str:
     return f"the same run with its reference running (it did not: {r['missing']})"

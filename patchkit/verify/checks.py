@@ -48,6 +48,9 @@ class Check:
     # and whether it says an engine did not run
     control: str | None = None
     served: bool = True
+    # an open row whose median and every stretch are inside: tokens alone keep it open,
+    # and no prompt fails it (what decides it is other prompts that pass it)
+    by_tokens: bool = False
     engine_down: bool = False
 
     @property

@@ -229,7 +229,8 @@ class Judge:
             return Check(title, True, measured.text, adapter)
         if measured.beyond:
             return Check(title, False, measured.text, adapter)
-        return Check(title, False, measured.text + self._undecided(), adapter, decided=False)
+        detail = measured.text + self._undecided()
+        return Check(title, False, detail, adapter, decided=False, by_tokens=measured.by_tokens)
 
     def _undecided(self) -> str:
         """Why a miss is left open; against PEFT the rule's text says it (Excess.open_because)."""

@@ -275,6 +275,7 @@ class Measured:
     scale: float  # how far, in the unit answers are compared in (excess, or mean)
     text: str
     judged: bool = True  # False: nothing to compare with (text says whose answer is missing)
+    by_tokens: bool = False  # open by tokens alone (Excess.open_because): no prompt fails it
 
 
 def unjudged(why: str) -> Measured:
@@ -317,9 +318,11 @@ def measure(
         # prompt or over a stretch of it (a region broken)
         beyond = not within and found.beyond_noise()
         text = found.text(bounds[1], lone)
-        if not within and not beyond:
+        open_ = not within and not beyond
+        if open_:
             text += f": {found.open_because(bounds[1], lone)}"
-        return Measured(within, beyond, beyond, found.farthest, text)
+        by_tokens = open_ and found.ratio <= PASS_EXCESS
+        return Measured(within, beyond, beyond, found.farthest, text, by_tokens=by_tokens)
     mean, worst = checks.diff(values, reference)
     within = mean <= bounds[0] and worst <= bounds[1]
     text = f"mean |d logprob| {mean:.4f} (<= {bounds[0]}), max {worst:.3f} (<= {bounds[1]})"
@@ -429,7 +432,7 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     elif open_:
         verdict = INCONCLUSIVE
         why = Reason.of(Code.VERIFY_CHECK_OPEN, check=open_[0].name, detail=open_[0].detail)
-        decides = decides_instead(reference)
+        decides = decides_instead(reference, open_)
     else:
         verdict, why = PASSED, within(reference.kind, bool(results))
     return AdapterVerdict(
@@ -438,13 +441,17 @@ def adapter_verdict(adapter: str, found: list[Check], reference, controls) -> Ad
     )  # fmt: skip
 
 
-def decides_instead(reference) -> Reason:
+def decides_instead(reference, open_: list[Check]) -> Reason:
     """What would decide an open verdict: the PEFT reference, for the merged one; the PEFT
-    reference running, where it did not (no seed makes it run); else other prompts."""
+    reference running, where it did not (no seed makes it run); other prompts that pass
+    it, where only tokens keep its ``open_`` rows open (no prompt fails a token); else
+    other prompts, on one side of the band."""
     if reference.kind == "merged":
         return Reason.of(Code.VERIFY_DECIDES_PEFT)
     if reference.runs is None:
         return Reason.of(Code.VERIFY_DECIDES_REFERENCE_RUN, missing=reference.missing)
+    if open_ and all(c.by_tokens for c in open_):
+        return Reason.of(Code.VERIFY_DECIDES_TOKENS, lone=reference.lone, ceiling=PEFT_MAX_CEILING)
     return Reason.of(Code.VERIFY_DECIDES_OTHER_PROMPTS)
 
 
