@@ -434,6 +434,7 @@ class Code(str, Enum):
     # open by tokens alone (its median and stretches inside): other prompts that pass it;
     # lone: tokens allowed past the max bound (a MoE), ceiling: how far they may go
     VERIFY_DECIDES_TOKENS = "verify-decides-tokens"
+    VERIFY_DECIDES_MEASURED_STRETCHES = "verify-decides-measured-stretches"
     VERIFY_DECIDES_REFERENCE_RUN = "verify-decides-reference-run"  # missing: why it did not
     VERIFY_REFERENCE_ASKED = "verify-reference-asked"  # reference: what --reference named
     VERIFY_ROUNDING_SMALL = "verify-rounding-small"  # mean, max

@@ -434,7 +434,7 @@ def test_a_broken_region_is_seen_inside_a_stretch_and_astride_two(kind, monkeypa
     assert judge(inside, None).adapters[0].verdict == "FAILED"
     assert judge(astride, None).adapters[0].verdict == "FAILED"
 
-    def side_by_side(distances, base):
+    def side_by_side(distances, base, upto=None):
         count = len(distances) // rule.STRETCH_TOKENS
         cuts = [round(i * len(distances) / count) for i in range(count + 1)]
         return max(

@@ -25,6 +25,7 @@ import pytest
 from patchkit.cli.verify_words import say as words
 from patchkit.codes import Code
 from patchkit.verify import engines, references, rule, usermodel
+from patchkit.verify.checks import Check
 from patchkit.verify.e2e import moe_references
 from tests.verify_helpers import CONTROLS, TINY, WIDE_SERVED, excesses, judge_wide, load
 
@@ -303,3 +304,29 @@ def test_the_last_stretch_ends_at_the_prompts_end():
         assert found[0][0] == 0 and found[-1][1] == length, length
         assert all(hi - lo >= min(length, rule.STRETCH_TOKENS) for lo, hi in found), length
         assert all(b[0] <= a[1] for a, b in zip(found, found[1:], strict=False)), length
+
+
+def test_a_stretch_decides_only_where_healthy_stretches_are_measured():
+    """An 8192-token prompt, vLLM's own error 0.2 everywhere: a region three times that in
+    positions 2048-2560 is FAILED (healthy stretches are measured there); the same region
+    in 6144-6656, past token 4096, where none is measured, is open, saying so, and what
+    would decide it is stretches measured that far."""
+    base = [0.2] * 8192
+    reference = [0.0] * 8192
+
+    def region(start: int) -> list[float]:
+        return [0.6 if start <= i < start + 512 else 0.2 for i in range(8192)]
+
+    early = rule.measure(region(2048), reference, "peft", (0.3, 6.0), 0.2, True, True, base)
+    assert (early.within, early.beyond, round(early.scale, 6)) == (False, True, 3.0)
+    late = rule.measure(region(6144), reference, "peft", (0.3, 6.0), 0.2, True, True, base)
+    assert (late.within, late.beyond, late.past_measured, late.by_tokens) == (
+        False, False, True, False
+    )  # fmt: skip
+    assert "after token 4096, where no healthy stretch is measured yet" in late.text
+    peft = references.Reference("peft", {}, {}, None)
+    row = Check("eager: a0 8192 tokens vs peft", False, late.text, "a0", decided=False,
+                past_measured=True)  # fmt: skip
+    decides = rule.decides_instead(peft, [row])
+    assert decides.code == Code.VERIFY_DECIDES_MEASURED_STRETCHES
+    assert "--max-model-len 4112 decides the first 4096 tokens" in words(decides)

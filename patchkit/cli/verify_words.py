@@ -66,6 +66,15 @@ def _decides_tokens(r: Reason, _: str) -> str:
     )
 
 
+@words(Code.VERIFY_DECIDES_MEASURED_STRETCHES)
+def _decides_measured_stretches(r: Reason, _: str) -> str:
+    return (
+        f"healthy stretches measured past token {r['upto']} (none is yet): the same check "
+        f"with --max-model-len {r['max_model_len']} decides the first {r['upto']} tokens, not "
+        "the region past them"
+    )
+
+
 @words(Code.VERIFY_DECIDES_REFERENCE_RUN)
 def _decides_reference_run(r: Reason, _: str) -> str:
     return f"the same run with its reference running (it did not: {r['missing']})"

@@ -51,6 +51,9 @@ class Check:
     # an open row whose median and every stretch are inside: tokens alone keep it open,
     # and no prompt fails it (what decides it is other prompts that pass it)
     by_tokens: bool = False
+    # an open row kept open only by a stretch past the line after the positions where
+    # healthy stretches are measured (rule.STRETCH_MEASURED_TO)
+    past_measured: bool = False
     engine_down: bool = False
 
     @property

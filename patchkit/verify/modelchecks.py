@@ -230,7 +230,8 @@ class Judge:
         if measured.beyond:
             return Check(title, False, measured.text, adapter)
         detail = measured.text + self._undecided()
-        return Check(title, False, detail, adapter, decided=False, by_tokens=measured.by_tokens)
+        return Check(title, False, detail, adapter, decided=False, by_tokens=measured.by_tokens,
+                     past_measured=measured.past_measured)  # fmt: skip
 
     def _undecided(self) -> str:
         """Why a miss is left open; against PEFT the rule's text says it (Excess.open_because)."""
