@@ -17,6 +17,7 @@ own exit status (143, 129) instead of killing the process mid-write.
 from __future__ import annotations
 
 import signal
+import threading
 from contextlib import contextmanager
 
 HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -70,3 +71,35 @@ def held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
+def deferred():
+    """The three signals noted during the block and raised again as it ends, where
+    :func:`held` cannot hold them or must not: in a process with threads of its own,
+    around starting a child.
+
+    A mask is the blocking thread's own: the kernel gives a signal sent to the process
+    to any thread that does not block it (signal(7)), and Python runs the handler in
+    the main thread all the same; verify's process has CUDA's threads and the merged
+    references' writer. And a child started inside held() inherits the blocked mask (a
+    vLLM engine would not act on the SIGTERM its own shutdown sends). Here the handlers
+    themselves are swapped for the block, which the main thread alone can do; in
+    another thread no handler runs anyway.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    previous = {}
+    for signum in HELD:
+        handler = signal.getsignal(signum)
+        if handler not in (signal.SIG_IGN, None):  # None: set outside Python, left alone
+            previous[signum] = signal.signal(signum, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)  # its own handler now: raises, or ends the process

@@ -190,8 +190,7 @@ def test_an_adapter_peft_refuses_is_marked_and_the_others_still_run(tiny, tmp_pa
 def test_the_child_writes_what_a_served_engine_writes(tiny, tmp_path):
     adapters = {"full": tiny["full"]}
     job = peftref.job(tiny["model"], adapters, PROMPTS)
-    served = serving.wait(serving.start([job], tmp_path), tmp_path, timeout=300)
-    result = served[peftref.NAME]
+    result = serving.alone(job, tmp_path, timeout=300)
     assert "error" not in result, (tmp_path / f"vllm-{peftref.NAME}.log").read_text()[-2000:]
     assert result["device"] == "cpu" and result["seconds"] > 0 and result["peak_bytes"] > 0
     assert set(result["runs"]) == {"base", "lora:full"}

@@ -293,14 +293,11 @@ def asked_of_peft(served: dict, tmp_path: Path, monkeypatch) -> serving.Job:
     """The job e2e.moe_peft_reference starts, and what it returns."""
     started = []
 
-    def start(jobs, work):
-        started.extend(jobs)
-        return {}
+    def alone(job, work, timeout):
+        started.append(job)
+        return {"runs": {}}
 
-    monkeypatch.setattr(serving, "start", start)
-    monkeypatch.setattr(
-        serving, "wait", lambda children, work, timeout: {e2e.MOE_PEFT: {"runs": {}}}
-    )
+    monkeypatch.setattr(serving, "alone", alone)
     case = moe_case(tmp_path)
     assert e2e.moe_peft_reference(case, served, tmp_path, 60.0, print) == {"runs": {}}
     [job] = started

@@ -396,7 +396,7 @@ def test_a_job_still_running_past_its_time_is_killed_and_reported(user, monkeypa
     monkeypatch.setattr(serving, "start", lambda batch, workdir: {"eager": Child(10**9)})
     monkeypatch.setattr(serving, "kill", lambda child: killed.append(child))
     monkeypatch.setattr(serving, "result", lambda name, child, workdir: {"error": "killed"})
-    monkeypatch.setattr(serving, "wait", lambda children, workdir, timeout: {"eager": {"runs": {}}})
+    monkeypatch.setattr(serving, "alone", lambda job, workdir, timeout: {"runs": {}})
     monkeypatch.setattr(serving, "POLL_S", 0)
     served = serving.serve_all([job], Path("/w"), -1.0, 1)
     assert len(killed) == 1 and served["eager"] == {"runs": {}, "first_attempt": "killed"}

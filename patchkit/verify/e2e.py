@@ -450,7 +450,7 @@ def moe_peft_reference(case: MoeCase, served: dict, workdir: Path, timeout: floa
     names = [*MOE_PARTIAL_ADAPTERS, *need]
     say(f"PEFT reference (transformers + PEFT, float32) for the MoE case: {', '.join(names)}")
     job = peftref.job(case.model, {n: case.adapters[n] for n in names}, case.prompts, MOE_PEFT)
-    return serving.wait(serving.start([job], workdir), workdir, timeout)[MOE_PEFT]
+    return serving.alone(job, workdir, timeout)
 
 
 def engine_memory(model_dir: Path, tp: int, gpu: tuple[int, int]) -> tuple[dict, int]:

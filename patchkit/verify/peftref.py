@@ -126,11 +126,11 @@ def requests(adapters: dict[str, Path], prompts: dict) -> list[tuple[str, str, s
 def job(
     model_dir: Path, adapters: dict[str, Path], prompts: dict[str, list[int]], name: str = NAME
 ) -> serving.Job:
-    """The reference as a serving job: serving.start runs it in a child of its own and
-    serving.wait reads its result (workdir/vllm-NAME.json) under ``name``.
+    """The reference as a serving job: serving.alone runs it in a child of its own and
+    reads its result (workdir/vllm-NAME.json).
 
-    It takes every visible GPU: start it on its own (serving.start and wait, after
-    the engines), not beside vLLM engines.
+    It takes every visible GPU: run it alone (serving.alone, after the engines), not
+    beside vLLM engines.
     """
     return serving.Job(
         name=name,
@@ -413,7 +413,7 @@ def run(spec: serving.Job, out_file: Path) -> None:
     """The child: check the memory, load, answer every request, write the result.
 
     A reference that does not fit is written as {"error": one line} (and the
-    log says it), so serving.wait reports it as it reports an engine that
+    log says it), so serving.result reports it as it reports an engine that
     did not start; serve_all then tries it once alone, where it may fit.
     """
 

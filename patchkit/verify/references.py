@@ -224,7 +224,7 @@ def run_peft_reference(
     except ImportError as exc:
         return {"error": f"patchkit.verify.peftref cannot be imported ({exc})"}
     job = peftref.job(model_dir, adapters, prompts, name=PEFT_ENTRY)  # every GPU: alone
-    return serving.wait(serving.start([job], work), work, ENGINE_TIMEOUT)[PEFT_ENTRY]
+    return serving.alone(job, work, ENGINE_TIMEOUT)
 
 
 def reference_base(keep: Path | None, workdir: Path | None) -> Path:

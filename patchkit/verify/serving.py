@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from patchkit import signals
 from patchkit.errors import UsageProblem
 
 MODES = ("eager", "cudagraph")
@@ -303,24 +304,6 @@ def start(jobs: list[Job], workdir: Path) -> dict:
     return children
 
 
-def wait(children: dict, workdir: Path, timeout: float) -> dict:
-    """Each job's results, or an error quoting its log's first error line."""
-    deadline = time.monotonic() + timeout
-    try:
-        for child in children.values():
-            try:
-                child.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill(child)
-    except BaseException:
-        # SIGTERM (CI, `timeout`, Kubernetes) or Ctrl-C reach patchkit: its engines
-        # would go on holding the GPUs, orphaned, their workdir removed under them.
-        for child in children.values():
-            kill(child)
-        raise
-    return {name: result(name, child, workdir) for name, child in children.items()}
-
-
 def result(name: str, child: subprocess.Popen, workdir: Path) -> dict:
     """What a finished child wrote, or an error quoting its log's first error line."""
     out = workdir / f"vllm-{name}.json"
@@ -373,12 +356,23 @@ def serve_all(
     the engine's own. The first error is kept in the result. The result is in the
     jobs' order, whatever order they ran in.
     """
-    served = pool(jobs, workdir, timeout, at_once, ready or (lambda job: True))
+    served = pool(jobs, workdir, timeout, at_once, ready or _always)
     for job in [j for j in jobs if "error" in served[j.name]]:
         first = served[job.name]["error"]
-        served[job.name] = wait(start([job], workdir), workdir, timeout)[job.name]
+        served[job.name] = alone(job, workdir, timeout)
         served[job.name]["first_attempt"] = first
     return {job.name: served[job.name] for job in jobs}
+
+
+def alone(job: Job, workdir: Path, timeout: float) -> dict:
+    """One job's result, its child alone on the GPUs (a second attempt, or the PEFT
+    reference, which takes every GPU): the pool of one, so that a signal leaves no
+    child of it running either."""
+    return pool([job], workdir, timeout, 1, _always)[job.name]
+
+
+def _always(job: Job) -> bool:
+    return True
 
 
 def pool(
@@ -408,14 +402,18 @@ def pool(
                 del running[name]
             for job in [j for j in waiting if ready(j)][: at_once - len(running)]:
                 waiting.remove(job)
-                running[job.name] = (start([job], workdir)[job.name], time.monotonic() + timeout)
+                with signals.deferred():  # no child started and not yet in running
+                    child = start([job], workdir)[job.name]
+                    running[job.name] = (child, time.monotonic() + timeout)
             if running or waiting:
                 time.sleep(POLL_S)
     except BaseException:
         # SIGTERM (CI, `timeout`, Kubernetes), Ctrl-C, or the references' writer failing:
-        # the engines would go on holding the GPUs, orphaned, their workdir removed.
-        for child, _ in running.values():
-            kill(child)
+        # the engines would go on holding the GPUs, orphaned, their workdir removed. A
+        # second signal meanwhile waits until every one is killed.
+        with signals.deferred():
+            for child, _ in running.values():
+                kill(child)
         raise
     return served
 
