@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from collections import namedtuple
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from patchkit.verify import (
     mergewrite,
     modelchecks,
     references,
+    refwriter,
     rule,
     serving,
     usermodel,
@@ -773,3 +775,51 @@ def test_a_run_that_ends_while_writing_stops_it_and_leaves_no_partial_directory(
     assert os.listdir(work) == []
     with pytest.raises(mergewrite.Cancelled):
         writer.ready(reading(writer.paths["one"]["merged"]))
+
+
+def test_close_waits_for_a_tensor_slower_than_its_patience_and_nothing_comes_back(
+    plans, tmp_path, monkeypatch
+):
+    """close() waited STOP_WAIT_S (120 s) and returned; the run then removed the workdir
+    while the thread went on, and write_merged's mkdir(parents=True) made it again (or a
+    staging directory stayed in it). Here the tensor being written when the run ends
+    outlasts that wait (0 s) and ends only once close() has said it waits for it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    release, said = threading.Event(), []
+    write = mergewrite.write_merged
+
+    def slow(plan, dest, *args, cancel=None, **kwargs):
+        cancel.wait()  # mid-write when the run ends
+        release.wait()  # a tensor slower than close()'s wait
+        return write(plan, dest, *args, cancel=cancel, **kwargs)
+
+    def say(line):
+        said.append(line)
+        if "waiting for the tensor" in line:
+            release.set()
+
+    monkeypatch.setattr(mergewrite, "write_merged", slow)
+    monkeypatch.setattr(refwriter, "STOP_WAIT_S", 0)
+    writer = ReferenceWriter(plans, work, say, 0)
+    try:
+        writer.close()
+        still_writing = writer._thread.is_alive()
+        shutil.rmtree(work)  # what run_model does right after close()
+    finally:
+        release.set()
+        writer._thread.join()
+    assert not still_writing and not work.exists()
+    assert any("waiting for the tensor" in line for line in said)
+
+
+def test_a_cancelled_writing_makes_nothing_not_even_its_directory(plans, tmp_path):
+    """write_merged made dest's parent (mkdir parents=True) and its staging directory
+    before it first looked at ``cancel``: a writing told to stop after its run removed
+    the workdir made the workdir again."""
+    cancel = threading.Event()
+    cancel.set()
+    gone = tmp_path / "removed-workdir"
+    with pytest.raises(mergewrite.Cancelled):
+        mergewrite.write_merged(plans["one"], gone / "merged-one", cancel=cancel)
+    assert not gone.exists()

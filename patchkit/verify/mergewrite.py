@@ -97,6 +97,12 @@ class Cancelled(Exception):
     """write_merged was told to stop (its run is ending); what it wrote is removed."""
 
 
+def _stop_if(cancel, dest: Path) -> None:
+    """Cancelled when ``cancel`` (a threading.Event, or None) is set."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"writing {dest.name} stopped")
+
+
 def _rewrite_shard(
     src: SafetensorsFile,
     dest: Path,
@@ -112,8 +118,7 @@ def _rewrite_shard(
         out.write(src.header_bytes)
         pos = src.data_start
         for info in sorted(src.tensors.values(), key=lambda i: i.begin):
-            if cancel is not None and cancel.is_set():
-                raise Cancelled(f"writing {dest.name} stopped")
+            _stop_if(cancel, dest)
             if info.begin > pos:  # bytes between tensors, kept as they are
                 out.write(src.read_bytes(pos, info.begin - pos))
             if info.name in pieces:
@@ -170,6 +175,7 @@ def write_merged(
     tensor; the staging directory goes and dest_dir is left as it was.
     """
     dest = Path(dest_dir).absolute()
+    _stop_if(cancel, dest)  # a run that has ended gets nothing made, its workdir included
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise WorkdirUnusable(
             f"{dest} exists and is not empty; give write_merged a new directory", path=dest

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from patchkit.verify import references
 
-# How long close() waits for the thread after telling it to stop: it stops before the
-# next tensor, and one tensor of a wide MoE's experts is written in well under this.
-STOP_WAIT_S = 120.0
+# How long close() waits for the thread before it says that it waits (seconds): the
+# thread stops before the next tensor, and one tensor of a wide MoE's experts is written
+# in a few seconds.
+STOP_WAIT_S = 10.0
 
 
 class ReferenceWriter:
@@ -25,6 +26,7 @@ class ReferenceWriter:
 
     def __init__(self, plans: dict, workdir: Path, say, seed: int):
         self.paths = references.reference_paths(plans, workdir)
+        self._say = say
         self._written: set[str] = set()
         self._error: BaseException | None = None
         self._cancel = threading.Event()
@@ -51,7 +53,12 @@ class ReferenceWriter:
         return job.model not in readers or job.model in self._written
 
     def close(self) -> None:
-        """Stop the writing (a run that ends early) and wait for the thread, so nothing
-        writes into the workdir once the run removes it."""
+        """Stop the writing (a run that ends early) and wait until the thread has ended,
+        however long the tensor being written takes: the run removes the workdir next,
+        and a thread still writing made it again (write_merged creates its parent) or
+        left its staging directory there. A wait of 120 s returned with it writing."""
         self._cancel.set()
         self._thread.join(STOP_WAIT_S)
+        if self._thread.is_alive():
+            self._say("stopping the merged references: waiting for the tensor being written")
+            self._thread.join()
