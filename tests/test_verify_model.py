@@ -457,6 +457,37 @@ def test_run_model_removes_the_merged_copies_and_its_workdir(user, tmp_path, mon
     assert list(work.iterdir()) == []
 
 
+def test_a_second_ctrl_c_while_the_run_cleans_up_waits_for_the_cleanup(user, tmp_path, monkeypatch):
+    """Ctrl-C, then Ctrl-C again while close() waits for the merged references' writing
+    (the tensor being written): the second KeyboardInterrupt left close() and the
+    workdir's removal with it, the run's files behind. It is acted on once they are done."""
+    import os
+    import signal
+
+    write = mergewrite.write_merged
+
+    def second_ctrl_c(plan, dest, *args, cancel=None, **kwargs):
+        cancel.wait()  # the run has ended: close() waits for this thread
+        os.kill(os.getpid(), signal.SIGINT)
+        return write(plan, dest, *args, cancel=cancel, **kwargs)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mergewrite, "write_merged", second_ctrl_c)
+    monkeypatch.setattr(serving, "serve_all", interrupted)
+    work = tmp_path / "work"
+    work.mkdir()
+    setup = usermodel.prepare(user["model"], [("one", user["one"])], 1, 3016, 0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            usermodel.run_model(user["model"], setup, work, None, (1 << 40, 1 << 40), print)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(work.iterdir()) == []
+
+
 def test_run_model_cleans_up_when_interrupted_and_keeps_with_keep(user, tmp_path, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt

@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from patchkit import signals
 from patchkit.codes import Code, Reason
 from patchkit.errors import PatchkitError, UsageProblem
 from patchkit.fs.files import read_user_json
@@ -310,13 +311,20 @@ def run_model(
         (work / "served.json").write_text(json.dumps(served))
         return judge(served, list(adapters), controls, chosen, admission=setup.get("admission"))
     finally:
-        if writer is not None:
-            writer.close()  # before the workdir goes: nothing writes into it after
-        if keep is None:
-            shutil.rmtree(work, ignore_errors=True)  # this run's own directory
-            if made:  # --workdir was created by this run: removed if nothing else is there
-                with contextlib.suppress(OSError):
-                    workdir.rmdir()
+        with signals.deferred():  # a second Ctrl-C cut it short: the run's files stayed
+            _clean_up(writer, work, workdir if made else None, keep)
+
+
+def _clean_up(writer: ReferenceWriter | None, work: Path, made: Path | None, keep) -> None:
+    """Stop the references' writing, then remove this run's directory (unless --keep)
+    and --workdir where this run created it and nothing else is there."""
+    if writer is not None:
+        writer.close()  # before the workdir goes: nothing writes into it after
+    if keep is None:
+        shutil.rmtree(work, ignore_errors=True)  # this run's own directory
+        if made is not None:  # --workdir was created by this run: removed if empty
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
 
 def describe_controls(controls: dict[str, list]) -> str:
