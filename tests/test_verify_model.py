@@ -18,6 +18,7 @@ import shutil
 import threading
 from collections import namedtuple
 from pathlib import Path
+from signal import SIGKILL
 
 import pytest
 
@@ -37,7 +38,7 @@ from patchkit.verify import (
     usermodel,
 )
 from patchkit.verify.refwriter import ReferenceWriter
-from tests.conftest import run_cli, run_subprocess
+from tests.conftest import REPO, run_cli, run_subprocess
 from tests.helpers import failing
 from tests.verify_helpers import fake_controls, fake_served, lora, merged, shift, when_ready
 
@@ -785,6 +786,48 @@ def test_a_failed_writing_is_raised_where_the_run_asks_whether_a_job_may_start(p
         writer.ready(reading(writer.paths["one"]["merged"]))
     writer.close()
     assert os.listdir(work) == []
+
+
+def test_a_failed_writing_ends_the_pool_and_kills_the_engine_running_beside_it(
+    plans, tmp_path, monkeypatch
+):
+    """The base engine (a stand-in child, tests/serving_helpers.py) runs while the merged
+    reference is written; the writing fails (a shard changed since planned): the pool's
+    next look raises that error, as the run raised it before any engine ran, and the
+    engine is killed, not left holding its GPU."""
+    os.utime(next(plans["one"].model_dir.glob("*.safetensors")), ns=(0, 0))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    engine_up, children = threading.Event(), []
+    start, write = serving.start, references.write_references
+
+    def started(jobs, workdir):
+        found = start(jobs, workdir)
+        children.extend(found.values())
+        engine_up.set()
+        return found
+
+    def once_the_engine_is_up(*args, **kwargs):
+        engine_up.wait()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "start", started)
+    monkeypatch.setattr(references, "write_references", once_the_engine_is_up)
+    writer = ReferenceWriter(plans, work, lambda line: None, 0)
+    models = {"base": plans["one"].model_dir, "merged-one": writer.paths["one"]["merged"]}
+    jobs = [serving.Job(name, str(model), "eager", {}, [], runner="tests.serving_helpers")
+            for name, model in models.items()]  # fmt: skip
+    try:
+        with pytest.raises(mergewrite.ChangedSincePlanned):
+            serving.serve_all(jobs, work, 600.0, 2, writer.ready)
+        ended = [child.poll() for child in children]
+    finally:
+        writer.close()
+        for child in children:
+            serving.kill(child)  # none outlives the test, whatever the pool did
+    assert ended == [-SIGKILL]
 
 
 def test_a_run_that_ends_while_writing_stops_it_and_leaves_no_partial_directory(
