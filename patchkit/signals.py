@@ -65,10 +65,18 @@ def swallowed():
 
 @contextmanager
 def held():
-    """Hold SIGINT, SIGTERM and SIGHUP for the block; they are acted on as it ends."""
+    """Hold SIGINT, SIGTERM and SIGHUP for the block; they are acted on as it ends.
+
+    The mask keeps them off this thread's system calls (no EINTR mid-write); it is this
+    thread's alone, and a signal sent to the process goes to a thread that does not
+    block it (fetch's range reads run in threads of their own), whose handler Python
+    then runs in the main thread, inside the block. So the handlers are deferred too
+    (:func:`deferred`): what another thread took is raised as the block ends.
+    """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
-        yield
+        with deferred():
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

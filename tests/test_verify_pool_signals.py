@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -94,5 +95,36 @@ def test_deferred_raises_a_signal_of_the_block_as_it_ends_and_leaves_ignored_one
         assert reached == ["the end of the block"]
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_held_holds_a_signal_another_thread_took_until_the_block_ends():
+    """The mask is the main thread's alone: a SIGTERM that another thread took (fetch's
+    range reads run in threads) ran its handler in the main thread inside the block, and
+    a staging directory lost its marker half way. held() defers the handlers too."""
+    before = {signum: signal.getsignal(signum) for signum in signals.HELD}
+    signals.install()
+    go, took = threading.Event(), threading.Event()
+
+    def other():  # started before the block: its mask is open, as a range read's is
+        go.wait()
+        signal.raise_signal(signal.SIGTERM)  # delivered to this thread
+        took.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    try:
+        reached = []
+        with pytest.raises(signals.Terminated, match="SIGTERM"):
+            with signals.held():
+                go.set()
+                took.wait()
+                worker.join()
+                reached.append("the end of the block")
+        assert reached == ["the end of the block"]
+    finally:
+        go.set()
+        worker.join()
         for signum, handler in before.items():
             signal.signal(signum, handler)
