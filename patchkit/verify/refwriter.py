@@ -26,6 +26,8 @@ class ReferenceWriter:
 
     def __init__(self, plans: dict, workdir: Path, say, seed: int):
         self.paths = references.reference_paths(plans, workdir)
+        # the models the reference engines read, as their jobs name them
+        self._readers = {str(path) for kinds in self.paths.values() for path in kinds.values()}
         self._say = say
         self._written: set[str] = set()
         self._error: BaseException | None = None
@@ -49,8 +51,7 @@ class ReferenceWriter:
         run stops as it would have before any engine started."""
         if self._error is not None:
             raise self._error
-        readers = {str(path) for kinds in self.paths.values() for path in kinds.values()}
-        return job.model not in readers or job.model in self._written
+        return job.model not in self._readers or job.model in self._written
 
     def close(self) -> None:
         """Stop the writing (a run that ends early) and wait until the thread has ended,

@@ -172,14 +172,19 @@ def stretch_excess(
     stretches ending by that position only. The stretches overlap by half, so a region
     astride two of them is most of a third. 0.0 without ``base``, when the two are not
     of one length (nothing to compare a stretch with), or with no stretch by ``upto``."""
+    found = stretch_excesses(distances, base)
+    return max((x for end, x in found if upto is None or end <= upto), default=0.0)
+
+
+def stretch_excesses(distances: list[float], base: list[float] | None) -> list[tuple[int, float]]:
+    """Each stretch's (end, median excess), for stretch_excess; [] without ``base`` or
+    when the two are not of one length."""
     if not base or len(base) != len(distances):
-        return 0.0
-    found = [
-        statistics.median(distances[lo:hi]) / max(statistics.median(base[lo:hi]), LEAST_NOISE)
+        return []
+    return [
+        (hi, statistics.median(distances[lo:hi]) / max(statistics.median(base[lo:hi]), LEAST_NOISE))
         for lo, hi in stretches(len(distances))
-        if upto is None or hi <= upto
     ]
-    return max(found, default=0.0)
 
 
 def stretches(length: int) -> list[tuple[int, int]]:
@@ -285,9 +290,9 @@ def excess(
     """The Excess of ``values`` against ``reference`` given this prompt's noise, and its
     stretches against ``base`` (vLLM's base error per token on this prompt), if given."""
     distances = [abs(x - y) for x, y in zip(values, reference, strict=False)]
-    same = len(values) == len(reference)
-    stretch = stretch_excess(distances, base) if same else 0.0
-    measured = stretch_excess(distances, base, STRETCH_MEASURED_TO) if same else 0.0
+    found = stretch_excesses(distances, base) if len(values) == len(reference) else []
+    stretch = max((x for _, x in found), default=0.0)
+    measured = max((x for end, x in found if end <= STRETCH_MEASURED_TO), default=0.0)
     worst = checks.diff(values, reference)[1]
     ranked = sorted(distances, reverse=True)
     next_worst = worst if len(ranked) < 2 or math.isinf(worst) else ranked[1]
