@@ -88,12 +88,15 @@ class Check:
         A build the container runtime failed to start a step of runs once more, said in a
         note: that failure is the runtime's, before any of patchkit's code ran. A second
         one is the build's result, so a runtime that always fails still fails the check.
+        The second build takes no layer from the first: a step the first one ran (apply,
+        before the runtime failed at a later step) would be cached and print nothing, and
+        the checks read what the steps print.
         """
         code, log = self.bud_once(name, tag, *args)
         failure = builder.runtime_failure(log) if code else ""
         if failure:
             self.report.note(f"{name}: the runtime failed to start a step ({failure}); again")
-            code, log = self.bud_once(name, tag, *args)
+            code, log = self.bud_once(name, tag, "--no-cache", *args)
         return code, log
 
     def bud_once(self, name: str, tag: str, *args: str) -> tuple[int, str]:

@@ -125,7 +125,7 @@ class RecordedBuilds:
     """A builder that answers each `bud` with the next recorded log and its exit status."""
 
     def __init__(self, *logs: tuple[int, str]) -> None:
-        self.logs, self.buds = list(logs), 0
+        self.logs, self.buds, self.args = list(logs), 0, []
 
     def forget_containers(self) -> None:
         pass
@@ -133,6 +133,7 @@ class RecordedBuilds:
     def bud(self, log: Path, *args: str) -> int:
         code, name = self.logs[self.buds]
         self.buds += 1
+        self.args.append(args)
         log.write_text((DATA / name).read_text())
         return code
 
@@ -157,6 +158,9 @@ def test_only_a_step_the_runtime_failed_to_start_is_built_again_and_only_once(
     assert log == (DATA / builds[runs - 1][1]).read_text()
     again = [line for line in capsys.readouterr().out.splitlines() if "again" in line]
     assert len(again) == runs - 1
+    # the second build runs every step again: CI's first attempt had run apply, failed at
+    # the step after it, and the second took apply from the cache, printing nothing
+    assert ["--no-cache" in args for args in check.buildah.args] == [False, True][:runs]
 
 
 @pytest.mark.parametrize("release", ["0.26.0", newest_tested()])
