@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -311,3 +314,90 @@ def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout, tmp_path):
     assert result.returncode == 143, result.stderr
     wait_for_exit(int(pidfile.read_text()))
     assert git_state(checkout) == before and not (checkout / ".patchkit").exists()
+
+
+MODEL_MANAGER = "vllm/lora/model_manager.py"
+
+
+def edited_after_apply(checkout: Path, state_version: str | None = None) -> str:
+    """apply on the fork, then a line added to a file a patch changed and a new file under
+    vllm/ (uncommitted); ``state_version`` stands for a state left by another tag's apply.
+    What apply --allow-dirty then refuses with, nothing changed."""
+    assert run_cli("apply", "--target", str(checkout)).exit_code == 0
+    if state_version:
+        state = checkout / ".patchkit" / "state.json"
+        state.write_text(
+            json.dumps({**json.loads(state.read_text()), "vllm_version": state_version})
+        )
+    with (checkout / MODEL_MANAGER).open("a") as handle:
+        handle.write("# a local note\n")
+    (checkout / "vllm" / "local_notes.py").write_text("# ours\n")
+    before = snapshot(checkout)
+    refused = run_cli("apply", "--target", str(checkout), "--allow-dirty")
+    assert refused.exit_code == 1 and snapshot(checkout) == before
+    [line] = refused.stderr.splitlines()
+    return line
+
+
+def test_the_forks_own_patch_commits_are_not_another_release(checkout: Path):
+    """git describe counts the commits since the tag: fork mode's four patch commits moved
+    0.26.0+1.g... to 0.26.0+5.g..., which an edited file's refusal read as another release
+    (its backup "may be another release's file") with `pip install vllm==0.26.0+5.g...`,
+    a version no index has. The release is the tag: the edit is an edit, with its ways out."""
+    said = edited_after_apply(checkout)
+    assert f"{MODEL_MANAGER} was edited after patchkit applied partial-moe-adapter" in said
+    assert "another release" not in said and "pip" not in said
+    assert "`patchkit revert --only partial-moe-adapter --force --target" in said
+
+
+def test_a_checkout_is_put_back_by_git_not_by_pip(checkout: Path):
+    """A state from another tag: the refusal names git's way back to the checkout's files,
+    not pip (nothing of a checkout is pip's to reinstall; in its environment `pip install
+    vllm==X` replaces an editable install). Run as printed, it keeps the changes in a
+    stash; with .patchkit/ deleted, as it says, status reads the patches from git and
+    revert takes them out."""
+    said = edited_after_apply(checkout, state_version="0.25.0")
+    assert "applied to vLLM 0.25.0 and this tree reports 0.26.0+5.g" in said
+    assert "pip" not in said
+    command = re.search(r"put vLLM's files back as the checkout's HEAD has them \(`([^`]*)`", said)
+    assert command, said
+    assert shlex.split(command[1]) == [
+        "git", "-C", str(checkout), "stash", "push", "--include-untracked", "--", "vllm"
+    ]  # fmt: skip
+    subprocess.run(shlex.split(command[1]), check=True, capture_output=True)
+    assert git(checkout, "status", "--porcelain") == ""
+    stashed = git(checkout, "stash", "show", "--include-untracked", "--name-only", "stash@{0}")
+    assert sorted(stashed.splitlines()) == ["vllm/local_notes.py", MODEL_MANAGER]
+    shutil.rmtree(checkout / ".patchkit")
+    status = json.loads(run_cli("status", "--target", str(checkout), "--json").stdout)
+    assert {p["state"] for p in status["patches"] if p["id"] != "nan-probe"} == {
+        "applied", "not-applicable"
+    }  # fmt: skip
+    assert run_cli("revert", "--target", str(checkout)).exit_code == 0
+    assert git(checkout, "diff", "HEAD~8", "HEAD") == ""  # the patches and their reverts
+
+
+def test_the_json_says_the_way_back_is_git(checkout: Path):
+    """--json consumers read the command and which tool it is, not the words."""
+    assert run_cli("apply", "--target", str(checkout)).exit_code == 0
+    state = checkout / ".patchkit" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "vllm_version": "0.25.0"}))
+    (checkout / MODEL_MANAGER).write_text((checkout / MODEL_MANAGER).read_text() + "# x\n")
+    refused = run_cli("revert", "--force", "--allow-dirty", "--target", str(checkout), "--json")
+    assert refused.exit_code == 1
+    error = json.loads(refused.stdout)["error"]
+    found = [e for e in walk(error) if "reinstall_by" in e]
+    assert found and {(e["reinstall_by"], e["reinstall_command"].split()[0]) for e in found} == {
+        ("git", "git")
+    }
+
+
+def walk(value):
+    """Every dict inside a JSON value, itself included."""
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item)

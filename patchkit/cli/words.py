@@ -71,6 +71,18 @@ def said(reason: Reason | None, nothing: str = NOTHING) -> str:
 words = registrar(WORDS)
 
 
+def reinstall(r: Reason) -> str:
+    """The way back to vLLM's own files a refusal names: "reinstall vLLM (`COMMAND`)", or
+    in a git checkout git's stash of the changes to them (patchkit.vllmtree.reinstall)."""
+    command = r["reinstall_command"]
+    if r.get("reinstall_by") == "git":
+        return (
+            f"put vLLM's files back as the checkout's HEAD has them (`{command}`; the changes "
+            "are kept in a stash)"
+        )
+    return f"reinstall vLLM (`{command}`)"
+
+
 def headline(reason: Reason) -> str:
     """What a conflict is, without the way out: the words revert's refusal of an edited
     file starts with."""
@@ -140,10 +152,7 @@ def _under_later(r: Reason, _: str) -> str:
 
 @words(Code.FOREIGN_BACKUP)
 def _foreign(r: Reason, _: str) -> str:
-    return (
-        f"{headline(r)}; reinstall vLLM (`{r['reinstall_command']}`), then `patchkit revert` "
-        "drops the old record"
-    )
+    return f"{headline(r)}; {reinstall(r)}, then `patchkit revert` drops the old record"
 
 
 @words(Code.UNKNOWN_PATCH_ON_TOP)
@@ -191,7 +200,7 @@ def _partly(r: Reason, _: str) -> str:
 def _differs(r: Reason, _: str) -> str:
     return (
         f"{r['path']} differs from the sha256 in vLLM {r['version']}'s RECORD (edited, or not "
-        f"the wheel's file); reinstall vLLM (`{r['reinstall_command']}`) to patch it"
+        f"the wheel's file); {reinstall(r)} to patch it"
     )
 
 
@@ -235,8 +244,8 @@ def _backup_not_here(r: Reason, _: str) -> str:
 def _other_version(r: Reason, _: str) -> str:
     return (
         f"the patch was applied to vLLM {r['applied_to']} and this tree reports "
-        f"{r['version']}, so its backup may be another release's file; reinstall vLLM "
-        f"(`{r['reinstall_command']}`) and delete .patchkit/"
+        f"{r['version']}, so its backup may be another release's file; "
+        f"{reinstall(r)} and delete .patchkit/"
     )
 
 
@@ -301,8 +310,8 @@ def _unknown_record(r: Reason, _: str) -> str:
     return (
         f"{r['state']} records patch {r['patch']!r}, which this patchkit does not know; its "
         f"files ({', '.join(r['paths'])}) still hold what it wrote and were left alone: "
-        "revert it with the patchkit that applied it, or reinstall vLLM "
-        f"(`{r['reinstall_command']}`) and delete {r['directory']}"
+        "revert it with the patchkit that applied it, or "
+        f"{reinstall(r)} and delete {r['directory']}"
     )
 
 
@@ -523,7 +532,7 @@ def _refused_force(r: Reason, nothing: str) -> str:
 def _refused_backup(r: Reason, nothing: str) -> str:
     return (
         f"{r['patch']}: the backup of {r['path']} is missing or damaged and reverse-applying "
-        f"the diff does not give the original back; reinstall vLLM (`{r['reinstall_command']}`); "
+        f"the diff does not give the original back; {reinstall(r)}; "
         f"{nothing}"
     )
 
@@ -626,8 +635,8 @@ def _restore_failed(r: Reason, _: str) -> str:
 @words(Code.INVALID_JOURNAL)
 def _invalid_journal(r: Reason, _: str) -> str:
     return (
-        f"{r['path']}: invalid journal ({r['why']}); it was not acted on. Reinstall vLLM "
-        f"(`{r['reinstall_command']}`), then delete {r['journal']}"
+        f"{r['path']}: invalid journal ({r['why']}); it was not acted on; "
+        f"{reinstall(r)}, then delete {r['journal']}"
     )
 
 
@@ -644,7 +653,7 @@ def _invalid_state(r: Reason, _: str) -> str:
 def _changed_since_interrupted(r: Reason, _: str) -> str:
     return (
         f"{r['path']}: changed after an interrupted patchkit run, so it cannot be rolled back "
-        f"safely; reinstall vLLM (`{r['reinstall_command']}`), then delete "
+        f"safely; {reinstall(r)}, then delete "
         f"{r['journal']}"
     )
 
@@ -712,7 +721,7 @@ def _nothing_left(r: Reason, _: str) -> str:
 def _refresh_backup(r: Reason, _: str) -> str:
     return (
         f"the backup of {r['path']} is missing or damaged; refresh needs it as the original "
-        f"(reinstall vLLM (`{r['reinstall_command']}`), apply, edit again)"
+        f"({reinstall(r)}, apply, edit again)"
     )
 
 

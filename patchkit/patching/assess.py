@@ -277,7 +277,7 @@ def _entry_conflict(
     if FOREIGN in by_kind:
         path, top = by_kind[FOREIGN]
         return Reason.of(Code.FOREIGN_BACKUP, path=path, top=top, version=tree.version,
-                         reinstall_command=tree.reinstall)  # fmt: skip
+                         **tree.reinstall_facts)  # fmt: skip
     unknown = [top for _, top in by_kind.values() if top not in files.order]
     if unknown:
         return Reason.of(Code.UNKNOWN_PATCH_ON_TOP, path=applied.files[0].path, top=unknown[0])
@@ -292,7 +292,7 @@ def _entry_conflict(
     ]
     recorded = files.state.vllm_version if files.state else None
     facts = {"path": path, "patch": patch.id, "top": top, "rest": rest, "version": tree.version}
-    if recorded not in (None, tree.version):
+    if not tree.same_release(recorded):
         return Reason.of(Code.OTHER_RELEASE_INSTALLED, recorded=recorded, **facts)
     return Reason.of(Code.PARTLY_REINSTALLED, **facts)
 
@@ -359,12 +359,12 @@ def force_refusal(files: TreeFiles, relpath: str) -> Reason | None:
     recorded = tree.record.get(relpath)
     if recorded is not None:
         return None if recorded == bottom else Reason.of(Code.BACKUP_NOT_THIS_RELEASE)
-    if state is not None and state.vllm_version not in (None, tree.version):
+    if state is not None and not tree.same_release(state.vllm_version):
         return Reason.of(
             Code.APPLIED_TO_OTHER_VERSION,
             applied_to=state.vllm_version,
             version=tree.version,
-            reinstall_command=tree.reinstall,
+            **tree.reinstall_facts,
         )
     return None
 
@@ -476,7 +476,7 @@ def _needed(
                     Code.DIFFERS_FROM_RECORD,
                     path=path,
                     version=tree.version,
-                    reinstall_command=tree.reinstall,
+                    **tree.reinstall_facts,
                 ),  # fmt: skip
                 variant=variant,
                 files=variant.paths,
@@ -643,7 +643,7 @@ def remedy(
     if result.state == CONFLICT:
         reinstall = tree.source == "metadata"  # its files can be the wheel's own again
         return Reason.of(Code.CONFLICT_STAYS, patch=fixed_by, version=tree.version,
-                         reinstall=reinstall, reinstall_command=tree.reinstall)  # fmt: skip
+                         reinstall=reinstall, **tree.reinstall_facts)  # fmt: skip
     return None
 
 

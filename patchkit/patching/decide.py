@@ -226,7 +226,7 @@ def _conflict_refusal(
         target=shlex.quote(str(tree.root)),
         fit=fit,
         reinstall=tree.source == "metadata",
-        reinstall_command=tree.reinstall,
+        **tree.reinstall_facts,
     )
 
 
@@ -466,7 +466,7 @@ def unknown_line(state: State, patch_id: str, tree: VllmTree) -> Reason:
         patch=patch_id,
         paths=[f.path for f in state.patches[patch_id].files],
         directory=str(state.directory),
-        reinstall_command=tree.reinstall,
+        **tree.reinstall_facts,
     )
 
 
@@ -552,7 +552,7 @@ def _restore(applied: PatchedFile, files: TreeFiles, assessment: Assessment) -> 
                 patch=patch_id,
                 path=applied.path,
                 version=files.state.vllm_version,
-                reinstall_command=files.tree.reinstall,
+                **files.tree.reinstall_facts,
             )
         )
     return FileChange(applied.path, current, rebuilt, (patch_id,))

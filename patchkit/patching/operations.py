@@ -127,7 +127,7 @@ def _locked(tree: VllmTree, catalogue: Catalogue, notes: list[Reason]):
     """
     with TreeLock(tree.fs) as lock, signals.held():
         try:
-            notes.extend(recover(tree.fs, catalogue.file_kinds, tree.reinstall))
+            notes.extend(recover(tree.fs, catalogue.file_kinds, tree.reinstall_facts))
             yield state_of(tree, catalogue)
         except BaseException:
             if notes:

@@ -119,7 +119,7 @@ def refresh(
             recovered += journal.recover_locked(root, catalogue.ids)
             if recovered:
                 raise Refused(Reason.of(Code.REFRESH_CATALOGUE_RECOVERED, recovered=recovered[0]))
-            recovered += recover(tree.fs, catalogue.file_kinds, tree.reinstall)
+            recovered += recover(tree.fs, catalogue.file_kinds, tree.reinstall_facts)
             state = load_state(tree.fs, catalogue.file_kinds)
             recorded = recorded_backups(state)  # _plan makes state the one to be written
         try:
@@ -218,9 +218,7 @@ def _originals(
         data = tree.fs.read(f"{STATE_DIR}/{entry.backup}", str(state.path))
         if data is None or sha256_bytes(data) != entry.pre_sha256:
             raise Refused(
-                Reason.of(
-                    Code.REFRESH_BACKUP_DAMAGED, path=entry.path, reinstall_command=tree.reinstall
-                )
+                Reason.of(Code.REFRESH_BACKUP_DAMAGED, path=entry.path, **tree.reinstall_facts)
             )
         found[entry.path] = data
     for relpath in add:

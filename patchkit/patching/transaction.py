@@ -361,9 +361,12 @@ class _JournalEntry:
     after: str | None
 
 
-def _read_journal(fs: Root, file_kinds, reinstall: str) -> tuple[str, list[_JournalEntry]]:
+def _read_journal(
+    fs: Root, file_kinds, reinstall: dict[str, str]
+) -> tuple[str, list[_JournalEntry]]:
     """The journal, validated like the state file and against the diffs of its patches;
-    refused naming ``reinstall`` (the tree's command) as the way on."""
+    refused naming ``reinstall`` (the tree's command, VllmTree.reinstall_facts) as the way
+    on."""
     path = fs.full(JOURNAL)
     try:
         data = load_json(fs, JOURNAL, "journal")
@@ -383,7 +386,7 @@ def _read_journal(fs: Root, file_kinds, reinstall: str) -> tuple[str, list[_Jour
                 path=str(path),
                 why=str(exc),
                 journal=str(path.parent),
-                reinstall_command=reinstall,
+                **reinstall,
             )
         ) from None
     return data["state_sha256"], entries
@@ -410,10 +413,10 @@ def _journal_entry(raw: object, origin: str, file_kinds) -> _JournalEntry:
     return _JournalEntry(path, raw["before"], raw["after"])
 
 
-def recover(fs: Root, file_kinds, reinstall: str) -> list[Reason]:
+def recover(fs: Root, file_kinds, reinstall: dict[str, str]) -> list[Reason]:
     """Finish or undo a run that died mid-write; returns what was done. A journal it may
     not act on is refused naming ``reinstall``, the tree's own reinstall command
-    (VllmTree.reinstall): the files are then vLLM's own again."""
+    (VllmTree.reinstall_facts): the files are then vLLM's own again."""
     if not interrupted(fs):
         if fs.lstat(TXN_DIR, "journal") is not None:  # died before its journal: untouched
             fs.remove_tree(TXN_DIR, "journal")
@@ -435,7 +438,7 @@ def recover(fs: Root, file_kinds, reinstall: str) -> list[Reason]:
                     Code.CHANGED_SINCE_INTERRUPTED,
                     path=str(fs.full(entry.path)),
                     journal=str(fs.full(TXN_DIR)),
-                    reinstall_command=reinstall,
+                    **reinstall,
                 )
             )
         if entry.before is None:

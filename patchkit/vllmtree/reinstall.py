@@ -75,6 +75,16 @@ def _recorded(record: dict) -> str | None:
     return url if isinstance(record.get("archive_info"), dict) else None
 
 
+def git_command(checkout: Path) -> str:
+    """For a vLLM git checkout (no dist-info: pip has nothing of it to reinstall, and
+    `pip install vllm==X` in its environment would replace an editable install with
+    PyPI's wheel): vLLM's files as the checkout's HEAD has them, every change to them,
+    tracked or not, kept in a stash rather than lost. Fork mode commits its patches, so
+    HEAD may hold them: the state then says what HEAD says."""
+    stash = ["stash", "push", "--include-untracked", "--", "vllm"]
+    return shlex.join(["git", "-C", str(checkout), *stash])
+
+
 def command(root: Path, requirement: str) -> str:
     """The pip command, with the tree's environment's Python where it has one."""
     python = environment_python(root)

@@ -26,6 +26,7 @@ from patchkit.vllmtree import reinstall
 from patchkit.vllmtree.record import RecordRow, RecordUnreadable, WheelRecord, read_rows
 
 VERSION_ENV = "PATCHKIT_VLLM_VERSION"
+_GIT_DISTANCE = re.compile(r"\+\d+\.g[0-9a-f]+$")  # what _git_version adds to a tag
 MAX_METADATA_BYTES = 64 << 20
 
 
@@ -60,8 +61,30 @@ class VllmTree:
     def reinstall(self) -> str:
         """The command that makes vLLM's files its own again, for a refusal to name; once
         per tree (it stats the environment's bin/, and a run names it in every conflict's
-        reason)."""
+        reason). In a git checkout, git's: its version is no release pip could install."""
+        if self.reinstall_by == "git":
+            return reinstall.git_command(self.root)
         return reinstall.command(self.root, self.requirement or f"vllm=={self.version}")
+
+    @property
+    def reinstall_by(self) -> str:
+        """``git`` for a checkout whose version git described (a tag v*), else ``pip``."""
+        return "git" if self.source == "git" else "pip"
+
+    @property
+    def reinstall_facts(self) -> dict[str, str]:
+        """The facts of a reason that names the way back to vLLM's own files."""
+        return {"reinstall_command": self.reinstall, "reinstall_by": self.reinstall_by}
+
+    def same_release(self, recorded: str | None) -> bool:
+        """Whether a state recorded on version ``recorded`` was made on this release. In a
+        git checkout the release is the tag: ``git describe`` adds the commits since it
+        (0.26.0+4.gabc1234), and fork mode's own patch commits move that count."""
+        if recorded is None or recorded == self.version:
+            return True
+        if self.source != "git":
+            return False
+        return _GIT_DISTANCE.sub("", recorded) == _GIT_DISTANCE.sub("", self.version)
 
     @property
     def parsed_version(self) -> Version | None:
