@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import git, release_tree, run_cli, run_subprocess, snapshot
+from patchkit.vllmtree.tree import locate
+from tests.conftest import git, release_tree, run_cli, run_subprocess, slim_tree, snapshot
 from tests.helpers import UTILS, one_line, wait_for_exit
 
 
@@ -319,10 +320,12 @@ def test_a_signal_during_git_commit_leaves_no_commit_behind(checkout, tmp_path):
 MODEL_MANAGER = "vllm/lora/model_manager.py"
 
 
-def edited_after_apply(checkout: Path, state_version: str | None = None) -> str:
+def edited_after_apply(
+    checkout: Path, state_version: str | None = None, allow_dirty: bool = True
+) -> str:
     """apply on the fork, then a line added to a file a patch changed and a new file under
     vllm/ (uncommitted); ``state_version`` stands for a state left by another tag's apply.
-    What apply --allow-dirty then refuses with, nothing changed."""
+    What apply (--allow-dirty on a fork) then refuses with, nothing changed."""
     assert run_cli("apply", "--target", str(checkout)).exit_code == 0
     if state_version:
         state = checkout / ".patchkit" / "state.json"
@@ -333,7 +336,8 @@ def edited_after_apply(checkout: Path, state_version: str | None = None) -> str:
         handle.write("# a local note\n")
     (checkout / "vllm" / "local_notes.py").write_text("# ours\n")
     before = snapshot(checkout)
-    refused = run_cli("apply", "--target", str(checkout), "--allow-dirty")
+    dirty = ["--allow-dirty"] if allow_dirty else []
+    refused = run_cli("apply", "--target", str(checkout), *dirty)
     assert refused.exit_code == 1 and snapshot(checkout) == before
     [line] = refused.stderr.splitlines()
     return line
@@ -401,3 +405,57 @@ def walk(value):
     elif isinstance(value, list):
         for item in value:
             yield from walk(item)
+
+
+def test_a_vllm_the_repository_does_not_track_is_no_checkout(tmp_path: Path):
+    """The real 0.26.0 tree, untracked, in a project repository tagged v0.26.0: the tag is
+    the project's, and HEAD has no vLLM to give back. `git stash push --include-untracked
+    -- vllm`, named there before, moved the whole package into a stash."""
+    project = tmp_path / "project"
+    project.mkdir()
+    git(project, "init", "-q", "-b", "main")
+    (project / "README").write_text("a project\n")
+    git(project, "add", "README")
+    git(project, "commit", "-qm", "project")
+    git(project, "tag", "v0.26.0")
+    vendored = slim_tree(project / "vendored")
+    for dist_info in vendored.glob("vllm-*.dist-info"):
+        shutil.rmtree(dist_info)
+    tree = locate(str(vendored))
+    assert (tree.source, tree.reinstall_by) == ("unknown", "pip")
+    assert not tree.reinstall.startswith("git")
+
+
+def test_a_checkout_named_another_version_is_still_put_back_by_git(checkout: Path):
+    """--vllm-version (or PATCHKIT_VLLM_VERSION) says which release the code is, not how
+    its files came: a checkout's are still git's to give back, not pip's."""
+    tree = locate(str(checkout), "0.26.0")
+    assert (tree.source, tree.reinstall_by) == ("override", "git")
+    assert shlex.split(tree.reinstall)[:3] == ["git", "-C", str(checkout)]
+
+
+def test_the_way_back_in_a_subdirectory_of_a_bigger_repository(tmp_path: Path):
+    """vLLM at `third_party/vllm src` of a repository whose path has a space, a '$', a
+    backquote and quotes, on a detached HEAD (no fork mode: the patches are plain edits).
+    The printed command, run by a shell, puts vllm/ back as HEAD has it, keeps every
+    change under it in the stash, and leaves the rest of the repository as it was."""
+    repo = tmp_path / "mono $ `x` 'q\""  # no $NAME: gitpython expands those in a path
+    tree = slim_tree(repo / "third_party" / "vllm src")
+    for dist_info in tree.glob("vllm-*.dist-info"):
+        shutil.rmtree(dist_info)
+    (repo / "other.txt").write_text("ours\n")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "vendor vLLM 0.26.0")
+    git(repo, "tag", "v0.26.0")
+    git(repo, "checkout", "-q", "--detach")
+    said = edited_after_apply(tree, state_version="0.25.0", allow_dirty=False)
+    (repo / "other.txt").write_text("work in progress\n")
+    command = re.search(r"HEAD has them \(`(.*)`; the changes are kept", said)
+    assert command, said
+    subprocess.run(["bash", "-c", command[1]], check=True, capture_output=True)
+    assert git(repo, "status", "--porcelain", "--untracked-files=no") == "M other.txt"
+    assert git(repo, "status", "--porcelain", "--", "third_party/vllm src/vllm") == ""
+    stashed = git(repo, "stash", "show", "--include-untracked", "--name-only", "stash@{0}")
+    assert f"third_party/vllm src/{MODEL_MANAGER}" in stashed.splitlines()
+    assert "third_party/vllm src/vllm/local_notes.py" in stashed.splitlines()

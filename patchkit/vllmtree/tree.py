@@ -53,6 +53,9 @@ class VllmTree:
     # relpath -> sha256 hex of the wheel's file; empty without a RECORD
     record: WheelRecord = field(default_factory=WheelRecord.empty)
     git_root: Path | None = None
+    # vllm/ is tracked by the commit checked out at git_root (a checkout: git, not pip,
+    # gives its files back; an --vllm-version override keeps it)
+    checkout: bool = False
     fs: Root | None = field(default=None, repr=False, compare=False)  # root, held open
     # what pip installs it from again (patchkit.vllmtree.reinstall); "" until detected
     requirement: str = ""
@@ -68,8 +71,11 @@ class VllmTree:
 
     @property
     def reinstall_by(self) -> str:
-        """``git`` for a checkout whose version git described (a tag v*), else ``pip``."""
-        return "git" if self.source == "git" else "pip"
+        """``git`` for a checkout (vllm/ tracked at HEAD, no dist-info), else ``pip``. Not
+        the version's source: an untracked vllm/ in a repository (a vendored copy) is not
+        HEAD's to give back, and `git stash push --include-untracked -- vllm` there took
+        the whole package away."""
+        return "git" if self.checkout else "pip"
 
     @property
     def reinstall_facts(self) -> dict[str, str]:
@@ -160,14 +166,14 @@ def _detect(root: Path, fs: Root) -> VllmTree:
         return VllmTree(root, version, "metadata", _read_record(fs, dist_info),
                         requirement=requirement)  # fmt: skip
     git_root = _git_root(root)
-    if git_root is not None:
+    checkout = git_root is not None and _tracks_vllm(git_root, root)
+    if checkout:
         described = _git_version(git_root)
         if described:
-            return VllmTree(root, described, "git", git_root=git_root)
+            return VllmTree(root, described, "git", git_root=git_root, checkout=True)
     from_file = _version_file(fs)
-    if from_file:
-        return VllmTree(root, from_file, "file", git_root=git_root)
-    return VllmTree(root, "unknown", "unknown", git_root=git_root)
+    version, source = (from_file, "file") if from_file else ("unknown", "unknown")
+    return VllmTree(root, version, source, git_root=git_root, checkout=checkout)
 
 
 def _dist_info(root: Path, fs: Root) -> str | None:
@@ -266,6 +272,20 @@ def _git_root(root: Path) -> Path | None:
         if (directory / ".git").exists():
             return directory
     return None
+
+
+def _tracks_vllm(git_root: Path, root: Path) -> bool:
+    """Whether the commit checked out at ``git_root`` holds ``root``'s vllm/__init__.py: the
+    repository's tags are then vLLM's. A vllm/ the repository does not track (a vendored
+    copy, an environment inside a project) takes no version from the project's tags."""
+    relpath = (root.relative_to(git_root) / "vllm" / "__init__.py").as_posix()
+    try:
+        import git  # gitpython, as _git_version
+
+        git.Repo(git_root).git.cat_file("-e", f"HEAD:{relpath}")
+    except Exception:  # not tracked, no commit yet, not a repository, git missing
+        return False
+    return True
 
 
 def _git_version(git_root: Path) -> str | None:
