@@ -46,6 +46,7 @@ class Code(str, Enum):
     # why --force may not restore an edited file
     BACKUP_NOT_THIS_RELEASE = "backup-not-this-release"
     APPLIED_TO_OTHER_VERSION = "applied-to-other-version"
+    BACKUP_NOT_THIS_COMMIT = "backup-not-this-commit"  # a checkout's HEAD changed the file
 
     # ----- warnings and notes of a run -----
     UNTESTED_RELEASE = "untested-release"

@@ -459,3 +459,25 @@ def test_the_way_back_in_a_subdirectory_of_a_bigger_repository(tmp_path: Path):
     stashed = git(repo, "stash", "show", "--include-untracked", "--name-only", "stash@{0}")
     assert f"third_party/vllm src/{MODEL_MANAGER}" in stashed.splitlines()
     assert "third_party/vllm src/vllm/local_notes.py" in stashed.splitlines()
+
+
+def test_revert_force_never_undoes_a_commit_since_the_apply(checkout: Path):
+    """Applied on the fork's branch, then back on main, where a commit (upstream's, a
+    colleague's) changed a patched file: the tag is the same, 0.26.0+1.g... became
+    0.26.0+2.g..., but the backup is another commit's file. `revert --force` wrote it over
+    the file and committed that as "Revert patchkit ...", undoing the commit's change; it
+    is refused, naming git's way back, and nothing changes."""
+    assert run_cli("apply", "--target", str(checkout)).exit_code == 0
+    git(checkout, "checkout", "-q", "main")
+    with (checkout / MODEL_MANAGER).open("a") as handle:
+        handle.write("# a fix after the tag\n")
+    git(checkout, "commit", "-qam", "upstream: a fix to the LoRA model manager")
+    status = run_cli("status", "--target", str(checkout))
+    assert "--force" not in status.stdout and "another commit's file" in status.stdout
+    before, head = snapshot(checkout), git(checkout, "rev-parse", "HEAD")
+    force = ["--only", "partial-moe-adapter", "--force", "--target", str(checkout)]
+    refused = run_cli("revert", *force)
+    assert refused.exit_code == 1, refused.output
+    assert snapshot(checkout) == before and git(checkout, "rev-parse", "HEAD") == head
+    assert f"a commit changed {MODEL_MANAGER} since the patch was applied" in refused.stderr
+    assert "stash push --include-untracked -- vllm" in refused.stderr

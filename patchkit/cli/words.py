@@ -240,6 +240,14 @@ def _backup_not_here(r: Reason, _: str) -> str:
     return "its backup is not this release's file"
 
 
+@words(Code.BACKUP_NOT_THIS_COMMIT)
+def _backup_not_this_commit(r: Reason, _: str) -> str:
+    return (
+        f"a commit changed {r['path']} since the patch was applied, so its backup is another "
+        f"commit's file; {reinstall(r)} and delete .patchkit/"
+    )
+
+
 @words(Code.APPLIED_TO_OTHER_VERSION)
 def _other_version(r: Reason, _: str) -> str:
     return (

@@ -352,10 +352,15 @@ def force_refusal(files: TreeFiles, relpath: str) -> Reason | None:
     the patch was applied to. It may go over the file only if that is the
     installed release: the RECORD lists the backup's hash for this path, or,
     without a RECORD entry, the tree still reports the version the state
-    recorded.
+    recorded. In a checkout the version is the tag, whatever the commits since
+    it, so HEAD's file must also be the backup's or what patchkit wrote (fork
+    mode commits it): a commit that changed the file since makes the backup
+    another commit's file, and restoring it undid that commit under a
+    "Revert patchkit" message.
     """
     tree, state = files.tree, files.state
-    bottom = files.chain(relpath)[0][1].pre_sha256
+    chain = files.chain(relpath)
+    bottom = chain[0][1].pre_sha256
     recorded = tree.record.get(relpath)
     if recorded is not None:
         return None if recorded == bottom else Reason.of(Code.BACKUP_NOT_THIS_RELEASE)
@@ -366,6 +371,8 @@ def force_refusal(files: TreeFiles, relpath: str) -> Reason | None:
             version=tree.version,
             **tree.reinstall_facts,
         )
+    if tree.checkout and tree.at_head(relpath) not in (bottom, chain[-1][1].post_sha256):
+        return Reason.of(Code.BACKUP_NOT_THIS_COMMIT, path=relpath, **tree.reinstall_facts)
     return None
 
 

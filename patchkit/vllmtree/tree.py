@@ -8,6 +8,7 @@ fail on a build machine), so everything here reads files only.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -91,6 +92,11 @@ class VllmTree:
         if self.source != "git":
             return False
         return _GIT_DISTANCE.sub("", recorded) == _GIT_DISTANCE.sub("", self.version)
+
+    def at_head(self, relpath: str) -> str | None:
+        """The sha256 of ``relpath`` as a checkout's HEAD has it, None where HEAD has no such
+        file: in a checkout the commit, not a RECORD, says what the release's file is."""
+        return _head_sha256(self.git_root, self.root, relpath) if self.checkout else None
 
     @property
     def parsed_version(self) -> Version | None:
@@ -286,6 +292,18 @@ def _tracks_vllm(git_root: Path, root: Path) -> bool:
     except Exception:  # not tracked, no commit yet, not a repository, git missing
         return False
     return True
+
+
+def _head_sha256(git_root: Path, root: Path, relpath: str) -> str | None:
+    """sha256 of the blob HEAD holds at ``root``/``relpath``; None where it holds none."""
+    import git  # gitpython, as _git_version
+
+    path = (root.relative_to(git_root) / relpath).as_posix()
+    try:
+        blob = git.Repo(git_root).head.commit.tree / path
+    except KeyError:
+        return None
+    return hashlib.sha256(blob.data_stream.read()).hexdigest()
 
 
 def _git_version(git_root: Path) -> str | None:
