@@ -9,6 +9,7 @@ checkout is exactly as before: same HEAD, branch, index and files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -481,3 +482,23 @@ def test_revert_force_never_undoes_a_commit_since_the_apply(checkout: Path):
     assert snapshot(checkout) == before and git(checkout, "rev-parse", "HEAD") == head
     assert f"a commit changed {MODEL_MANAGER} since the patch was applied" in refused.stderr
     assert "stash push --include-untracked -- vllm" in refused.stderr
+
+
+def test_a_damaged_journal_copy_in_a_checkout_names_git(checkout: Path):
+    """An interrupted run whose copy of the file it was writing is gone: the refusal said
+    "reinstall vLLM" with no command, in a checkout where pip has nothing to reinstall;
+    it names git's way back, in the words and in --json."""
+    after = hashlib.sha256((checkout / MODEL_MANAGER).read_bytes()).hexdigest()
+    entry = {"path": MODEL_MANAGER, "before": "1" * 64, "after": after,
+             "patches": ["partial-moe-adapter"]}  # fmt: skip
+    txn = checkout / ".patchkit" / "txn"
+    txn.mkdir(parents=True)
+    (txn / "journal.json").write_text(json.dumps({"state_sha256": "0" * 64, "files": [entry]}))
+    before = snapshot(checkout)
+    refused = run_cli("apply", "--target", str(checkout))
+    assert refused.exit_code == 1 and snapshot(checkout) == before
+    assert "the journal's copy of vllm/lora/model_manager.py is missing" in refused.stderr
+    wanted = f"`git -C {shlex.quote(str(checkout))} stash push --include-untracked -- vllm`"
+    assert wanted in refused.stderr
+    error = json.loads(run_cli("apply", "--json", "--target", str(checkout)).stdout)["error"]
+    assert error["reinstall_by"] == "git"

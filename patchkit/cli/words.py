@@ -669,8 +669,8 @@ def _changed_since_interrupted(r: Reason, _: str) -> str:
 @words(Code.JOURNAL_COPY_DAMAGED)
 def _journal_copy(r: Reason, _: str) -> str:
     return (
-        f"{r['journal']}: the journal's copy of {r['path']} is missing or damaged; reinstall "
-        f"vLLM, then delete {r['journal']}"
+        f"{r['journal']}: the journal's copy of {r['path']} is missing or damaged; "
+        f"{reinstall(r)}, then delete {r['journal']}"
     )
 
 

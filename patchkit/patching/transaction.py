@@ -448,7 +448,10 @@ def recover(fs: Root, file_kinds, reinstall: dict[str, str]) -> list[Reason]:
             if original is None or sha256_bytes(original) != entry.before:
                 raise Refused(
                     Reason.of(
-                        Code.JOURNAL_COPY_DAMAGED, path=entry.path, journal=str(fs.full(TXN_DIR))
+                        Code.JOURNAL_COPY_DAMAGED,
+                        path=entry.path,
+                        journal=str(fs.full(TXN_DIR)),
+                        **reinstall,
                     )
                 )
             fs.write(entry.path, original, "rollback")
