@@ -484,6 +484,22 @@ def test_revert_force_never_undoes_a_commit_since_the_apply(checkout: Path):
     assert "stash push --include-untracked -- vllm" in refused.stderr
 
 
+def test_a_head_git_cannot_read_refuses_force_in_one_line(checkout: Path):
+    """HEAD's blob of the edited file is gone from the object store (a damaged clone):
+    nothing vouches for the backup, so --force is refused in one line, not a traceback."""
+    assert run_cli("apply", "--target", str(checkout)).exit_code == 0
+    blob = git(checkout, "rev-parse", f"HEAD:{MODEL_MANAGER}")
+    (checkout / ".git" / "objects" / blob[:2] / blob[2:]).unlink()  # loose: a fresh repo
+    with (checkout / MODEL_MANAGER).open("a") as handle:
+        handle.write("# a local note\n")
+    before = snapshot(checkout)
+    force = ["--only", "partial-moe-adapter", "--force", "--allow-dirty"]
+    refused = run_cli("revert", *force, "--target", str(checkout))
+    assert refused.exit_code == 1 and snapshot(checkout) == before
+    [line] = refused.stderr.splitlines()
+    assert f"a commit changed {MODEL_MANAGER} since the patch was applied" in line
+
+
 def test_a_damaged_journal_copy_in_a_checkout_names_git(checkout: Path):
     """An interrupted run whose copy of the file it was writing is gone: the refusal said
     "reinstall vLLM" with no command, in a checkout where pip has nothing to reinstall;

@@ -295,15 +295,17 @@ def _tracks_vllm(git_root: Path, root: Path) -> bool:
 
 
 def _head_sha256(git_root: Path, root: Path, relpath: str) -> str | None:
-    """sha256 of the blob HEAD holds at ``root``/``relpath``; None where it holds none."""
+    """sha256 of the blob HEAD holds at ``root``/``relpath``; None where it holds none or
+    git cannot read it (a damaged object store): no file of HEAD's to vouch for a backup,
+    so --force is refused, never a traceback."""
     import git  # gitpython, as _git_version
 
     path = (root.relative_to(git_root) / relpath).as_posix()
     try:
         blob = git.Repo(git_root).head.commit.tree / path
-    except KeyError:
+        return hashlib.sha256(blob.data_stream.read()).hexdigest()
+    except Exception:  # KeyError: no such path; ValueError, GitError, OSError: unreadable
         return None
-    return hashlib.sha256(blob.data_stream.read()).hexdigest()
 
 
 def _git_version(git_root: Path) -> str | None:
