@@ -172,7 +172,12 @@ def stretch_excess(
     stretches ending by that position only. The stretches overlap by half, so a region
     astride two of them is most of a third. 0.0 without ``base``, when the two are not
     of one length (nothing to compare a stretch with), or with no stretch by ``upto``."""
-    found = stretch_excesses(distances, base)
+    return largest(stretch_excesses(distances, base), upto)
+
+
+def largest(found: list[tuple[int, float]], upto: int | None = None) -> float:
+    """The largest of stretch_excesses' excesses; with ``upto``, of the stretches ending
+    by that position only; 0.0 with none."""
     return max((x for end, x in found if upto is None or end <= upto), default=0.0)
 
 
@@ -291,8 +296,7 @@ def excess(
     stretches against ``base`` (vLLM's base error per token on this prompt), if given."""
     distances = [abs(x - y) for x, y in zip(values, reference, strict=False)]
     found = stretch_excesses(distances, base) if len(values) == len(reference) else []
-    stretch = max((x for _, x in found), default=0.0)
-    measured = max((x for end, x in found if end <= STRETCH_MEASURED_TO), default=0.0)
+    stretch, measured = largest(found), largest(found, STRETCH_MEASURED_TO)
     worst = checks.diff(values, reference)[1]
     ranked = sorted(distances, reverse=True)
     next_worst = worst if len(ranked) < 2 or math.isinf(worst) else ranked[1]
